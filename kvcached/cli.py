@@ -1,0 +1,237 @@
+"""``kvcached``: start, inspect and stop the per-host KV-cache daemon.
+
+A thin CLI: commands build a ``DaemonConfig`` and call into the daemon; user errors are
+``click.ClickException`` with the daemon's exit statuses (see ``kvcached.daemon.errors``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvcached.daemon.errors import EXIT_CONFIG, Fatal
+from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance, lock_path
+from kvcached.protocol.proc import is_alive, start_time
+from kvcached.protocol.spec import DTYPE_SIZES, ROLES, SCALE_DTYPES, STORAGE_BACKENDS
+
+#: CacheSpec / config field -> the flag that sets it, for error messages.
+FLAGS = {
+    "num_layers": "--num-layers",
+    "kv_heads": "--kv-heads",
+    "head_dim": "--head-dim",
+    "block_size": "--block-size",
+    "dtype": "--dtype",
+    "num_blocks": "--num-blocks",
+    "num_cpu_blocks": "--num-cpu-blocks",
+    "storage_backend": "--storage-backend",
+    "splitwise_role": "--role",
+    "block_wise_fp8": "--block-wise-fp8",
+    "mla": "--mla",
+    "scale_dtype": "--scale-dtype",
+    "ranks": "--ranks",
+    "instance": "--instance",
+    "memory": "--memory",
+}
+
+
+class ConfigError(click.ClickException):
+    """A configuration error: printed as ``Error: ...``, exit status 4 (systemd does not restart)."""
+
+    exit_code = EXIT_CONFIG
+
+
+def _instance_option(fn: Any) -> Any:
+    return click.option(
+        "--instance",
+        envvar="KVCACHED_INSTANCE",
+        default=None,
+        metavar="NAME",
+        help=f"Instance name: several daemons per host run under different names. [default: {DEFAULT_INSTANCE}]",
+    )(fn)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="kvcached-xpu")
+def main() -> None:
+    """kvcached owns the KV cache of every inference rank on this host.
+
+    One daemon per instance allocates each rank's device cache (and CPU swap pool) in shared memory,
+    publishes a per-rank ready flag, and runners attach with `runner_client.initialize_kv_cache`.
+    Who allocates follows one fixed condition: the runner creates its own cache iff
+    `profile or not (num_cpu_blocks > 0 or storage_backend or role != "mixed")`; otherwise the daemon does.
+
+    \b
+    Exit statuses of `start`: 0 stopped cleanly, 1 a rank failed, 2 usage error,
+    3 instance already running, 4 configuration error, 5 not enough /dev/shm or names taken.
+    """
+
+
+@main.command()
+@click.option("--ranks", type=int, envvar="KVCACHED_RANKS", help="Ranks (one worker each). [default: 8]")
+@_instance_option
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="KVCACHED_CONFIG",
+    help="TOML file with any of these options (flag names, underscores).",
+)
+@click.option(
+    "--memory",
+    type=click.Choice(["host"]),
+    envvar="KVCACHED_MEMORY",
+    help="Device-tier backend: host = POSIX shared memory. [default: host]",
+)
+@click.option("--num-layers", type=int, envvar="KVCACHED_NUM_LAYERS", help="Layers. [default: 4]")
+@click.option(
+    "--kv-heads",
+    type=int,
+    envvar="KVCACHED_KV_HEADS",
+    help="KV heads per rank (heads // tensor parallel size). [default: 2]",
+)
+@click.option("--head-dim", type=int, envvar="KVCACHED_HEAD_DIM", help="Head dimension. [default: 128]")
+@click.option("--block-size", type=int, envvar="KVCACHED_BLOCK_SIZE", help="Tokens per block. [default: 64]")
+@click.option(
+    "--dtype", type=click.Choice(list(DTYPE_SIZES)), envvar="KVCACHED_DTYPE", help="Cache dtype. [default: bfloat16]"
+)
+@click.option("--num-blocks", type=int, envvar="KVCACHED_NUM_BLOCKS", help="Device blocks per rank. [default: 128]")
+@click.option(
+    "--num-cpu-blocks",
+    type=int,
+    envvar="KVCACHED_NUM_CPU_BLOCKS",
+    help="CPU swap pool blocks per rank; > 0 makes the daemon the owner. [default: 64]",
+)
+@click.option(
+    "--storage-backend",
+    type=click.Choice([*STORAGE_BACKENDS, "none"]),
+    envvar="KVCACHED_STORAGE_BACKEND",
+    help="Attention store backend; any makes the daemon the owner. [default: none]",
+)
+@click.option(
+    "--role",
+    type=click.Choice(list(ROLES)),
+    envvar="KVCACHED_ROLE",
+    help="splitwise_role; prefill/decode make the daemon the owner. [default: mixed]",
+)
+@click.option(
+    "--block-wise-fp8/--no-block-wise-fp8",
+    default=None,
+    envvar="KVCACHED_BLOCK_WISE_FP8",
+    help="Add per-block scale tensors. [default: off]",
+)
+@click.option("--mla/--no-mla", default=None, envvar="KVCACHED_MLA", help="MLA: key cache only. [default: off]")
+@click.option(
+    "--scale-dtype",
+    type=click.Choice(list(SCALE_DTYPES)),
+    envvar="KVCACHED_SCALE_DTYPE",
+    help="dtype of the scale tensors. [default: float32]",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    envvar="KVCACHED_LOG_LEVEL",
+    show_default=True,
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "json", "console"]),
+    default="auto",
+    envvar="KVCACHED_LOG_FORMAT",
+    show_default=True,
+    help="auto: console on a TTY, else JSON.",
+)
+def start(config_file: Path | None, log_level: str, log_format: str, **values: Any) -> None:
+    """Run the daemon in the foreground until SIGTERM / SIGINT (or `kvcached stop`).
+
+    Precedence: flags > KVCACHED_* environment > --config file > defaults. The defaults make the
+    daemon the owner (a modest CPU swap pool) and reserve 48 MiB of /dev/shm per rank.
+    """
+    from kvcached import logs
+    from kvcached.daemon.supervisor import Supervisor
+
+    config = _build_config(values, config_file)
+    logs.configure(log_level, json=None if log_format == "auto" else log_format == "json")
+    try:
+        status = Supervisor(config).run()
+    except Fatal as fatal:
+        click.echo(f"Error: {fatal.reason}", err=True)
+        sys.exit(fatal.exit_status)
+    sys.exit(status)
+
+
+def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
+    from kvcached.config import DaemonConfig
+
+    try:
+        return DaemonConfig.build(values, config_file)
+    except InvalidSpec as exc:
+        flag = FLAGS.get(exc.field)
+        raise ConfigError(f"{flag} ({exc})" if flag else str(exc)) from None
+
+
+@main.command()
+@_instance_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (see kvcached.status) instead of a table.")
+def status(instance: str | None, as_json: bool) -> None:
+    """Show each rank's state, generation, pid, heartbeat age and bytes.
+
+    Exit status 0 when the daemon is alive and every rank is READY, 1 otherwise.
+    """
+    from kvcached.status import is_ready, read_status, render
+
+    snapshot = read_status(_instance(instance))
+    click.echo(json.dumps(snapshot) if as_json else render(snapshot))
+    sys.exit(0 if is_ready(snapshot) else 1)
+
+
+@main.command()
+@_instance_option
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
+def stop(instance: str | None, timeout: float) -> None:
+    """Stop a running daemon (SIGTERM) and wait until it has cleaned up. Not running: exit 0."""
+    name = _instance(instance)
+    target = _daemon_identity(name)
+    if target is None:
+        click.echo(f"instance {name}: not running")
+        return
+    pid, started = target
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while is_alive(pid, started):
+        if time.monotonic() >= deadline:
+            raise click.ClickException(
+                f"instance {name}: daemon pid {pid} still running after {timeout:.0f}s; try again or kill -9 it "
+                "(the next start reclaims what it leaves)"
+            )
+        time.sleep(0.05)
+    click.echo(f"instance {name}: stopped (pid {pid})")
+
+
+def _instance(instance: str | None) -> str:
+    try:
+        return check_instance(instance or DEFAULT_INSTANCE)
+    except InvalidSpec as exc:
+        raise click.BadParameter(str(exc), param_hint="--instance") from None
+
+
+def _daemon_identity(instance: str) -> tuple[int, int] | None:
+    """(pid, start time) of the live daemon of ``instance``, from its lock file; None if none runs."""
+    try:
+        fields = lock_path(instance).read_text().split()
+        pid, started = int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (pid, started) if start_time(pid) == started else None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

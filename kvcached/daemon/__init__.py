@@ -1,0 +1,1 @@
+"""The daemon: a supervisor process and one worker process per rank."""

@@ -1,0 +1,32 @@
+"""Fatal errors of the daemon and the exit status each one carries.
+
+The exit statuses are a public interface: the systemd unit lists the configuration ones in
+``RestartPreventExitStatus=`` so that a bad config is not restarted in a loop.
+
+=====  ============================================================================
+ 0     stopped cleanly (SIGTERM / SIGINT / ``kvcached stop``)
+ 1     a rank failed while running (worker died or hung): restarting may help
+ 2     command-line usage error (click)
+ 3     another daemon already runs this instance
+ 4     configuration error, including a spec for which the runner owns the cache
+ 5     host resources: not enough /dev/shm, or our object names taken by someone else
+=====  ============================================================================
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_ALREADY_RUNNING = 3
+EXIT_CONFIG = 4
+EXIT_RESOURCES = 5
+
+
+class Fatal(Exception):
+    """Stop the daemon with ``exit_status`` after cleaning up; ``reason`` is logged and printed."""
+
+    def __init__(self, reason: str, exit_status: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.exit_status = exit_status

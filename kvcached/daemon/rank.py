@@ -1,0 +1,142 @@
+"""A rank worker: a child of the supervisor that allocates and holds one rank's arenas.
+
+The worker talks to the supervisor over a SOCK_SEQPACKET socket pair, one JSON object per packet:
+
+    worker -> supervisor   {"t": "allocating", "total": N}    before reserving
+                           {"t": "progress", "done": n}       while reserving (at most every 100 ms)
+                           {"t": "ready", "dev_name": ..., "dev_bytes": ..., "cpu_name": ..., ...}
+                           {"t": "failed", "error": "...", "exit": status}
+                           {"t": "hb"}                         every HEARTBEAT_S while serving
+    supervisor -> worker   {"t": "stop"}                       (EOF means the same)
+
+The worker never writes the control block (the supervisor is its only writer) and never unlinks: the
+supervisor knows every name and removes them all, also after a worker was killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import time
+from typing import Any, NoReturn
+
+import posix_ipc
+import structlog
+
+from kvcached import logs
+from kvcached.daemon.errors import EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
+from kvcached.daemon.faults import fault
+from kvcached.memory.host import ShmFull, create_arena
+from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes, device_arena_bytes
+from kvcached.protocol.names import arena_name
+from kvcached.protocol.spec import CacheSpec
+
+HEARTBEAT_S = 1.0
+_PR_SET_PDEATHSIG = 1
+MAX_PACKET = 1 << 16
+
+
+def send_msg(sock: socket.socket, **msg: Any) -> None:
+    """Send one message (a JSON object) as one packet."""
+    sock.send(json.dumps(msg, separators=(",", ":")).encode())
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any] | None:
+    """Receive one message; None on EOF (the peer is gone)."""
+    try:
+        data = sock.recv(MAX_PACKET)
+    except ConnectionResetError:
+        return None
+    if not data:
+        return None
+    msg = json.loads(data)
+    assert isinstance(msg, dict)
+    return msg
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL us when the supervisor dies, then close the race with its death."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(EXIT_FAILURE)
+
+
+def worker_main(
+    sock: socket.socket, *, parent: int, instance: str, generation: int, rank: int, spec: CacheSpec
+) -> NoReturn:
+    """Entry point in the forked child. Never returns: exits with a status for the supervisor's log."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the supervisor's to handle
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    structlog.contextvars.bind_contextvars(rank=rank)
+    log = logs.get("kvcached.rank")
+    status = EXIT_FAILURE
+    try:
+        status = _serve(sock, instance, generation, rank, spec=spec, log=log)
+    except BaseException as exc:  # the process ends here either way; say why first
+        log.exception("rank worker crashed")
+        with contextlib.suppress(OSError):
+            send_msg(sock, t="failed", error=f"worker crashed: {exc!r}", exit=EXIT_FAILURE)
+    finally:
+        os._exit(status)
+
+
+def _serve(sock: socket.socket, instance: str, generation: int, rank: int, *, spec: CacheSpec, log: Any) -> int:
+    dev_name = arena_name(instance, generation, rank, "dev")
+    cpu_name = arena_name(instance, generation, rank, "cpu")
+    dev_bytes, cpu_bytes = device_arena_bytes(spec), cpu_pool_bytes(spec)
+    total = dev_bytes + cpu_bytes
+    send_msg(sock, t="allocating", total=total)
+    fault("worker-allocating")
+
+    last_sent = 0.0
+
+    def progress(base: int) -> Any:
+        def report(done: int) -> None:
+            nonlocal last_sent
+            now = time.monotonic()
+            if now - last_sent >= 0.1 or base + done == total:
+                last_sent = now
+                send_msg(sock, t="progress", done=base + done)
+
+        return report
+
+    arenas = []
+    try:
+        arenas.append(create_arena(dev_name, dev_bytes, progress(0)))
+        if cpu_bytes:
+            arenas.append(create_arena(cpu_name, cpu_bytes, progress(dev_bytes)))
+    except ShmFull as exc:
+        send_msg(sock, t="failed", error=str(exc.strerror), exit=EXIT_RESOURCES)
+        return EXIT_RESOURCES
+    except posix_ipc.ExistentialError:
+        send_msg(sock, t="failed", error=f"arena name taken by another process: {dev_name}", exit=EXIT_RESOURCES)
+        return EXIT_RESOURCES
+    log.info("arenas reserved", device_bytes=dev_bytes, cpu_bytes=cpu_bytes)
+    fault("worker-before-ready")
+    send_msg(
+        sock,
+        t="ready",
+        dev_name=dev_name,
+        dev_bytes=dev_bytes,
+        cpu_name=cpu_name if cpu_bytes else "",
+        cpu_bytes=cpu_bytes,
+        layout_version=LAYOUT_VERSION,
+    )
+    while True:
+        readable, _, _ = select.select([sock], [], [], HEARTBEAT_S)
+        if readable:
+            msg = recv_msg(sock)
+            if msg is None or msg.get("t") == "stop":
+                break
+        send_msg(sock, t="hb")
+    for arena in arenas:
+        arena.close()
+    return EXIT_OK

@@ -1,0 +1,63 @@
+"""The ``host`` memory backend: arenas are POSIX shm objects, reserved up front.
+
+Every arena is created exclusively (O_EXCL) with mode 0600 and reserved with ``posix_fallocate`` before
+it is mapped, so a /dev/shm that is too small is an error here, at start-up, and never a SIGBUS when a
+page is first touched later. The file descriptor is closed as soon as the mapping exists.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Callable
+
+import posix_ipc
+
+#: Reserve in chunks of this size so progress can be reported while a large arena is reserved.
+CHUNK = 256 << 20
+
+
+class ShmFull(OSError):
+    """/dev/shm has no room for the arena (ENOSPC while reserving)."""
+
+
+def create_arena(name: str, size: int, progress: Callable[[int], None] | None = None) -> mmap.mmap:
+    """Create, reserve and map shm object ``name`` of ``size`` bytes. On any error nothing is left.
+
+    Raises ``posix_ipc.ExistentialError`` if the name exists, ``ShmFull`` if /dev/shm is too small.
+    ``progress(done)`` is called after each reserved chunk.
+    """
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+    try:
+        os.fchmod(shm.fd, 0o600)
+        done = 0
+        while done < size:
+            step = min(CHUNK, size - done)
+            os.posix_fallocate(shm.fd, done, step)
+            done += step
+            if progress is not None:
+                progress(done)
+        return mmap.mmap(shm.fd, size)
+    except BaseException as exc:
+        shm.unlink()
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise ShmFull(errno.ENOSPC, f"/dev/shm is full: cannot reserve {size} bytes for {name}") from None
+        raise
+    finally:
+        shm.close_fd()
+
+
+def unlink(name: str) -> bool:
+    """Remove shm object ``name``; False if it did not exist."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process may still allocate in /dev/shm."""
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,355 @@
+"""The control block: one POSIX shm object per instance, written by the supervisor alone, read by all.
+
+::
+
+    /kvcached.<instance>                         (mode 0600, created O_EXCL, size rounded to a page)
+    +--------------------------------------------------------------------------------------+
+    | header, 4096 bytes, written once before ``magic`` (publish last)                     |
+    |   0 magic "KVCACHED" | 8 version u32 | 12 header size u32 | 16 record size u32        |
+    |  20 ranks u32 | 24 generation u64 | 32 daemon pid i64 | 40 daemon start time u64       |
+    |  48 created (wall ns) u64 | 56 spec digest 16B | 72 spec JSON length u32 | 76 spec JSON  |
+    +--------------------------------------------------------------------------------------+
+    | record of rank 0, 512 bytes, under a seqlock                                         |
+    |   0 seq u64 | 8 state u32 | 12 rank u32 | 16 generation u64 | 24 heartbeat (mono ns)  |
+    |  32 state since (mono ns) | 40 state since (wall ns) | 48 worker pid i64               |
+    |  56 layout version u32 | 60 spare u32 | 64 device arena bytes | 72 cpu pool bytes       |
+    |  80 bytes reserved so far | 88 bytes to reserve | 96 device arena name 64B             |
+    | 160 cpu pool name 64B | 224 last error 256B (utf-8)                                   |
+    +--------------------------------------------------------------------------------------+
+    | record of rank 1 ...                                                                 |
+
+The seqlock: the writer makes ``seq`` odd, writes the body, makes ``seq`` even; a reader reads ``seq``,
+copies the body, reads ``seq`` again and retries while it was odd or changed. This relies on x86-64's
+ordering (stores become visible in program order, loads are not reordered with older loads); CPython
+performs each access as an opaque call, so the C compiler cannot reorder them either. A port to a weaker
+architecture (aarch64) needs a release fence before each ``seq`` store and an acquire fence after each
+``seq`` load, i.e. these accesses would move into a small C helper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import mmap
+import os
+import struct
+import time
+from typing import Any
+
+import posix_ipc
+
+from kvcached.protocol.errors import ProtocolError
+from kvcached.protocol.layout import round_up
+from kvcached.protocol.names import control_name
+from kvcached.protocol.spec import CacheSpec
+
+MAGIC = b"KVCACHED"
+VERSION = 1
+HEADER_SIZE = 4096
+RECORD_SIZE = 512
+MAX_RANKS = 256
+
+_HEADER = struct.Struct("<8sIIIIQqQQ16sI")
+_SPEC_OFFSET = _HEADER.size
+_SEQ = struct.Struct("<Q")
+_BODY = struct.Struct("<IIQQQQqIIQQQQ64s64s256s")
+assert _SEQ.size + _BODY.size <= RECORD_SIZE
+
+
+class State(enum.IntEnum):
+    """State of a rank. Zeroed memory reads as EMPTY."""
+
+    EMPTY = 0
+    ALLOCATING = 1
+    READY = 2
+    STOPPING = 3
+    FAILED = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Header:
+    """The control block header; immutable once ``magic`` is visible."""
+
+    version: int
+    num_ranks: int
+    generation: int
+    daemon_pid: int
+    daemon_start: int
+    created_wall_ns: int
+    spec_digest: bytes
+    spec: dict[str, Any]
+
+
+@dataclasses.dataclass(slots=True)
+class Record:
+    """One rank's record. Plain (not frozen): the supervisor updates it in place and writes it back."""
+
+    state: State = State.EMPTY
+    rank: int = 0
+    generation: int = 0
+    heartbeat_ns: int = 0
+    since_ns: int = 0
+    since_wall_ns: int = 0
+    worker_pid: int = 0
+    layout_version: int = 0
+    dev_bytes: int = 0
+    cpu_bytes: int = 0
+    reserved_bytes: int = 0
+    total_bytes: int = 0
+    dev_name: str = ""
+    cpu_name: str = ""
+    error: str = ""
+
+    def pack(self) -> bytes:
+        """The body bytes (everything after ``seq``)."""
+        return _BODY.pack(
+            int(self.state),
+            self.rank,
+            self.generation,
+            self.heartbeat_ns,
+            self.since_ns,
+            self.since_wall_ns,
+            self.worker_pid,
+            self.layout_version,
+            0,
+            self.dev_bytes,
+            self.cpu_bytes,
+            self.reserved_bytes,
+            self.total_bytes,
+            _fit(self.dev_name, 64),
+            _fit(self.cpu_name, 64),
+            _fit(self.error, 256),
+        )
+
+    @classmethod
+    def unpack(cls, body: bytes) -> Record:
+        """Parse body bytes; an unknown state number raises ``ProtocolError``."""
+        (
+            state,
+            rank,
+            generation,
+            heartbeat,
+            since,
+            since_wall,
+            wpid,
+            lver,
+            _spare,
+            dev_bytes,
+            cpu_bytes,
+            reserved,
+            total,
+            dev_name,
+            cpu_name,
+            error,
+        ) = _BODY.unpack(body)
+        try:
+            parsed_state = State(state)
+        except ValueError:
+            raise ProtocolError(f"record of rank {rank} has unknown state number {state}") from None
+        return cls(
+            parsed_state,
+            rank,
+            generation,
+            heartbeat,
+            since,
+            since_wall,
+            wpid,
+            lver,
+            dev_bytes,
+            cpu_bytes,
+            reserved,
+            total,
+            _unfit(dev_name),
+            _unfit(cpu_name),
+            _unfit(error),
+        )
+
+
+class TornRead(Exception):
+    """No consistent copy of a record within the retry budget (a writer mid-write, or one that died)."""
+
+
+def _fit(text: str, size: int) -> bytes:
+    data = text.encode("utf-8", "replace")[:size]
+    # Never leave a split multi-byte character at the cut.
+    return data.decode("utf-8", "ignore").encode()
+
+
+def _unfit(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def block_size_for(num_ranks: int) -> int:
+    """Bytes of a control block with ``num_ranks`` records."""
+    return round_up(HEADER_SIZE + RECORD_SIZE * num_ranks)
+
+
+class ControlBlock:
+    """A mapped control block. ``create`` makes the writer (supervisor); ``open`` makes a reader."""
+
+    def __init__(self, name: str, mm: mmap.mmap, writable: bool, inode: int) -> None:
+        self.name = name
+        self._mm = mm
+        self._buf = memoryview(mm)
+        self.writable = writable
+        self.inode = inode
+        self._header: Header | None = None
+        self._num_ranks = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        instance: str,
+        *,
+        generation: int,
+        spec: CacheSpec,
+        num_ranks: int,
+        daemon_pid: int,
+        daemon_start: int,
+    ) -> ControlBlock:
+        """Create, fill and publish a new block (O_EXCL, mode 0600). Raises ``posix_ipc.ExistentialError``
+        if the name is taken. Every record starts EMPTY in ``generation``; ``magic`` is written last."""
+        if not 1 <= num_ranks <= MAX_RANKS:
+            raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
+        name = control_name(instance)
+        size = block_size_for(num_ranks)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        try:
+            os.fchmod(shm.fd, 0o600)
+            os.posix_fallocate(shm.fd, 0, size)
+            mm = mmap.mmap(shm.fd, size)
+            inode = os.fstat(shm.fd).st_ino
+        except BaseException:
+            shm.close_fd()
+            shm.unlink()
+            raise
+        shm.close_fd()
+        block = cls(name, mm, True, inode)
+        block._num_ranks = num_ranks
+        spec_json = json.dumps(spec.to_dict(), sort_keys=True).encode()
+        if _SPEC_OFFSET + len(spec_json) > HEADER_SIZE:
+            raise ValueError("spec does not fit the control block header")
+        _HEADER.pack_into(
+            block._buf,
+            0,
+            b"\0" * 8,
+            VERSION,
+            HEADER_SIZE,
+            RECORD_SIZE,
+            num_ranks,
+            generation,
+            daemon_pid,
+            daemon_start,
+            time.time_ns(),
+            spec.geometry_digest,
+            len(spec_json),
+        )
+        block._buf[_SPEC_OFFSET : _SPEC_OFFSET + len(spec_json)] = spec_json
+        for rank in range(num_ranks):
+            block.write(rank, Record(rank=rank, generation=generation))
+        block._buf[0:8] = MAGIC
+        return block
+
+    @classmethod
+    def open(cls, instance: str) -> ControlBlock | None:
+        """Map the instance's block read-only; None if there is none (or it is not sized yet). The header
+        may still be unpublished (``published`` is False): a daemon is starting."""
+        name = control_name(instance)
+        try:
+            shm = posix_ipc.SharedMemory(name, read_only=True)
+        except posix_ipc.ExistentialError:
+            return None
+        try:
+            stat = os.fstat(shm.fd)
+            if stat.st_size < HEADER_SIZE:
+                return None  # created but not sized yet: a daemon in its first microseconds
+            mm = mmap.mmap(shm.fd, stat.st_size, prot=mmap.PROT_READ)
+        finally:
+            shm.close_fd()
+        return cls(name, mm, False, stat.st_ino)
+
+    def close(self) -> None:
+        """Unmap. The object itself stays; ``unlink`` removes the name."""
+        self._buf.release()
+        self._mm.close()
+
+    def unlink(self) -> None:
+        """Remove the name (the writer does this on stop). Missing already is fine."""
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(self.name)
+
+    # -- header ---------------------------------------------------------------------------------------
+
+    @property
+    def published(self) -> bool:
+        """True once the writer has written ``magic`` (and so every header field before it)."""
+        return bytes(self._buf[0:8]) != b"\0" * 8
+
+    def header(self) -> Header:
+        """The header. Raises ``ProtocolError`` for a block that is not ours or of another version."""
+        if self._header is not None:
+            return self._header
+        if len(self._buf) < HEADER_SIZE:
+            raise ProtocolError(f"{self.name}: too small to be a kvcached control block")
+        (magic, version, header_size, record_size, num_ranks, generation, pid, start, created, digest, spec_len) = (
+            _HEADER.unpack_from(self._buf, 0)
+        )
+        if magic != MAGIC:
+            raise ProtocolError(f"{self.name}: not a kvcached control block (magic {magic!r})")
+        if version != VERSION or header_size != HEADER_SIZE or record_size != RECORD_SIZE:
+            raise ProtocolError(
+                f"{self.name}: control block format version {version} "
+                f"(header {header_size}, record {record_size}); this client speaks version {VERSION}"
+            )
+        if not 1 <= num_ranks <= MAX_RANKS or len(self._buf) < HEADER_SIZE + RECORD_SIZE * num_ranks:
+            raise ProtocolError(f"{self.name}: rank count {num_ranks} does not fit the block")
+        if spec_len > HEADER_SIZE - _SPEC_OFFSET:
+            raise ProtocolError(f"{self.name}: spec length {spec_len} does not fit the header")
+        try:
+            spec = json.loads(bytes(self._buf[_SPEC_OFFSET : _SPEC_OFFSET + spec_len]))
+        except ValueError as exc:
+            raise ProtocolError(f"{self.name}: spec in header is not JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ProtocolError(f"{self.name}: spec in header is not an object")
+        self._header = Header(version, num_ranks, generation, pid, start, created, digest, spec)
+        self._num_ranks = num_ranks
+        return self._header
+
+    # -- records --------------------------------------------------------------------------------------
+
+    def _record_offset(self, rank: int) -> int:
+        num_ranks = self._num_ranks or self.header().num_ranks
+        if not 0 <= rank < num_ranks:
+            raise IndexError(f"rank {rank} out of range 0..{num_ranks - 1}")
+        return HEADER_SIZE + rank * RECORD_SIZE
+
+    def read(self, rank: int, *, attempts: int = 2000) -> Record:
+        """A consistent copy of ``rank``'s record (seqlock). Raises ``TornRead`` when no consistent copy
+        could be taken within ``attempts`` tries: the writer is mid-write or died mid-write."""
+        off = self._record_offset(rank)
+        body_start, body_end = off + _SEQ.size, off + _SEQ.size + _BODY.size
+        buf = self._buf
+        for attempt in range(attempts):
+            (before,) = _SEQ.unpack_from(buf, off)
+            if not before & 1:
+                body = bytes(buf[body_start:body_end])
+                (after,) = _SEQ.unpack_from(buf, off)
+                if before == after:
+                    return Record.unpack(body)
+            if attempt > 16:
+                os.sched_yield()
+        raise TornRead(f"{self.name}: rank {rank} record changing or half-written")
+
+    def write(self, rank: int, record: Record) -> None:
+        """Write ``record`` as ``rank``'s record under the seqlock. Writer only; one writer per block."""
+        if not self.writable:
+            raise PermissionError(f"{self.name} is mapped read-only")
+        off = self._record_offset(rank)
+        (seq,) = _SEQ.unpack_from(self._buf, off)
+        _SEQ.pack_into(self._buf, off, seq + 1)
+        self._buf[off + _SEQ.size : off + _SEQ.size + _BODY.size] = record.pack()
+        _SEQ.pack_into(self._buf, off, seq + 2)

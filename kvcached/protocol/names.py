@@ -1,0 +1,94 @@
+"""Names of every shared object of an instance, and where the run directory is.
+
+An instance name is ``[A-Za-z0-9_-]{1,48}`` (no dot), so every object name parses unambiguously::
+
+    /kvcached.<instance>                          control block (fixed name: runners find it)
+    /kvcached.<instance>.<gen>.r<rank>            per-rank wake-up semaphore (/dev/shm/sem.kvcached...)
+    /kvcached.<instance>.<gen>.r<rank>.dev        device arena of a rank (host backend)
+    /kvcached.<instance>.<gen>.r<rank>.cpu        CPU swap pool of a rank
+    <run_dir>/<instance>.lock                     flock held by the supervisor for its whole life
+
+``<gen>`` is the daemon generation in 16 hex digits: a post or an arena of a dead run never carries the
+current generation's name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from kvcached.protocol.errors import InvalidSpec
+
+PREFIX = "kvcached"
+SHM_DIR = Path("/dev/shm")
+DEFAULT_INSTANCE = "default"
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,48}")
+
+
+def check_instance(instance: str) -> str:
+    """Return ``instance`` if it is a valid instance name, else raise ``InvalidSpec`` naming the rule."""
+    if not isinstance(instance, str) or not _INSTANCE_RE.fullmatch(instance):
+        raise InvalidSpec("instance", f"must be 1-48 characters of A-Z a-z 0-9 _ -, got {instance!r}")
+    return instance
+
+
+def control_name(instance: str) -> str:
+    """POSIX shm name of the instance's control block."""
+    return f"/{PREFIX}.{check_instance(instance)}"
+
+
+def semaphore_name(instance: str, generation: int, rank: int) -> str:
+    """POSIX semaphore name of a rank's wake-up semaphore in one generation."""
+    return f"/{PREFIX}.{check_instance(instance)}.{generation:016x}.r{rank}"
+
+
+def arena_name(instance: str, generation: int, rank: int, tier: str) -> str:
+    """POSIX shm name of a rank's arena of ``tier`` ("dev" or "cpu") in one generation."""
+    return f"/{PREFIX}.{check_instance(instance)}.{generation:016x}.r{rank}.{tier}"
+
+
+def instance_shm_entries(instance: str) -> list[Path]:
+    """Every entry of /dev/shm that belongs to ``instance`` (any generation), shm and semaphores."""
+    base = f"{PREFIX}.{check_instance(instance)}"
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        bare = name[4:] if name.startswith("sem.") else name
+        if bare == base or bare.startswith(base + "."):
+            found.append(SHM_DIR / name)
+    return sorted(found)
+
+
+def posix_name(entry: Path) -> tuple[str, bool]:
+    """The POSIX name of a /dev/shm entry and whether it is a semaphore."""
+    if entry.name.startswith("sem."):
+        return "/" + entry.name[4:], True
+    return "/" + entry.name, False
+
+
+def run_dir() -> Path:
+    """Where lock files and sockets live.
+
+    ``$KVCACHED_RUN_DIR`` if set; ``$RUNTIME_DIRECTORY`` under systemd (``/run/kvcached``);
+    ``$XDG_RUNTIME_DIR/kvcached``; else ``<tmp>/kvcached-<uid>``.
+    """
+    explicit = os.environ.get("KVCACHED_RUN_DIR")
+    if explicit:
+        return Path(explicit)
+    systemd = os.environ.get("RUNTIME_DIRECTORY")
+    if systemd:
+        return Path(systemd.split(":")[0])
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / PREFIX
+    return Path(tempfile.gettempdir()) / f"{PREFIX}-{os.geteuid()}"
+
+
+def lock_path(instance: str) -> Path:
+    """The supervisor's lock file of ``instance``."""
+    return run_dir() / f"{check_instance(instance)}.lock"

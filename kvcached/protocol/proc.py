@@ -1,0 +1,39 @@
+"""Process identity: a pid alone can be reused, a (pid, start time) pair cannot.
+
+The start time is field 22 of ``/proc/<pid>/stat`` (clock ticks since boot). A zombie (state Z or X)
+counts as dead: it will never publish again, even though its pid is still taken.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def start_time(pid: int) -> int | None:
+    """Start time of a running ``pid`` in clock ticks since boot; None if it is gone or a zombie."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    state = fields[0]
+    if state in (b"Z", b"X", b"x"):
+        return None
+    return int(fields[19])
+
+
+def is_alive(pid: int, started: int) -> bool:
+    """True iff process ``pid`` runs and is the one that started at ``started``."""
+    return started != 0 and start_time(pid) == started
+
+
+def self_identity() -> tuple[int, int]:
+    """This process's (pid, start time)."""
+    pid = os.getpid()
+    started = start_time(pid)
+    assert started is not None, "a running process always has a start time"
+    return pid, started

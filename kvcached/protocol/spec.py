@@ -1,0 +1,167 @@
+"""The cache spec: the geometry of one rank's KV cache and the switches that decide who owns it.
+
+A ``CacheSpec`` is validated when it is built, so every ``CacheSpec`` that exists is allocatable in
+principle: every size is a positive int, ``kv_heads`` is already divided by tensor parallelism and is at
+least 1, the dtype and role are known names, and the bytes of one rank fit a 64-bit host's address space.
+Sizes in bytes are computed here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from kvcached.protocol.errors import InvalidSpec
+
+#: Element size in bytes of every dtype a KV cache may have. numpy has no bfloat16: numpy views of a
+#: bfloat16 cache carry the raw 16-bit patterns as ``uint16``.
+DTYPE_SIZES: Mapping[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "uint8": 1}
+#: dtypes allowed for the block-wise fp8 scale tensors (FastDeploy uses the default float dtype).
+SCALE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
+STORAGE_BACKENDS: tuple[str, ...] = ("file", "mooncake")
+
+#: Largest arena one rank may ask for: the user address space of x86-64 (128 TiB).
+MAX_RANK_BYTES = 1 << 47
+
+Role = Literal["mixed", "prefill", "decode"]
+
+_POSITIVE_FIELDS = ("num_layers", "kv_heads", "head_dim", "block_size", "num_blocks")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    """One rank's KV cache: per layer, key and value ``[num_blocks, kv_heads, block_size, head_dim]``.
+
+    ``mla`` keeps the key cache only (value lists are empty). ``block_wise_fp8`` adds per-layer scale
+    tensors ``[num_blocks, kv_heads, block_size]`` of ``scale_dtype`` for each kept cache.
+    ``num_cpu_blocks`` sizes the CPU swap pool (0: none); ``storage_backend`` names the attention store
+    (None: none). With ``splitwise_role`` they decide the owner (see ``kvcached.protocol.ownership``).
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "bfloat16"
+    num_blocks: int
+    num_cpu_blocks: int = 0
+    storage_backend: str | None = None
+    splitwise_role: str = "mixed"
+    block_wise_fp8: bool = False
+    mla: bool = False
+    scale_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_FIELDS:
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
+        _check_choice("dtype", self.dtype, tuple(DTYPE_SIZES))
+        _check_choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
+        _check_choice("splitwise_role", self.splitwise_role, ROLES)
+        if self.storage_backend is not None:
+            _check_choice("storage_backend", self.storage_backend, STORAGE_BACKENDS, none_allowed=True)
+        for name in ("block_wise_fp8", "mla"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSpec(name, f"must be true or false, got {getattr(self, name)!r}")
+        total = self.device_bytes + self.cpu_bytes
+        if total > MAX_RANK_BYTES:
+            raise InvalidSpec(
+                "num_blocks",
+                f"one rank would need {total} bytes, more than a 64-bit host can map "
+                f"({MAX_RANK_BYTES} bytes); lower num_blocks, num_cpu_blocks or the geometry",
+            )
+
+    # -- sizes: the only place they are computed -------------------------------------------------------
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one cache element."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def scale_itemsize(self) -> int:
+        """Bytes of one scale element."""
+        return DTYPE_SIZES[self.scale_dtype]
+
+    @property
+    def caches_per_layer(self) -> int:
+        """1 for MLA (key only), else 2 (key and value)."""
+        return 1 if self.mla else 2
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """Shape of one layer's key (or value) cache."""
+        return (self.num_blocks, self.kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def scale_shape(self) -> tuple[int, int, int]:
+        """Shape of one layer's key (or value) scale tensor."""
+        return (self.num_blocks, self.kv_heads, self.block_size)
+
+    @property
+    def cache_block_bytes(self) -> int:
+        """Bytes of one block of one layer's key (or value) cache."""
+        return self.kv_heads * self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def scale_block_bytes(self) -> int:
+        """Bytes of one block of one layer's key (or value) scale tensor; 0 without scales."""
+        return self.kv_heads * self.block_size * self.scale_itemsize if self.block_wise_fp8 else 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, caches and scales: the unit of swap and store."""
+        return self.num_layers * self.caches_per_layer * (self.cache_block_bytes + self.scale_block_bytes)
+
+    @property
+    def device_bytes(self) -> int:
+        """Payload bytes of one rank's device cache (alignment padding not counted)."""
+        return self.block_bytes * self.num_blocks
+
+    @property
+    def cpu_bytes(self) -> int:
+        """Payload bytes of one rank's CPU swap pool."""
+        return self.block_bytes * self.num_cpu_blocks
+
+    # -- identity -------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields, JSON-ready."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheSpec:
+        """Build from a mapping; an unknown key is an ``InvalidSpec`` naming it and the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise InvalidSpec(key, f"unknown field; known fields are {', '.join(sorted(known))}")
+        for f in dataclasses.fields(cls):
+            if f.default is dataclasses.MISSING and f.name not in data:
+                raise InvalidSpec(f.name, "is required")
+        return cls(**data)
+
+    @property
+    def geometry_digest(self) -> bytes:
+        """16 bytes that identify the memory geometry (everything that shapes the arenas)."""
+        fields = {k: v for k, v in self.to_dict().items() if k not in ("storage_backend", "splitwise_role")}
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).digest()[:16]
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpec(name, f"must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        hint = " (kv_heads is per rank: heads // tensor_parallel_size, at least 1)" if name == "kv_heads" else ""
+        raise InvalidSpec(name, f"must be an integer >= {minimum}, got {value}{hint}")
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...], *, none_allowed: bool = False) -> None:
+    if value not in allowed:
+        choices = ", ".join(allowed) + (", or none" if none_allowed else "")
+        raise InvalidSpec(name, f"must be one of {choices}; got {value!r}")

@@ -1,0 +1,118 @@
+"""What ``kvcached status`` reports: a snapshot of an instance, read from its control block only.
+
+The JSON shape is a public interface (scripts parse it)::
+
+    {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234,
+     "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
+                "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
+                "error": ""}, ...],
+     "spec": {...}}
+
+``running`` says a control block exists; ``alive`` that its daemon still runs (a block whose daemon is
+dead is a leftover: every state in it is history). ``generation`` is 16 hex digits (JSON numbers lose
+64-bit precision). Ready means: alive and every rank READY.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvcached.protocol.control import ControlBlock, State, TornRead
+from kvcached.protocol.proc import is_alive
+
+
+def read_status(instance: str) -> dict[str, Any]:
+    """Snapshot of ``instance``; ``running`` False (and no ranks) when there is no published block."""
+    status: dict[str, Any] = {
+        "instance": instance,
+        "running": False,
+        "alive": False,
+        "generation": None,
+        "pid": None,
+        "ranks": [],
+    }
+    block = ControlBlock.open(instance)
+    if block is None:
+        return status
+    try:
+        if not block.published:
+            status["running"] = True
+            return status
+        header = block.header()
+        now = time.monotonic_ns()
+        status.update(
+            running=True,
+            alive=is_alive(header.daemon_pid, header.daemon_start),
+            generation=f"{header.generation:016x}",
+            pid=header.daemon_pid,
+            spec=header.spec,
+        )
+        for rank in range(header.num_ranks):
+            try:
+                record = block.read(rank)
+            except TornRead:
+                status["ranks"].append({"rank": rank, "state": "UNKNOWN"})
+                continue
+            status["ranks"].append(
+                {
+                    "rank": rank,
+                    "state": record.state.name,
+                    "pid": record.worker_pid or None,
+                    "heartbeat_age_s": round((now - record.heartbeat_ns) / 1e9, 3) if record.heartbeat_ns else None,
+                    "bytes": record.dev_bytes + record.cpu_bytes,
+                    "bytes_device": record.dev_bytes,
+                    "bytes_cpu": record.cpu_bytes,
+                    "reserved": record.reserved_bytes,
+                    "total": record.total_bytes,
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.since_wall_ns / 1e9))
+                    if record.since_wall_ns
+                    else None,
+                    "error": record.error,
+                }
+            )
+    finally:
+        block.close()
+    return status
+
+
+def is_ready(status: dict[str, Any]) -> bool:
+    """True iff the daemon is alive and every rank is READY."""
+    ranks = status["ranks"]
+    return bool(status["alive"] and ranks and all(r["state"] == State.READY.name for r in ranks))
+
+
+def _size(n: int | None) -> str:
+    return "-" if not n else f"{n / 2**20:.1f} MiB"
+
+
+def render(status: dict[str, Any]) -> str:
+    """A table for people."""
+    name = status["instance"]
+    if not status["running"]:
+        return f"instance {name}: not running"
+    if status["generation"] is None:
+        return f"instance {name}: starting"
+    daemon = "alive" if status["alive"] else "DEAD (leftover control block; the next start reclaims it)"
+    lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
+    rows = [("rank", "state", "pid", "heartbeat", "device", "cpu pool", "since", "error")]
+    for r in status["ranks"]:
+        state = r["state"]
+        if state == "ALLOCATING" and r.get("total"):
+            state += f" {100 * r['reserved'] // r['total']}%"
+        age = r.get("heartbeat_age_s")
+        rows.append(
+            (
+                str(r["rank"]),
+                state,
+                str(r.get("pid") or "-"),
+                "-" if age is None else f"{age:.1f}s",
+                _size(r.get("bytes_device")),
+                _size(r.get("bytes_cpu")),
+                r.get("since") or "-",
+                r.get("error") or "",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)

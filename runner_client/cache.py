@@ -1,0 +1,277 @@
+"""The runner's side of the handshake: decide the owner, then allocate locally or wait and attach.
+
+``initialize_kv_cache`` is the one entry point. It applies the fixed condition (``cache_owner``):
+
+* ``"runner"``: allocate the cache in this process and publish nothing. If a live daemon of the instance
+  already holds this rank's cache, allocating would make a second copy: ``OwnershipConflict``.
+* ``"daemon"``: wait for the rank (``runner_client.wait``), map the daemon's arena zero-copy, and check
+  the published geometry against the runner's spec field by field (``CacheLayoutMismatch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+from typing import Any, Literal
+
+import posix_ipc
+
+from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead
+from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec, OwnershipConflict, ProtocolError
+from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes, device_views
+from kvcached.protocol.names import check_instance
+from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
+from kvcached.protocol.proc import is_alive
+from kvcached.protocol.spec import CacheSpec
+from runner_client.wait import wait_ready
+
+log = logging.getLogger("runner_client")
+
+Framework = Literal["numpy", "paddle"]
+FRAMEWORKS: tuple[str, ...] = ("numpy", "paddle")
+
+#: Spec fields a runner and its daemon must agree on, in the order they are compared.
+MATCHED_FIELDS = (
+    "num_layers",
+    "kv_heads",
+    "head_dim",
+    "block_size",
+    "dtype",
+    "num_blocks",
+    "block_wise_fp8",
+    "mla",
+    "scale_dtype",
+    "num_cpu_blocks",
+)
+
+
+class KVCache:
+    """One rank's KV cache as a runner sees it: per-layer views, the spec, and who owns the memory.
+
+    ``key_caches[i]`` / ``value_caches[i]`` are layer ``i``'s ``[num_blocks, kv_heads, block_size,
+    head_dim]`` tensors (``value_caches`` is empty for MLA); the scale lists are empty without
+    ``block_wise_fp8``. With ``owner == "daemon"`` they alias the daemon's arena: writes are seen by every
+    process attached to the rank. ``close()`` drops this object's references; the mapping itself goes
+    when the last view a caller kept is gone.
+    """
+
+    def __init__(
+        self,
+        *,
+        owner: Owner,
+        spec: CacheSpec,
+        rank: int,
+        instance: str,
+        framework: str,
+        buffer: mmap.mmap,
+        generation: int | None,
+        daemon: tuple[int, int] | None,
+        waited_s: float,
+    ) -> None:
+        self.owner: Owner = owner
+        self.spec = spec
+        self.rank = rank
+        self.instance = instance
+        self.framework = framework
+        self.generation = generation
+        self.waited_s = waited_s
+        self._daemon = daemon
+        self._buffer: mmap.mmap | None = buffer
+        views = device_views(spec, buffer)
+        convert = _to_paddle if framework == "paddle" else _identity
+        self.key_caches: list[Any] = [convert(v, spec.dtype) for v in views["key"]]
+        self.value_caches: list[Any] = [convert(v, spec.dtype) for v in views["value"]]
+        self.key_cache_scales: list[Any] = [convert(v, spec.scale_dtype) for v in views["key_scale"]]
+        self.value_cache_scales: list[Any] = [convert(v, spec.scale_dtype) for v in views["value_scale"]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the mapped arena (0 once closed)."""
+        return len(self._buffer) if self._buffer is not None else 0
+
+    def daemon_alive(self) -> bool:
+        """For a daemon-owned cache: is the publishing daemon still running? Always True for the runner's."""
+        if self._daemon is None:
+            return True
+        return is_alive(*self._daemon)
+
+    def close(self) -> None:
+        """Drop this object's views and unmap if no other reference holds the memory."""
+        self.key_caches, self.value_caches = [], []
+        self.key_cache_scales, self.value_cache_scales = [], []
+        if self._buffer is not None:
+            buffer, self._buffer = self._buffer, None
+            with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped with it
+                buffer.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(owner={self.owner!r}, instance={self.instance!r}, rank={self.rank}, "
+            f"layers={self.spec.num_layers}, shape={self.spec.cache_shape}, dtype={self.spec.dtype}, "
+            f"bytes={self.nbytes})"
+        )
+
+
+def _identity(array: Any, dtype: str) -> Any:
+    return array
+
+
+def _to_paddle(array: Any, dtype: str) -> Any:
+    import numpy as np
+    import paddle
+
+    if dtype == "bfloat16":
+        # numpy has no bfloat16: hand the raw bits over as int16, then reinterpret in place.
+        return paddle.from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
+    return paddle.from_dlpack(array)
+
+
+def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
+    """The header and record of a live daemon that holds (or is allocating) ``rank``, else None."""
+    block = ControlBlock.open(instance)
+    if block is None:
+        return None
+    try:
+        if not block.published:
+            return None
+        header = block.header()
+        if rank >= header.num_ranks or not is_alive(header.daemon_pid, header.daemon_start):
+            return None
+        try:
+            record = block.read(rank)
+        except TornRead:
+            return None
+        if record.state in (State.ALLOCATING, State.READY) and record.generation == header.generation:
+            return header, record
+        return None
+    finally:
+        block.close()
+
+
+def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:
+    published = header.spec
+    for field in MATCHED_FIELDS:
+        ours = getattr(spec, field)
+        theirs = published.get(field)
+        if theirs != ours:
+            raise CacheLayoutMismatch(field, theirs, ours, instance=instance, rank=rank)
+    if record.layout_version != LAYOUT_VERSION:
+        raise CacheLayoutMismatch("layout_version", record.layout_version, LAYOUT_VERSION, instance=instance, rank=rank)
+    expected = device_arena_bytes(spec)
+    if record.dev_bytes != expected:
+        raise CacheLayoutMismatch("device_arena_bytes", record.dev_bytes, expected, instance=instance, rank=rank)
+
+
+def _map_arena(name: str, size: int, instance: str, rank: int) -> mmap.mmap:
+    try:
+        shm = posix_ipc.SharedMemory(name)
+    except posix_ipc.ExistentialError:
+        raise ProtocolError(f"instance {instance!r} rank {rank}: published arena {name} does not exist") from None
+    try:
+        actual = os.fstat(shm.fd).st_size
+        if actual < size:
+            raise ProtocolError(
+                f"instance {instance!r} rank {rank}: arena {name} has {actual} bytes, layout needs {size}"
+            )
+        return mmap.mmap(shm.fd, size)
+    finally:
+        shm.close_fd()
+
+
+def initialize_kv_cache(
+    spec: CacheSpec,
+    local_rank: int,
+    *,
+    profile: bool = False,
+    instance: str = "default",
+    timeout: float = 600.0,
+    framework: Framework = "numpy",
+) -> KVCache:
+    """Create or attach rank ``local_rank``'s KV cache, following the fixed condition.
+
+    Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon":
+    wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` to
+    publish the rank, then attach zero-copy. Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
+    ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (bad arguments), ``ProtocolError``.
+    """
+    if not isinstance(spec, CacheSpec):
+        raise InvalidSpec("spec", f"must be a runner_client.CacheSpec, got {type(spec).__name__}")
+    check_instance(instance)
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+        raise InvalidSpec("local_rank", f"must be an integer >= 0, got {local_rank!r}")
+    if framework not in FRAMEWORKS:
+        raise InvalidSpec("framework", f"must be one of {', '.join(FRAMEWORKS)}; got {framework!r}")
+    if not isinstance(timeout, (int, float)) or timeout < 0:
+        raise InvalidSpec("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+    if framework == "paddle":
+        try:
+            import paddle  # noqa: F401
+        except ImportError:
+            raise InvalidSpec(
+                "framework", "'paddle' needs the paddle package: pip install 'kvcached-xpu[paddle]'"
+            ) from None
+
+    owner = cache_owner(spec, profile)
+    if owner == "runner":
+        holder = _live_holder(instance, local_rank)
+        if holder is not None:
+            header, record = holder
+            raise OwnershipConflict(
+                f"instance {instance!r} rank {local_rank}: {explain_owner(spec, profile)}, but daemon pid "
+                f"{header.daemon_pid} already holds this rank's cache (state {record.state.name}); "
+                "allocating here would be a second copy. "
+                + (
+                    "Profile before starting kvcached, or give kvcached the block count directly."
+                    if profile
+                    else "Give the runner the same spec as the daemon."
+                )
+            )
+        size = device_arena_bytes(spec)
+        log.info("runner creates its own kv cache: %s (%d bytes)", explain_owner(spec, profile), size)
+        return KVCache(
+            owner="runner",
+            spec=spec,
+            rank=local_rank,
+            instance=instance,
+            framework=framework,
+            buffer=mmap.mmap(-1, size),
+            generation=None,
+            daemon=None,
+            waited_s=0.0,
+        )
+
+    started = time.monotonic()
+    ready = wait_ready(instance, local_rank, timeout)
+    try:
+        _check_layout(spec, ready.header, ready.record, instance, local_rank)
+        buffer = _map_arena(ready.record.dev_name, ready.record.dev_bytes, instance, local_rank)
+    finally:
+        ready.block.close()
+    waited = time.monotonic() - started
+    log.info(
+        "attached kv cache of instance=%s rank=%d generation=%016x after %.3fs",
+        instance,
+        local_rank,
+        ready.header.generation,
+        waited,
+    )
+    return KVCache(
+        owner="daemon",
+        spec=spec,
+        rank=local_rank,
+        instance=instance,
+        framework=framework,
+        buffer=buffer,
+        generation=ready.header.generation,
+        daemon=(ready.header.daemon_pid, ready.header.daemon_start),
+        waited_s=waited,
+    )

@@ -1,0 +1,242 @@
+"""The runner's wait for its rank: bounded, blocking on a semaphore, never trusting a flag it cannot check.
+
+A rank is ready for a runner when all of these hold at once (DESIGN principle 2):
+
+* the instance's control block is published (magic written) and speaks this protocol version;
+* the daemon in its header is alive: its pid runs and has the recorded start time (not a zombie);
+* the rank's record says READY in the header's generation.
+
+While not ready the runner blocks on the rank's semaphore for at most ``SLICE_S``, then re-checks. The
+semaphore counts posts, it is not a level: a waiter that wakes re-reads the record and posts once more
+when the state changed, so the next waiter wakes too (a turnstile); a wake-up with no change consumes a
+post left over from an earlier change and is not passed on, so leftovers drain instead of spinning.
+With no block (no daemon yet, or only the stale block of a dead one) it polls every ``POLL_ABSENT_S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import posix_ipc
+
+from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead
+from kvcached.protocol.errors import CacheLayoutMismatch, CacheNotReady, DaemonGone, RankFailed
+from kvcached.protocol.names import semaphore_name
+from kvcached.protocol.proc import is_alive
+
+log = logging.getLogger("runner_client")
+
+SLICE_S = 0.25
+POLL_ABSENT_S = 0.05
+LOG_EVERY_S = 5.0
+
+
+@dataclasses.dataclass(slots=True)
+class Ready:
+    """What a successful wait hands to the attach step: the mapped block, its header, the rank's record."""
+
+    block: ControlBlock
+    header: Header
+    record: Record
+
+
+def _wall(ns: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ns / 1e9))
+
+
+class _Waiter:
+    """State of one wait; ``run`` returns ``Ready`` or raises."""
+
+    def __init__(self, instance: str, rank: int, timeout: float) -> None:
+        self.instance = instance
+        self.rank = rank
+        self.timeout = timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.block: ControlBlock | None = None
+        self.header: Header | None = None
+        self.sem: posix_ipc.Semaphore | None = None
+        self.stale_inode = -1
+        # The live daemon this wait has seen (pid, start, generation): its death is DaemonGone, whereas a
+        # block that was stale from the start only means "no daemon yet".
+        self.followed: tuple[int, int, int] | None = None
+        self.state = "no daemon"
+        self.since_wall_ns = time.time_ns()
+        self.last_log = self.started
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def _describe(self, state: str, since_wall_ns: int) -> None:
+        if state != self.state:
+            self.state, self.since_wall_ns = state, since_wall_ns
+
+    def _drop_block(self) -> None:
+        if self.sem is not None:
+            self.sem.close()
+            self.sem = None
+        if self.block is not None:
+            self.block.close()
+            self.block = None
+        self.header = None
+
+    def _daemon_alive(self) -> bool:
+        assert self.header is not None
+        return is_alive(self.header.daemon_pid, self.header.daemon_start)
+
+    def _gone(self, why: str) -> DaemonGone:
+        assert self.header is not None
+        return DaemonGone(
+            f"instance {self.instance!r} rank {self.rank}: daemon pid {self.header.daemon_pid} "
+            f"(generation {self.header.generation:016x}) {why} while this runner waited for it; "
+            f"last state {self.state} since {_wall(self.since_wall_ns)}"
+        )
+
+    def _maybe_log(self, now: float) -> None:
+        if now - self.last_log >= LOG_EVERY_S:
+            self.last_log = now
+            log.info(
+                "Waiting for cache managers to create kv cache.. instance=%s rank=%d state=%s "
+                "waited=%.1fs timeout=%.1fs",
+                self.instance,
+                self.rank,
+                self.state,
+                now - self.started,
+                self.timeout,
+            )
+
+    def _sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, min(seconds, self.deadline - time.monotonic())))
+
+    # -- steps -----------------------------------------------------------------------------------------
+
+    def _find_block(self) -> bool:
+        """Map a published block of a live daemon; False (after a short sleep) while there is none."""
+        block = ControlBlock.open(self.instance)
+        if block is None or block.inode == self.stale_inode or not block.published:
+            if block is not None:
+                if block.inode != self.stale_inode:
+                    self._describe("daemon starting", time.time_ns())
+                block.close()
+            else:
+                self._describe("no daemon", time.time_ns())
+            self._sleep(POLL_ABSENT_S)
+            return False
+        try:
+            header = block.header()
+        except BaseException:
+            block.close()
+            raise
+        self.block, self.header = block, header
+        if header.num_ranks <= self.rank:
+            self._drop_block()
+            raise CacheLayoutMismatch(
+                "num_ranks", header.num_ranks, f"> {self.rank}", instance=self.instance, rank=self.rank
+            )
+        if not self._daemon_alive():
+            if self.followed == (header.daemon_pid, header.daemon_start, header.generation):
+                raise self._gone("died")
+            self._describe(f"stale (daemon pid {header.daemon_pid} is dead)", time.time_ns())
+            self.stale_inode = block.inode
+            self._drop_block()
+            self._sleep(POLL_ABSENT_S)
+            return False
+        try:
+            self.sem = posix_ipc.Semaphore(semaphore_name(self.instance, header.generation, self.rank))
+        except posix_ipc.ExistentialError:
+            # The daemon already unlinked its semaphores: it is stopping. Look again shortly.
+            self._drop_block()
+            self._sleep(POLL_ABSENT_S)
+            return False
+        return True
+
+    def _read(self) -> Record | None:
+        assert self.block is not None
+        try:
+            return self.block.read(self.rank)
+        except TornRead:
+            return None
+
+    def _judge(self, record: Record) -> bool:
+        """True if ready; raises for FAILED / STOPPING; records the state for messages otherwise."""
+        assert self.header is not None
+        if record.generation != self.header.generation:
+            self._describe("record of another generation", time.time_ns())
+            return False
+        if record.state is State.READY:
+            return True
+        if record.state is State.FAILED:
+            raise RankFailed(
+                f"instance {self.instance!r} rank {self.rank}: the daemon marked this rank FAILED at "
+                f"{_wall(record.since_wall_ns)}: {record.error or 'no reason recorded'}"
+            )
+        if record.state is State.STOPPING:
+            raise self._gone("is stopping")
+        detail = record.state.name
+        if record.state is State.ALLOCATING and record.total_bytes:
+            detail += f" ({record.reserved_bytes / 2**20:.1f}/{record.total_bytes / 2**20:.1f} MiB reserved)"
+        self._describe(detail, record.since_wall_ns or time.time_ns())
+        return False
+
+    def _acquire(self) -> bool:
+        assert self.sem is not None
+        timeout = min(SLICE_S, self.deadline - time.monotonic())
+        if timeout <= 0:
+            return False
+        try:
+            self.sem.acquire(timeout)
+        except posix_ipc.BusyError:
+            return False
+        except posix_ipc.SignalError:
+            return False
+        return True
+
+    def run(self) -> Ready:
+        """Wait until ready; return the mapped block, or raise one of the documented errors."""
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= self.deadline:
+                    raise CacheNotReady(
+                        f"instance {self.instance!r} rank {self.rank}: cache not ready after "
+                        f"{self.timeout:.1f}s; state {self.state} since {_wall(self.since_wall_ns)}",
+                        instance=self.instance,
+                        rank=self.rank,
+                        state=self.state,
+                    )
+                self._maybe_log(now)
+                if self.block is None and not self._find_block():
+                    continue
+                assert self.block is not None and self.header is not None
+                record = self._read()
+                alive = self._daemon_alive()
+                if not alive:
+                    raise self._gone("died")
+                if record is None:
+                    continue
+                if self._judge(record):
+                    ready = Ready(self.block, self.header, record)
+                    self.block = None  # handed over: not closed by the finally below
+                    return ready
+                self.followed = (self.header.daemon_pid, self.header.daemon_start, self.header.generation)
+                if self._acquire():
+                    after = self._read()
+                    if after is None or after.state != record.state:
+                        assert self.sem is not None
+                        self.sem.release()  # turnstile: pass the news to the next waiter
+        finally:
+            self._drop_block()
+
+
+def wait_ready(instance: str, rank: int, timeout: float) -> Ready:
+    """Block until ``rank`` of ``instance`` is READY in a live daemon's generation, at most ``timeout``
+    seconds. Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``, ``CacheLayoutMismatch`` or
+    ``ProtocolError``. The returned block is mapped; the caller closes it."""
+    log.info(
+        "Waiting for cache managers to create kv cache.. instance=%s rank=%d timeout=%.1fs",
+        instance,
+        rank,
+        timeout,
+    )
+    return _Waiter(instance, rank, timeout).run()
