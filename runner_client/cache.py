@@ -243,7 +243,7 @@ def initialize_kv_cache(
             rank=local_rank,
             instance=instance,
             framework=framework,
-            buffer=mmap.mmap(-1, size),
+            buffer=mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
             generation=None,
             daemon=None,
             waited_s=0.0,

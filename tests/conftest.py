@@ -1,0 +1,257 @@
+"""Shared test machinery: real daemon processes, real shared memory, strict clean-up.
+
+Every test instance is named ``kvt-<pid>-<n>`` (never ``default``: a real daemon may run on this host).
+Each test gets its own run directory. After a test, every daemon it started is stopped, and any object
+of its instances still in /dev/shm fails the test (and is then removed, so one leak does not cascade).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcached.protocol.names import SHM_DIR, instance_shm_entries, posix_name
+from kvcached.status import is_ready, read_status
+
+ROOT = Path(__file__).resolve().parent.parent
+_counter = itertools.count()
+TEST_PREFIX = "kvt-"
+
+
+def unique_instance() -> str:
+    """A fresh instance name no other test (or real daemon) uses."""
+    return f"{TEST_PREFIX}{os.getpid()}-{next(_counter)}"
+
+
+def shm_entries(instance: str) -> list[str]:
+    """Names of /dev/shm entries of ``instance`` (shm objects and semaphores)."""
+    return [p.name for p in instance_shm_entries(instance)]
+
+
+def remove_entries(instance: str) -> None:
+    import posix_ipc
+
+    for entry in instance_shm_entries(instance):
+        name, is_sem = posix_name(entry)
+        try:
+            (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+class Daemon:
+    """A real ``kvcached start`` process."""
+
+    def __init__(self, instance: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.instance = instance
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, "--log-format", "json", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll ``kvcached status`` data until every rank is READY; fail if the daemon exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            status = read_status(self.instance)
+            if is_ready(status):
+                return status
+            time.sleep(0.02)
+        raise AssertionError(f"daemon not ready after {timeout}s:\n{self.log()}")
+
+    def wait_state(self, state: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll until every rank has ``state`` (e.g. ALLOCATING while a fault holds it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = read_status(self.instance)
+            if status["alive"] and status["ranks"] and all(r["state"] == state for r in status["ranks"]):
+                return status
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        raise AssertionError(f"ranks not {state} after {timeout}s:\n{self.log()}")
+
+    def exit_code(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill9(self) -> None:
+        """SIGKILL the supervisor and reap it (its workers die with it: PDEATHSIG)."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+class DaemonFactory:
+    """Starts daemons for one test and tears every one of them down afterwards."""
+
+    def __init__(self, tmp_path: Path, run_dir: Path) -> None:
+        self.tmp_path = tmp_path
+        self.run_dir = run_dir
+        self.daemons: list[Daemon] = []
+        self.instances: set[str] = set()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["KVCACHED_RUN_DIR"] = str(self.run_dir)
+        env.pop("KVCACHED_FAULT", None)
+        env.update(extra)
+        return env
+
+    def start(
+        self,
+        instance: str | None = None,
+        *,
+        ranks: int = 2,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        small: bool = True,
+    ) -> Daemon:
+        """Start ``kvcached start``; ``small`` adds a tiny geometry so tests stay fast."""
+        instance = instance or unique_instance()
+        self.instances.add(instance)
+        geometry = (
+            [
+                "--num-layers",
+                "2",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--block-size",
+                "4",
+                "--num-blocks",
+                "8",
+                "--num-cpu-blocks",
+                "4",
+            ]
+            if small
+            else []
+        )
+        full_args = ["--ranks", str(ranks), *geometry, *(args or [])]
+        daemon = Daemon(instance, full_args, env or self.env(), self.tmp_path / f"daemon-{len(self.daemons)}.log")
+        self.daemons.append(daemon)
+        return daemon
+
+    def cli(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``kvcached ARGS`` to completion."""
+        return subprocess.run(
+            [sys.executable, "-m", "kvcached.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env or self.env(),
+            timeout=timeout,
+            cwd=ROOT,
+        )
+
+    def teardown(self) -> list[str]:
+        """Stop everything; return the leftovers found in /dev/shm (and remove them)."""
+        for daemon in self.daemons:
+            if daemon.proc.poll() is None:
+                try:
+                    daemon.stop(timeout=15)
+                except subprocess.TimeoutExpired:
+                    daemon.kill9()
+            daemon._log.close()
+        leftovers = []
+        for instance in self.instances:
+            found = shm_entries(instance)
+            if found:
+                leftovers += found
+                remove_entries(instance)
+        return leftovers
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private run directory, also exported to in-process code through KVCACHED_RUN_DIR."""
+    path = tmp_path / "run"
+    monkeypatch.setenv("KVCACHED_RUN_DIR", str(path))
+    monkeypatch.delenv("KVCACHED_FAULT", raising=False)
+    return path
+
+
+@pytest.fixture
+def daemons(tmp_path: Path, run_dir: Path) -> Iterator[DaemonFactory]:
+    """Start real daemons; all are stopped after the test, and a leak in /dev/shm fails it."""
+    factory = DaemonFactory(tmp_path, run_dir)
+    yield factory
+    leftovers = factory.teardown()
+    if leftovers:
+        pytest.fail(f"objects left in /dev/shm after the test: {leftovers}")
+
+
+@pytest.fixture
+def instance(daemons: DaemonFactory) -> str:
+    """A unique instance name whose /dev/shm objects are checked after the test."""
+    name = unique_instance()
+    daemons.instances.add(name)
+    return name
+
+
+def run_runner(env: dict[str, str], **request: Any) -> subprocess.Popen[str]:
+    """Start ``tests/runner_proc.py`` (a real runner process); it prints one JSON line when done."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "runner_proc.py"), json.dumps(request)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def runner_result(proc: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"runner printed no result (exit {proc.returncode}):\n{out}\n{err}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    result["stderr"] = err
+    return result
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The whole suite leaves nothing of a test instance in /dev/shm (acceptance: no leak at all)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return
+    mine = f"kvcached.{TEST_PREFIX}{os.getpid()}-"
+    left = [n for n in names if n.removeprefix("sem.").startswith(mine)]
+    if left:
+        print(f"\nERROR: test instances left objects in /dev/shm: {left}", file=sys.stderr)
+        session.exitstatus = 1
