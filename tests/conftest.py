@@ -7,6 +7,7 @@ of its instances still in /dev/shm fails the test (and is then removed, so one l
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -43,10 +44,8 @@ def remove_entries(instance: str) -> None:
 
     for entry in instance_shm_entries(instance):
         name, is_sem = posix_name(entry)
-        try:
+        with contextlib.suppress(posix_ipc.ExistentialError):
             (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
-        except posix_ipc.ExistentialError:
-            pass
 
 
 class Daemon:

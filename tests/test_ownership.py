@@ -29,14 +29,6 @@ def test_owner_follows_the_fixed_condition(profile: bool, cpu: int, storage: str
     assert cache_owner(spec, profile) == ("runner" if expected_runner else "daemon")
 
 
-def test_old_xpu_condition_would_allocate_twice() -> None:
-    """The bug the project exists for: mixed role with CPU swap. The old XPU rule let the runner create,
-    while a cache manager also owned the cache; the fixed condition gives it to the daemon only."""
-    old_xpu_rule_creates = False or "mixed" == "mixed"
-    assert old_xpu_rule_creates
-    assert should_create_cache(False, 64, None, "mixed") is False
-
-
 def test_empty_storage_backend_counts_as_none() -> None:
     """FastDeploy passes "" for no storage backend: it does not make the daemon the owner."""
     assert should_create_cache(False, 0, "", "mixed") is True

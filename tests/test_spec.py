@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -106,7 +107,7 @@ def test_device_layout_is_page_aligned_and_disjoint(changes: dict[str, Any]) -> 
     s = spec(**changes)
     slots = device_slots(s)
     assert len(slots) == s.num_layers * s.caches_per_layer * (2 if s.block_wise_fp8 else 1)
-    for a, b in zip(slots, slots[1:]):
+    for a, b in itertools.pairwise(slots):
         assert a.offset % PAGE == 0 and a.offset + a.nbytes <= b.offset
     assert slots[-1].offset + slots[-1].nbytes <= device_arena_bytes(s)
     assert device_arena_bytes(s) % PAGE == 0
