@@ -170,6 +170,7 @@ class DaemonFactory:
         """Run ``kvcached ARGS`` to completion."""
         return subprocess.run(
             [sys.executable, "-m", "kvcached.cli", *args],
+            check=False,
             capture_output=True,
             text=True,
             env=env or self.env(),
