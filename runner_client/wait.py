@@ -210,8 +210,9 @@ class _Waiter:
                     continue
                 assert self.block is not None and self.header is not None
                 record = self._read()
-                alive = self._daemon_alive()
-                if not alive:
+                if record is not None and record.state is State.FAILED:
+                    self._judge(record)  # raises RankFailed: more precise than the daemon's exit after it
+                if not self._daemon_alive():
                     raise self._gone("died")
                 if record is None:
                     continue

@@ -1,0 +1,227 @@
+"""The CLI and the daemon's lifecycle: status, stop, configuration sources, refusals, resources, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import runner_client as rc
+from tests.conftest import DaemonFactory, run_runner, runner_result, shm_entries
+
+SMALL = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
+
+
+def status_json(daemons: DaemonFactory, instance: str) -> tuple[int, dict]:
+    done = daemons.cli("status", "--instance", instance, "--json")
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_status_json_shape_and_exit_status(daemons: DaemonFactory) -> None:
+    """status --json: instance, generation, pid and per-rank {rank, state, pid, heartbeat_age_s, bytes};
+    exit 0 only while every rank is READY."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    code, data = status_json(daemons, daemon.instance)
+    assert code == 0
+    assert data["instance"] == daemon.instance and data["pid"] == daemon.pid
+    assert len(data["generation"]) == 16 and int(data["generation"], 16)
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    for r in data["ranks"]:
+        assert r["state"] == "READY" and r["pid"] > 0 and r["pid"] != daemon.pid
+        assert 0 <= r["heartbeat_age_s"] < 5
+        assert r["bytes"] == r["bytes_device"] + r["bytes_cpu"] > 0
+    table = daemons.cli("status", "--instance", daemon.instance)
+    assert table.returncode == 0 and "READY" in table.stdout and data["generation"] in table.stdout
+    assert daemon.stop() == 0
+    code, data = status_json(daemons, daemon.instance)
+    assert code == 1 and data["running"] is False and data["ranks"] == []
+
+
+def test_status_while_allocating_is_not_ready(daemons: DaemonFactory) -> None:
+    """A rank still ALLOCATING makes status exit non-zero."""
+    daemon = daemons.start(ranks=1, env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"))
+    daemon.wait_state("ALLOCATING")
+    code, data = status_json(daemons, daemon.instance)
+    assert code == 1 and data["ranks"][0]["state"] == "ALLOCATING"
+
+
+def test_status_of_a_dead_daemon_says_so(daemons: DaemonFactory) -> None:
+    """After kill -9 the leftover block still says READY; status reports the daemon dead and exits 1."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    daemon.kill9()
+    code, data = status_json(daemons, daemon.instance)
+    assert code == 1 and data["alive"] is False and data["ranks"][0]["state"] == "READY"
+    assert "DEAD" in daemons.cli("status", "--instance", daemon.instance).stdout
+    assert daemons.start(daemon.instance, ranks=1).wait_ready()["alive"]  # reclaims; teardown stops it
+
+
+def test_stop_command(daemons: DaemonFactory) -> None:
+    """kvcached stop ends the daemon cleanly and leaves nothing; stopping a stopped instance is not an error."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    done = daemons.cli("stop", "--instance", daemon.instance)
+    assert done.returncode == 0 and "stopped" in done.stdout
+    assert daemon.exit_code(5) == 0
+    assert shm_entries(daemon.instance) == []
+    assert not (daemons.run_dir / f"{daemon.instance}.lock").exists()
+    again = daemons.cli("stop", "--instance", daemon.instance)
+    assert again.returncode == 0 and "not running" in again.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_stop_signals_clean_up(daemons: DaemonFactory, signum: int) -> None:
+    """SIGINT, SIGTERM and SIGHUP all stop the daemon with status 0 and unlink everything it made."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    daemon.proc.send_signal(signum)
+    assert daemon.exit_code(10) == 0
+    assert shm_entries(daemon.instance) == []
+
+
+def test_attached_runner_sees_stopping_after_stop(daemons: DaemonFactory) -> None:
+    """A runner that attached keeps its mapping after stop, and can tell the daemon is gone."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    cache = rc.initialize_kv_cache(rc.CacheSpec(**SMALL), 0, instance=daemon.instance)
+    assert cache.daemon_alive()
+    assert daemon.stop() == 0
+    assert not cache.daemon_alive()
+    cache.key_caches[0][0, 0, 0, 0] = 3  # the memory stays valid while mapped
+    cache.close()
+
+
+def test_defaults_for_eight_ranks_make_the_daemon_owner_and_fit(daemons: DaemonFactory) -> None:
+    """`kvcached start --ranks 8` with no other option: the daemon owns (CPU swap pool) and all ranks READY."""
+    daemon = daemons.start(ranks=8, small=False)
+    status = daemon.wait_ready(timeout=60)
+    assert len(status["ranks"]) == 8
+    assert status["spec"]["num_cpu_blocks"] > 0
+    assert all(r["bytes_cpu"] > 0 for r in status["ranks"])
+    assert all(r["bytes"] <= 64 << 20 for r in status["ranks"])
+
+
+def test_config_precedence_flags_over_env_over_file(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """--config < KVCACHED_* env < flags, and the file's other keys apply."""
+    config = tmp_path / "kv.toml"
+    config.write_text(
+        "num_layers = 2\nkv_heads = 2\nhead_dim = 16\nblock_size = 4\nnum_blocks = 10\n"
+        "num_cpu_blocks = 3\ndtype = 'float16'\n"
+    )
+    cases = [
+        ([], {}, 10),
+        ([], {"KVCACHED_NUM_BLOCKS": "12"}, 12),
+        (["--num-blocks", "14"], {"KVCACHED_NUM_BLOCKS": "12"}, 14),
+    ]
+    for flags, env, expected in cases:
+        daemon = daemons.start(ranks=1, small=False, args=["--config", str(config), *flags], env=daemons.env(**env))
+        spec = daemon.wait_ready()["spec"]
+        assert (spec["num_blocks"], spec["num_cpu_blocks"], spec["dtype"]) == (expected, 3, "float16")
+        assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "toml", "status", "message"),
+    [
+        (["--kv-heads", "0"], None, 4, "--kv-heads (kv_heads: must be an integer >= 1"),
+        (["--num-blocks", "-3"], None, 4, "--num-blocks (num_blocks: must be an integer >= 1"),
+        (["--ranks", "0"], None, 4, "--ranks (ranks: must be an integer from 1 to 256"),
+        (["--dtype", "fp8"], None, 2, "'fp8' is not one of 'bfloat16', 'float16', 'float32', 'int8', 'uint8'"),
+        (["--role", "both"], None, 2, "'both' is not one of 'mixed', 'prefill', 'decode'"),
+        (["--instance", "a.b"], None, 4, "instance: must be 1-48 characters"),
+        ([], "num_layer = 3\n", 4, "num_layer: unknown key in"),
+        ([], "num_layers = [\n", 4, "is not valid TOML"),
+        ([], "num_layers = 'four'\n", 4, "num_layers: must be an integer >= 1, got 'four'"),
+    ],
+)
+def test_bad_configuration_names_the_field_and_creates_nothing(
+    daemons: DaemonFactory, tmp_path: Path, args: list[str], toml: str | None, status: int, message: str
+) -> None:
+    """Each bad value is refused before anything is created, with a message naming the field."""
+    if toml is not None:
+        (tmp_path / "bad.toml").write_text(toml)
+        args = [*args, "--config", str(tmp_path / "bad.toml")]
+    daemon = daemons.start(ranks=1, args=args, small=toml is None)  # geometry flags would override the file
+    assert daemon.exit_code() == status
+    assert message in daemon.log()
+    assert shm_entries(daemon.instance) == []
+    assert not daemons.run_dir.exists() or not any(daemons.run_dir.iterdir())
+
+
+def test_runner_owned_config_is_refused_citing_the_condition(daemons: DaemonFactory) -> None:
+    """With no CPU swap, no store and the mixed role the runner owns the cache: the daemon refuses (exit 4)."""
+    daemon = daemons.start(ranks=2, args=["--num-cpu-blocks", "0", "--storage-backend", "none", "--role", "mixed"])
+    assert daemon.exit_code() == 4
+    log = daemon.log()
+    assert "refusing to allocate" in log and "num_cpu_blocks > 0 or storage_backend" in log
+    assert "the runner owns the cache" in log
+    assert shm_entries(daemon.instance) == []
+
+
+def test_request_larger_than_dev_shm_fails_at_start_and_leaves_nothing(daemons: DaemonFactory) -> None:
+    """Asking for more than /dev/shm holds is a clear start-up error (exit 5), before anything is reserved."""
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    per_block = 4 * 2 * 2 * 64 * 128 * 2
+    blocks = free // per_block + 1000
+    daemon = daemons.start(ranks=1, small=False, args=["--num-blocks", str(blocks)])
+    assert daemon.exit_code() == 5
+    log = daemon.log()
+    assert "/dev/shm has" in log and "this configuration needs" in log
+    assert shm_entries(daemon.instance) == []
+    assert not (daemons.run_dir / f"{daemon.instance}.lock").exists()
+
+
+def test_worker_death_fails_the_rank_and_the_daemon(daemons: DaemonFactory) -> None:
+    """kill -9 of a rank worker: its waiting runner gets RankFailed naming the signal, the daemon exits 1 and
+    leaves nothing behind."""
+    daemon = daemons.start(ranks=2, env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"))
+    status = daemon.wait_state("ALLOCATING")
+    runner = run_runner(daemons.env(), spec=SMALL, rank=1, instance=daemon.instance, timeout=60)
+    time.sleep(0.5)
+    os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
+    result = runner_result(runner)
+    assert not result["ok"] and result["error_type"] == "RankFailed", result
+    assert "SIGKILL" in result["error"]
+    assert daemon.exit_code() == 1
+    assert shm_entries(daemon.instance) == []
+
+
+def test_help_explains_commands_and_exit_statuses(daemons: DaemonFactory) -> None:
+    """--help names the fixed condition and the exit statuses; start --help lists the public flags."""
+    top = daemons.cli("--help").stdout
+    assert "num_cpu_blocks > 0" in top and "3 instance already running" in top
+    start = daemons.cli("start", "--help").stdout
+    for flag in (
+        "--ranks",
+        "--instance",
+        "--config",
+        "--memory",
+        "--num-layers",
+        "--kv-heads",
+        "--head-dim",
+        "--block-size",
+        "--dtype",
+        "--num-blocks",
+        "--num-cpu-blocks",
+        "--storage-backend",
+        "--role",
+    ):
+        assert flag in start
+
+
+def test_import_runner_client_stays_light() -> None:
+    """import runner_client loads neither click nor structlog nor any daemon code."""
+    import subprocess
+
+    code = (
+        "import sys, runner_client; bad = [m for m in sys.modules if m.split('.')[0] in ('click', 'structlog') "
+        "or m.startswith(('kvcached.daemon', 'kvcached.cli', 'kvcached.logs'))]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
