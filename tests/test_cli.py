@@ -225,3 +225,17 @@ def test_import_runner_client_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_every_object_is_ours_and_mode_0600(daemons: DaemonFactory) -> None:
+    """Control block, semaphores, arenas and the lock file: owned by the daemon's user, mode 0600."""
+    import stat
+
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    names = shm_entries(daemon.instance)
+    assert len(names) == 1 + 2 * 3  # control block; per rank: semaphore, device arena, CPU pool
+    for path in [Path("/dev/shm") / n for n in names] + [daemons.run_dir / f"{daemon.instance}.lock"]:
+        st = path.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o600, path
+        assert st.st_uid == os.geteuid(), path
