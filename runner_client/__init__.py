@@ -17,28 +17,38 @@ from kvcached.protocol.errors import (
     CacheNotReady,
     DaemonGone,
     InvalidSpec,
+    InvalidTask,
     KVCacheError,
     OwnershipConflict,
     ProtocolError,
     RankFailed,
+    TaskFailed,
+    TaskTimeout,
 )
 from kvcached.protocol.ownership import CONDITION, Owner, cache_owner, should_create_cache
 from kvcached.protocol.spec import CacheSpec
 from runner_client.cache import KVCache, initialize_kv_cache
+from runner_client.tasks import CacheTasks, TaskHandle, TaskResult
 
 __all__ = [
     "CONDITION",
     "CacheLayoutMismatch",
     "CacheNotReady",
     "CacheSpec",
+    "CacheTasks",
     "DaemonGone",
     "InvalidSpec",
+    "InvalidTask",
     "KVCache",
     "KVCacheError",
     "Owner",
     "OwnershipConflict",
     "ProtocolError",
     "RankFailed",
+    "TaskFailed",
+    "TaskHandle",
+    "TaskResult",
+    "TaskTimeout",
     "cache_owner",
     "initialize_kv_cache",
     "should_create_cache",

@@ -19,7 +19,7 @@ import contextlib
 import ctypes
 import json
 import os
-import select
+import selectors
 import signal
 import socket
 import time
@@ -31,10 +31,12 @@ import structlog
 from kvcached import logs
 from kvcached.daemon.errors import EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
 from kvcached.daemon.faults import fault
+from kvcached.daemon.server import TaskServer
 from kvcached.memory.host import ShmFull, create_arena
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes, device_arena_bytes
-from kvcached.protocol.names import arena_name
+from kvcached.protocol.names import arena_name, task_socket_path
 from kvcached.protocol.spec import CacheSpec
+from kvcached.transfer import SwapEngine
 
 HEARTBEAT_S = 1.0
 _PR_SET_PDEATHSIG = 1
@@ -68,18 +70,27 @@ def _die_with_parent(parent: int) -> None:
 
 
 def worker_main(
-    sock: socket.socket, *, parent: int, instance: str, generation: int, rank: int, spec: CacheSpec
+    sock: socket.socket,
+    *,
+    parent: int,
+    instance: str,
+    generation: int,
+    rank: int,
+    spec: CacheSpec,
+    run_dir: str,
+    stats: memoryview,
 ) -> NoReturn:
     """Entry point in the forked child. Never returns: exits with a status for the supervisor's log."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the supervisor's to handle
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT):
         signal.signal(signum, signal.SIG_DFL)
+    os.umask(0o077)
     structlog.contextvars.bind_contextvars(rank=rank)
     log = logs.get("kvcached.rank")
     status = EXIT_FAILURE
     try:
-        status = _serve(sock, instance, generation, rank, spec=spec, log=log)
+        status = _serve(sock, instance, generation, rank, spec=spec, run_dir=run_dir, stats=stats, log=log)
     except BaseException as exc:  # the process ends here either way; say why first
         log.exception("rank worker crashed")
         with contextlib.suppress(OSError):
@@ -88,7 +99,17 @@ def worker_main(
         os._exit(status)
 
 
-def _serve(sock: socket.socket, instance: str, generation: int, rank: int, *, spec: CacheSpec, log: Any) -> int:
+def _serve(
+    sock: socket.socket,
+    instance: str,
+    generation: int,
+    rank: int,
+    *,
+    spec: CacheSpec,
+    run_dir: str,
+    stats: memoryview,
+    log: Any,
+) -> int:
     dev_name = arena_name(instance, generation, rank, "dev")
     cpu_name = arena_name(instance, generation, rank, "cpu")
     dev_bytes, cpu_bytes = device_arena_bytes(spec), cpu_pool_bytes(spec)
@@ -108,11 +129,9 @@ def _serve(sock: socket.socket, instance: str, generation: int, rank: int, *, sp
 
         return report
 
-    arenas = []
     try:
-        arenas.append(create_arena(dev_name, dev_bytes, progress(0)))
-        if cpu_bytes:
-            arenas.append(create_arena(cpu_name, cpu_bytes, progress(dev_bytes)))
+        device = create_arena(dev_name, dev_bytes, progress(0))
+        pool = create_arena(cpu_name, cpu_bytes, progress(dev_bytes)) if cpu_bytes else None
     except ShmFull as exc:
         send_msg(sock, t="failed", error=str(exc.strerror), exit=EXIT_RESOURCES)
         return EXIT_RESOURCES
@@ -120,6 +139,19 @@ def _serve(sock: socket.socket, instance: str, generation: int, rank: int, *, sp
         send_msg(sock, t="failed", error=f"arena name taken by another process: {dev_name}", exit=EXIT_RESOURCES)
         return EXIT_RESOURCES
     log.info("arenas reserved", device_bytes=dev_bytes, cpu_bytes=cpu_bytes)
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(task_socket_path(run_dir, instance, rank)))
+    listener.listen(64)
+    listener.setblocking(False)
+    server = TaskServer(
+        listener=listener,
+        engine=SwapEngine(spec, device, pool),
+        stats=stats,
+        rank=rank,
+        generation=generation,
+        log=log,
+    )
     fault("worker-before-ready")
     send_msg(
         sock,
@@ -130,13 +162,28 @@ def _serve(sock: socket.socket, instance: str, generation: int, rank: int, *, sp
         cpu_bytes=cpu_bytes,
         layout_version=LAYOUT_VERSION,
     )
+
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ, "supervisor")
+    selector.register(listener, selectors.EVENT_READ, "listener")
+    next_beat = time.monotonic() + HEARTBEAT_S
     while True:
-        readable, _, _ = select.select([sock], [], [], HEARTBEAT_S)
-        if readable:
-            msg = recv_msg(sock)
-            if msg is None or msg.get("t") == "stop":
-                break
-        send_msg(sock, t="hb")
-    for arena in arenas:
-        arena.close()
-    return EXIT_OK
+        for key, _ in selector.select(timeout=max(0.0, next_beat - time.monotonic())):
+            if key.data == "supervisor":
+                msg = recv_msg(sock)
+                if msg is None or msg.get("t") == "stop":
+                    return EXIT_OK
+            elif key.data == "listener":
+                conn = server.accept()
+                if conn is not None:
+                    selector.register(conn, selectors.EVENT_READ, "client")
+            else:
+                client = key.fileobj
+                assert isinstance(client, socket.socket)
+                if not server.on_readable(client):
+                    selector.unregister(client)
+                    server.close(client)
+        now = time.monotonic()
+        if now >= next_beat:  # also after a long copy: the supervisor must not take us for hung
+            send_msg(sock, t="hb")
+            next_beat = now + HEARTBEAT_S

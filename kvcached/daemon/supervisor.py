@@ -46,14 +46,16 @@ from kvcached.daemon.errors import (
 )
 from kvcached.daemon.rank import HEARTBEAT_S, recv_msg, send_msg, worker_main
 from kvcached.memory import host
-from kvcached.protocol.control import ControlBlock, Record, State, block_size_for
+from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State, block_size_for
 from kvcached.protocol.layout import rank_shm_bytes
 from kvcached.protocol.names import (
+    MAX_SOCKET_PATH,
     arena_name,
     instance_shm_entries,
     lock_path,
     posix_name,
     semaphore_name,
+    task_socket_path,
 )
 from kvcached.protocol.ownership import cache_owner, explain_owner
 from kvcached.protocol.proc import is_alive, self_identity
@@ -85,6 +87,7 @@ class Supervisor:
         self.workers: dict[int, tuple[int, socket.socket]] = {}  # rank -> (pid, socket)
         self.heard: dict[int, float] = {}  # rank -> monotonic time of the last message
         self.selector = selectors.DefaultSelector()
+        self.run_dir = lock_path(config.instance).parent
         self.wake_r, self.wake_w = -1, -1
         self.all_ready_logged = False
 
@@ -148,6 +151,7 @@ class Supervisor:
             num_ranks=self.config.ranks,
             daemon_pid=pid,
             daemon_start=started,
+            run_dir=str(self.run_dir),
         )
         self.records = [Record(rank=r, generation=self.generation) for r in range(self.config.ranks)]
         faults.fault("after-control-block")
@@ -164,6 +168,13 @@ class Supervisor:
     def _lock(self) -> None:
         path = lock_path(self.instance)
         directory = path.parent
+        longest = task_socket_path(directory, self.instance, self.config.ranks - 1)
+        if len(str(directory).encode()) > MAX_RUN_DIR or len(str(longest).encode()) > MAX_SOCKET_PATH:
+            raise Fatal(
+                f"run directory {directory} is too long for Unix socket paths ({longest} needs at most "
+                f"{MAX_SOCKET_PATH} bytes); set KVCACHED_RUN_DIR to a shorter directory",
+                EXIT_CONFIG,
+            )
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         owner = directory.stat().st_uid
         if owner != os.geteuid():
@@ -227,8 +238,15 @@ class Supervisor:
                 )
         for entry in entries:
             self._unlink_entry(entry)
-        if entries:
-            self.log.info("reclaimed objects of a dead run", count=len(entries))
+        sockets = self._socket_paths()
+        for path in sockets:
+            path.unlink()
+        if entries or sockets:
+            self.log.info("reclaimed objects of a dead run", count=len(entries) + len(sockets))
+
+    def _socket_paths(self) -> list[Path]:
+        """Task socket files of this instance in the run directory (any rank count)."""
+        return sorted(self.run_dir.glob(f"{self.instance}.r*.sock"))
 
     @staticmethod
     def _unlink_entry(entry: Path) -> None:
@@ -263,6 +281,7 @@ class Supervisor:
                     os.close(fd)
             for _, other in self.workers.values():
                 other.close()
+            assert self.block is not None
             worker_main(
                 child_sock,
                 parent=parent,
@@ -270,6 +289,8 @@ class Supervisor:
                 generation=self.generation,
                 rank=rank,
                 spec=self.spec,
+                run_dir=str(self.run_dir),
+                stats=self.block.stats(rank),
             )
         child_sock.close()
         self.workers[rank] = (pid, parent_sock)
@@ -427,6 +448,9 @@ class Supervisor:
             for entry in instance_shm_entries(self.instance):
                 if ours in entry.name:
                     self._unlink_entry(entry)
+        for path in self._socket_paths():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock_path(self.instance))
         os.close(self.lock_fd)

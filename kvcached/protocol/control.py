@@ -7,7 +7,8 @@
     | header, 4096 bytes, written once before ``magic`` (publish last)                     |
     |   0 magic "KVCACHED" | 8 version u32 | 12 header size u32 | 16 record size u32        |
     |  20 ranks u32 | 24 generation u64 | 32 daemon pid i64 | 40 daemon start time u64       |
-    |  48 created (wall ns) u64 | 56 spec digest 16B | 72 spec JSON length u32 | 76 spec JSON  |
+    |  48 created (wall ns) u64 | 56 spec digest 16B | 72 spec JSON length u32                 |
+    |  76 run directory 128B (utf-8: where the task sockets are) | 204 spec JSON              |
     +--------------------------------------------------------------------------------------+
     | record of rank 0, 512 bytes, under a seqlock                                         |
     |   0 seq u64 | 8 state u32 | 12 rank u32 | 16 generation u64 | 24 heartbeat (mono ns)  |
@@ -16,7 +17,11 @@
     |  80 bytes reserved so far | 88 bytes to reserve | 96 device arena name 64B             |
     | 160 cpu pool name 64B | 224 last error 256B (utf-8)                                   |
     +--------------------------------------------------------------------------------------+
-    | record of rank 1 ...                                                                 |
+    | record of rank 1 ... rank n-1                                                        |
+    +--------------------------------------------------------------------------------------+
+    | stats of rank 0, 256 bytes: 32 u64 counters (``STAT_NAMES``), written by that rank's   |
+    | worker alone, each counter an aligned 8-byte store (no seqlock: counters, not state)   |
+    | stats of rank 1 ... rank n-1                                                         |
 
 The seqlock: the writer makes ``seq`` odd, writes the body, makes ``seq`` even; a reader reads ``seq``,
 copies the body, reads ``seq`` again and retries while it was odd or changed. This relies on x86-64's
@@ -49,9 +54,26 @@ MAGIC = b"KVCACHED"
 VERSION = 1
 HEADER_SIZE = 4096
 RECORD_SIZE = 512
+STATS_SIZE = 256
 MAX_RANKS = 256
+MAX_RUN_DIR = 127
 
-_HEADER = struct.Struct("<8sIIIIQqQQ16sI")
+#: Counters in each rank's stats slot, in order. Append only: the position is the format.
+STAT_NAMES: tuple[str, ...] = (
+    "swap_out_tasks",
+    "swap_out_blocks",
+    "swap_out_bytes",
+    "swap_out_ns",
+    "swap_in_tasks",
+    "swap_in_blocks",
+    "swap_in_bytes",
+    "swap_in_ns",
+    "tasks_refused",
+    "connections",
+)
+assert len(STAT_NAMES) * 8 <= STATS_SIZE
+
+_HEADER = struct.Struct("<8sIIIIQqQQ16sI128s")
 _SPEC_OFFSET = _HEADER.size
 _SEQ = struct.Struct("<Q")
 _BODY = struct.Struct("<IIQQQQqIIQQQQ64s64s256s")
@@ -80,6 +102,7 @@ class Header:
     created_wall_ns: int
     spec_digest: bytes
     spec: dict[str, Any]
+    run_dir: str
 
 
 @dataclasses.dataclass(slots=True)
@@ -182,8 +205,8 @@ def _unfit(raw: bytes) -> str:
 
 
 def block_size_for(num_ranks: int) -> int:
-    """Bytes of a control block with ``num_ranks`` records."""
-    return round_up(HEADER_SIZE + RECORD_SIZE * num_ranks)
+    """Bytes of a control block with ``num_ranks`` records and stats slots."""
+    return round_up(HEADER_SIZE + (RECORD_SIZE + STATS_SIZE) * num_ranks)
 
 
 class ControlBlock:
@@ -210,11 +233,15 @@ class ControlBlock:
         num_ranks: int,
         daemon_pid: int,
         daemon_start: int,
+        run_dir: str = "",
     ) -> ControlBlock:
         """Create, fill and publish a new block (O_EXCL, mode 0600). Raises ``posix_ipc.ExistentialError``
         if the name is taken. Every record starts EMPTY in ``generation``; ``magic`` is written last."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
+        run_dir_bytes = run_dir.encode()
+        if len(run_dir_bytes) > MAX_RUN_DIR:
+            raise ValueError(f"run directory path longer than {MAX_RUN_DIR} bytes: {run_dir}")
         name = control_name(instance)
         size = block_size_for(num_ranks)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
@@ -247,6 +274,7 @@ class ControlBlock:
             time.time_ns(),
             spec.geometry_digest,
             len(spec_json),
+            run_dir_bytes,
         )
         block._buf[_SPEC_OFFSET : _SPEC_OFFSET + len(spec_json)] = spec_json
         for rank in range(num_ranks):
@@ -275,7 +303,8 @@ class ControlBlock:
     def close(self) -> None:
         """Unmap. The object itself stays; ``unlink`` removes the name."""
         self._buf.release()
-        self._mm.close()
+        with contextlib.suppress(BufferError):  # a stats view still alive: unmapped with it
+            self._mm.close()
 
     def unlink(self) -> None:
         """Remove the name (the writer does this on stop). Missing already is fine."""
@@ -295,9 +324,20 @@ class ControlBlock:
             return self._header
         if len(self._buf) < HEADER_SIZE:
             raise ProtocolError(f"{self.name}: too small to be a kvcached control block")
-        (magic, version, header_size, record_size, num_ranks, generation, pid, start, created, digest, spec_len) = (
-            _HEADER.unpack_from(self._buf, 0)
-        )
+        (
+            magic,
+            version,
+            header_size,
+            record_size,
+            num_ranks,
+            generation,
+            pid,
+            start,
+            created,
+            digest,
+            spec_len,
+            run_dir,
+        ) = _HEADER.unpack_from(self._buf, 0)
         if magic != MAGIC:
             raise ProtocolError(f"{self.name}: not a kvcached control block (magic {magic!r})")
         if version != VERSION or header_size != HEADER_SIZE or record_size != RECORD_SIZE:
@@ -305,7 +345,7 @@ class ControlBlock:
                 f"{self.name}: control block format version {version} "
                 f"(header {header_size}, record {record_size}); this client speaks version {VERSION}"
             )
-        if not 1 <= num_ranks <= MAX_RANKS or len(self._buf) < HEADER_SIZE + RECORD_SIZE * num_ranks:
+        if not 1 <= num_ranks <= MAX_RANKS or len(self._buf) < HEADER_SIZE + (RECORD_SIZE + STATS_SIZE) * num_ranks:
             raise ProtocolError(f"{self.name}: rank count {num_ranks} does not fit the block")
         if spec_len > HEADER_SIZE - _SPEC_OFFSET:
             raise ProtocolError(f"{self.name}: spec length {spec_len} does not fit the header")
@@ -315,7 +355,7 @@ class ControlBlock:
             raise ProtocolError(f"{self.name}: spec in header is not JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise ProtocolError(f"{self.name}: spec in header is not an object")
-        self._header = Header(version, num_ranks, generation, pid, start, created, digest, spec)
+        self._header = Header(version, num_ranks, generation, pid, start, created, digest, spec, _unfit(run_dir))
         self._num_ranks = num_ranks
         return self._header
 
@@ -326,6 +366,17 @@ class ControlBlock:
         if not 0 <= rank < num_ranks:
             raise IndexError(f"rank {rank} out of range 0..{num_ranks - 1}")
         return HEADER_SIZE + rank * RECORD_SIZE
+
+    def stats(self, rank: int) -> memoryview:
+        """``rank``'s counters, a memoryview of u64 indexed like ``STAT_NAMES`` (writable in the writer's
+        process and its forked workers, read-only elsewhere). Plain item stores, no seqlock."""
+        self._record_offset(rank)
+        offset = HEADER_SIZE + RECORD_SIZE * self._num_ranks + STATS_SIZE * rank
+        return self._buf[offset : offset + 8 * len(STAT_NAMES)].cast("Q")
+
+    def read_stats(self, rank: int) -> dict[str, int]:
+        """A copy of ``rank``'s counters by name."""
+        return dict(zip(STAT_NAMES, self.stats(rank).tolist(), strict=True))
 
     def read(self, rank: int, *, attempts: int = 2000) -> Record:
         """A consistent copy of ``rank``'s record (seqlock). Raises ``TornRead`` when no consistent copy

@@ -9,7 +9,10 @@
     ├── DaemonGone                   the daemon that was publishing this rank died or stopped
     ├── RankFailed                   the daemon marked this rank FAILED; carries its last error
     ├── CacheLayoutMismatch          the published layout differs from the runner's spec; names the field
-    └── ProtocolError                a control block that is not ours (bad magic, other format version)
+    ├── ProtocolError                a control block that is not ours (bad magic, other format version)
+    ├── InvalidTask (ValueError)     a task refused before anything moved; names the field (ids, rank, ...)
+    ├── TaskFailed                   the daemon accepted a task but could not complete it
+    └── TaskTimeout (TimeoutError)   no reply to a task within its timeout (it may still complete)
 
 ``runner_client`` re-exports all of them; runners catch these, never bare ``RuntimeError``.
 """
@@ -72,3 +75,22 @@ class CacheLayoutMismatch(KVCacheError):
 
 class ProtocolError(KVCacheError):
     """Raised when a shared object does not speak this protocol (foreign, corrupt, other version)."""
+
+
+class InvalidTask(KVCacheError, ValueError):
+    """Raised when a task is refused before anything was copied: no block changed.
+
+    ``field`` names what was wrong (``device_block_ids``, ``cpu_block_ids``, ``block_ids``, ``rank``...).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class TaskFailed(KVCacheError):
+    """Raised when the daemon accepted a task but failed while executing it."""
+
+
+class TaskTimeout(KVCacheError, TimeoutError):
+    """Raised when a task's reply did not come within its timeout; the task may still complete."""

@@ -7,6 +7,7 @@ An instance name is ``[A-Za-z0-9_-]{1,48}`` (no dot), so every object name parse
     /kvcached.<instance>.<gen>.r<rank>.dev        device arena of a rank (host backend)
     /kvcached.<instance>.<gen>.r<rank>.cpu        CPU swap pool of a rank
     <run_dir>/<instance>.lock                     flock held by the supervisor for its whole life
+    <run_dir>/<instance>.r<rank>.sock             a rank worker's task socket (Unix stream)
 
 ``<gen>`` is the daemon generation in 16 hex digits: a post or an arena of a dead run never carries the
 current generation's name.
@@ -92,3 +93,13 @@ def run_dir() -> Path:
 def lock_path(instance: str) -> Path:
     """The supervisor's lock file of ``instance``."""
     return run_dir() / f"{check_instance(instance)}.lock"
+
+
+#: Longest path a Unix socket address holds (sun_path, with its terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+def task_socket_path(run_dir: str | Path, instance: str, rank: int) -> Path:
+    """Path of rank ``rank``'s task socket. The run directory comes from the control block header, so
+    a runner finds it whatever its own environment says."""
+    return Path(run_dir) / f"{check_instance(instance)}.r{rank}.sock"

@@ -1,0 +1,188 @@
+"""A rank worker's task server: accepts runner connections on the rank's socket and executes their tasks.
+
+Single-threaded, driven by the worker's selector: a connection's bytes are buffered until a whole frame
+is there, the task runs to completion, the reply goes back. Nothing a client sends can end the worker:
+a malformed frame closes that connection only, an invalid task is answered INVALID with nothing changed,
+and a client that vanishes mid-task only loses its reply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+from kvcached.protocol.messages import (
+    MAX_PAYLOAD,
+    REQUEST,
+    REQUEST_MAGIC,
+    SWAP_RESULT,
+    Op,
+    Status,
+    reply,
+    unpack_ids,
+)
+from kvcached.transfer import SwapEngine, TaskError
+
+_PEERCRED = struct.Struct("3i")
+RECV_CHUNK = 1 << 20
+SEND_TIMEOUT_S = 5
+
+
+class _Conn:
+    """One client connection: its socket, unparsed bytes, and whether it said HELLO."""
+
+    __slots__ = ("buf", "greeted", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.greeted = False
+
+
+class TaskServer:
+    """Executes swap tasks for one rank. ``stats`` is the rank's counter array in the control block."""
+
+    def __init__(
+        self,
+        *,
+        listener: socket.socket,
+        engine: SwapEngine,
+        stats: memoryview,
+        rank: int,
+        generation: int,
+        log: Any,
+    ) -> None:
+        from kvcached.protocol.control import STAT_NAMES
+
+        self.listener = listener
+        self.engine = engine
+        self.stats = stats
+        self.index = {name: i for i, name in enumerate(STAT_NAMES)}
+        self.rank = rank
+        self.generation = generation
+        self.log = log
+        self.conns: dict[int, _Conn] = {}
+        self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
+        self.scratch_view = memoryview(self.scratch)
+
+    def _count(self, **amounts: int) -> None:
+        for name, amount in amounts.items():
+            self.stats[self.index[name]] += amount
+
+    # -- connections ----------------------------------------------------------------------------------
+
+    def accept(self) -> socket.socket | None:
+        """Accept one connection if its peer may talk to us (same user, or root); else close it."""
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return None
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if uid not in (os.geteuid(), 0):
+            self.log.warning("refused connection", peer_pid=pid, peer_uid=uid)
+            sock.close()
+            return None
+        # Blocking (no poll() before each call: select already said readable), but a send to a client
+        # that stopped reading its replies gives up after SEND_TIMEOUT_S instead of stalling the rank.
+        sock.setblocking(True)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
+        self.conns[sock.fileno()] = _Conn(sock)
+        self._count(connections=1)
+        return sock
+
+    def close(self, sock: socket.socket) -> None:
+        """Forget and close a connection."""
+        self.conns.pop(sock.fileno(), None)
+        sock.close()
+
+    def on_readable(self, sock: socket.socket) -> bool:
+        """Read what arrived and run every complete task; False when the caller should close it."""
+        conn = self.conns[sock.fileno()]
+        try:
+            got = sock.recv_into(self.scratch)
+        except OSError:
+            got = 0
+        if not got:
+            return False
+        conn.buf += self.scratch_view[:got]
+        while len(conn.buf) >= REQUEST.size:
+            magic, op, _flags, task_id, length = REQUEST.unpack_from(conn.buf)
+            if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
+                why = (
+                    "bad frame magic" if magic != REQUEST_MAGIC else f"payload of {length} bytes exceeds {MAX_PAYLOAD}"
+                )
+                self._send(conn, reply(op, Status.INVALID, task_id, {"field": "frame", "message": why}))
+                self._count(tasks_refused=1)
+                return False
+            if len(conn.buf) < REQUEST.size + length:
+                break
+            payload = bytes(conn.buf[REQUEST.size : REQUEST.size + length])
+            del conn.buf[: REQUEST.size + length]
+            if not self._send(conn, self._execute(conn, op, task_id, payload)):
+                return False
+        return True
+
+    def _send(self, conn: _Conn, frame: bytes) -> bool:
+        try:
+            conn.sock.sendall(frame)
+        except OSError:  # the client left (or stopped reading): its reply is lost, the rank serves on
+            return False
+        return True
+
+    # -- tasks ----------------------------------------------------------------------------------------
+
+    def _execute(self, conn: _Conn, op: int, task_id: int, payload: bytes) -> bytes:
+        try:
+            if op == Op.HELLO:
+                return self._hello(conn, task_id, payload)
+            if not conn.greeted:
+                raise TaskError("hello", "send HELLO with the daemon generation first")
+            if op in (Op.SWAP_OUT, Op.SWAP_IN):
+                return self._swap(Op(op), task_id, payload)
+            raise TaskError("op", f"unknown operation {op}; known: {', '.join(o.name for o in Op)}")
+        except TaskError as exc:
+            self._count(tasks_refused=1)
+            return reply(op, Status.INVALID, task_id, {"field": exc.field, "message": exc.message})
+        except Exception as exc:
+            self.log.exception("task failed", op=op, task_id=task_id)
+            return reply(op, Status.FAILED, task_id, {"message": f"{type(exc).__name__}: {exc}"})
+
+    def _hello(self, conn: _Conn, task_id: int, payload: bytes) -> bytes:
+        try:
+            theirs = json.loads(payload).get("generation")
+        except (ValueError, AttributeError):
+            raise TaskError("hello", "payload must be a JSON object with the generation") from None
+        ours = f"{self.generation:016x}"
+        if theirs != ours:
+            raise TaskError("generation", f"client expects generation {theirs}, this daemon is {ours}")
+        conn.greeted = True
+        spec = self.engine.spec
+        body = {
+            "rank": self.rank,
+            "generation": ours,
+            "num_blocks": spec.num_blocks,
+            "num_cpu_blocks": spec.num_cpu_blocks,
+            "block_bytes": spec.block_bytes,
+        }
+        return reply(Op.HELLO, Status.OK, task_id, body)
+
+    def _swap(self, op: Op, task_id: int, payload: bytes) -> bytes:
+        ids = unpack_ids(payload)
+        if ids is None:
+            raise TaskError("payload", f"{len(payload)} bytes is not two equal lists of int32 block ids")
+        src, dst = ids
+        out = op is Op.SWAP_OUT
+        tiers = ("device", "cpu") if out else ("cpu", "device")
+        self.engine.validate(src, dst, src_tier=tiers[0], dst_tier=tiers[1])
+        started = time.monotonic_ns()
+        moved = self.engine.swap_out(src, dst) if out else self.engine.swap_in(src, dst)
+        took = time.monotonic_ns() - started
+        prefix = "swap_out" if out else "swap_in"
+        self._count(
+            **{f"{prefix}_tasks": 1, f"{prefix}_blocks": len(src), f"{prefix}_bytes": moved, f"{prefix}_ns": took}
+        )
+        return reply(op, Status.OK, task_id, SWAP_RESULT.pack(len(src), moved, took))

@@ -1,0 +1,86 @@
+"""The task wire protocol between ``runner_client.CacheTasks`` and a rank worker (one Unix stream socket
+per rank, ``<run_dir>/<instance>.r<rank>.sock``).
+
+Every frame is a fixed header and a payload; integers little-endian::
+
+    request  | magic "KVT1" | op u16 | flags u16 | task id u64 | payload length u32 | payload ... |
+    reply    | magic "KVR1" | op u16 | status i16 | task id u64 | payload length u32 | payload ... |
+
+    op HELLO     payload: JSON {"generation": "<16 hex>"}; reply JSON {"rank", "generation", ...}
+    op SWAP_OUT  payload: n int32 device block ids, then n int32 CPU block ids   (device -> CPU pool)
+    op SWAP_IN   payload: n int32 CPU block ids, then n int32 device block ids   (CPU pool -> device)
+
+    status OK (0): SWAP_* reply payload ``SWAP_RESULT`` (blocks u64, bytes u64, copy ns u64), HELLO reply
+    JSON; INVALID (1): JSON {"field", "message"}, nothing was changed; FAILED (2): JSON {"message"}; the
+    connection stays usable after both.
+
+Replies come back in request order on a connection. A frame with a bad magic or a payload larger than
+``MAX_PAYLOAD`` cannot be resynchronised: the worker answers INVALID and closes that connection only.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+REQUEST = struct.Struct("<4sHHQI")
+REPLY = struct.Struct("<4sHhQI")
+SWAP_RESULT = struct.Struct("<QQQ")
+REQUEST_MAGIC = b"KVT1"
+REPLY_MAGIC = b"KVR1"
+#: 8 Mi block-id pairs per task at most.
+MAX_PAYLOAD = 64 << 20
+
+
+class Op(enum.IntEnum):
+    """Task operations."""
+
+    HELLO = 1
+    SWAP_OUT = 2
+    SWAP_IN = 3
+
+
+class Status(enum.IntEnum):
+    """Reply statuses."""
+
+    OK = 0
+    INVALID = 1
+    FAILED = 2
+
+
+def request(op: Op, task_id: int, payload: bytes = b"") -> bytes:
+    """A request frame."""
+    return REQUEST.pack(REQUEST_MAGIC, op, 0, task_id, len(payload)) + payload
+
+
+def reply(op: int, status: Status, task_id: int, body: dict[str, Any] | bytes) -> bytes:
+    """A reply frame; a dict body is sent as JSON, bytes as they are."""
+    payload = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+    return REPLY.pack(REPLY_MAGIC, op, status, task_id, len(payload)) + payload
+
+
+def parse_reply_body(op: int, status: int, payload: bytes) -> dict[str, Any]:
+    """The body of a reply as a dict, whatever its encoding."""
+    if status == Status.OK and op in (Op.SWAP_OUT, Op.SWAP_IN):
+        blocks, nbytes, ns = SWAP_RESULT.unpack(payload)
+        return {"blocks": blocks, "bytes": nbytes, "ns": ns}
+    body = json.loads(payload) if payload else {}
+    return body if isinstance(body, dict) else {"message": str(body)}
+
+
+def pack_ids(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> bytes:
+    """Payload of a swap: the two id lists as int32, source first."""
+    return src.astype("<i4", copy=False).tobytes() + dst.astype("<i4", copy=False).tobytes()
+
+
+def unpack_ids(payload: bytes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
+    """The two id lists of a swap payload, as int64 arrays; None if the length is not 8n."""
+    if len(payload) % 8:
+        return None
+    ids = np.frombuffer(payload, dtype="<i4").astype(np.int64)
+    n = len(ids) // 2
+    return ids[:n], ids[n:]

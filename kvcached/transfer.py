@@ -1,0 +1,153 @@
+"""Copies between a rank's device arena and its CPU swap pool, validated first, coalesced into runs.
+
+A task is two equally long lists of block ids. Validation happens before the first byte moves, so a
+refused task changes nothing. The copy then splits the lists into runs where both ids advance by one,
+and moves each run with one slice copy per tensor (numpy releases the GIL for it)::
+
+    device ids 4 5 6 9 10 | 2          ->  runs (4->0, n=3), (9->3, n=2), (2->5, n=1)
+    cpu ids    0 1 2 3 4  | 5
+
+    per run, per tensor t (layer x key/value/scale):
+        pool[c0:c0+n, off_t:off_t+piece_t] = device_t[d0:d0+n]      (one strided copy)
+
+A Python loop over runs beats numpy's fancy indexing here: that gathers into a temporary first, an
+extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces, 3.2 vs 12 GB/s for
+256 KiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from kvcached.protocol.layout import cpu_block_stride, device_slots
+from kvcached.protocol.spec import CacheSpec
+
+Array = np.ndarray[Any, Any]
+
+
+class TaskError(ValueError):
+    """A task refused before anything was copied; ``field`` names what was wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+#: Below this many ids, plain Python beats numpy's per-call overhead for validation and run finding.
+SMALL = 64
+
+
+def runs(a: Array, b: Array) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(a0, b0, n)`` in which both id lists advance by one at each step."""
+    n = len(a)
+    if n == 0:
+        return []
+    if n <= SMALL:
+        xs, ys = a.tolist(), b.tolist()
+        found = []
+        start = 0
+        for i in range(1, n):
+            if xs[i] != xs[i - 1] + 1 or ys[i] != ys[i - 1] + 1:
+                found.append((xs[start], ys[start], i - start))
+                start = i
+        found.append((xs[start], ys[start], n - start))
+        return found
+    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return list(zip(a[starts].tolist(), b[starts].tolist(), lengths.tolist(), strict=True))
+
+
+def _out_of_range(ids: Array, limit: int) -> int | None:
+    """The first id outside ``0..limit-1``, or None."""
+    if len(ids) <= SMALL:
+        found: int | None = next((i for i in ids.tolist() if not 0 <= i < limit), None)
+        return found
+    if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+        return int(ids[(ids < 0) | (ids >= limit)][0])
+    return None
+
+
+def _repeated(ids: Array) -> int | None:
+    """An id that appears more than once, or None."""
+    if len(ids) <= SMALL:
+        seen: set[int] = set()
+        values: list[int] = ids.tolist()
+        for i in values:
+            if i in seen:
+                return i
+            seen.add(i)
+        return None
+    ordered = np.sort(ids)
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    return int(ordered[same[0]]) if len(same) else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Piece:
+    """One tensor's part of a block: its device view ``[num_blocks, piece]`` and column in a pool record."""
+
+    device: Array
+    column: int
+    nbytes: int
+
+
+class SwapEngine:
+    """Moves whole blocks (every layer, key, value and scale) between device arena and CPU pool."""
+
+    def __init__(self, spec: CacheSpec, device: Any, pool: Any | None) -> None:
+        self.spec = spec
+        device_u8 = np.frombuffer(device, dtype=np.uint8)
+        self.pieces: list[_Piece] = []
+        column = 0
+        for slot in device_slots(spec):
+            piece = slot.nbytes // spec.num_blocks
+            view = device_u8[slot.offset : slot.offset + slot.nbytes].reshape(spec.num_blocks, piece)
+            self.pieces.append(_Piece(view, column, piece))
+            column += piece
+        assert column == spec.block_bytes
+        self.pool: Array | None = None
+        if pool is not None and spec.num_cpu_blocks:
+            stride = cpu_block_stride(spec)
+            self.pool = np.frombuffer(pool, dtype=np.uint8, count=stride * spec.num_cpu_blocks).reshape(
+                spec.num_cpu_blocks, stride
+            )
+
+    def validate(self, src: Array, dst: Array, *, src_tier: str, dst_tier: str) -> None:
+        """Raise ``TaskError`` unless every id is in range for its tier and no target repeats."""
+        if self.pool is None:
+            raise TaskError("num_cpu_blocks", "this instance has no CPU swap pool (num_cpu_blocks = 0)")
+        if len(src) != len(dst):
+            raise TaskError("block_ids", f"lists of different lengths: {len(src)} and {len(dst)}")
+        for ids, tier, role in ((src, src_tier, "source"), (dst, dst_tier, "target")):
+            limit = self.spec.num_blocks if tier == "device" else self.spec.num_cpu_blocks
+            bad = _out_of_range(ids, limit)
+            if bad is not None:
+                raise TaskError(
+                    f"{tier}_block_ids", f"{role} id {bad} out of range: {tier} block ids are 0..{limit - 1}"
+                )
+        repeated = _repeated(dst)
+        if repeated is not None:
+            raise TaskError(f"{dst_tier}_block_ids", f"target id {repeated} appears more than once")
+
+    def swap_out(self, device_ids: Array, cpu_ids: Array) -> int:
+        """Copy device blocks to CPU pool blocks (validated ids). Returns bytes moved."""
+        assert self.pool is not None
+        pool = self.pool
+        for d0, c0, n in runs(device_ids, cpu_ids):
+            for piece in self.pieces:
+                pool[c0 : c0 + n, piece.column : piece.column + piece.nbytes] = piece.device[d0 : d0 + n]
+        return len(device_ids) * self.spec.block_bytes
+
+    def swap_in(self, cpu_ids: Array, device_ids: Array) -> int:
+        """Copy CPU pool blocks to device blocks (validated ids). Returns bytes moved."""
+        assert self.pool is not None
+        pool = self.pool
+        for c0, d0, n in runs(cpu_ids, device_ids):
+            for piece in self.pieces:
+                piece.device[d0 : d0 + n] = pool[c0 : c0 + n, piece.column : piece.column + piece.nbytes]
+        return len(device_ids) * self.spec.block_bytes
