@@ -5,7 +5,9 @@ The JSON shape is a public interface (scripts parse it)::
     {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234,
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
-                "error": ""}, ...],
+                "error": "", "cpu_blocks": 64,
+                "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
+                         "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
      "spec": {...}}
 
 ``running`` says a control block exists; ``alive`` that its daemon still runs (a block whose daemon is
@@ -69,6 +71,8 @@ def read_status(instance: str) -> dict[str, Any]:
                     if record.since_wall_ns
                     else None,
                     "error": record.error,
+                    "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
+                    "swap": block.read_stats(rank),
                 }
             )
     finally:
@@ -86,6 +90,11 @@ def _size(n: int | None) -> str:
     return "-" if not n else f"{n / 2**20:.1f} MiB"
 
 
+def _swaps(swap: dict[str, int], prefix: str) -> str:
+    tasks = swap.get(f"{prefix}_tasks", 0)
+    return f"{tasks} ({swap.get(f'{prefix}_blocks', 0)} blk, {_size(swap.get(f'{prefix}_bytes'))})" if tasks else "0"
+
+
 def render(status: dict[str, Any]) -> str:
     """A table for people."""
     name = status["instance"]
@@ -95,12 +104,16 @@ def render(status: dict[str, Any]) -> str:
         return f"instance {name}: starting"
     daemon = "alive" if status["alive"] else "DEAD (leftover control block; the next start reclaims it)"
     lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
-    rows = [("rank", "state", "pid", "heartbeat", "device", "cpu pool", "since", "error")]
+    rows = [
+        ("rank", "state", "pid", "heartbeat", "device", "cpu pool", "swap out", "swap in", "refused", "since", "error")
+    ]
     for r in status["ranks"]:
         state = r["state"]
         if state == "ALLOCATING" and r.get("total"):
             state += f" {100 * r['reserved'] // r['total']}%"
         age = r.get("heartbeat_age_s")
+        swap = r.get("swap") or {}
+        pool = f"{_size(r.get('bytes_cpu'))} ({r.get('cpu_blocks', 0)} blocks)" if r.get("bytes_cpu") else "-"
         rows.append(
             (
                 str(r["rank"]),
@@ -108,7 +121,10 @@ def render(status: dict[str, Any]) -> str:
                 str(r.get("pid") or "-"),
                 "-" if age is None else f"{age:.1f}s",
                 _size(r.get("bytes_device")),
-                _size(r.get("bytes_cpu")),
+                pool,
+                _swaps(swap, "swap_out"),
+                _swaps(swap, "swap_in"),
+                str(swap.get("tasks_refused", 0)),
                 r.get("since") or "-",
                 r.get("error") or "",
             )

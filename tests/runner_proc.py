@@ -27,6 +27,38 @@ def mapping_of(address: int) -> str:
     raise AssertionError(f"address {address:#x} is not mapped")
 
 
+def block_bytes(cache: rc.KVCache, ids: list[int]) -> list[bytes]:
+    """Every tensor's bytes of the given blocks, in a fixed order."""
+    tensors = cache.key_caches + cache.value_caches + cache.key_cache_scales + cache.value_cache_scales
+    return [t[i].tobytes() for t in tensors for i in ids]
+
+
+def swap_rounds(cache: rc.KVCache, instance: str, rank: int, rounds: int) -> bool:
+    """Random data out to the CPU pool and back to other device blocks, ``rounds`` times; all equal?"""
+    import numpy as np
+
+    spec = cache.spec
+    rng = np.random.default_rng(rank)
+    tensors = cache.key_caches + cache.value_caches + cache.key_cache_scales + cache.value_cache_scales
+    with rc.CacheTasks(instance) as tasks:
+        for _ in range(rounds):
+            n = int(rng.integers(1, min(spec.num_blocks, spec.num_cpu_blocks) // 2 + 1))
+            src = rng.choice(spec.num_blocks, n, replace=False).tolist()
+            cpu = rng.choice(spec.num_cpu_blocks, n, replace=False).tolist()
+            dst = rng.choice(spec.num_blocks, n, replace=False).tolist()
+            for t in tensors:
+                raw = t.view(np.uint8)
+                raw[src] = rng.integers(0, 256, raw[src].shape, dtype=np.uint8)
+            before = block_bytes(cache, src)
+            tasks.swap_out(rank, src, cpu)
+            for t in tensors:
+                t.view(np.uint8)[src] = 0
+            tasks.swap_in(rank, cpu, dst)
+            if block_bytes(cache, dst) != before:
+                return False
+    return True
+
+
 def main() -> None:
     request: dict[str, Any] = json.loads(sys.argv[1])
     if "slice_s" in request:  # lengthen the liveness slice: a missed wake-up then shows as a long delay
@@ -65,6 +97,8 @@ def main() -> None:
         key0.flat[request["write"]["index"]] = request["write"]["value"]
     if "read" in request:
         result["read"] = int(key0.flat[request["read"]["index"]])
+    if "swap_rounds" in request:
+        result["swap_ok"] = swap_rounds(cache, request["instance"], request.get("rank", 0), request["swap_rounds"])
     time.sleep(request.get("hold", 0.0))
     cache.close()
     print(json.dumps(result), flush=True)

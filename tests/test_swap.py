@@ -1,0 +1,255 @@
+"""CPU swap tier: blocks move between device arena and CPU pool through the daemon, validated first."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import posix_ipc
+import pytest
+
+import runner_client as rc
+from kvcached.protocol.control import ControlBlock
+from kvcached.protocol.messages import REQUEST, Op, request
+from kvcached.protocol.names import task_socket_path
+from kvcached.status import read_status
+from tests.conftest import Daemon, DaemonFactory, run_runner, runner_result
+
+GEOMETRY: dict[str, Any] = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
+FP8 = ["--num-layers", "3", "--num-blocks", "16", "--num-cpu-blocks", "8", "--dtype", "int8", "--block-wise-fp8"]
+
+
+def spec_fp8() -> rc.CacheSpec:
+    return rc.CacheSpec(**GEOMETRY, dtype="int8", block_wise_fp8=True)
+
+
+def tensors(cache: rc.KVCache) -> list[np.ndarray]:
+    return cache.key_caches + cache.value_caches + cache.key_cache_scales + cache.value_cache_scales
+
+
+def fill_random(cache: rc.KVCache, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in tensors(cache):
+        raw = t.view(np.uint8)
+        raw[...] = rng.integers(0, 256, raw.shape, dtype=np.uint8)
+
+
+def blocks_of(cache: rc.KVCache, ids: list[int]) -> list[bytes]:
+    return [t[i].tobytes() for t in tensors(cache) for i in ids]
+
+
+def arena_digests(instance: str) -> dict[str, str]:
+    """sha256 of every device arena and CPU pool of the instance, by name."""
+    block = ControlBlock.open(instance)
+    assert block is not None
+    digests = {}
+    try:
+        for rank in range(block.header().num_ranks):
+            record = block.read(rank)
+            for name, size in ((record.dev_name, record.dev_bytes), (record.cpu_name, record.cpu_bytes)):
+                shm = posix_ipc.SharedMemory(name, read_only=True)
+                with mmap.mmap(shm.fd, size, prot=mmap.PROT_READ) as mm:
+                    digests[name] = hashlib.sha256(mm).hexdigest()
+                shm.close_fd()
+    finally:
+        block.close()
+    return digests
+
+
+@pytest.fixture
+def fp8_daemon(daemons: DaemonFactory) -> Iterator[Daemon]:
+    daemon = daemons.start(ranks=2, args=FP8)
+    daemon.wait_ready()
+    yield daemon
+
+
+def test_round_trip_all_layers_keys_values_scales(fp8_daemon: Daemon) -> None:
+    """Random blocks swapped out, overwritten, swapped in to other device ids: byte-equal, on both ranks."""
+    instance = fp8_daemon.instance
+    caches = [rc.initialize_kv_cache(spec_fp8(), r, instance=instance) for r in (0, 1)]
+    try:
+        for rank, cache in enumerate(caches):
+            fill_random(cache, seed=rank)
+        src, cpu, dst = [1, 2, 3, 9, 15], [0, 1, 2, 7, 4], [4, 5, 6, 0, 10]
+        before = [blocks_of(c, src) for c in caches]
+        untouched = [blocks_of(c, [7, 8]) for c in caches]
+        with rc.CacheTasks(instance) as tasks:
+            result = tasks.swap_out(None, src, cpu)
+            assert result.ranks == (0, 1) and result.blocks == 5 and result.bytes == 5 * spec_fp8().block_bytes
+            for cache in caches:
+                for t in tensors(cache):
+                    t[src] = 0
+            tasks.swap_in(None, cpu, dst)
+        for rank, cache in enumerate(caches):
+            assert blocks_of(cache, dst) == before[rank]
+            assert blocks_of(cache, [7, 8]) == untouched[rank], "blocks outside the task are untouched"
+        assert len(tensors(caches[0])) == 3 * 4  # keys, values and both scales of every layer were compared
+    finally:
+        for cache in caches:
+            cache.close()
+
+
+def test_round_trip_mla_and_single_rank(daemons: DaemonFactory) -> None:
+    """MLA (key cache only): a swap on one rank moves that rank's blocks only."""
+    daemon = daemons.start(ranks=2, args=["--mla", "--num-blocks", "16", "--num-cpu-blocks", "8"])
+    daemon.wait_ready()
+    spec = rc.CacheSpec(**{**GEOMETRY, "num_layers": 2}, mla=True)
+    caches = [rc.initialize_kv_cache(spec, r, instance=daemon.instance) for r in (0, 1)]
+    try:
+        for rank, cache in enumerate(caches):
+            fill_random(cache, seed=10 + rank)
+        other = blocks_of(caches[0], list(range(16)))
+        expected = blocks_of(caches[1], [3])
+        with rc.CacheTasks(daemon.instance) as tasks:
+            tasks.swap_out(1, [3], [5])
+            tasks.swap_in(1, [5], [12])
+        assert blocks_of(caches[1], [12]) == expected
+        assert blocks_of(caches[0], list(range(16))) == other
+    finally:
+        for cache in caches:
+            cache.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (("swap_out", 0, [16], [0]), "device_block_ids"),
+        (("swap_out", 0, [0], [8]), "cpu_block_ids"),
+        (("swap_in", None, [-1], [0]), "cpu_block_ids"),
+        (("swap_in", 1, [0], [99]), "device_block_ids"),
+        (("swap_out", None, [1, 2], [3, 3]), "cpu_block_ids"),
+        (("swap_in", 0, [1, 2], [5, 5]), "device_block_ids"),
+        (("swap_out", 0, [1, 2, 3], [1, 2]), "block_ids"),
+        (("swap_out", 2, [1], [1]), "rank"),
+        (("swap_out", -1, [1], [1]), "rank"),
+        (("swap_out", 0, [1.5], [1]), "device_block_ids"),
+        (("swap_out", 0, [[1, 2]], [1]), "device_block_ids"),
+        (("swap_in", 0, [2**40], [1]), "cpu_block_ids"),
+    ],
+)
+def test_bad_task_refused_and_nothing_changes(fp8_daemon: Daemon, call: tuple[Any, ...], field: str) -> None:
+    """Each bad task raises InvalidTask naming the field; every arena and pool is unchanged; the daemon then
+    serves a valid task."""
+    instance = fp8_daemon.instance
+    with rc.initialize_kv_cache(spec_fp8(), 0, instance=instance) as cache:
+        fill_random(cache, seed=3)
+        with rc.CacheTasks(instance) as tasks:
+            tasks.swap_out(None, list(range(8)), list(range(8)))  # fill the pools too
+            before = arena_digests(instance)
+            method, rank, a, b = call
+            with pytest.raises(rc.InvalidTask) as info:
+                getattr(tasks, method)(rank, a, b)
+            assert info.value.field == field, info.value
+            assert arena_digests(instance) == before
+            expected = blocks_of(cache, [6])
+            tasks.swap_out(0, [6], [1])
+            tasks.swap_in(0, [1], [13])
+            assert blocks_of(cache, [13]) == expected
+
+
+def test_rank_not_ready_is_refused(daemons: DaemonFactory) -> None:
+    """A task for a rank that is still ALLOCATING is refused, naming the rank and its state."""
+    daemon = daemons.start(ranks=1, env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"))
+    daemon.wait_state("ALLOCATING")
+    with rc.CacheTasks(daemon.instance) as tasks, pytest.raises(rc.InvalidTask, match="ALLOCATING, not READY") as info:
+        tasks.swap_out(0, [1], [1])
+    assert info.value.field == "rank"
+
+
+def test_no_cpu_pool_is_refused(daemons: DaemonFactory) -> None:
+    """An instance without a CPU pool (daemon-owned through its role) refuses swaps, saying why."""
+    daemon = daemons.start(ranks=1, args=["--num-cpu-blocks", "0", "--role", "decode"])
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance) as tasks, pytest.raises(rc.InvalidTask, match="no CPU swap pool"):
+        tasks.swap_out(0, [1], [0])
+
+
+def test_garbage_and_disconnects_do_not_hurt_the_daemon(fp8_daemon: Daemon) -> None:
+    """Random bytes, a truncated frame, an oversized frame, a task without HELLO, and a client that leaves
+    mid-task: the rank keeps serving and no block changed."""
+    instance = fp8_daemon.instance
+    # A real task whose client vanishes before the reply: it completes, the rank serves on.
+    tasks = rc.CacheTasks(instance)
+    tasks.swap_out(0, list(range(8)), list(range(8)), wait=False)
+    tasks.close()
+    with rc.CacheTasks(instance) as barrier:
+        barrier.swap_out(0, [], [])  # the worker is single-threaded: the earlier task is done
+    before = arena_digests(instance)
+    path = str(task_socket_path(read_status_run_dir(instance), instance, 0))
+    rng = np.random.default_rng(7)
+    frames = [
+        rng.integers(0, 256, 4096, dtype=np.uint8).tobytes(),
+        request(Op.SWAP_OUT, 1, b"\x01\x00")[: REQUEST.size + 1],
+        struct.pack("<4sHHQI", b"KVT1", Op.SWAP_OUT, 0, 1, 1 << 30),
+        request(Op.SWAP_OUT, 1, np.array([1, 2], dtype="<i4").tobytes()),
+        request(Op.HELLO, 1, b"not json"),
+    ]
+    for frame in frames:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(frame)
+            s.settimeout(5)
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
+                s.recv(4096)
+    assert arena_digests(instance) == before
+    assert fp8_daemon.proc.poll() is None
+    with rc.CacheTasks(instance) as fresh:
+        assert fresh.swap_out(None, [1], [1]).blocks == 1
+    assert read_status(instance)["ranks"][0]["swap"]["tasks_refused"] >= 4
+
+
+def read_status_run_dir(instance: str) -> str:
+    block = ControlBlock.open(instance)
+    assert block is not None
+    try:
+        return block.header().run_dir
+    finally:
+        block.close()
+
+
+def test_two_runner_processes_swap_concurrently(fp8_daemon: Daemon, daemons: DaemonFactory) -> None:
+    """Two runner processes, each swapping random blocks of its own rank many times at once: all correct."""
+    env = daemons.env()
+    spec = spec_fp8().to_dict()
+    runners = [run_runner(env, spec=spec, rank=r, instance=fp8_daemon.instance, swap_rounds=60) for r in (0, 1)]
+    results = [runner_result(r, timeout=120) for r in runners]
+    assert all(r["ok"] and r["swap_ok"] for r in results), results
+    swaps = [r["swap"] for r in read_status(fp8_daemon.instance)["ranks"]]
+    assert all(s["swap_out_tasks"] == 60 and s["swap_in_tasks"] == 60 for s in swaps)
+
+
+def test_handle_result_and_status_counters(fp8_daemon: Daemon, daemons: DaemonFactory) -> None:
+    """wait=False returns a handle; status shows the pool size and the swap counters per rank."""
+    instance = fp8_daemon.instance
+    with rc.CacheTasks(instance) as tasks:
+        handles = [tasks.swap_out(None, [i], [i], wait=False) for i in range(4)]
+        results = [h.result(timeout=10) for h in reversed(handles)]
+        assert [r.blocks for r in results] == [1, 1, 1, 1]
+    status = read_status(instance)
+    for r in status["ranks"]:
+        assert r["cpu_blocks"] == 8
+        assert r["swap"]["swap_out_tasks"] == 4 and r["swap"]["swap_out_blocks"] == 4
+        assert r["swap"]["swap_out_bytes"] == 4 * spec_fp8().block_bytes
+    table = daemons.cli("status", "--instance", instance).stdout
+    assert "(8 blocks)" in table and "4 (4 blk" in table
+
+
+def test_daemon_gone_during_tasks(daemons: DaemonFactory) -> None:
+    """A task after the daemon was killed raises DaemonGone, not a hang or a bare socket error."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    tasks = rc.CacheTasks(daemon.instance)
+    tasks.swap_out(0, [1], [1])
+    daemon.kill9()
+    with pytest.raises(rc.DaemonGone):
+        tasks.swap_out(0, [1], [1], timeout=5)
+    tasks.close()
+    daemons.start(daemon.instance, ranks=1).wait_ready()  # reclaims the killed run's objects
+    assert os.path.exists(f"/dev/shm/kvcached.{daemon.instance}")
