@@ -159,6 +159,7 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
     from kvcached.daemon.supervisor import Supervisor
 
     config = _build_config(values, config_file)
+    _use_streaming_stores()
     logs.configure(log_level, json=None if log_format == "auto" else log_format == "json")
     try:
         status = Supervisor(config).run()
@@ -166,6 +167,33 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
         click.echo(f"Error: {fatal.reason}", err=True)
         sys.exit(fatal.exit_status)
     sys.exit(status)
+
+
+#: glibc tunables for the rank workers' copies, each applied unless the operator set it already.
+STREAMING_TUNABLES = {
+    # memcpy calls larger than this use non-temporal (streaming) stores ...
+    "glibc.cpu.x86_non_temporal_threshold": 32 << 10,
+    # ... and `rep movsb`, which glibc prefers on AMD below the L2 size and which never streams, is left
+    # to copies too large to occur here.
+    "glibc.cpu.x86_rep_movsb_threshold": 256 << 20,
+}
+
+
+def _use_streaming_stores() -> None:
+    """Re-exec once (same pid) with the copy tunables above, unless they are all set already.
+
+    A swap copies one block piece (16 KiB to a few MiB) per memcpy, because the CPU pool is block-major.
+    By default glibc streams (skips reading the destination it overwrites) only above about 3/4 of the
+    L3 size, and on AMD takes `rep movsb` below the L2 size: measured here, two ranks moving 256 KiB
+    pieces ran at 15 GB/s with the defaults and at 20.5 GB/s (a plain 1 GiB copy: 20) with these.
+    GLIBC_TUNABLES is read when a process starts, hence the exec. Harmless where they do not apply.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    missing = [f"{name}={value}" for name, value in STREAMING_TUNABLES.items() if name not in tunables]
+    if not missing:
+        return
+    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [tunables, *missing]))
+    os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
 
 
 def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:

@@ -253,3 +253,16 @@ def test_daemon_gone_during_tasks(daemons: DaemonFactory) -> None:
     tasks.close()
     daemons.start(daemon.instance, ranks=1).wait_ready()  # reclaims the killed run's objects
     assert os.path.exists(f"/dev/shm/kvcached.{daemon.instance}")
+
+
+def test_workers_run_with_streaming_store_tunables(fp8_daemon: Daemon) -> None:
+    """The daemon re-execs itself (same pid) with the streaming-store tunables, which its forked rank workers
+    inherit. (/proc/<pid>/environ cannot show it: glibc splits that string in place while parsing it.)"""
+    import json
+
+    from kvcached.cli import STREAMING_TUNABLES
+
+    assert read_status(fp8_daemon.instance)["pid"] == fp8_daemon.pid
+    starting = next(json.loads(line) for line in fp8_daemon.log().splitlines() if '"starting"' in line)
+    for name, value in STREAMING_TUNABLES.items():
+        assert f"{name}={value}" in starting["glibc_tunables"]

@@ -161,6 +161,7 @@ class Supervisor:
             memory=self.config.memory,
             owner=explain_owner(spec),
             per_rank=_mib(rank_shm_bytes(spec)),
+            glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
         )
         for rank in range(self.config.ranks):
             self._spawn(rank)

@@ -2,7 +2,9 @@
 
 Every arena is created exclusively (O_EXCL) with mode 0600 and reserved with ``posix_fallocate`` before
 it is mapped, so a /dev/shm that is too small is an error here, at start-up, and never a SIGBUS when a
-page is first touched later. The file descriptor is closed as soon as the mapping exists.
+page is first touched later. The mapping is populated (MAP_POPULATE) before the rank is READY: a fresh
+shm mapping otherwise takes one page fault per 4 KiB on first touch, which made a first swap of 1 GiB
+run at 0.5 GB/s instead of 12. The file descriptor is closed as soon as the mapping exists.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 from collections.abc import Callable
 
 import posix_ipc
+
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # Linux; named in the mmap module from Python 3.10
 
 #: Reserve in chunks of this size so progress can be reported while a large arena is reserved.
 CHUNK = 256 << 20
@@ -38,7 +42,7 @@ def create_arena(name: str, size: int, progress: Callable[[int], None] | None = 
             done += step
             if progress is not None:
                 progress(done)
-        return mmap.mmap(shm.fd, size)
+        return mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE)
     except BaseException as exc:
         shm.unlink()
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Benchmark the CPU swap tier against a plain numpy copy of the same bytes, measured in the same run.
+
+For each layer-block size (the bytes of one block of one layer's key cache: 16 KiB to 4 MiB), a daemon is
+started with ``--ranks`` ranks of ``--gib`` GiB device cache and as much CPU pool each; every block is
+swapped out and back in through ``runner_client.CacheTasks`` with ``rank=None`` (all ranks at once), in
+tasks of ``--batch-mib`` MiB. The physical limit beside it: ``--ranks`` processes each doing a plain
+``np.copyto`` of ``--gib`` GiB between page-aligned buffers, at the same time. Also: the same swap with
+shuffled block ids (no runs to coalesce), and the one-block round trip (submit to completion).
+
+Targets (issue 3): >= 0.8 of the plain copy for layer-blocks >= 256 KiB, >= 0.5 below; one-block round
+trip p50 <= 200 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import runner_client as rc  # noqa: E402
+from kvcached.status import is_ready, read_status  # noqa: E402
+
+NUM_LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 4, 8, 128, 2  # bf16; one token of one layer-block: 2 KiB
+
+
+def plain_copy(nbytes: int, repeats: int, barrier: Any, out: Any) -> None:
+    """One process's share of the physical limit: copy ``nbytes`` between aligned buffers, ``repeats``
+    times, starting together with the other processes."""
+    src = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    dst = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    src[:] = 1
+    dst[:] = 2
+    times = []
+    for _ in range(repeats):
+        barrier.wait()
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - started)
+    out.put(times)
+
+
+def plain_copy_gbps(ranks: int, nbytes: int, repeats: int) -> float:
+    """Aggregate GB/s of ``ranks`` simultaneous plain copies of ``nbytes`` (median of ``repeats``)."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=plain_copy, args=(nbytes, repeats, barrier, out)) for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    per_proc = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    slowest = [max(run) for run in zip(*per_proc, strict=True)]
+    return ranks * nbytes / statistics.median(slowest) / 1e9
+
+
+def start_daemon(
+    instance: str, env: dict[str, str], block_size: int, blocks: int, ranks: int
+) -> subprocess.Popen[bytes]:
+    args = [
+        "--ranks",
+        str(ranks),
+        "--num-layers",
+        str(NUM_LAYERS),
+        "--kv-heads",
+        str(KV_HEADS),
+        "--head-dim",
+        str(HEAD_DIM),
+        "--block-size",
+        str(block_size),
+        "--num-blocks",
+        str(blocks),
+        "--num-cpu-blocks",
+        str(blocks),
+        "--dtype",
+        "bfloat16",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, *args, "--log-format", "json"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 300
+    while not is_ready(read_status(instance)):
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            raise SystemExit("daemon not ready after 300 s")
+        time.sleep(0.05)
+    return proc
+
+
+def swap_gbps(
+    tasks: rc.CacheTasks, order: np.ndarray[Any, Any], batch: int, total_bytes: int, repeats: int, *, pipelined: bool
+) -> tuple[float, float]:
+    """Aggregate GB/s of swapping every block out and back in (median of ``repeats``). ``pipelined``
+    submits every batch with ``wait=False`` and then collects the results, so no rank idles while the
+    client waits for the slower one; otherwise each batch is waited for before the next is sent."""
+    batches = [order[i : i + batch].tolist() for i in range(0, len(order), batch)]
+    times: dict[str, list[float]] = {"out": [], "in": []}
+    for _ in range(repeats):
+        for name, submit in (("out", tasks.swap_out), ("in", tasks.swap_in)):
+            started = time.perf_counter()
+            if pipelined:
+                for handle in [submit(None, ids, ids, wait=False) for ids in batches]:
+                    handle.result()
+            else:
+                for ids in batches:
+                    submit(None, ids, ids)
+            times[name].append(time.perf_counter() - started)
+    return tuple(total_bytes / statistics.median(times[name]) / 1e9 for name in ("out", "in"))  # type: ignore[return-value]
+
+
+def round_trip_us(tasks: rc.CacheTasks, iterations: int) -> tuple[float, float]:
+    """p50 and p99 of a one-block swap out on rank 0, submit to completion."""
+    samples = []
+    for i in range(iterations):
+        started = time.perf_counter()
+        tasks.swap_out(0, [i % 8], [i % 8])
+        samples.append(time.perf_counter() - started)
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6, samples[int(len(samples) * 0.99)] * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--gib", type=float, default=1.0, help="device cache (and CPU pool) per rank, GiB")
+    parser.add_argument("--pieces-kib", default="16,64,256,1024,4096", help="layer-block sizes to try, KiB")
+    parser.add_argument("--batch-mib", type=int, default=64, help="bytes per task (all layers), MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--latency-iterations", type=int, default=2000)
+    args = parser.parse_args()
+
+    run_dir = tempfile.mkdtemp(prefix="kvb-")
+    env = {**os.environ, "KVCACHED_RUN_DIR": run_dir}
+    os.environ["KVCACHED_RUN_DIR"] = run_dir
+    instance = f"bench-swap-{os.getpid()}"
+    rows = []
+    latency = {}
+    try:
+        for piece_kib in (int(x) for x in args.pieces_kib.split(",")):
+            piece = piece_kib << 10
+            block_size = piece // (KV_HEADS * HEAD_DIM * ITEMSIZE)
+            block_bytes = NUM_LAYERS * 2 * piece
+            blocks = int(args.gib * 2**30) // block_bytes
+            daemon = start_daemon(instance, env, block_size, blocks, args.ranks)
+            try:
+                total = args.ranks * blocks * block_bytes
+                batch = max(1, (args.batch_mib << 20) // block_bytes)
+                with rc.CacheTasks(instance, timeout=600) as tasks:
+                    tasks.swap_out(None, [0], [0])
+                    order = np.arange(blocks)
+                    out_gbps, in_gbps = swap_gbps(tasks, order, batch, total, args.repeats, pipelined=True)
+                    blk_out, blk_in = swap_gbps(tasks, order, batch, total, args.repeats, pipelined=False)
+                    shuffled = np.random.default_rng(0).permutation(blocks)
+                    rnd_out, rnd_in = swap_gbps(tasks, shuffled, batch, total, 1, pipelined=True)
+                    latency[piece_kib] = round_trip_us(tasks, args.latency_iterations if piece_kib == 16 else 300)
+            finally:
+                daemon.terminate()
+                daemon.wait(60)
+            plain = plain_copy_gbps(args.ranks, blocks * block_bytes, args.repeats)
+            rows.append((piece_kib, block_bytes, out_gbps, in_gbps, blk_out, blk_in, rnd_out, rnd_in, plain))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    print(
+        f"swap throughput, {args.ranks} ranks x {args.gib:g} GiB, tasks of {args.batch_mib} MiB sent to all ranks "
+        "at once, GB/s aggregate; ratio = swap / plain copy of the same bytes in this run"
+    )
+    print("  pipelined: every task submitted with wait=False, then collected; blocking: one task at a time;")
+    print("  shuffled: block ids in random order (no runs to coalesce), pipelined")
+    print(
+        f"{'layer-block':>11} {'block':>9} {'plain':>7} | {'pipelined out':>13} {'in':>6} {'ratio':>10} | "
+        f"{'blocking ratio':>14} | {'shuffled ratio':>14} | target"
+    )
+    met = True
+    for piece_kib, block_bytes, out_gbps, in_gbps, blk_out, blk_in, rnd_out, rnd_in, plain in rows:
+        target = 0.8 if piece_kib >= 256 else 0.5
+        met &= min(out_gbps, in_gbps) / plain >= target
+        print(
+            f"{piece_kib:>7} KiB {block_bytes >> 10:>5} KiB {plain:>7.2f} | {out_gbps:>13.2f} {in_gbps:>6.2f} "
+            f"{out_gbps / plain:>4.2f}/{in_gbps / plain:.2f} | {blk_out / plain:>9.2f}/{blk_in / plain:.2f} | "
+            f"{rnd_out / plain:>9.2f}/{rnd_in / plain:.2f} | {target:.1f}"
+        )
+    print("one-block round trip (swap out of 1 block on rank 0, submit to completion), microseconds:")
+    for piece_kib, (p50, p99) in latency.items():
+        block_kib = NUM_LAYERS * 2 * piece_kib
+        print(f"  layer-block {piece_kib:>5} KiB (block {block_kib:>6} KiB): p50 {p50:7.0f}  p99 {p99:7.0f}")
+    met &= latency[min(latency)][0] <= 200
+    print(f"targets (>= 0.8 / 0.5 of plain copy, p50 <= 200 us for the smallest block): {'met' if met else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
