@@ -116,6 +116,37 @@ def main() -> None:
     help="Attention store backend; any makes the daemon the owner. [default: none]",
 )
 @click.option(
+    "--storage-path",
+    envvar="KVCACHED_STORAGE_PATH",
+    metavar="DIR",
+    help="file backend: directory of the objects. [default: $CACHE_DIRECTORY or ~/.cache/kvcached/<instance>/store]",
+)
+@click.option(
+    "--storage-capacity",
+    envvar="KVCACHED_STORAGE_CAPACITY",
+    metavar="BYTES",
+    help="file backend: capacity of the whole instance (512MiB, 8GiB, ...); least recently used objects are "
+    "evicted past it. [default: 8GiB]",
+)
+@click.option(
+    "--mooncake-master",
+    envvar="KVCACHED_MOONCAKE_MASTER",
+    metavar="HOST:PORT",
+    help="mooncake backend: master address.",
+)
+@click.option(
+    "--mooncake-metadata",
+    envvar="KVCACHED_MOONCAKE_METADATA",
+    metavar="URL",
+    help="mooncake backend: metadata server, e.g. http://127.0.0.1:8080/metadata.",
+)
+@click.option(
+    "--mooncake-segment",
+    envvar="KVCACHED_MOONCAKE_SEGMENT",
+    metavar="BYTES",
+    help="mooncake backend: memory each rank contributes to the store's pool. [default: 256MiB]",
+)
+@click.option(
     "--role",
     type=click.Choice(list(ROLES)),
     envvar="KVCACHED_ROLE",

@@ -13,6 +13,11 @@ A TOML file uses the flag names with underscores, all at top level::
     num_blocks = 2048
     num_cpu_blocks = 512
     storage_backend = "none"   # or "file", "mooncake"
+    storage_path = "/var/cache/kvcached/default"   # file: the directory (default: see default_storage_path)
+    storage_capacity = "8GiB"                      # file: bytes for the whole instance (split over ranks)
+    mooncake_master = "127.0.0.1:50051"            # mooncake: master address
+    mooncake_metadata = "http://127.0.0.1:8080/metadata"   # mooncake: metadata server URL
+    mooncake_segment = "256MiB"                    # mooncake: memory each rank contributes to the pool
     role = "mixed"        # or "prefill", "decode"
     block_wise_fp8 = false
     mla = false
@@ -24,6 +29,7 @@ The defaults make the daemon the owner (a modest CPU swap pool) and fit a small 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +39,7 @@ from kvcached.protocol.control import MAX_RANKS
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
 from kvcached.protocol.spec import CacheSpec
+from kvcached.store.base import HEADER_SIZE as STORE_HEADER_SIZE
 
 MEMORY_BACKENDS = ("host",)
 
@@ -52,7 +59,70 @@ DEFAULTS: Mapping[str, Any] = {
     "block_wise_fp8": False,
     "mla": False,
     "scale_dtype": "float32",
+    "storage_path": None,
+    "storage_capacity": "8GiB",
+    "mooncake_master": None,
+    "mooncake_metadata": None,
+    "mooncake_segment": "256MiB",
 }
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+
+
+def parse_size(field: str, value: object) -> int:
+    """Bytes from an int or a string like ``512MiB``, ``8G``, ``10GB`` (K/M/G/T and KiB.. are binary,
+    KB/MB/GB/TB decimal). ``InvalidSpec`` naming ``field`` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = value, ""
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        digits = len(text) - len(text.lstrip("0123456789"))
+        try:
+            number, unit = int(text[:digits]), text[digits:]
+        except ValueError:
+            number, unit = -1, text
+    else:
+        number, unit = -1, ""
+    if number < 0 or unit not in _UNITS:
+        raise InvalidSpec(field, f"must be a size in bytes like 1073741824, 512MiB or 8GiB; got {value!r}")
+    return number * _UNITS[unit]
+
+
+def default_storage_path(instance: str) -> Path:
+    """``$CACHE_DIRECTORY/<instance>`` under systemd (CacheDirectory=), else the user's cache directory."""
+    base = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if not base:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        base = str(Path(base) / "kvcached")
+    return Path(base) / instance / "store"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Where the attention store lives. ``capacity`` (file) is for the whole instance, split over ranks."""
+
+    backend: str | None = None
+    path: str = ""
+    capacity: int = 0
+    mooncake_master: str = ""
+    mooncake_metadata: str = ""
+    mooncake_segment: int = 0
+
 
 #: Config key -> CacheSpec field, for the keys that describe the cache.
 SPEC_KEYS: Mapping[str, str] = {
@@ -79,6 +149,7 @@ class DaemonConfig:
     ranks: int
     memory: str
     spec: CacheSpec
+    store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
 
     @classmethod
     def build(cls, values: Mapping[str, Any], config_file: Path | None = None) -> DaemonConfig:
@@ -99,7 +170,43 @@ class DaemonConfig:
         if merged["memory"] not in MEMORY_BACKENDS:
             raise InvalidSpec("memory", f"must be one of {', '.join(MEMORY_BACKENDS)}; got {merged['memory']!r}")
         spec = CacheSpec(**{field: merged[key] for key, field in SPEC_KEYS.items()})
-        return cls(instance=check_instance(merged["instance"]), ranks=ranks, memory=merged["memory"], spec=spec)
+        instance = check_instance(merged["instance"])
+        return cls(
+            instance=instance,
+            ranks=ranks,
+            memory=merged["memory"],
+            spec=spec,
+            store=_store_config(merged, spec, instance, ranks),
+        )
+
+
+def _store_config(merged: Mapping[str, Any], spec: CacheSpec, instance: str, ranks: int) -> StoreConfig:
+    backend = spec.storage_backend
+    if backend == "file":
+        capacity = parse_size("storage_capacity", merged["storage_capacity"])
+        smallest = ranks * (STORE_HEADER_SIZE + spec.block_bytes)
+        if capacity < smallest:
+            raise InvalidSpec(
+                "storage_capacity",
+                f"{capacity} bytes cannot hold one block per rank ({smallest} bytes for {ranks} ranks)",
+            )
+        path = merged["storage_path"] or str(default_storage_path(instance))
+        return StoreConfig(backend=backend, path=str(Path(path).expanduser()), capacity=capacity)
+    if backend == "mooncake":
+        for key in ("mooncake_master", "mooncake_metadata"):
+            if not merged[key]:
+                example = "127.0.0.1:50051" if key == "mooncake_master" else "http://127.0.0.1:8080/metadata"
+                raise InvalidSpec(key, f"is required with storage_backend mooncake, e.g. {example}")
+        master = str(merged["mooncake_master"])
+        if not master.rpartition(":")[2].isdigit():
+            raise InvalidSpec("mooncake_master", f"must be HOST:PORT, got {master!r}")
+        return StoreConfig(
+            backend=backend,
+            mooncake_master=master,
+            mooncake_metadata=str(merged["mooncake_metadata"]),
+            mooncake_segment=parse_size("mooncake_segment", merged["mooncake_segment"]),
+        )
+    return StoreConfig()
 
 
 def load_toml(path: Path) -> dict[str, Any]:

@@ -151,3 +151,22 @@ class SwapEngine:
             for piece in self.pieces:
                 piece.device[d0 : d0 + n] = pool[c0 : c0 + n, piece.column : piece.column + piece.nbytes]
         return len(device_ids) * self.spec.block_bytes
+
+    def block_pieces(self, device_id: int) -> list[memoryview]:
+        """The pieces of device block ``device_id`` in record order, as views of the arena (no copy)."""
+        return [piece.device[device_id].data for piece in self.pieces]
+
+    def write_block(self, device_id: int, record: memoryview) -> None:
+        """Copy a whole block record (``spec.block_bytes``, record order) into device block ``device_id``."""
+        source = np.frombuffer(record, dtype=np.uint8)
+        for piece in self.pieces:
+            piece.device[device_id] = source[piece.column : piece.column + piece.nbytes]
+
+    def check_ids(self, ids: Array, *, field: str, role: str, unique: bool) -> None:
+        """Raise ``TaskError`` unless every device id is in range (and, if ``unique``, none repeats)."""
+        bad = _out_of_range(ids, self.spec.num_blocks)
+        if bad is not None:
+            raise TaskError(field, f"{role} id {bad} out of range: device block ids are 0..{self.spec.num_blocks - 1}")
+        repeated = _repeated(ids) if unique else None
+        if repeated is not None:
+            raise TaskError(field, f"{role} id {repeated} appears more than once")

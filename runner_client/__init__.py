@@ -28,6 +28,7 @@ from kvcached.protocol.errors import (
 from kvcached.protocol.ownership import CONDITION, Owner, cache_owner, should_create_cache
 from kvcached.protocol.spec import CacheSpec
 from runner_client.cache import KVCache, initialize_kv_cache
+from runner_client.hashing import block_keys
 from runner_client.tasks import CacheTasks, TaskHandle, TaskResult
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "TaskHandle",
     "TaskResult",
     "TaskTimeout",
+    "block_keys",
     "cache_owner",
     "initialize_kv_cache",
     "should_create_cache",

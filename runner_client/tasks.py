@@ -6,6 +6,10 @@
         handle = tasks.swap_out(0, [1], [3], wait=False)
         handle.result(timeout=5)
 
+        tasks.store(None, [4, 5], keys[:2])                     # device -> attention store, every rank
+        n = tasks.lookup(keys)                                  # leading keys stored for every rank
+        tasks.load(None, keys[:n], [9, 10][:n])                 # store -> device
+
 Each call moves whole blocks: every layer's key, value and scale. ``rank=None`` sends the task to every
 rank of the instance and returns when all have finished (a tensor-parallel group swaps together). A
 task the daemon refuses raises ``InvalidTask`` naming the field, and no block has changed on any rank.
@@ -28,7 +32,17 @@ import numpy as np
 
 from kvcached.protocol.control import ControlBlock, Header, State, TornRead
 from kvcached.protocol.errors import DaemonGone, InvalidTask, RankFailed, TaskFailed, TaskTimeout
-from kvcached.protocol.messages import REPLY, REPLY_MAGIC, Op, Status, pack_ids, parse_reply_body, request
+from kvcached.protocol.messages import (
+    FLAG_KEYS,
+    KEY_BYTES,
+    REPLY,
+    REPLY_MAGIC,
+    Op,
+    Status,
+    pack_ids,
+    parse_reply_body,
+    request,
+)
 from kvcached.protocol.names import check_instance, task_socket_path
 from kvcached.protocol.proc import is_alive
 
@@ -37,7 +51,8 @@ _INT32_MAX = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TaskResult:
-    """What a finished task did: ranks involved, blocks and bytes moved per rank, the slowest rank's copy time."""
+    """What a finished task did: the ranks involved, blocks and bytes per rank (the fewest of any rank:
+    a load may stop early on one rank), and the slowest rank's time."""
 
     ranks: tuple[int, ...]
     blocks: int
@@ -74,12 +89,12 @@ class _Channel:
             self.sock.close()
             raise DaemonGone(f"rank {rank}: the daemon's worker refused this client: {body.get('message')}")
 
-    def submit(self, op: Op, payload: bytes) -> int:
+    def submit(self, op: Op, payload: bytes, flags: int = 0) -> int:
         with self.lock:
             task_id = self.next_id
             self.next_id += 1
             try:
-                self.sock.sendall(request(op, task_id, payload))
+                self.sock.sendall(request(op, task_id, payload, flags))
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise _Closed() from exc
             return task_id
@@ -172,8 +187,8 @@ class TaskHandle:
                 raise TaskFailed(f"instance {self._tasks.instance!r} rank {rank}: {body.get('message')}")
         self._result = TaskResult(
             ranks=tuple(rank for rank, _, _ in replies),
-            blocks=int(replies[0][2]["blocks"]),
-            bytes=int(replies[0][2]["bytes"]),
+            blocks=min(int(body["blocks"]) for _, _, body in replies),
+            bytes=min(int(body["bytes"]) for _, _, body in replies),
             seconds=max(int(body["ns"]) for _, _, body in replies) / 1e9,
         )
         return self._result
@@ -210,16 +225,23 @@ class CacheTasks:
         device_block_ids: Sequence[int],
         cpu_block_ids: Sequence[int],
         *,
+        keys: Sequence[bytes] | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Any:
         """Copy device blocks to CPU pool blocks (all layers) on ``rank`` (None: every rank).
 
-        Returns a ``TaskResult``, or with ``wait=False`` a ``TaskHandle``.
+        With ``keys`` (one per block, from ``block_keys``) the blocks are also written to the attention
+        store (write-through). Returns a ``TaskResult``, or with ``wait=False`` a ``TaskHandle``.
         """
-        return self._submit(
-            Op.SWAP_OUT, rank, device_block_ids, cpu_block_ids, tiers=("device", "cpu"), wait=wait, timeout=timeout
-        )
+        src = self._ids(device_block_ids, "device_block_ids")
+        dst = self._ids(cpu_block_ids, "cpu_block_ids")
+        self._same_length(src, dst)
+        payload, flags = pack_ids(src, dst), 0
+        if keys is not None:
+            payload += self._keys(keys, len(src))
+            flags = FLAG_KEYS
+        return self._submit(Op.SWAP_OUT, rank, payload, flags=flags, wait=wait, timeout=timeout)
 
     def swap_in(
         self,
@@ -231,9 +253,55 @@ class CacheTasks:
         timeout: float | None = None,
     ) -> Any:
         """Copy CPU pool blocks to device blocks (all layers) on ``rank`` (None: every rank)."""
-        return self._submit(
-            Op.SWAP_IN, rank, cpu_block_ids, device_block_ids, tiers=("cpu", "device"), wait=wait, timeout=timeout
-        )
+        src = self._ids(cpu_block_ids, "cpu_block_ids")
+        dst = self._ids(device_block_ids, "device_block_ids")
+        self._same_length(src, dst)
+        return self._submit(Op.SWAP_IN, rank, pack_ids(src, dst), wait=wait, timeout=timeout)
+
+    def store(
+        self,
+        rank: int | None,
+        device_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``).
+
+        A key already stored is left as it is (a key names its content). ``TaskResult.bytes`` counts the
+        bytes newly written.
+        """
+        ids = self._ids(device_block_ids, "device_block_ids")
+        payload = ids.astype("<i4").tobytes() + self._keys(keys, len(ids))
+        return self._submit(Op.STORE, rank, payload, wait=wait, timeout=timeout)
+
+    def load(
+        self,
+        rank: int | None,
+        keys: Sequence[bytes],
+        device_block_ids: Sequence[int],
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Read the longest stored prefix of ``keys`` into ``device_block_ids`` (all layers).
+
+        Stops at the first key that is absent or fails verification; ``TaskResult.blocks`` says how many
+        were loaded (with ``rank=None``, the fewest of any rank). Blocks past that are untouched.
+        """
+        ids = self._ids(device_block_ids, "device_block_ids")
+        payload = ids.astype("<i4").tobytes() + self._keys(keys, len(ids))
+        return self._submit(Op.LOAD, rank, payload, wait=wait, timeout=timeout)
+
+    def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """How many leading ``keys`` the store holds for every rank of the instance.
+
+        A prefix that only some ranks have is not a hit: the answer is the minimum over ranks.
+        """
+        payload = self._keys(keys, None)
+        result: TaskResult = self._submit(Op.LOOKUP, None, payload, wait=True, timeout=timeout)
+        return result.blocks
 
     def close(self) -> None:
         """Close every connection and unmap the control block."""
@@ -317,28 +385,34 @@ class CacheTasks:
         state = record.state.name if record is not None else "unknown"
         return DaemonGone(f"instance {self.instance!r} rank {rank}: connection to the worker lost (state {state})")
 
-    def _submit(
-        self,
-        op: Op,
-        rank: int | None,
-        src_ids: Sequence[int],
-        dst_ids: Sequence[int],
-        *,
-        tiers: tuple[str, str],
-        wait: bool,
-        timeout: float | None,
-    ) -> Any:
-        ranks = self._ranks(rank)
-        src = self._ids(src_ids, f"{tiers[0]}_block_ids")
-        dst = self._ids(dst_ids, f"{tiers[1]}_block_ids")
+    @staticmethod
+    def _same_length(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
         if len(src) != len(dst):
             raise InvalidTask("block_ids", f"lists of different lengths: {len(src)} and {len(dst)}")
-        payload = pack_ids(src, dst)
+
+    @staticmethod
+    def _keys(keys: Sequence[bytes], count: int | None) -> bytes:
+        if isinstance(keys, (bytes, str)):
+            raise InvalidTask("keys", "must be a list of keys (from runner_client.block_keys), not one bytes object")
+        keys = list(keys)
+        if count is not None and len(keys) != count:
+            raise InvalidTask("keys", f"{len(keys)} keys for {count} blocks: one key per block")
+        for i, key in enumerate(keys):
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                raise InvalidTask(
+                    "keys", f"key {i} must be {KEY_BYTES} bytes from runner_client.block_keys, got {key!r:.40}"
+                )
+        return b"".join(keys)
+
+    def _submit(
+        self, op: Op, rank: int | None, payload: bytes, *, flags: int = 0, wait: bool, timeout: float | None
+    ) -> Any:
+        ranks = self._ranks(rank)
         channels = [self._channel(r) for r in ranks]  # READY is checked once, when a channel opens
         parts = []
         for r, channel in zip(ranks, channels, strict=True):
             try:
-                parts.append((channel, channel.submit(op, payload)))
+                parts.append((channel, channel.submit(op, payload, flags)))
             except _Closed:
                 raise self._lost(r) from None
         handle = TaskHandle(self, parts, self.timeout if timeout is None else timeout)

@@ -18,24 +18,32 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import mmap
 import os
 import selectors
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 import posix_ipc
 import structlog
 
 from kvcached import logs
-from kvcached.daemon.errors import EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
+from kvcached.config import StoreConfig
+from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
 from kvcached.daemon.faults import fault
 from kvcached.daemon.server import TaskServer
 from kvcached.memory.host import ShmFull, create_arena
-from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes, device_arena_bytes
+from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes, device_arena_bytes, round_up
 from kvcached.protocol.names import arena_name, task_socket_path
 from kvcached.protocol.spec import CacheSpec
+from kvcached.store.base import HEADER_SIZE as STORE_HEADER_SIZE
+from kvcached.store.base import ObjectIdentity, Store, StoreUnavailable
+from kvcached.store.file import FileStore, RankDirectoryBusy
+from kvcached.store.mooncake import MooncakeStore
 from kvcached.transfer import SwapEngine
 
 HEARTBEAT_S = 1.0
@@ -79,6 +87,8 @@ def worker_main(
     spec: CacheSpec,
     run_dir: str,
     stats: memoryview,
+    store: StoreConfig,
+    ranks: int,
 ) -> NoReturn:
     """Entry point in the forked child. Never returns: exits with a status for the supervisor's log."""
     _die_with_parent(parent)
@@ -90,13 +100,48 @@ def worker_main(
     log = logs.get("kvcached.rank")
     status = EXIT_FAILURE
     try:
-        status = _serve(sock, instance, generation, rank, spec=spec, run_dir=run_dir, stats=stats, log=log)
+        status = _serve(
+            sock,
+            instance,
+            generation,
+            rank,
+            spec=spec,
+            run_dir=run_dir,
+            stats=stats,
+            log=log,
+            store_config=store,
+            ranks=ranks,
+        )
     except BaseException as exc:  # the process ends here either way; say why first
         log.exception("rank worker crashed")
         with contextlib.suppress(OSError):
             send_msg(sock, t="failed", error=f"worker crashed: {exc!r}", exit=EXIT_FAILURE)
     finally:
         os._exit(status)
+
+
+def _open_store(
+    config: StoreConfig, spec: CacheSpec, rank: int, ranks: int, log: Any
+) -> tuple[Store | None, np.ndarray[Any, Any] | None]:
+    """This rank's attention store client and its page-aligned staging buffer (one object), or (None, None)."""
+    if config.backend is None:
+        return None, None
+    identity = ObjectIdentity(spec.geometry_digest, rank, spec.block_bytes)
+    staging = np.frombuffer(mmap.mmap(-1, round_up(STORE_HEADER_SIZE + spec.block_bytes)), dtype=np.uint8)
+    staging = staging[: STORE_HEADER_SIZE + spec.block_bytes]
+    if config.backend == "file":
+        store: Store = FileStore(Path(config.path), identity=identity, capacity=config.capacity // ranks, log=log)
+        log.info("file store opened", path=config.path, objects=store.counters.objects, bytes=store.counters.bytes)
+    else:
+        store = MooncakeStore(
+            identity=identity,
+            master=config.mooncake_master,
+            metadata=config.mooncake_metadata,
+            segment_bytes=config.mooncake_segment,
+            staging=staging,
+            log=log,
+        )
+    return store, staging
 
 
 def _serve(
@@ -109,6 +154,8 @@ def _serve(
     run_dir: str,
     stats: memoryview,
     log: Any,
+    store_config: StoreConfig,
+    ranks: int,
 ) -> int:
     dev_name = arena_name(instance, generation, rank, "dev")
     cpu_name = arena_name(instance, generation, rank, "cpu")
@@ -140,6 +187,12 @@ def _serve(
         return EXIT_RESOURCES
     log.info("arenas reserved", device_bytes=dev_bytes, cpu_bytes=cpu_bytes)
 
+    try:
+        store, staging = _open_store(store_config, spec, rank, ranks, log)
+    except (RankDirectoryBusy, OSError, StoreUnavailable) as exc:
+        send_msg(sock, t="failed", error=f"attention store: {exc}", exit=EXIT_CONFIG)
+        return EXIT_CONFIG
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(task_socket_path(run_dir, instance, rank)))
     listener.listen(64)
@@ -151,6 +204,8 @@ def _serve(
         rank=rank,
         generation=generation,
         log=log,
+        store=store,
+        staging=staging.data if staging is not None else None,
     )
     fault("worker-before-ready")
     send_msg(

@@ -16,6 +16,8 @@ import time
 from typing import Any
 
 from kvcached.protocol.messages import (
+    FLAG_KEYS,
+    KEY_BYTES,
     MAX_PAYLOAD,
     REQUEST,
     REQUEST_MAGIC,
@@ -24,7 +26,10 @@ from kvcached.protocol.messages import (
     Status,
     reply,
     unpack_ids,
+    unpack_keyed,
 )
+from kvcached.store.base import Store, StoreUnavailable
+from kvcached.store.file import FileStore
 from kvcached.transfer import SwapEngine, TaskError
 
 _PEERCRED = struct.Struct("3i")
@@ -55,6 +60,8 @@ class TaskServer:
         rank: int,
         generation: int,
         log: Any,
+        store: Store | None = None,
+        staging: memoryview | None = None,
     ) -> None:
         from kvcached.protocol.control import STAT_NAMES
 
@@ -66,6 +73,8 @@ class TaskServer:
         self.generation = generation
         self.log = log
         self.conns: dict[int, _Conn] = {}
+        self.store = store
+        self.staging = staging if staging is not None else memoryview(bytearray(0))
         self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
 
@@ -110,7 +119,7 @@ class TaskServer:
             return False
         conn.buf += self.scratch_view[:got]
         while len(conn.buf) >= REQUEST.size:
-            magic, op, _flags, task_id, length = REQUEST.unpack_from(conn.buf)
+            magic, op, flags, task_id, length = REQUEST.unpack_from(conn.buf)
             if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
                 why = (
                     "bad frame magic" if magic != REQUEST_MAGIC else f"payload of {length} bytes exceeds {MAX_PAYLOAD}"
@@ -122,7 +131,7 @@ class TaskServer:
                 break
             payload = bytes(conn.buf[REQUEST.size : REQUEST.size + length])
             del conn.buf[: REQUEST.size + length]
-            if not self._send(conn, self._execute(conn, op, task_id, payload)):
+            if not self._send(conn, self._execute(conn, op, flags, task_id, payload)):
                 return False
         return True
 
@@ -135,21 +144,29 @@ class TaskServer:
 
     # -- tasks ----------------------------------------------------------------------------------------
 
-    def _execute(self, conn: _Conn, op: int, task_id: int, payload: bytes) -> bytes:
+    def _execute(self, conn: _Conn, op: int, flags: int, task_id: int, payload: bytes) -> bytes:
         try:
             if op == Op.HELLO:
                 return self._hello(conn, task_id, payload)
             if not conn.greeted:
                 raise TaskError("hello", "send HELLO with the daemon generation first")
             if op in (Op.SWAP_OUT, Op.SWAP_IN):
-                return self._swap(Op(op), task_id, payload)
+                return self._swap(Op(op), flags, task_id, payload)
+            if op in (Op.STORE, Op.LOAD, Op.LOOKUP):
+                return self._store_op(Op(op), task_id, payload)
             raise TaskError("op", f"unknown operation {op}; known: {', '.join(o.name for o in Op)}")
         except TaskError as exc:
             self._count(tasks_refused=1)
             return reply(op, Status.INVALID, task_id, {"field": exc.field, "message": exc.message})
+        except StoreUnavailable as exc:
+            self._count(store_errors=1)
+            return reply(op, Status.FAILED, task_id, {"message": f"storage backend unavailable: {exc}"})
         except Exception as exc:
             self.log.exception("task failed", op=op, task_id=task_id)
             return reply(op, Status.FAILED, task_id, {"message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            if self.store is not None:
+                self._mirror_store_counters()
 
     def _hello(self, conn: _Conn, task_id: int, payload: bytes) -> bytes:
         try:
@@ -170,11 +187,19 @@ class TaskServer:
         }
         return reply(Op.HELLO, Status.OK, task_id, body)
 
-    def _swap(self, op: Op, task_id: int, payload: bytes) -> bytes:
-        ids = unpack_ids(payload)
-        if ids is None:
-            raise TaskError("payload", f"{len(payload)} bytes is not two equal lists of int32 block ids")
-        src, dst = ids
+    def _swap(self, op: Op, flags: int, task_id: int, payload: bytes) -> bytes:
+        keys: list[bytes] = []
+        if op is Op.SWAP_OUT and flags & FLAG_KEYS:
+            keyed = unpack_keyed(payload, 2)
+            if keyed is None:
+                raise TaskError("payload", f"{len(payload)} bytes is not n device ids, n CPU ids and n keys")
+            (src, dst), keys = keyed
+            self._require_store()
+        else:
+            ids = unpack_ids(payload)
+            if ids is None:
+                raise TaskError("payload", f"{len(payload)} bytes is not two equal lists of int32 block ids")
+            src, dst = ids
         out = op is Op.SWAP_OUT
         tiers = ("device", "cpu") if out else ("cpu", "device")
         self.engine.validate(src, dst, src_tier=tiers[0], dst_tier=tiers[1])
@@ -185,4 +210,74 @@ class TaskServer:
         self._count(
             **{f"{prefix}_tasks": 1, f"{prefix}_blocks": len(src), f"{prefix}_bytes": moved, f"{prefix}_ns": took}
         )
+        if keys:  # write-through: the blocks just swapped out also go to the store
+            self._put_blocks(src.tolist(), keys)
         return reply(op, Status.OK, task_id, SWAP_RESULT.pack(len(src), moved, took))
+
+    # -- attention store ------------------------------------------------------------------------------
+
+    def _require_store(self) -> Store:
+        store: Store | None = self.store
+        if store is None:
+            raise TaskError("storage_backend", "this instance has no attention store (start it with --storage-backend)")
+        return store
+
+    def _put_blocks(self, device_ids: list[int], keys: list[bytes]) -> int:
+        store = self._require_store()
+        if isinstance(store, FileStore):
+            store.protect(keys)
+        started = time.monotonic_ns()
+        stored = 0
+        try:
+            for device_id, key in zip(device_ids, keys, strict=True):
+                stored += store.put(key, self.engine.block_pieces(device_id))
+        finally:
+            if isinstance(store, FileStore):
+                store.protect([])
+        nbytes = stored * self.engine.spec.block_bytes
+        self._count(store_tasks=1, store_blocks=len(keys), store_bytes=nbytes, store_ns=time.monotonic_ns() - started)
+        return nbytes
+
+    def _store_op(self, op: Op, task_id: int, payload: bytes) -> bytes:
+        store = self._require_store()
+        started = time.monotonic_ns()
+        if op is Op.LOOKUP:
+            if len(payload) % KEY_BYTES:
+                raise TaskError("keys", f"{len(payload)} bytes is not a list of {KEY_BYTES}-byte keys")
+            keys = [payload[i : i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
+            found = store.present(keys)
+            self._count(lookup_tasks=1)
+            return reply(op, Status.OK, task_id, SWAP_RESULT.pack(found, 0, time.monotonic_ns() - started))
+        keyed = unpack_keyed(payload, 1)
+        if keyed is None:
+            raise TaskError("payload", f"{len(payload)} bytes is not n device block ids and n keys")
+        (ids,), keys = keyed
+        if op is Op.STORE:
+            self.engine.check_ids(ids, field="device_block_ids", role="source", unique=False)
+            nbytes = self._put_blocks(ids.tolist(), keys)
+            return reply(op, Status.OK, task_id, SWAP_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
+        self.engine.check_ids(ids, field="device_block_ids", role="target", unique=True)
+        loaded = 0
+        for device_id, key in zip(ids.tolist(), keys, strict=True):
+            record = store.get_into(key, self.staging)
+            if record is None:
+                break  # a block without its prefix is of no use: stop at the first miss
+            self.engine.write_block(device_id, record)
+            loaded += 1
+        nbytes = loaded * self.engine.spec.block_bytes
+        took = time.monotonic_ns() - started
+        self._count(load_tasks=1, load_blocks=loaded, load_bytes=nbytes, load_ns=took)
+        return reply(op, Status.OK, task_id, SWAP_RESULT.pack(loaded, nbytes, took))
+
+    def _mirror_store_counters(self) -> None:
+        assert self.store is not None
+        c = self.store.counters
+        for name, value in (
+            ("store_objects", c.objects),
+            ("store_bytes_used", c.bytes),
+            ("store_hits", c.hits),
+            ("store_misses", c.misses),
+            ("store_evictions", c.evictions),
+            ("store_corrupt", c.corrupt),
+        ):
+            self.stats[self.index[name]] = max(0, value)

@@ -292,6 +292,8 @@ class Supervisor:
                 spec=self.spec,
                 run_dir=str(self.run_dir),
                 stats=self.block.stats(rank),
+                store=self.config.store,
+                ranks=self.config.ranks,
             )
         child_sock.close()
         self.workers[rank] = (pid, parent_sock)

@@ -70,6 +70,22 @@ STAT_NAMES: tuple[str, ...] = (
     "swap_in_ns",
     "tasks_refused",
     "connections",
+    "store_tasks",
+    "store_blocks",
+    "store_bytes",
+    "store_ns",
+    "load_tasks",
+    "load_blocks",
+    "load_bytes",
+    "load_ns",
+    "lookup_tasks",
+    "store_objects",
+    "store_bytes_used",
+    "store_hits",
+    "store_misses",
+    "store_evictions",
+    "store_corrupt",
+    "store_errors",
 )
 assert len(STAT_NAMES) * 8 <= STATS_SIZE
 

@@ -8,7 +8,12 @@ Every frame is a fixed header and a payload; integers little-endian::
 
     op HELLO     payload: JSON {"generation": "<16 hex>"}; reply JSON {"rank", "generation", ...}
     op SWAP_OUT  payload: n int32 device block ids, then n int32 CPU block ids   (device -> CPU pool)
+                 with flag KEYS: then n 32-byte block keys; the blocks are also written to the store
     op SWAP_IN   payload: n int32 CPU block ids, then n int32 device block ids   (CPU pool -> device)
+    op STORE     payload: n int32 device block ids, then n 32-byte keys          (device -> store)
+    op LOAD      payload: n int32 device block ids, then n 32-byte keys          (store -> device, the
+                 longest prefix of the keys that is present and valid; reply blocks = how many)
+    op LOOKUP    payload: n 32-byte keys; reply blocks = how many leading keys this rank has
 
     status OK (0): SWAP_* reply payload ``SWAP_RESULT`` (blocks u64, bytes u64, copy ns u64), HELLO reply
     JSON; INVALID (1): JSON {"field", "message"}, nothing was changed; FAILED (2): JSON {"message"}; the
@@ -42,6 +47,14 @@ class Op(enum.IntEnum):
     HELLO = 1
     SWAP_OUT = 2
     SWAP_IN = 3
+    STORE = 4
+    LOAD = 5
+    LOOKUP = 6
+
+
+#: Request flag of SWAP_OUT: block keys follow the ids (write-through to the store).
+FLAG_KEYS = 1
+KEY_BYTES = 32
 
 
 class Status(enum.IntEnum):
@@ -52,9 +65,9 @@ class Status(enum.IntEnum):
     FAILED = 2
 
 
-def request(op: Op, task_id: int, payload: bytes = b"") -> bytes:
+def request(op: Op, task_id: int, payload: bytes = b"", flags: int = 0) -> bytes:
     """A request frame."""
-    return REQUEST.pack(REQUEST_MAGIC, op, 0, task_id, len(payload)) + payload
+    return REQUEST.pack(REQUEST_MAGIC, op, flags, task_id, len(payload)) + payload
 
 
 def reply(op: int, status: Status, task_id: int, body: dict[str, Any] | bytes) -> bytes:
@@ -65,7 +78,7 @@ def reply(op: int, status: Status, task_id: int, body: dict[str, Any] | bytes) -
 
 def parse_reply_body(op: int, status: int, payload: bytes) -> dict[str, Any]:
     """The body of a reply as a dict, whatever its encoding."""
-    if status == Status.OK and op in (Op.SWAP_OUT, Op.SWAP_IN):
+    if status == Status.OK and op != Op.HELLO:
         blocks, nbytes, ns = SWAP_RESULT.unpack(payload)
         return {"blocks": blocks, "bytes": nbytes, "ns": ns}
     body = json.loads(payload) if payload else {}
@@ -84,3 +97,16 @@ def unpack_ids(payload: bytes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, An
     ids = np.frombuffer(payload, dtype="<i4").astype(np.int64)
     n = len(ids) // 2
     return ids[:n], ids[n:]
+
+
+def unpack_keyed(payload: bytes, ids_per_key: int) -> tuple[list[np.ndarray[Any, Any]], list[bytes]] | None:
+    """Split a payload of ``ids_per_key`` int32 id lists followed by n keys; None if the length does not fit."""
+    unit = 4 * ids_per_key + KEY_BYTES
+    if len(payload) % unit:
+        return None
+    n = len(payload) // unit
+    ids = np.frombuffer(payload, dtype="<i4", count=n * ids_per_key).astype(np.int64)
+    lists = [ids[i * n : (i + 1) * n] for i in range(ids_per_key)]
+    base = 4 * ids_per_key * n
+    keys = [payload[base + i * KEY_BYTES : base + (i + 1) * KEY_BYTES] for i in range(n)]
+    return lists, keys

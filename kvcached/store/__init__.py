@@ -1,0 +1,1 @@
+"""Attention store backends: ``file`` (embedded default) and ``mooncake``."""

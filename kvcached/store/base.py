@@ -1,0 +1,117 @@
+"""The attention store's contract and the object format every backend stores.
+
+One object per (block key, rank): a 128-byte header, then the block record (every layer's key, value and
+scales of that block, as in the CPU pool; ``spec.block_bytes`` long)::
+
+    0 magic "KVCBLOCK" | 8 format version u32 | 12 header size u32 | 16 payload bytes u64
+    24 geometry digest 16B | 40 block key 32B | 72 rank u32 | 76 flags u32 | 80 xxh3-64 of payload u64
+    88 .. 128 zero
+
+An object is served only if every header field matches what this rank expects and the checksum holds;
+anything else (truncated, foreign, corrupted, written for another geometry or rank) is a miss, and the
+backend removes it when it can. Nothing that failed these checks is ever copied into a device block.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+MAGIC = b"KVCBLOCK"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sIIQ16s32sIIQ")
+HEADER_SIZE = 128
+
+
+class StoreUnavailable(Exception):
+    """The backend cannot be reached (e.g. the Mooncake master is down); the task fails, the rank serves on."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectIdentity:
+    """What an object's header must say for this rank to serve it."""
+
+    digest: bytes
+    rank: int
+    payload: int
+
+    def header(self, key: bytes, checksum: int) -> bytes:
+        """The 128-byte header of the object for ``key`` with payload checksum ``checksum``."""
+        packed = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, self.payload, self.digest, key, self.rank, 0, checksum)
+        return packed.ljust(HEADER_SIZE, b"\0")
+
+    def verify_header(self, key: bytes, head: memoryview, size: int) -> str | None:
+        """None if ``head`` is the header of a ``size``-byte object for ``key`` on this rank, else why not."""
+        if len(head) < HEADER_SIZE:
+            return f"truncated: {size} bytes"
+        magic, version, header_size, payload, digest, got_key, rank, _flags, _checksum = HEADER.unpack_from(head)
+        if magic != MAGIC:
+            return "not a kvcached block object"
+        if version != FORMAT_VERSION or header_size != HEADER_SIZE:
+            return f"format version {version}"
+        if digest != self.digest or payload != self.payload:
+            return "written for another cache geometry"
+        if got_key != key or rank != self.rank:
+            return "written for another key or rank"
+        if size != HEADER_SIZE + payload:
+            return f"truncated: {size - HEADER_SIZE} of {payload} payload bytes"
+        return None
+
+    def verify(self, key: bytes, data: memoryview) -> str | None:
+        """None if ``data`` (header + payload) is a valid object for ``key``, else why it is not."""
+        why = self.verify_header(key, data[:HEADER_SIZE], len(data))
+        if why is None and xxhash.xxh3_64_intdigest(data[HEADER_SIZE:]) != HEADER.unpack_from(data)[8]:
+            why = "checksum mismatch"
+        return why
+
+
+def checksum(pieces: Sequence[memoryview]) -> int:
+    """xxh3-64 of the concatenation of ``pieces`` (22 GB/s: no cost next to any storage)."""
+    h = xxhash.xxh3_64()
+    for piece in pieces:
+        h.update(piece)
+    digest: int = h.intdigest()
+    return digest
+
+
+@dataclasses.dataclass(slots=True)
+class StoreCounters:
+    """What a backend counts (mirrored into the rank's stats slot)."""
+
+    objects: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+
+
+class Store(abc.ABC):
+    """One rank's view of a storage backend. Methods may raise ``StoreUnavailable``."""
+
+    name: str
+    counters: StoreCounters
+
+    @abc.abstractmethod
+    def put(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
+        """Store the block record made of ``pieces`` under ``key``; False if it was there already."""
+
+    @abc.abstractmethod
+    def get_into(self, key: bytes, staging: memoryview) -> memoryview | None:
+        """Read and verify ``key``'s object into ``staging`` (header + payload); the payload view, or None
+        for a miss (absent, or failed verification, in which case it is removed)."""
+
+    @abc.abstractmethod
+    def present(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are present."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove ``keys``; how many were removed."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release
+        """Release resources."""
