@@ -22,24 +22,10 @@ from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance, lock_path
 from kvcached.protocol.proc import is_alive, start_time
 from kvcached.protocol.spec import DTYPE_SIZES, ROLES, SCALE_DTYPES, STORAGE_BACKENDS
 
-#: CacheSpec / config field -> the flag that sets it, for error messages.
-FLAGS = {
-    "num_layers": "--num-layers",
-    "kv_heads": "--kv-heads",
-    "head_dim": "--head-dim",
-    "block_size": "--block-size",
-    "dtype": "--dtype",
-    "num_blocks": "--num-blocks",
-    "num_cpu_blocks": "--num-cpu-blocks",
-    "storage_backend": "--storage-backend",
-    "splitwise_role": "--role",
-    "block_wise_fp8": "--block-wise-fp8",
-    "mla": "--mla",
-    "scale_dtype": "--scale-dtype",
-    "ranks": "--ranks",
-    "instance": "--instance",
-    "memory": "--memory",
-}
+
+def flag_for(field: str) -> str:
+    """The command-line flag that sets a spec or config field (for error messages)."""
+    return "--role" if field == "splitwise_role" else "--" + field.replace("_", "-")
 
 
 class ConfigError(click.ClickException):
@@ -228,13 +214,13 @@ def _use_streaming_stores() -> None:
 
 
 def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
-    from kvcached.config import DaemonConfig
+    from kvcached.config import DEFAULTS, SPEC_KEYS, DaemonConfig
 
     try:
         return DaemonConfig.build(values, config_file)
     except InvalidSpec as exc:
-        flag = FLAGS.get(exc.field)
-        raise ConfigError(f"{flag} ({exc})" if flag else str(exc)) from None
+        known = exc.field in DEFAULTS or exc.field in SPEC_KEYS.values() or exc.field == "instance"
+        raise ConfigError(f"{flag_for(exc.field)} ({exc})" if known else str(exc)) from None
 
 
 @main.command()

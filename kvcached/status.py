@@ -6,6 +6,8 @@ The JSON shape is a public interface (scripts parse it)::
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
                 "error": "", "cpu_blocks": 64,
+                "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
+                          "corrupt": 0, "errors": 0},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
                          "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
      "spec": {...}}
@@ -73,11 +75,28 @@ def read_status(instance: str) -> dict[str, Any]:
                     "error": record.error,
                     "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
                     "swap": block.read_stats(rank),
+                    "store": _store_view(header.spec.get("storage_backend"), block.read_stats(rank)),
                 }
             )
     finally:
         block.close()
     return status
+
+
+def _store_view(backend: str | None, stats: dict[str, int]) -> dict[str, Any] | None:
+    """The attention store's figures of one rank, or None without a store."""
+    if not backend:
+        return None
+    return {
+        "backend": backend,
+        "objects": stats["store_objects"],
+        "bytes": stats["store_bytes_used"],
+        "hits": stats["store_hits"],
+        "misses": stats["store_misses"],
+        "evictions": stats["store_evictions"],
+        "corrupt": stats["store_corrupt"],
+        "errors": stats["store_errors"],
+    }
 
 
 def is_ready(status: dict[str, Any]) -> bool:
@@ -95,6 +114,15 @@ def _swaps(swap: dict[str, int], prefix: str) -> str:
     return f"{tasks} ({swap.get(f'{prefix}_blocks', 0)} blk, {_size(swap.get(f'{prefix}_bytes'))})" if tasks else "0"
 
 
+def _store_cell(store: dict[str, Any] | None) -> str:
+    if not store:
+        return "-"
+    return (
+        f"{store['backend']}: {store['objects']} obj {_size(store['bytes'])} hit {store['hits']} miss "
+        f"{store['misses']} evict {store['evictions']}" + (f" err {store['errors']}" if store["errors"] else "")
+    )
+
+
 def render(status: dict[str, Any]) -> str:
     """A table for people."""
     name = status["instance"]
@@ -105,7 +133,20 @@ def render(status: dict[str, Any]) -> str:
     daemon = "alive" if status["alive"] else "DEAD (leftover control block; the next start reclaims it)"
     lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
     rows = [
-        ("rank", "state", "pid", "heartbeat", "device", "cpu pool", "swap out", "swap in", "refused", "since", "error")
+        (
+            "rank",
+            "state",
+            "pid",
+            "heartbeat",
+            "device",
+            "cpu pool",
+            "swap out",
+            "swap in",
+            "store",
+            "refused",
+            "since",
+            "error",
+        )
     ]
     for r in status["ranks"]:
         state = r["state"]
@@ -124,6 +165,7 @@ def render(status: dict[str, Any]) -> str:
                 pool,
                 _swaps(swap, "swap_out"),
                 _swaps(swap, "swap_in"),
+                _store_cell(r.get("store")),
                 str(swap.get("tasks_refused", 0)),
                 r.get("since") or "-",
                 r.get("error") or "",

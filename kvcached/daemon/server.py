@@ -77,6 +77,8 @@ class TaskServer:
         self.staging = staging if staging is not None else memoryview(bytearray(0))
         self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
+        if store is not None:
+            self._mirror_store_counters()  # a rebuilt index shows in status before the first task
 
     def _count(self, **amounts: int) -> None:
         for name, amount in amounts.items():

@@ -1,0 +1,516 @@
+"""Attention store tier: prefix-addressed blocks on local disk (file) and on a real Mooncake master."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import runner_client as rc
+from kvcached.status import read_status
+from tests.conftest import Daemon, DaemonFactory
+
+GEOMETRY: dict[str, Any] = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
+FLAGS = ["--num-layers", "3", "--num-blocks", "16", "--num-cpu-blocks", "8", "--dtype", "int8", "--block-wise-fp8"]
+
+
+def spec(**changes: Any) -> rc.CacheSpec:
+    return rc.CacheSpec(**{**GEOMETRY, "dtype": "int8", "block_wise_fp8": True, **changes})
+
+
+def tensors(cache: rc.KVCache) -> list[np.ndarray]:
+    return cache.key_caches + cache.value_caches + cache.key_cache_scales + cache.value_cache_scales
+
+
+def fill(cache: rc.KVCache, ids: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in tensors(cache):
+        raw = t.view(np.uint8)
+        raw[ids] = rng.integers(0, 256, raw[ids].shape, dtype=np.uint8)
+
+
+def blocks(cache: rc.KVCache, ids: list[int]) -> list[bytes]:
+    return [t[i].tobytes() for i in ids for t in tensors(cache)]
+
+
+def keys_for(n: int, salt: int = 0) -> list[bytes]:
+    return rc.block_keys(list(range(salt, salt + 4 * n)), 4)
+
+
+@contextlib.contextmanager
+def attached(instance: str, ranks: int = 2, **changes: Any) -> Iterator[list[rc.KVCache]]:
+    caches = [rc.initialize_kv_cache(spec(**changes), r, instance=instance, timeout=30) for r in range(ranks)]
+    try:
+        yield caches
+    finally:
+        for cache in caches:
+            cache.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MooncakeMaster:
+    """A real mooncake_master on loopback with its HTTP metadata server."""
+
+    def __init__(self, log: Path) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def start(self) -> None:
+        binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which(
+            "mooncake_master"
+        )
+        assert binary, "mooncake_master not found: pip install '.[mooncake]' (and apt install libibverbs1 libnuma1)"
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                f"--port={self.port}",
+                "--enable_http_metadata_server=true",
+                f"--http_metadata_server_port={self.http_port}",
+                "--http_metadata_server_host=127.0.0.1",
+            ],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115 - the child holds it
+        )
+        deadline = time.monotonic() + 30
+        for port in (self.port, self.http_port):
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+                assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]
+                assert time.monotonic() < deadline, "mooncake_master did not listen within 30 s"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def args(self) -> list[str]:
+        return [
+            "--storage-backend",
+            "mooncake",
+            "--mooncake-master",
+            self.address,
+            "--mooncake-metadata",
+            self.metadata,
+            "--mooncake-segment",
+            "64MiB",
+        ]
+
+
+@pytest.fixture
+def mooncake(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    master = MooncakeMaster(tmp_path / "mooncake_master.log")
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()
+
+
+def start_file_daemon(
+    daemons: DaemonFactory,
+    path: Path,
+    *,
+    instance: str | None = None,
+    capacity: str = "64MiB",
+    extra: list[str] | None = None,
+) -> Daemon:
+    daemon = daemons.start(
+        instance,
+        ranks=2,
+        args=[
+            *FLAGS,
+            "--storage-backend",
+            "file",
+            "--storage-path",
+            str(path),
+            "--storage-capacity",
+            capacity,
+            *(extra or []),
+        ],
+    )
+    daemon.wait_ready()
+    return daemon
+
+
+# -- block keys ---------------------------------------------------------------------------------------
+
+
+def test_block_keys_are_chained_full_blocks_only_and_stable_across_processes() -> None:
+    """Key i covers the whole prefix; a partial block has no key; another process computes the same keys."""
+    tokens = list(range(1000, 1023))
+    keys = rc.block_keys(tokens, 4)
+    assert len(keys) == 5 and all(len(k) == 32 for k in keys) and len(set(keys)) == 5
+    changed = rc.block_keys([7, *tokens[1:]], 4)
+    assert all(a != b for a, b in zip(keys, changed, strict=True)), "changing token 0 changes every later key"
+    assert rc.block_keys(tokens[:8] + [0] * 12, 4)[:2] == keys[:2], "keys depend on the prefix only"
+    code = f"import runner_client as rc; print([k.hex() for k in rc.block_keys({tokens!r}, 4)])"
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    ).stdout
+    assert json.loads(other.replace("'", '"')) == [k.hex() for k in keys]
+
+
+def test_block_keys_extra_and_bad_input() -> None:
+    """extra (one value, or one per block) changes the keys; bad arguments name the field."""
+    tokens = list(range(8))
+    assert rc.block_keys(tokens, 4, extra="model-v2") != rc.block_keys(tokens, 4)
+    assert rc.block_keys(tokens, 4, extra=[None, b"img"])[0] == rc.block_keys(tokens, 4)[0]
+    assert rc.block_keys(tokens, 4, extra=[None, b"img"])[1] != rc.block_keys(tokens, 4)[1]
+    for kwargs, field in (({"extra": [b"x"]}, "extra"), ({"block_size": 0}, "block_size"), ({"extra": 1.5}, "extra")):
+        with pytest.raises(rc.InvalidSpec) as info:
+            rc.block_keys(tokens, **{"block_size": 4, **kwargs})
+        assert info.value.field == field
+    with pytest.raises(rc.InvalidSpec) as info:
+        rc.block_keys([1.5, 2.0], 1)
+    assert info.value.field == "token_ids"
+
+
+# -- 1. round trip on both backends ---------------------------------------------------------------------
+
+
+def round_trip(instance: str) -> None:
+    """Store blocks from both ranks, scramble the device, load them elsewhere: byte-equal; lookup is the
+    common prefix when one rank lacks a block."""
+    keys = keys_for(6)
+    with attached(instance) as caches, rc.CacheTasks(instance) as tasks:
+        for rank, cache in enumerate(caches):
+            fill(cache, [1, 2, 3, 4, 5, 6], seed=rank)
+        expected = [blocks(c, [1, 2, 3, 4, 5, 6]) for c in caches]
+        assert tasks.lookup(keys) == 0
+        result = tasks.store(None, [1, 2, 3, 4, 5], keys[:5])
+        assert result.blocks == 5 and result.bytes == 5 * spec().block_bytes
+        tasks.store(0, [6], keys[5:6])  # only rank 0 has the sixth block
+        assert tasks.lookup(keys) == 5
+        assert tasks.lookup(keys[:3]) == 3
+        for cache in caches:
+            fill(cache, list(range(16)), seed=99)
+        loaded = tasks.load(None, keys, [10, 11, 12, 13, 14, 15])
+        assert loaded.blocks == 5, "rank 1 stops at its first miss; the fewest of any rank is reported"
+        for rank, cache in enumerate(caches):
+            assert blocks(cache, [10, 11, 12, 13, 14]) == expected[rank][: 5 * 12]
+        assert blocks(caches[0], [15]) == expected[0][5 * 12 :]
+
+
+def test_round_trip_file_backend(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """file backend: store then load, all layers, keys, values and scales, N=2."""
+    round_trip(start_file_daemon(daemons, tmp_path / "store").instance)
+
+
+def test_round_trip_mooncake_backend(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """mooncake backend against a real master on loopback: store then load, N=2."""
+    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])
+    daemon.wait_ready()
+    round_trip(daemon.instance)
+    store = read_status(daemon.instance)["ranks"][0]["store"]
+    assert store["backend"] == "mooncake" and store["objects"] == 6 and store["hits"] == 6
+
+
+# -- 2. restart -----------------------------------------------------------------------------------------
+
+
+def test_new_daemon_serves_blocks_of_the_previous_one(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A new daemon on the same directory finds the objects the previous one stored (index rebuilt)."""
+    path = tmp_path / "store"
+    first = start_file_daemon(daemons, path)
+    keys = keys_for(4)
+    with attached(first.instance) as caches, rc.CacheTasks(first.instance) as tasks:
+        for rank, cache in enumerate(caches):
+            fill(cache, [0, 1, 2, 3], seed=rank + 5)
+        expected = [blocks(c, [0, 1, 2, 3]) for c in caches]
+        tasks.store(None, [0, 1, 2, 3], keys)
+    assert first.stop() == 0
+    second = start_file_daemon(daemons, path, instance=first.instance)
+    assert read_status(second.instance)["ranks"][0]["store"]["objects"] == 4
+    with attached(second.instance) as caches, rc.CacheTasks(second.instance) as tasks:
+        assert tasks.lookup(keys) == 4
+        assert tasks.load(None, keys, [8, 9, 10, 11]).blocks == 4
+        assert [blocks(c, [8, 9, 10, 11]) for c in caches] == expected
+
+
+# -- 3. corruption ----------------------------------------------------------------------------------------
+
+
+def object_path(root: Path, rank: int, key: bytes) -> Path:
+    return root / f"r{rank}" / key.hex()[:2] / f"{key.hex()}.kvb"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])
+def test_damaged_object_reads_as_miss_and_is_removed(daemons: DaemonFactory, tmp_path: Path, damage: str) -> None:
+    """A truncated, bit-flipped or foreign object is a miss: removed, nothing reaches the device block, the
+    daemon serves on."""
+    path = tmp_path / "store"
+    daemon = start_file_daemon(daemons, path)
+    keys = keys_for(3)
+    with attached(daemon.instance) as caches, rc.CacheTasks(daemon.instance) as tasks:
+        fill(caches[0], [1, 2, 3], seed=1)
+        fill(caches[1], [1, 2, 3], seed=2)
+        tasks.store(None, [1, 2, 3], keys)
+        victim = object_path(path, 0, keys[1])
+        raw = bytearray(victim.read_bytes())
+        if damage == "truncate":
+            victim.write_bytes(raw[: len(raw) // 2])
+        elif damage == "flip":
+            raw[len(raw) - 7] ^= 0x40
+            victim.write_bytes(raw)
+        else:
+            victim.write_bytes(np.random.default_rng(3).integers(0, 256, len(raw), dtype=np.uint8).tobytes())
+        fill(caches[0], [8, 9, 10], seed=42)
+        sentinel = blocks(caches[0], [8, 9, 10])
+        expected_first = blocks(caches[0], [1])
+        result = tasks.load(0, keys, [8, 9, 10])
+        assert result.blocks == 1, "loading stops at the damaged second block"
+        assert blocks(caches[0], [8]) == expected_first
+        assert blocks(caches[0], [9, 10]) == sentinel[12:], "nothing of the damaged object reached a device block"
+        assert not victim.exists()
+        assert tasks.lookup(keys) == 1
+        tasks.store(None, [2], keys[1:2])  # and it can be stored again
+        assert tasks.lookup(keys) == 3
+    store = read_status(daemon.instance)["ranks"][0]["store"]
+    assert store["corrupt"] == 1
+
+
+def test_foreign_files_and_other_geometry_are_misses(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Objects stored under another geometry, and a foreign file named like an object, never load; a daemon
+    restarted with the old geometry still serves its own."""
+    path = tmp_path / "store"
+    first = start_file_daemon(daemons, path)
+    keys = keys_for(2)
+    with attached(first.instance) as caches, rc.CacheTasks(first.instance) as tasks:
+        fill(caches[0], [1, 2], seed=4)
+        fill(caches[1], [1, 2], seed=5)
+        tasks.store(None, [1, 2], keys)
+    assert first.stop() == 0
+    stranger = rc.block_keys(list(range(500, 504)), 4)[0]
+    object_path(path, 0, stranger).parent.mkdir(parents=True, exist_ok=True)
+    object_path(path, 0, stranger).write_bytes(b"not a block" * 100)
+    (path / "r0" / "notes.txt").write_text("someone else's file")
+    other = start_file_daemon(daemons, path, instance=first.instance, extra=["--num-blocks", "20"])
+    with attached(other.instance, num_blocks=20) as caches, rc.CacheTasks(other.instance) as tasks:
+        assert tasks.lookup(keys) == 0 and tasks.lookup([stranger]) == 0
+        fill(caches[0], [5, 6], seed=6)
+        before = blocks(caches[0], [5, 6])
+        assert tasks.load(None, keys, [5, 6]).blocks == 0
+        assert blocks(caches[0], [5, 6]) == before
+        assert tasks.swap_out(None, [1], [1]).blocks == 1, "the daemon serves on"
+    assert not object_path(path, 0, stranger).exists() and (path / "r0" / "notes.txt").exists()
+
+
+def test_kill9_during_store_leaves_no_incomplete_object(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A daemon killed in the middle of a long store: after restart every object that loads is whole and
+    equal to what was stored; no temporary file is left."""
+    path = tmp_path / "store"
+    flags = [
+        "--num-layers",
+        "4",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+        "--block-size",
+        "64",
+        "--num-blocks",
+        "96",
+        "--num-cpu-blocks",
+        "0",
+        "--storage-backend",
+        "file",
+        "--storage-path",
+        str(path),
+        "--storage-capacity",
+        "1GiB",
+    ]
+    daemon = daemons.start(ranks=1, args=flags)
+    daemon.wait_ready()
+    big = rc.CacheSpec(num_layers=4, kv_heads=8, head_dim=128, block_size=64, num_blocks=96, storage_backend="file")
+    keys = rc.block_keys(list(range(64 * 96)), 64)
+    cache = rc.initialize_kv_cache(big, 0, instance=daemon.instance)
+    rng = np.random.default_rng(8)
+    for t in cache.key_caches + cache.value_caches:
+        t.view(np.uint8)[...] = rng.integers(0, 256, t.view(np.uint8).shape, dtype=np.uint8)
+    expected = {i: b"".join(t[i].tobytes() for t in cache.key_caches + cache.value_caches) for i in range(96)}
+    tasks = rc.CacheTasks(daemon.instance)
+    tasks.store(0, list(range(96)), keys, wait=False)
+    deadline = time.monotonic() + 30
+    while not any(path.glob("r0/*/*.kvb")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    daemon.kill9()
+    tasks.close()
+    cache.close()
+    stored_before_restart = len(list(path.glob("r0/*/*.kvb")))
+    assert 0 < stored_before_restart < 96, "the kill landed in the middle of the store"
+    again = daemons.start(daemon.instance, ranks=1, args=flags)
+    again.wait_ready()
+    assert not list(path.glob("r0/*/.tmp-*")), "half-written temporaries are removed at start-up"
+    with rc.initialize_kv_cache(big, 0, instance=daemon.instance) as cache, rc.CacheTasks(daemon.instance) as tasks:
+        present = [i for i in range(96) if tasks.lookup([keys[i]]) == 1 or tasks.lookup(keys[: i + 1]) == i + 1]
+        assert len(present) >= stored_before_restart - 1
+        for i in present:
+            assert tasks.load(0, [keys[i]], [0]).blocks == 1
+            assert b"".join(t[0].tobytes() for t in cache.key_caches + cache.value_caches) == expected[i]
+
+
+# -- 4. capacity ------------------------------------------------------------------------------------------
+
+
+def test_capacity_evicts_least_recently_used(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Past the capacity the least recently used objects go; lookup never reports an evicted one."""
+    per_object = 128 + spec().block_bytes
+    daemon = start_file_daemon(daemons, tmp_path / "store", capacity=str(2 * 4 * per_object))  # 4 per rank
+    keys = [rc.block_keys([n] * 4, 4)[0] for n in range(8)]
+    with attached(daemon.instance) as caches, rc.CacheTasks(daemon.instance) as tasks:
+        for cache in caches:
+            fill(cache, list(range(8)), seed=9)
+        tasks.store(None, [0, 1, 2, 3], keys[:4])
+        assert tasks.load(None, [keys[0]], [12]).blocks == 1  # key 0 is now the most recently used
+        tasks.store(None, [4, 5], keys[4:6])
+        assert [tasks.lookup([k]) for k in keys[:6]] == [1, 0, 0, 1, 1, 1]
+        tasks.store(None, [6, 7], keys[6:8])
+        assert [tasks.lookup([k]) for k in keys] == [0, 0, 0, 0, 1, 1, 1, 1]
+        assert tasks.load(None, [keys[1]], [12]).blocks == 0
+    store = read_status(daemon.instance)["ranks"][1]["store"]
+    assert store["evictions"] == 4 and store["objects"] == 4 and store["bytes"] <= 4 * per_object
+    assert len(list((tmp_path / "store" / "r1").glob("*/*.kvb"))) == 4
+
+
+# -- 5. Mooncake master down and back ---------------------------------------------------------------------
+
+
+def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """With the master stopped, store/load/lookup fail with a clear error while swaps go on; once the master
+    is back the store works again."""
+    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])
+    daemon.wait_ready()
+    keys = keys_for(2)
+    with attached(daemon.instance) as caches, rc.CacheTasks(daemon.instance) as tasks:
+        fill(caches[0], [1, 2], seed=10)
+        tasks.store(None, [1, 2], keys)
+        mooncake.stop()
+        for call in (
+            lambda: tasks.store(None, [3], keys_for(1, salt=50)),
+            lambda: tasks.lookup(keys),
+            lambda: tasks.load(None, keys, [5, 6]),
+        ):
+            with pytest.raises(rc.TaskFailed, match="storage backend unavailable"):
+                call()
+        assert tasks.swap_out(None, [1, 2], [0, 1]).blocks == 2
+        assert tasks.swap_in(None, [0, 1], [7, 8]).blocks == 2
+        assert daemon.proc.poll() is None
+        mooncake.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                tasks.store(None, [1, 2], keys)
+                break
+            except rc.TaskFailed:
+                assert time.monotonic() < deadline, "the store did not recover within 60 s of the master's return"
+                time.sleep(0.5)
+        expected = blocks(caches[0], [1, 2])
+        assert tasks.load(None, keys, [9, 10]).blocks == 2
+        assert blocks(caches[0], [9, 10]) == expected
+    assert read_status(daemon.instance)["ranks"][0]["store"]["errors"] >= 3
+
+
+# -- tasks and configuration --------------------------------------------------------------------------------
+
+
+def test_write_through_swap_out(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """swap_out with keys also writes the blocks to the store."""
+    daemon = start_file_daemon(daemons, tmp_path / "store")
+    keys = keys_for(2)
+    with attached(daemon.instance) as caches, rc.CacheTasks(daemon.instance) as tasks:
+        fill(caches[1], [3, 4], seed=11)
+        expected = blocks(caches[1], [3, 4])
+        tasks.swap_out(None, [3, 4], [0, 1], keys=keys)
+        assert tasks.lookup(keys) == 2
+        tasks.load(1, keys, [13, 14])
+        assert blocks(caches[1], [13, 14]) == expected
+
+
+def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Bad keys, ids, duplicate targets, or no store configured: InvalidTask naming the field."""
+    daemon = start_file_daemon(daemons, tmp_path / "store")
+    keys = keys_for(2)
+    with rc.CacheTasks(daemon.instance) as tasks:
+        for call, field in [
+            (lambda: tasks.store(0, [1], [b"short"]), "keys"),
+            (lambda: tasks.store(0, [1, 2], keys[:1]), "keys"),
+            (lambda: tasks.store(0, [16], keys[:1]), "device_block_ids"),
+            (lambda: tasks.load(0, keys, [3, 3]), "device_block_ids"),
+            (lambda: tasks.lookup(keys[0]), "keys"),
+            (lambda: tasks.swap_out(0, [1], [1], keys=[b"x" * 31]), "keys"),
+        ]:
+            with pytest.raises(rc.InvalidTask) as info:
+                call()
+            assert info.value.field == field
+    plain = daemons.start(ranks=1)
+    plain.wait_ready()
+    with rc.CacheTasks(plain.instance) as tasks, pytest.raises(rc.InvalidTask) as info:
+        tasks.store(0, [1], keys[:1])
+    assert info.value.field == "storage_backend"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--storage-backend", "mooncake"], "--mooncake-master (mooncake_master: is required"),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "x", "--mooncake-metadata", "http://h:1/m"],
+            "must be HOST:PORT",
+        ),
+        (["--storage-backend", "file", "--storage-capacity", "lots"], "--storage-capacity (storage_capacity: must be"),
+        (["--storage-backend", "file", "--storage-capacity", "10"], "cannot hold one block per rank"),
+    ],
+)
+def test_bad_store_configuration(daemons: DaemonFactory, args: list[str], message: str) -> None:
+    """Store options are checked at start-up (exit 4), naming the flag."""
+    daemon = daemons.start(ranks=1, args=args)
+    assert daemon.exit_code() == 4
+    assert message in daemon.log()
+
+
+def test_status_shows_store_figures(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """kvcached status shows objects, bytes, hits, misses and evictions of the store per rank."""
+    daemon = start_file_daemon(daemons, tmp_path / "store")
+    keys = keys_for(3)
+    with rc.CacheTasks(daemon.instance) as tasks:
+        tasks.store(None, [1, 2], keys[:2])
+        tasks.load(None, keys, [5, 6, 7])
+    store = read_status(daemon.instance)["ranks"][0]["store"]
+    assert (store["objects"], store["hits"], store["misses"], store["evictions"]) == (2, 2, 1, 0)
+    assert store["bytes"] == 2 * (128 + spec().block_bytes)
+    table = daemons.cli("status", "--instance", daemon.instance).stdout
+    assert "file: 2 obj" in table and "hit 2 miss 1 evict 0" in table
