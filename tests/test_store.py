@@ -86,17 +86,18 @@ class MooncakeMaster:
             "mooncake_master"
         )
         assert binary, "mooncake_master not found: pip install '.[mooncake]' (and apt install libibverbs1 libnuma1)"
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                f"--port={self.port}",
-                "--enable_http_metadata_server=true",
-                f"--http_metadata_server_port={self.http_port}",
-                "--http_metadata_server_host=127.0.0.1",
-            ],
-            stdout=open(self.log, "ab"),
-            stderr=subprocess.STDOUT,  # noqa: SIM115 - the child holds it
-        )
+        with open(self.log, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--port={self.port}",
+                    "--enable_http_metadata_server=true",
+                    f"--http_metadata_server_port={self.http_port}",
+                    "--http_metadata_server_host=127.0.0.1",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 30
         for port in (self.port, self.http_port):
             while True:
