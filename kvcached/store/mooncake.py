@@ -1,9 +1,8 @@
 """The ``mooncake`` backend: Mooncake Store (``mooncake.store.MooncakeDistributedStore``) over TCP.
 
 Object names: ``kvcached/<geometry digest hex>/<key hex>/r<rank>``; values are the same header + record
-as the ``file`` backend, written with ``put_parts`` (header and the device pieces, no gather in Python)
-and read with ``get_into`` into a registered staging buffer, then verified before anything reaches a
-device block.
+as the ``file`` backend, gathered into a registered staging buffer and written with ``put_from``, read
+with ``get_into`` into the same buffer and verified before anything reaches a device block.
 
 Availability: ``setup()`` blocks for about 90 s when the master is down, while an established client's
 calls fail at once (-900) and recover by themselves when the master is back. So the client connects
@@ -118,12 +117,21 @@ class MooncakeStore(Store):
 
     def put(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
         client = self._ensure()
+        # Gather header and pieces into the registered staging buffer, then put from it: Mooncake reads
+        # registered memory directly, while put_parts of unregistered arena memory measured at a third of
+        # a plain put's speed. The gather is one memcpy per piece.
         header = self.identity.header(key, checksum(pieces))
-        code = client.put_parts(self._name(key), header, *pieces)
+        staging = self.staging
+        staging[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        offset = len(header)
+        for piece in pieces:
+            staging[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+            offset += len(piece)
+        code = client.put_from(self._name(key), staging.ctypes.data, offset)
         if code != 0:
             raise self._failed("put", code)
         self.counters.objects += 1
-        self.counters.bytes += len(header) + self.identity.payload
+        self.counters.bytes += offset
         return True
 
     def get_into(self, key: bytes, staging: memoryview) -> memoryview | None:
