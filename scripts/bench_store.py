@@ -39,9 +39,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import benchlib  # noqa: E402
 
 import runner_client as rc  # noqa: E402
-from kvcached.status import is_ready, read_status  # noqa: E402
 
 KV_HEADS, HEAD_DIM, NUM_LAYERS = 8, 128, 4
 
@@ -201,21 +203,7 @@ def start_daemon(
         "0",
         *store,
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, *args, "--log-format", "json"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=ROOT,
-    )
-    deadline = time.monotonic() + 300
-    while not is_ready(read_status(instance)):
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        if time.monotonic() > deadline:
-            raise SystemExit("daemon not ready after 300 s")
-        time.sleep(0.05)
-    return proc
+    return benchlib.start_daemon(instance, env, args)
 
 
 def run_kvcached(instance: str, blocks: int, batch: int, drop: bool) -> tuple[float, float]:

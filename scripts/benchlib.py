@@ -1,0 +1,33 @@
+"""What the benchmarks share: starting a real daemon and waiting until every rank is READY."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvcached.status import is_ready, read_status  # noqa: E402
+
+
+def start_daemon(instance: str, env: dict[str, str], args: list[str], timeout: float = 300) -> subprocess.Popen[bytes]:
+    """``kvcached start --instance INSTANCE ARGS``, returned once every rank is READY; exits on failure."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, *args, "--log-format", "json"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + timeout
+    while not is_ready(read_status(instance)):
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"daemon not ready after {timeout:.0f} s")
+        time.sleep(0.05)
+    return proc
