@@ -229,10 +229,8 @@ class TaskServer:
         if isinstance(store, FileStore):
             store.protect(keys)
         started = time.monotonic_ns()
-        stored = 0
         try:
-            for device_id, key in zip(device_ids, keys, strict=True):
-                stored += store.put(key, self.engine.block_pieces(device_id))
+            stored = store.put_many(keys, [self.engine.block_pieces(device_id) for device_id in device_ids])
         finally:
             if isinstance(store, FileStore):
                 store.protect([])
@@ -259,13 +257,9 @@ class TaskServer:
             nbytes = self._put_blocks(ids.tolist(), keys)
             return reply(op, Status.OK, task_id, SWAP_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
         self.engine.check_ids(ids, field="device_block_ids", role="target", unique=True)
-        loaded = 0
-        for device_id, key in zip(ids.tolist(), keys, strict=True):
-            record = store.get_into(key, self.staging)
-            if record is None:
-                break  # a block without its prefix is of no use: stop at the first miss
-            self.engine.write_block(device_id, record)
-            loaded += 1
+        targets = ids.tolist()
+        # Stops at the first miss: a block without its prefix is of no use.
+        loaded = store.load_prefix(keys, self.staging, lambda i, record: self.engine.write_block(targets[i], record))
         nbytes = loaded * self.engine.spec.block_bytes
         took = time.monotonic_ns() - started
         self._count(load_tasks=1, load_blocks=loaded, load_bytes=nbytes, load_ns=took)

