@@ -58,6 +58,7 @@ def read_status(instance: str) -> dict[str, Any]:
             except TornRead:
                 status["ranks"].append({"rank": rank, "state": "UNKNOWN"})
                 continue
+            stats = block.read_stats(rank)
             status["ranks"].append(
                 {
                     "rank": rank,
@@ -74,8 +75,8 @@ def read_status(instance: str) -> dict[str, Any]:
                     else None,
                     "error": record.error,
                     "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
-                    "swap": block.read_stats(rank),
-                    "store": _store_view(header.spec.get("storage_backend"), block.read_stats(rank)),
+                    "swap": stats,
+                    "store": _store_view(header.spec.get("storage_backend"), stats),
                 }
             )
     finally:

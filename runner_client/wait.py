@@ -194,6 +194,7 @@ class _Waiter:
 
     def run(self) -> Ready:
         """Wait until ready; return the mapped block, or raise one of the documented errors."""
+        pending: Record | None = None  # a record already read after a wake-up: not read again
         try:
             while True:
                 now = time.monotonic()
@@ -209,7 +210,7 @@ class _Waiter:
                 if self.block is None and not self._find_block():
                     continue
                 assert self.block is not None and self.header is not None
-                record = self._read()
+                record, pending = pending or self._read(), None
                 if record is not None and record.state is State.FAILED:
                     self._judge(record)  # raises RankFailed: more precise than the daemon's exit after it
                 if not self._daemon_alive():
@@ -222,8 +223,8 @@ class _Waiter:
                     return ready
                 self.followed = (self.header.daemon_pid, self.header.daemon_start, self.header.generation)
                 if self._acquire():
-                    after = self._read()
-                    if after is None or after.state != record.state:
+                    pending = self._read()
+                    if pending is None or pending.state != record.state:
                         assert self.sem is not None
                         self.sem.release()  # turnstile: pass the news to the next waiter
         finally:

@@ -201,24 +201,16 @@ def run_plain(target: Any, args_per_rank: list[tuple[Any, ...]], drop: bool) -> 
 def start_daemon(
     instance: str, env: dict[str, str], ranks: int, blocks: int, block_size: int, store: list[str]
 ) -> subprocess.Popen[bytes]:
-    args = [
-        "--ranks",
-        str(ranks),
-        "--num-layers",
-        str(NUM_LAYERS),
-        "--kv-heads",
-        str(KV_HEADS),
-        "--head-dim",
-        str(HEAD_DIM),
-        "--block-size",
-        str(block_size),
-        "--num-blocks",
-        str(blocks),
-        "--num-cpu-blocks",
-        "0",
-        *store,
-    ]
-    return benchlib.start_daemon(instance, env, args)
+    args = benchlib.geometry_args(
+        ranks=ranks,
+        num_layers=NUM_LAYERS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=block_size,
+        num_blocks=blocks,
+        num_cpu_blocks=0,
+    )
+    return benchlib.start_daemon(instance, env, [*args, *store])
 
 
 def run_kvcached(instance: str, blocks: int, batch: int, drop: bool) -> tuple[float, float]:

@@ -73,25 +73,16 @@ def plain_copy_gbps(ranks: int, nbytes: int, repeats: int) -> float:
 def start_daemon(
     instance: str, env: dict[str, str], block_size: int, blocks: int, ranks: int
 ) -> subprocess.Popen[bytes]:
-    args = [
-        "--ranks",
-        str(ranks),
-        "--num-layers",
-        str(NUM_LAYERS),
-        "--kv-heads",
-        str(KV_HEADS),
-        "--head-dim",
-        str(HEAD_DIM),
-        "--block-size",
-        str(block_size),
-        "--num-blocks",
-        str(blocks),
-        "--num-cpu-blocks",
-        str(blocks),
-        "--dtype",
-        "bfloat16",
-    ]
-    return benchlib.start_daemon(instance, env, args)
+    args = benchlib.geometry_args(
+        ranks=ranks,
+        num_layers=NUM_LAYERS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=block_size,
+        num_blocks=blocks,
+        num_cpu_blocks=blocks,
+    )
+    return benchlib.start_daemon(instance, env, [*args, "--dtype", "bfloat16"])
 
 
 def swap_gbps(

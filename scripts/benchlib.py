@@ -13,6 +13,28 @@ sys.path.insert(0, str(ROOT))
 from kvcached.status import is_ready, read_status  # noqa: E402
 
 
+def geometry_args(
+    *, ranks: int, num_layers: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int, num_cpu_blocks: int
+) -> list[str]:
+    """The `kvcached start` flags of a geometry."""
+    return [
+        "--ranks",
+        str(ranks),
+        "--num-layers",
+        str(num_layers),
+        "--kv-heads",
+        str(kv_heads),
+        "--head-dim",
+        str(head_dim),
+        "--block-size",
+        str(block_size),
+        "--num-blocks",
+        str(num_blocks),
+        "--num-cpu-blocks",
+        str(num_cpu_blocks),
+    ]
+
+
 def start_daemon(instance: str, env: dict[str, str], args: list[str], timeout: float = 300) -> subprocess.Popen[bytes]:
     """``kvcached start --instance INSTANCE ARGS``, returned once every rank is READY; exits on failure."""
     proc = subprocess.Popen(

@@ -166,9 +166,6 @@ class TaskServer:
         except Exception as exc:
             self.log.exception("task failed", op=op, task_id=task_id)
             return reply(op, Status.FAILED, task_id, {"message": f"{type(exc).__name__}: {exc}"})
-        finally:
-            if self.store is not None:
-                self._mirror_store_counters()
 
     def _hello(self, conn: _Conn, task_id: int, payload: bytes) -> bytes:
         try:
@@ -234,11 +231,19 @@ class TaskServer:
         finally:
             if isinstance(store, FileStore):
                 store.protect([])
+            self._mirror_store_counters()
         nbytes = stored * self.engine.spec.block_bytes
         self._count(store_tasks=1, store_blocks=len(keys), store_bytes=nbytes, store_ns=time.monotonic_ns() - started)
         return nbytes
 
     def _store_op(self, op: Op, task_id: int, payload: bytes) -> bytes:
+        try:
+            return self._store_task(op, task_id, payload)
+        finally:
+            if self.store is not None:  # only store tasks change the store's counters
+                self._mirror_store_counters()
+
+    def _store_task(self, op: Op, task_id: int, payload: bytes) -> bytes:
         store = self._require_store()
         started = time.monotonic_ns()
         if op is Op.LOOKUP:
