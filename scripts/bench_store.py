@@ -10,7 +10,8 @@ For ``--ranks`` ranks of ``--gib`` GiB each (blocks of ``--block-kib`` KiB), eve
   else from the page cache; the report says which.
 * mooncake: plain ``put`` / ``get_into`` of the same objects with a Mooncake client per process, against a
   fresh ``mooncake_master`` on loopback (the baseline of the target); and, for information, the same with
-  the batch calls kvcached itself uses (``batch_put_from`` / ``batch_get_into``, 32 objects a call).
+  the batch calls and placement kvcached itself uses (``batch_put_from`` / ``batch_get_into``, 32 objects
+  a call, each client's own segment preferred).
 
 Passes alternate (plain, kvcached, plain, ...), each on fresh state (a new directory, a new master and
 daemon), and the report gives the median ratio of each pair with its range: on this shared machine the
@@ -133,11 +134,13 @@ def segment_bytes(count: int, size: int) -> int:
 def plain_mooncake(
     master: str, metadata: str, rank: int, count: int, size: int, batched: bool, barrier: Any, out: Any
 ) -> None:
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     batch = 32 if batched else 1
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", metadata, segment_bytes(count, size), 64 << 20, "tcp", "", master) == 0
+    own = ReplicateConfig()
+    own.preferred_segment = client.get_hostname()
     data = np.frombuffer(mmap.mmap(-1, size * batch), dtype=np.uint8)
     data[:] = 3
     client.register_buffer(data.ctypes.data, data.nbytes)
@@ -148,7 +151,7 @@ def plain_mooncake(
     for i in range(0, count, batch):
         if batched:
             chunk = names[i : i + batch]
-            assert client.batch_put_from(chunk, ptrs[: len(chunk)], [size] * len(chunk)) == [0] * len(chunk)
+            assert client.batch_put_from(chunk, ptrs[: len(chunk)], [size] * len(chunk), own) == [0] * len(chunk)
         else:
             assert client.put(names[i], data) == 0
     put_s = time.perf_counter() - started
@@ -335,7 +338,7 @@ def main() -> int:
         f"{'ratio':>18} | target"
     )
     met = True
-    names = {"file": "write+fsync / read", "mooncake": "put / get", "mooncake-batch": "batch put / get"}
+    names = {"file": "write+fsync / read", "mooncake": "put / get", "mooncake-batch": "own-seg batch p/g"}
     for backend, passes in results.items():
         target = {"file": 0.7, "mooncake": 0.8}.get(backend)  # the batch row is for information
         cols = []

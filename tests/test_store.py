@@ -240,6 +240,34 @@ def test_round_trip_mooncake_backend(daemons: DaemonFactory, mooncake: MooncakeM
     assert store["backend"] == "mooncake" and store["objects"] == 6 and store["hits"] == 6
 
 
+def test_mooncake_objects_go_to_their_rank_segment(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """Each rank's objects are placed in that rank's own segment (a local copy, not a TCP transfer), so the
+    two ranks' objects sit in two different segments. Mooncake's default placement would scatter them."""
+    from mooncake.store import MooncakeDistributedStore
+
+    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])
+    daemon.wait_ready()
+    keys = keys_for(8)
+    with rc.CacheTasks(daemon.instance) as tasks:
+        tasks.store(None, list(range(8)), keys)
+    probe = MooncakeDistributedStore()
+    assert probe.setup("127.0.0.1", mooncake.metadata, 16 << 20, 16 << 20, "tcp", "", mooncake.address) == 0
+    try:
+        segments = [
+            {
+                probe.get_replica_desc(f"kvcached/{spec().geometry_digest.hex()}/{key.hex()}/r{rank}")[0]
+                .get_memory_descriptor()
+                .buffer_descriptor.transport_endpoint
+                for key in keys
+            }
+            for rank in (0, 1)
+        ]
+    finally:
+        probe.close()
+    assert len(segments[0]) == 1 and len(segments[1]) == 1, segments
+    assert segments[0] != segments[1]
+
+
 # -- 2. restart -----------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,10 @@
 """The ``mooncake`` backend: Mooncake Store (``mooncake.store.MooncakeDistributedStore``) over TCP.
 
 Object names: ``kvcached/<geometry digest hex>/<key hex>/r<rank>``; values are the same header + record
-as the ``file`` backend. A task's objects go a batch at a time through a registered staging buffer:
+as the ``file`` backend. Each rank's client places objects in its own segment while it has room (a local
+copy, not a TCP transfer to another rank's segment: measured 2.6x Mooncake's default placement for two
+ranks on one host); when it is full, Mooncake places them elsewhere. A task's objects go a batch at a time
+through a registered staging buffer:
 gathered there and written with one ``batch_put_from``; read there with one ``batch_get_into`` and
 verified, object by object, before anything reaches a device block.
 
@@ -67,13 +70,15 @@ class MooncakeStore(Store):
         hostname: str = "127.0.0.1",
     ) -> None:
         try:
-            from mooncake.store import MooncakeDistributedStore
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:
             raise StoreUnavailable(
                 f"the mooncake backend needs the Mooncake Store client: pip install mooncake-transfer-engine-non-cuda "
                 f"(and Debian's libibverbs1 libnuma1): {exc}"
             ) from None
         self._factory = MooncakeDistributedStore
+        self._replicate_config = ReplicateConfig
+        self.placement: Any = None
         self.identity = identity
         self.master, self.metadata = master, metadata
         self.endpoints = [_host_port(master, 50051), _host_port(metadata, 8080)]
@@ -112,6 +117,8 @@ class MooncakeStore(Store):
             self.last_error = f"Mooncake setup with master {self.master} failed (code {code})"
             raise StoreUnavailable(self.last_error)
         client.register_buffer(self.staging.ctypes.data, self.staging.nbytes)
+        self.placement = self._replicate_config()
+        self.placement.preferred_segment = client.get_hostname()
         self.client = client
         self.batch_registered = False  # a new client: register the batch buffer again
         self.log.info("mooncake store connected", master=self.master, metadata=self.metadata)
@@ -136,7 +143,7 @@ class MooncakeStore(Store):
         for piece in pieces:
             staging[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
             offset += len(piece)
-        code = client.put_from(self._name(key), staging.ctypes.data, offset)
+        code = client.put_from(self._name(key), staging.ctypes.data, offset, self.placement)
         if code != 0:
             raise self._failed("put", code)
         self.counters.objects += 1
@@ -182,7 +189,7 @@ class MooncakeStore(Store):
                 names.append(self._name(key))
                 ptrs.append(batch.ctypes.data + base)
                 sizes.append(offset - base)
-            for code in client.batch_put_from(names, ptrs, sizes):
+            for code in client.batch_put_from(names, ptrs, sizes, self.placement):
                 if code != 0:
                     raise self._failed("batch put", code)
             self.counters.objects += len(names)
