@@ -152,6 +152,23 @@ def main() -> None:
     help="dtype of the scale tensors. [default: float32]",
 )
 @click.option(
+    "--group",
+    envvar="KVCACHED_GROUP",
+    help="Group (name or gid) whose members may use this instance: its shared memory and semaphores become "
+    "0660 with this group, and its task sockets admit them. [default: the daemon's user only]",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    envvar="KVCACHED_METRICS_PORT",
+    help="Serve Prometheus metrics on this TCP port (path /metrics); 0: off. [default: 0]",
+)
+@click.option(
+    "--metrics-address",
+    envvar="KVCACHED_METRICS_ADDRESS",
+    help="Address the metrics endpoint binds. [default: 127.0.0.1]",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",

@@ -21,6 +21,9 @@ A TOML file uses the flag names with underscores, all at top level::
     role = "mixed"        # or "prefill", "decode"
     block_wise_fp8 = false
     mla = false
+    group = "kvcached"    # runners of this group may use the instance (objects 0660); default: owner only
+    metrics_port = 9464   # Prometheus metrics on http://metrics_address:metrics_port/metrics; 0: off
+    metrics_address = "127.0.0.1"
 
 The defaults make the daemon the owner (a modest CPU swap pool) and fit a small host: ``kvcached start
 --ranks 8`` reserves 48 MiB of /dev/shm per rank.
@@ -35,6 +38,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvcached.daemon.access import resolve_group
 from kvcached.protocol.control import MAX_RANKS
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
@@ -64,6 +68,9 @@ DEFAULTS: Mapping[str, Any] = {
     "mooncake_master": None,
     "mooncake_metadata": None,
     "mooncake_segment": "256MiB",
+    "group": None,
+    "metrics_port": 0,
+    "metrics_address": "127.0.0.1",
 }
 
 _UNITS = {
@@ -150,6 +157,9 @@ class DaemonConfig:
     memory: str
     spec: CacheSpec
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+    gid: int | None = None
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
 
     @classmethod
     def build(cls, values: Mapping[str, Any], config_file: Path | None = None) -> DaemonConfig:
@@ -171,12 +181,24 @@ class DaemonConfig:
             raise InvalidSpec("memory", f"must be one of {', '.join(MEMORY_BACKENDS)}; got {merged['memory']!r}")
         spec = CacheSpec(**{field: merged[key] for key, field in SPEC_KEYS.items()})
         instance = check_instance(merged["instance"])
+        gid = None
+        if merged["group"] not in (None, ""):
+            try:
+                gid = resolve_group(merged["group"])
+            except KeyError as exc:
+                raise InvalidSpec("group", str(exc.args[0])) from None
+        port = merged["metrics_port"]
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise InvalidSpec("metrics_port", f"must be a TCP port 1..65535, or 0 for no metrics; got {port!r}")
         return cls(
             instance=instance,
             ranks=ranks,
             memory=merged["memory"],
             spec=spec,
             store=_store_config(merged, spec, instance, ranks),
+            gid=gid,
+            metrics_port=port,
+            metrics_address=str(merged["metrics_address"]),
         )
 
 

@@ -33,6 +33,7 @@ import structlog
 
 from kvcached import logs
 from kvcached.config import StoreConfig
+from kvcached.daemon.access import Access
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
 from kvcached.daemon.faults import fault
 from kvcached.daemon.server import TaskServer
@@ -89,6 +90,7 @@ def worker_main(
     stats: memoryview,
     store: StoreConfig,
     ranks: int,
+    access: Access,
 ) -> NoReturn:
     """Entry point in the forked child. Never returns: exits with a status for the supervisor's log."""
     _die_with_parent(parent)
@@ -111,6 +113,7 @@ def worker_main(
             log=log,
             store_config=store,
             ranks=ranks,
+            access=access,
         )
     except BaseException as exc:  # the process ends here either way; say why first
         log.exception("rank worker crashed")
@@ -156,6 +159,7 @@ def _serve(
     log: Any,
     store_config: StoreConfig,
     ranks: int,
+    access: Access,
 ) -> int:
     dev_name = arena_name(instance, generation, rank, "dev")
     cpu_name = arena_name(instance, generation, rank, "cpu")
@@ -177,8 +181,12 @@ def _serve(
         return report
 
     try:
-        device = create_arena(dev_name, dev_bytes, progress(0))
-        pool = create_arena(cpu_name, cpu_bytes, progress(dev_bytes)) if cpu_bytes else None
+        device = create_arena(dev_name, dev_bytes, progress(0), mode=access.mode, gid=access.gid)
+        pool = (
+            create_arena(cpu_name, cpu_bytes, progress(dev_bytes), mode=access.mode, gid=access.gid)
+            if cpu_bytes
+            else None
+        )
     except ShmFull as exc:
         send_msg(sock, t="failed", error=str(exc.strerror), exit=EXIT_RESOURCES)
         return EXIT_RESOURCES
@@ -194,7 +202,9 @@ def _serve(
         return EXIT_CONFIG
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(task_socket_path(run_dir, instance, rank)))
+    socket_path = task_socket_path(run_dir, instance, rank)
+    listener.bind(str(socket_path))
+    access.apply_socket(socket_path)
     listener.listen(64)
     listener.setblocking(False)
     server = TaskServer(
@@ -206,6 +216,7 @@ def _serve(
         log=log,
         store=store,
         staging=staging.data if staging is not None else None,
+        access=access,
     )
     fault("worker-before-ready")
     send_msg(

@@ -9,12 +9,12 @@ and a client that vanishes mid-task only loses its reply.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import struct
 import time
 from typing import Any
 
+from kvcached.daemon.access import Access, peer_of
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
@@ -32,7 +32,6 @@ from kvcached.store.base import Store, StoreUnavailable
 from kvcached.store.file import FileStore
 from kvcached.transfer import SwapEngine, TaskError
 
-_PEERCRED = struct.Struct("3i")
 RECV_CHUNK = 1 << 20
 SEND_TIMEOUT_S = 5
 
@@ -62,10 +61,12 @@ class TaskServer:
         log: Any,
         store: Store | None = None,
         staging: memoryview | None = None,
+        access: Access | None = None,
     ) -> None:
         from kvcached.protocol.control import STAT_NAMES
 
         self.listener = listener
+        self.access = access or Access.for_daemon(None)
         self.engine = engine
         self.stats = stats
         self.index = {name: i for i, name in enumerate(STAT_NAMES)}
@@ -87,14 +88,23 @@ class TaskServer:
     # -- connections ----------------------------------------------------------------------------------
 
     def accept(self) -> socket.socket | None:
-        """Accept one connection if its peer may talk to us (same user, or root); else close it."""
+        """Accept one connection if its peer may talk to us (see ``kvcached.daemon.access``); else log and
+        close it before reading anything."""
         try:
             sock, _ = self.listener.accept()
         except BlockingIOError:
             return None
-        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        if uid not in (os.geteuid(), 0):
-            self.log.warning("refused connection", peer_pid=pid, peer_uid=uid)
+        peer = peer_of(sock)
+        if not self.access.allows(peer):
+            self.log.warning(
+                "refused connection: peer is neither the daemon's user nor in its group",
+                peer_pid=peer.pid,
+                peer_uid=peer.uid,
+                peer_gids=sorted(peer.gids),
+                allowed_uid=self.access.uid,
+                allowed_gid=self.access.gid,
+            )
+            self._count(tasks_refused=1)
             sock.close()
             return None
         # Blocking (no poll() before each call: select already said readable), but a send to a client

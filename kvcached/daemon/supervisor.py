@@ -36,6 +36,7 @@ import structlog
 from kvcached import logs
 from kvcached.config import DaemonConfig
 from kvcached.daemon import faults
+from kvcached.daemon.access import Access
 from kvcached.daemon.errors import (
     EXIT_ALREADY_RUNNING,
     EXIT_CONFIG,
@@ -44,12 +45,14 @@ from kvcached.daemon.errors import (
     EXIT_RESOURCES,
     Fatal,
 )
+from kvcached.daemon.notify import Notifier
 from kvcached.daemon.rank import HEARTBEAT_S, recv_msg, send_msg, worker_main
 from kvcached.memory import host
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State, block_size_for
 from kvcached.protocol.layout import rank_shm_bytes
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
+    SHM_DIR,
     arena_name,
     instance_shm_entries,
     lock_path,
@@ -90,6 +93,8 @@ class Supervisor:
         self.run_dir = lock_path(config.instance).parent
         self.wake_r, self.wake_w = -1, -1
         self.all_ready_logged = False
+        self.notify = Notifier()
+        self.access = Access.for_daemon(config.gid)
 
     # -- entry ----------------------------------------------------------------------------------------
 
@@ -103,10 +108,13 @@ class Supervisor:
             status = self._loop()
         except Fatal as fatal:
             self.log.error("fatal", reason=fatal.reason, exit_status=fatal.exit_status)
+            self.notify.send(STATUS=f"failed: {fatal.reason}")
             status = fatal.exit_status
             raise
         finally:
+            self.notify.send(STOPPING=1)
             self._cleanup()
+            self.notify.close()
             self.log.info("stopped", exit_status=status)
         return status
 
@@ -142,6 +150,7 @@ class Supervisor:
         for rank in range(self.config.ranks):
             name = semaphore_name(self.instance, self.generation, rank)
             self.sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
+            self.access.apply(SHM_DIR / f"sem.{name.lstrip('/')}")
         faults.fault("after-semaphores")
         pid, started = self_identity()
         self.block = ControlBlock.create(
@@ -152,6 +161,8 @@ class Supervisor:
             daemon_pid=pid,
             daemon_start=started,
             run_dir=str(self.run_dir),
+            mode=self.access.mode,
+            gid=self.access.gid,
         )
         self.records = [Record(rank=r, generation=self.generation) for r in range(self.config.ranks)]
         faults.fault("after-control-block")
@@ -180,6 +191,9 @@ class Supervisor:
         owner = directory.stat().st_uid
         if owner != os.geteuid():
             raise Fatal(f"run directory {directory} belongs to uid {owner}, not to this user", EXIT_RESOURCES)
+        if self.access.gid is not None:  # the group's runners must reach the sockets in it
+            os.chown(directory, -1, self.access.gid)
+            os.chmod(directory, stat.S_IMODE(directory.stat().st_mode) | stat.S_IXGRP)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
@@ -230,11 +244,11 @@ class Supervisor:
         me = os.geteuid()
         for entry in entries:
             st = entry.lstat()
-            if st.st_uid != me or not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) != 0o600:
+            if st.st_uid != me or not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) not in (0o600, 0o660):
                 raise Fatal(
                     f"{entry} is not ours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; "
-                    f"kvcached makes uid {me}, mode 600): refusing to use or delete it. Remove it if it "
-                    "is stale, or pick another --instance name.",
+                    f"kvcached makes uid {me}, mode 600 or 660): refusing to use or delete it. Remove it if "
+                    "it is stale, or pick another --instance name.",
                     EXIT_RESOURCES,
                 )
         for entry in entries:
@@ -294,6 +308,7 @@ class Supervisor:
                 stats=self.block.stats(rank),
                 store=self.config.store,
                 ranks=self.config.ranks,
+                access=self.access,
             )
         child_sock.close()
         self.workers[rank] = (pid, parent_sock)
@@ -321,8 +336,10 @@ class Supervisor:
     # -- main loop ------------------------------------------------------------------------------------
 
     def _loop(self) -> int:
+        tick = min(HEARTBEAT_S / 2, self.notify.ping_interval() or HEARTBEAT_S)
         while True:
-            for key, _ in self.selector.select(timeout=HEARTBEAT_S / 2):
+            self.notify.ping_if_due()
+            for key, _ in self.selector.select(timeout=tick):
                 if key.data is None:
                     status = self._on_signals()
                     if status is not None:
@@ -361,6 +378,7 @@ class Supervisor:
             self._set(rank, total_bytes=int(msg["total"]))
         elif kind == "progress":
             self._set(rank, reserved_bytes=int(msg["done"]))
+            self.notify.status(self._progress_text(), throttle_s=0.5)
         elif kind == "ready":
             self._set(
                 rank,
@@ -376,9 +394,19 @@ class Supervisor:
             if not self.all_ready_logged and all(r.state is State.READY for r in self.records):
                 self.all_ready_logged = True
                 self.log.info("all ranks ready", ranks=len(self.records))
+                total = sum(r.total_bytes for r in self.records)
+                self.notify.send(READY=1, STATUS=f"serving {len(self.records)} ranks, {total / 2**30:.1f} GiB")
                 faults.fault("after-ready")
         elif kind == "failed":
             raise self._rank_failed(rank, str(msg.get("error")), int(msg.get("exit", EXIT_FAILURE)))
+
+    def _progress_text(self) -> str:
+        ready = sum(r.state is State.READY for r in self.records)
+        done = sum(r.reserved_bytes for r in self.records)
+        total = rank_shm_bytes(self.spec) * len(self.records)
+        gib = 2**30
+        ranks = len(self.records)
+        return f"allocating: {ready}/{ranks} ranks ready, {done / gib:.2f} of {total / gib:.2f} GiB reserved"
 
     def _rank_failed(self, rank: int, why: str, status: int) -> Fatal:
         self._set(rank, state=State.FAILED, error=why)

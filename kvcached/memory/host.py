@@ -26,15 +26,20 @@ class ShmFull(OSError):
     """/dev/shm has no room for the arena (ENOSPC while reserving)."""
 
 
-def create_arena(name: str, size: int, progress: Callable[[int], None] | None = None) -> mmap.mmap:
-    """Create, reserve and map shm object ``name`` of ``size`` bytes. On any error nothing is left.
+def create_arena(
+    name: str, size: int, progress: Callable[[int], None] | None = None, *, mode: int = 0o600, gid: int | None = None
+) -> mmap.mmap:
+    """Create, reserve and map shm object ``name`` of ``size`` bytes, with ``mode`` (and group ``gid`` if
+    given; both set before a byte is reserved). On any error nothing is left.
 
     Raises ``posix_ipc.ExistentialError`` if the name exists, ``ShmFull`` if /dev/shm is too small.
     ``progress(done)`` is called after each reserved chunk.
     """
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
     try:
-        os.fchmod(shm.fd, 0o600)
+        os.fchmod(shm.fd, mode)
+        if gid is not None:
+            os.fchown(shm.fd, -1, gid)
         done = 0
         while done < size:
             step = min(CHUNK, size - done)

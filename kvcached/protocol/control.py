@@ -2,7 +2,7 @@
 
 ::
 
-    /kvcached.<instance>                         (mode 0600, created O_EXCL, size rounded to a page)
+    /kvcached.<instance>                         (mode 0600 or 0660, created O_EXCL, page-rounded)
     +--------------------------------------------------------------------------------------+
     | header, 4096 bytes, written once before ``magic`` (publish last)                     |
     |   0 magic "KVCACHED" | 8 version u32 | 12 header size u32 | 16 record size u32        |
@@ -250,9 +250,12 @@ class ControlBlock:
         daemon_pid: int,
         daemon_start: int,
         run_dir: str = "",
+        mode: int = 0o600,
+        gid: int | None = None,
     ) -> ControlBlock:
-        """Create, fill and publish a new block (O_EXCL, mode 0600). Raises ``posix_ipc.ExistentialError``
-        if the name is taken. Every record starts EMPTY in ``generation``; ``magic`` is written last."""
+        """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
+        ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
+        ``magic`` is written last."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         run_dir_bytes = run_dir.encode()
@@ -262,7 +265,9 @@ class ControlBlock:
         size = block_size_for(num_ranks)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
         try:
-            os.fchmod(shm.fd, 0o600)
+            os.fchmod(shm.fd, mode)
+            if gid is not None:
+                os.fchown(shm.fd, -1, gid)
             os.posix_fallocate(shm.fd, 0, size)
             mm = mmap.mmap(shm.fd, size)
             inode = os.fstat(shm.fd).st_ino

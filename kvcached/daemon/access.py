@@ -1,0 +1,103 @@
+"""Who may use an instance: the daemon's own user always; the members of one configured group too.
+
+Without ``--group`` every object the daemon creates (shared memory, semaphores) is mode 0600 and only
+the daemon's user may use the instance. With ``--group G`` (e.g. ``kvcached`` under systemd) those
+objects are mode 0660 with group G, so runners of another user in G can attach. Task sockets are mode
+0660 either way (group G, or the daemon's group); the file mode is the first gate, and each connection
+is then checked by the kernel's peer credentials (``SO_PEERCRED`` / ``SO_PEERGROUPS``): a peer that is
+neither the daemon's user nor in G is refused and logged before any byte of a task is read. Root gets
+no exemption: it may open the socket file, so it must pass the same check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import socket
+import struct
+from pathlib import Path
+
+_PEERCRED = struct.Struct("3i")
+#: Linux's SO_PEERGROUPS (not exported by Python's socket module).
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+#: Python's getsockopt() takes at most 1024 bytes: 256 groups; a peer in more is read from /proc.
+_GROUPS_BUFFER = 1024
+SOCKET_MODE = 0o660
+
+
+def resolve_group(value: str | int) -> int:
+    """The gid of a group name or number; ``KeyError`` with the reason if there is no such group."""
+    text = str(value).strip()
+    try:
+        return grp.getgrgid(int(text)).gr_gid if text.isdigit() else grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise KeyError(f"no group {text!r} on this host (see /etc/group)") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peer:
+    """A connected client as the kernel saw it at connect()."""
+
+    pid: int
+    uid: int
+    gids: frozenset[int]
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """The peer credentials of a connected Unix socket: pid, uid, primary and supplementary gids."""
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    gids = {gid}
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GROUPS_BUFFER)
+        gids.update(struct.unpack(f"{len(raw) // 4}I", raw))
+    except OSError:  # more groups than the buffer holds, or a kernel before 4.13
+        gids.update(_proc_groups(pid))
+    return Peer(pid, uid, frozenset(gids))
+
+
+def _proc_groups(pid: int) -> set[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Groups:"):
+                return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Access:
+    """The policy of one instance. ``gid`` None: the daemon's user only."""
+
+    uid: int
+    gid: int | None = None
+
+    @classmethod
+    def for_daemon(cls, gid: int | None) -> Access:
+        return cls(os.geteuid(), gid)
+
+    @property
+    def mode(self) -> int:
+        """Mode of the shared-memory objects and semaphores the daemon creates."""
+        return 0o600 if self.gid is None else 0o660
+
+    def allows(self, peer: Peer) -> bool:
+        return peer.uid == self.uid or (self.gid is not None and self.gid in peer.gids)
+
+    def apply(self, target: int | Path) -> None:
+        """Give a file descriptor or path our object mode and group (group unchanged without one)."""
+        if isinstance(target, int):
+            os.fchmod(target, self.mode)
+            if self.gid is not None:
+                os.fchown(target, -1, self.gid)
+        else:
+            os.chmod(target, self.mode)
+            if self.gid is not None:
+                os.chown(target, -1, self.gid)
+
+    def apply_socket(self, path: Path) -> None:
+        """Task sockets: 0660, group ``gid`` when set."""
+        if self.gid is not None:
+            os.chown(path, -1, self.gid)
+        os.chmod(path, SOCKET_MODE)
