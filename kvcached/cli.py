@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from kvcached.daemon.errors import EXIT_CONFIG, Fatal
-from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.errors import InvalidSpec, KVCacheError
 from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance, lock_path
 from kvcached.protocol.proc import is_alive, start_time
 from kvcached.protocol.spec import DTYPE_SIZES, ROLES, SCALE_DTYPES, STORAGE_BACKENDS
@@ -286,13 +286,34 @@ def _instance(instance: str | None) -> str:
 
 
 def _daemon_identity(instance: str) -> tuple[int, int] | None:
-    """(pid, start time) of the live daemon of ``instance``, from its lock file; None if none runs."""
+    """(pid, start time) of the live daemon of ``instance``, from its lock file, or from its control block
+    when the lock file is elsewhere (another run directory, e.g. systemd's /run/kvcached); None if none runs."""
     try:
         fields = lock_path(instance).read_text().split()
         pid, started = int(fields[0]), int(fields[1])
     except (OSError, ValueError, IndexError):
-        return None
-    return (pid, started) if start_time(pid) == started else None
+        pid, started = _identity_from_block(instance)
+    return (pid, started) if pid and start_time(pid) == started else None
+
+
+def _identity_from_block(instance: str) -> tuple[int, int]:
+    import posix_ipc
+
+    from kvcached.protocol.control import ControlBlock
+
+    try:
+        block = ControlBlock.open(instance)
+    except (posix_ipc.Error, OSError):
+        return 0, 0
+    if block is None:
+        return 0, 0
+    try:
+        header = block.header() if block.published else None
+    except KVCacheError:
+        header = None
+    finally:
+        block.close()
+    return (header.daemon_pid, header.daemon_start) if header is not None else (0, 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,6 +13,7 @@ the ``runner_client`` logger.
 """
 
 from kvcached.protocol.errors import (
+    AccessDenied,
     CacheLayoutMismatch,
     CacheNotReady,
     DaemonGone,
@@ -33,6 +34,7 @@ from runner_client.tasks import CacheTasks, TaskHandle, TaskResult
 
 __all__ = [
     "CONDITION",
+    "AccessDenied",
     "CacheLayoutMismatch",
     "CacheNotReady",
     "CacheSpec",

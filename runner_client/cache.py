@@ -20,7 +20,7 @@ from typing import Any, Literal
 import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead
-from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec, OwnershipConflict, ProtocolError
+from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec, OwnershipConflict, ProtocolError
 from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes, device_views
 from kvcached.protocol.names import check_instance
 from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
@@ -176,6 +176,8 @@ def _map_arena(name: str, size: int, instance: str, rank: int) -> mmap.mmap:
         shm = posix_ipc.SharedMemory(name)
     except posix_ipc.ExistentialError:
         raise ProtocolError(f"instance {instance!r} rank {rank}: published arena {name} does not exist") from None
+    except posix_ipc.PermissionsError:
+        raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
     try:
         actual = os.fstat(shm.fd).st_size
         if actual < size:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvcached.protocol.control import ControlBlock, Header, State, TornRead
-from kvcached.protocol.errors import DaemonGone, InvalidTask, RankFailed, TaskFailed, TaskTimeout
+from kvcached.protocol.errors import AccessDenied, DaemonGone, InvalidTask, RankFailed, TaskFailed, TaskTimeout
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
@@ -77,6 +77,12 @@ class _Channel:
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
+        except PermissionError:
+            self.sock.close()
+            raise AccessDenied(
+                f"rank {rank}: no permission to connect to {path}: the daemon admits its own user and the "
+                "members of its --group"
+            ) from None
         except OSError:
             self.sock.close()
             raise
@@ -84,7 +90,13 @@ class _Channel:
         self.rcvtimeo = 0.0
         self._set_rcvtimeo(timeout)
         hello = json.dumps({"generation": f"{generation:016x}"}).encode()
-        status, body = self.wait(self.submit(Op.HELLO, hello), time.monotonic() + timeout)
+        try:
+            task_id = self.submit(Op.HELLO, hello)
+        except _Closed:
+            # Closed at once: a refused peer gets one REFUSED frame first; wait() raises AccessDenied on it.
+            self.wait(0, time.monotonic() + min(timeout, 1.0))
+            raise
+        status, body = self.wait(task_id, time.monotonic() + timeout)
         if status != Status.OK:
             self.sock.close()
             raise DaemonGone(f"rank {rank}: the daemon's worker refused this client: {body.get('message')}")
@@ -144,6 +156,8 @@ class _Channel:
                     self._fill(deadline)
                 body = parse_reply_body(op, status, bytes(self.buf[REPLY.size : REPLY.size + length]))
                 del self.buf[: REPLY.size + length]
+                if status == Status.REFUSED:
+                    raise AccessDenied(f"rank {self.rank}: the daemon refused this client: {body.get('message')}")
                 self.early[got_id] = (status, body)
             return self.early.pop(task_id)
 
@@ -357,15 +371,20 @@ class CacheTasks:
     def _channel(self, rank: int) -> _Channel:
         with self._lock:
             channel = self._channels.get(rank)
-            if channel is None:
-                self._check_ready(rank)
-                path = str(task_socket_path(self._header.run_dir, self.instance, rank))
-                try:
-                    channel = _Channel(path, rank, self._header.generation, self.timeout)
-                except (OSError, _Closed):
-                    raise self._lost(rank) from None
+            if channel is not None:
+                return channel
+            self._check_ready(rank)
+            path = str(task_socket_path(self._header.run_dir, self.instance, rank))
+            try:
+                channel = _Channel(path, rank, self._header.generation, self.timeout)
+            except AccessDenied:
+                raise
+            except (OSError, _Closed):
+                channel = None  # _lost() takes the lock itself
+            else:
                 self._channels[rank] = channel
-            return channel
+                return channel
+        raise self._lost(rank)
 
     def _lost(self, rank: int) -> Exception:
         """The error for a rank whose connection ended: which of the daemon or the rank failed."""

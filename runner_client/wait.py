@@ -22,7 +22,7 @@ import time
 import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead
-from kvcached.protocol.errors import CacheLayoutMismatch, CacheNotReady, DaemonGone, RankFailed
+from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, CacheNotReady, DaemonGone, RankFailed
 from kvcached.protocol.names import semaphore_name
 from kvcached.protocol.proc import is_alive
 
@@ -143,7 +143,10 @@ class _Waiter:
             self._sleep(POLL_ABSENT_S)
             return False
         try:
-            self.sem = posix_ipc.Semaphore(semaphore_name(self.instance, header.generation, self.rank))
+            name = semaphore_name(self.instance, header.generation, self.rank)
+            self.sem = posix_ipc.Semaphore(name)
+        except posix_ipc.PermissionsError:
+            raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
         except posix_ipc.ExistentialError:
             # The daemon already unlinked its semaphores: it is stopping. Look again shortly.
             self._drop_block()

@@ -51,7 +51,9 @@ def remove_entries(instance: str) -> None:
 class Daemon:
     """A real ``kvcached start`` process."""
 
-    def __init__(self, instance: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, instance: str, args: list[str], env: dict[str, str], log_path: Path, popen: dict[str, Any] | None = None
+    ) -> None:
         self.instance = instance
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -61,6 +63,7 @@ class Daemon:
             stderr=subprocess.STDOUT,
             env=env,
             cwd=ROOT,
+            **(popen or {}),
         )
 
     @property
@@ -137,8 +140,10 @@ class DaemonFactory:
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
         small: bool = True,
+        popen: dict[str, Any] | None = None,
     ) -> Daemon:
-        """Start ``kvcached start``; ``small`` adds a tiny geometry so tests stay fast."""
+        """Start ``kvcached start``; ``small`` adds a tiny geometry so tests stay fast; ``popen`` passes
+        extra ``subprocess.Popen`` arguments (e.g. ``user=`` to run the daemon as another user)."""
         instance = instance or unique_instance()
         self.instances.add(instance)
         geometry = (
@@ -160,7 +165,8 @@ class DaemonFactory:
             else []
         )
         full_args = ["--ranks", str(ranks), *geometry, *(args or [])]
-        daemon = Daemon(instance, full_args, env or self.env(), self.tmp_path / f"daemon-{len(self.daemons)}.log")
+        log = self.tmp_path / f"daemon-{len(self.daemons)}.log"
+        daemon = Daemon(instance, full_args, env or self.env(), log, popen)
         self.daemons.append(daemon)
         return daemon
 

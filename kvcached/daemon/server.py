@@ -8,6 +8,7 @@ and a client that vanishes mid-task only loses its reply.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -105,6 +106,9 @@ class TaskServer:
                 allowed_gid=self.access.gid,
             )
             self._count(tasks_refused=1)
+            why = f"uid {peer.uid} is neither the daemon's user (uid {self.access.uid}) nor in its group"
+            with contextlib.suppress(OSError):
+                sock.send(reply(Op.HELLO, Status.REFUSED, 0, {"message": why}), socket.MSG_DONTWAIT)
             sock.close()
             return None
         # Blocking (no poll() before each call: select already said readable), but a send to a client

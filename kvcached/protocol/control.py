@@ -45,7 +45,7 @@ from typing import Any
 
 import posix_ipc
 
-from kvcached.protocol.errors import ProtocolError
+from kvcached.protocol.errors import AccessDenied, ProtocolError
 from kvcached.protocol.layout import round_up
 from kvcached.protocol.names import control_name
 from kvcached.protocol.spec import CacheSpec
@@ -312,6 +312,8 @@ class ControlBlock:
             shm = posix_ipc.SharedMemory(name, read_only=True)
         except posix_ipc.ExistentialError:
             return None
+        except posix_ipc.PermissionsError:
+            raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
         try:
             stat = os.fstat(shm.fd)
             if stat.st_size < HEADER_SIZE:

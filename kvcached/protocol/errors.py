@@ -53,6 +53,11 @@ class DaemonGone(KVCacheError):
     """Raised when the daemon a runner was waiting on (or attached to) died or stopped."""
 
 
+class AccessDenied(KVCacheError, PermissionError):
+    """Raised when this process may not use the instance: it is neither the daemon's user nor a member of
+    the daemon's ``--group`` (the shared objects' modes or the task socket's peer check refused it)."""
+
+
 class RankFailed(KVCacheError):
     """Raised when the daemon marked the rank FAILED (allocation error, worker death)."""
 

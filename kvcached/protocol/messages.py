@@ -63,6 +63,8 @@ class Status(enum.IntEnum):
     OK = 0
     INVALID = 1
     FAILED = 2
+    #: The connection itself is refused (peer credentials); sent once, unsolicited, then it is closed.
+    REFUSED = 3
 
 
 def request(op: Op, task_id: int, payload: bytes = b"", flags: int = 0) -> bytes:
