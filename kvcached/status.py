@@ -5,13 +5,14 @@ The JSON shape is a public interface (scripts parse it)::
     {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234,
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
-                "error": "", "cpu_blocks": 64,
+                "error": "", "cpu_blocks": 64, "waiting": 0,
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
                           "corrupt": 0, "errors": 0},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
                          "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
      "spec": {...}}
 
+``waiting`` is the number of runner processes waiting for that rank to become READY right now.
 ``running`` says a control block exists; ``alive`` that its daemon still runs (a block whose daemon is
 dead is a leftover: every state in it is history). ``generation`` is 16 hex digits (JSON numbers lose
 64-bit precision). Ready means: alive and every rank READY.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvcached.protocol.control import ControlBlock, State, TornRead
+from kvcached.protocol.control import ControlBlock, State, TornRead, count_waiters
 from kvcached.protocol.proc import is_alive
 
 
@@ -45,6 +46,7 @@ def read_status(instance: str) -> dict[str, Any]:
             return status
         header = block.header()
         now = time.monotonic_ns()
+        waiting = count_waiters(instance, header.num_ranks)
         status.update(
             running=True,
             alive=is_alive(header.daemon_pid, header.daemon_start),
@@ -75,6 +77,7 @@ def read_status(instance: str) -> dict[str, Any]:
                     else None,
                     "error": record.error,
                     "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
+                    "waiting": waiting[rank],
                     "swap": stats,
                     "store": _store_view(header.spec.get("storage_backend"), stats),
                 }
@@ -137,6 +140,7 @@ def render(status: dict[str, Any]) -> str:
         (
             "rank",
             "state",
+            "waiting",
             "pid",
             "heartbeat",
             "device",
@@ -160,6 +164,7 @@ def render(status: dict[str, Any]) -> str:
             (
                 str(r["rank"]),
                 state,
+                str(r.get("waiting", 0)),
                 str(r.get("pid") or "-"),
                 "-" if age is None else f"{age:.1f}s",
                 _size(r.get("bytes_device")),

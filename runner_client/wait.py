@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import posix_ipc
 
-from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead
+from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead, mark_waiting
 from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, CacheNotReady, DaemonGone, RankFailed
 from kvcached.protocol.names import semaphore_name
 from kvcached.protocol.proc import is_alive
@@ -58,6 +59,7 @@ class _Waiter:
         self.block: ControlBlock | None = None
         self.header: Header | None = None
         self.sem: posix_ipc.Semaphore | None = None
+        self.mark: int | None = None  # the waiting mark (see kvcached.protocol.control.mark_waiting)
         self.stale_inode = -1
         # The live daemon this wait has seen (pid, start, generation): its death is DaemonGone, whereas a
         # block that was stale from the start only means "no daemon yet".
@@ -73,6 +75,9 @@ class _Waiter:
             self.state, self.since_wall_ns = state, since_wall_ns
 
     def _drop_block(self) -> None:
+        if self.mark is not None:
+            os.close(self.mark)
+            self.mark = None
         if self.sem is not None:
             self.sem.close()
             self.sem = None
@@ -225,6 +230,8 @@ class _Waiter:
                     self.block = None  # handed over: not closed by the finally below
                     return ready
                 self.followed = (self.header.daemon_pid, self.header.daemon_start, self.header.generation)
+                if self.mark is None:
+                    self.mark = mark_waiting(self.instance, self.rank)
                 if self._acquire():
                     pending = self._read()
                     if pending is None or pending.state != record.state:

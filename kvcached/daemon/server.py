@@ -8,6 +8,7 @@ and a client that vanishes mid-task only loses its reply.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import socket
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from kvcached.daemon.access import Access, peer_of
+from kvcached.protocol.control import LATENCY_BUCKETS_S, LATENCY_INDEX, LATENCY_OPS
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
@@ -33,6 +35,7 @@ from kvcached.store.base import Store, StoreUnavailable
 from kvcached.store.file import FileStore
 from kvcached.transfer import SwapEngine, TaskError
 
+_BOUNDS_NS = [round(bound * 1e9) for bound in LATENCY_BUCKETS_S]
 RECV_CHUNK = 1 << 20
 SEND_TIMEOUT_S = 5
 
@@ -85,6 +88,17 @@ class TaskServer:
     def _count(self, **amounts: int) -> None:
         for name, amount in amounts.items():
             self.stats[self.index[name]] += amount
+
+    def _count_task(self, op: str, blocks: int, nbytes: int, ns: int) -> None:
+        """Count a finished task of ``op`` (one of ``LATENCY_OPS``) and put its duration in its histogram."""
+        stats, index = self.stats, self.index
+        stats[index[f"{op}_tasks"]] += 1
+        stats[index[f"{op}_blocks"]] += blocks
+        stats[index[f"{op}_bytes"]] += nbytes
+        stats[index[f"{op}_ns"]] += ns
+        bucket = bisect.bisect_left(_BOUNDS_NS, ns)
+        if bucket < len(_BOUNDS_NS):
+            stats[LATENCY_INDEX + LATENCY_OPS.index(op) * len(_BOUNDS_NS) + bucket] += 1
 
     # -- connections ----------------------------------------------------------------------------------
 
@@ -219,10 +233,7 @@ class TaskServer:
         started = time.monotonic_ns()
         moved = self.engine.swap_out(src, dst) if out else self.engine.swap_in(src, dst)
         took = time.monotonic_ns() - started
-        prefix = "swap_out" if out else "swap_in"
-        self._count(
-            **{f"{prefix}_tasks": 1, f"{prefix}_blocks": len(src), f"{prefix}_bytes": moved, f"{prefix}_ns": took}
-        )
+        self._count_task("swap_out" if out else "swap_in", len(src), moved, took)
         if keys:  # write-through: the blocks just swapped out also go to the store
             self._put_blocks(src.tolist(), keys)
         return reply(op, Status.OK, task_id, SWAP_RESULT.pack(len(src), moved, took))
@@ -247,7 +258,7 @@ class TaskServer:
                 store.protect([])
             self._mirror_store_counters()
         nbytes = stored * self.engine.spec.block_bytes
-        self._count(store_tasks=1, store_blocks=len(keys), store_bytes=nbytes, store_ns=time.monotonic_ns() - started)
+        self._count_task("store", len(keys), nbytes, time.monotonic_ns() - started)
         return nbytes
 
     def _store_op(self, op: Op, task_id: int, payload: bytes) -> bytes:
@@ -281,7 +292,7 @@ class TaskServer:
         loaded = store.load_prefix(keys, self.staging, lambda i, record: self.engine.write_block(targets[i], record))
         nbytes = loaded * self.engine.spec.block_bytes
         took = time.monotonic_ns() - started
-        self._count(load_tasks=1, load_blocks=loaded, load_bytes=nbytes, load_ns=took)
+        self._count_task("load", loaded, nbytes, took)
         return reply(op, Status.OK, task_id, SWAP_RESULT.pack(loaded, nbytes, took))
 
     def _mirror_store_counters(self) -> None:

@@ -95,6 +95,7 @@ class Supervisor:
         self.all_ready_logged = False
         self.notify = Notifier()
         self.access = Access.for_daemon(config.gid)
+        self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
 
     # -- entry ----------------------------------------------------------------------------------------
 
@@ -176,6 +177,22 @@ class Supervisor:
         )
         for rank in range(self.config.ranks):
             self._spawn(rank)
+        if self.config.metrics_port:  # after the forks: its thread must not be copied into workers
+            self._serve_metrics()
+
+    def _serve_metrics(self) -> None:
+        from kvcached.daemon import metrics
+
+        assert self.block is not None
+        address, port = self.config.metrics_address, self.config.metrics_port
+        try:
+            self.metrics = metrics.serve(self.instance, self.block, self.config.memory, address, port)
+        except OSError as exc:
+            raise Fatal(
+                f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}; pick a free port or 0 for none",
+                EXIT_CONFIG,
+            ) from None
+        self.log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
 
     def _lock(self) -> None:
         path = lock_path(self.instance)
@@ -452,6 +469,10 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         """Idempotent: STOPPING, stop workers, unlink every object of this generation, release the lock."""
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
+            self.metrics = None
         if self.block is not None:
             for rank, record in enumerate(self.records):
                 if record.state is not State.FAILED:

@@ -19,9 +19,15 @@
     +--------------------------------------------------------------------------------------+
     | record of rank 1 ... rank n-1                                                        |
     +--------------------------------------------------------------------------------------+
-    | stats of rank 0, 256 bytes: 32 u64 counters (``STAT_NAMES``), written by that rank's   |
-    | worker alone, each counter an aligned 8-byte store (no seqlock: counters, not state)   |
+    | stats of rank 0, 1024 bytes: 128 u64, written by that rank's worker alone, each an     |
+    | aligned 8-byte store (no seqlock: counters, not state). u64 0..63: the counters of     |
+    | ``STAT_NAMES``; from u64 64: task latency histograms (``LATENCY_OPS`` x               |
+    | ``LATENCY_BUCKETS_S``)                                                                 |
     | stats of rank 1 ... rank n-1                                                         |
+
+Waiting runners: while a runner waits for rank k it holds an open-file-description read lock
+(``F_OFD_SETLK``) on byte k of the control block; the kernel drops it when the runner stops waiting or
+dies, and ``count_waiters`` counts them from /proc/locks. Nothing is written for it.
 
 The seqlock: the writer makes ``seq`` odd, writes the body, makes ``seq`` even; a reader reads ``seq``,
 copies the body, reads ``seq`` again and retries while it was odd or changed. This relies on x86-64's
@@ -36,25 +42,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import fcntl
 import json
 import mmap
 import os
 import struct
 import time
+from pathlib import Path
 from typing import Any
 
 import posix_ipc
 
 from kvcached.protocol.errors import AccessDenied, ProtocolError
 from kvcached.protocol.layout import round_up
-from kvcached.protocol.names import control_name
+from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.protocol.spec import CacheSpec
 
 MAGIC = b"KVCACHED"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 4096
 RECORD_SIZE = 512
-STATS_SIZE = 256
+STATS_SIZE = 1024
 MAX_RANKS = 256
 MAX_RUN_DIR = 127
 
@@ -87,7 +95,17 @@ STAT_NAMES: tuple[str, ...] = (
     "store_corrupt",
     "store_errors",
 )
-assert len(STAT_NAMES) * 8 <= STATS_SIZE
+#: u64 index in a stats slot where the latency histograms begin (room for 64 counters before it).
+LATENCY_INDEX = 64
+#: Tasks whose duration is observed, in slot order.
+LATENCY_OPS: tuple[str, ...] = ("swap_out", "swap_in", "store", "load")
+#: Upper bounds (seconds) of the histogram buckets. Bucket i counts tasks that took more than bound i-1
+#: and at most bound i (not cumulative); tasks slower than the last bound are only in ``<op>_tasks``.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
+)  # fmt: skip
+assert len(STAT_NAMES) <= LATENCY_INDEX
+assert (LATENCY_INDEX + len(LATENCY_OPS) * len(LATENCY_BUCKETS_S)) * 8 <= STATS_SIZE
 
 _HEADER = struct.Struct("<8sIIIIQqQQ16sI128s")
 _SPEC_OFFSET = _HEADER.size
@@ -391,15 +409,22 @@ class ControlBlock:
         return HEADER_SIZE + rank * RECORD_SIZE
 
     def stats(self, rank: int) -> memoryview:
-        """``rank``'s counters, a memoryview of u64 indexed like ``STAT_NAMES`` (writable in the writer's
-        process and its forked workers, read-only elsewhere). Plain item stores, no seqlock."""
+        """``rank``'s whole stats slot, a memoryview of u64: counters indexed like ``STAT_NAMES``, then
+        the histograms from ``LATENCY_INDEX`` (writable in the writer's process and its forked workers,
+        read-only elsewhere). Plain item stores, no seqlock."""
         self._record_offset(rank)
         offset = HEADER_SIZE + RECORD_SIZE * self._num_ranks + STATS_SIZE * rank
-        return self._buf[offset : offset + 8 * len(STAT_NAMES)].cast("Q")
+        return self._buf[offset : offset + STATS_SIZE].cast("Q")
 
     def read_stats(self, rank: int) -> dict[str, int]:
         """A copy of ``rank``'s counters by name."""
-        return dict(zip(STAT_NAMES, self.stats(rank).tolist(), strict=True))
+        return dict(zip(STAT_NAMES, self.stats(rank)[: len(STAT_NAMES)].tolist(), strict=True))
+
+    def read_latency(self, rank: int) -> dict[str, list[int]]:
+        """A copy of ``rank``'s task latency histograms: per op, the (non-cumulative) bucket counts."""
+        slot = self.stats(rank).tolist()
+        n = len(LATENCY_BUCKETS_S)
+        return {op: slot[LATENCY_INDEX + i * n : LATENCY_INDEX + (i + 1) * n] for i, op in enumerate(LATENCY_OPS)}
 
     def read(self, rank: int, *, attempts: int = 2000) -> Record:
         """A consistent copy of ``rank``'s record (seqlock). Raises ``TornRead`` when no consistent copy
@@ -427,3 +452,50 @@ class ControlBlock:
         _SEQ.pack_into(self._buf, off, seq + 1)
         self._buf[off + _SEQ.size : off + _SEQ.size + _BODY.size] = record.pack()
         _SEQ.pack_into(self._buf, off, seq + 2)
+
+
+# -- waiting runners ------------------------------------------------------------------------------------
+
+#: ``struct flock`` on 64-bit Linux: type, whence, (pad), start, len, pid, (pad).
+_FLOCK = struct.Struct("hh4xqqi4x")
+
+
+def mark_waiting(instance: str, rank: int) -> int | None:
+    """Take a read lock on byte ``rank`` of the control block, held by the returned descriptor until it is
+    closed (or the process dies); None if that is not possible (no block, no permission, no OFD locks)."""
+    try:
+        fd = os.open(SHM_DIR / control_name(instance).lstrip("/"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, rank, 1, 0))
+    except (OSError, AttributeError):
+        os.close(fd)
+        return None
+    return fd
+
+
+def count_waiters(instance: str, num_ranks: int, locks: str | None = None) -> list[int]:
+    """How many processes hold a waiting mark on each rank of ``instance``'s current control block, read
+    from /proc/locks (or ``locks``, its text)."""
+    counts = [0] * num_ranks
+    try:
+        st = os.stat(SHM_DIR / control_name(instance).lstrip("/"))
+        text = locks if locks is not None else Path("/proc/locks").read_text()
+    except OSError:
+        return counts
+    target = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in text.splitlines():
+        fields = line.split()
+        # "1: OFDLCK ADVISORY READ -1 00:1a:1234 3 3"; blocked requests have "->" before the type
+        if len(fields) != 8 or fields[1] != "OFDLCK" or fields[3] != "READ":
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            where = (int(major, 16), int(minor, 16), int(inode))
+            start = int(fields[6])
+        except ValueError:
+            continue
+        if where == target and 0 <= start < num_ranks:
+            counts[start] += 1
+    return counts

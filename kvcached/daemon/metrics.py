@@ -1,0 +1,131 @@
+"""The opt-in Prometheus endpoint (``--metrics-port``): the same figures as ``kvcached status``.
+
+Served by ``prometheus_client``'s HTTP server on a thread of the supervisor, started after the rank
+workers are forked. Every scrape reads the control block (records under their seqlock, the workers'
+counters and histograms) and /proc/locks (waiting runners): no state of its own, nothing to keep in step.
+
+Metrics (labels in braces):
+
+- ``kvcached_info{instance,generation,memory,storage_backend}`` 1
+- ``kvcached_rank_state{rank,state}`` 1 for the rank's state, 0 for the others
+- ``kvcached_rank_heartbeat_age_seconds{rank}``, ``kvcached_waiting_runners{rank}``
+- ``kvcached_tier_bytes{rank,tier}`` with tier ``device`` or ``cpu``
+- ``kvcached_tasks_total{rank,op}``, ``kvcached_task_blocks_total{rank,op}``, ``kvcached_task_bytes_total{rank,op}``
+  with op ``swap_out``, ``swap_in``, ``store``, ``load``; ``kvcached_task_duration_seconds{rank,op}`` histogram
+- ``kvcached_lookup_tasks_total{rank}``, ``kvcached_tasks_refused_total{rank}``, ``kvcached_connections_total{rank}``
+- ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}``,
+  ``..._misses_total``, ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from kvcached.protocol.control import (
+    LATENCY_BUCKETS_S,
+    LATENCY_OPS,
+    ControlBlock,
+    State,
+    TornRead,
+    count_waiters,
+)
+
+
+class ControlBlockCollector(Collector):
+    """Reads one instance's control block at each scrape."""
+
+    def __init__(self, instance: str, block: ControlBlock, memory: str) -> None:
+        self.instance = instance
+        self.block = block
+        self.memory = memory
+
+    def collect(self) -> Iterator[Any]:
+        header = self.block.header()
+        ranks = [str(r) for r in range(header.num_ranks)]
+        info = GaugeMetricFamily(
+            "kvcached_info", "The instance.", labels=["instance", "generation", "memory", "storage_backend"]
+        )
+        backend = header.spec.get("storage_backend") or "none"
+        info.add_metric([self.instance, f"{header.generation:016x}", self.memory, backend], 1)
+        yield info
+
+        state = GaugeMetricFamily("kvcached_rank_state", "1 for the rank's current state.", labels=["rank", "state"])
+        age = GaugeMetricFamily(
+            "kvcached_rank_heartbeat_age_seconds", "Since the worker's last heartbeat.", labels=["rank"]
+        )
+        tier = GaugeMetricFamily("kvcached_tier_bytes", "Bytes held per tier.", labels=["rank", "tier"])
+        now = time.monotonic_ns()
+        for rank, label in enumerate(ranks):
+            try:
+                record = self.block.read(rank)
+            except TornRead:
+                continue
+            for s in State:
+                state.add_metric([label, s.name], 1.0 if record.state is s else 0.0)
+            if record.heartbeat_ns:
+                age.add_metric([label], (now - record.heartbeat_ns) / 1e9)
+            tier.add_metric([label, "device"], record.dev_bytes)
+            tier.add_metric([label, "cpu"], record.cpu_bytes)
+        yield from (state, age, tier)
+
+        waiting = GaugeMetricFamily("kvcached_waiting_runners", "Runners waiting for the rank.", labels=["rank"])
+        for label, count in zip(ranks, count_waiters(self.instance, header.num_ranks), strict=True):
+            waiting.add_metric([label], count)
+        yield waiting
+
+        stats = [self.block.read_stats(rank) for rank in range(header.num_ranks)]
+        latency = [self.block.read_latency(rank) for rank in range(header.num_ranks)]
+        per_op = {
+            "tasks": CounterMetricFamily("kvcached_tasks", "Tasks completed.", labels=["rank", "op"]),
+            "blocks": CounterMetricFamily("kvcached_task_blocks", "Blocks moved by tasks.", labels=["rank", "op"]),
+            "bytes": CounterMetricFamily("kvcached_task_bytes", "Bytes moved by tasks.", labels=["rank", "op"]),
+        }
+        duration = HistogramMetricFamily(
+            "kvcached_task_duration_seconds", "Time a worker spent on a task.", labels=["rank", "op"]
+        )
+        for (rank, label), op in itertools.product(enumerate(ranks), LATENCY_OPS):
+            counters = stats[rank]
+            for kind, family in per_op.items():
+                family.add_metric([label, op], counters[f"{op}_{kind}"])
+            cumulative = list(itertools.accumulate(latency[rank][op]))
+            buckets = [(repr(bound), count) for bound, count in zip(LATENCY_BUCKETS_S, cumulative, strict=True)]
+            buckets.append(("+Inf", counters[f"{op}_tasks"]))
+            duration.add_metric([label, op], buckets, counters[f"{op}_ns"] / 1e9)
+        yield from per_op.values()
+        yield duration
+
+        simple: list[tuple[type[CounterMetricFamily | GaugeMetricFamily], str, str, str]] = [
+            (CounterMetricFamily, "kvcached_lookup_tasks", "Lookup tasks.", "lookup_tasks"),
+            (CounterMetricFamily, "kvcached_tasks_refused", "Tasks and connections refused.", "tasks_refused"),
+            (CounterMetricFamily, "kvcached_connections", "Client connections accepted.", "connections"),
+        ]
+        if header.spec.get("storage_backend"):
+            simple += [
+                (GaugeMetricFamily, "kvcached_store_objects", "Objects in the attention store.", "store_objects"),
+                (GaugeMetricFamily, "kvcached_store_bytes", "Bytes in the attention store.", "store_bytes_used"),
+                (CounterMetricFamily, "kvcached_store_hits", "Store objects served.", "store_hits"),
+                (CounterMetricFamily, "kvcached_store_misses", "Store objects not found or unusable.", "store_misses"),
+                (CounterMetricFamily, "kvcached_store_evictions", "Store objects evicted.", "store_evictions"),
+                (CounterMetricFamily, "kvcached_store_corrupt", "Store objects failing checks.", "store_corrupt"),
+                (CounterMetricFamily, "kvcached_store_errors", "Store tasks failed.", "store_errors"),
+            ]
+        for family_type, name, doc, key in simple:
+            metric = family_type(name, doc, labels=["rank"])
+            for rank, label in enumerate(ranks):
+                metric.add_metric([label], stats[rank][key])
+            yield metric
+
+
+def serve(instance: str, block: ControlBlock, memory: str, address: str, port: int) -> Any:
+    """Start the endpoint on ``address:port`` (path /metrics); the server, for ``shutdown()``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ControlBlockCollector(instance, block, memory))
+    server, _thread = start_http_server(port, addr=address, registry=registry)
+    return server
