@@ -240,6 +240,8 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise InvalidSpec("config", f"cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise InvalidSpec("config", f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidSpec("config", f"{path} is not UTF-8 text (byte {exc.start}), so not TOML") from None
     for key in data:
         if key not in DEFAULTS:
             raise InvalidSpec(key, f"unknown key in {path}; known keys are {', '.join(DEFAULTS)}")

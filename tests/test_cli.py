@@ -184,10 +184,12 @@ def test_worker_death_fails_the_rank_and_the_daemon(daemons: DaemonFactory) -> N
     status = daemon.wait_state("ALLOCATING")
     runner = run_runner(daemons.env(), spec=SMALL, rank=1, instance=daemon.instance, timeout=60)
     time.sleep(0.5)
+    killed_ns = time.monotonic_ns()
     os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
     result = runner_result(runner)
     assert not result["ok"] and result["error_type"] == "RankFailed", result
     assert "SIGKILL" in result["error"]
+    assert (result["raised_ns"] - killed_ns) / 1e9 < 2.0, "the waiting runner learns of the death within 2 s"
     assert daemon.exit_code() == 1
     assert shm_entries(daemon.instance) == []
 
@@ -216,11 +218,12 @@ def test_help_explains_commands_and_exit_statuses(daemons: DaemonFactory) -> Non
 
 
 def test_import_runner_client_stays_light() -> None:
-    """import runner_client loads neither click nor structlog nor any daemon code."""
+    """import runner_client loads neither click nor structlog nor prometheus_client nor any daemon code."""
     import subprocess
 
     code = (
-        "import sys, runner_client; bad = [m for m in sys.modules if m.split('.')[0] in ('click', 'structlog') "
+        "import sys, runner_client; bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('click', 'structlog', 'prometheus_client') "
         "or m.startswith(('kvcached.daemon', 'kvcached.cli', 'kvcached.logs'))]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
