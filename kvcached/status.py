@@ -6,6 +6,8 @@ The JSON shape is a public interface (scripts parse it)::
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
                 "error": "", "cpu_blocks": 64, "waiting": 0,
+                "latency": {"swap_out": {"count": 3, "p50_s": 0.0005, "p99_s": 0.001}, "swap_in": ..., "store": ...,
+                            "load": ...},   (bucket upper bounds; null without tasks)
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
                           "corrupt": 0, "errors": 0},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
@@ -23,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvcached.protocol.control import ControlBlock, State, TornRead, count_waiters
+from kvcached.protocol.control import LATENCY_BUCKETS_S, ControlBlock, State, TornRead, count_waiters
 from kvcached.protocol.proc import is_alive
 
 
@@ -78,6 +80,7 @@ def read_status(instance: str) -> dict[str, Any]:
                     "error": record.error,
                     "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
                     "waiting": waiting[rank],
+                    "latency": _latency_view(block.read_latency(rank)),
                     "swap": stats,
                     "store": _store_view(header.spec.get("storage_backend"), stats),
                 }
@@ -85,6 +88,25 @@ def read_status(instance: str) -> dict[str, Any]:
     finally:
         block.close()
     return status
+
+
+def _latency_view(histograms: dict[str, list[int]]) -> dict[str, dict[str, float | None]]:
+    """Per operation: tasks timed, and the bucket bounds (s) under which half and 99 % of them finished
+    (None without tasks, or when the share lies above the last bound)."""
+    view: dict[str, dict[str, float | None]] = {}
+    for op, counts in histograms.items():
+        total = sum(counts)
+        marks: dict[str, float | None] = {"count": total}
+        for label, share in (("p50_s", 0.5), ("p99_s", 0.99)):
+            running, bound = 0, None
+            for upper, count in zip(LATENCY_BUCKETS_S, counts, strict=True):
+                running += count
+                if total and running >= share * total:
+                    bound = upper
+                    break
+            marks[label] = bound
+        view[op] = marks
+    return view
 
 
 def _store_view(backend: str | None, stats: dict[str, int]) -> dict[str, Any] | None:
@@ -113,9 +135,13 @@ def _size(n: int | None) -> str:
     return "-" if not n else f"{n / 2**20:.1f} MiB"
 
 
-def _swaps(swap: dict[str, int], prefix: str) -> str:
+def _swaps(swap: dict[str, int], prefix: str, latency: dict[str, Any] | None = None) -> str:
     tasks = swap.get(f"{prefix}_tasks", 0)
-    return f"{tasks} ({swap.get(f'{prefix}_blocks', 0)} blk, {_size(swap.get(f'{prefix}_bytes'))})" if tasks else "0"
+    if not tasks:
+        return "0"
+    p50 = ((latency or {}).get(prefix) or {}).get("p50_s")
+    median = f", p50 <= {p50 * 1e3:g} ms" if p50 else ""
+    return f"{tasks} ({swap.get(f'{prefix}_blocks', 0)} blk, {_size(swap.get(f'{prefix}_bytes'))}{median})"
 
 
 def _store_cell(store: dict[str, Any] | None) -> str:
@@ -169,8 +195,8 @@ def render(status: dict[str, Any]) -> str:
                 "-" if age is None else f"{age:.1f}s",
                 _size(r.get("bytes_device")),
                 pool,
-                _swaps(swap, "swap_out"),
-                _swaps(swap, "swap_in"),
+                _swaps(swap, "swap_out", r.get("latency")),
+                _swaps(swap, "swap_in", r.get("latency")),
                 _store_cell(r.get("store")),
                 str(swap.get("tasks_refused", 0)),
                 r.get("since") or "-",

@@ -237,8 +237,10 @@ def test_handle_result_and_status_counters(fp8_daemon: Daemon, daemons: DaemonFa
         assert r["cpu_blocks"] == 8
         assert r["swap"]["swap_out_tasks"] == 4 and r["swap"]["swap_out_blocks"] == 4
         assert r["swap"]["swap_out_bytes"] == 4 * spec_fp8().block_bytes
+        assert r["latency"]["swap_out"]["count"] == 4 and r["latency"]["swap_out"]["p50_s"] is not None
+        assert r["latency"]["swap_in"] == {"count": 0, "p50_s": None, "p99_s": None}
     table = daemons.cli("status", "--instance", instance).stdout
-    assert "(8 blocks)" in table and "4 (4 blk" in table
+    assert "(8 blocks)" in table and "4 (4 blk" in table and "p50 <= " in table
 
 
 def test_daemon_gone_during_tasks(daemons: DaemonFactory) -> None:
