@@ -169,6 +169,14 @@ def main() -> None:
     help="Address the metrics endpoint binds. [default: 127.0.0.1]",
 )
 @click.option(
+    "--ipc-suffix",
+    type=int,
+    envvar="KVCACHED_IPC_SUFFIX",
+    help="FastDeploy compatibility: keep cache_ready_signal.N and swap_space_ready_signal.N (int32 per rank in "
+    "/dev/shm) at 1 exactly while each rank is READY, so an unmodified engine's wait sees this daemon. N is the "
+    "engine's ipc suffix (its worker queue port). [default: off]",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",

@@ -24,6 +24,7 @@ A TOML file uses the flag names with underscores, all at top level::
     group = "kvcached"    # runners of this group may use the instance (objects 0660); default: owner only
     metrics_port = 9464   # Prometheus metrics on http://metrics_address:metrics_port/metrics; 0: off
     metrics_address = "127.0.0.1"
+    ipc_suffix = 8021     # keep FastDeploy's cache_ready_signal.<N> / swap_space_ready_signal.<N> in step
 
 The defaults make the daemon the owner (a modest CPU swap pool) and fit a small host: ``kvcached start
 --ranks 8`` reserves 48 MiB of /dev/shm per rank.
@@ -71,6 +72,7 @@ DEFAULTS: Mapping[str, Any] = {
     "group": None,
     "metrics_port": 0,
     "metrics_address": "127.0.0.1",
+    "ipc_suffix": None,
 }
 
 _UNITS = {
@@ -160,6 +162,7 @@ class DaemonConfig:
     gid: int | None = None
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
+    ipc_suffix: int | None = None
 
     @classmethod
     def build(cls, values: Mapping[str, Any], config_file: Path | None = None) -> DaemonConfig:
@@ -190,6 +193,9 @@ class DaemonConfig:
         port = merged["metrics_port"]
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise InvalidSpec("metrics_port", f"must be a TCP port 1..65535, or 0 for no metrics; got {port!r}")
+        suffix = merged["ipc_suffix"]
+        if suffix is not None and (isinstance(suffix, bool) or not isinstance(suffix, int) or suffix < 0):
+            raise InvalidSpec("ipc_suffix", f"must be a non-negative integer (the engine's port), got {suffix!r}")
         return cls(
             instance=instance,
             ranks=ranks,
@@ -199,6 +205,7 @@ class DaemonConfig:
             gid=gid,
             metrics_port=port,
             metrics_address=str(merged["metrics_address"]),
+            ipc_suffix=suffix,
         )
 
 

@@ -26,11 +26,13 @@ from kvcached.protocol.errors import (
     TaskFailed,
     TaskTimeout,
 )
+from kvcached.protocol.fastdeploy import export_name, exports, spec_from_fastdeploy
 from kvcached.protocol.ownership import CONDITION, Owner, cache_owner, should_create_cache
 from kvcached.protocol.spec import CacheSpec
 from runner_client.cache import KVCache, initialize_kv_cache
 from runner_client.hashing import block_keys
 from runner_client.tasks import CacheTasks, TaskHandle, TaskResult
+from runner_client.wait import wait_until_ready
 
 __all__ = [
     "CONDITION",
@@ -54,6 +56,10 @@ __all__ = [
     "TaskTimeout",
     "block_keys",
     "cache_owner",
+    "export_name",
+    "exports",
     "initialize_kv_cache",
     "should_create_cache",
+    "spec_from_fastdeploy",
+    "wait_until_ready",
 ]

@@ -252,3 +252,13 @@ def wait_ready(instance: str, rank: int, timeout: float) -> Ready:
         timeout,
     )
     return _Waiter(instance, rank, timeout).run()
+
+
+def wait_until_ready(instance: str, rank: int, timeout: float = 600.0) -> None:
+    """Return once ``rank`` of ``instance`` is READY in a live daemon; raise ``CacheNotReady`` after
+    ``timeout`` seconds, ``DaemonGone`` / ``RankFailed`` at once when the daemon or the rank dies.
+
+    The bounded, liveness-checked replacement for FastDeploy's
+    ``while cache_ready_signal.value[local_rank] != 1: time.sleep(1)`` (see docs/fastdeploy.md): the
+    runner then attaches its tensors the way it always has."""
+    wait_ready(instance, rank, timeout).block.close()

@@ -45,6 +45,7 @@ from kvcached.daemon.errors import (
     EXIT_RESOURCES,
     Fatal,
 )
+from kvcached.daemon.fdsignals import FastDeploySignals, SignalError
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.rank import HEARTBEAT_S, recv_msg, send_msg, worker_main
 from kvcached.memory import host
@@ -96,6 +97,7 @@ class Supervisor:
         self.notify = Notifier()
         self.access = Access.for_daemon(config.gid)
         self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
+        self.signals: FastDeploySignals | None = None  # FastDeploy's flags, when --ipc-suffix is set
 
     # -- entry ----------------------------------------------------------------------------------------
 
@@ -146,6 +148,13 @@ class Supervisor:
         self._reclaim()
         faults.fault("after-reclaim")
         self._check_space()
+        if self.config.ipc_suffix is not None:
+            self.signals = FastDeploySignals(self.config.ipc_suffix, self.config.ranks, self.access)
+            try:
+                self.signals.open()  # every rank 0 before anything can be READY
+            except (SignalError, posix_ipc.Error, OSError) as exc:
+                self.signals = None
+                raise Fatal(f"--ipc-suffix: {exc}", EXIT_RESOURCES) from None
         self.generation = secrets.randbits(64) | 1
         structlog.contextvars.bind_contextvars(generation=f"{self.generation:016x}")
         for rank in range(self.config.ranks):
@@ -349,6 +358,9 @@ class Supervisor:
         self.block.write(rank, record)
         if state_changed:
             self.sems[rank].release()
+            if self.signals is not None:
+                ready = [r.state is State.READY for r in self.records]
+                self.signals.update(ready, has_pool=self.spec.num_cpu_blocks > 0)
 
     # -- main loop ------------------------------------------------------------------------------------
 
@@ -365,6 +377,11 @@ class Supervisor:
                     self._on_worker(key.data)
             self._reap()
             self._check_heartbeats()
+            if self.signals is not None:
+                try:
+                    self.signals.tick()
+                except (SignalError, posix_ipc.Error, OSError) as exc:
+                    self.log.warning("cannot keep FastDeploy's ready flags in step", reason=str(exc))
 
     def _on_signals(self) -> int | None:
         try:
@@ -478,6 +495,9 @@ class Supervisor:
                 if record.state is not State.FAILED:
                     self._set(rank, state=State.STOPPING)
         self._stop_workers()
+        if self.signals is not None:
+            self.signals.close()
+            self.signals = None
         if self.lock_fd is None:
             return  # we never owned the instance: touch nothing
         if self.block is not None:

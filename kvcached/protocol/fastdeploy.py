@@ -1,0 +1,122 @@
+"""FastDeploy's names and shapes for a rank's KV cache, and a ``CacheSpec`` read from its config.
+
+Per layer ``i`` of a rank (``local_rank = rank % tensor_parallel_size``) on XPU device ``d``, FastDeploy's
+runner creates or attaches, with ``set_data_ipc`` / ``share_external_data``:
+
+=====================================  ===========================================  =================
+name                                   shape                                        dtype
+=====================================  ===========================================  =================
+``key_caches_{i}_rank{r}.device{d}``   ``[num_blocks, kv_heads, block_size, head_dim]``  cache dtype
+``value_caches_{i}_rank{r}.device{d}`` the same (absent for MLA: key cache only)    cache dtype
+``key_cache_scales_{i}_rank{r}...``    ``[num_blocks, kv_heads, block_size]``       float32
+``value_cache_scales_{i}_rank{r}...``  the same (block_wise_fp8 only)               float32
+=====================================  ===========================================  =================
+
+The cache dtype is the model's (``bfloat16`` usually), or ``int8`` on XPU when the KV cache is quantized.
+``kv_heads`` is per rank: the model's KV heads divided by the tensor-parallel size, never below 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.layout import device_slots
+from kvcached.protocol.spec import CacheSpec
+
+#: Our tensor kind -> FastDeploy's name prefix.
+NAME_PREFIX = {
+    "key": "key_caches",
+    "value": "value_caches",
+    "key_scale": "key_cache_scales",
+    "value_scale": "value_cache_scales",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Export:
+    """One tensor as FastDeploy's runner names and expects it."""
+
+    name: str
+    kind: str
+    layer: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def export_name(kind: str, layer: int, local_rank: int, device_id: int) -> str:
+    """FastDeploy's IPC name of one tensor, e.g. ``key_caches_3_rank1.device1``."""
+    return f"{NAME_PREFIX[kind]}_{layer}_rank{local_rank}.device{device_id}"
+
+
+def exports(spec: CacheSpec, local_rank: int, device_id: int) -> list[Export]:
+    """Every tensor of one rank, in layer order (key, value, key scale, value scale per layer)."""
+    return [
+        Export(export_name(slot.kind, slot.layer, local_rank, device_id), slot.kind, slot.layer, slot.shape, slot.dtype)
+        for slot in device_slots(spec)
+    ]
+
+
+def _get(obj: Any, path: str, default: Any = None) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return default
+    return obj
+
+
+def spec_from_fastdeploy(
+    fd_config: Any, local_rank: int, *, num_blocks: int | None = None, mla: bool | None = None
+) -> CacheSpec:
+    """The ``CacheSpec`` of one rank of a FastDeploy ``FDConfig`` (attributes read, nothing imported).
+
+    Read: ``model_config.num_hidden_layers``, ``.num_key_value_heads``, ``.head_dim``, ``.dtype``;
+    ``parallel_config.tensor_parallel_size``; ``cache_config.block_size``, ``.total_block_num`` (unless
+    ``num_blocks`` is given: after profiling FastDeploy fixes the count), ``.num_cpu_blocks``,
+    ``.kvcache_storage_backend``; ``scheduler_config.splitwise_role``; ``quant_config.kv_cache_quant_type``.
+    MLA follows ``FD_ATTENTION_BACKEND == "MLA_ATTN"`` unless ``mla`` is given. Raises ``InvalidSpec``
+    naming FastDeploy's option when a value is missing or unsupported.
+    """
+    tp = int(_get(fd_config, "parallel_config.tensor_parallel_size", 1))
+    if not 0 <= local_rank < max(tp, 1):
+        raise InvalidSpec("local_rank", f"must be 0..{tp - 1} for tensor_parallel_size {tp}, got {local_rank}")
+    heads = _get(fd_config, "model_config.num_key_value_heads")
+    if heads is None:
+        heads = _get(fd_config, "model_config.num_attention_heads")
+    layers = _get(fd_config, "model_config.num_hidden_layers")
+    head_dim = _get(fd_config, "model_config.head_dim")
+    block_size = _get(fd_config, "cache_config.block_size")
+    blocks = num_blocks if num_blocks is not None else _get(fd_config, "cache_config.total_block_num")
+    for option, value in (
+        ("model_config.num_hidden_layers", layers),
+        ("model_config.num_key_value_heads", heads),
+        ("model_config.head_dim", head_dim),
+        ("cache_config.block_size", block_size),
+        ("cache_config.total_block_num (or num_blocks=)", blocks),
+    ):
+        if value is None:
+            raise InvalidSpec(option.split(" ")[0], f"FastDeploy config has no {option}")
+    quant = _get(fd_config, "quant_config.kv_cache_quant_type")
+    backend = _get(fd_config, "cache_config.kvcache_storage_backend") or None
+    if backend == "attention_store":
+        raise InvalidSpec(
+            "kvcache_storage_backend",
+            "attention_store is an external SDK kvcached does not speak; use file or mooncake",
+        )
+    if mla is None:
+        mla = os.environ.get("FD_ATTENTION_BACKEND") == "MLA_ATTN"
+    return CacheSpec(
+        num_layers=int(layers),
+        kv_heads=max(1, int(heads) // max(tp, 1)),
+        head_dim=int(head_dim),
+        block_size=int(block_size),
+        dtype="int8" if quant else str(_get(fd_config, "model_config.dtype", "bfloat16")),
+        num_blocks=int(blocks),
+        num_cpu_blocks=int(_get(fd_config, "cache_config.num_cpu_blocks", 0) or 0),
+        storage_backend=backend,
+        splitwise_role=str(_get(fd_config, "scheduler_config.splitwise_role", "mixed")),
+        block_wise_fp8=quant == "block_wise_fp8",
+        mla=bool(mla),
+    )
