@@ -72,9 +72,11 @@ def main() -> None:
 )
 @click.option(
     "--memory",
-    type=click.Choice(["host"]),
+    type=click.Choice(["host", "xpu"]),
     envvar="KVCACHED_MEMORY",
-    help="Device-tier backend: host = POSIX shared memory. [default: host]",
+    help="Device-tier backend: host = POSIX shared memory; xpu = Kunlun XPU memory, exported under "
+    "FastDeploy's names (needs paddlepaddle-xpu and fastdeploy-xpu; an error otherwise, never a fallback). "
+    "[default: host]",
 )
 @click.option("--num-layers", type=int, envvar="KVCACHED_NUM_LAYERS", help="Layers. [default: 4]")
 @click.option(
@@ -167,6 +169,11 @@ def main() -> None:
     "--metrics-address",
     envvar="KVCACHED_METRICS_ADDRESS",
     help="Address the metrics endpoint binds. [default: 127.0.0.1]",
+)
+@click.option(
+    "--devices",
+    envvar="KVCACHED_DEVICES",
+    help="With --memory xpu: the XPU device of each rank, comma-separated. [default: rank i on device i]",
 )
 @click.option(
     "--ipc-suffix",

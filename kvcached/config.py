@@ -4,7 +4,8 @@ A TOML file uses the flag names with underscores, all at top level::
 
     instance = "default"
     ranks = 8
-    memory = "host"
+    memory = "host"      # or "xpu": device tier in Kunlun XPU memory (paddlepaddle-xpu, fastdeploy-xpu)
+    devices = [0, 1, 2, 3, 4, 5, 6, 7]   # xpu: the device of each rank (default: rank i on device i)
     num_layers = 28
     kv_heads = 1          # per rank: heads // tensor_parallel_size
     head_dim = 128
@@ -46,7 +47,7 @@ from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store.base import HEADER_SIZE as STORE_HEADER_SIZE
 
-MEMORY_BACKENDS = ("host",)
+MEMORY_BACKENDS = ("host", "xpu")
 
 DEFAULTS: Mapping[str, Any] = {
     "instance": DEFAULT_INSTANCE,
@@ -73,6 +74,7 @@ DEFAULTS: Mapping[str, Any] = {
     "metrics_port": 0,
     "metrics_address": "127.0.0.1",
     "ipc_suffix": None,
+    "devices": None,
 }
 
 _UNITS = {
@@ -163,6 +165,7 @@ class DaemonConfig:
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
     ipc_suffix: int | None = None
+    devices: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, values: Mapping[str, Any], config_file: Path | None = None) -> DaemonConfig:
@@ -193,6 +196,7 @@ class DaemonConfig:
         port = merged["metrics_port"]
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise InvalidSpec("metrics_port", f"must be a TCP port 1..65535, or 0 for no metrics; got {port!r}")
+        devices = _devices(merged["devices"], ranks)
         suffix = merged["ipc_suffix"]
         if suffix is not None and (isinstance(suffix, bool) or not isinstance(suffix, int) or suffix < 0):
             raise InvalidSpec("ipc_suffix", f"must be a non-negative integer (the engine's port), got {suffix!r}")
@@ -206,7 +210,22 @@ class DaemonConfig:
             metrics_port=port,
             metrics_address=str(merged["metrics_address"]),
             ipc_suffix=suffix,
+            devices=devices,
         )
+
+
+def _devices(value: object, ranks: int) -> tuple[int, ...]:
+    """The device of each rank: ``"0,1,2"``, a list, or None for rank i on device i."""
+    if value is None or value == "":
+        return tuple(range(ranks))
+    items: Any = value.split(",") if isinstance(value, str) else value
+    try:
+        devices = tuple(int(str(item).strip()) for item in items)
+    except (TypeError, ValueError):
+        raise InvalidSpec("devices", f"must be device numbers like 0,1,2,3; got {value!r}") from None
+    if len(devices) != ranks or min(devices) < 0:
+        raise InvalidSpec("devices", f"needs one non-negative device number per rank ({ranks}); got {value!r}")
+    return devices
 
 
 def _store_config(merged: Mapping[str, Any], spec: CacheSpec, instance: str, ranks: int) -> StoreConfig:

@@ -1,4 +1,4 @@
-"""Copies between a rank's device arena and its CPU swap pool, validated first, coalesced into runs.
+"""Copies between a rank's device tier and its CPU swap pool, validated first, coalesced into runs.
 
 A task is two equally long lists of block ids. Validation happens before the first byte moves, so a
 refused task changes nothing. The copy then splits the lists into runs where both ids advance by one,
@@ -10,6 +10,10 @@ and moves each run with one slice copy per tensor (numpy releases the GIL for it
     per run, per tensor t (layer x key/value/scale):
         pool[c0:c0+n, off_t:off_t+piece_t] = device_t[d0:d0+n]      (one strided copy)
 
+The device side is a list of ``Piece``: one per tensor, its blocks as rows of bytes. The ``host`` backend's
+pieces are numpy views of the device arena (``host_pieces``), so a copy is one memcpy per row run; the
+``xpu`` backend's pieces read and write paddle tensors on the device (``kvcached.memory.xpu``).
+
 A Python loop over runs beats numpy's fancy indexing here: that gathers into a temporary first, an
 extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces, 3.2 vs 12 GB/s for
 256 KiB).
@@ -18,7 +22,7 @@ extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -87,29 +91,60 @@ def _repeated(ids: Array) -> int | None:
     return int(ordered[same[0]]) if len(same) else None
 
 
+class Piece(Protocol):
+    """One device tensor as rows of bytes, one row per block; ``column`` is where its bytes sit in a block
+    record (CPU pool row, store object), ``nbytes`` how many there are per block."""
+
+    @property
+    def column(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def read(self, start: int, count: int) -> Array:
+        """Blocks ``start .. start+count-1`` as a uint8 ``[count, nbytes]`` array (a view where possible)."""
+
+    def write(self, start: int, rows: Array) -> None:
+        """Overwrite blocks from ``start`` with the uint8 ``[count, nbytes]`` array ``rows``."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Piece:
-    """One tensor's part of a block: its device view ``[num_blocks, piece]`` and column in a pool record."""
+class HostPiece:
+    """A tensor of the ``host`` backend: a numpy view ``[num_blocks, nbytes]`` of the device arena."""
 
     device: Array
     column: int
     nbytes: int
 
+    def read(self, start: int, count: int) -> Array:
+        return self.device[start : start + count]
+
+    def write(self, start: int, rows: Array) -> None:
+        self.device[start : start + len(rows)] = rows
+
+
+def host_pieces(spec: CacheSpec, device: Any) -> list[HostPiece]:
+    """The pieces of a device arena (any buffer laid out by ``device_slots``)."""
+    device_u8 = np.frombuffer(device, dtype=np.uint8)
+    pieces = []
+    column = 0
+    for slot in device_slots(spec):
+        width = slot.nbytes // spec.num_blocks
+        view = device_u8[slot.offset : slot.offset + slot.nbytes].reshape(spec.num_blocks, width)
+        pieces.append(HostPiece(view, column, width))
+        column += width
+    return pieces
+
 
 class SwapEngine:
-    """Moves whole blocks (every layer, key, value and scale) between device arena and CPU pool."""
+    """Moves whole blocks (every layer, key, value and scale) between the device tier and the CPU pool.
+
+    ``device`` is a device arena buffer (the ``host`` backend) or a list of ``Piece`` in record order."""
 
     def __init__(self, spec: CacheSpec, device: Any, pool: Any | None) -> None:
         self.spec = spec
-        device_u8 = np.frombuffer(device, dtype=np.uint8)
-        self.pieces: list[_Piece] = []
-        column = 0
-        for slot in device_slots(spec):
-            piece = slot.nbytes // spec.num_blocks
-            view = device_u8[slot.offset : slot.offset + slot.nbytes].reshape(spec.num_blocks, piece)
-            self.pieces.append(_Piece(view, column, piece))
-            column += piece
-        assert column == spec.block_bytes
+        self.pieces: list[Piece] = list(device) if isinstance(device, list) else list(host_pieces(spec, device))
+        assert sum(piece.nbytes for piece in self.pieces) == spec.block_bytes
         self.pool: Array | None = None
         if pool is not None and spec.num_cpu_blocks:
             stride = cpu_block_stride(spec)
@@ -140,7 +175,7 @@ class SwapEngine:
         pool = self.pool
         for d0, c0, n in runs(device_ids, cpu_ids):
             for piece in self.pieces:
-                pool[c0 : c0 + n, piece.column : piece.column + piece.nbytes] = piece.device[d0 : d0 + n]
+                pool[c0 : c0 + n, piece.column : piece.column + piece.nbytes] = piece.read(d0, n)
         return len(device_ids) * self.spec.block_bytes
 
     def swap_in(self, cpu_ids: Array, device_ids: Array) -> int:
@@ -149,18 +184,18 @@ class SwapEngine:
         pool = self.pool
         for c0, d0, n in runs(cpu_ids, device_ids):
             for piece in self.pieces:
-                piece.device[d0 : d0 + n] = pool[c0 : c0 + n, piece.column : piece.column + piece.nbytes]
+                piece.write(d0, pool[c0 : c0 + n, piece.column : piece.column + piece.nbytes])
         return len(device_ids) * self.spec.block_bytes
 
     def block_pieces(self, device_id: int) -> list[memoryview]:
-        """The pieces of device block ``device_id`` in record order, as views of the arena (no copy)."""
-        return [piece.device[device_id].data for piece in self.pieces]
+        """The pieces of device block ``device_id`` in record order (views of the arena on ``host``)."""
+        return [piece.read(device_id, 1)[0].data for piece in self.pieces]
 
     def write_block(self, device_id: int, record: memoryview) -> None:
         """Copy a whole block record (``spec.block_bytes``, record order) into device block ``device_id``."""
         source = np.frombuffer(record, dtype=np.uint8)
         for piece in self.pieces:
-            piece.device[device_id] = source[piece.column : piece.column + piece.nbytes]
+            piece.write(device_id, source[piece.column : piece.column + piece.nbytes].reshape(1, piece.nbytes))
 
     def check_ids(self, ids: Array, *, field: str, role: str, unique: bool) -> None:
         """Raise ``TaskError`` unless every device id is in range (and, if ``unique``, none repeats)."""

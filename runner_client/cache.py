@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import mmap
 import os
@@ -21,8 +22,9 @@ import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead
 from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec, OwnershipConflict, ProtocolError
+from kvcached.protocol.fastdeploy import exports
 from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes, device_views
-from kvcached.protocol.names import check_instance
+from kvcached.protocol.names import XPU_PREFIX, check_instance
 from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
 from kvcached.protocol.proc import is_alive
 from kvcached.protocol.spec import CacheSpec
@@ -66,10 +68,11 @@ class KVCache:
         rank: int,
         instance: str,
         framework: str,
-        buffer: mmap.mmap,
+        buffer: mmap.mmap | None,
         generation: int | None,
         daemon: tuple[int, int] | None,
         waited_s: float,
+        tensors: dict[str, list[Any]] | None = None,
     ) -> None:
         self.owner: Owner = owner
         self.spec = spec
@@ -80,12 +83,19 @@ class KVCache:
         self.waited_s = waited_s
         self._daemon = daemon
         self._buffer: mmap.mmap | None = buffer
-        views = device_views(spec, buffer)
-        convert = _to_paddle if framework == "paddle" else _identity
-        self.key_caches: list[Any] = [convert(v, spec.dtype) for v in views["key"]]
-        self.value_caches: list[Any] = [convert(v, spec.dtype) for v in views["value"]]
-        self.key_cache_scales: list[Any] = [convert(v, spec.scale_dtype) for v in views["key_scale"]]
-        self.value_cache_scales: list[Any] = [convert(v, spec.scale_dtype) for v in views["value_scale"]]
+        if tensors is None:  # views of the mapped arena
+            assert buffer is not None
+            views = device_views(spec, buffer)
+            convert = _to_paddle if framework == "paddle" else _identity
+            tensors = {
+                kind: [convert(v, spec.dtype if kind in ("key", "value") else spec.scale_dtype) for v in views[kind]]
+                for kind in views
+            }
+        # else an xpu device tier: paddle tensors attached by name
+        self.key_caches: list[Any] = tensors["key"]
+        self.value_caches: list[Any] = tensors["value"]
+        self.key_cache_scales: list[Any] = tensors["key_scale"]
+        self.value_cache_scales: list[Any] = tensors["value_scale"]
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +129,25 @@ class KVCache:
             f"layers={self.spec.num_layers}, shape={self.spec.cache_shape}, dtype={self.spec.dtype}, "
             f"bytes={self.nbytes})"
         )
+
+
+def attach_xpu(spec: CacheSpec, local_rank: int, device_id: int) -> dict[str, list[Any]]:
+    """Attach every tensor of an xpu device tier by FastDeploy's name, as its runner does
+    (``share_external_data(tensor, name, shape, True)`` on ``xpu:<device_id>``)."""
+    try:
+        paddle: Any = importlib.import_module("paddle")
+        share_external_data = importlib.import_module("fastdeploy.model_executor.ops.xpu").share_external_data
+    except (ImportError, AttributeError) as exc:
+        raise InvalidSpec(
+            "framework",
+            f"attaching an xpu cache needs paddlepaddle-xpu and fastdeploy-xpu's ops ({exc})",
+        ) from None
+    paddle.set_device(f"xpu:{device_id}")
+    tensors: dict[str, list[Any]] = {"key": [], "value": [], "key_scale": [], "value_scale": []}
+    for export in exports(spec, local_rank, device_id):
+        empty = paddle.empty(shape=[], dtype=export.dtype)
+        tensors[export.kind].append(share_external_data(empty, export.name, list(export.shape), True))
+    return tensors
 
 
 def _identity(array: Any, dtype: str) -> Any:
@@ -253,9 +282,17 @@ def initialize_kv_cache(
 
     started = time.monotonic()
     ready = wait_ready(instance, local_rank, timeout)
+    tensors = None
+    buffer: mmap.mmap | None = None
     try:
         _check_layout(spec, ready.header, ready.record, instance, local_rank)
-        buffer = _map_arena(ready.record.dev_name, ready.record.dev_bytes, instance, local_rank)
+        if ready.record.dev_name.startswith(XPU_PREFIX):
+            if framework != "paddle":
+                raise InvalidSpec("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
+            device_id = int(ready.record.dev_name.removeprefix(XPU_PREFIX))
+            tensors = attach_xpu(spec, local_rank, device_id)
+        else:
+            buffer = _map_arena(ready.record.dev_name, ready.record.dev_bytes, instance, local_rank)
     finally:
         ready.block.close()
     waited = time.monotonic() - started
@@ -276,4 +313,5 @@ def initialize_kv_cache(
         generation=ready.header.generation,
         daemon=(ready.header.daemon_pid, ready.header.daemon_start),
         waited_s=waited,
+        tensors=tensors,
     )

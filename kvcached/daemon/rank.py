@@ -38,8 +38,9 @@ from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESO
 from kvcached.daemon.faults import fault
 from kvcached.daemon.server import TaskServer
 from kvcached.memory.host import ShmFull, create_arena
+from kvcached.memory.xpu import PaddleXpuRuntime, XpuDevice, XpuUnavailable
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes, device_arena_bytes, round_up
-from kvcached.protocol.names import arena_name, task_socket_path
+from kvcached.protocol.names import XPU_PREFIX, arena_name, task_socket_path
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store.base import HEADER_SIZE as STORE_HEADER_SIZE
 from kvcached.store.base import ObjectIdentity, Store, StoreUnavailable
@@ -91,6 +92,8 @@ def worker_main(
     store: StoreConfig,
     ranks: int,
     access: Access,
+    memory: str = "host",
+    device_id: int = 0,
 ) -> NoReturn:
     """Entry point in the forked child. Never returns: exits with a status for the supervisor's log."""
     _die_with_parent(parent)
@@ -114,6 +117,8 @@ def worker_main(
             store_config=store,
             ranks=ranks,
             access=access,
+            memory=memory,
+            device_id=device_id,
         )
     except BaseException as exc:  # the process ends here either way; say why first
         log.exception("rank worker crashed")
@@ -160,6 +165,8 @@ def _serve(
     store_config: StoreConfig,
     ranks: int,
     access: Access,
+    memory: str,
+    device_id: int,
 ) -> int:
     dev_name = arena_name(instance, generation, rank, "dev")
     cpu_name = arena_name(instance, generation, rank, "cpu")
@@ -180,8 +187,21 @@ def _serve(
 
         return report
 
+    xpu: XpuDevice | None = None
+    if memory == "xpu":
+        try:
+            xpu = XpuDevice(spec, rank, device_id, PaddleXpuRuntime())
+        except XpuUnavailable as exc:
+            send_msg(sock, t="failed", error=str(exc), exit=EXIT_CONFIG)
+            return EXIT_CONFIG
+        dev_name = f"{XPU_PREFIX}{device_id}"
+        progress(0)(dev_bytes)
     try:
-        device = create_arena(dev_name, dev_bytes, progress(0), mode=access.mode, gid=access.gid)
+        device = (
+            None
+            if xpu is not None
+            else create_arena(dev_name, dev_bytes, progress(0), mode=access.mode, gid=access.gid)
+        )
         pool = (
             create_arena(cpu_name, cpu_bytes, progress(dev_bytes), mode=access.mode, gid=access.gid)
             if cpu_bytes
@@ -209,7 +229,7 @@ def _serve(
     listener.setblocking(False)
     server = TaskServer(
         listener=listener,
-        engine=SwapEngine(spec, device, pool),
+        engine=SwapEngine(spec, xpu.pieces if xpu is not None else device, pool),
         stats=stats,
         rank=rank,
         generation=generation,

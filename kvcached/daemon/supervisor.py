@@ -50,7 +50,7 @@ from kvcached.daemon.notify import Notifier
 from kvcached.daemon.rank import HEARTBEAT_S, recv_msg, send_msg, worker_main
 from kvcached.memory import host
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State, block_size_for
-from kvcached.protocol.layout import rank_shm_bytes
+from kvcached.protocol.layout import device_arena_bytes, rank_shm_bytes
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
@@ -300,6 +300,8 @@ class Supervisor:
 
     def _check_space(self) -> None:
         per_rank = rank_shm_bytes(self.spec)
+        if self.config.memory == "xpu":  # the device tier is in XPU memory, only the CPU pool in /dev/shm
+            per_rank -= device_arena_bytes(self.spec)
         need = per_rank * self.config.ranks + block_size_for(self.config.ranks)
         free = host.shm_free_bytes()
         if need > free:
@@ -335,6 +337,8 @@ class Supervisor:
                 store=self.config.store,
                 ranks=self.config.ranks,
                 access=self.access,
+                memory=self.config.memory,
+                device_id=self.config.devices[rank] if self.config.devices else rank,
             )
         child_sock.close()
         self.workers[rank] = (pid, parent_sock)
