@@ -60,129 +60,145 @@ def main() -> None:
     """
 
 
+_CONFIG_OPTIONS: list[Any] = [
+    click.option("--ranks", type=int, envvar="KVCACHED_RANKS", help="Ranks (one worker each). [default: 8]"),
+    _instance_option,
+    click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        envvar="KVCACHED_CONFIG",
+        help="TOML file with any of these options (flag names, underscores).",
+    ),
+    click.option(
+        "--memory",
+        type=click.Choice(["host", "xpu"]),
+        envvar="KVCACHED_MEMORY",
+        help="Device-tier backend: host = POSIX shared memory; xpu = Kunlun XPU memory, exported under "
+        "FastDeploy's names (needs paddlepaddle-xpu and fastdeploy-xpu; an error otherwise, never a fallback). "
+        "[default: host]",
+    ),
+    click.option("--num-layers", type=int, envvar="KVCACHED_NUM_LAYERS", help="Layers. [default: 4]"),
+    click.option(
+        "--kv-heads",
+        type=int,
+        envvar="KVCACHED_KV_HEADS",
+        help="KV heads per rank (heads // tensor parallel size). [default: 2]",
+    ),
+    click.option("--head-dim", type=int, envvar="KVCACHED_HEAD_DIM", help="Head dimension. [default: 128]"),
+    click.option("--block-size", type=int, envvar="KVCACHED_BLOCK_SIZE", help="Tokens per block. [default: 64]"),
+    click.option(
+        "--dtype",
+        type=click.Choice(list(DTYPE_SIZES)),
+        envvar="KVCACHED_DTYPE",
+        help="Cache dtype. [default: bfloat16]",
+    ),
+    click.option("--num-blocks", type=int, envvar="KVCACHED_NUM_BLOCKS", help="Device blocks per rank. [default: 128]"),
+    click.option(
+        "--num-cpu-blocks",
+        type=int,
+        envvar="KVCACHED_NUM_CPU_BLOCKS",
+        help="CPU swap pool blocks per rank; > 0 makes the daemon the owner. [default: 64]",
+    ),
+    click.option(
+        "--storage-backend",
+        type=click.Choice([*STORAGE_BACKENDS, "none"]),
+        envvar="KVCACHED_STORAGE_BACKEND",
+        help="Attention store backend; any makes the daemon the owner. [default: none]",
+    ),
+    click.option(
+        "--storage-path",
+        envvar="KVCACHED_STORAGE_PATH",
+        metavar="DIR",
+        help="file backend: directory of the objects. "
+        "[default: $CACHE_DIRECTORY or ~/.cache/kvcached/<instance>/store]",
+    ),
+    click.option(
+        "--storage-capacity",
+        envvar="KVCACHED_STORAGE_CAPACITY",
+        metavar="BYTES",
+        help="file backend: capacity of the whole instance (512MiB, 8GiB, ...); least recently used objects are "
+        "evicted past it. [default: 8GiB]",
+    ),
+    click.option(
+        "--mooncake-master",
+        envvar="KVCACHED_MOONCAKE_MASTER",
+        metavar="HOST:PORT",
+        help="mooncake backend: master address.",
+    ),
+    click.option(
+        "--mooncake-metadata",
+        envvar="KVCACHED_MOONCAKE_METADATA",
+        metavar="URL",
+        help="mooncake backend: metadata server, e.g. http://127.0.0.1:8080/metadata.",
+    ),
+    click.option(
+        "--mooncake-segment",
+        envvar="KVCACHED_MOONCAKE_SEGMENT",
+        metavar="BYTES",
+        help="mooncake backend: memory each rank contributes to the store's pool. [default: 256MiB]",
+    ),
+    click.option(
+        "--role",
+        type=click.Choice(list(ROLES)),
+        envvar="KVCACHED_ROLE",
+        help="splitwise_role; prefill/decode make the daemon the owner. [default: mixed]",
+    ),
+    click.option(
+        "--block-wise-fp8/--no-block-wise-fp8",
+        default=None,
+        envvar="KVCACHED_BLOCK_WISE_FP8",
+        help="Add per-block scale tensors. [default: off]",
+    ),
+    click.option("--mla/--no-mla", default=None, envvar="KVCACHED_MLA", help="MLA: key cache only. [default: off]"),
+    click.option(
+        "--scale-dtype",
+        type=click.Choice(list(SCALE_DTYPES)),
+        envvar="KVCACHED_SCALE_DTYPE",
+        help="dtype of the scale tensors. [default: float32]",
+    ),
+    click.option(
+        "--group",
+        envvar="KVCACHED_GROUP",
+        help="Group (name or gid) whose members may use this instance: its shared memory and semaphores become "
+        "0660 with this group, and its task sockets admit them. [default: the daemon's user only]",
+    ),
+    click.option(
+        "--metrics-port",
+        type=int,
+        envvar="KVCACHED_METRICS_PORT",
+        help="Serve Prometheus metrics on this TCP port (path /metrics); 0: off. [default: 0]",
+    ),
+    click.option(
+        "--metrics-address",
+        envvar="KVCACHED_METRICS_ADDRESS",
+        help="Address the metrics endpoint binds. [default: 127.0.0.1]",
+    ),
+    click.option(
+        "--devices",
+        envvar="KVCACHED_DEVICES",
+        help="With --memory xpu: the XPU device of each rank, comma-separated. [default: rank i on device i]",
+    ),
+    click.option(
+        "--ipc-suffix",
+        type=int,
+        envvar="KVCACHED_IPC_SUFFIX",
+        help="FastDeploy compatibility: keep cache_ready_signal.N and swap_space_ready_signal.N (int32 per rank in "
+        "/dev/shm) at 1 exactly while each rank is READY, so an unmodified engine's wait sees this daemon. N is the "
+        "engine's ipc suffix (its worker queue port). [default: off]",
+    ),
+]
+
+
+def config_options(fn: Any) -> Any:
+    """The configuration options of ``start``, shared by ``doctor`` (same names, same environment)."""
+    for option in reversed(_CONFIG_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
 @main.command()
-@click.option("--ranks", type=int, envvar="KVCACHED_RANKS", help="Ranks (one worker each). [default: 8]")
-@_instance_option
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    envvar="KVCACHED_CONFIG",
-    help="TOML file with any of these options (flag names, underscores).",
-)
-@click.option(
-    "--memory",
-    type=click.Choice(["host", "xpu"]),
-    envvar="KVCACHED_MEMORY",
-    help="Device-tier backend: host = POSIX shared memory; xpu = Kunlun XPU memory, exported under "
-    "FastDeploy's names (needs paddlepaddle-xpu and fastdeploy-xpu; an error otherwise, never a fallback). "
-    "[default: host]",
-)
-@click.option("--num-layers", type=int, envvar="KVCACHED_NUM_LAYERS", help="Layers. [default: 4]")
-@click.option(
-    "--kv-heads",
-    type=int,
-    envvar="KVCACHED_KV_HEADS",
-    help="KV heads per rank (heads // tensor parallel size). [default: 2]",
-)
-@click.option("--head-dim", type=int, envvar="KVCACHED_HEAD_DIM", help="Head dimension. [default: 128]")
-@click.option("--block-size", type=int, envvar="KVCACHED_BLOCK_SIZE", help="Tokens per block. [default: 64]")
-@click.option(
-    "--dtype", type=click.Choice(list(DTYPE_SIZES)), envvar="KVCACHED_DTYPE", help="Cache dtype. [default: bfloat16]"
-)
-@click.option("--num-blocks", type=int, envvar="KVCACHED_NUM_BLOCKS", help="Device blocks per rank. [default: 128]")
-@click.option(
-    "--num-cpu-blocks",
-    type=int,
-    envvar="KVCACHED_NUM_CPU_BLOCKS",
-    help="CPU swap pool blocks per rank; > 0 makes the daemon the owner. [default: 64]",
-)
-@click.option(
-    "--storage-backend",
-    type=click.Choice([*STORAGE_BACKENDS, "none"]),
-    envvar="KVCACHED_STORAGE_BACKEND",
-    help="Attention store backend; any makes the daemon the owner. [default: none]",
-)
-@click.option(
-    "--storage-path",
-    envvar="KVCACHED_STORAGE_PATH",
-    metavar="DIR",
-    help="file backend: directory of the objects. [default: $CACHE_DIRECTORY or ~/.cache/kvcached/<instance>/store]",
-)
-@click.option(
-    "--storage-capacity",
-    envvar="KVCACHED_STORAGE_CAPACITY",
-    metavar="BYTES",
-    help="file backend: capacity of the whole instance (512MiB, 8GiB, ...); least recently used objects are "
-    "evicted past it. [default: 8GiB]",
-)
-@click.option(
-    "--mooncake-master",
-    envvar="KVCACHED_MOONCAKE_MASTER",
-    metavar="HOST:PORT",
-    help="mooncake backend: master address.",
-)
-@click.option(
-    "--mooncake-metadata",
-    envvar="KVCACHED_MOONCAKE_METADATA",
-    metavar="URL",
-    help="mooncake backend: metadata server, e.g. http://127.0.0.1:8080/metadata.",
-)
-@click.option(
-    "--mooncake-segment",
-    envvar="KVCACHED_MOONCAKE_SEGMENT",
-    metavar="BYTES",
-    help="mooncake backend: memory each rank contributes to the store's pool. [default: 256MiB]",
-)
-@click.option(
-    "--role",
-    type=click.Choice(list(ROLES)),
-    envvar="KVCACHED_ROLE",
-    help="splitwise_role; prefill/decode make the daemon the owner. [default: mixed]",
-)
-@click.option(
-    "--block-wise-fp8/--no-block-wise-fp8",
-    default=None,
-    envvar="KVCACHED_BLOCK_WISE_FP8",
-    help="Add per-block scale tensors. [default: off]",
-)
-@click.option("--mla/--no-mla", default=None, envvar="KVCACHED_MLA", help="MLA: key cache only. [default: off]")
-@click.option(
-    "--scale-dtype",
-    type=click.Choice(list(SCALE_DTYPES)),
-    envvar="KVCACHED_SCALE_DTYPE",
-    help="dtype of the scale tensors. [default: float32]",
-)
-@click.option(
-    "--group",
-    envvar="KVCACHED_GROUP",
-    help="Group (name or gid) whose members may use this instance: its shared memory and semaphores become "
-    "0660 with this group, and its task sockets admit them. [default: the daemon's user only]",
-)
-@click.option(
-    "--metrics-port",
-    type=int,
-    envvar="KVCACHED_METRICS_PORT",
-    help="Serve Prometheus metrics on this TCP port (path /metrics); 0: off. [default: 0]",
-)
-@click.option(
-    "--metrics-address",
-    envvar="KVCACHED_METRICS_ADDRESS",
-    help="Address the metrics endpoint binds. [default: 127.0.0.1]",
-)
-@click.option(
-    "--devices",
-    envvar="KVCACHED_DEVICES",
-    help="With --memory xpu: the XPU device of each rank, comma-separated. [default: rank i on device i]",
-)
-@click.option(
-    "--ipc-suffix",
-    type=int,
-    envvar="KVCACHED_IPC_SUFFIX",
-    help="FastDeploy compatibility: keep cache_ready_signal.N and swap_space_ready_signal.N (int32 per rank in "
-    "/dev/shm) at 1 exactly while each rank is READY, so an unmodified engine's wait sees this daemon. N is the "
-    "engine's ipc suffix (its worker queue port). [default: off]",
-)
+@config_options
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -216,6 +232,28 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
         click.echo(f"Error: {fatal.reason}", err=True)
         sys.exit(fatal.exit_status)
     sys.exit(status)
+
+
+@main.command()
+@config_options
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object (documented in kvcached.doctor) instead of a table."
+)
+@click.option("--clean", is_flag=True, help="Reclaim the leftovers of a dead instance (never a live one's).")
+def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) -> None:
+    """Check this host for the configuration `start` would use, before it fails.
+
+    Checks /dev/shm space for all ranks and tiers, the memlock limit, logind's RemoveIPC, the run
+    directory, a live instance of the same name, leftovers of a dead one, the XPU stack (--memory xpu) and
+    the storage backend. Takes the same options as `start`. Exit status 1 if any check fails.
+    """
+    from kvcached import doctor as checks
+
+    config = _build_config(values, config_file)
+    results = checks.run(config, clean=clean)
+    document = checks.report(config.instance, results)
+    click.echo(json.dumps(document) if as_json else checks.render(config.instance, results))
+    sys.exit(0 if document["ok"] else 1)
 
 
 #: glibc tunables for the rank workers' copies, each applied unless the operator set it already.

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcached.daemon.access import resolve_group
-from kvcached.protocol.control import MAX_RANKS
+from kvcached.protocol.control import MAX_RANKS, block_size_for
 from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.layout import device_arena_bytes, rank_shm_bytes
 from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store.base import HEADER_SIZE as STORE_HEADER_SIZE
@@ -166,6 +167,12 @@ class DaemonConfig:
     metrics_address: str = "127.0.0.1"
     ipc_suffix: int | None = None
     devices: tuple[int, ...] = ()
+
+    def shm_need(self) -> tuple[int, int]:
+        """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's arenas (with
+        ``memory = "xpu"`` only its CPU pool: the device tier is in XPU memory) and the control block."""
+        per_rank = rank_shm_bytes(self.spec) - (device_arena_bytes(self.spec) if self.memory == "xpu" else 0)
+        return per_rank * self.ranks + block_size_for(self.ranks), per_rank
 
     @classmethod
     def build(cls, values: Mapping[str, Any], config_file: Path | None = None) -> DaemonConfig:

@@ -19,6 +19,7 @@ unlinked, the lock file last.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import secrets
@@ -49,8 +50,8 @@ from kvcached.daemon.fdsignals import FastDeploySignals, SignalError
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.rank import HEARTBEAT_S, recv_msg, send_msg, worker_main
 from kvcached.memory import host
-from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State, block_size_for
-from kvcached.protocol.layout import device_arena_bytes, rank_shm_bytes
+from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
+from kvcached.protocol.layout import rank_shm_bytes
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
@@ -73,6 +74,62 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+@dataclasses.dataclass(slots=True)
+class Leftovers:
+    """What an instance has in /dev/shm and its run directory, as found by ``inspect_instance``."""
+
+    entries: list[Path]
+    sockets: list[Path]
+    #: One message per object under our names that is not ours (foreign owner or mode): never touched.
+    squatters: list[str]
+    #: The daemon of a published control block, if it is alive (then nothing here is a leftover).
+    live_pid: int | None
+
+
+def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
+    """The objects of ``instance`` (any generation) and whether a live daemon owns them."""
+    live_pid = None
+    existing = ControlBlock.open(instance)
+    if existing is not None:
+        try:
+            if existing.published:
+                header = existing.header()
+                if is_alive(header.daemon_pid, header.daemon_start):
+                    live_pid = header.daemon_pid
+        except Exception:
+            pass
+        finally:
+            existing.close()
+    entries = instance_shm_entries(instance)
+    me = os.geteuid()
+    squatters = []
+    for entry in entries:
+        st = entry.lstat()
+        if st.st_uid != me or not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) not in (0o600, 0o660):
+            squatters.append(
+                f"{entry} is not ours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; kvcached makes "
+                f"uid {me}, mode 600 or 660): refusing to use or delete it. Remove it if it is stale, or pick "
+                "another --instance name."
+            )
+    sockets = sorted(run_dir.glob(f"{instance}.r*.sock"))
+    return Leftovers(entries, sockets, squatters, live_pid)
+
+
+def remove_leftovers(found: Leftovers) -> int:
+    """Unlink what ``inspect_instance`` found (never with a live daemon or a squatter); how many."""
+    assert found.live_pid is None and not found.squatters
+    for entry in found.entries:
+        name, is_sem = posix_name(entry)
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            if is_sem:
+                posix_ipc.unlink_semaphore(name)
+            else:
+                posix_ipc.unlink_shared_memory(name)
+    for path in found.sockets:
+        path.unlink(missing_ok=True)
+    return len(found.entries) + len(found.sockets)
 
 
 class Supervisor:
@@ -249,60 +306,21 @@ class Supervisor:
 
     def _reclaim(self) -> None:
         """Remove what a dead run of this instance left; refuse squatters and live instances."""
-        existing = ControlBlock.open(self.instance)
-        if existing is not None:
-            try:
-                if existing.published:
-                    header = existing.header()
-                    if is_alive(header.daemon_pid, header.daemon_start):
-                        raise Fatal(
-                            f"instance {self.instance!r} is live (daemon pid {header.daemon_pid}) under "
-                            f"another run directory than {lock_path(self.instance).parent}",
-                            EXIT_ALREADY_RUNNING,
-                        )
-            except Fatal:
-                raise
-            except Exception:  # a corrupt block of a dead run: reclaimed below like the rest
-                pass
-            finally:
-                existing.close()
-        entries = instance_shm_entries(self.instance)
-        me = os.geteuid()
-        for entry in entries:
-            st = entry.lstat()
-            if st.st_uid != me or not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) not in (0o600, 0o660):
-                raise Fatal(
-                    f"{entry} is not ours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; "
-                    f"kvcached makes uid {me}, mode 600 or 660): refusing to use or delete it. Remove it if "
-                    "it is stale, or pick another --instance name.",
-                    EXIT_RESOURCES,
-                )
-        for entry in entries:
-            self._unlink_entry(entry)
-        sockets = self._socket_paths()
-        for path in sockets:
-            path.unlink()
-        if entries or sockets:
-            self.log.info("reclaimed objects of a dead run", count=len(entries) + len(sockets))
-
-    def _socket_paths(self) -> list[Path]:
-        """Task socket files of this instance in the run directory (any rank count)."""
-        return sorted(self.run_dir.glob(f"{self.instance}.r*.sock"))
-
-    @staticmethod
-    def _unlink_entry(entry: Path) -> None:
-        name, is_sem = posix_name(entry)
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            if is_sem:
-                posix_ipc.unlink_semaphore(name)
-            else:
-                posix_ipc.unlink_shared_memory(name)
+        found = inspect_instance(self.instance, self.run_dir)
+        if found.live_pid is not None:
+            raise Fatal(
+                f"instance {self.instance!r} is live (daemon pid {found.live_pid}) under another run directory "
+                f"than {self.run_dir}",
+                EXIT_ALREADY_RUNNING,
+            )
+        if found.squatters:
+            raise Fatal(found.squatters[0], EXIT_RESOURCES)
+        count = remove_leftovers(found)
+        if count:
+            self.log.info("reclaimed objects of a dead run", count=count)
 
     def _check_space(self) -> None:
-        per_rank = rank_shm_bytes(self.spec)
-        if self.config.memory == "xpu":  # the device tier is in XPU memory, only the CPU pool in /dev/shm
-            per_rank -= device_arena_bytes(self.spec)
-        need = per_rank * self.config.ranks + block_size_for(self.config.ranks)
+        need, per_rank = self.config.shm_need()
         free = host.shm_free_bytes()
         if need > free:
             raise Fatal(
@@ -521,12 +539,9 @@ class Supervisor:
             # Anything else of this generation (a semaphore or arena a killed worker half-made). Only
             # names with our generation: objects we refused at start-up are never ours to delete.
             ours = f".{self.generation:016x}."
-            for entry in instance_shm_entries(self.instance):
-                if ours in entry.name:
-                    self._unlink_entry(entry)
-        for path in self._socket_paths():
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            mine = [entry for entry in instance_shm_entries(self.instance) if ours in entry.name]
+            remove_leftovers(Leftovers(mine, [], [], None))
+        remove_leftovers(Leftovers([], sorted(self.run_dir.glob(f"{self.instance}.r*.sock")), [], None))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock_path(self.instance))
         os.close(self.lock_fd)

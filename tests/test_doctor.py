@@ -1,0 +1,165 @@
+"""`kvcached doctor`: each check against a real condition made by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcached.doctor import check_remove_ipc
+from tests.conftest import DaemonFactory, shm_entries
+from tests.test_store import MooncakeMaster
+
+SMALL = ["--ranks", "2", "--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
+SMALL += ["--num-blocks", "8", "--num-cpu-blocks", "4"]
+ORDER = ["dev_shm", "memlock", "remove_ipc", "run_dir", "live_instance", "leftovers"]
+
+
+def doctor(daemons: DaemonFactory, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    result = daemons.cli("doctor", "--json", *args, env=env)
+    assert result.stdout.strip(), result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+def by_name(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in document["checks"]}
+
+
+def test_json_is_stable_and_a_healthy_host_passes(daemons: DaemonFactory, instance: str) -> None:
+    code, document = doctor(daemons, "--instance", instance, *SMALL)
+    assert code == 0 and document["ok"] is True and document["instance"] == instance
+    assert set(document) == {"instance", "ok", "checks"}
+    assert [c["name"] for c in document["checks"]] == ORDER
+    for check in document["checks"]:
+        assert set(check) == {"name", "verdict", "figure", "measured", "advice"}
+        assert check["verdict"] in ("ok", "warn", "fail")
+    table = daemons.cli("doctor", "--instance", instance, *SMALL)
+    assert table.returncode == 0 and "all checks passed" in table.stdout and "dev_shm" in table.stdout
+
+
+def test_dev_shm_too_small_for_the_config_fails(daemons: DaemonFactory, instance: str) -> None:
+    code, document = doctor(daemons, "--instance", instance, *SMALL, "--num-blocks", str(1 << 28))
+    check = by_name(document)["dev_shm"]
+    assert code == 1 and document["ok"] is False and check["verdict"] == "fail"
+    assert check["measured"]["need_bytes"] > check["measured"]["free_bytes"]
+    assert "--shm-size" in check["advice"]
+
+
+def test_memlock_below_the_pinned_pool_fails_for_xpu(daemons: DaemonFactory, instance: str) -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("memlock is unlimited here: nothing can exceed it")
+    blocks = soft // (2 * 2 * 2 * 4 * 16 * 2) + 64  # a CPU pool larger than the limit
+    code, document = doctor(daemons, "--instance", instance, *SMALL, "--memory", "xpu", "--num-cpu-blocks", str(blocks))
+    check = by_name(document)["memlock"]
+    assert code == 1 and check["verdict"] == "fail", check
+    assert check["measured"]["pinned_per_process_bytes"] > check["measured"]["limit_bytes"] == soft
+    _, host = doctor(daemons, "--instance", instance, *SMALL, "--num-cpu-blocks", str(blocks))
+    assert by_name(host)["memlock"]["verdict"] == "ok", "the host backend pins nothing"
+
+
+def test_remove_ipc_for_a_regular_user(tmp_path: Path) -> None:
+    conf = tmp_path / "logind.conf"
+    conf.write_text("[Login]\nRemoveIPC=yes\n")
+    assert check_remove_ipc(uid=64010, patterns=(str(conf),)).verdict == "fail"
+    assert check_remove_ipc(uid=0, patterns=(str(conf),)).verdict == "ok", "system users are exempt"
+    dropin = tmp_path / "90-kvcached.conf"
+    dropin.write_text("[Login]\nRemoveIPC=no\n")
+    check = check_remove_ipc(uid=64010, patterns=(str(conf), str(dropin)))
+    assert check.verdict == "ok" and check.measured["set_in"] == str(dropin)
+    assert check_remove_ipc(uid=64010, patterns=(str(tmp_path / "none"),)).verdict == "fail", "logind's default is yes"
+
+
+def test_run_dir_of_another_user_or_open_to_all(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:
+    run = tmp_path / "run-elsewhere"
+    run.mkdir()
+    os.chmod(run, 0o777)
+    env = daemons.env(KVCACHED_RUN_DIR=str(run))
+    _, document = doctor(daemons, "--instance", instance, *SMALL, env=env)
+    assert by_name(document)["run_dir"]["verdict"] == "warn"
+    if os.geteuid() == 0:
+        os.chown(run, 64002, -1)
+        code, document = doctor(daemons, "--instance", instance, *SMALL, env=env)
+        assert code == 1 and by_name(document)["run_dir"]["verdict"] == "fail"
+    deep = tmp_path / ("d" * 100)
+    code, document = doctor(daemons, "--instance", instance, *SMALL, env=daemons.env(KVCACHED_RUN_DIR=str(deep)))
+    assert code == 1 and "longer than" in by_name(document)["run_dir"]["figure"]
+
+
+def test_live_instance_fails_and_clean_never_touches_it(daemons: DaemonFactory) -> None:
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    before = shm_entries(daemon.instance)
+    code, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--clean")
+    checks = by_name(document)
+    assert code == 1 and checks["live_instance"]["verdict"] == "fail"
+    assert checks["live_instance"]["measured"]["pid"] == daemon.pid
+    assert checks["leftovers"]["measured"]["removed"] == 0
+    assert shm_entries(daemon.instance) == before and daemon.proc.poll() is None
+
+
+def test_leftovers_of_a_killed_daemon_are_reported_then_cleaned(daemons: DaemonFactory) -> None:
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    daemon.kill9()
+    left = shm_entries(daemon.instance)
+    assert len(left) == 7
+    code, document = doctor(daemons, "--instance", daemon.instance, *SMALL)
+    check = by_name(document)["leftovers"]
+    assert code == 0 and check["verdict"] == "warn" and len(check["measured"]["objects"]) >= 7
+    assert shm_entries(daemon.instance) == left, "without --clean nothing is removed"
+    code, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--clean")
+    check = by_name(document)["leftovers"]
+    assert code == 0 and check["verdict"] == "ok" and check["measured"]["removed"] >= 7
+    assert shm_entries(daemon.instance) == []
+    assert not list(daemons.run_dir.glob(f"{daemon.instance}.*")), "sockets and lock file removed"
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL)
+    assert by_name(document)["leftovers"]["figure"] == "none"
+
+
+def test_xpu_stack_missing_here_fails_naming_what_to_install(daemons: DaemonFactory, instance: str) -> None:
+    code, document = doctor(daemons, "--instance", instance, *SMALL, "--memory", "xpu")
+    checks = by_name(document)
+    assert code == 1 and checks["xpu_paddle"]["verdict"] == "fail"
+    assert "paddlepaddle-xpu" in checks["xpu_paddle"]["advice"]
+    assert checks["xpu_ops"]["verdict"] == "fail" and "fastdeploy" in checks["xpu_ops"]["advice"]
+
+
+def test_mooncake_master_answers_or_not(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    master = MooncakeMaster(tmp_path / "master.log")
+    store = [
+        "--storage-backend",
+        "mooncake",
+        "--mooncake-master",
+        master.address,
+        "--mooncake-metadata",
+        master.metadata,
+    ]
+    code, document = doctor(daemons, "--instance", instance, *SMALL, *store)
+    assert code == 1 and by_name(document)["mooncake_master"]["verdict"] == "fail"
+    master.start()
+    try:
+        code, document = doctor(daemons, "--instance", instance, *SMALL, *store)
+        assert code == 0 and by_name(document)["mooncake_master"]["verdict"] == "ok", document
+    finally:
+        master.stop()
+
+
+def test_file_store_directory(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:
+    store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "s"), "--storage-capacity", "1MiB"]
+    _, document = doctor(daemons, "--instance", instance, *SMALL, *store)
+    assert by_name(document)["file_store"]["verdict"] == "ok"
+    huge = ["--storage-backend", "file", "--storage-path", str(tmp_path / "s"), "--storage-capacity", "1000TiB"]
+    _, document = doctor(daemons, "--instance", instance, *SMALL, *huge)
+    assert by_name(document)["file_store"]["verdict"] == "warn"
+
+
+def test_doctor_help_lists_start_options(daemons: DaemonFactory) -> None:
+    text = daemons.cli("doctor", "--help").stdout
+    for flag in ("--json", "--clean", "--ranks", "--memory", "--num-blocks", "--storage-backend", "--config"):
+        assert flag in text
