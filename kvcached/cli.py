@@ -296,16 +296,46 @@ def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
 @main.command()
 @_instance_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (see kvcached.status) instead of a table.")
-def status(instance: str | None, as_json: bool) -> None:
-    """Show each rank's state, generation, pid, heartbeat age and bytes.
+@click.option("--watch", is_flag=True, help="Refresh the table (with swap/store rates) until interrupted.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True, help="--watch: seconds.")
+def status(instance: str | None, as_json: bool, watch: bool, interval: float) -> None:
+    """Show each rank's state, waiting runners, generation, pid, heartbeat age, bytes and task counts.
 
-    Exit status 0 when the daemon is alive and every rank is READY, 1 otherwise.
+    Exit status 0 when the daemon is alive and every rank is READY, 1 otherwise (--watch: 0 on Ctrl-C).
     """
     from kvcached.status import is_ready, read_status, render
 
-    snapshot = read_status(_instance(instance))
+    name = _instance(instance)
+    if watch:
+        _watch(name, interval, as_json)
+        return
+    snapshot = read_status(name)
     click.echo(json.dumps(snapshot) if as_json else render(snapshot))
     sys.exit(0 if is_ready(snapshot) else 1)
+
+
+def _watch(instance: str, interval: float, as_json: bool) -> None:
+    """Print a frame every ``interval`` s: on a terminal redrawn in place, else one after the other."""
+    from kvcached.status import read_status, render
+
+    tty = sys.stdout.isatty() and not as_json
+    previous: tuple[float, dict[str, Any]] | None = None
+    try:
+        while True:
+            now = time.monotonic()
+            snapshot = read_status(instance)
+            if as_json:
+                frame = json.dumps(snapshot)
+            else:
+                frame = render(
+                    snapshot, previous=previous[1] if previous else None, seconds=now - previous[0] if previous else 0
+                )
+                frame += f"\n(every {interval:g} s; Ctrl-C to stop)"
+            click.echo(("\x1b[H\x1b[2J" if tty else "") + frame + ("" if tty or as_json else "\n"), nl=True)
+            previous = (now, snapshot)
+            time.sleep(max(0.0, interval - (time.monotonic() - now)))
+    except KeyboardInterrupt:
+        return
 
 
 @main.command()

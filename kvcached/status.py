@@ -153,8 +153,20 @@ def _store_cell(store: dict[str, Any] | None) -> str:
     )
 
 
-def render(status: dict[str, Any]) -> str:
-    """A table for people."""
+def _rate(rank: dict[str, Any], before: dict[str, Any] | None, key: str, seconds: float) -> str:
+    """Bytes per second of counter ``key`` between two snapshots of a rank."""
+    if before is None or seconds <= 0:
+        return "-"
+    moved = (rank.get("swap") or {}).get(key, 0) - (before.get("swap") or {}).get(key, 0)
+    if moved <= 0:
+        return "0"
+    rate = moved / seconds
+    return f"{rate / 2**20:.1f} MiB/s" if rate >= 2**20 else f"{rate / 2**10:.1f} KiB/s"
+
+
+def render(status: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0) -> str:
+    """A table for people; with ``previous`` (a snapshot ``seconds`` earlier, as ``--watch`` keeps), also
+    the swap and store rates between the two."""
     name = status["instance"]
     if not status["running"]:
         return f"instance {name}: not running"
@@ -162,7 +174,7 @@ def render(status: dict[str, Any]) -> str:
         return f"instance {name}: starting"
     daemon = "alive" if status["alive"] else "DEAD (leftover control block; the next start reclaims it)"
     lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             "rank",
             "state",
@@ -179,6 +191,11 @@ def render(status: dict[str, Any]) -> str:
             "error",
         )
     ]
+    rates = previous is not None and previous.get("generation") == status["generation"]
+    before = {r["rank"]: r for r in previous["ranks"]} if rates and previous else {}
+    rate_keys = ("swap_out_bytes", "swap_in_bytes", "store_bytes", "load_bytes")
+    if rates:
+        rows[0] = (*rows[0][:-2], "out/s", "in/s", "store/s", "load/s", *rows[0][-2:])
     for r in status["ranks"]:
         state = r["state"]
         if state == "ALLOCATING" and r.get("total"):
@@ -199,6 +216,7 @@ def render(status: dict[str, Any]) -> str:
                 _swaps(swap, "swap_in", r.get("latency")),
                 _store_cell(r.get("store")),
                 str(swap.get("tasks_refused", 0)),
+                *([_rate(r, before.get(r["rank"]), key, seconds) for key in rate_keys] if rates else []),
                 r.get("since") or "-",
                 r.get("error") or "",
             )

@@ -27,6 +27,7 @@ import selectors
 import signal
 import socket
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,8 @@ class Supervisor:
         self.wake_r, self.wake_w = -1, -1
         self.all_ready_logged = False
         self.notify = Notifier()
+        self.tty = sys.stderr.isatty()  # allocation progress for a person watching the terminal
+        self.last_shown = 0.0
         self.access = Access.for_daemon(config.gid)
         self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
         self.signals: FastDeploySignals | None = None  # FastDeploy's flags, when --ipc-suffix is set
@@ -435,6 +438,7 @@ class Supervisor:
         elif kind == "progress":
             self._set(rank, reserved_bytes=int(msg["done"]))
             self.notify.status(self._progress_text(), throttle_s=0.5)
+            self._show_progress()
         elif kind == "ready":
             self._set(
                 rank,
@@ -446,6 +450,7 @@ class Supervisor:
                 layout_version=int(msg["layout_version"]),
                 reserved_bytes=record.total_bytes,
             )
+            self._show_progress(force=True)
             self.log.info("rank ready", rank=rank, bytes=record.total_bytes)
             if not self.all_ready_logged and all(r.state is State.READY for r in self.records):
                 self.all_ready_logged = True
@@ -463,6 +468,18 @@ class Supervisor:
         gib = 2**30
         ranks = len(self.records)
         return f"allocating: {ready}/{ranks} ranks ready, {done / gib:.2f} of {total / gib:.2f} GiB reserved"
+
+    def _show_progress(self, force: bool = False) -> None:
+        """On a terminal: one line with the total and each rank's reserved share, at most 4 per second."""
+        now = time.monotonic()
+        if not self.tty or (not force and now - self.last_shown < 0.25):
+            return
+        self.last_shown = now
+        shares = " ".join(
+            f"r{r.rank} {'ready' if r.state is State.READY else f'{100 * r.reserved_bytes // max(r.total_bytes, 1)}%'}"
+            for r in self.records
+        )
+        print(f"{self._progress_text()}  [{shares}]", file=sys.stderr, flush=True)
 
     def _rank_failed(self, rank: int, why: str, status: int) -> Fatal:
         self._set(rank, state=State.FAILED, error=why)
