@@ -15,6 +15,7 @@ trip p50 <= 200 us.
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import multiprocessing as mp
 import os
@@ -125,6 +126,7 @@ def main() -> int:
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per task (all layers), MiB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-iterations", type=int, default=2000)
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     args = parser.parse_args()
 
     run_dir = tempfile.mkdtemp(prefix="kvb-")
@@ -184,6 +186,17 @@ def main() -> int:
         print(f"  layer-block {piece_kib:>5} KiB (block {block_kib:>6} KiB): p50 {p50:7.0f}  p99 {p99:7.0f}")
     met &= latency[min(latency)][0] <= 200
     print(f"targets (>= 0.8 / 0.5 of plain copy, p50 <= 200 us for the smallest block): {'met' if met else 'NOT met'}")
+    if args.json is not None:
+        keys = ("piece_kib", "block_bytes", "out_gbps", "in_gbps", "blocking_out_gbps", "blocking_in_gbps")
+        keys += ("shuffled_out_gbps", "shuffled_in_gbps", "plain_gbps")
+        figures = {
+            "ranks": args.ranks,
+            "gib": args.gib,
+            "rows": [dict(zip(keys, row, strict=True)) for row in rows],
+            "round_trip_us": {str(k): {"p50": v[0], "p99": v[1]} for k, v in latency.items()},
+            "targets_met": met,
+        }
+        args.json.write_text(json.dumps(figures))
     return 0
 
 

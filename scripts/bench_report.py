@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Run the handshake, swap and store benchmarks and write a Markdown report with PNG plots.
+
+Every figure stands beside the physical limit measured in the same run by the benchmark itself: a plain
+``np.copyto`` of the same bytes (swap), plain write+fsync / read and plain Mooncake put / get (store),
+FastDeploy's ``sleep(1)`` poll (handshake). Writes, into ``--out``:
+
+* ``report.md``: headline figures, then each benchmark's full printout;
+* ``swap_throughput.png``: swap-out / swap-in GB/s against the layer-block size, with the plain-copy line;
+* ``wakeup_latency.png``: the distribution of wake-up latencies, kvcached against the ``sleep(1)`` poll;
+* ``store_throughput.png``: store and load GB/s per backend beside the plain I/O of the same objects.
+
+The default sizes finish in under 5 minutes on a 2-core machine; ``--smoke`` runs tiny sizes (a check that
+the pipeline works, not a measurement). Needs the ``plot`` extra: ``pip install -e '.[plot]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Mooncake's client logs through glog on stdout: "I1129 20:15:11.684504 26658 real_client.cpp:1026] ...".
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d")
+SCRIPTS = ROOT / "scripts"
+
+#: Per benchmark: its arguments at the default size and at --smoke size.
+PLANS: dict[str, dict[str, list[str]]] = {
+    "handshake": {
+        "default": ["--iterations", "10", "--wait-seconds", "3"],
+        "smoke": ["--iterations", "2", "--wait-seconds", "1"],
+    },
+    "swap": {
+        "default": ["--gib", "0.5", "--repeats", "1", "--latency-iterations", "500"],
+        "smoke": ["--gib", "0.03", "--repeats", "1", "--latency-iterations", "20", "--pieces-kib", "16,256"],
+    },
+    "store": {
+        "default": ["--gib", "0.25", "--repeats", "1"],
+        "smoke": ["--gib", "0.02", "--repeats", "1"],
+    },
+}
+
+
+def run_benchmark(name: str, size: str, out: Path, extra: list[str]) -> tuple[dict[str, Any], str, float]:
+    """Run ``scripts/bench_<name>.py``; its JSON figures, its printout and how long it took."""
+    figures = out / f"{name}.json"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *PLANS[name][size], *extra, "--json", str(figures)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    took = time.monotonic() - started
+    if result.returncode != 0:
+        raise SystemExit(f"bench_{name}.py failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}")
+    printout = "\n".join(line for line in result.stdout.splitlines() if not GLOG_LINE.match(line))
+    return json.loads(figures.read_text()), printout, took
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def plot_swap(figures: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = figures["rows"]
+    sizes = [r["piece_kib"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(sizes, [r["plain_gbps"] for r in rows], "k--", label="plain np.copyto (same bytes, same run)")
+    ax.plot(sizes, [r["out_gbps"] for r in rows], "o-", label="kvcached swap out")
+    ax.plot(sizes, [r["in_gbps"] for r in rows], "s-", label="kvcached swap in")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{s} KiB" if s < 1024 else f"{s >> 10} MiB" for s in sizes])
+    ax.set_xlabel("layer-block size (one block of one layer's key cache)")
+    ax.set_ylabel("GB/s, all ranks")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"CPU swap, {figures['ranks']} ranks x {figures['gib']:g} GiB")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_wakeup(figures: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, values in figures["wake_ms"].items():
+        ordered = sorted(values)
+        shares = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        ax.step([ordered[0], *ordered], [0.0, *shares], where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("wake-up latency, READY set -> runner attached (ms, log scale)")
+    ax.set_ylabel("share of runs")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Handshake: kvcached's semaphore wait against FastDeploy's sleep(1) poll")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_store(figures: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    labels, ours, plain = [], [], []
+    short = {"mooncake-batch": "mooncake vs\nbatched calls"}
+    for backend, passes in figures["backends"].items():
+        for op in ("store", "load"):
+            labels.append(f"{short.get(backend, backend)}\n{op}")
+            ours.append(statistics.median(p[f"{op}_gbps"] for p in passes))
+            plain.append(statistics.median(p[f"plain_{op}_gbps"] for p in passes))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], plain, width=0.4, label="plain I/O of the same objects", color="0.6")
+    ax.bar([i + 0.2 for i in x], ours, width=0.4, label="kvcached")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("GB/s, all ranks")
+    ax.set_title(
+        f"Attention store, {figures['ranks']} ranks x {figures['gib']:g} GiB, {figures['block_kib']} KiB blocks"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def headline(handshake: dict[str, Any], swap: dict[str, Any], store: dict[str, Any]) -> list[str]:
+    ours, poll = handshake["wake_ms"]["kvcached"], handshake["wake_ms"]["sleep(1) poll"]
+    cpu = handshake["waiting_cpu_pct"]
+    lines = [
+        "| benchmark | kvcached | physical limit / baseline, same run | ratio |",
+        "|---|---|---|---|",
+        f"| wake-up p50 | {percentile(ours, 0.5):.2f} ms | sleep(1) poll {percentile(poll, 0.5):.0f} ms | "
+        f"{percentile(poll, 0.5) / percentile(ours, 0.5):.0f}x faster |",
+        f"| wake-up p99 | {percentile(ours, 0.99):.2f} ms | sleep(1) poll {percentile(poll, 0.99):.0f} ms | |",
+        f"| waiting runner CPU | {cpu['kvcached']:.2f} % of a core | busy loop {cpu['busy `pass` loop']:.0f} % | |",
+    ]
+    for row in swap["rows"]:
+        lines.append(
+            f"| swap out / in, {row['piece_kib']} KiB layer-blocks | {row['out_gbps']:.2f} / {row['in_gbps']:.2f} GB/s "
+            f"| plain copy {row['plain_gbps']:.2f} GB/s | {row['out_gbps'] / row['plain_gbps']:.2f} / "
+            f"{row['in_gbps'] / row['plain_gbps']:.2f} |"
+        )
+    for size, rt in swap["round_trip_us"].items():
+        lines.append(
+            f"| one-block swap round trip, {size} KiB layer-blocks | p50 {rt['p50']:.0f} us, "
+            f"p99 {rt['p99']:.0f} us | | |"
+        )
+    names = {
+        "file": "plain write+fsync / read",
+        "mooncake": "plain Mooncake put / get",
+        "mooncake-batch": "batched own-segment put / get",
+    }
+    for backend, passes in store["backends"].items():
+        for op in ("store", "load"):
+            o = statistics.median(p[f"{op}_gbps"] for p in passes)
+            b = statistics.median(p[f"plain_{op}_gbps"] for p in passes)
+            lines.append(
+                f"| {backend} {op} | {o:.2f} GB/s | {names.get(backend, backend)} {b:.2f} GB/s | {o / b:.2f} |"
+            )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-report", help="directory for the report")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")
+    parser.add_argument("--store-backends", default=None, help="e.g. file (default: file,mooncake)")
+    args = parser.parse_args()
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        raise SystemExit("bench_report.py draws plots with matplotlib: pip install -e '.[plot]'") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    size = "smoke" if args.smoke else "default"
+    started = time.monotonic()
+    handshake, hs_text, hs_s = run_benchmark("handshake", size, args.out, [])
+    swap, swap_text, swap_s = run_benchmark("swap", size, args.out, [])
+    store_extra = ["--backends", args.store_backends] if args.store_backends else []
+    store, store_text, store_s = run_benchmark("store", size, args.out, store_extra)
+    plot_swap(swap, args.out / "swap_throughput.png")
+    plot_wakeup(handshake, args.out / "wakeup_latency.png")
+    plot_store(store, args.out / "store_throughput.png")
+    total = time.monotonic() - started
+    report = [
+        "# kvcached benchmark report",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}, "
+        f"{'SMOKE sizes (not a measurement)' if args.smoke else 'default sizes'}; "
+        f"took {total:.0f} s (handshake {hs_s:.0f} s, swap {swap_s:.0f} s, store {store_s:.0f} s).",
+        "Every ratio compares with the limit measured in the same run: these machines are noisy.",
+        "",
+        "## Headline",
+        "",
+        *headline(handshake, swap, store),
+        "",
+        "![swap throughput](swap_throughput.png)",
+        "",
+        "![wake-up latency](wakeup_latency.png)",
+        "",
+        "![store throughput](store_throughput.png)",
+        "",
+    ]
+    for title, text in (("Handshake", hs_text), ("Swap", swap_text), ("Store", store_text)):
+        report += [f"## {title}", "", "```", text.strip(), "```", ""]
+    (args.out / "report.md").write_text("\n".join(report))
+    print("\n".join(headline(handshake, swap, store)))
+    print(f"took {total:.0f} s; report: {args.out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
