@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import resource
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvcached.doctor import check_remove_ipc
+from kvcached.memory.host import pin
 from tests.conftest import DaemonFactory, shm_entries
 from tests.test_store import MooncakeMaster
 
@@ -60,6 +62,34 @@ def test_memlock_below_the_pinned_pool_fails_for_xpu(daemons: DaemonFactory, ins
     assert check["measured"]["pinned_per_process_bytes"] > check["measured"]["limit_bytes"] == soft
     _, host = doctor(daemons, "--instance", instance, *SMALL, "--num-cpu-blocks", str(blocks))
     assert by_name(host)["memlock"]["verdict"] == "ok", "the host backend pins nothing"
+
+
+def test_pinning_beyond_the_memlock_limit_fails_clearly() -> None:
+    """What the memlock check predicts: an unprivileged process cannot pin more than its limit."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to an unprivileged user (root may pin without limit)")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        message = "no error"
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+            os.setgroups([])
+            os.setgid(64003)
+            os.setuid(64003)
+            pin(mmap.mmap(-1, 512 << 10))
+            try:
+                pin(mmap.mmap(-1, 8 << 20))
+            except OSError as exc:
+                message = str(exc)
+        finally:
+            os.write(write_end, message.encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        message = f.read()
+    os.waitpid(pid, 0)
+    assert "mlock of 8388608 bytes failed" in message and "memlock limit" in message, message
 
 
 def test_remove_ipc_for_a_regular_user(tmp_path: Path) -> None:

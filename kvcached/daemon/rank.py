@@ -37,7 +37,7 @@ from kvcached.daemon.access import Access
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
 from kvcached.daemon.faults import fault
 from kvcached.daemon.server import TaskServer
-from kvcached.memory.host import ShmFull, create_arena
+from kvcached.memory.host import ShmFull, create_arena, pin
 from kvcached.memory.xpu import PaddleXpuRuntime, XpuDevice, XpuUnavailable
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes, device_arena_bytes, round_up
 from kvcached.protocol.names import XPU_PREFIX, arena_name, task_socket_path
@@ -213,6 +213,12 @@ def _serve(
     except posix_ipc.ExistentialError:
         send_msg(sock, t="failed", error=f"arena name taken by another process: {dev_name}", exit=EXIT_RESOURCES)
         return EXIT_RESOURCES
+    if xpu is not None and pool is not None:
+        try:
+            pin(pool)  # the device copies to and from it by DMA, as FastDeploy's mlocked swap space
+        except OSError as exc:
+            send_msg(sock, t="failed", error=f"CPU pool of rank {rank}: {exc.strerror}", exit=EXIT_RESOURCES)
+            return EXIT_RESOURCES
     log.info("arenas reserved", device_bytes=dev_bytes, cpu_bytes=cpu_bytes)
 
     try:

@@ -1,1 +1,1 @@
-"""Memory backends of the device tier: ``host`` (POSIX shm, the embedded default)."""
+"""Memory backends of the device tier: ``host`` (POSIX shm, the embedded default) and ``xpu`` (Kunlun XPU)."""

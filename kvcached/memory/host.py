@@ -9,6 +9,7 @@ run at 0.5 GB/s instead of 12. The file descriptor is closed as soon as the mapp
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -70,3 +71,16 @@ def shm_free_bytes() -> int:
     """Bytes an unprivileged process may still allocate in /dev/shm."""
     st = os.statvfs("/dev/shm")
     return st.f_bavail * st.f_frsize
+
+
+def pin(mapping: mmap.mmap) -> None:
+    """Lock ``mapping`` in RAM (``mlock``), as device DMA from host memory needs. Raises ``OSError`` (e.g.
+    EAGAIN/ENOMEM when RLIMIT_MEMLOCK is lower than the mapping) with nothing locked."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's first byte, as a ctypes object
+    address = ctypes.addressof(anchor)
+    del anchor  # a live export would keep the mapping from being closed
+    if libc.mlock(address, len(mapping)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mlock of {len(mapping)} bytes failed: {os.strerror(code)}; raise the memlock limit")
