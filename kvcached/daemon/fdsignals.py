@@ -79,7 +79,7 @@ class _Segment:
             shm.close_fd()
         self.values = np.frombuffer(self.map, dtype=np.int32, count=self.ranks)
         self.inode = st.st_ino
-        self.created = self.created or created
+        self.created = created  # a segment re-created by the engine is the engine's, not ours to unlink
 
     def replaced(self) -> bool:
         """True if the name now refers to another segment than ours (or to none)."""
