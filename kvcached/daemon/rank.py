@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import mmap
 import os
@@ -79,47 +80,35 @@ def _die_with_parent(parent: int) -> None:
         os._exit(EXIT_FAILURE)
 
 
-def worker_main(
-    sock: socket.socket,
-    *,
-    parent: int,
-    instance: str,
-    generation: int,
-    rank: int,
-    spec: CacheSpec,
-    run_dir: str,
-    stats: memoryview,
-    store: StoreConfig,
-    ranks: int,
-    access: Access,
-    memory: str = "host",
-    device_id: int = 0,
-) -> NoReturn:
-    """Entry point in the forked child. Never returns: exits with a status for the supervisor's log."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerPlan:
+    """What a rank worker is told when it is forked: which rank of which run, how to allocate and serve it."""
+
+    instance: str
+    generation: int
+    rank: int
+    ranks: int
+    spec: CacheSpec
+    run_dir: str
+    store: StoreConfig
+    access: Access
+    memory: str = "host"
+    device_id: int = 0
+
+
+def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: memoryview) -> NoReturn:
+    """Entry point in the forked child. Never returns: exits with a status for the supervisor's log.
+    ``stats`` is the rank's slot in the control block, the only part of it the worker writes."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the supervisor's to handle
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT):
         signal.signal(signum, signal.SIG_DFL)
     os.umask(0o077)
-    structlog.contextvars.bind_contextvars(rank=rank)
+    structlog.contextvars.bind_contextvars(rank=plan.rank)
     log = logs.get("kvcached.rank")
     status = EXIT_FAILURE
     try:
-        status = _serve(
-            sock,
-            instance,
-            generation,
-            rank,
-            spec=spec,
-            run_dir=run_dir,
-            stats=stats,
-            log=log,
-            store_config=store,
-            ranks=ranks,
-            access=access,
-            memory=memory,
-            device_id=device_id,
-        )
+        status = _serve(sock, plan, stats, log)
     except BaseException as exc:  # the process ends here either way; say why first
         log.exception("rank worker crashed")
         with contextlib.suppress(OSError):
@@ -152,22 +141,8 @@ def _open_store(
     return store, staging
 
 
-def _serve(
-    sock: socket.socket,
-    instance: str,
-    generation: int,
-    rank: int,
-    *,
-    spec: CacheSpec,
-    run_dir: str,
-    stats: memoryview,
-    log: Any,
-    store_config: StoreConfig,
-    ranks: int,
-    access: Access,
-    memory: str,
-    device_id: int,
-) -> int:
+def _serve(sock: socket.socket, plan: WorkerPlan, stats: memoryview, log: Any) -> int:
+    instance, generation, rank, spec, access = plan.instance, plan.generation, plan.rank, plan.spec, plan.access
     dev_name = arena_name(instance, generation, rank, "dev")
     cpu_name = arena_name(instance, generation, rank, "cpu")
     dev_bytes, cpu_bytes = device_arena_bytes(spec), cpu_pool_bytes(spec)
@@ -188,13 +163,13 @@ def _serve(
         return report
 
     xpu: XpuDevice | None = None
-    if memory == "xpu":
+    if plan.memory == "xpu":
         try:
-            xpu = XpuDevice(spec, rank, device_id, PaddleXpuRuntime())
+            xpu = XpuDevice(spec, rank, plan.device_id, PaddleXpuRuntime())
         except XpuUnavailable as exc:
             send_msg(sock, t="failed", error=str(exc), exit=EXIT_CONFIG)
             return EXIT_CONFIG
-        dev_name = f"{XPU_PREFIX}{device_id}"
+        dev_name = f"{XPU_PREFIX}{plan.device_id}"
         progress(0)(dev_bytes)
     try:
         device = (
@@ -222,13 +197,13 @@ def _serve(
     log.info("arenas reserved", device_bytes=dev_bytes, cpu_bytes=cpu_bytes)
 
     try:
-        store, staging = _open_store(store_config, spec, rank, ranks, log)
+        store, staging = _open_store(plan.store, spec, rank, plan.ranks, log)
     except (RankDirectoryBusy, OSError, StoreUnavailable) as exc:
         send_msg(sock, t="failed", error=f"attention store: {exc}", exit=EXIT_CONFIG)
         return EXIT_CONFIG
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socket_path = task_socket_path(run_dir, instance, rank)
+    socket_path = task_socket_path(plan.run_dir, instance, rank)
     listener.bind(str(socket_path))
     access.apply_socket(socket_path)
     listener.listen(64)

@@ -36,6 +36,8 @@ from kvcached.store.file import FileStore
 from kvcached.transfer import SwapEngine, TaskError
 
 _BOUNDS_NS = [round(bound * 1e9) for bound in LATENCY_BUCKETS_S]
+#: Index in a stats slot of each op's first histogram bucket.
+_HISTOGRAM = {op: LATENCY_INDEX + i * len(_BOUNDS_NS) for i, op in enumerate(LATENCY_OPS)}
 RECV_CHUNK = 1 << 20
 SEND_TIMEOUT_S = 5
 
@@ -98,7 +100,7 @@ class TaskServer:
         stats[index[f"{op}_ns"]] += ns
         bucket = bisect.bisect_left(_BOUNDS_NS, ns)
         if bucket < len(_BOUNDS_NS):
-            stats[LATENCY_INDEX + LATENCY_OPS.index(op) * len(_BOUNDS_NS) + bucket] += 1
+            stats[_HISTOGRAM[op] + bucket] += 1
 
     # -- connections ----------------------------------------------------------------------------------
 

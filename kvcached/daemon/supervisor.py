@@ -49,7 +49,7 @@ from kvcached.daemon.errors import (
 )
 from kvcached.daemon.fdsignals import FastDeploySignals, SignalError
 from kvcached.daemon.notify import Notifier
-from kvcached.daemon.rank import HEARTBEAT_S, recv_msg, send_msg, worker_main
+from kvcached.daemon.rank import HEARTBEAT_S, WorkerPlan, recv_msg, send_msg, worker_main
 from kvcached.memory import host
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
 from kvcached.protocol.layout import rank_shm_bytes
@@ -118,16 +118,21 @@ def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
     return Leftovers(entries, sockets, squatters, live_pid)
 
 
-def remove_leftovers(found: Leftovers) -> int:
-    """Unlink what ``inspect_instance`` found (never with a live daemon or a squatter); how many."""
-    assert found.live_pid is None and not found.squatters
-    for entry in found.entries:
+def unlink_entries(entries: list[Path]) -> None:
+    """Unlink /dev/shm entries (shm objects or semaphores); ones already gone are skipped."""
+    for entry in entries:
         name, is_sem = posix_name(entry)
         with contextlib.suppress(posix_ipc.ExistentialError):
             if is_sem:
                 posix_ipc.unlink_semaphore(name)
             else:
                 posix_ipc.unlink_shared_memory(name)
+
+
+def remove_leftovers(found: Leftovers) -> int:
+    """Unlink what ``inspect_instance`` found (never with a live daemon or a squatter); how many."""
+    assert found.live_pid is None and not found.squatters
+    unlink_entries(found.entries)
     for path in found.sockets:
         path.unlink(missing_ok=True)
     return len(found.entries) + len(found.sockets)
@@ -346,21 +351,19 @@ class Supervisor:
             for _, other in self.workers.values():
                 other.close()
             assert self.block is not None
-            worker_main(
-                child_sock,
-                parent=parent,
+            plan = WorkerPlan(
                 instance=self.instance,
                 generation=self.generation,
                 rank=rank,
+                ranks=self.config.ranks,
                 spec=self.spec,
                 run_dir=str(self.run_dir),
-                stats=self.block.stats(rank),
                 store=self.config.store,
-                ranks=self.config.ranks,
                 access=self.access,
                 memory=self.config.memory,
                 device_id=self.config.devices[rank] if self.config.devices else rank,
             )
+            worker_main(child_sock, parent=parent, plan=plan, stats=self.block.stats(rank))
         child_sock.close()
         self.workers[rank] = (pid, parent_sock)
         self.heard[rank] = time.monotonic()
@@ -556,9 +559,9 @@ class Supervisor:
             # Anything else of this generation (a semaphore or arena a killed worker half-made). Only
             # names with our generation: objects we refused at start-up are never ours to delete.
             ours = f".{self.generation:016x}."
-            mine = [entry for entry in instance_shm_entries(self.instance) if ours in entry.name]
-            remove_leftovers(Leftovers(mine, [], [], None))
-        remove_leftovers(Leftovers([], sorted(self.run_dir.glob(f"{self.instance}.r*.sock")), [], None))
+            unlink_entries([entry for entry in instance_shm_entries(self.instance) if ours in entry.name])
+        for path in self.run_dir.glob(f"{self.instance}.r*.sock"):
+            path.unlink(missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock_path(self.instance))
         os.close(self.lock_fd)
