@@ -1,7 +1,9 @@
 """``kvcached``: start, inspect and stop the per-host KV-cache daemon.
 
-A thin CLI: commands build a ``DaemonConfig`` and call into the daemon; user errors are
-``click.ClickException`` with the daemon's exit statuses (see ``kvcached.daemon.errors``).
+Commands build a ``DaemonConfig`` and call into the daemon. The configuration options are generated from
+the knobs (``kvcached.config.knobs_all``): each takes its value as written, and the configuration decides
+whether it is valid and names where a bad one came from. User errors exit with the statuses of
+``kvcached.daemon.errors``.
 """
 
 from __future__ import annotations
@@ -11,21 +13,19 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from kvcached.daemon.errors import EXIT_CONFIG, Fatal
+from kvcached.daemon.errors import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
+from kvcached.knobs import Knob
+from kvcached.logs import LEVELS
 from kvcached.protocol.errors import InvalidSpec, KVCacheError
-from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance, lock_path
-from kvcached.protocol.proc import is_alive, start_time
-from kvcached.protocol.spec import DTYPE_SIZES, ROLES, SCALE_DTYPES, STORAGE_BACKENDS
+from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
 
-
-def flag_for(field: str) -> str:
-    """The command-line flag that sets a spec or config field (for error messages)."""
-    return "--role" if field == "splitwise_role" else "--" + field.replace("_", "-")
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
 class ConfigError(click.ClickException):
@@ -34,17 +34,7 @@ class ConfigError(click.ClickException):
     exit_code = EXIT_CONFIG
 
 
-def _instance_option(fn: Any) -> Any:
-    return click.option(
-        "--instance",
-        envvar="KVCACHED_INSTANCE",
-        default=None,
-        metavar="NAME",
-        help=f"Instance name: several daemons per host run under different names. [default: {DEFAULT_INSTANCE}]",
-    )(fn)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings=_CONTEXT)
 @click.version_option(package_name="kvcached-xpu")
 def main() -> None:
     """kvcached owns the KV cache of every inference rank on this host.
@@ -53,155 +43,55 @@ def main() -> None:
     publishes a per-rank ready flag, and runners attach with `runner_client.initialize_kv_cache`.
     Who allocates follows one fixed condition: the runner creates its own cache iff
     `profile or not (num_cpu_blocks > 0 or storage_backend or role != "mixed")`; otherwise the daemon does.
-
-    \b
-    Exit statuses of `start`: 0 stopped cleanly, 1 a rank failed, 2 usage error,
-    3 instance already running, 4 configuration error, 5 not enough /dev/shm or names taken.
     """
 
 
-_CONFIG_OPTIONS: list[Any] = [
-    click.option("--ranks", type=int, envvar="KVCACHED_RANKS", help="Ranks (one worker each). [default: 8]"),
-    _instance_option,
-    click.option(
-        "--config",
-        "config_file",
-        type=click.Path(dir_okay=False, path_type=Path),
-        envvar="KVCACHED_CONFIG",
-        help="TOML file with any of these options (flag names, underscores).",
-    ),
-    click.option(
-        "--memory",
-        type=click.Choice(["host", "xpu"]),
-        envvar="KVCACHED_MEMORY",
-        help="Device-tier backend: host = POSIX shared memory; xpu = Kunlun XPU memory, exported under "
-        "FastDeploy's names (needs paddlepaddle-xpu and fastdeploy-xpu; an error otherwise, never a fallback). "
-        "[default: host]",
-    ),
-    click.option("--num-layers", type=int, envvar="KVCACHED_NUM_LAYERS", help="Layers. [default: 4]"),
-    click.option(
-        "--kv-heads",
-        type=int,
-        envvar="KVCACHED_KV_HEADS",
-        help="KV heads per rank (heads // tensor parallel size). [default: 2]",
-    ),
-    click.option("--head-dim", type=int, envvar="KVCACHED_HEAD_DIM", help="Head dimension. [default: 128]"),
-    click.option("--block-size", type=int, envvar="KVCACHED_BLOCK_SIZE", help="Tokens per block. [default: 64]"),
-    click.option(
-        "--dtype",
-        type=click.Choice(list(DTYPE_SIZES)),
-        envvar="KVCACHED_DTYPE",
-        help="Cache dtype. [default: bfloat16]",
-    ),
-    click.option("--num-blocks", type=int, envvar="KVCACHED_NUM_BLOCKS", help="Device blocks per rank. [default: 128]"),
-    click.option(
-        "--num-cpu-blocks",
-        type=int,
-        envvar="KVCACHED_NUM_CPU_BLOCKS",
-        help="CPU swap pool blocks per rank; > 0 makes the daemon the owner. [default: 64]",
-    ),
-    click.option(
-        "--storage-backend",
-        type=click.Choice([*STORAGE_BACKENDS, "none"]),
-        envvar="KVCACHED_STORAGE_BACKEND",
-        help="Attention store backend; any makes the daemon the owner. [default: none]",
-    ),
-    click.option(
-        "--storage-path",
-        envvar="KVCACHED_STORAGE_PATH",
-        metavar="DIR",
-        help="file backend: directory of the objects. "
-        "[default: $CACHE_DIRECTORY or ~/.cache/kvcached/<instance>/store]",
-    ),
-    click.option(
-        "--storage-capacity",
-        envvar="KVCACHED_STORAGE_CAPACITY",
-        metavar="BYTES",
-        help="file backend: capacity of the whole instance (512MiB, 8GiB, ...); least recently used objects are "
-        "evicted past it. [default: 8GiB]",
-    ),
-    click.option(
-        "--mooncake-master",
-        envvar="KVCACHED_MOONCAKE_MASTER",
-        metavar="HOST:PORT",
-        help="mooncake backend: master address.",
-    ),
-    click.option(
-        "--mooncake-metadata",
-        envvar="KVCACHED_MOONCAKE_METADATA",
-        metavar="URL",
-        help="mooncake backend: metadata server, e.g. http://127.0.0.1:8080/metadata.",
-    ),
-    click.option(
-        "--mooncake-segment",
-        envvar="KVCACHED_MOONCAKE_SEGMENT",
-        metavar="BYTES",
-        help="mooncake backend: memory each rank contributes to the store's pool. [default: 256MiB]",
-    ),
-    click.option(
-        "--role",
-        type=click.Choice(list(ROLES)),
-        envvar="KVCACHED_ROLE",
-        help="splitwise_role; prefill/decode make the daemon the owner. [default: mixed]",
-    ),
-    click.option(
-        "--block-wise-fp8/--no-block-wise-fp8",
-        default=None,
-        envvar="KVCACHED_BLOCK_WISE_FP8",
-        help="Add per-block scale tensors. [default: off]",
-    ),
-    click.option("--mla/--no-mla", default=None, envvar="KVCACHED_MLA", help="MLA: key cache only. [default: off]"),
-    click.option(
-        "--scale-dtype",
-        type=click.Choice(list(SCALE_DTYPES)),
-        envvar="KVCACHED_SCALE_DTYPE",
-        help="dtype of the scale tensors. [default: float32]",
-    ),
-    click.option(
-        "--group",
-        envvar="KVCACHED_GROUP",
-        help="Group (name or gid) whose members may use this instance: its shared memory and semaphores become "
-        "0660 with this group, and its task sockets admit them. [default: the daemon's user only]",
-    ),
-    click.option(
-        "--metrics-port",
-        type=int,
-        envvar="KVCACHED_METRICS_PORT",
-        help="Serve Prometheus metrics on this TCP port (path /metrics); 0: off. [default: 0]",
-    ),
-    click.option(
-        "--metrics-address",
-        envvar="KVCACHED_METRICS_ADDRESS",
-        help="Address the metrics endpoint binds. [default: 127.0.0.1]",
-    ),
-    click.option(
-        "--devices",
-        envvar="KVCACHED_DEVICES",
-        help="With --memory xpu: the XPU device of each rank, comma-separated. [default: rank i on device i]",
-    ),
-    click.option(
-        "--ipc-suffix",
-        type=int,
-        envvar="KVCACHED_IPC_SUFFIX",
-        help="FastDeploy compatibility: keep cache_ready_signal.N and swap_space_ready_signal.N (int32 per rank in "
-        "/dev/shm) at 1 exactly while each rank is READY, so an unmodified engine's wait sees this daemon. N is the "
-        "engine's ipc suffix (its worker queue port). [default: off]",
-    ),
-]
+main.help = (main.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
+
+
+def _knob_option(knob: Knob) -> Callable[[Any], Any]:
+    """A click option for ``knob`` that passes the value through as written (the config parses it)."""
+    default = "off" if knob.default is None else str(knob.default).lower() if knob.switch else knob.default
+    choices = f" One of: {', '.join(knob.choices)}." if knob.choices else ""
+    text = f"{knob.help}{choices} [env: {knob.env}; default: {default}]"
+    if "[default:" in knob.help:
+        text = f"{knob.help.replace('[default:', f'[env: {knob.env}; default:')}{choices}"
+    if knob.switch:
+        name = knob.name.replace("_", "-")
+        return click.option(f"--{name}/--no-{name}", knob.name, default=None, help=text)
+    return click.option(knob.flag, knob.name, default=None, metavar=knob.metavar, help=text)
 
 
 def config_options(fn: Any) -> Any:
     """The configuration options of ``start``, shared by ``doctor`` (same names, same environment)."""
-    for option in reversed(_CONFIG_OPTIONS):
-        fn = option(fn)
-    return fn
+    from kvcached.config import knobs_all
+
+    for knob in reversed(knobs_all()):
+        fn = _knob_option(knob)(fn)
+    return click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        envvar="KVCACHED_CONFIG",
+        help="TOML file with any of these options (knob names: the flags' names with underscores). "
+        "[env: KVCACHED_CONFIG]",
+    )(fn)
 
 
-@main.command()
+def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
+    from kvcached.config import DaemonConfig
+
+    try:
+        return DaemonConfig.build(values, config_file)
+    except InvalidSpec as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@main.command(context_settings=_CONTEXT)
 @config_options
 @click.option(
     "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
+    type=click.Choice(LEVELS),
     default="info",
     envvar="KVCACHED_LOG_LEVEL",
     show_default=True,
@@ -227,14 +117,42 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
     _use_streaming_stores()
     logs.configure(log_level, json=None if log_format == "auto" else log_format == "json")
     try:
-        status = Supervisor(config).run()
+        status = Supervisor(config, on_progress=_terminal_progress(config)).run()
     except Fatal as fatal:
         click.echo(f"Error: {fatal.reason}", err=True)
         sys.exit(fatal.exit_status)
     sys.exit(status)
 
 
-@main.command()
+def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
+    """On a terminal: one line with the total and each rank's reserved share, at most 4 per second, and
+    always when a rank becomes READY. None when stderr is not a terminal (systemd gets STATUS= instead)."""
+    if not sys.stderr.isatty():
+        return None
+    from kvcached import memory
+    from kvcached.daemon.supervisor import progress_text
+    from kvcached.protocol.control import State
+    from kvcached.protocol.layout import cpu_pool_bytes
+
+    per_rank = memory.get(config.memory).arena_bytes(config.spec) + cpu_pool_bytes(config.spec)
+    last = [0.0, -1]
+
+    def show(records: list[Any]) -> None:
+        now = time.monotonic()
+        ready = sum(r.state is State.READY for r in records)
+        if ready == last[1] and now - last[0] < 0.25:
+            return
+        last[:] = [now, ready]
+        shares = " ".join(
+            f"r{r.rank} {'ready' if r.state is State.READY else f'{100 * r.reserved_bytes // max(r.total_bytes, 1)}%'}"
+            for r in records
+        )
+        print(f"{progress_text(records, per_rank)}  [{shares}]", file=sys.stderr, flush=True)
+
+    return show
+
+
+@main.command(context_settings=_CONTEXT)
 @config_options
 @click.option(
     "--json", "as_json", is_flag=True, help="One JSON object (documented in kvcached.doctor) instead of a table."
@@ -244,8 +162,9 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) 
     """Check this host for the configuration `start` would use, before it fails.
 
     Checks /dev/shm space for all ranks and tiers, the memlock limit, logind's RemoveIPC, the run
-    directory, a live instance of the same name, leftovers of a dead one, the XPU stack (--memory xpu) and
-    the storage backend. Takes the same options as `start`. Exit status 1 if any check fails.
+    directory, a live instance of the same name, leftovers of a dead one, the device backend's stack
+    (--memory xpu) and the storage backend. Takes the same options as `start`. Exit status 1 if any check
+    fails.
     """
     from kvcached import doctor as checks
 
@@ -283,17 +202,17 @@ def _use_streaming_stores() -> None:
     os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
 
 
-def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
-    from kvcached.config import DEFAULTS, SPEC_KEYS, DaemonConfig
+def _instance_option(fn: Any) -> Any:
+    return click.option(
+        "--instance",
+        envvar="KVCACHED_INSTANCE",
+        default=None,
+        metavar="NAME",
+        help=f"Instance name. [env: KVCACHED_INSTANCE; default: {DEFAULT_INSTANCE}]",
+    )(fn)
 
-    try:
-        return DaemonConfig.build(values, config_file)
-    except InvalidSpec as exc:
-        known = exc.field in DEFAULTS or exc.field in SPEC_KEYS.values() or exc.field == "instance"
-        raise ConfigError(f"{flag_for(exc.field)} ({exc})" if known else str(exc)) from None
 
-
-@main.command()
+@main.command(context_settings=_CONTEXT)
 @_instance_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (see kvcached.status) instead of a table.")
 @click.option("--watch", is_flag=True, help="Refresh the table (with swap/store rates) until interrupted.")
@@ -309,9 +228,17 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
     if watch:
         _watch(name, interval, as_json)
         return
-    snapshot = read_status(name)
+    snapshot = _guarded(read_status, name)
     click.echo(json.dumps(snapshot) if as_json else render(snapshot))
     sys.exit(0 if is_ready(snapshot) else 1)
+
+
+def _guarded(read: Callable[[str], dict[str, Any]], instance: str) -> dict[str, Any]:
+    """``read(instance)``, with kvcached's own errors (a foreign block, no permission) as a clean message."""
+    try:
+        return read(instance)
+    except KVCacheError as exc:
+        raise click.ClickException(f"instance {instance}: {exc}") from None
 
 
 def _watch(instance: str, interval: float, as_json: bool) -> None:
@@ -323,7 +250,7 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
     try:
         while True:
             now = time.monotonic()
-            snapshot = read_status(instance)
+            snapshot = _guarded(read_status, instance)
             if as_json:
                 frame = json.dumps(snapshot)
             else:
@@ -338,18 +265,35 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
         return
 
 
-@main.command()
+@main.command(context_settings=_CONTEXT)
 @_instance_option
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
 def stop(instance: str | None, timeout: float) -> None:
     """Stop a running daemon (SIGTERM) and wait until it has cleaned up. Not running: exit 0."""
+    from kvcached.daemon.lockfile import holder
+    from kvcached.protocol.instance import open_instance
+    from kvcached.protocol.names import lock_path
+    from kvcached.protocol.proc import is_alive
+
     name = _instance(instance)
-    target = _daemon_identity(name)
+    found = holder(lock_path(name))
+    target = (found.pid, found.started) if found is not None and found.alive else None
+    if target is None:
+        try:
+            view = open_instance(name)
+        except KVCacheError as exc:
+            raise click.ClickException(f"instance {name}: {exc}") from None
+        if view is not None:
+            with view:
+                target = view.daemon
     if target is None:
         click.echo(f"instance {name}: not running")
         return
     pid, started = target
-    os.kill(pid, signal.SIGTERM)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except PermissionError:
+        raise click.ClickException(f"instance {name}: daemon pid {pid} belongs to another user") from None
     deadline = time.monotonic() + timeout
     while is_alive(pid, started):
         if time.monotonic() >= deadline:
@@ -363,40 +307,9 @@ def stop(instance: str | None, timeout: float) -> None:
 
 def _instance(instance: str | None) -> str:
     try:
-        return check_instance(instance or DEFAULT_INSTANCE)
+        return check_instance(DEFAULT_INSTANCE if instance is None else instance)
     except InvalidSpec as exc:
         raise click.BadParameter(str(exc), param_hint="--instance") from None
-
-
-def _daemon_identity(instance: str) -> tuple[int, int] | None:
-    """(pid, start time) of the live daemon of ``instance``, from its lock file, or from its control block
-    when the lock file is elsewhere (another run directory, e.g. systemd's /run/kvcached); None if none runs."""
-    try:
-        fields = lock_path(instance).read_text().split()
-        pid, started = int(fields[0]), int(fields[1])
-    except (OSError, ValueError, IndexError):
-        pid, started = _identity_from_block(instance)
-    return (pid, started) if pid and start_time(pid) == started else None
-
-
-def _identity_from_block(instance: str) -> tuple[int, int]:
-    import posix_ipc
-
-    from kvcached.protocol.control import ControlBlock
-
-    try:
-        block = ControlBlock.open(instance)
-    except (posix_ipc.Error, OSError):
-        return 0, 0
-    if block is None:
-        return 0, 0
-    try:
-        header = block.header() if block.published else None
-    except KVCacheError:
-        header = None
-    finally:
-        block.close()
-    return (header.daemon_pid, header.daemon_start) if header is not None else (0, 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

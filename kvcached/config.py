@@ -1,11 +1,12 @@
-"""The daemon's configuration: built-in defaults < ``--config FILE.toml`` < ``KVCACHED_*`` env < flags.
+"""The daemon's configuration: every knob declared once, read from flags > ``KVCACHED_*`` environment >
+``--config FILE.toml`` > defaults.
 
-A TOML file uses the flag names with underscores, all at top level::
+A TOML file uses the knob names (the flag names with underscores), all at top level::
 
     instance = "default"
     ranks = 8
     memory = "host"      # or "xpu": device tier in Kunlun XPU memory (paddlepaddle-xpu, fastdeploy-xpu)
-    devices = [0, 1, 2, 3, 4, 5, 6, 7]   # xpu: the device of each rank (default: rank i on device i)
+    devices = [0, 1, 2, 3, 4, 5, 6, 7]   # the device of each rank (default: rank i on device i)
     num_layers = 28
     kv_heads = 1          # per rank: heads // tensor_parallel_size
     head_dim = 128
@@ -13,12 +14,7 @@ A TOML file uses the flag names with underscores, all at top level::
     dtype = "bfloat16"
     num_blocks = 2048
     num_cpu_blocks = 512
-    storage_backend = "none"   # or "file", "mooncake"
-    storage_path = "/var/cache/kvcached/default"   # file: the directory (default: see default_storage_path)
-    storage_capacity = "8GiB"                      # file: bytes for the whole instance (split over ranks)
-    mooncake_master = "127.0.0.1:50051"            # mooncake: master address
-    mooncake_metadata = "http://127.0.0.1:8080/metadata"   # mooncake: metadata server URL
-    mooncake_segment = "256MiB"                    # mooncake: memory each rank contributes to the pool
+    storage_backend = "none"   # or "file", "mooncake": each adds its own keys (storage_path, mooncake_master...)
     role = "mixed"        # or "prefill", "decode"
     block_wise_fp8 = false
     mla = false
@@ -27,6 +23,11 @@ A TOML file uses the flag names with underscores, all at top level::
     metrics_address = "127.0.0.1"
     ipc_suffix = 8021     # keep FastDeploy's cache_ready_signal.<N> / swap_space_ready_signal.<N> in step
 
+``knobs()`` lists every knob (core ones here, each store backend's from its module); the CLI's options are
+generated from it. An invalid value is an ``InvalidConfig`` that names where it came from (the flag, the
+environment variable with its value, or the file and key) and what is allowed; an unknown key in a file
+names the closest known one.
+
 The defaults make the daemon the owner (a modest CPU swap pool) and fit a small host: ``kvcached start
 --ranks 8`` reserves 48 MiB of /dev/shm per rank.
 """
@@ -34,110 +35,117 @@ The defaults make the daemon the owner (a modest CPU swap pool) and fit a small 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcached.daemon.access import resolve_group
-from kvcached.protocol.control import MAX_RANKS, block_size_for
-from kvcached.protocol.errors import InvalidSpec
-from kvcached.protocol.layout import device_arena_bytes, rank_shm_bytes
+from kvcached import knobs, memory, store
+from kvcached.access import resolve_group
+from kvcached.knobs import Knob
+from kvcached.protocol.control import MAX_RANKS, control_block_bytes
+from kvcached.protocol.errors import InvalidConfig, InvalidSpec
+from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
-from kvcached.protocol.spec import CacheSpec
-from kvcached.store.base import HEADER_SIZE as STORE_HEADER_SIZE
-
-MEMORY_BACKENDS = ("host", "xpu")
-
-DEFAULTS: Mapping[str, Any] = {
-    "instance": DEFAULT_INSTANCE,
-    "ranks": 8,
-    "memory": "host",
-    "num_layers": 4,
-    "kv_heads": 2,
-    "head_dim": 128,
-    "block_size": 64,
-    "dtype": "bfloat16",
-    "num_blocks": 128,
-    "num_cpu_blocks": 64,
-    "storage_backend": None,
-    "role": "mixed",
-    "block_wise_fp8": False,
-    "mla": False,
-    "scale_dtype": "float32",
-    "storage_path": None,
-    "storage_capacity": "8GiB",
-    "mooncake_master": None,
-    "mooncake_metadata": None,
-    "mooncake_segment": "256MiB",
-    "group": None,
-    "metrics_port": 0,
-    "metrics_address": "127.0.0.1",
-    "ipc_suffix": None,
-    "devices": None,
-}
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
+from kvcached.protocol.spec import DTYPE_SIZES, ROLES, SCALE_DTYPES, CacheSpec
 
 
-def parse_size(field: str, value: object) -> int:
-    """Bytes from an int or a string like ``512MiB``, ``8G``, ``10GB`` (K/M/G/T and KiB.. are binary,
-    KB/MB/GB/TB decimal). ``InvalidSpec`` naming ``field`` otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number, unit = value, ""
-    elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        digits = len(text) - len(text.lstrip("0123456789"))
-        try:
-            number, unit = int(text[:digits]), text[digits:]
-        except ValueError:
-            number, unit = -1, text
-    else:
-        number, unit = -1, ""
-    if number < 0 or unit not in _UNITS:
-        raise InvalidSpec(field, f"must be a size in bytes like 1073741824, 512MiB or 8GiB; got {value!r}")
-    return number * _UNITS[unit]
+def _instance(value: Any) -> str:
+    try:
+        return check_instance(value)
+    except InvalidSpec as exc:
+        raise ValueError(exc.message) from None
 
 
-def default_storage_path(instance: str) -> Path:
-    """``$CACHE_DIRECTORY/<instance>`` under systemd (CacheDirectory=), else the user's cache directory."""
-    base = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
-    if not base:
-        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        base = str(Path(base) / "kvcached")
-    return Path(base) / instance / "store"
+def _memory(value: Any) -> str:
+    name = knobs.text(value)
+    try:
+        memory.get(name)
+    except InvalidSpec as exc:
+        raise ValueError(exc.message) from None
+    return name
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StoreConfig:
-    """Where the attention store lives. ``capacity`` (file) is for the whole instance, split over ranks."""
+def _storage(value: Any) -> str | None:
+    name = knobs.optional_text(value)
+    if name is None or name.lower() == "none":
+        return None
+    try:
+        store.get(name)
+    except InvalidSpec as exc:
+        raise ValueError(exc.message) from None
+    return name
 
-    backend: str | None = None
-    path: str = ""
-    capacity: int = 0
-    mooncake_master: str = ""
-    mooncake_metadata: str = ""
-    mooncake_segment: int = 0
 
+#: The knobs of the daemon itself, in --help order. Spec knobs carry the CacheSpec field they set.
+CORE: tuple[Knob, ...] = (
+    Knob("ranks", knobs.integer(1, MAX_RANKS), 8, "Ranks (one worker each).", "N"),
+    Knob(
+        "instance",
+        _instance,
+        DEFAULT_INSTANCE,
+        "Instance name: several daemons per host run under different names.",
+        "NAME",
+    ),
+    Knob("memory", _memory, "host", "Device-tier backend.", "BACKEND"),
+    Knob("num_layers", knobs.integer(1), 4, "Layers.", "N"),
+    Knob("kv_heads", knobs.integer(1), 2, "KV heads per rank (heads // tensor parallel size).", "N"),
+    Knob("head_dim", knobs.integer(1), 128, "Head dimension.", "N"),
+    Knob("block_size", knobs.integer(1), 64, "Tokens per block.", "N"),
+    Knob("dtype", knobs.choice(tuple(DTYPE_SIZES)), "bfloat16", "Cache dtype.", "DTYPE", choices=tuple(DTYPE_SIZES)),
+    Knob("num_blocks", knobs.integer(1), 128, "Device blocks per rank.", "N"),
+    Knob("num_cpu_blocks", knobs.integer(0), 64, "CPU swap pool blocks per rank; > 0 makes the daemon the owner.", "N"),
+    Knob("storage_backend", _storage, None, "Attention store backend; any makes the daemon the owner.", "BACKEND"),
+    Knob(
+        "role",
+        knobs.choice(ROLES),
+        "mixed",
+        "splitwise_role; prefill/decode make the daemon the owner.",
+        "ROLE",
+        choices=ROLES,
+    ),
+    Knob("block_wise_fp8", knobs.boolean, False, "Add per-block scale tensors.", switch=True),
+    Knob("mla", knobs.boolean, False, "MLA: key cache only.", switch=True),
+    Knob(
+        "scale_dtype",
+        knobs.choice(SCALE_DTYPES),
+        "float32",
+        "dtype of the scale tensors.",
+        "DTYPE",
+        choices=SCALE_DTYPES,
+    ),
+    Knob(
+        "group",
+        knobs.optional_text,
+        None,
+        "Group (name or gid) whose members may use this instance: its shared memory and semaphores become 0660 "
+        "with this group, and its task sockets admit them. [default: the daemon's user only]",
+        "GROUP",
+    ),
+    Knob("metrics_port", knobs.port, 0, "Serve Prometheus metrics on this TCP port (path /metrics); 0: off.", "PORT"),
+    Knob("metrics_address", knobs.text, "127.0.0.1", "Address the metrics endpoint binds.", "ADDRESS"),
+    Knob(
+        "devices",
+        knobs.int_list,
+        None,
+        "The device of each rank, comma-separated (--memory xpu). [default: rank i on device i]",
+        "LIST",
+    ),
+    Knob(
+        "ipc_suffix",
+        knobs.integer(0, what="a non-negative integer (the engine's port)"),
+        None,
+        "FastDeploy compatibility: keep cache_ready_signal.N and swap_space_ready_signal.N (int32 per rank in "
+        "/dev/shm) at 1 exactly while each rank is READY, so an unmodified engine's wait sees this daemon. N is "
+        "the engine's ipc suffix (its worker queue port). [default: off]",
+        "N",
+    ),
+)
 
-#: Config key -> CacheSpec field, for the keys that describe the cache.
-SPEC_KEYS: Mapping[str, str] = {
+#: Knob -> CacheSpec field, for the knobs that describe the cache.
+SPEC_FIELDS: Mapping[str, str] = {
     "num_layers": "num_layers",
     "kv_heads": "kv_heads",
     "head_dim": "head_dim",
@@ -151,6 +159,30 @@ SPEC_KEYS: Mapping[str, str] = {
     "mla": "mla",
     "scale_dtype": "scale_dtype",
 }
+_KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
+
+
+def knobs_all() -> tuple[Knob, ...]:
+    """Every configuration knob: the core ones (with the registered backends as choices), then each store
+    backend's options."""
+    registered = {"memory": memory.names(), "storage_backend": (*store.names(), "none")}
+    found = [dataclasses.replace(k, choices=registered[k.name]) if k.name in registered else k for k in CORE]
+    for backend in store.all_backends():
+        found += [knob for knob in backend.options if knob.name not in {k.name for k in found}]
+    return tuple(found)
+
+
+def defaults() -> dict[str, Any]:
+    """Every knob's default."""
+    return {knob.name: knob.default for knob in knobs_all()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """The attention store: its backend's name (None: no store) and that backend's checked options."""
+
+    backend: str | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,113 +201,115 @@ class DaemonConfig:
     devices: tuple[int, ...] = ()
 
     def shm_need(self) -> tuple[int, int]:
-        """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's arenas (with
-        ``memory = "xpu"`` only its CPU pool: the device tier is in XPU memory) and the control block."""
-        per_rank = rank_shm_bytes(self.spec) - (device_arena_bytes(self.spec) if self.memory == "xpu" else 0)
-        return per_rank * self.ranks + block_size_for(self.ranks), per_rank
+        """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
+        its backend keeps it in /dev/shm, its CPU pool, and the control block."""
+        per_rank = memory.get(self.memory).shm_bytes(self.spec) + cpu_pool_bytes(self.spec)
+        return per_rank * self.ranks + control_block_bytes(self.ranks), per_rank
 
     @classmethod
-    def build(cls, values: Mapping[str, Any], config_file: Path | None = None) -> DaemonConfig:
-        """Merge ``values`` (flags and env; None means unset) over ``config_file`` over the defaults.
-
-        Raises ``InvalidSpec`` naming the field (and the file) for anything out of range or unknown.
-        """
-        merged = dict(DEFAULTS)
+    def build(
+        cls,
+        flags: Mapping[str, Any],
+        config_file: Path | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> DaemonConfig:
+        """Merge ``flags`` (None means unset) over ``environ``'s ``KVCACHED_*`` over ``config_file`` over the
+        defaults. Raises ``InvalidConfig`` naming the source of the first bad value."""
+        environ = os.environ if environ is None else environ
+        all_knobs = {knob.name: knob for knob in knobs_all()}
+        raw: dict[str, tuple[Any, str]] = {}  # knob -> (value as written, where)
         if config_file is not None:
-            merged.update(load_toml(config_file))
-        merged.update({k: v for k, v in values.items() if v is not None})
-        storage = merged["storage_backend"]
-        if isinstance(storage, str) and storage.lower() in ("", "none"):
-            merged["storage_backend"] = None
-        ranks = merged["ranks"]
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
-            raise InvalidSpec("ranks", f"must be an integer from 1 to {MAX_RANKS}, got {ranks!r}")
-        if merged["memory"] not in MEMORY_BACKENDS:
-            raise InvalidSpec("memory", f"must be one of {', '.join(MEMORY_BACKENDS)}; got {merged['memory']!r}")
-        spec = CacheSpec(**{field: merged[key] for key, field in SPEC_KEYS.items()})
-        instance = check_instance(merged["instance"])
-        gid = None
-        if merged["group"] not in (None, ""):
+            for key, value in load_toml(config_file, all_knobs).items():
+                raw[key] = (value, f"{config_file}: {key}")
+        for knob in all_knobs.values():
+            if knob.env in environ and environ[knob.env] != "":
+                raw[knob.name] = (environ[knob.env], f"{knob.env}={environ[knob.env]}")
+        for name, value in flags.items():
+            if value is not None and name in all_knobs:
+                raw[name] = (value, all_knobs[name].flag)
+        values: dict[str, Any] = {}
+        for name, knob in all_knobs.items():
+            if name not in raw:
+                values[name] = knob.default
+                continue
+            value, where = raw[name]
             try:
-                gid = resolve_group(merged["group"])
+                values[name] = knob.parse(value)
+            except ValueError as exc:
+                raise InvalidConfig(name, where, str(exc)) from None
+
+        def source(name: str) -> str:
+            return raw[name][1] if name in raw else all_knobs[name].flag
+
+        try:
+            spec = CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
+        except InvalidSpec as exc:
+            name = _KNOB_OF_FIELD.get(exc.field, exc.field)
+            raise InvalidConfig(name, source(name), exc.message) from None
+        ranks = values["ranks"]
+        gid = None
+        if values["group"] is not None:
+            try:
+                gid = resolve_group(values["group"])
             except KeyError as exc:
-                raise InvalidSpec("group", str(exc.args[0])) from None
-        port = merged["metrics_port"]
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise InvalidSpec("metrics_port", f"must be a TCP port 1..65535, or 0 for no metrics; got {port!r}")
-        devices = _devices(merged["devices"], ranks)
-        suffix = merged["ipc_suffix"]
-        if suffix is not None and (isinstance(suffix, bool) or not isinstance(suffix, int) or suffix < 0):
-            raise InvalidSpec("ipc_suffix", f"must be a non-negative integer (the engine's port), got {suffix!r}")
+                raise InvalidConfig("group", source("group"), str(exc.args[0])) from None
+        devices = values["devices"] or tuple(range(ranks))
+        if len(devices) != ranks:
+            raise InvalidConfig(
+                "devices", source("devices"), f"needs one device number per rank ({ranks}), got {len(devices)}"
+            )
+        store_config = StoreConfig()
+        if spec.storage_backend is not None:
+            backend = store.get(spec.storage_backend)
+            try:
+                options = backend.configure(
+                    {knob.name: values[knob.name] for knob in backend.options},
+                    spec=spec,
+                    instance=values["instance"],
+                    ranks=ranks,
+                )
+            except InvalidSpec as exc:
+                raise InvalidConfig(exc.field, source(exc.field), exc.message) from None
+            store_config = StoreConfig(backend=spec.storage_backend, options=options)
         return cls(
-            instance=instance,
+            instance=values["instance"],
             ranks=ranks,
-            memory=merged["memory"],
+            memory=values["memory"],
             spec=spec,
-            store=_store_config(merged, spec, instance, ranks),
+            store=store_config,
             gid=gid,
-            metrics_port=port,
-            metrics_address=str(merged["metrics_address"]),
-            ipc_suffix=suffix,
+            metrics_port=values["metrics_port"],
+            metrics_address=values["metrics_address"],
+            ipc_suffix=values["ipc_suffix"],
             devices=devices,
         )
 
 
-def _devices(value: object, ranks: int) -> tuple[int, ...]:
-    """The device of each rank: ``"0,1,2"``, a list, or None for rank i on device i."""
-    if value is None or value == "":
-        return tuple(range(ranks))
-    items: Any = value.split(",") if isinstance(value, str) else value
-    try:
-        devices = tuple(int(str(item).strip()) for item in items)
-    except (TypeError, ValueError):
-        raise InvalidSpec("devices", f"must be device numbers like 0,1,2,3; got {value!r}") from None
-    if len(devices) != ranks or min(devices) < 0:
-        raise InvalidSpec("devices", f"needs one non-negative device number per rank ({ranks}); got {value!r}")
-    return devices
-
-
-def _store_config(merged: Mapping[str, Any], spec: CacheSpec, instance: str, ranks: int) -> StoreConfig:
-    backend = spec.storage_backend
-    if backend == "file":
-        capacity = parse_size("storage_capacity", merged["storage_capacity"])
-        smallest = ranks * (STORE_HEADER_SIZE + spec.block_bytes)
-        if capacity < smallest:
-            raise InvalidSpec(
-                "storage_capacity",
-                f"{capacity} bytes cannot hold one block per rank ({smallest} bytes for {ranks} ranks)",
-            )
-        path = merged["storage_path"] or str(default_storage_path(instance))
-        return StoreConfig(backend=backend, path=str(Path(path).expanduser()), capacity=capacity)
-    if backend == "mooncake":
-        for key in ("mooncake_master", "mooncake_metadata"):
-            if not merged[key]:
-                example = "127.0.0.1:50051" if key == "mooncake_master" else "http://127.0.0.1:8080/metadata"
-                raise InvalidSpec(key, f"is required with storage_backend mooncake, e.g. {example}")
-        master = str(merged["mooncake_master"])
-        if not master.rpartition(":")[2].isdigit():
-            raise InvalidSpec("mooncake_master", f"must be HOST:PORT, got {master!r}")
-        return StoreConfig(
-            backend=backend,
-            mooncake_master=master,
-            mooncake_metadata=str(merged["mooncake_metadata"]),
-            mooncake_segment=parse_size("mooncake_segment", merged["mooncake_segment"]),
-        )
-    return StoreConfig()
-
-
-def load_toml(path: Path) -> dict[str, Any]:
-    """Read a config file; unknown keys and unreadable files are ``InvalidSpec`` errors naming them."""
+def load_toml(path: Path, known: Mapping[str, Knob]) -> dict[str, Any]:
+    """Read a config file; unreadable files and unknown keys (with the closest known key) are
+    ``InvalidConfig`` errors naming the file."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except OSError as exc:
-        raise InvalidSpec("config", f"cannot read {path}: {exc.strerror}") from None
+        raise InvalidConfig("config", f"--config {path}", f"cannot read it: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise InvalidSpec("config", f"{path} is not valid TOML: {exc}") from None
+        raise InvalidConfig("config", f"--config {path}", f"not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
-        raise InvalidSpec("config", f"{path} is not UTF-8 text (byte {exc.start}), so not TOML") from None
+        raise InvalidConfig("config", f"--config {path}", f"not UTF-8 text (byte {exc.start}), so not TOML") from None
     for key in data:
-        if key not in DEFAULTS:
-            raise InvalidSpec(key, f"unknown key in {path}; known keys are {', '.join(DEFAULTS)}")
+        if key not in known:
+            raise InvalidConfig(key, f"{path}: {key}", f"unknown key{suggest(key, known)}")
     return data
+
+
+def suggest(word: str, known: Mapping[str, Any] | tuple[str, ...]) -> str:
+    """``"; did you mean X?"`` for the closest of ``known`` (dashes read as underscores), else the list."""
+    candidates = list(known)
+    normal = word.replace("-", "_").lower()
+    if normal in candidates and normal != word:
+        return f"; did you mean {normal!r}?"
+    close = difflib.get_close_matches(normal, candidates, n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known keys are {', '.join(candidates)}"

@@ -9,9 +9,9 @@ form (``kvcached doctor --json``) is a stable interface::
                  "advice": ""}, ...]}
 
 Check names, in order: ``dev_shm``, ``memlock``, ``remove_ipc``, ``run_dir``, ``live_instance``,
-``leftovers``; with ``--memory xpu`` also ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``; with a storage
-backend ``file_store`` or ``mooncake_master``. ``measured`` holds the raw figures (numbers, paths, flags)
-of each; new keys may be added, none is removed or renamed.
+``leftovers``; then the device backend's own (``--memory xpu``: ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``)
+and the storage backend's (``file_store``, ``mooncake_master``). ``measured`` holds the raw figures
+(numbers, paths, flags) of each; new keys may be added, none is removed or renamed.
 
 ``--clean`` reclaims a dead instance's leftovers (the same reclaim a start does, under the instance lock);
 a live instance's objects are never touched.
@@ -20,47 +20,31 @@ a live instance's objects are never touched.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import glob
-import importlib
 import os
 import resource
-import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
+from kvcached import memory, store
 from kvcached.config import DaemonConfig
-from kvcached.memory import host
+from kvcached.daemon import lockfile
+from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
+from kvcached.health import FAIL, OK, WARN, Check, size_text
+from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import MAX_SOCKET_PATH, lock_path, task_socket_path
 
-OK, WARN, FAIL = "ok", "warn", "fail"
 LOGIND_CONFS = ("/etc/systemd/logind.conf", "/etc/systemd/logind.conf.d/*.conf", "/run/systemd/logind.conf.d/*.conf")
 #: logind treats users up to SYS_UID_MAX (from login.defs, 999 by default) as system users.
 DEFAULT_SYS_UID_MAX = 999
 
 
-@dataclasses.dataclass(slots=True)
-class Check:
-    """One check's outcome."""
-
-    name: str
-    verdict: str
-    figure: str
-    measured: dict[str, Any]
-    advice: str = ""
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def check_dev_shm(config: DaemonConfig) -> Check:
     need, per_rank = config.shm_need()
-    free = host.shm_free_bytes()
+    free = shm_free_bytes()
     measured = {"free_bytes": free, "need_bytes": need, "per_rank_bytes": per_rank}
-    figure = f"{_gib(free)} free, {_gib(need)} needed ({config.ranks} ranks x {_gib(per_rank)})"
+    figure = f"{size_text(free)} free, {size_text(need)} needed ({config.ranks} ranks x {size_text(per_rank)})"
     if need > free:
         advice = (
             "enlarge /dev/shm (docker --shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks"
@@ -75,12 +59,12 @@ def check_memlock(config: DaemonConfig) -> Check:
     """With ``--memory xpu`` each worker pins its CPU pool (DMA to the device); the host backend pins nothing."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = None if soft == resource.RLIM_INFINITY else soft
-    need = cpu_pool_bytes(config.spec) if config.memory == "xpu" else 0
+    need = cpu_pool_bytes(config.spec) if memory.get(config.memory).pins_pool else 0
     measured = {"limit_bytes": limit, "pinned_per_process_bytes": need}
-    shown = "unlimited" if limit is None else _gib(limit)
+    shown = "unlimited" if limit is None else size_text(limit)
     if need == 0:
         return Check("memlock", OK, f"limit {shown}; the {config.memory} backend pins no memory", measured)
-    figure = f"limit {shown}, each rank pins {_gib(need)}"
+    figure = f"limit {shown}, each rank pins {size_text(need)}"
     if limit is not None and limit < need:
         advice = "raise the memlock limit: LimitMEMLOCK=infinity in the unit, or memlock in limits.conf"
         return Check("memlock", FAIL, figure, measured, advice)
@@ -157,11 +141,10 @@ def check_run_dir(config: DaemonConfig) -> Check:
 
 def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     """``live_instance`` and ``leftovers`` (cleaned with ``clean`` when no daemon is alive)."""
-    from kvcached.daemon.supervisor import inspect_instance, remove_leftovers
-
     run_dir = lock_path(config.instance).parent
     found = inspect_instance(config.instance, run_dir)
-    live_pid = found.live_pid or _lock_holder(config.instance)
+    starting = lockfile.held_by(lock_path(config.instance))
+    live_pid = found.live_pid or (starting.pid if starting is not None else None)
     checks = []
     if live_pid is not None:
         checks.append(
@@ -187,7 +170,7 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     elif not names:
         checks.append(Check("leftovers", OK, "none", measured))
     elif clean:
-        measured["removed"] = _clean(config.instance, found, remove_leftovers)
+        measured["removed"] = _clean(config.instance, found)
         checks.append(Check("leftovers", OK, f"removed {measured['removed']} objects of a dead run", measured))
     else:
         advice = "a killed daemon left them; the next start reclaims them, or run `kvcached doctor --clean`"
@@ -195,153 +178,27 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     return checks
 
 
-def _lock_holder(instance: str) -> int | None:
-    """The pid holding the instance lock (a daemon starting up, before its control block exists)."""
-    try:
-        fd = os.open(lock_path(instance), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        text = os.read(fd, 64).decode(errors="replace").split()
-        return int(text[0]) if text and text[0].isdigit() else -1
-    finally:
-        os.close(fd)
-    return None
-
-
-def _clean(instance: str, found: Any, remove: Any) -> int:
+def _clean(instance: str, found: Leftovers) -> int:
     """Remove a dead run's objects while holding the instance lock, as a start would; then drop the lock."""
     path = lock_path(instance)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        lockfile.prepare_run_dir(path.parent)
+        fd = lockfile.acquire(path)
+    except lockfile.Locked:
         return 0  # a daemon is starting right now: it reclaims them itself
     try:
-        count: int = remove(found)
-        path.unlink(missing_ok=True)
-        return count
+        return remove_leftovers(found)
     finally:
-        os.close(fd)
-
-
-def check_xpu() -> list[Check]:
-    checks = []
-    try:
-        paddle: Any = importlib.import_module("paddle")
-    except ImportError as exc:
-        advice = "pip install paddlepaddle-xpu from Kunlun's wheel index (not on PyPI)"
-        return [Check("xpu_paddle", FAIL, f"paddle not importable ({exc})", {"paddle": None}, advice)]
-    compiled = bool(paddle.is_compiled_with_xpu())
-    measured = {"paddle": paddle.__version__, "compiled_with_xpu": compiled}
-    if not compiled:
-        advice = "this is the CPU paddle: install paddlepaddle-xpu"
-        checks.append(Check("xpu_paddle", FAIL, f"paddle {paddle.__version__} without XPU support", measured, advice))
-    else:
-        checks.append(Check("xpu_paddle", OK, f"paddle {paddle.__version__} with XPU support", measured))
-    version = None
-    for getter in ("xpu_xre", "xpu"):
-        try:
-            version = str(getattr(paddle.version, getter)())
-            break
-        except (AttributeError, TypeError):
-            continue
-    major = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
-    measured_rt = {"runtime": version, "major": major}
-    if major is None:
-        checks.append(
-            Check(
-                "xpu_runtime",
-                FAIL,
-                f"XPU runtime version unknown ({version})",
-                measured_rt,
-                "install the XPU runtime (XRE)",
-            )
-        )
-    elif major < 5:
-        checks.append(
-            Check(
-                "xpu_runtime", FAIL, f"XPU runtime {version}", measured_rt, "IPC handles need runtime major version 5"
-            )
-        )
-    else:
-        checks.append(Check("xpu_runtime", OK, f"XPU runtime {version}", measured_rt))
-    try:
-        ops = importlib.import_module("fastdeploy.model_executor.ops.xpu")
-        present = {name: hasattr(ops, name) for name in ("set_data_ipc", "share_external_data")}
-    except ImportError as exc:
-        present = {}
-        checks.append(
-            Check(
-                "xpu_ops", FAIL, f"FastDeploy XPU ops missing ({exc})", {"ops": present}, "pip install fastdeploy-xpu"
-            )
-        )
-        return checks
-    verdict = OK if all(present.values()) else FAIL
-    checks.append(
-        Check(
-            "xpu_ops", verdict, ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in present.items()), {"ops": present}
-        )
-    )
-    return checks
-
-
-def _answers(host_port: tuple[str, int]) -> bool:
-    try:
-        with socket.create_connection(host_port, timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def check_store(config: DaemonConfig) -> Check | None:
-    store = config.store
-    if store.backend == "file":
-        path = Path(store.path)
-        existing = path
-        while not existing.exists():
-            existing = existing.parent
-        free = shutil.disk_usage(existing).free
-        measured = {"path": store.path, "free_bytes": free, "capacity_bytes": store.capacity}
-        figure = f"{store.path}: {_gib(free)} free for a capacity of {_gib(store.capacity)}"
-        if not os.access(existing, os.W_OK):
-            return Check("file_store", FAIL, figure, measured, f"{existing} is not writable by this user")
-        if free < store.capacity:
-            return Check("file_store", WARN, figure, measured, "the disk fills before the store reaches its capacity")
-        return Check("file_store", OK, figure, measured)
-    if store.backend == "mooncake":
-        from kvcached.store.mooncake import _host_port
-
-        endpoints = {
-            "master": _host_port(store.mooncake_master, 50051),
-            "metadata": _host_port(store.mooncake_metadata, 8080),
-        }
-        up = {name: _answers(hp) for name, hp in endpoints.items()}
-        measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
-        figure = ", ".join(
-            f"{name} {h}:{p} {'answers' if up[name] else 'does not answer'}" for name, (h, p) in endpoints.items()
-        )
-        if not all(up.values()):
-            return Check(
-                "mooncake_master", FAIL, figure, measured, "start mooncake_master (--enable_http_metadata_server)"
-            )
-        return Check("mooncake_master", OK, figure, measured)
-    return None
+        lockfile.release(path, fd)
 
 
 def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
     """Every check for ``config``, in the documented order."""
     checks = [check_dev_shm(config), check_memlock(config), check_remove_ipc(), check_run_dir(config)]
     checks += check_instance(config, clean)
-    if config.memory == "xpu":
-        checks += check_xpu()
-    store = check_store(config)
-    if store is not None:
-        checks.append(store)
+    checks += memory.get(config.memory).doctor(config.spec, config.ranks)
+    if config.store.backend is not None:
+        checks += store.get(config.store.backend).doctor(config.store.options, config.ranks)
     return checks
 
 

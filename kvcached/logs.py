@@ -2,24 +2,50 @@
 
 Shared processors with ``merge_contextvars`` first; a console renderer on a TTY, one JSON object per
 line otherwise (journald, files). Workers bind ``rank`` with ``bind_contextvars``; the supervisor binds
-``instance``. Everything goes to stderr.
+``instance``. Everything goes to stderr. Modules take their logger with ``structlog.get_logger(name)``
+where they use it; only ``configure`` (called by ``kvcached start``) decides where it goes.
+
+A log line that cannot be written (stderr closed, a pipe whose reader left) is dropped: losing a line
+must never stop the daemon that serves the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Any
+from typing import IO, Any
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
+#: What a kvcached module logs through.
+Logger = FilteringBoundLogger
 LEVELS = ("debug", "info", "warning", "error")
-_configured = False
+
+
+class _Tolerant:
+    """A text stream whose write and flush errors are swallowed (the line is lost, the process lives)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):
+            return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def configure(level: str = "info", *, json: bool | None = None) -> None:
-    """Configure structlog for this process. Idempotent; ``json=None`` picks JSON unless stderr is a TTY."""
-    global _configured
+    """Configure structlog for this process; ``json=None`` picks JSON unless stderr is a TTY."""
     if json is None:
         json = not sys.stderr.isatty()
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
@@ -32,14 +58,12 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Tolerant(sys.stderr)),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
-    _configured = True
 
 
-def get(name: str = "kvcached") -> Any:
-    """A structlog logger; configures defaults first if the entry point has not."""
-    if not _configured:
-        configure()
-    return structlog.get_logger(name)
+def get(name: str) -> Logger:
+    """The logger of ``name`` (typed)."""
+    logger: Logger = structlog.get_logger(name)
+    return logger

@@ -25,8 +25,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvcached.protocol.control import LATENCY_BUCKETS_S, ControlBlock, State, TornRead, count_waiters
-from kvcached.protocol.proc import is_alive
+from kvcached.protocol.control import State
+from kvcached.protocol.errors import TornRead
+from kvcached.protocol.instance import open_instance
+from kvcached.protocol.stats import latency_marks
+from kvcached.protocol.waiters import count_waiters
 
 
 def read_status(instance: str) -> dict[str, Any]:
@@ -39,19 +42,18 @@ def read_status(instance: str) -> dict[str, Any]:
         "pid": None,
         "ranks": [],
     }
-    block = ControlBlock.open(instance)
-    if block is None:
+    view = open_instance(instance)
+    if view is None:
         return status
-    try:
-        if not block.published:
-            status["running"] = True
+    with view:
+        header, block = view.header, view.block
+        status["running"] = True
+        if header is None:
             return status
-        header = block.header()
         now = time.monotonic_ns()
         waiting = count_waiters(instance, header.num_ranks)
         status.update(
-            running=True,
-            alive=is_alive(header.daemon_pid, header.daemon_start),
+            alive=view.alive,
             generation=f"{header.generation:016x}",
             pid=header.daemon_pid,
             spec=header.spec,
@@ -62,7 +64,8 @@ def read_status(instance: str) -> dict[str, Any]:
             except TornRead:
                 status["ranks"].append({"rank": rank, "state": "UNKNOWN"})
                 continue
-            stats = block.read_stats(rank)
+            slot = block.stats_slot(rank)
+            stats = slot.counters()
             status["ranks"].append(
                 {
                     "rank": rank,
@@ -80,33 +83,12 @@ def read_status(instance: str) -> dict[str, Any]:
                     "error": record.error,
                     "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
                     "waiting": waiting[rank],
-                    "latency": _latency_view(block.read_latency(rank)),
+                    "latency": {op: latency_marks(counts) for op, counts in slot.latency().items()},
                     "swap": stats,
                     "store": _store_view(header.spec.get("storage_backend"), stats),
                 }
             )
-    finally:
-        block.close()
     return status
-
-
-def _latency_view(histograms: dict[str, list[int]]) -> dict[str, dict[str, float | None]]:
-    """Per operation: tasks timed, and the bucket bounds (s) under which half and 99 % of them finished
-    (None without tasks, or when the share lies above the last bound)."""
-    view: dict[str, dict[str, float | None]] = {}
-    for op, counts in histograms.items():
-        total = sum(counts)
-        marks: dict[str, float | None] = {"count": total}
-        for label, share in (("p50_s", 0.5), ("p99_s", 0.99)):
-            running, bound = 0, None
-            for upper, count in zip(LATENCY_BUCKETS_S, counts, strict=True):
-                running += count
-                if total and running >= share * total:
-                    bound = upper
-                    break
-            marks[label] = bound
-        view[op] = marks
-    return view
 
 
 def _store_view(backend: str | None, stats: dict[str, int]) -> dict[str, Any] | None:

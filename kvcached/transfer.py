@@ -10,9 +10,8 @@ and moves each run with one slice copy per tensor (numpy releases the GIL for it
     per run, per tensor t (layer x key/value/scale):
         pool[c0:c0+n, off_t:off_t+piece_t] = device_t[d0:d0+n]      (one strided copy)
 
-The device side is a list of ``Piece``: one per tensor, its blocks as rows of bytes. The ``host`` backend's
-pieces are numpy views of the device arena (``host_pieces``), so a copy is one memcpy per row run; the
-``xpu`` backend's pieces read and write paddle tensors on the device (``kvcached.memory.xpu``).
+The device side is a list of ``Piece`` (``kvcached.memory.base``): one per tensor, its blocks as rows of
+bytes, whatever backend holds them.
 
 A Python loop over runs beats numpy's fancy indexing here: that gathers into a temporary first, an
 extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces, 3.2 vs 12 GB/s for
@@ -21,24 +20,16 @@ extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces,
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from kvcached.protocol.layout import cpu_block_stride, device_slots
+from kvcached.memory.base import Piece
+from kvcached.protocol.errors import InvalidTask
+from kvcached.protocol.layout import cpu_block_stride
 from kvcached.protocol.spec import CacheSpec
 
 Array = np.ndarray[Any, Any]
-
-
-class TaskError(ValueError):
-    """A task refused before anything was copied; ``field`` names what was wrong."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 #: Below this many ids, plain Python beats numpy's per-call overhead for validation and run finding.
@@ -91,59 +82,14 @@ def _repeated(ids: Array) -> int | None:
     return int(ordered[same[0]]) if len(same) else None
 
 
-class Piece(Protocol):
-    """One device tensor as rows of bytes, one row per block; ``column`` is where its bytes sit in a block
-    record (CPU pool row, store object), ``nbytes`` how many there are per block."""
-
-    @property
-    def column(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def read(self, start: int, count: int) -> Array:
-        """Blocks ``start .. start+count-1`` as a uint8 ``[count, nbytes]`` array (a view where possible)."""
-
-    def write(self, start: int, rows: Array) -> None:
-        """Overwrite blocks from ``start`` with the uint8 ``[count, nbytes]`` array ``rows``."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HostPiece:
-    """A tensor of the ``host`` backend: a numpy view ``[num_blocks, nbytes]`` of the device arena."""
-
-    device: Array
-    column: int
-    nbytes: int
-
-    def read(self, start: int, count: int) -> Array:
-        return self.device[start : start + count]
-
-    def write(self, start: int, rows: Array) -> None:
-        self.device[start : start + len(rows)] = rows
-
-
-def host_pieces(spec: CacheSpec, device: Any) -> list[HostPiece]:
-    """The pieces of a device arena (any buffer laid out by ``device_slots``)."""
-    device_u8 = np.frombuffer(device, dtype=np.uint8)
-    pieces = []
-    column = 0
-    for slot in device_slots(spec):
-        width = slot.nbytes // spec.num_blocks
-        view = device_u8[slot.offset : slot.offset + slot.nbytes].reshape(spec.num_blocks, width)
-        pieces.append(HostPiece(view, column, width))
-        column += width
-    return pieces
-
-
 class SwapEngine:
     """Moves whole blocks (every layer, key, value and scale) between the device tier and the CPU pool.
 
-    ``device`` is a device arena buffer (the ``host`` backend) or a list of ``Piece`` in record order."""
+    ``pieces`` are the device tier's tensors in record order; ``pool`` is the CPU pool's buffer (or None)."""
 
-    def __init__(self, spec: CacheSpec, device: Any, pool: Any | None) -> None:
+    def __init__(self, spec: CacheSpec, pieces: list[Piece], pool: Any | None) -> None:
         self.spec = spec
-        self.pieces: list[Piece] = list(device) if isinstance(device, list) else list(host_pieces(spec, device))
+        self.pieces = pieces
         assert sum(piece.nbytes for piece in self.pieces) == spec.block_bytes
         self.pool: Array | None = None
         if pool is not None and spec.num_cpu_blocks:
@@ -153,21 +99,21 @@ class SwapEngine:
             )
 
     def validate(self, src: Array, dst: Array, *, src_tier: str, dst_tier: str) -> None:
-        """Raise ``TaskError`` unless every id is in range for its tier and no target repeats."""
+        """Raise ``InvalidTask`` unless every id is in range for its tier and no target repeats."""
         if self.pool is None:
-            raise TaskError("num_cpu_blocks", "this instance has no CPU swap pool (num_cpu_blocks = 0)")
+            raise InvalidTask("num_cpu_blocks", "this instance has no CPU swap pool (num_cpu_blocks = 0)")
         if len(src) != len(dst):
-            raise TaskError("block_ids", f"lists of different lengths: {len(src)} and {len(dst)}")
+            raise InvalidTask("block_ids", f"lists of different lengths: {len(src)} and {len(dst)}")
         for ids, tier, role in ((src, src_tier, "source"), (dst, dst_tier, "target")):
             limit = self.spec.num_blocks if tier == "device" else self.spec.num_cpu_blocks
             bad = _out_of_range(ids, limit)
             if bad is not None:
-                raise TaskError(
+                raise InvalidTask(
                     f"{tier}_block_ids", f"{role} id {bad} out of range: {tier} block ids are 0..{limit - 1}"
                 )
         repeated = _repeated(dst)
         if repeated is not None:
-            raise TaskError(f"{dst_tier}_block_ids", f"target id {repeated} appears more than once")
+            raise InvalidTask(f"{dst_tier}_block_ids", f"target id {repeated} appears more than once")
 
     def swap_out(self, device_ids: Array, cpu_ids: Array) -> int:
         """Copy device blocks to CPU pool blocks (validated ids). Returns bytes moved."""
@@ -198,10 +144,12 @@ class SwapEngine:
             piece.write(device_id, source[piece.column : piece.column + piece.nbytes].reshape(1, piece.nbytes))
 
     def check_ids(self, ids: Array, *, field: str, role: str, unique: bool) -> None:
-        """Raise ``TaskError`` unless every device id is in range (and, if ``unique``, none repeats)."""
+        """Raise ``InvalidTask`` unless every device id is in range (and, if ``unique``, none repeats)."""
         bad = _out_of_range(ids, self.spec.num_blocks)
         if bad is not None:
-            raise TaskError(field, f"{role} id {bad} out of range: device block ids are 0..{self.spec.num_blocks - 1}")
+            raise InvalidTask(
+                field, f"{role} id {bad} out of range: device block ids are 0..{self.spec.num_blocks - 1}"
+            )
         repeated = _repeated(ids) if unique else None
         if repeated is not None:
-            raise TaskError(field, f"{role} id {repeated} appears more than once")
+            raise InvalidTask(field, f"{role} id {repeated} appears more than once")

@@ -10,21 +10,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import mmap
-import os
 import time
 from typing import Any, Literal
 
-import posix_ipc
-
-from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead
-from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec, OwnershipConflict, ProtocolError
-from kvcached.protocol.fastdeploy import exports
-from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes, device_views
-from kvcached.protocol.names import XPU_PREFIX, check_instance
+from kvcached import memory
+from kvcached.memory.base import Attached
+from kvcached.memory.host import HostAttached
+from kvcached.protocol.control import Header, Record, State
+from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec, KVCacheError, OwnershipConflict, TornRead
+from kvcached.protocol.instance import open_instance
+from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes
+from kvcached.protocol.names import check_instance
 from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
 from kvcached.protocol.proc import is_alive
 from kvcached.protocol.spec import CacheSpec
@@ -55,9 +53,9 @@ class KVCache:
 
     ``key_caches[i]`` / ``value_caches[i]`` are layer ``i``'s ``[num_blocks, kv_heads, block_size,
     head_dim]`` tensors (``value_caches`` is empty for MLA); the scale lists are empty without
-    ``block_wise_fp8``. With ``owner == "daemon"`` they alias the daemon's arena: writes are seen by every
-    process attached to the rank. ``close()`` drops this object's references; the mapping itself goes
-    when the last view a caller kept is gone.
+    ``block_wise_fp8``. With ``owner == "daemon"`` they alias the daemon's device tier: writes are seen by
+    every process attached to the rank. ``close()`` drops this object's references; mapped memory itself
+    goes when the last view a caller kept is gone.
     """
 
     def __init__(
@@ -68,11 +66,10 @@ class KVCache:
         rank: int,
         instance: str,
         framework: str,
-        buffer: mmap.mmap | None,
+        attached: Attached,
         generation: int | None,
         daemon: tuple[int, int] | None,
         waited_s: float,
-        tensors: dict[str, list[Any]] | None = None,
     ) -> None:
         self.owner: Owner = owner
         self.spec = spec
@@ -82,16 +79,8 @@ class KVCache:
         self.generation = generation
         self.waited_s = waited_s
         self._daemon = daemon
-        self._buffer: mmap.mmap | None = buffer
-        if tensors is None:  # views of the mapped arena
-            assert buffer is not None
-            views = device_views(spec, buffer)
-            convert = _to_paddle if framework == "paddle" else _identity
-            tensors = {
-                kind: [convert(v, spec.dtype if kind in ("key", "value") else spec.scale_dtype) for v in views[kind]]
-                for kind in views
-            }
-        # else an xpu device tier: paddle tensors attached by name
+        self._attached = attached
+        tensors = attached.tensors
         self.key_caches: list[Any] = tensors["key"]
         self.value_caches: list[Any] = tensors["value"]
         self.key_cache_scales: list[Any] = tensors["key_scale"]
@@ -99,8 +88,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the mapped arena (0 once closed)."""
-        return len(self._buffer) if self._buffer is not None else 0
+        """Bytes of host memory this cache maps (0 once closed, or when the tensors live on a device)."""
+        return self._attached.nbytes
 
     def daemon_alive(self) -> bool:
         """For a daemon-owned cache: is the publishing daemon still running? Always True for the runner's."""
@@ -112,10 +101,7 @@ class KVCache:
         """Drop this object's views and unmap if no other reference holds the memory."""
         self.key_caches, self.value_caches = [], []
         self.key_cache_scales, self.value_cache_scales = [], []
-        if self._buffer is not None:
-            buffer, self._buffer = self._buffer, None
-            with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped with it
-                buffer.close()
+        self._attached.close()
 
     def __enter__(self) -> KVCache:
         return self
@@ -131,59 +117,25 @@ class KVCache:
         )
 
 
-def attach_xpu(spec: CacheSpec, local_rank: int, device_id: int) -> dict[str, list[Any]]:
-    """Attach every tensor of an xpu device tier by FastDeploy's name, as its runner does
-    (``share_external_data(tensor, name, shape, True)`` on ``xpu:<device_id>``)."""
-    try:
-        paddle: Any = importlib.import_module("paddle")
-        share_external_data = importlib.import_module("fastdeploy.model_executor.ops.xpu").share_external_data
-    except (ImportError, AttributeError) as exc:
-        raise InvalidSpec(
-            "framework",
-            f"attaching an xpu cache needs paddlepaddle-xpu and fastdeploy-xpu's ops ({exc})",
-        ) from None
-    paddle.set_device(f"xpu:{device_id}")
-    tensors: dict[str, list[Any]] = {"key": [], "value": [], "key_scale": [], "value_scale": []}
-    for export in exports(spec, local_rank, device_id):
-        empty = paddle.empty(shape=[], dtype=export.dtype)
-        tensors[export.kind].append(share_external_data(empty, export.name, list(export.shape), True))
-    return tensors
-
-
-def _identity(array: Any, dtype: str) -> Any:
-    return array
-
-
-def _to_paddle(array: Any, dtype: str) -> Any:
-    import numpy as np
-    import paddle
-
-    if dtype == "bfloat16":
-        # numpy has no bfloat16: hand the raw bits over as int16, then reinterpret in place.
-        return paddle.from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
-    return paddle.from_dlpack(array)
-
-
 def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
     """The header and record of a live daemon that holds (or is allocating) ``rank``, else None."""
-    block = ControlBlock.open(instance)
-    if block is None:
-        return None
     try:
-        if not block.published:
-            return None
-        header = block.header()
-        if rank >= header.num_ranks or not is_alive(header.daemon_pid, header.daemon_start):
+        view = open_instance(instance)
+    except KVCacheError:
+        return None  # no daemon we could attach to either: nothing is held for us
+    if view is None:
+        return None
+    with view:
+        header = view.header
+        if header is None or rank >= header.num_ranks or not view.alive:
             return None
         try:
-            record = block.read(rank)
+            record = view.block.read(rank)
         except TornRead:
             return None
         if record.state in (State.ALLOCATING, State.READY) and record.generation == header.generation:
             return header, record
         return None
-    finally:
-        block.close()
 
 
 def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:
@@ -195,27 +147,10 @@ def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str
             raise CacheLayoutMismatch(field, theirs, ours, instance=instance, rank=rank)
     if record.layout_version != LAYOUT_VERSION:
         raise CacheLayoutMismatch("layout_version", record.layout_version, LAYOUT_VERSION, instance=instance, rank=rank)
-    expected = device_arena_bytes(spec)
-    if record.dev_bytes != expected:
-        raise CacheLayoutMismatch("device_arena_bytes", record.dev_bytes, expected, instance=instance, rank=rank)
-
-
-def _map_arena(name: str, size: int, instance: str, rank: int) -> mmap.mmap:
-    try:
-        shm = posix_ipc.SharedMemory(name)
-    except posix_ipc.ExistentialError:
-        raise ProtocolError(f"instance {instance!r} rank {rank}: published arena {name} does not exist") from None
-    except posix_ipc.PermissionsError:
-        raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
-    try:
-        actual = os.fstat(shm.fd).st_size
-        if actual < size:
-            raise ProtocolError(
-                f"instance {instance!r} rank {rank}: arena {name} has {actual} bytes, layout needs {size}"
-            )
-        return mmap.mmap(shm.fd, size)
-    finally:
-        shm.close_fd()
+    if record.backend == "host":
+        expected = device_arena_bytes(spec)
+        if record.dev_bytes != expected:
+            raise CacheLayoutMismatch("device_arena_bytes", record.dev_bytes, expected, instance=instance, rank=rank)
 
 
 def initialize_kv_cache(
@@ -250,6 +185,8 @@ def initialize_kv_cache(
             raise InvalidSpec(
                 "framework", "'paddle' needs the paddle package: pip install 'kvcached-xpu[paddle]'"
             ) from None
+    if profile and not isinstance(profile, bool):
+        raise InvalidSpec("profile", f"must be true or false, got {profile!r}")
 
     owner = cache_owner(spec, profile)
     if owner == "runner":
@@ -268,13 +205,14 @@ def initialize_kv_cache(
             )
         size = device_arena_bytes(spec)
         log.info("runner creates its own kv cache: %s (%d bytes)", explain_owner(spec, profile), size)
+        own = HostAttached(spec, mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), framework)
         return KVCache(
             owner="runner",
             spec=spec,
             rank=local_rank,
             instance=instance,
             framework=framework,
-            buffer=mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+            attached=own,
             generation=None,
             daemon=None,
             waited_s=0.0,
@@ -282,17 +220,10 @@ def initialize_kv_cache(
 
     started = time.monotonic()
     ready = wait_ready(instance, local_rank, timeout)
-    tensors = None
-    buffer: mmap.mmap | None = None
     try:
         _check_layout(spec, ready.header, ready.record, instance, local_rank)
-        if ready.record.dev_name.startswith(XPU_PREFIX):
-            if framework != "paddle":
-                raise InvalidSpec("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
-            device_id = int(ready.record.dev_name.removeprefix(XPU_PREFIX))
-            tensors = attach_xpu(spec, local_rank, device_id)
-        else:
-            buffer = _map_arena(ready.record.dev_name, ready.record.dev_bytes, instance, local_rank)
+        backend = memory.get(ready.record.backend)
+        attached = backend.attach(spec, ready.record.descriptor, local_rank, framework)
     finally:
         ready.block.close()
     waited = time.monotonic() - started
@@ -309,9 +240,8 @@ def initialize_kv_cache(
         rank=local_rank,
         instance=instance,
         framework=framework,
-        buffer=buffer,
+        attached=attached,
         generation=ready.header.generation,
         daemon=(ready.header.daemon_pid, ready.header.daemon_start),
         waited_s=waited,
-        tensors=tensors,
     )

@@ -26,12 +26,21 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
-from kvcached.protocol.control import ControlBlock, Header, State, TornRead
-from kvcached.protocol.errors import AccessDenied, DaemonGone, InvalidTask, RankFailed, TaskFailed, TaskTimeout
+from kvcached.protocol.control import Header, State
+from kvcached.protocol.errors import (
+    AccessDenied,
+    DaemonGone,
+    InvalidTask,
+    RankFailed,
+    TaskFailed,
+    TaskTimeout,
+    TornRead,
+)
+from kvcached.protocol.instance import open_instance
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
@@ -213,18 +222,22 @@ class CacheTasks:
 
     def __init__(self, instance: str = "default", *, timeout: float = 60.0) -> None:
         self.instance = check_instance(instance)
-        self.timeout = timeout
-        block = ControlBlock.open(self.instance)
-        if block is None or not block.published:
-            if block is not None:
-                block.close()
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidTask("timeout", f"must be a number of seconds > 0, got {timeout!r}")
+        self.timeout = float(timeout)
+        view = open_instance(self.instance)
+        if view is None or view.header is None:
+            if view is not None:
+                view.close()
             raise DaemonGone(f"instance {self.instance!r}: no daemon is running")
-        self._block = block
-        self._header: Header = block.header()
-        if not is_alive(self._header.daemon_pid, self._header.daemon_start):
-            raise DaemonGone(f"instance {self.instance!r}: daemon pid {self._header.daemon_pid} is not running")
+        if not view.alive:
+            view.close()
+            raise DaemonGone(f"instance {self.instance!r}: daemon pid {view.header.daemon_pid} is not running")
+        self._block = view.block
+        self._header: Header = view.header
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def num_ranks(self) -> int:
@@ -232,6 +245,42 @@ class CacheTasks:
         return self._header.num_ranks
 
     # -- public ---------------------------------------------------------------------------------------
+
+    @overload
+    def swap_out(
+        self,
+        rank: int | None,
+        device_block_ids: Sequence[int],
+        cpu_block_ids: Sequence[int],
+        *,
+        keys: Sequence[bytes] | None = None,
+        wait: Literal[True] = ...,
+        timeout: float | None = ...,
+    ) -> TaskResult: ...
+
+    @overload
+    def swap_out(
+        self,
+        rank: int | None,
+        device_block_ids: Sequence[int],
+        cpu_block_ids: Sequence[int],
+        *,
+        keys: Sequence[bytes] | None = None,
+        wait: Literal[False],
+        timeout: float | None = ...,
+    ) -> TaskHandle: ...
+
+    @overload
+    def swap_out(
+        self,
+        rank: int | None,
+        device_block_ids: Sequence[int],
+        cpu_block_ids: Sequence[int],
+        *,
+        keys: Sequence[bytes] | None = None,
+        wait: bool,
+        timeout: float | None = ...,
+    ) -> TaskResult | TaskHandle: ...
 
     def swap_out(
         self,
@@ -242,7 +291,7 @@ class CacheTasks:
         keys: Sequence[bytes] | None = None,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> TaskResult | TaskHandle:
         """Copy device blocks to CPU pool blocks (all layers) on ``rank`` (None: every rank).
 
         With ``keys`` (one per block, from ``block_keys``) the blocks are also written to the attention
@@ -257,6 +306,39 @@ class CacheTasks:
             flags = FLAG_KEYS
         return self._submit(Op.SWAP_OUT, rank, payload, flags=flags, wait=wait, timeout=timeout)
 
+    @overload
+    def swap_in(
+        self,
+        rank: int | None,
+        cpu_block_ids: Sequence[int],
+        device_block_ids: Sequence[int],
+        *,
+        wait: Literal[True] = ...,
+        timeout: float | None = ...,
+    ) -> TaskResult: ...
+
+    @overload
+    def swap_in(
+        self,
+        rank: int | None,
+        cpu_block_ids: Sequence[int],
+        device_block_ids: Sequence[int],
+        *,
+        wait: Literal[False],
+        timeout: float | None = ...,
+    ) -> TaskHandle: ...
+
+    @overload
+    def swap_in(
+        self,
+        rank: int | None,
+        cpu_block_ids: Sequence[int],
+        device_block_ids: Sequence[int],
+        *,
+        wait: bool,
+        timeout: float | None = ...,
+    ) -> TaskResult | TaskHandle: ...
+
     def swap_in(
         self,
         rank: int | None,
@@ -265,12 +347,45 @@ class CacheTasks:
         *,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> TaskResult | TaskHandle:
         """Copy CPU pool blocks to device blocks (all layers) on ``rank`` (None: every rank)."""
         src = self._ids(cpu_block_ids, "cpu_block_ids")
         dst = self._ids(device_block_ids, "device_block_ids")
         self._same_length(src, dst)
         return self._submit(Op.SWAP_IN, rank, pack_ids(src, dst), wait=wait, timeout=timeout)
+
+    @overload
+    def store(
+        self,
+        rank: int | None,
+        device_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        *,
+        wait: Literal[True] = ...,
+        timeout: float | None = ...,
+    ) -> TaskResult: ...
+
+    @overload
+    def store(
+        self,
+        rank: int | None,
+        device_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        *,
+        wait: Literal[False],
+        timeout: float | None = ...,
+    ) -> TaskHandle: ...
+
+    @overload
+    def store(
+        self,
+        rank: int | None,
+        device_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        *,
+        wait: bool,
+        timeout: float | None = ...,
+    ) -> TaskResult | TaskHandle: ...
 
     def store(
         self,
@@ -280,7 +395,7 @@ class CacheTasks:
         *,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> TaskResult | TaskHandle:
         """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``).
 
         A key already stored is left as it is (a key names its content). ``TaskResult.bytes`` counts the
@@ -290,6 +405,39 @@ class CacheTasks:
         payload = ids.astype("<i4").tobytes() + self._keys(keys, len(ids))
         return self._submit(Op.STORE, rank, payload, wait=wait, timeout=timeout)
 
+    @overload
+    def load(
+        self,
+        rank: int | None,
+        keys: Sequence[bytes],
+        device_block_ids: Sequence[int],
+        *,
+        wait: Literal[True] = ...,
+        timeout: float | None = ...,
+    ) -> TaskResult: ...
+
+    @overload
+    def load(
+        self,
+        rank: int | None,
+        keys: Sequence[bytes],
+        device_block_ids: Sequence[int],
+        *,
+        wait: Literal[False],
+        timeout: float | None = ...,
+    ) -> TaskHandle: ...
+
+    @overload
+    def load(
+        self,
+        rank: int | None,
+        keys: Sequence[bytes],
+        device_block_ids: Sequence[int],
+        *,
+        wait: bool,
+        timeout: float | None = ...,
+    ) -> TaskResult | TaskHandle: ...
+
     def load(
         self,
         rank: int | None,
@@ -298,7 +446,7 @@ class CacheTasks:
         *,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> TaskResult | TaskHandle:
         """Read the longest stored prefix of ``keys`` into ``device_block_ids`` (all layers).
 
         Stops at the first key that is absent or fails verification; ``TaskResult.blocks`` says how many
@@ -314,12 +462,16 @@ class CacheTasks:
         A prefix that only some ranks have is not a hit: the answer is the minimum over ranks.
         """
         payload = self._keys(keys, None)
-        result: TaskResult = self._submit(Op.LOOKUP, None, payload, wait=True, timeout=timeout)
+        result = self._submit(Op.LOOKUP, None, payload, wait=True, timeout=timeout)
+        assert isinstance(result, TaskResult)
         return result.blocks
 
     def close(self) -> None:
-        """Close every connection and unmap the control block."""
+        """Close every connection and unmap the control block. Idempotent; later calls raise ``InvalidTask``."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
@@ -425,7 +577,9 @@ class CacheTasks:
 
     def _submit(
         self, op: Op, rank: int | None, payload: bytes, *, flags: int = 0, wait: bool, timeout: float | None
-    ) -> Any:
+    ) -> TaskResult | TaskHandle:
+        if self._closed:
+            raise InvalidTask("tasks", f"this CacheTasks of {self.instance!r} is closed; open a new one")
         ranks = self._ranks(rank)
         channels = [self._channel(r) for r in ranks]  # READY is checked once, when a channel opens
         parts = []

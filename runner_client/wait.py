@@ -22,10 +22,18 @@ import time
 
 import posix_ipc
 
-from kvcached.protocol.control import ControlBlock, Header, Record, State, TornRead, mark_waiting
-from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, CacheNotReady, DaemonGone, RankFailed
+from kvcached.protocol.control import ControlBlock, Header, Record, State
+from kvcached.protocol.errors import (
+    AccessDenied,
+    CacheLayoutMismatch,
+    CacheNotReady,
+    DaemonGone,
+    RankFailed,
+    TornRead,
+)
+from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.names import semaphore_name
-from kvcached.protocol.proc import is_alive
+from kvcached.protocol.waiters import mark_waiting
 
 log = logging.getLogger("runner_client")
 
@@ -56,10 +64,11 @@ class _Waiter:
         self.timeout = timeout
         self.started = time.monotonic()
         self.deadline = self.started + timeout
+        self.view: InstanceView | None = None
         self.block: ControlBlock | None = None
         self.header: Header | None = None
         self.sem: posix_ipc.Semaphore | None = None
-        self.mark: int | None = None  # the waiting mark (see kvcached.protocol.control.mark_waiting)
+        self.mark: int | None = None  # the waiting mark (see kvcached.protocol.waiters)
         self.stale_inode = -1
         # The live daemon this wait has seen (pid, start, generation): its death is DaemonGone, whereas a
         # block that was stale from the start only means "no daemon yet".
@@ -81,14 +90,14 @@ class _Waiter:
         if self.sem is not None:
             self.sem.close()
             self.sem = None
-        if self.block is not None:
-            self.block.close()
-            self.block = None
-        self.header = None
+        if self.view is not None:
+            self.view.close()
+            self.view = None
+        self.block, self.header = None, None
 
     def _daemon_alive(self) -> bool:
-        assert self.header is not None
-        return is_alive(self.header.daemon_pid, self.header.daemon_start)
+        assert self.view is not None
+        return self.view.alive
 
     def _gone(self, why: str) -> DaemonGone:
         assert self.header is not None
@@ -118,22 +127,18 @@ class _Waiter:
 
     def _find_block(self) -> bool:
         """Map a published block of a live daemon; False (after a short sleep) while there is none."""
-        block = ControlBlock.open(self.instance)
-        if block is None or block.inode == self.stale_inode or not block.published:
-            if block is not None:
-                if block.inode != self.stale_inode:
+        view = open_instance(self.instance)
+        if view is None or view.block.inode == self.stale_inode or view.header is None:
+            if view is not None:
+                if view.block.inode != self.stale_inode:
                     self._describe("daemon starting", time.time_ns())
-                block.close()
+                view.close()
             else:
                 self._describe("no daemon", time.time_ns())
             self._sleep(POLL_ABSENT_S)
             return False
-        try:
-            header = block.header()
-        except BaseException:
-            block.close()
-            raise
-        self.block, self.header = block, header
+        self.view, self.block, self.header = view, view.block, view.header
+        header = view.header
         if header.num_ranks <= self.rank:
             self._drop_block()
             raise CacheLayoutMismatch(
@@ -143,7 +148,7 @@ class _Waiter:
             if self.followed == (header.daemon_pid, header.daemon_start, header.generation):
                 raise self._gone("died")
             self._describe(f"stale (daemon pid {header.daemon_pid} is dead)", time.time_ns())
-            self.stale_inode = block.inode
+            self.stale_inode = view.block.inode
             self._drop_block()
             self._sleep(POLL_ABSENT_S)
             return False
@@ -227,7 +232,7 @@ class _Waiter:
                     continue
                 if self._judge(record):
                     ready = Ready(self.block, self.header, record)
-                    self.block = None  # handed over: not closed by the finally below
+                    self.view = None  # handed over: not closed by the finally below
                     return ready
                 self.followed = (self.header.daemon_pid, self.header.daemon_start, self.header.generation)
                 if self.mark is None:

@@ -17,7 +17,7 @@ import sys
 import time
 
 import runner_client as rc
-from kvcached.config import DEFAULTS
+from kvcached.config import defaults
 
 
 def main() -> int:
@@ -26,11 +26,12 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon")
     parser.add_argument("--profile", action="store_true", help="profile run: the runner creates a temporary cache")
+    default = defaults()
     for key in ("num_layers", "kv_heads", "head_dim", "block_size", "num_blocks", "num_cpu_blocks"):
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=DEFAULTS[key])
-    parser.add_argument("--dtype", default=DEFAULTS["dtype"])
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=default[key])
+    parser.add_argument("--dtype", default=default["dtype"])
     parser.add_argument("--storage-backend", default=None)
-    parser.add_argument("--role", default=DEFAULTS["role"])
+    parser.add_argument("--role", default=default["role"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 

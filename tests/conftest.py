@@ -250,6 +250,32 @@ def runner_result(proc: subprocess.Popen[str], timeout: float = 60) -> dict[str,
     return result
 
 
+def arena_digests(instance: str) -> dict[str, str]:
+    """sha256 of every host device arena and CPU pool of the instance, by name (read from its records)."""
+    import hashlib
+    import mmap
+
+    import posix_ipc
+
+    from kvcached.protocol.control import ControlBlock
+
+    block = ControlBlock.open(instance)
+    assert block is not None
+    digests = {}
+    try:
+        for rank in range(block.header().num_ranks):
+            record = block.read(rank)
+            arena = (record.descriptor.get("arena"), record.dev_bytes)
+            for name, size in (arena, (record.cpu_name, record.cpu_bytes)):
+                shm = posix_ipc.SharedMemory(name, read_only=True)
+                with mmap.mmap(shm.fd, size, prot=mmap.PROT_READ) as mm:
+                    digests[name] = hashlib.sha256(mm).hexdigest()
+                shm.close_fd()
+    finally:
+        block.close()
+    return digests
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The whole suite leaves nothing of a test instance in /dev/shm (acceptance: no leak at all)."""
     try:

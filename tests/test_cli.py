@@ -129,15 +129,17 @@ def test_config_precedence_flags_over_env_over_file(daemons: DaemonFactory, tmp_
 @pytest.mark.parametrize(
     ("args", "toml", "status", "message"),
     [
-        (["--kv-heads", "0"], None, 4, "--kv-heads (kv_heads: must be an integer >= 1"),
-        (["--num-blocks", "-3"], None, 4, "--num-blocks (num_blocks: must be an integer >= 1"),
-        (["--ranks", "0"], None, 4, "--ranks (ranks: must be an integer from 1 to 256"),
-        (["--dtype", "fp8"], None, 2, "'fp8' is not one of 'bfloat16', 'float16', 'float32', 'int8', 'uint8'"),
-        (["--role", "both"], None, 2, "'both' is not one of 'mixed', 'prefill', 'decode'"),
-        (["--instance", "a.b"], None, 4, "instance: must be 1-48 characters"),
-        ([], "num_layer = 3\n", 4, "num_layer: unknown key in"),
-        ([], "num_layers = [\n", 4, "is not valid TOML"),
-        ([], "num_layers = 'four'\n", 4, "num_layers: must be an integer >= 1, got 'four'"),
+        (["--kv-heads", "0"], None, 4, "--kv-heads: must be an integer >= 1, got '0'"),
+        (["--num-blocks", "-3"], None, 4, "--num-blocks: must be an integer >= 1, got '-3'"),
+        (["--ranks", "0"], None, 4, "--ranks: must be an integer from 1 to 256, got '0'"),
+        (["--dtype", "fp8"], None, 4, "--dtype: must be one of bfloat16, float16, float32, int8, uint8; got 'fp8'"),
+        (["--role", "both"], None, 4, "--role: must be one of mixed, prefill, decode; got 'both'"),
+        (["--instance", "a.b"], None, 4, "--instance: must be 1-48 characters"),
+        (["--no-such-flag", "1"], None, 2, "No such option '--no-such-flag'"),
+        ([], "num_layer = 3\n", 4, "bad.toml: num_layer: unknown key; did you mean 'num_layers'?"),
+        ([], "num-blocks = 3\n", 4, "bad.toml: num-blocks: unknown key; did you mean 'num_blocks'?"),
+        ([], "num_layers = [\n", 4, "not valid TOML"),
+        ([], "num_layers = 'four'\n", 4, "bad.toml: num_layers: must be an integer >= 1, got 'four'"),
     ],
 )
 def test_bad_configuration_names_the_field_and_creates_nothing(

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import posix_ipc
 import pytest
 
-from kvcached.protocol.control import HEADER_SIZE, ControlBlock, Record, State, TornRead
-from kvcached.protocol.errors import ProtocolError
+from kvcached.protocol.control import HEADER_SIZE, RECORD_SIZE, ControlBlock, Record, State
+from kvcached.protocol.errors import ProtocolError, TornRead
 from kvcached.protocol.names import SHM_DIR, control_name
 from runner_client import CacheSpec
 
@@ -88,7 +88,7 @@ def test_foreign_or_other_version_is_protocol_error(instance: str, offset: int, 
 
 def test_record_left_mid_write_is_torn(block: ControlBlock, instance: str) -> None:
     """A writer that died between the two seq bumps leaves an odd seq: reads give TornRead, not garbage."""
-    off = HEADER_SIZE + 1 * 512
+    off = HEADER_SIZE + 1 * RECORD_SIZE
     (seq,) = struct.unpack_from("<Q", block._buf, off)
     struct.pack_into("<Q", block._buf, off, seq + 1)
     reader = ControlBlock.open(instance)
@@ -125,7 +125,8 @@ def _hammer(instance: str, rounds: int) -> None:
                 since_ns=i,
                 dev_bytes=i,
                 cpu_bytes=i,
-                dev_name=name,
+                backend="host",
+                descriptor={"arena": name, "bytes": i},
                 cpu_name=name,
                 error=name * 20,
             ),
@@ -154,7 +155,7 @@ def test_seqlock_never_yields_a_torn_record(block: ControlBlock, instance: str) 
                 seen += 1
                 name = f"arena-{i}"
                 assert (record.heartbeat_ns, record.since_ns, record.dev_bytes, record.cpu_bytes) == (i, i, i, i)
-                assert record.dev_name == name and record.cpu_name == name
+                assert record.descriptor == {"arena": name, "bytes": i} and record.cpu_name == name
                 assert record.error == (name * 20)[:256]
     finally:
         writer.join(60)

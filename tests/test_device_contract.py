@@ -1,26 +1,32 @@
-"""The device-backend contract: what the swap engine and the runners rely on, for every memory backend.
+"""The device-backend contract: what the swap engine and the runners rely on, for every registered backend.
 
-``host`` runs here on a real shm arena. ``xpu`` runs on a Kunlun host with ``KVCACHED_TEST_XPU=1`` (real
-paddle-xpu and FastDeploy ops) and is skipped elsewhere, with the reason. ``xpu-double`` runs the xpu
-backend's own code here with ``XpuRuntimeDouble``, a TEST DOUBLE standing in for its two hardware calls
-only (allocate on the device, export with set_data_ipc): tensors live on paddle's CPU place instead.
+The parameters come from the registry (``kvcached.memory.names()``). ``host`` runs here on a real shm
+arena. ``xpu`` runs on a Kunlun host with ``KVCACHED_TEST_XPU=1`` (real paddle-xpu and FastDeploy ops) and
+is skipped elsewhere, with the reason. Two backends exist only in the tests, each one module and one
+registration: ``xpu-double`` (``tests/plugins/xpu_double.py``: the xpu backend's own code over a TEST
+DOUBLE of its hardware calls) and ``testfile`` (``tests/plugins/filemem.py``: a device tier in a regular
+file), which a real daemon and a real runner also use end to end.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 import runner_client as rc
-from kvcached.memory.host import create_arena, unlink
-from kvcached.memory.xpu import PaddleXpuRuntime, XpuDevice, XpuUnavailable
-from kvcached.protocol.layout import device_arena_bytes, device_slots
-from kvcached.transfer import SwapEngine, host_pieces
-from tests.conftest import DaemonFactory, shm_entries, unique_instance
+import tests.plugins.filemem
+import tests.plugins.xpu_double
+from kvcached import memory
+from kvcached.memory.base import TierRequest
+from kvcached.memory.shm import unlink
+from kvcached.memory.xpu import PaddleXpuRuntime, XpuUnavailable
+from kvcached.transfer import SwapEngine
+from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result, shm_entries, unique_instance
 
 SPECS = {
     "bf16": rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4),
@@ -31,74 +37,70 @@ SPECS = {
     "mla": rc.CacheSpec(num_layers=3, kv_heads=1, head_dim=32, block_size=4, num_blocks=8, num_cpu_blocks=4, mla=True),
 }  # fmt: skip
 LOCAL_RANK, DEVICE_ID = 1, 0
+PLUGINS = (tests.plugins.filemem.__name__, tests.plugins.xpu_double.__name__)
 
 
-class XpuRuntimeDouble:
-    """TEST DOUBLE of ``kvcached.memory.xpu.XpuRuntime`` (there is no Kunlun XPU here): ``allocate`` makes
-    the zeroed tensor on paddle's CPU place, ``export`` records the name instead of an IPC handle."""
+class Tier:
+    """A device tier under test, made by its backend as a worker would, and attached as a runner would."""
 
-    def __init__(self) -> None:
-        self.exported: dict[str, Any] = {}
-
-    def allocate(self, device_id: int, shape: tuple[int, ...], dtype: str) -> Any:
-        import paddle
-
-        return paddle.full(shape=list(shape), fill_value=0, dtype=dtype).cpu()
-
-    def export(self, tensor: Any, name: str) -> None:
-        assert name not in self.exported, f"{name} exported twice"
-        self.exported[name] = tensor
-
-
-class Backend:
-    """A device tier under test: its pieces, and what a runner attached to it sees, as bytes."""
-
-    def __init__(self, kind: str, spec: rc.CacheSpec) -> None:
-        self.kind, self.spec = kind, spec
-        self.exported: dict[str, Any] | None = None
-        if kind == "host":
-            self.name = f"/kvcached.{unique_instance()}.contract"
-            self.arena = create_arena(self.name, device_arena_bytes(spec))
-            self.pieces: list[Any] = list(host_pieces(spec, self.arena))
-            return
-        if kind == "xpu":
-            if os.environ.get("KVCACHED_TEST_XPU") != "1":
-                pytest.skip("no Kunlun XPU here: set KVCACHED_TEST_XPU=1 on a Kunlun host to run the xpu contract")
-            runtime: Any = PaddleXpuRuntime()
-        else:
+    def __init__(self, name: str, spec: rc.CacheSpec, tmp_path: Path) -> None:
+        if name == "xpu" and os.environ.get("KVCACHED_TEST_XPU") != "1":
+            pytest.skip("no Kunlun XPU here: set KVCACHED_TEST_XPU=1 on a Kunlun host to run the xpu contract")
+        if name.startswith("xpu"):
             pytest.importorskip("paddle", reason="the xpu backend's code needs paddle (pip install '.[paddle]')")
-            runtime = XpuRuntimeDouble()
-        self.device = XpuDevice(spec, LOCAL_RANK, DEVICE_ID, runtime)
-        self.pieces = list(self.device.pieces)
-        self.exported = runtime.exported if isinstance(runtime, XpuRuntimeDouble) else self.device.tensors
+            tests.plugins.xpu_double.XpuRuntimeDouble.exported.clear()
+        os.environ["KVCACHED_TEST_FILEMEM_DIR"] = str(tmp_path)
+        self.backend = memory.get(name)
+        self.spec = spec
+        self.request = TierRequest(
+            instance=unique_instance(), arena_id=1, rank=LOCAL_RANK, spec=spec, device_id=DEVICE_ID
+        )
+        self.tier = self.backend.create(self.request, lambda done: None)
+        self.pieces = self.tier.pieces
+        self.framework = "paddle" if name.startswith("xpu") else "numpy"
 
     def seen_by_runner(self) -> list[bytes]:
         """Every tensor's bytes as an attached runner sees them, in record order."""
-        if self.exported is None:  # the runner's views of the arena (device_views), slot by slot
-            return [bytes(self.arena[slot.offset : slot.offset + slot.nbytes]) for slot in device_slots(self.spec)]
-        import paddle
+        attached = self.backend.attach(self.spec, self.tier.descriptor, LOCAL_RANK, self.framework)
+        try:
+            tensors = [t for layer in zip(*_per_layer(attached.tensors), strict=True) for t in layer]
+            if self.framework == "paddle":
+                import paddle
 
-        return [paddle.view(self.exported[e.name], "uint8").numpy().tobytes() for e in self.device.exports]
+                return [paddle.view(t, "uint8").numpy().tobytes() for t in tensors]
+            return [t.view(np.uint8).tobytes() for t in tensors]
+        finally:
+            attached.close()
 
     def close(self) -> None:
-        if self.kind == "host":
-            self.pieces.clear()
-            unlink(self.name)
-        else:
-            self.device.close()
+        self.tier.close()
+        self.backend.release(self.request)
+        unlink(self.request.shm_name("dev"))
 
 
-@pytest.fixture(params=["host", "xpu-double", "xpu"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Any]:
-    made: list[Backend] = []
+def _per_layer(tensors: dict[str, list[Any]]) -> list[list[Any]]:
+    """The kinds a spec has, each a list by layer, in record order (key, value, key scale, value scale)."""
+    return [tensors[kind] for kind in ("key", "value", "key_scale", "value_scale") if tensors[kind]]
 
-    def make(spec: str = "bf16") -> Backend:
-        made.append(Backend(request.param, SPECS[spec]))
+
+@pytest.fixture(params=memory.names())
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    made: list[Tier] = []
+
+    def make(spec: str = "bf16") -> Tier:
+        made.append(Tier(request.param, SPECS[spec], tmp_path))
         return made[-1]
 
     yield make
-    for b in made:
-        b.close()
+    for tier in made:
+        tier.close()
+
+
+def test_registry_lists_the_built_in_and_the_test_only_backends() -> None:
+    """Adding a backend is one module and one registration: the test-only ones are listed beside the built-in."""
+    assert {"host", "xpu", "xpu-double", "testfile"} <= set(memory.names())
+    with pytest.raises(rc.InvalidSpec, match="known: host, xpu"):
+        memory.get("nvme")
 
 
 def random_rows(rng: np.random.Generator, count: int, width: int) -> np.ndarray[Any, Any]:
@@ -128,6 +130,7 @@ def test_rows_written_are_read_back_and_seen_by_runners(backend: Any, spec: str)
         assert not piece.read(0, 2).any() and not piece.read(5, 3).any(), "other blocks changed"
     after = tier.seen_by_runner()
     assert all(a != b for a, b in zip(after, before, strict=True)), "a runner's view does not alias the tier"
+    assert b"".join(after) != b"".join(before)
 
 
 @pytest.mark.parametrize("spec", sorted(SPECS))
@@ -153,19 +156,37 @@ def test_swap_engine_round_trip_over_the_tier(backend: Any, spec: str) -> None:
     assert b"".join(bytes(p) for p in engine.block_pieces(0)) == record
 
 
-def test_exports_match_fastdeploy_names_shapes_dtypes(backend: Any) -> None:
+def test_xpu_double_exports_fastdeploy_names_shapes_dtypes(tmp_path: Path) -> None:
+    """The xpu backend exports one tensor per layer and kind under FastDeploy's name, shape and dtype."""
+    paddle = pytest.importorskip("paddle", reason="the xpu backend's code needs paddle (pip install '.[paddle]')")
     for name, spec in SPECS.items():
-        tier = backend(name)
-        if tier.exported is None:
-            continue  # host: runners map the arena, nothing is exported by name
-        import paddle
+        tier = Tier("xpu-double", spec, tmp_path)
+        try:
+            exported = tests.plugins.xpu_double.XpuRuntimeDouble.exported
+            expected = rc.exports(spec, local_rank=LOCAL_RANK, device_id=DEVICE_ID)
+            assert sorted(exported) == sorted(e.name for e in expected), name
+            for e in expected:
+                assert tuple(exported[e.name].shape) == e.shape
+                assert exported[e.name].dtype == getattr(paddle, e.dtype), (e.name, exported[e.name].dtype)
+        finally:
+            tier.close()
 
-        expected = rc.exports(spec, local_rank=LOCAL_RANK, device_id=DEVICE_ID)
-        assert sorted(tier.exported) == sorted(e.name for e in expected)
-        for e in expected:
-            tensor = tier.exported[e.name]
-            assert tuple(tensor.shape) == e.shape
-            assert tensor.dtype == getattr(paddle, e.dtype), (e.name, tensor.dtype)
+
+def test_test_only_backend_serves_a_real_daemon_and_runner(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A backend from a plugin module: the daemon allocates with it, a runner process attaches through the
+    registry and swaps, and the daemon's stop releases its files."""
+    env = daemons.env(KVCACHED_PLUGINS=",".join(PLUGINS), KVCACHED_TEST_FILEMEM_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    daemon = daemons.start(ranks=2, args=["--memory", "testfile"], env=env)
+    status = daemon.wait_ready()
+    assert sorted(p.name for p in tmp_path.glob("*.dev")) == sorted(
+        f"{daemon.instance}.{status['generation']}.r{r}.dev" for r in range(2)
+    )
+    spec = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
+    result = runner_result(run_runner(env, instance=daemon.instance, rank=1, spec=spec, swap_rounds=3))
+    assert result["ok"] and result["owner"] == "daemon" and result["swap_ok"], result
+    assert result["mapping"].endswith(".r1.dev") and str(tmp_path) in result["mapping"]
+    assert daemon.stop() == 0
+    assert list(tmp_path.glob("*.dev")) == [] and shm_entries(daemon.instance) == []
 
 
 def test_xpu_memory_without_an_xpu_is_a_clear_startup_error(daemons: DaemonFactory) -> None:

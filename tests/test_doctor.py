@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvcached.doctor import check_remove_ipc
-from kvcached.memory.host import pin
+from kvcached.memory.shm import pin
 from tests.conftest import DaemonFactory, shm_entries
 from tests.test_store import MooncakeMaster
 

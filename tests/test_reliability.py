@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runner_client as rc
-from kvcached.config import DEFAULTS, DaemonConfig
+from kvcached.config import DaemonConfig, defaults
 from kvcached.daemon import faults
-from kvcached.protocol.errors import InvalidSpec, KVCacheError
+from kvcached.protocol.errors import InvalidConfig, KVCacheError
 from kvcached.protocol.messages import REQUEST, REQUEST_MAGIC, Op
 from kvcached.protocol.names import SHM_DIR, control_name, task_socket_path
 from kvcached.status import read_status
@@ -268,7 +268,7 @@ def test_random_control_block_bytes_give_clear_errors(instance: str) -> None:
 
 
 #: What an error about a config file may name: a known key, a spec field, the file itself.
-NAMEABLE = {*DEFAULTS, *(f.name for f in dataclasses.fields(rc.CacheSpec)), "config"}
+NAMEABLE = {*defaults(), *(f.name for f in dataclasses.fields(rc.CacheSpec)), "config"}
 toml_values = st.one_of(
     st.integers(-(2**40), 2**40),
     st.text(max_size=12),
@@ -280,7 +280,7 @@ toml_values = st.one_of(
 
 @pytest.mark.slow
 def test_random_config_files_give_errors_naming_the_field(tmp_path: Path) -> None:
-    keys = st.one_of(st.sampled_from(sorted(DEFAULTS)), st.from_regex(r"[a-z_]{1,12}", fullmatch=True))
+    keys = st.one_of(st.sampled_from(sorted(defaults())), st.from_regex(r"[a-z_]{1,12}", fullmatch=True))
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.dictionaries(keys, toml_values, max_size=6), st.binary(max_size=60))
@@ -292,12 +292,13 @@ def test_random_config_files_give_errors_naming_the_field(tmp_path: Path) -> Non
         except tomllib.TOMLDecodeError:
             return
         try:
-            DaemonConfig.build({}, path)
-        except InvalidSpec as exc:
+            DaemonConfig.build({}, path, environ={})
+        except InvalidConfig as exc:
             assert exc.field in NAMEABLE or exc.field in values, (exc.field, str(exc))
+            assert str(path) in exc.source, f"the error does not name the file: {exc}"
         path.write_bytes(junk)
-        with contextlib.suppress(InvalidSpec):
-            DaemonConfig.build({}, path)
+        with contextlib.suppress(InvalidConfig):
+            DaemonConfig.build({}, path, environ={})
 
     check()
 
@@ -316,7 +317,7 @@ def test_bad_config_file_through_the_cli_creates_nothing(daemons: DaemonFactory,
     config = daemons.tmp_path / "bad.toml"
     config.write_text('ranks = "eight"\n')
     result = daemons.cli("start", "--instance", instance, "--config", str(config))
-    assert result.returncode == 4 and "--ranks" in result.stderr
+    assert result.returncode == 4 and f"{config}: ranks: must be an integer" in result.stderr, result.stderr
     assert shm_entries(instance) == []
 
 

@@ -54,7 +54,7 @@ def test_negative_cpu_blocks_refused() -> None:
     [
         ("dtype", "fp8", "bfloat16, float16, float32, int8, uint8"),
         ("splitwise_role", "both", "mixed, prefill, decode"),
-        ("storage_backend", "redis", "file, mooncake, or none"),
+        ("storage_backend", "Redis!", "must be a backend name (lower-case letters, digits, _) or none"),
         ("scale_dtype", "int8", "float32, bfloat16, float16"),
     ],
 )

@@ -515,12 +515,13 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--storage-backend", "mooncake"], "--mooncake-master (mooncake_master: is required"),
+        (["--storage-backend", "mooncake"], "--mooncake-master: is required with storage_backend mooncake"),
+        (["--storage-backend", "redis"], "--storage-backend: unknown storage backend 'redis'; known: file, mooncake"),
         (
             ["--storage-backend", "mooncake", "--mooncake-master", "x", "--mooncake-metadata", "http://h:1/m"],
             "must be HOST:PORT",
         ),
-        (["--storage-backend", "file", "--storage-capacity", "lots"], "--storage-capacity (storage_capacity: must be"),
+        (["--storage-backend", "file", "--storage-capacity", "lots"], "--storage-capacity: must be a size in bytes"),
         (["--storage-backend", "file", "--storage-capacity", "10"], "cannot hold one block per rank"),
     ],
 )

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import mmap
 import os
 import socket
 import struct
@@ -12,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import posix_ipc
 import pytest
 
 import runner_client as rc
@@ -20,7 +17,7 @@ from kvcached.protocol.control import ControlBlock
 from kvcached.protocol.messages import REQUEST, Op, request
 from kvcached.protocol.names import task_socket_path
 from kvcached.status import read_status
-from tests.conftest import Daemon, DaemonFactory, run_runner, runner_result
+from tests.conftest import Daemon, DaemonFactory, arena_digests, run_runner, runner_result
 
 GEOMETRY: dict[str, Any] = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
 FP8 = ["--num-layers", "3", "--num-blocks", "16", "--num-cpu-blocks", "8", "--dtype", "int8", "--block-wise-fp8"]
@@ -43,24 +40,6 @@ def fill_random(cache: rc.KVCache, seed: int) -> None:
 
 def blocks_of(cache: rc.KVCache, ids: list[int]) -> list[bytes]:
     return [t[i].tobytes() for t in tensors(cache) for i in ids]
-
-
-def arena_digests(instance: str) -> dict[str, str]:
-    """sha256 of every device arena and CPU pool of the instance, by name."""
-    block = ControlBlock.open(instance)
-    assert block is not None
-    digests = {}
-    try:
-        for rank in range(block.header().num_ranks):
-            record = block.read(rank)
-            for name, size in ((record.dev_name, record.dev_bytes), (record.cpu_name, record.cpu_bytes)):
-                shm = posix_ipc.SharedMemory(name, read_only=True)
-                with mmap.mmap(shm.fd, size, prot=mmap.PROT_READ) as mm:
-                    digests[name] = hashlib.sha256(mm).hexdigest()
-                shm.close_fd()
-    finally:
-        block.close()
-    return digests
 
 
 @pytest.fixture

@@ -27,14 +27,11 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from kvcached.daemon.access import Access
+from kvcached.access import Access
+from kvcached.protocol.errors import SignalError
 from kvcached.protocol.names import SHM_DIR
 
 SIGNALS = ("cache_ready_signal", "swap_space_ready_signal")
-
-
-class SignalError(Exception):
-    """A segment cannot be used (too small, someone else's); the message says which and why."""
 
 
 class _Segment:

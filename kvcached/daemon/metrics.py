@@ -28,14 +28,10 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from kvcached.protocol.control import (
-    LATENCY_BUCKETS_S,
-    LATENCY_OPS,
-    ControlBlock,
-    State,
-    TornRead,
-    count_waiters,
-)
+from kvcached.protocol.control import ControlBlock, State
+from kvcached.protocol.errors import TornRead
+from kvcached.protocol.stats import LATENCY_BUCKETS_S, LATENCY_OPS
+from kvcached.protocol.waiters import count_waiters
 
 
 class ControlBlockCollector(Collector):
@@ -80,8 +76,9 @@ class ControlBlockCollector(Collector):
             waiting.add_metric([label], count)
         yield waiting
 
-        stats = [self.block.read_stats(rank) for rank in range(header.num_ranks)]
-        latency = [self.block.read_latency(rank) for rank in range(header.num_ranks)]
+        slots = [self.block.stats_slot(rank) for rank in range(header.num_ranks)]
+        stats = [slot.counters() for slot in slots]
+        latency = [slot.latency() for slot in slots]
         per_op = {
             "tasks": CounterMetricFamily("kvcached_tasks", "Tasks completed.", labels=["rank", "op"]),
             "blocks": CounterMetricFamily("kvcached_task_blocks", "Blocks moved by tasks.", labels=["rank", "op"]),

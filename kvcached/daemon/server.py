@@ -8,36 +8,32 @@ and a client that vanishes mid-task only loses its reply.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import socket
 import struct
 import time
-from typing import Any
 
-from kvcached.daemon.access import Access, peer_of
-from kvcached.protocol.control import LATENCY_BUCKETS_S, LATENCY_INDEX, LATENCY_OPS
+from kvcached.access import Access, peer_of
+from kvcached.logs import Logger
+from kvcached.protocol.errors import InvalidTask, StoreUnavailable
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
     MAX_PAYLOAD,
     REQUEST,
     REQUEST_MAGIC,
-    SWAP_RESULT,
+    TASK_RESULT,
     Op,
     Status,
     reply,
     unpack_ids,
     unpack_keyed,
 )
-from kvcached.store.base import Store, StoreUnavailable
-from kvcached.store.file import FileStore
-from kvcached.transfer import SwapEngine, TaskError
+from kvcached.protocol.stats import StatsSlot
+from kvcached.store.base import Store
+from kvcached.transfer import SwapEngine
 
-_BOUNDS_NS = [round(bound * 1e9) for bound in LATENCY_BUCKETS_S]
-#: Index in a stats slot of each op's first histogram bucket.
-_HISTOGRAM = {op: LATENCY_INDEX + i * len(_BOUNDS_NS) for i, op in enumerate(LATENCY_OPS)}
 RECV_CHUNK = 1 << 20
 SEND_TIMEOUT_S = 5
 
@@ -61,46 +57,26 @@ class TaskServer:
         *,
         listener: socket.socket,
         engine: SwapEngine,
-        stats: memoryview,
+        stats: StatsSlot,
         rank: int,
         generation: int,
-        log: Any,
+        log: Logger,
         store: Store | None = None,
-        staging: memoryview | None = None,
         access: Access | None = None,
     ) -> None:
-        from kvcached.protocol.control import STAT_NAMES
-
         self.listener = listener
         self.access = access or Access.for_daemon(None)
         self.engine = engine
         self.stats = stats
-        self.index = {name: i for i, name in enumerate(STAT_NAMES)}
         self.rank = rank
         self.generation = generation
         self.log = log
         self.conns: dict[int, _Conn] = {}
         self.store = store
-        self.staging = staging if staging is not None else memoryview(bytearray(0))
         self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
-
-    def _count(self, **amounts: int) -> None:
-        for name, amount in amounts.items():
-            self.stats[self.index[name]] += amount
-
-    def _count_task(self, op: str, blocks: int, nbytes: int, ns: int) -> None:
-        """Count a finished task of ``op`` (one of ``LATENCY_OPS``) and put its duration in its histogram."""
-        stats, index = self.stats, self.index
-        stats[index[f"{op}_tasks"]] += 1
-        stats[index[f"{op}_blocks"]] += blocks
-        stats[index[f"{op}_bytes"]] += nbytes
-        stats[index[f"{op}_ns"]] += ns
-        bucket = bisect.bisect_left(_BOUNDS_NS, ns)
-        if bucket < len(_BOUNDS_NS):
-            stats[_HISTOGRAM[op] + bucket] += 1
 
     # -- connections ----------------------------------------------------------------------------------
 
@@ -121,7 +97,7 @@ class TaskServer:
                 allowed_uid=self.access.uid,
                 allowed_gid=self.access.gid,
             )
-            self._count(tasks_refused=1)
+            self.stats.count(tasks_refused=1)
             why = f"uid {peer.uid} is neither the daemon's user (uid {self.access.uid}) nor in its group"
             with contextlib.suppress(OSError):
                 sock.send(reply(Op.HELLO, Status.REFUSED, 0, {"message": why}), socket.MSG_DONTWAIT)
@@ -132,7 +108,7 @@ class TaskServer:
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
         self.conns[sock.fileno()] = _Conn(sock)
-        self._count(connections=1)
+        self.stats.count(connections=1)
         return sock
 
     def close(self, sock: socket.socket) -> None:
@@ -157,7 +133,7 @@ class TaskServer:
                     "bad frame magic" if magic != REQUEST_MAGIC else f"payload of {length} bytes exceeds {MAX_PAYLOAD}"
                 )
                 self._send(conn, reply(op, Status.INVALID, task_id, {"field": "frame", "message": why}))
-                self._count(tasks_refused=1)
+                self.stats.count(tasks_refused=1)
                 return False
             if len(conn.buf) < REQUEST.size + length:
                 break
@@ -181,17 +157,17 @@ class TaskServer:
             if op == Op.HELLO:
                 return self._hello(conn, task_id, payload)
             if not conn.greeted:
-                raise TaskError("hello", "send HELLO with the daemon generation first")
+                raise InvalidTask("hello", "send HELLO with the daemon generation first")
             if op in (Op.SWAP_OUT, Op.SWAP_IN):
                 return self._swap(Op(op), flags, task_id, payload)
             if op in (Op.STORE, Op.LOAD, Op.LOOKUP):
                 return self._store_op(Op(op), task_id, payload)
-            raise TaskError("op", f"unknown operation {op}; known: {', '.join(o.name for o in Op)}")
-        except TaskError as exc:
-            self._count(tasks_refused=1)
+            raise InvalidTask("op", f"unknown operation {op}; known: {', '.join(o.name for o in Op)}")
+        except InvalidTask as exc:
+            self.stats.count(tasks_refused=1)
             return reply(op, Status.INVALID, task_id, {"field": exc.field, "message": exc.message})
         except StoreUnavailable as exc:
-            self._count(store_errors=1)
+            self.stats.count(store_errors=1)
             return reply(op, Status.FAILED, task_id, {"message": f"storage backend unavailable: {exc}"})
         except Exception as exc:
             self.log.exception("task failed", op=op, task_id=task_id)
@@ -201,10 +177,10 @@ class TaskServer:
         try:
             theirs = json.loads(payload).get("generation")
         except (ValueError, AttributeError):
-            raise TaskError("hello", "payload must be a JSON object with the generation") from None
+            raise InvalidTask("hello", "payload must be a JSON object with the generation") from None
         ours = f"{self.generation:016x}"
         if theirs != ours:
-            raise TaskError("generation", f"client expects generation {theirs}, this daemon is {ours}")
+            raise InvalidTask("generation", f"client expects generation {theirs}, this daemon is {ours}")
         conn.greeted = True
         spec = self.engine.spec
         body = {
@@ -221,13 +197,13 @@ class TaskServer:
         if op is Op.SWAP_OUT and flags & FLAG_KEYS:
             keyed = unpack_keyed(payload, 2)
             if keyed is None:
-                raise TaskError("payload", f"{len(payload)} bytes is not n device ids, n CPU ids and n keys")
+                raise InvalidTask("payload", f"{len(payload)} bytes is not n device ids, n CPU ids and n keys")
             (src, dst), keys = keyed
             self._require_store()
         else:
             ids = unpack_ids(payload)
             if ids is None:
-                raise TaskError("payload", f"{len(payload)} bytes is not two equal lists of int32 block ids")
+                raise InvalidTask("payload", f"{len(payload)} bytes is not two equal lists of int32 block ids")
             src, dst = ids
         out = op is Op.SWAP_OUT
         tiers = ("device", "cpu") if out else ("cpu", "device")
@@ -235,32 +211,32 @@ class TaskServer:
         started = time.monotonic_ns()
         moved = self.engine.swap_out(src, dst) if out else self.engine.swap_in(src, dst)
         took = time.monotonic_ns() - started
-        self._count_task("swap_out" if out else "swap_in", len(src), moved, took)
+        self.stats.count_task("swap_out" if out else "swap_in", len(src), moved, took)
         if keys:  # write-through: the blocks just swapped out also go to the store
             self._put_blocks(src.tolist(), keys)
-        return reply(op, Status.OK, task_id, SWAP_RESULT.pack(len(src), moved, took))
+        return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(src), moved, took))
 
     # -- attention store ------------------------------------------------------------------------------
 
     def _require_store(self) -> Store:
         store: Store | None = self.store
         if store is None:
-            raise TaskError("storage_backend", "this instance has no attention store (start it with --storage-backend)")
+            raise InvalidTask(
+                "storage_backend", "this instance has no attention store (start it with --storage-backend)"
+            )
         return store
 
     def _put_blocks(self, device_ids: list[int], keys: list[bytes]) -> int:
         store = self._require_store()
-        if isinstance(store, FileStore):
-            store.protect(keys)
+        store.protect(keys)
         started = time.monotonic_ns()
         try:
             stored = store.put_many(keys, [self.engine.block_pieces(device_id) for device_id in device_ids])
         finally:
-            if isinstance(store, FileStore):
-                store.protect([])
+            store.protect([])
             self._mirror_store_counters()
         nbytes = stored * self.engine.spec.block_bytes
-        self._count_task("store", len(keys), nbytes, time.monotonic_ns() - started)
+        self.stats.count_task("store", len(keys), nbytes, time.monotonic_ns() - started)
         return nbytes
 
     def _store_op(self, op: Op, task_id: int, payload: bytes) -> bytes:
@@ -275,37 +251,36 @@ class TaskServer:
         started = time.monotonic_ns()
         if op is Op.LOOKUP:
             if len(payload) % KEY_BYTES:
-                raise TaskError("keys", f"{len(payload)} bytes is not a list of {KEY_BYTES}-byte keys")
+                raise InvalidTask("keys", f"{len(payload)} bytes is not a list of {KEY_BYTES}-byte keys")
             keys = [payload[i : i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
             found = store.present(keys)
-            self._count(lookup_tasks=1)
-            return reply(op, Status.OK, task_id, SWAP_RESULT.pack(found, 0, time.monotonic_ns() - started))
+            self.stats.count(lookup_tasks=1)
+            return reply(op, Status.OK, task_id, TASK_RESULT.pack(found, 0, time.monotonic_ns() - started))
         keyed = unpack_keyed(payload, 1)
         if keyed is None:
-            raise TaskError("payload", f"{len(payload)} bytes is not n device block ids and n keys")
+            raise InvalidTask("payload", f"{len(payload)} bytes is not n device block ids and n keys")
         (ids,), keys = keyed
         if op is Op.STORE:
             self.engine.check_ids(ids, field="device_block_ids", role="source", unique=False)
             nbytes = self._put_blocks(ids.tolist(), keys)
-            return reply(op, Status.OK, task_id, SWAP_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
+            return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
         self.engine.check_ids(ids, field="device_block_ids", role="target", unique=True)
         targets = ids.tolist()
         # Stops at the first miss: a block without its prefix is of no use.
-        loaded = store.load_prefix(keys, self.staging, lambda i, record: self.engine.write_block(targets[i], record))
+        loaded = store.load_prefix(keys, lambda i, record: self.engine.write_block(targets[i], record))
         nbytes = loaded * self.engine.spec.block_bytes
         took = time.monotonic_ns() - started
-        self._count_task("load", loaded, nbytes, took)
-        return reply(op, Status.OK, task_id, SWAP_RESULT.pack(loaded, nbytes, took))
+        self.stats.count_task("load", loaded, nbytes, took)
+        return reply(op, Status.OK, task_id, TASK_RESULT.pack(loaded, nbytes, took))
 
     def _mirror_store_counters(self) -> None:
         assert self.store is not None
         c = self.store.counters
-        for name, value in (
-            ("store_objects", c.objects),
-            ("store_bytes_used", c.bytes),
-            ("store_hits", c.hits),
-            ("store_misses", c.misses),
-            ("store_evictions", c.evictions),
-            ("store_corrupt", c.corrupt),
-        ):
-            self.stats[self.index[name]] = max(0, value)
+        self.stats.set(
+            store_objects=c.objects,
+            store_bytes_used=c.bytes,
+            store_hits=c.hits,
+            store_misses=c.misses,
+            store_evictions=c.evictions,
+            store_corrupt=c.corrupt,
+        )

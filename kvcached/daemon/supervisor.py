@@ -1,44 +1,41 @@
-"""The supervisor: holds the instance lock, owns the control block, spawns and watches rank workers.
+"""The supervisor: holds the instance lock, owns the control block's records, spawns and watches rank workers.
 
 Start-up, in this order (each step is a fault-injection point, see ``kvcached.daemon.faults``):
 
 1. refuse a spec for which the runner owns the cache (the fixed condition, cited in the message);
-2. take ``<run_dir>/<instance>.lock`` with flock, or exit 3 and touch nothing;
-3. reclaim what a dead run of this instance left in /dev/shm (ours only; a foreign owner or foreign
-   permissions on one of our names is refused, never used or deleted);
+2. take ``<run_dir>/<instance>.lock`` (``kvcached.daemon.lockfile``), or exit 3 and touch nothing;
+3. reclaim what a dead run of this instance left (``kvcached.daemon.reclaim``; ours only: a foreign owner
+   or foreign permissions on one of our names is refused, never used or deleted);
 4. check /dev/shm has room for every rank and tier, before anything is reserved;
 5. create the per-rank semaphores, then the control block (published last: magic);
-6. fork one worker per rank; each record goes ALLOCATING, then READY when its worker has reserved.
+6. fork one worker per rank (``kvcached.daemon.worker``); each record goes ALLOCATING, then READY when its
+   worker has reserved.
 
-The supervisor is the control block's only writer. Signal handlers only enqueue (Python writes the
-signal number to a wake-up pipe); the main loop dispatches. On SIGTERM/SIGINT/SIGHUP every record goes
-STOPPING (and its semaphore is posted), workers are stopped, and every object of the instance is
-unlinked, the lock file last.
+The supervisor is the only writer of the header and the records (each worker writes its own stats slot).
+Signal handlers only enqueue (Python writes the signal number to a wake-up pipe); the main loop
+dispatches. On SIGTERM/SIGINT/SIGHUP every record goes STOPPING (and its semaphore is posted), workers are
+stopped, and every object of the instance is unlinked, the lock file last.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import fcntl
 import os
 import secrets
 import selectors
 import signal
 import socket
-import stat
-import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import posix_ipc
 import structlog
 
-from kvcached import logs
+from kvcached import logs, memory
+from kvcached.access import Access
 from kvcached.config import DaemonConfig
-from kvcached.daemon import faults
-from kvcached.daemon.access import Access
+from kvcached.daemon import channel, faults, lockfile
 from kvcached.daemon.errors import (
     EXIT_ALREADY_RUNNING,
     EXIT_CONFIG,
@@ -47,24 +44,24 @@ from kvcached.daemon.errors import (
     EXIT_RESOURCES,
     Fatal,
 )
-from kvcached.daemon.fdsignals import FastDeploySignals, SignalError
+from kvcached.daemon.fdsignals import FastDeploySignals
 from kvcached.daemon.notify import Notifier
-from kvcached.daemon.rank import HEARTBEAT_S, WorkerPlan, recv_msg, send_msg, worker_main
-from kvcached.memory import host
+from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
+from kvcached.daemon.worker import HEARTBEAT_S, WorkerPlan, worker_main
+from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
-from kvcached.protocol.layout import rank_shm_bytes
+from kvcached.protocol.errors import ProtocolError, ResourceError, SignalError
+from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
-    arena_name,
     instance_shm_entries,
     lock_path,
-    posix_name,
     semaphore_name,
     task_socket_path,
 )
 from kvcached.protocol.ownership import cache_owner, explain_owner
-from kvcached.protocol.proc import is_alive, self_identity
+from kvcached.protocol.proc import self_identity
 
 #: A worker silent for this long (no heartbeat) is taken as hung.
 HEARTBEAT_TIMEOUT_S = 10 * HEARTBEAT_S
@@ -72,79 +69,22 @@ HEARTBEAT_TIMEOUT_S = 10 * HEARTBEAT_S
 STOP_GRACE_S = 5.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
+#: Called with the records after each allocation step (the CLI draws progress on a terminal with it).
+ProgressHook = Callable[[list[Record]], None]
 
-def _mib(n: int) -> str:
+
+def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
-
-
-@dataclasses.dataclass(slots=True)
-class Leftovers:
-    """What an instance has in /dev/shm and its run directory, as found by ``inspect_instance``."""
-
-    entries: list[Path]
-    sockets: list[Path]
-    #: One message per object under our names that is not ours (foreign owner or mode): never touched.
-    squatters: list[str]
-    #: The daemon of a published control block, if it is alive (then nothing here is a leftover).
-    live_pid: int | None
-
-
-def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
-    """The objects of ``instance`` (any generation) and whether a live daemon owns them."""
-    live_pid = None
-    existing = ControlBlock.open(instance)
-    if existing is not None:
-        try:
-            if existing.published:
-                header = existing.header()
-                if is_alive(header.daemon_pid, header.daemon_start):
-                    live_pid = header.daemon_pid
-        except Exception:
-            pass
-        finally:
-            existing.close()
-    entries = instance_shm_entries(instance)
-    me = os.geteuid()
-    squatters = []
-    for entry in entries:
-        st = entry.lstat()
-        if st.st_uid != me or not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) not in (0o600, 0o660):
-            squatters.append(
-                f"{entry} is not ours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; kvcached makes "
-                f"uid {me}, mode 600 or 660): refusing to use or delete it. Remove it if it is stale, or pick "
-                "another --instance name."
-            )
-    sockets = sorted(run_dir.glob(f"{instance}.r*.sock"))
-    return Leftovers(entries, sockets, squatters, live_pid)
-
-
-def unlink_entries(entries: list[Path]) -> None:
-    """Unlink /dev/shm entries (shm objects or semaphores); ones already gone are skipped."""
-    for entry in entries:
-        name, is_sem = posix_name(entry)
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            if is_sem:
-                posix_ipc.unlink_semaphore(name)
-            else:
-                posix_ipc.unlink_shared_memory(name)
-
-
-def remove_leftovers(found: Leftovers) -> int:
-    """Unlink what ``inspect_instance`` found (never with a live daemon or a squatter); how many."""
-    assert found.live_pid is None and not found.squatters
-    unlink_entries(found.entries)
-    for path in found.sockets:
-        path.unlink(missing_ok=True)
-    return len(found.entries) + len(found.sockets)
 
 
 class Supervisor:
     """One daemon instance. ``run()`` returns the exit status; everything created is gone by then."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, on_progress: ProgressHook | None = None) -> None:
         self.config = config
         self.spec = config.spec
         self.instance = config.instance
+        self.backend = memory.get(config.memory)
         self.log = logs.get("kvcached.supervisor")
         self.generation = 0
         self.lock_fd: int | None = None
@@ -158,8 +98,7 @@ class Supervisor:
         self.wake_r, self.wake_w = -1, -1
         self.all_ready_logged = False
         self.notify = Notifier()
-        self.tty = sys.stderr.isatty()  # allocation progress for a person watching the terminal
-        self.last_shown = 0.0
+        self.on_progress = on_progress
         self.access = Access.for_daemon(config.gid)
         self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
         self.signals: FastDeploySignals | None = None  # FastDeploy's flags, when --ipc-suffix is set
@@ -246,7 +185,7 @@ class Supervisor:
             ranks=self.config.ranks,
             memory=self.config.memory,
             owner=explain_owner(spec),
-            per_rank=_mib(rank_shm_bytes(spec)),
+            per_rank=mib(self.config.shm_need()[1]),
             glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
         )
         for rank in range(self.config.ranks):
@@ -278,39 +217,18 @@ class Supervisor:
                 f"{MAX_SOCKET_PATH} bytes); set KVCACHED_RUN_DIR to a shorter directory",
                 EXIT_CONFIG,
             )
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        owner = directory.stat().st_uid
-        if owner != os.geteuid():
-            raise Fatal(f"run directory {directory} belongs to uid {owner}, not to this user", EXIT_RESOURCES)
-        if self.access.gid is not None:  # the group's runners must reach the sockets in it
-            os.chown(directory, -1, self.access.gid)
-            os.chmod(directory, stat.S_IMODE(directory.stat().st_mode) | stat.S_IXGRP)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 64).decode(errors="replace").split()
-                os.close(fd)
-                who = f"pid {holder[0]}" if holder else "another process"
-                raise Fatal(
-                    f"instance {self.instance!r} is already running ({who} holds {path}); "
-                    f"use another --instance name, or `kvcached stop --instance {self.instance}`",
-                    EXIT_ALREADY_RUNNING,
-                ) from None
-            # The holder before us may have unlinked the file as it stopped: then our lock guards
-            # nothing. Only a lock on the file the path names now counts.
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        pid, started = self_identity()
-        os.write(fd, f"{pid} {started}\n".encode())
-        self.lock_fd = fd
+        try:
+            lockfile.prepare_run_dir(directory, self.access.gid)
+            self.lock_fd = lockfile.acquire(path)
+        except ResourceError as exc:
+            raise Fatal(str(exc), EXIT_RESOURCES) from None
+        except lockfile.Locked as locked:
+            who = f"pid {locked.holder.pid}" if locked.holder else "another process"
+            raise Fatal(
+                f"instance {self.instance!r} is already running ({who} holds {path}); "
+                f"use another --instance name, or `kvcached stop --instance {self.instance}`",
+                EXIT_ALREADY_RUNNING,
+            ) from None
 
     def _reclaim(self) -> None:
         """Remove what a dead run of this instance left; refuse squatters and live instances."""
@@ -329,11 +247,11 @@ class Supervisor:
 
     def _check_space(self) -> None:
         need, per_rank = self.config.shm_need()
-        free = host.shm_free_bytes()
+        free = shm_free_bytes()
         if need > free:
             raise Fatal(
-                f"/dev/shm has {_mib(free)} free, this configuration needs {_mib(need)} "
-                f"({self.config.ranks} ranks x {_mib(per_rank)}); enlarge /dev/shm (docker --shm-size, "
+                f"/dev/shm has {mib(free)} free, this configuration needs {mib(need)} "
+                f"({self.config.ranks} ranks x {mib(per_rank)}); enlarge /dev/shm (docker --shm-size, "
                 "mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks / --ranks",
                 EXIT_RESOURCES,
             )
@@ -351,24 +269,26 @@ class Supervisor:
             for _, other in self.workers.values():
                 other.close()
             assert self.block is not None
-            plan = WorkerPlan(
-                instance=self.instance,
-                generation=self.generation,
-                rank=rank,
-                ranks=self.config.ranks,
-                spec=self.spec,
-                run_dir=str(self.run_dir),
-                store=self.config.store,
-                access=self.access,
-                memory=self.config.memory,
-                device_id=self.config.devices[rank] if self.config.devices else rank,
-            )
-            worker_main(child_sock, parent=parent, plan=plan, stats=self.block.stats(rank))
+            worker_main(child_sock, parent=parent, plan=self._plan(rank), stats=self.block.stats_slot(rank))
         child_sock.close()
         self.workers[rank] = (pid, parent_sock)
         self.heard[rank] = time.monotonic()
         self.selector.register(parent_sock, selectors.EVENT_READ, rank)
         self._set(rank, state=State.ALLOCATING, worker_pid=pid)
+
+    def _plan(self, rank: int) -> WorkerPlan:
+        return WorkerPlan(
+            instance=self.instance,
+            generation=self.generation,
+            rank=rank,
+            ranks=self.config.ranks,
+            spec=self.spec,
+            run_dir=str(self.run_dir),
+            store=self.config.store,
+            access=self.access,
+            memory=self.config.memory,
+            device_id=self.config.devices[rank] if self.config.devices else rank,
+        )
 
     # -- records --------------------------------------------------------------------------------------
 
@@ -424,65 +344,57 @@ class Supervisor:
 
     def _on_worker(self, rank: int) -> None:
         _, sock = self.workers[rank]
-        msg = recv_msg(sock)
-        if msg is None:
+        try:
+            message = channel.recv(sock)
+        except ProtocolError as exc:
+            raise self._rank_failed(rank, str(exc), EXIT_FAILURE) from None
+        if message is None:
             self.selector.unregister(sock)
             self._reap(block_s=1.0)
             raise self._rank_failed(rank, "worker closed its channel", EXIT_FAILURE)
-        now = time.monotonic()
-        self.heard[rank] = now
-        kind = msg.get("t")
+        self.heard[rank] = time.monotonic()
         record = self.records[rank]
         record.heartbeat_ns = time.monotonic_ns()
-        if kind == "hb":
-            self._set(rank)
-        elif kind == "allocating":
-            self._set(rank, total_bytes=int(msg["total"]))
-        elif kind == "progress":
-            self._set(rank, reserved_bytes=int(msg["done"]))
-            self.notify.status(self._progress_text(), throttle_s=0.5)
-            self._show_progress()
-        elif kind == "ready":
-            self._set(
-                rank,
-                state=State.READY,
-                dev_name=msg["dev_name"],
-                dev_bytes=int(msg["dev_bytes"]),
-                cpu_name=msg["cpu_name"],
-                cpu_bytes=int(msg["cpu_bytes"]),
-                layout_version=int(msg["layout_version"]),
-                reserved_bytes=record.total_bytes,
-            )
-            self._show_progress(force=True)
-            self.log.info("rank ready", rank=rank, bytes=record.total_bytes)
-            if not self.all_ready_logged and all(r.state is State.READY for r in self.records):
-                self.all_ready_logged = True
-                self.log.info("all ranks ready", ranks=len(self.records))
-                total = sum(r.total_bytes for r in self.records)
-                self.notify.send(READY=1, STATUS=f"serving {len(self.records)} ranks, {total / 2**30:.1f} GiB")
-                faults.fault("after-ready")
-        elif kind == "failed":
-            raise self._rank_failed(rank, str(msg.get("error")), int(msg.get("exit", EXIT_FAILURE)))
+        match message:
+            case channel.Heartbeat():
+                self._set(rank)
+            case channel.Allocating(total=total):
+                self._set(rank, total_bytes=total)
+            case channel.Progress(done=done):
+                self._set(rank, reserved_bytes=done)
+                self.notify.status(self._progress_text(), throttle_s=0.5)
+                self._show_progress()
+            case channel.Ready():
+                self._set(
+                    rank,
+                    state=State.READY,
+                    backend=message.backend,
+                    descriptor=message.descriptor,
+                    dev_bytes=message.dev_bytes,
+                    cpu_name=message.cpu_name,
+                    cpu_bytes=message.cpu_bytes,
+                    layout_version=message.layout_version,
+                    reserved_bytes=record.total_bytes,
+                )
+                self._show_progress()
+                self.log.info("rank ready", rank=rank, bytes=record.total_bytes)
+                if not self.all_ready_logged and all(r.state is State.READY for r in self.records):
+                    self.all_ready_logged = True
+                    self.log.info("all ranks ready", ranks=len(self.records))
+                    total = sum(r.total_bytes for r in self.records)
+                    self.notify.send(READY=1, STATUS=f"serving {len(self.records)} ranks, {total / 2**30:.1f} GiB")
+                    faults.fault("after-ready")
+            case channel.Failed(error=error, exit_status=exit_status):
+                raise self._rank_failed(rank, error, exit_status)
+            case _:
+                raise self._rank_failed(rank, f"unexpected message {message!r}", EXIT_FAILURE)
 
     def _progress_text(self) -> str:
-        ready = sum(r.state is State.READY for r in self.records)
-        done = sum(r.reserved_bytes for r in self.records)
-        total = rank_shm_bytes(self.spec) * len(self.records)
-        gib = 2**30
-        ranks = len(self.records)
-        return f"allocating: {ready}/{ranks} ranks ready, {done / gib:.2f} of {total / gib:.2f} GiB reserved"
+        return progress_text(self.records, self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec))
 
-    def _show_progress(self, force: bool = False) -> None:
-        """On a terminal: one line with the total and each rank's reserved share, at most 4 per second."""
-        now = time.monotonic()
-        if not self.tty or (not force and now - self.last_shown < 0.25):
-            return
-        self.last_shown = now
-        shares = " ".join(
-            f"r{r.rank} {'ready' if r.state is State.READY else f'{100 * r.reserved_bytes // max(r.total_bytes, 1)}%'}"
-            for r in self.records
-        )
-        print(f"{self._progress_text()}  [{shares}]", file=sys.stderr, flush=True)
+    def _show_progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.records)
 
     def _rank_failed(self, rank: int, why: str, status: int) -> Fatal:
         self._set(rank, state=State.FAILED, error=why)
@@ -501,12 +413,7 @@ class Supervisor:
                 time.sleep(0.01)
             if done:
                 self._forget(rank)
-                how = (
-                    f"killed by {signal.Signals(-os.waitstatus_to_exitcode(status)).name}"
-                    if os.WIFSIGNALED(status)
-                    else f"exited with status {os.waitstatus_to_exitcode(status)}"
-                )
-                raise self._rank_failed(rank, f"worker pid {pid} {how}", EXIT_FAILURE)
+                raise self._rank_failed(rank, f"worker pid {pid} {describe_exit(status)}", EXIT_FAILURE)
 
     def _forget(self, rank: int) -> None:
         _, sock = self.workers.pop(rank)
@@ -553,24 +460,20 @@ class Supervisor:
         self.sems = []
         if self.generation:
             for rank in range(self.config.ranks):
-                for tier in ("dev", "cpu"):
-                    host.unlink(arena_name(self.instance, self.generation, rank, tier))
-        if self.generation:
-            # Anything else of this generation (a semaphore or arena a killed worker half-made). Only
-            # names with our generation: objects we refused at start-up are never ours to delete.
+                self.backend.release(self._plan(rank).tier_request())
+            # Every object of this generation (arenas, pools, a semaphore or arena a killed worker
+            # half-made). Only names with our generation: objects we refused at start-up are not ours.
             ours = f".{self.generation:016x}."
             unlink_entries([entry for entry in instance_shm_entries(self.instance) if ours in entry.name])
         for path in self.run_dir.glob(f"{self.instance}.r*.sock"):
             path.unlink(missing_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock_path(self.instance))
-        os.close(self.lock_fd)
+        lockfile.release(lock_path(self.instance), self.lock_fd)
         self.lock_fd = None
 
     def _stop_workers(self) -> None:
         for _, sock in self.workers.values():
             with contextlib.suppress(OSError):
-                send_msg(sock, t="stop")
+                channel.send(sock, channel.Stop())
         deadline = time.monotonic() + STOP_GRACE_S
         for rank, (pid, _) in list(self.workers.items()):
             while True:
@@ -587,3 +490,19 @@ class Supervisor:
                     break
                 time.sleep(0.01)
             self._forget(rank)
+
+
+def describe_exit(status: int) -> str:
+    """How a child ended, from its wait status: "killed by SIGKILL" / "exited with status 3"."""
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def progress_text(records: list[Record], per_rank_bytes: int) -> str:
+    """One line of allocation progress: ranks ready and bytes reserved of all."""
+    ready = sum(r.state is State.READY for r in records)
+    done = sum(r.reserved_bytes for r in records)
+    total = per_rank_bytes * len(records)
+    gib = 2**30
+    return f"allocating: {ready}/{len(records)} ranks ready, {done / gib:.2f} of {total / gib:.2f} GiB reserved"

@@ -1,86 +1,151 @@
-"""The ``host`` memory backend: arenas are POSIX shm objects, reserved up front.
+"""The ``host`` device backend: a rank's device tier is one POSIX shm arena (``memory.shm``), laid out by
+``kvcached.protocol.layout``; runners map the same object and view its tensors zero-copy.
 
-Every arena is created exclusively (O_EXCL) with mode 0600 and reserved with ``posix_fallocate`` before
-it is mapped, so a /dev/shm that is too small is an error here, at start-up, and never a SIGBUS when a
-page is first touched later. The mapping is populated (MAP_POPULATE) before the rank is READY: a fresh
-shm mapping otherwise takes one page fault per 4 KiB on first touch, which made a first swap of 1 GiB
-run at 0.5 GB/s instead of 12. The file descriptor is closed as soon as the mapping exists.
+The descriptor a runner attaches with: ``{"arena": "/kvcached.<instance>.<id>.r<rank>.dev", "bytes": n}``.
+The arena outlives the worker that created it (it is a named object), so a replaced worker or an
+adopting daemon ``reopen``s it with its bytes untouched.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
+import contextlib
+import dataclasses
 import mmap
-import os
-from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import posix_ipc
 
-MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # Linux; named in the mmap module from Python 3.10
-
-#: Reserve in chunks of this size so progress can be reported while a large arena is reserved.
-CHUNK = 256 << 20
-
-
-class ShmFull(OSError):
-    """/dev/shm has no room for the arena (ENOSPC while reserving)."""
+from kvcached.memory import register, shm
+from kvcached.memory.base import Array, Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest
+from kvcached.protocol.errors import AccessDenied, InvalidSpec, ProtocolError, ResourceError
+from kvcached.protocol.layout import device_arena_bytes, device_slots, device_views
+from kvcached.protocol.spec import CacheSpec
 
 
-def create_arena(
-    name: str, size: int, progress: Callable[[int], None] | None = None, *, mode: int = 0o600, gid: int | None = None
-) -> mmap.mmap:
-    """Create, reserve and map shm object ``name`` of ``size`` bytes, with ``mode`` (and group ``gid`` if
-    given; both set before a byte is reserved). On any error nothing is left.
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostPiece:
+    """A tensor of the ``host`` backend: a numpy view ``[num_blocks, nbytes]`` of the device arena."""
 
-    Raises ``posix_ipc.ExistentialError`` if the name exists, ``ShmFull`` if /dev/shm is too small.
-    ``progress(done)`` is called after each reserved chunk.
-    """
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
-    try:
-        os.fchmod(shm.fd, mode)
-        if gid is not None:
-            os.fchown(shm.fd, -1, gid)
-        done = 0
-        while done < size:
-            step = min(CHUNK, size - done)
-            os.posix_fallocate(shm.fd, done, step)
-            done += step
-            if progress is not None:
-                progress(done)
-        return mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE)
-    except BaseException as exc:
-        shm.unlink()
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise ShmFull(errno.ENOSPC, f"/dev/shm is full: cannot reserve {size} bytes for {name}") from None
-        raise
-    finally:
-        shm.close_fd()
+    device: Array
+    column: int
+    nbytes: int
+
+    def read(self, start: int, count: int) -> Array:
+        return self.device[start : start + count]
+
+    def write(self, start: int, rows: Array) -> None:
+        self.device[start : start + len(rows)] = rows
 
 
-def unlink(name: str) -> bool:
-    """Remove shm object ``name``; False if it did not exist."""
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        return False
-    return True
+def host_pieces(spec: CacheSpec, device: Any) -> list[HostPiece]:
+    """The pieces of a device arena (any buffer laid out by ``device_slots``)."""
+    device_u8 = np.frombuffer(device, dtype=np.uint8)
+    pieces = []
+    column = 0
+    for slot in device_slots(spec):
+        width = slot.nbytes // spec.num_blocks
+        view = device_u8[slot.offset : slot.offset + slot.nbytes].reshape(spec.num_blocks, width)
+        pieces.append(HostPiece(view, column, width))
+        column += width
+    return pieces
 
 
-def shm_free_bytes() -> int:
-    """Bytes an unprivileged process may still allocate in /dev/shm."""
-    st = os.statvfs("/dev/shm")
-    return st.f_bavail * st.f_frsize
+class HostTier(DeviceTier):
+    """A mapped device arena."""
+
+    def __init__(self, spec: CacheSpec, name: str, mapping: mmap.mmap) -> None:
+        self.mapping = mapping
+        self.nbytes = len(mapping)
+        self.descriptor = {"arena": name, "bytes": self.nbytes}
+        self.pieces: list[Piece] = list(host_pieces(spec, mapping))
+
+    def close(self) -> None:
+        self.pieces = []
+        with contextlib.suppress(BufferError):  # a view still alive elsewhere: unmapped with it
+            self.mapping.close()
 
 
-def pin(mapping: mmap.mmap) -> None:
-    """Lock ``mapping`` in RAM (``mlock``), as device DMA from host memory needs. Raises ``OSError`` (e.g.
-    EAGAIN/ENOMEM when RLIMIT_MEMLOCK is lower than the mapping) with nothing locked."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's first byte, as a ctypes object
-    address = ctypes.addressof(anchor)
-    del anchor  # a live export would keep the mapping from being closed
-    if libc.mlock(address, len(mapping)) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"mlock of {len(mapping)} bytes failed: {os.strerror(code)}; raise the memlock limit")
+class HostAttached(Attached):
+    """A runner's mapping of a device arena and its per-layer views."""
+
+    def __init__(self, spec: CacheSpec, mapping: mmap.mmap, framework: str) -> None:
+        self.mapping: mmap.mmap | None = mapping
+        self.nbytes = len(mapping)
+        views = device_views(spec, mapping)
+        if framework == "paddle":
+            self.tensors = {
+                kind: [to_paddle(v, spec.dtype if kind in ("key", "value") else spec.scale_dtype) for v in arrays]
+                for kind, arrays in views.items()
+            }
+        else:
+            self.tensors = views
+
+    def close(self) -> None:
+        self.tensors = {kind: [] for kind in self.tensors}
+        if self.mapping is not None:
+            mapping, self.mapping = self.mapping, None
+            self.nbytes = 0
+            with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped with it
+                mapping.close()
+
+
+def to_paddle(array: Array, dtype: str) -> Any:
+    """A paddle tensor aliasing numpy ``array`` (zero-copy through DLPack) with the cache's ``dtype``."""
+    import paddle
+
+    if dtype == "bfloat16":
+        # numpy has no bfloat16: hand the raw bits over as int16, then reinterpret in place.
+        return paddle.from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
+    return paddle.from_dlpack(array)
+
+
+class HostBackend(DeviceBackend):
+    """See the module docstring."""
+
+    name = "host"
+    summary = "POSIX shared memory (the embedded default)"
+    outlives_worker = True
+
+    def shm_bytes(self, spec: CacheSpec) -> int:
+        return device_arena_bytes(spec)
+
+    def create(self, request: TierRequest, progress: Progress) -> DeviceTier:
+        name = request.shm_name("dev")
+        try:
+            mapping = shm.create_arena(
+                name, device_arena_bytes(request.spec), progress, mode=request.mode, gid=request.gid
+            )
+        except posix_ipc.ExistentialError:
+            raise ResourceError(f"arena name taken by another process: {name}") from None
+        return HostTier(request.spec, name, mapping)
+
+    def reopen(self, request: TierRequest, descriptor: Mapping[str, Any]) -> DeviceTier:
+        name = str(descriptor.get("arena", ""))
+        if name != request.shm_name("dev"):
+            raise ResourceError(f"descriptor names arena {name!r}, expected {request.shm_name('dev')!r}")
+        try:
+            return HostTier(request.spec, name, shm.open_arena(name, device_arena_bytes(request.spec)))
+        except (posix_ipc.Error, ProtocolError) as exc:
+            raise ResourceError(f"cannot reopen device arena {name}: {exc}") from None
+
+    def attach(self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str) -> Attached:
+        name, size = descriptor.get("arena"), descriptor.get("bytes")
+        if not isinstance(name, str) or not isinstance(size, int):
+            raise ProtocolError(f"rank {local_rank}: host descriptor {dict(descriptor)} lacks arena and bytes")
+        expected = device_arena_bytes(spec)
+        if size != expected:
+            raise ProtocolError(f"rank {local_rank}: arena {name} has {size} bytes, the runner's layout {expected}")
+        if framework not in ("numpy", "paddle"):
+            raise InvalidSpec("framework", f"must be numpy or paddle, got {framework!r}")
+        try:
+            mapping = shm.open_arena(name, size, populate=False)
+        except posix_ipc.ExistentialError:
+            raise ProtocolError(f"rank {local_rank}: published arena {name} does not exist") from None
+        except posix_ipc.PermissionsError:
+            raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
+        return HostAttached(spec, mapping, framework)
+
+
+register(HostBackend())

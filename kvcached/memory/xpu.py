@@ -1,25 +1,32 @@
-"""The ``xpu`` memory backend: a rank's device tier in Kunlun XPU memory, exported the way FastDeploy's
+"""The ``xpu`` device backend: a rank's device tier in Kunlun XPU memory, exported the way FastDeploy's
 runner attaches it.
 
 Per rank the worker allocates, on its XPU device, one paddle tensor per layer and kind (key, value,
 scales), zero-filled, with FastDeploy's shapes and dtypes, and exports each under FastDeploy's name with
-FastDeploy's ``set_data_ipc`` (see ``kvcached.protocol.fastdeploy``): an unmodified runner attaches with
-``share_external_data(tensor, name, shape, True)``. Swaps and store tasks move block rows between those
-tensors and the CPU pool with paddle copies.
+FastDeploy's ``set_data_ipc`` (see ``kvcached.protocol.fastdeploy``). A runner attaches each by name with
+``share_external_data``. Swaps and store tasks move block rows between those tensors and the CPU pool.
 
-Everything that needs the hardware goes through ``XpuRuntime``: its two calls, ``allocate`` (a zeroed
-tensor on the device) and ``export`` (``set_data_ipc``). ``PaddleXpuRuntime`` is the real one; it checks at
-start-up that paddle has XPU support and that FastDeploy's XPU ops are importable, and otherwise fails
-with what to install. There is no fallback to host memory: ``--memory xpu`` without an XPU is an error.
+The descriptor a runner attaches with: ``{"device": d, "local_rank": r}`` (the names follow from them
+and the spec).
+
+Everything that needs the hardware goes through ``XpuRuntime``. ``PaddleXpuRuntime`` is the real one; it
+checks that paddle has XPU support and that FastDeploy's XPU ops are importable, and otherwise fails with
+what to install. There is no fallback to host memory: ``--memory xpu`` without an XPU is an error.
+Device memory belongs to the worker process that allocated it: it does not outlive that process.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 
+from kvcached.health import FAIL, OK, Check
+from kvcached.memory import register
+from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest
+from kvcached.protocol.errors import BackendUnavailable, InvalidSpec, ProtocolError
 from kvcached.protocol.fastdeploy import Export, exports
 from kvcached.protocol.spec import CacheSpec
 
@@ -29,7 +36,7 @@ INSTALL_HINT = (
 )
 
 
-class XpuUnavailable(RuntimeError):
+class XpuUnavailable(BackendUnavailable):
     """This host cannot run the xpu backend; the message says what is missing and what to install."""
 
 
@@ -42,30 +49,44 @@ class XpuRuntime(Protocol):
     def export(self, tensor: Any, name: str) -> None:
         """Make ``tensor`` attachable by other processes under ``name`` (FastDeploy's ``set_data_ipc``)."""
 
+    def attach(self, device_id: int, name: str, shape: tuple[int, ...], dtype: str) -> Any:
+        """The tensor another process exported under ``name`` (FastDeploy's ``share_external_data``)."""
+
+
+def _import_paddle_xpu() -> tuple[Any, Any]:
+    try:
+        paddle: Any = importlib.import_module("paddle")
+    except ImportError as exc:
+        raise XpuUnavailable(f"--memory xpu needs paddle with XPU support ({exc}): {INSTALL_HINT}") from None
+    if not paddle.is_compiled_with_xpu():
+        raise XpuUnavailable(f"--memory xpu: this paddle ({paddle.__version__}) has no XPU support: {INSTALL_HINT}")
+    try:
+        ops: Any = importlib.import_module("fastdeploy.model_executor.ops.xpu")
+    except ImportError as exc:
+        raise XpuUnavailable(f"--memory xpu: FastDeploy's XPU ops are missing ({exc}): {INSTALL_HINT}") from None
+    return paddle, ops
+
 
 class PaddleXpuRuntime:
-    """The real runtime: paddle on ``XPUPlace`` and FastDeploy's ``set_data_ipc``."""
+    """The real runtime: paddle on ``XPUPlace`` and FastDeploy's XPU ops."""
 
     def __init__(self) -> None:
-        try:
-            paddle: Any = importlib.import_module("paddle")
-        except ImportError as exc:
-            raise XpuUnavailable(f"--memory xpu needs paddle with XPU support ({exc}): {INSTALL_HINT}") from None
-        if not paddle.is_compiled_with_xpu():
-            raise XpuUnavailable(f"--memory xpu: this paddle ({paddle.__version__}) has no XPU support: {INSTALL_HINT}")
-        try:
-            ops: Any = importlib.import_module("fastdeploy.model_executor.ops.xpu")
-        except ImportError as exc:
-            raise XpuUnavailable(f"--memory xpu: FastDeploy's XPU ops are missing ({exc}): {INSTALL_HINT}") from None
-        self.paddle = paddle
-        self.set_data_ipc = ops.set_data_ipc
+        self.paddle, self.ops = _import_paddle_xpu()
 
     def allocate(self, device_id: int, shape: tuple[int, ...], dtype: str) -> Any:
         self.paddle.set_device(f"xpu:{device_id}")
         return self.paddle.full(shape=list(shape), fill_value=0, dtype=dtype)
 
     def export(self, tensor: Any, name: str) -> None:
-        self.set_data_ipc(tensor, name)
+        self.ops.set_data_ipc(tensor, name)
+
+    def attach(self, device_id: int, name: str, shape: tuple[int, ...], dtype: str) -> Any:
+        self.paddle.set_device(f"xpu:{device_id}")
+        empty = self.paddle.empty(shape=[], dtype=dtype)
+        # use_ipc=False, as FastDeploy's XPU runner attaches (worker/xpu_model_runner.py:1280 at e53f5184):
+        # the op then wraps the exporter's raw device pointer from the shm record instead of opening an
+        # XPU IPC handle (custom_ops/xpu_ops/src/ops/share_external_data.cc:31-42).
+        return self.ops.share_external_data(empty, name, list(shape), False)
 
 
 class XpuPiece:
@@ -87,15 +108,17 @@ class XpuPiece:
         self.rows[start : start + len(rows)] = self.paddle.to_tensor(np.ascontiguousarray(rows), place=self.rows.place)
 
 
-class XpuDevice:
-    """One rank's device tier on an XPU: the tensors, their exports, and their pieces for the swap engine."""
+class XpuTier(DeviceTier):
+    """One rank's device tier on an XPU: the tensors, their exports, and their pieces."""
 
     def __init__(self, spec: CacheSpec, local_rank: int, device_id: int, runtime: XpuRuntime) -> None:
         self.spec = spec
         self.device_id = device_id
+        self.descriptor = {"device": device_id, "local_rank": local_rank}
+        self.nbytes = spec.num_blocks * spec.block_bytes
         self.exports: list[Export] = exports(spec, local_rank, device_id)
         self.tensors: dict[str, Any] = {}
-        self.pieces: list[XpuPiece] = []
+        self.pieces: list[Piece] = []
         column = 0
         for export in self.exports:
             tensor = runtime.allocate(device_id, export.shape, export.dtype)
@@ -107,11 +130,106 @@ class XpuDevice:
         if column != spec.block_bytes:
             raise XpuUnavailable(f"xpu tensors hold {column} bytes per block, the layout needs {spec.block_bytes}")
 
-    @property
-    def nbytes(self) -> int:
-        return self.spec.num_blocks * self.spec.block_bytes
-
     def close(self) -> None:
-        """Drop the tensors (the runtime frees the memory; IPC names die with this process)."""
+        """Drop the tensors (the runtime frees the memory when this process lets go of them)."""
         self.pieces.clear()
         self.tensors.clear()
+
+
+class XpuAttached(Attached):
+    """A runner's attached XPU tensors."""
+
+    def __init__(self, tensors: dict[str, list[Any]]) -> None:
+        self.tensors = tensors
+        self.nbytes = 0
+
+    def close(self) -> None:
+        self.tensors = {kind: [] for kind in self.tensors}
+
+
+class XpuBackend(DeviceBackend):
+    """See the module docstring. ``runtime`` makes the hardware adapter (a double in tests)."""
+
+    name = "xpu"
+    summary = (
+        "Kunlun XPU memory, exported under FastDeploy's names (needs paddlepaddle-xpu and fastdeploy-xpu; "
+        "an error otherwise, never a fallback)"
+    )
+    pins_pool = True
+
+    def __init__(self, runtime: Callable[[], XpuRuntime] = PaddleXpuRuntime) -> None:
+        self.runtime = runtime
+
+    def create(self, request: TierRequest, progress: Progress) -> DeviceTier:
+        tier = XpuTier(request.spec, request.rank, request.device_id, self.runtime())
+        progress(tier.nbytes)
+        return tier
+
+    def attach(self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str) -> Attached:
+        if framework != "paddle":
+            raise InvalidSpec("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
+        device = descriptor.get("device")
+        if not isinstance(device, int):
+            raise ProtocolError(f"rank {local_rank}: xpu descriptor {dict(descriptor)} lacks the device")
+        try:
+            runtime = self.runtime()
+        except XpuUnavailable as exc:
+            raise InvalidSpec("framework", f"attaching an xpu cache: {exc}") from None
+        tensors: dict[str, list[Any]] = {"key": [], "value": [], "key_scale": [], "value_scale": []}
+        for export in exports(spec, local_rank, device):
+            tensors[export.kind].append(runtime.attach(device, export.name, export.shape, export.dtype))
+        return XpuAttached(tensors)
+
+    def doctor(self, spec: CacheSpec, ranks: int) -> list[Check]:
+        return check_xpu()
+
+
+def check_xpu() -> list[Check]:
+    """Always three checks: ``xpu_paddle`` (paddle with XPU support), ``xpu_runtime`` (the XPU runtime's
+    major version: IPC needs 5) and ``xpu_ops`` (FastDeploy's XPU ops)."""
+    try:
+        paddle: Any = importlib.import_module("paddle")
+    except ImportError as exc:
+        paddle = None
+        missing = str(exc)
+    if paddle is None:
+        advice = "pip install paddlepaddle-xpu from Kunlun's wheel index (not on PyPI)"
+        checks = [Check("xpu_paddle", FAIL, f"paddle not importable ({missing})", {"paddle": None}, advice)]
+    else:
+        compiled = bool(paddle.is_compiled_with_xpu())
+        measured = {"paddle": paddle.__version__, "compiled_with_xpu": compiled}
+        if compiled:
+            checks = [Check("xpu_paddle", OK, f"paddle {paddle.__version__} with XPU support", measured)]
+        else:
+            figure = f"paddle {paddle.__version__} without XPU support"
+            checks = [Check("xpu_paddle", FAIL, figure, measured, "this is the CPU paddle: install paddlepaddle-xpu")]
+    version = None
+    for getter in ("xpu_xre", "xpu"):
+        try:
+            version = str(getattr(paddle.version, getter)())
+            break
+        except (AttributeError, TypeError):
+            continue
+    major = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
+    measured_rt = {"runtime": version, "major": major}
+    if major is None:
+        figure = f"XPU runtime version unknown ({version})"
+        checks.append(Check("xpu_runtime", FAIL, figure, measured_rt, "install the XPU runtime (XRE)"))
+    elif major < 5:
+        advice = "IPC handles need runtime major version 5"
+        checks.append(Check("xpu_runtime", FAIL, f"XPU runtime {version}", measured_rt, advice))
+    else:
+        checks.append(Check("xpu_runtime", OK, f"XPU runtime {version}", measured_rt))
+    try:
+        ops = importlib.import_module("fastdeploy.model_executor.ops.xpu")
+    except ImportError as exc:
+        figure = f"FastDeploy XPU ops missing ({exc})"
+        checks.append(Check("xpu_ops", FAIL, figure, {"ops": {}}, "pip install fastdeploy-xpu"))
+        return checks
+    present = {name: hasattr(ops, name) for name in ("set_data_ipc", "share_external_data")}
+    figure = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in present.items())
+    checks.append(Check("xpu_ops", OK if all(present.values()) else FAIL, figure, {"ops": present}))
+    return checks
+
+
+register(XpuBackend())

@@ -1,4 +1,5 @@
-"""The control block: one POSIX shm object per instance, written by the supervisor alone, read by all.
+"""The control block: one POSIX shm object per instance, its header and records written by the supervisor
+alone, read by all.
 
 ::
 
@@ -8,26 +9,21 @@
     |   0 magic "KVCACHED" | 8 version u32 | 12 header size u32 | 16 record size u32        |
     |  20 ranks u32 | 24 generation u64 | 32 daemon pid i64 | 40 daemon start time u64       |
     |  48 created (wall ns) u64 | 56 spec digest 16B | 72 spec JSON length u32                 |
-    |  76 run directory 128B (utf-8: where the task sockets are) | 204 spec JSON              |
+    |  76 run directory 128B (utf-8: where the task sockets are) | 204 adopted from u64      |
+    | 212 stats slot size u32 | 216 spec JSON                                                |
     +--------------------------------------------------------------------------------------+
-    | record of rank 0, 512 bytes, under a seqlock                                         |
+    | record of rank 0, 1024 bytes, under a seqlock                                        |
     |   0 seq u64 | 8 state u32 | 12 rank u32 | 16 generation u64 | 24 heartbeat (mono ns)  |
     |  32 state since (mono ns) | 40 state since (wall ns) | 48 worker pid i64               |
-    |  56 layout version u32 | 60 spare u32 | 64 device arena bytes | 72 cpu pool bytes       |
-    |  80 bytes reserved so far | 88 bytes to reserve | 96 device arena name 64B             |
-    | 160 cpu pool name 64B | 224 last error 256B (utf-8)                                   |
+    |  56 layout version u32 | 60 spare u32 | 64 device tier bytes | 72 cpu pool bytes        |
+    |  80 bytes reserved so far | 88 bytes to reserve | 96 device backend name 16B           |
+    | 112 cpu pool name 64B | 176 last error 256B (utf-8) | 432 descriptor length u16        |
+    | 434 device descriptor (JSON, what a runner needs to attach the tier) 480B              |
     +--------------------------------------------------------------------------------------+
     | record of rank 1 ... rank n-1                                                        |
     +--------------------------------------------------------------------------------------+
-    | stats of rank 0, 1024 bytes: 128 u64, written by that rank's worker alone, each an     |
-    | aligned 8-byte store (no seqlock: counters, not state). u64 0..63: the counters of     |
-    | ``STAT_NAMES``; from u64 64: task latency histograms (``LATENCY_OPS`` x               |
-    | ``LATENCY_BUCKETS_S``)                                                                 |
-    | stats of rank 1 ... rank n-1                                                         |
-
-Waiting runners: while a runner waits for rank k it holds an open-file-description read lock
-(``F_OFD_SETLK``) on byte k of the control block; the kernel drops it when the runner stops waiting or
-dies, and ``count_waiters`` counts them from /proc/locks. Nothing is written for it.
+    | stats slot of rank 0 ... rank n-1 (``kvcached.protocol.stats``): written by each        |
+    | rank's worker, never by the supervisor                                                 |
 
 The seqlock: the writer makes ``seq`` odd, writes the body, makes ``seq`` even; a reader reads ``seq``,
 copies the body, reads ``seq`` again and retries while it was odd or changed. This relies on x86-64's
@@ -42,75 +38,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import fcntl
 import json
 import mmap
 import os
 import struct
 import time
-from pathlib import Path
 from typing import Any
 
 import posix_ipc
 
-from kvcached.protocol.errors import AccessDenied, ProtocolError
+from kvcached.protocol.errors import AccessDenied, ProtocolError, TornRead
 from kvcached.protocol.layout import round_up
-from kvcached.protocol.names import SHM_DIR, control_name
+from kvcached.protocol.names import control_name
 from kvcached.protocol.spec import CacheSpec
+from kvcached.protocol.stats import STATS_SIZE, StatsSlot
 
 MAGIC = b"KVCACHED"
-VERSION = 2
+VERSION = 3
 HEADER_SIZE = 4096
-RECORD_SIZE = 512
-STATS_SIZE = 1024
+RECORD_SIZE = 1024
 MAX_RANKS = 256
 MAX_RUN_DIR = 127
+MAX_DESCRIPTOR = 480
 
-#: Counters in each rank's stats slot, in order. Append only: the position is the format.
-STAT_NAMES: tuple[str, ...] = (
-    "swap_out_tasks",
-    "swap_out_blocks",
-    "swap_out_bytes",
-    "swap_out_ns",
-    "swap_in_tasks",
-    "swap_in_blocks",
-    "swap_in_bytes",
-    "swap_in_ns",
-    "tasks_refused",
-    "connections",
-    "store_tasks",
-    "store_blocks",
-    "store_bytes",
-    "store_ns",
-    "load_tasks",
-    "load_blocks",
-    "load_bytes",
-    "load_ns",
-    "lookup_tasks",
-    "store_objects",
-    "store_bytes_used",
-    "store_hits",
-    "store_misses",
-    "store_evictions",
-    "store_corrupt",
-    "store_errors",
-)
-#: u64 index in a stats slot where the latency histograms begin (room for 64 counters before it).
-LATENCY_INDEX = 64
-#: Tasks whose duration is observed, in slot order.
-LATENCY_OPS: tuple[str, ...] = ("swap_out", "swap_in", "store", "load")
-#: Upper bounds (seconds) of the histogram buckets. Bucket i counts tasks that took more than bound i-1
-#: and at most bound i (not cumulative); tasks slower than the last bound are only in ``<op>_tasks``.
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
-)  # fmt: skip
-assert len(STAT_NAMES) <= LATENCY_INDEX
-assert (LATENCY_INDEX + len(LATENCY_OPS) * len(LATENCY_BUCKETS_S)) * 8 <= STATS_SIZE
-
-_HEADER = struct.Struct("<8sIIIIQqQQ16sI128s")
+_HEADER = struct.Struct("<8sIIIIQqQQ16sI128sQI")
 _SPEC_OFFSET = _HEADER.size
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<IIQQQQqIIQQQQ64s64s256s")
+_BODY = struct.Struct("<IIQQQQqIIQQQQ16s64s256sH480s")
 assert _SEQ.size + _BODY.size <= RECORD_SIZE
 
 
@@ -137,11 +91,16 @@ class Header:
     spec_digest: bytes
     spec: dict[str, Any]
     run_dir: str
+    #: The generation whose memory this daemon adopted at start (0: it allocated its own).
+    adopted_from: int = 0
 
 
 @dataclasses.dataclass(slots=True)
 class Record:
-    """One rank's record. Plain (not frozen): the supervisor updates it in place and writes it back."""
+    """One rank's record. Plain (not frozen): the supervisor updates it in place and writes it back.
+
+    ``backend`` names the device backend (``kvcached.memory``) and ``descriptor`` is what that backend
+    publishes for a runner to attach the tier (for ``host``: the arena's name and size)."""
 
     state: State = State.EMPTY
     rank: int = 0
@@ -155,12 +114,16 @@ class Record:
     cpu_bytes: int = 0
     reserved_bytes: int = 0
     total_bytes: int = 0
-    dev_name: str = ""
+    backend: str = ""
     cpu_name: str = ""
     error: str = ""
+    descriptor: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def pack(self) -> bytes:
-        """The body bytes (everything after ``seq``)."""
+        """The body bytes (everything after ``seq``). Raises ``ValueError`` for a descriptor too long."""
+        descriptor = json.dumps(self.descriptor, separators=(",", ":"), sort_keys=True).encode()
+        if len(descriptor) > MAX_DESCRIPTOR:
+            raise ValueError(f"device descriptor of {len(descriptor)} bytes exceeds {MAX_DESCRIPTOR}")
         return _BODY.pack(
             int(self.state),
             self.rank,
@@ -175,14 +138,16 @@ class Record:
             self.cpu_bytes,
             self.reserved_bytes,
             self.total_bytes,
-            _fit(self.dev_name, 64),
+            _fit(self.backend, 16),
             _fit(self.cpu_name, 64),
             _fit(self.error, 256),
+            len(descriptor),
+            descriptor,
         )
 
     @classmethod
     def unpack(cls, body: bytes) -> Record:
-        """Parse body bytes; an unknown state number raises ``ProtocolError``."""
+        """Parse body bytes; an unknown state number or a bad descriptor raises ``ProtocolError``."""
         (
             state,
             rank,
@@ -197,14 +162,24 @@ class Record:
             cpu_bytes,
             reserved,
             total,
-            dev_name,
+            backend,
             cpu_name,
             error,
+            descriptor_len,
+            descriptor,
         ) = _BODY.unpack(body)
         try:
             parsed_state = State(state)
         except ValueError:
             raise ProtocolError(f"record of rank {rank} has unknown state number {state}") from None
+        parsed: Any = {}
+        if descriptor_len:
+            try:
+                parsed = json.loads(descriptor[: min(descriptor_len, MAX_DESCRIPTOR)])
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ProtocolError(f"record of rank {rank} has a device descriptor that is not a JSON object")
         return cls(
             parsed_state,
             rank,
@@ -218,14 +193,11 @@ class Record:
             cpu_bytes,
             reserved,
             total,
-            _unfit(dev_name),
+            _unfit(backend),
             _unfit(cpu_name),
             _unfit(error),
+            parsed,
         )
-
-
-class TornRead(Exception):
-    """No consistent copy of a record within the retry budget (a writer mid-write, or one that died)."""
 
 
 def _fit(text: str, size: int) -> bytes:
@@ -238,7 +210,7 @@ def _unfit(raw: bytes) -> str:
     return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
-def block_size_for(num_ranks: int) -> int:
+def control_block_bytes(num_ranks: int) -> int:
     """Bytes of a control block with ``num_ranks`` records and stats slots."""
     return round_up(HEADER_SIZE + (RECORD_SIZE + STATS_SIZE) * num_ranks)
 
@@ -270,6 +242,7 @@ class ControlBlock:
         run_dir: str = "",
         mode: int = 0o600,
         gid: int | None = None,
+        adopted_from: int = 0,
     ) -> ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
         ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
@@ -280,7 +253,7 @@ class ControlBlock:
         if len(run_dir_bytes) > MAX_RUN_DIR:
             raise ValueError(f"run directory path longer than {MAX_RUN_DIR} bytes: {run_dir}")
         name = control_name(instance)
-        size = block_size_for(num_ranks)
+        size = control_block_bytes(num_ranks)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
         try:
             os.fchmod(shm.fd, mode)
@@ -314,6 +287,8 @@ class ControlBlock:
             spec.geometry_digest,
             len(spec_json),
             run_dir_bytes,
+            adopted_from,
+            STATS_SIZE,
         )
         block._buf[_SPEC_OFFSET : _SPEC_OFFSET + len(spec_json)] = spec_json
         for rank in range(num_ranks):
@@ -378,10 +353,12 @@ class ControlBlock:
             digest,
             spec_len,
             run_dir,
+            adopted_from,
+            stats_size,
         ) = _HEADER.unpack_from(self._buf, 0)
         if magic != MAGIC:
             raise ProtocolError(f"{self.name}: not a kvcached control block (magic {magic!r})")
-        if version != VERSION or header_size != HEADER_SIZE or record_size != RECORD_SIZE:
+        if version != VERSION or (header_size, record_size, stats_size) != (HEADER_SIZE, RECORD_SIZE, STATS_SIZE):
             raise ProtocolError(
                 f"{self.name}: control block format version {version} "
                 f"(header {header_size}, record {record_size}); this client speaks version {VERSION}"
@@ -396,7 +373,9 @@ class ControlBlock:
             raise ProtocolError(f"{self.name}: spec in header is not JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise ProtocolError(f"{self.name}: spec in header is not an object")
-        self._header = Header(version, num_ranks, generation, pid, start, created, digest, spec, _unfit(run_dir))
+        self._header = Header(
+            version, num_ranks, generation, pid, start, created, digest, spec, _unfit(run_dir), adopted_from
+        )
         self._num_ranks = num_ranks
         return self._header
 
@@ -408,23 +387,12 @@ class ControlBlock:
             raise IndexError(f"rank {rank} out of range 0..{num_ranks - 1}")
         return HEADER_SIZE + rank * RECORD_SIZE
 
-    def stats(self, rank: int) -> memoryview:
-        """``rank``'s whole stats slot, a memoryview of u64: counters indexed like ``STAT_NAMES``, then
-        the histograms from ``LATENCY_INDEX`` (writable in the writer's process and its forked workers,
-        read-only elsewhere). Plain item stores, no seqlock."""
+    def stats_slot(self, rank: int) -> StatsSlot:
+        """``rank``'s stats slot (``kvcached.protocol.stats``): writable in the writer's process and its
+        forked workers, read-only elsewhere."""
         self._record_offset(rank)
         offset = HEADER_SIZE + RECORD_SIZE * self._num_ranks + STATS_SIZE * rank
-        return self._buf[offset : offset + STATS_SIZE].cast("Q")
-
-    def read_stats(self, rank: int) -> dict[str, int]:
-        """A copy of ``rank``'s counters by name."""
-        return dict(zip(STAT_NAMES, self.stats(rank)[: len(STAT_NAMES)].tolist(), strict=True))
-
-    def read_latency(self, rank: int) -> dict[str, list[int]]:
-        """A copy of ``rank``'s task latency histograms: per op, the (non-cumulative) bucket counts."""
-        slot = self.stats(rank).tolist()
-        n = len(LATENCY_BUCKETS_S)
-        return {op: slot[LATENCY_INDEX + i * n : LATENCY_INDEX + (i + 1) * n] for i, op in enumerate(LATENCY_OPS)}
+        return StatsSlot(self._buf[offset : offset + STATS_SIZE].cast("Q"))
 
     def read(self, rank: int, *, attempts: int = 2000) -> Record:
         """A consistent copy of ``rank``'s record (seqlock). Raises ``TornRead`` when no consistent copy
@@ -448,54 +416,8 @@ class ControlBlock:
         if not self.writable:
             raise PermissionError(f"{self.name} is mapped read-only")
         off = self._record_offset(rank)
+        body = record.pack()  # before seq turns odd: a record that cannot be packed leaves the old one
         (seq,) = _SEQ.unpack_from(self._buf, off)
         _SEQ.pack_into(self._buf, off, seq + 1)
-        self._buf[off + _SEQ.size : off + _SEQ.size + _BODY.size] = record.pack()
+        self._buf[off + _SEQ.size : off + _SEQ.size + _BODY.size] = body
         _SEQ.pack_into(self._buf, off, seq + 2)
-
-
-# -- waiting runners ------------------------------------------------------------------------------------
-
-#: ``struct flock`` on 64-bit Linux: type, whence, (pad), start, len, pid, (pad).
-_FLOCK = struct.Struct("hh4xqqi4x")
-
-
-def mark_waiting(instance: str, rank: int) -> int | None:
-    """Take a read lock on byte ``rank`` of the control block, held by the returned descriptor until it is
-    closed (or the process dies); None if that is not possible (no block, no permission, no OFD locks)."""
-    try:
-        fd = os.open(SHM_DIR / control_name(instance).lstrip("/"), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, rank, 1, 0))
-    except (OSError, AttributeError):
-        os.close(fd)
-        return None
-    return fd
-
-
-def count_waiters(instance: str, num_ranks: int, locks: str | None = None) -> list[int]:
-    """How many processes hold a waiting mark on each rank of ``instance``'s current control block, read
-    from /proc/locks (or ``locks``, its text)."""
-    counts = [0] * num_ranks
-    try:
-        st = os.stat(SHM_DIR / control_name(instance).lstrip("/"))
-        text = locks if locks is not None else Path("/proc/locks").read_text()
-    except OSError:
-        return counts
-    target = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    for line in text.splitlines():
-        fields = line.split()
-        # "1: OFDLCK ADVISORY READ -1 00:1a:1234 3 3"; blocked requests have "->" before the type
-        if len(fields) != 8 or fields[1] != "OFDLCK" or fields[3] != "READ":
-            continue
-        try:
-            major, minor, inode = fields[5].split(":")
-            where = (int(major, 16), int(minor, 16), int(inode))
-            start = int(fields[6])
-        except ValueError:
-            continue
-        if where == target and 0 <= start < num_ranks:
-            counts[start] += 1
-    return counts

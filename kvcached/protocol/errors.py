@@ -1,23 +1,38 @@
-"""Every exception a runner or an operator may see, in one tree.
+"""Every exception kvcached raises on purpose, in one tree.
 
 ::
 
-    KVCacheError                     base of everything kvcached raises on purpose
-    ├── InvalidSpec (ValueError)     a CacheSpec field is out of range; names the field and what is allowed
-    ├── OwnershipConflict            the fixed condition and the host disagree: a second copy would appear
-    ├── CacheNotReady (TimeoutError) the wait reached its deadline; names instance, rank, state, since when
-    ├── DaemonGone                   the daemon that was publishing this rank died or stopped
-    ├── RankFailed                   the daemon marked this rank FAILED; carries its last error
-    ├── CacheLayoutMismatch          the published layout differs from the runner's spec; names the field
-    ├── ProtocolError                a control block that is not ours (bad magic, other format version)
-    ├── InvalidTask (ValueError)     a task refused before anything moved; names the field (ids, rank, ...)
-    ├── TaskFailed                   the daemon accepted a task but could not complete it
-    └── TaskTimeout (TimeoutError)   no reply to a task within its timeout (it may still complete)
+    KVCacheError                        base of everything kvcached raises on purpose
+    ├── InvalidSpec (ValueError)        a spec or configuration field is out of range; names the field
+    │   └── InvalidConfig               the same, read from a flag, an environment variable or a file: names it
+    ├── OwnershipConflict               the fixed condition and the host disagree: a second copy would appear
+    ├── CacheNotReady (TimeoutError)    the wait reached its deadline; names instance, rank, state, since when
+    ├── DaemonGone                      the daemon that was publishing this rank died or stopped
+    ├── AccessDenied (PermissionError)  this process may not use the instance (user, group, modes)
+    │   └── NotTrusted                  an object under the instance's names belongs to someone the runner
+    │                                   does not trust (another user, or writable by others): never mapped
+    ├── RankFailed                      the daemon marked this rank FAILED; carries its last error
+    ├── CacheLayoutMismatch             the published layout differs from the runner's spec; names the field
+    ├── ProtocolError                   a shared object that does not speak this protocol (foreign, corrupt)
+    │   └── TornRead                    no consistent copy of a record (its writer is mid-write or died so)
+    ├── InvalidTask (ValueError)        a task refused before anything moved; names the field (ids, rank, ...)
+    ├── TaskFailed                      the daemon accepted a task but could not complete it
+    │   ├── TaskLost                    the rank's worker died during the task; names the blocks left undefined
+    │   └── StoreUnavailable            the attention store's backend cannot be reached or timed out
+    ├── TaskTimeout (TimeoutError)      no reply to a task within its timeout (it may still complete)
+    ├── BackendUnavailable              a device backend cannot run on this host; says what to install
+    └── ResourceError (OSError)         the host lacks what the daemon needs, or someone else holds it
+        ├── ShmFull                     /dev/shm has no room (ENOSPC while reserving)
+        ├── StoreBusy                   another daemon holds the store's directory (flock)
+        └── SignalError                 one of FastDeploy's flag segments cannot be used (size, owner)
 
-``runner_client`` re-exports all of them; runners catch these, never bare ``RuntimeError``.
+``runner_client`` re-exports the ones a runner meets; runners catch these, never bare ``RuntimeError``.
+The daemon maps the others to its exit statuses (``kvcached.daemon.errors``).
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class KVCacheError(Exception):
@@ -33,6 +48,18 @@ class InvalidSpec(KVCacheError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+
+class InvalidConfig(InvalidSpec):
+    """Raised when a configuration value is invalid; ``source`` says where it came from, as an operator
+    would write it (``--num-blocks``, ``KVCACHED_NUM_BLOCKS=abc``, ``/etc/kvcached/a.toml: num_blocks``)."""
+
+    def __init__(self, field: str, source: str, message: str) -> None:
+        KVCacheError.__init__(self, f"{source}: {message}")
+        self.field = field
+        self.source = source
+        self.message = message
 
 
 class OwnershipConflict(KVCacheError):
@@ -58,8 +85,15 @@ class AccessDenied(KVCacheError, PermissionError):
     the daemon's ``--group`` (the shared objects' modes or the task socket's peer check refused it)."""
 
 
+class NotTrusted(AccessDenied):
+    """Raised before a byte is mapped when an object under the instance's names (control block,
+    semaphore, arena, socket) belongs to a user the runner does not trust, or is writable by others: an
+    impostor could otherwise hand the runner its memory. Trusted: the runner's own user, root, and the
+    user named by ``KVCACHED_DAEMON_USER``."""
+
+
 class RankFailed(KVCacheError):
-    """Raised when the daemon marked the rank FAILED (allocation error, worker death)."""
+    """Raised when the daemon marked the rank FAILED (allocation error, a worker that cannot be replaced)."""
 
 
 class CacheLayoutMismatch(KVCacheError):
@@ -82,6 +116,11 @@ class ProtocolError(KVCacheError):
     """Raised when a shared object does not speak this protocol (foreign, corrupt, other version)."""
 
 
+class TornRead(ProtocolError):
+    """Raised when no consistent copy of a record was had within the retry budget: the writer is mid-write,
+    or died mid-write."""
+
+
 class InvalidTask(KVCacheError, ValueError):
     """Raised when a task is refused before anything was copied: no block changed.
 
@@ -91,11 +130,50 @@ class InvalidTask(KVCacheError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 class TaskFailed(KVCacheError):
     """Raised when the daemon accepted a task but failed while executing it."""
 
 
+class TaskLost(TaskFailed):
+    """Raised for a task in flight when its rank's worker died: the daemon replaces the worker on the same
+    memory, but the task's target blocks (``blocks``, in the target tier) may be half-written."""
+
+    def __init__(self, message: str, *, rank: int, blocks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.blocks = blocks
+
+
+class StoreUnavailable(TaskFailed):
+    """Raised when the attention store's backend cannot be reached, or did not answer within its deadline;
+    the task fails, the rank serves its other tiers."""
+
+
 class TaskTimeout(KVCacheError, TimeoutError):
     """Raised when a task's reply did not come within its timeout; the task may still complete."""
+
+
+class BackendUnavailable(KVCacheError):
+    """Raised when a device backend cannot run on this host; the message says what is missing."""
+
+
+class ResourceError(KVCacheError, OSError):
+    """Raised when the host lacks a resource the daemon needs, or another process holds it."""
+
+
+class ShmFull(ResourceError):
+    """Raised when /dev/shm has no room for an arena (ENOSPC while reserving)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+
+class StoreBusy(ResourceError):
+    """Raised when another kvcached daemon holds the store's directory."""
+
+
+class SignalError(ResourceError):
+    """Raised when one of FastDeploy's flag segments cannot be used (too small, someone else's)."""

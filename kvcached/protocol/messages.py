@@ -15,7 +15,7 @@ Every frame is a fixed header and a payload; integers little-endian::
                  longest prefix of the keys that is present and valid; reply blocks = how many)
     op LOOKUP    payload: n 32-byte keys; reply blocks = how many leading keys this rank has
 
-    status OK (0): SWAP_* reply payload ``SWAP_RESULT`` (blocks u64, bytes u64, copy ns u64), HELLO reply
+    status OK (0): every op but HELLO answers ``TASK_RESULT`` (blocks u64, bytes u64, ns u64); HELLO replies
     JSON; INVALID (1): JSON {"field", "message"}, nothing was changed; FAILED (2): JSON {"message"}; the
     connection stays usable after both.
 
@@ -34,7 +34,7 @@ import numpy as np
 
 REQUEST = struct.Struct("<4sHHQI")
 REPLY = struct.Struct("<4sHhQI")
-SWAP_RESULT = struct.Struct("<QQQ")
+TASK_RESULT = struct.Struct("<QQQ")
 REQUEST_MAGIC = b"KVT1"
 REPLY_MAGIC = b"KVR1"
 #: 8 Mi block-id pairs per task at most.
@@ -81,7 +81,7 @@ def reply(op: int, status: Status, task_id: int, body: dict[str, Any] | bytes) -
 def parse_reply_body(op: int, status: int, payload: bytes) -> dict[str, Any]:
     """The body of a reply as a dict, whatever its encoding."""
     if status == Status.OK and op != Op.HELLO:
-        blocks, nbytes, ns = SWAP_RESULT.unpack(payload)
+        blocks, nbytes, ns = TASK_RESULT.unpack(payload)
         return {"blocks": blocks, "bytes": nbytes, "ns": ns}
     body = json.loads(payload) if payload else {}
     return body if isinstance(body, dict) else {"message": str(body)}

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 from kvcached.protocol.errors import InvalidSpec
 
@@ -22,12 +23,12 @@ DTYPE_SIZES: Mapping[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "in
 #: dtypes allowed for the block-wise fp8 scale tensors (FastDeploy uses the default float dtype).
 SCALE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
-STORAGE_BACKENDS: tuple[str, ...] = ("file", "mooncake")
+#: A storage backend's name as the spec carries it (which names exist is the store registry's business;
+#: for the fixed condition any name means "a store is on").
+_BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 #: Largest arena one rank may ask for: the user address space of x86-64 (128 TiB).
 MAX_RANK_BYTES = 1 << 47
-
-Role = Literal["mixed", "prefill", "decode"]
 
 _POSITIVE_FIELDS = ("num_layers", "kv_heads", "head_dim", "block_size", "num_blocks")
 
@@ -62,8 +63,13 @@ class CacheSpec:
         _check_choice("dtype", self.dtype, tuple(DTYPE_SIZES))
         _check_choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
         _check_choice("splitwise_role", self.splitwise_role, ROLES)
-        if self.storage_backend is not None:
-            _check_choice("storage_backend", self.storage_backend, STORAGE_BACKENDS, none_allowed=True)
+        if self.storage_backend is not None and not (
+            isinstance(self.storage_backend, str) and _BACKEND_NAME.fullmatch(self.storage_backend)
+        ):
+            raise InvalidSpec(
+                "storage_backend",
+                f"must be a backend name (lower-case letters, digits, _) or none; got {self.storage_backend!r}",
+            )
         for name in ("block_wise_fp8", "mla"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSpec(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -161,7 +167,6 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
         raise InvalidSpec(name, f"must be an integer >= {minimum}, got {value}{hint}")
 
 
-def _check_choice(name: str, value: object, allowed: tuple[str, ...], *, none_allowed: bool = False) -> None:
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        choices = ", ".join(allowed) + (", or none" if none_allowed else "")
-        raise InvalidSpec(name, f"must be one of {choices}; got {value!r}")
+        raise InvalidSpec(name, f"must be one of {', '.join(allowed)}; got {value!r}")

@@ -1,4 +1,8 @@
-"""The attention store's contract and the object format every backend stores.
+"""The attention store's contract, the object format every backend stores, and the backend seam.
+
+A backend is one module under ``kvcached/store/`` holding a ``StoreBackend`` (its options, how to open a
+rank's ``Store``, its doctor checks), registered by name (``kvcached.store.register``). Nothing outside
+its module names it.
 
 One object per (block key, rank): a 128-byte header, then the block record (every layer's key, value and
 scales of that block, as in the CPU pool; ``spec.block_bytes`` long)::
@@ -17,18 +21,22 @@ from __future__ import annotations
 import abc
 import dataclasses
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import xxhash
+
+from kvcached.knobs import Knob
+from kvcached.protocol.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from kvcached.health import Check
+    from kvcached.logs import Logger
 
 MAGIC = b"KVCBLOCK"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIQ16s32sIIQ")
 HEADER_SIZE = 128
-
-
-class StoreUnavailable(Exception):
-    """The backend cannot be reached (e.g. the Mooncake master is down); the task fails, the rank serves on."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,42 +98,57 @@ class StoreCounters:
     corrupt: int = 0
 
 
-class Store(abc.ABC):
-    """One rank's view of a storage backend. Methods may raise ``StoreUnavailable``."""
+Sink = Callable[[int, memoryview], None]
 
-    name: str
+
+class Store(abc.ABC):
+    """One rank's view of a storage backend. Methods may raise ``StoreUnavailable`` (the backend cannot be
+    reached) and ``OSError``; a failed call leaves every object either absent or whole."""
+
     counters: StoreCounters
 
     @abc.abstractmethod
-    def put(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
-        """Store the block record made of ``pieces`` under ``key``; False if it was there already."""
+    def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
+        """Store block records (each the concatenation of its ``pieces``) under ``keys``; how many were newly
+        written. A key already stored is left as it is: a key names its content."""
 
     @abc.abstractmethod
-    def get_into(self, key: bytes, staging: memoryview) -> memoryview | None:
-        """Read and verify ``key``'s object into ``staging`` (header + payload); the payload view, or None
-        for a miss (absent, or failed verification, in which case it is removed)."""
-
-    def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
-        """Store several block records; how many were new. Backends with batch calls override this."""
-        return sum(self.put(key, parts) for key, parts in zip(keys, pieces, strict=True))
-
-    def load_prefix(self, keys: Sequence[bytes], staging: memoryview, sink: Callable[[int, memoryview], None]) -> int:
-        """Hand the verified payload of each leading present key to ``sink(index, payload)`` in order, stopping
-        at the first miss; how many were handed over. A payload view is valid only during its ``sink`` call."""
-        for i, key in enumerate(keys):
-            payload = self.get_into(key, staging)
-            if payload is None:
-                return i
-            sink(i, payload)
-        return len(keys)
+    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
+        """Hand the verified payload of each leading present key to ``sink(index, payload)`` in order,
+        stopping at the first miss; how many were handed over. A payload view is valid only during its
+        ``sink`` call."""
 
     @abc.abstractmethod
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are present."""
 
-    @abc.abstractmethod
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove ``keys``; how many were removed."""
+    def protect(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - backends without eviction ignore it
+        """The keys of the task in progress: a backend that evicts passes them over until ``protect([])``."""
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release
         """Release resources."""
+
+
+class StoreBackend(abc.ABC):
+    """A storage backend: its options, how to open one rank's ``Store``, and its host checks."""
+
+    name: ClassVar[str]
+    #: One line for ``--storage-backend``'s help.
+    summary: ClassVar[str]
+    #: This backend's configuration knobs (flags, environment, TOML keys).
+    options: ClassVar[tuple[Knob, ...]] = ()
+
+    def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
+        """Check and complete this backend's options (``values``: each option's parsed value, or its
+        default). Raises ``InvalidSpec`` naming the option."""
+        return {knob.name: values.get(knob.name, knob.default) for knob in self.options}
+
+    @abc.abstractmethod
+    def open(
+        self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
+    ) -> Store:
+        """One rank's store. Raises ``StoreBusy`` / ``StoreUnavailable`` / ``OSError`` saying why it cannot."""
+
+    def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
+        """Host checks of this backend (reachable, writable, room)."""
+        return []

@@ -21,26 +21,29 @@ import collections
 import contextlib
 import fcntl
 import itertools
+import mmap
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreCounters, checksum
+from kvcached import knobs
+from kvcached.health import FAIL, OK, WARN, Check, size_text
+from kvcached.logs import Logger
+from kvcached.protocol.errors import InvalidSpec, StoreBusy
+from kvcached.protocol.layout import round_up
+from kvcached.protocol.spec import CacheSpec
+from kvcached.store import register
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
 
 SUFFIX = ".kvb"
-
-
-class RankDirectoryBusy(Exception):
-    """Another daemon uses this rank's directory."""
 
 
 class FileStore(Store):
     """One rank's objects in ``root/r<rank>``."""
 
-    name = "file"
-
-    def __init__(self, root: Path, *, identity: ObjectIdentity, capacity: int, log: Any) -> None:
+    def __init__(self, root: Path, *, identity: ObjectIdentity, capacity: int, log: Logger) -> None:
         self.dir = root / f"r{identity.rank}"
         self.identity = identity
         self.capacity = capacity
@@ -49,13 +52,16 @@ class FileStore(Store):
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._tmp = itertools.count()
         self._protected: set[bytes] = set()
+        self.staging = memoryview(mmap.mmap(-1, round_up(HEADER_SIZE + identity.payload)))[
+            : HEADER_SIZE + identity.payload
+        ]
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise RankDirectoryBusy(f"{self.dir} is used by another kvcached daemon") from None
+            raise StoreBusy(f"{self.dir} is used by another kvcached daemon") from None
         self._rebuild()
 
     def _path(self, key: bytes) -> Path:
@@ -114,10 +120,13 @@ class FileStore(Store):
             self.counters.evictions += 1
 
     def protect(self, keys: Sequence[bytes]) -> None:
-        """Keys of the task in progress: eviction passes them over until ``protect([])``."""
         self._protected = set(keys)
 
+    def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
+        return sum(self.put(key, parts) for key, parts in zip(keys, pieces, strict=True))
+
     def put(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
+        """Store one block record under ``key``; False if it was there already."""
         if key in self.index:
             self.index.move_to_end(key)
             return False
@@ -148,7 +157,18 @@ class FileStore(Store):
         self._evict()
         return True
 
-    def get_into(self, key: bytes, staging: memoryview) -> memoryview | None:
+    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
+        for i, key in enumerate(keys):
+            payload = self.get(key)
+            if payload is None:
+                return i
+            sink(i, payload)
+        return len(keys)
+
+    def get(self, key: bytes) -> memoryview | None:
+        """Read and verify ``key``'s object into the staging buffer; its payload, or None for a miss
+        (absent, or failed verification, in which case it is removed)."""
+        staging = self.staging
         if key not in self.index:
             self.counters.misses += 1
             return None
@@ -184,15 +204,75 @@ class FileStore(Store):
             count += 1
         return count
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        removed = 0
-        for key in keys:
-            if key in self.index:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._path(key))
-                self._forget(key)
-                removed += 1
-        return removed
-
     def close(self) -> None:
         os.close(self._lock_fd)
+
+
+def default_storage_path(instance: str) -> Path:
+    """``$CACHE_DIRECTORY/<instance>/store`` under systemd (CacheDirectory=), else the user's cache directory."""
+    base = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if not base:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        base = str(Path(base) / "kvcached")
+    return Path(base) / instance / "store"
+
+
+class FileBackend(StoreBackend):
+    """The ``file`` backend (see the module docstring)."""
+
+    name = "file"
+    summary = "one file per object under a directory (embedded)"
+    options = (
+        knobs.Knob(
+            "storage_path",
+            knobs.optional_text,
+            None,
+            "file backend: directory of the objects. [default: $CACHE_DIRECTORY or ~/.cache/kvcached/<instance>/store]",
+            metavar="DIR",
+        ),
+        knobs.Knob(
+            "storage_capacity",
+            knobs.size,
+            "8GiB",
+            "file backend: capacity of the whole instance (512MiB, 8GiB, ...); least recently used objects are "
+            "evicted past it.",
+            metavar="BYTES",
+        ),
+    )
+
+    def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
+        capacity = knobs.size(values.get("storage_capacity", "8GiB"))
+        smallest = ranks * (HEADER_SIZE + spec.block_bytes)
+        if capacity < smallest:
+            raise InvalidSpec(
+                "storage_capacity",
+                f"{capacity} bytes cannot hold one block per rank ({smallest} bytes for {ranks} ranks)",
+            )
+        path = values.get("storage_path") or str(default_storage_path(instance))
+        return {"storage_path": str(Path(path).expanduser().absolute()), "storage_capacity": capacity}
+
+    def open(
+        self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
+    ) -> Store:
+        store = FileStore(
+            Path(options["storage_path"]), identity=identity, capacity=options["storage_capacity"] // ranks, log=log
+        )
+        log.info("file store opened", path=str(store.dir), objects=store.counters.objects, bytes=store.counters.bytes)
+        return store
+
+    def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
+        path, capacity = Path(options["storage_path"]), options["storage_capacity"]
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
+        measured = {"path": str(path), "free_bytes": free, "capacity_bytes": capacity}
+        figure = f"{path}: {size_text(free)} free for a capacity of {size_text(capacity)}"
+        if not os.access(existing, os.W_OK):
+            return [Check("file_store", FAIL, figure, measured, f"{existing} is not writable by this user")]
+        if free < capacity:
+            return [Check("file_store", WARN, figure, measured, "the disk fills before the store reaches its capacity")]
+        return [Check("file_store", OK, figure, measured)]
+
+
+register(FileBackend())

@@ -1,0 +1,91 @@
+"""The supervisor <-> rank worker channel: a SOCK_SEQPACKET socket pair, one typed message per packet.
+
+::
+
+    worker -> supervisor   Allocating(total)               before reserving
+                           Progress(done)                  while reserving (at most every 100 ms)
+                           Ready(backend, descriptor, ...) the rank's tiers exist and the task socket listens
+                           Failed(error, exit_status)      the worker cannot go on; it exits next
+                           Heartbeat()                     every HEARTBEAT_S while serving
+    supervisor -> worker   Stop()                          (EOF means the same)
+
+On the wire a message is a JSON object whose ``"t"`` names its type; ``send`` and ``recv`` are the only
+functions that see that encoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from typing import Any
+
+from kvcached.protocol.errors import ProtocolError
+
+MAX_PACKET = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Allocating:
+    total: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Progress:
+    done: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ready:
+    backend: str
+    descriptor: dict[str, Any]
+    dev_bytes: int
+    cpu_name: str
+    cpu_bytes: int
+    layout_version: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    error: str
+    exit_status: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Heartbeat:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Message = Allocating | Progress | Ready | Failed | Heartbeat | Stop
+_TYPES: dict[str, type[Any]] = {
+    cls.__name__.lower(): cls for cls in (Allocating, Progress, Ready, Failed, Heartbeat, Stop)
+}
+
+
+def send(sock: socket.socket, message: Message) -> None:
+    """Send one message as one packet (raises ``OSError`` when the peer is gone)."""
+    body = {"t": type(message).__name__.lower(), **dataclasses.asdict(message)}
+    sock.send(json.dumps(body, separators=(",", ":")).encode())
+
+
+def recv(sock: socket.socket) -> Message | None:
+    """Receive one message; None on EOF (the peer is gone). A packet that is not one of ours raises
+    ``ProtocolError``."""
+    try:
+        data = sock.recv(MAX_PACKET)
+    except ConnectionResetError:
+        return None
+    if not data:
+        return None
+    try:
+        body = json.loads(data)
+        cls = _TYPES[body.pop("t")]
+        message: Message = cls(**body)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"worker channel: not a message ({exc!r}): {data[:80]!r}") from None
+    return message

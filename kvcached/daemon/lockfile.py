@@ -1,0 +1,144 @@
+"""The instance lock file, ``<run_dir>/<instance>.lock``: held with flock by the supervisor for its whole
+life, and holding one line, ``"<pid> <start time>\\n"``, the holder's identity (``kvcached.protocol.proc``).
+
+This module is the only one that knows that format. The run directory is checked before anything is
+opened in it: a real directory (not a symlink), owned by the daemon's user, not writable by others; the
+lock file itself is opened with ``O_NOFOLLOW``, so a symlink planted in its place is refused, never
+followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+from kvcached.protocol.errors import ResourceError
+from kvcached.protocol.proc import is_alive, self_identity
+
+_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds (or last held) a lock file."""
+
+    pid: int
+    started: int
+
+    @property
+    def alive(self) -> bool:
+        return is_alive(self.pid, self.started)
+
+
+class Locked(Exception):
+    """The lock is held by another process (``holder``, when its line could be read)."""
+
+    def __init__(self, holder: Holder | None) -> None:
+        super().__init__(f"held by pid {holder.pid}" if holder else "held by another process")
+        self.holder = holder
+
+
+def prepare_run_dir(directory: Path, gid: int | None = None) -> None:
+    """Create ``directory`` (mode 0700) if missing, then check it: a directory, not a symlink, owned by
+    this user, not writable by others. With ``gid`` its group becomes ``gid`` and gains search permission
+    (the group's runners reach the sockets in it). Raises ``ResourceError`` saying what is wrong."""
+    if not directory.is_absolute():
+        raise ResourceError(f"run directory {directory} is relative: set KVCACHED_RUN_DIR to an absolute path")
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        pass  # not a directory: reported below
+    except OSError as exc:
+        raise ResourceError(f"cannot create run directory {directory}: {exc.strerror}") from None
+    st = directory.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise ResourceError(f"run directory {directory} is {kind}; point KVCACHED_RUN_DIR at a directory")
+    if st.st_uid != os.geteuid():
+        raise ResourceError(f"run directory {directory} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & stat.S_IWOTH:
+        raise ResourceError(f"run directory {directory} is writable by anyone (mode {stat.S_IMODE(st.st_mode):o})")
+    if gid is not None:
+        os.chown(directory, -1, gid)
+        os.chmod(directory, stat.S_IMODE(st.st_mode) | stat.S_IXGRP)
+
+
+def acquire(path: Path, *, mode: int = 0o600) -> int:
+    """Take the lock at ``path`` and write this process's identity into it; the descriptor (keep it open
+    for as long as the lock must hold). Raises ``Locked`` if another process holds it, ``ResourceError``
+    if ``path`` is not a plain file of ours (a symlink, a directory)."""
+    while True:
+        try:
+            fd = os.open(path, _OPEN_FLAGS, mode)
+        except OSError as exc:
+            raise ResourceError(f"cannot open lock file {path}: {exc.strerror} (a symlink or a directory?)") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise ResourceError(f"lock file {path} is not a plain file of this user; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _parse(os.read(fd, 64))
+            os.close(fd)
+            raise Locked(holder) from None
+        # The holder before us may have unlinked the file as it stopped: then our lock guards nothing.
+        # Only a lock on the file the path names now counts.
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == st.st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    pid, started = self_identity()
+    os.write(fd, f"{pid} {started}\n".encode())
+    return fd
+
+
+def release(path: Path, fd: int) -> None:
+    """Remove the lock file, then drop the lock (in that order: a starter that opened the old file sees
+    it unlinked and retries)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)
+
+
+def holder(path: Path) -> Holder | None:
+    """The identity written in the lock file at ``path`` (held or not), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return _parse(os.read(fd, 64))
+    finally:
+        os.close(fd)
+
+
+def held_by(path: Path) -> Holder | None:
+    """The process holding the lock at ``path`` right now (a daemon starting up, before its control
+    block exists), or None when nobody holds it. A holder whose line is not written yet reads pid -1."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _parse(os.read(fd, 64)) or Holder(-1, 0)
+    finally:
+        os.close(fd)
+    return None
+
+
+def _parse(raw: bytes) -> Holder | None:
+    fields = raw.decode(errors="replace").split()
+    if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+        return Holder(int(fields[0]), int(fields[1]))
+    return None

@@ -1,0 +1,92 @@
+"""What a dead run of an instance left behind, and removing it: used by ``kvcached start`` (before it
+allocates), ``kvcached doctor [--clean]`` and the tests.
+
+An entry under the instance's names is a leftover only when no live daemon owns the instance; one that is
+not ours (another owner, foreign permissions, not a plain file) is a squatter and is never used or
+deleted: the start refuses with what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import stat
+from pathlib import Path
+
+import posix_ipc
+
+from kvcached.protocol.errors import KVCacheError
+from kvcached.protocol.instance import open_instance
+from kvcached.protocol.names import instance_shm_entries, posix_name
+
+#: Object modes kvcached creates (0600 alone, 0660 with --group).
+OUR_MODES = (0o600, 0o660)
+
+
+@dataclasses.dataclass(slots=True)
+class Leftovers:
+    """What an instance has in /dev/shm and its run directory, as found by ``inspect_instance``."""
+
+    entries: list[Path]
+    sockets: list[Path]
+    #: One message per object under our names that is not ours (foreign owner or mode): never touched.
+    squatters: list[str]
+    #: The daemon of a published control block, if it is alive (then nothing here is a leftover).
+    live_pid: int | None
+
+    @property
+    def paths(self) -> list[Path]:
+        return self.entries + self.sockets
+
+
+def squatter(path: Path, st: os.stat_result) -> str | None:
+    """Why ``path`` (an entry under our names) is not ours, or None if it is."""
+    me = os.geteuid()
+    if st.st_uid == me and stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) in OUR_MODES:
+        return None
+    return (
+        f"{path} is not ours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; kvcached makes uid {me}, "
+        "mode 600 or 660): refusing to use or delete it. Remove it if it is stale, or pick another --instance name."
+    )
+
+
+def live_daemon(instance: str) -> int | None:
+    """The pid of the live daemon of ``instance``'s published control block, or None (no block, a dead
+    daemon's, or one that is not ours: none of these is alive)."""
+    try:
+        view = open_instance(instance)
+    except KVCacheError:
+        return None
+    if view is None:
+        return None
+    with view:
+        return view.header.daemon_pid if view.header is not None and view.alive else None
+
+
+def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
+    """The objects of ``instance`` (any generation) and whether a live daemon owns them."""
+    entries = instance_shm_entries(instance)
+    squatters = [why for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
+    sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
+    return Leftovers(entries, sockets, squatters, live_daemon(instance))
+
+
+def unlink_entries(entries: list[Path]) -> None:
+    """Unlink /dev/shm entries (shm objects or semaphores); ones already gone are skipped."""
+    for entry in entries:
+        name, is_sem = posix_name(entry)
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            if is_sem:
+                posix_ipc.unlink_semaphore(name)
+            else:
+                posix_ipc.unlink_shared_memory(name)
+
+
+def remove_leftovers(found: Leftovers) -> int:
+    """Unlink what ``inspect_instance`` found (never with a live daemon or a squatter); how many."""
+    assert found.live_pid is None and not found.squatters
+    unlink_entries(found.entries)
+    for path in found.sockets:
+        path.unlink(missing_ok=True)
+    return len(found.entries) + len(found.sockets)

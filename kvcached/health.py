@@ -1,0 +1,29 @@
+"""What a host check finds: the unit of ``kvcached doctor``, which every backend contributes to.
+
+A ``Check`` has a verdict (``ok``, ``warn``, ``fail``), the figure it measured, the raw figures
+(``measured``: numbers, paths, flags) and what to do about it. Device and store backends return their
+own checks (``DeviceBackend.doctor``, ``StoreBackend.doctor``); ``kvcached.doctor`` runs and renders them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+@dataclasses.dataclass(slots=True)
+class Check:
+    """One check's outcome."""
+
+    name: str
+    verdict: str
+    figure: str
+    measured: dict[str, Any]
+    advice: str = ""
+
+
+def size_text(n: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

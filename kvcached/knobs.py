@@ -1,0 +1,166 @@
+"""Configuration knobs: each declared once, with its parser, default and help.
+
+A knob is set by a flag (``--num-blocks``), an environment variable (``KVCACHED_NUM_BLOCKS``) or a key of
+the ``--config`` TOML file (``num_blocks``); all three names derive from ``Knob.name``. The core knobs live
+in ``kvcached.config``, backend knobs beside their backend (``StoreBackend.options``,
+``DeviceBackend``'s module); ``kvcached.config`` gathers them and the CLI is generated from that list.
+
+A parser takes what an operator wrote (a string from a flag or the environment, or a TOML value) and
+returns the value, or raises ``ValueError`` whose message says what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Parser = Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Knob:
+    """One configuration setting."""
+
+    name: str
+    parse: Parser
+    default: Any
+    help: str
+    metavar: str = "VALUE"
+    #: A boolean switch: ``--name/--no-name`` on the command line.
+    switch: bool = False
+    #: The values allowed, when there is a fixed list (shown in --help, used for suggestions).
+    choices: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "KVCACHED_" + self.name.upper()
+
+
+def integer(minimum: int | None = None, maximum: int | None = None, *, what: str = "an integer") -> Parser:
+    """Whole numbers in ``[minimum, maximum]``; strings like ``"12"`` too."""
+
+    def parse(value: Any) -> int:
+        number: int | None = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            number = int(value.strip())
+        bounds = _bounds(minimum, maximum)
+        if number is None or (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+            raise ValueError(f"must be {what}{bounds}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" from {minimum} to {maximum}"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
+def choice(values: Sequence[str], *, none: bool = False) -> Parser:
+    """One of ``values``; with ``none``, also ``none`` / empty meaning None."""
+
+    def parse(value: Any) -> str | None:
+        if none and (value is None or (isinstance(value, str) and value.strip().lower() in ("", "none"))):
+            return None
+        if isinstance(value, str) and value in values:
+            return value
+        allowed = ", ".join([*values, *(["none"] if none else [])])
+        raise ValueError(f"must be one of {allowed}; got {value!r}")
+
+    return parse
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def boolean(value: Any) -> bool:
+    """true/false (TOML), or 1/0, true/false, yes/no, on/off (flags, environment)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"must be true or false (1/0, yes/no, on/off), got {value!r}")
+
+
+def text(value: Any) -> str:
+    """Any non-empty string."""
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ValueError(f"must be a non-empty string, got {value!r}")
+
+
+def optional_text(value: Any) -> str | None:
+    """A string, or None for empty."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    return text(value)
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+
+
+def size(value: Any) -> int:
+    """Bytes from an int or a string like ``512MiB``, ``8G``, ``10GB`` (K/M/G/T and KiB.. are binary,
+    KB/MB/GB/TB decimal)."""
+    number, unit = -1, ""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        raw = value.strip().lower().replace(" ", "")
+        digits = len(raw) - len(raw.lstrip("0123456789"))
+        if digits:
+            number, unit = int(raw[:digits]), raw[digits:]
+    if number < 0 or unit not in _UNITS:
+        raise ValueError(f"must be a size in bytes like 1073741824, 512MiB or 8GiB; got {value!r}")
+    return number * _UNITS[unit]
+
+
+def int_list(value: Any) -> tuple[int, ...] | None:
+    """``"0,1,2"`` or a TOML list of non-negative integers; None for empty."""
+    if value is None or value in ("", []):
+        return None
+    items: Any = value.split(",") if isinstance(value, str) else value
+    try:
+        numbers = tuple(int(str(item).strip()) for item in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be numbers like 0,1,2,3; got {value!r}") from None
+    if min(numbers) < 0:
+        raise ValueError(f"must be non-negative numbers, got {value!r}")
+    return numbers
+
+
+_PORT = integer(0, 65535, what="a TCP port (0: off)")
+
+
+def port(value: Any) -> int:
+    """A TCP port 1..65535, or 0 for off."""
+    number: int = _PORT(value)
+    return number

@@ -1,0 +1,147 @@
+"""The device-tier seam: what every device backend provides, to the daemon and to the runner.
+
+A backend is one module under ``kvcached/memory/`` holding one ``DeviceBackend`` and registered by name
+(``kvcached.memory.register``). Nothing outside its module names it. It has two halves:
+
+* the daemon's: ``create`` (allocate one rank's tier, zeroed), ``reopen`` (map a tier that already
+  exists, for a replaced worker or an adopting daemon, bytes untouched), ``release`` (remove what the
+  backend made beyond the instance's own shm names), ``doctor`` (host checks);
+* the runner's: ``attach`` (map the tier a rank record describes, zero-copy).
+
+Between them travels a ``descriptor``: a small JSON object the worker returns with the tier and the
+supervisor publishes in the rank's record (``kvcached.protocol.control``); ``attach`` reads nothing else.
+
+A tier presents its tensors to the copy engine (``kvcached.transfer``) as ``Piece`` objects: one per
+tensor, in the layout's record order, each a sequence of block rows.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from kvcached.protocol.layout import device_arena_bytes
+from kvcached.protocol.names import arena_name
+from kvcached.protocol.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from kvcached.health import Check
+
+Array = np.ndarray[Any, Any]
+Progress = Callable[[int], None]
+
+
+class Piece(Protocol):
+    """One device tensor as rows of bytes, one row per block; ``column`` is where its bytes sit in a block
+    record (CPU pool row, store object), ``nbytes`` how many there are per block."""
+
+    @property
+    def column(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def read(self, start: int, count: int) -> Array:
+        """Blocks ``start .. start+count-1`` as a uint8 ``[count, nbytes]`` array (a view where possible)."""
+
+    def write(self, start: int, rows: Array) -> None:
+        """Overwrite blocks from ``start`` with the uint8 ``[count, nbytes]`` array ``rows``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierRequest:
+    """Which rank's tier to make or reopen: the instance, the memory's identity (``arena_id``: the
+    generation that first allocated it), the rank, its device, its spec, and the objects' mode and group."""
+
+    instance: str
+    arena_id: int
+    rank: int
+    spec: CacheSpec
+    device_id: int = 0
+    mode: int = 0o600
+    gid: int | None = None
+
+    def shm_name(self, tier: str) -> str:
+        """The POSIX shm name of this rank's object of ``tier`` (``dev``, ``cpu``, ``keys``)."""
+        return arena_name(self.instance, self.arena_id, self.rank, tier)
+
+
+class DeviceTier(abc.ABC):
+    """One rank's device tier as the daemon holds it."""
+
+    #: What a runner needs to attach it (published in the rank's record; small JSON).
+    descriptor: Mapping[str, Any]
+    #: Bytes of the tier (what the record reports as device bytes).
+    nbytes: int
+    #: The tensors, in the layout's record order.
+    pieces: list[Piece]
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Unmap or drop this process's handles; never removes the memory's name."""
+
+
+class Attached(abc.ABC):
+    """One rank's device tier as a runner sees it: tensors by kind (``key``, ``value``, ``key_scale``,
+    ``value_scale``), each a list indexed by layer (empty for kinds the spec lacks)."""
+
+    tensors: dict[str, list[Any]]
+    #: Bytes this process has mapped for it (0 when the tensors live on a device).
+    nbytes: int
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Drop this object's handles; views a caller kept stay valid until they go."""
+
+
+class DeviceBackend(abc.ABC):
+    """A device backend: see the module docstring. Instances are stateless and shared."""
+
+    name: ClassVar[str]
+    #: Help text for ``--memory``.
+    summary: ClassVar[str]
+    #: The CPU pool must be pinned (mlocked): the device copies to and from it by DMA.
+    pins_pool: ClassVar[bool] = False
+    #: A tier outlives the process that created it (``reopen`` works after that process died).
+    outlives_worker: ClassVar[bool] = False
+
+    def shm_bytes(self, spec: CacheSpec) -> int:
+        """Bytes of /dev/shm one rank's device tier takes (0 when it lives on a device)."""
+        return 0
+
+    @abc.abstractmethod
+    def create(self, request: TierRequest, progress: Progress) -> DeviceTier:
+        """Allocate one rank's tier, zero-filled, reporting reserved bytes through ``progress``.
+
+        Raises ``BackendUnavailable`` (this host cannot run it), ``ShmFull``, ``ResourceError``."""
+
+    def reopen(self, request: TierRequest, descriptor: Mapping[str, Any]) -> DeviceTier:
+        """Map the tier ``descriptor`` describes, bytes untouched. Raises ``ResourceError`` saying why when
+        it cannot (the default: this backend's tiers do not outlive their process)."""
+        from kvcached.protocol.errors import ResourceError
+
+        raise ResourceError(f"the {self.name} backend's device memory does not outlive the worker that owned it")
+
+    def release(self, request: TierRequest) -> None:  # noqa: B027 - optional hook
+        """Remove what ``create`` made beyond the instance's own shm names (which the supervisor unlinks)."""
+
+    def leftovers(self, instance: str) -> list[str]:
+        """Paths of files a killed run of ``instance`` may have left outside its shm names."""
+        return []
+
+    @abc.abstractmethod
+    def attach(self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str) -> Attached:
+        """Runner side: attach the tier ``descriptor`` describes as ``framework`` tensors ("numpy" or
+        "paddle"). Raises ``InvalidSpec`` (framework), ``ProtocolError`` / ``AccessDenied`` (the memory)."""
+
+    def doctor(self, spec: CacheSpec, ranks: int) -> list[Check]:
+        """Host checks this backend needs (empty when it needs none)."""
+        return []
+
+    def arena_bytes(self, spec: CacheSpec) -> int:
+        """Bytes of the device tier of one rank as the layout places it (page padding included)."""
+        return device_arena_bytes(spec)
