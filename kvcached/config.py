@@ -245,7 +245,11 @@ class DaemonConfig:
             spec = CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
         except InvalidSpec as exc:
             name = _KNOB_OF_FIELD.get(exc.field, exc.field)
-            raise InvalidConfig(name, source(name), exc.message) from None
+            where = source(name)
+            if name not in raw:  # a limit of the whole geometry, reached through the values that were set
+                given = [raw[knob][1] for knob in SPEC_FIELDS if knob in raw]
+                where = f"{', '.join(given)} (with {where} at its default)" if given else where
+            raise InvalidConfig(name, where, exc.message) from None
         ranks = values["ranks"]
         gid = None
         if values["group"] is not None:

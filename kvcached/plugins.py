@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
+from typing import Generic, Protocol, TypeVar
 
-from kvcached.protocol.errors import InvalidConfig
+from kvcached.protocol.errors import InvalidConfig, InvalidSpec
 
 ENV = "KVCACHED_PLUGINS"
 _loaded: set[str] = set()
@@ -28,3 +30,43 @@ def load_plugins() -> None:
         except ImportError as exc:
             raise InvalidConfig("plugins", f"{ENV}={os.environ[ENV]}", f"cannot import {name}: {exc}") from None
         _loaded.add(name)
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+B = TypeVar("B", bound=_Named)
+
+
+class Registry(Generic[B]):
+    """Backends of one kind by name. Built-in ones are modules imported on first use (each registers its
+    backend when imported); others come from ``KVCACHED_PLUGINS``. ``field`` names the configuration knob
+    an unknown name is reported against."""
+
+    def __init__(self, field: str, kind: str, builtin: Mapping[str, str]) -> None:
+        self.field, self.kind, self.builtin = field, kind, dict(builtin)
+        self.backends: dict[str, B] = {}
+
+    def register(self, backend: B) -> B:
+        """Make ``backend`` known under ``backend.name``; returns it."""
+        self.backends[backend.name] = backend
+        return backend
+
+    def get(self, name: str) -> B:
+        """The backend called ``name``; ``InvalidSpec(field, ...)`` listing the known ones otherwise."""
+        if name not in self.backends:
+            if name in self.builtin:
+                importlib.import_module(self.builtin[name])
+            else:
+                load_plugins()
+        backend = self.backends.get(name)
+        if backend is None:
+            raise InvalidSpec(self.field, f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+        return backend
+
+    def names(self) -> tuple[str, ...]:
+        """Every backend name: the built-in ones first, then plugins'."""
+        load_plugins()
+        return tuple(dict.fromkeys([*self.builtin, *self.backends]))

@@ -68,7 +68,7 @@ def _out_of_range(ids: Array, limit: int) -> int | None:
 
 
 def _repeated(ids: Array) -> int | None:
-    """An id that appears more than once, or None."""
+    """The id whose second occurrence comes first, or None when no id repeats."""
     if len(ids) <= SMALL:
         seen: set[int] = set()
         values: list[int] = ids.tolist()
@@ -77,9 +77,11 @@ def _repeated(ids: Array) -> int | None:
                 return i
             seen.add(i)
         return None
-    ordered = np.sort(ids)
-    same = np.flatnonzero(ordered[1:] == ordered[:-1])
-    return int(ordered[same[0]]) if len(same) else None
+    _, first = np.unique(ids, return_index=True)
+    again = np.ones(len(ids), dtype=bool)
+    again[first] = False
+    where = np.flatnonzero(again)
+    return int(ids[where[0]]) if len(where) else None
 
 
 class SwapEngine:

@@ -270,18 +270,6 @@ class CacheTasks:
         timeout: float | None = ...,
     ) -> TaskHandle: ...
 
-    @overload
-    def swap_out(
-        self,
-        rank: int | None,
-        device_block_ids: Sequence[int],
-        cpu_block_ids: Sequence[int],
-        *,
-        keys: Sequence[bytes] | None = None,
-        wait: bool,
-        timeout: float | None = ...,
-    ) -> TaskResult | TaskHandle: ...
-
     def swap_out(
         self,
         rank: int | None,
@@ -328,17 +316,6 @@ class CacheTasks:
         timeout: float | None = ...,
     ) -> TaskHandle: ...
 
-    @overload
-    def swap_in(
-        self,
-        rank: int | None,
-        cpu_block_ids: Sequence[int],
-        device_block_ids: Sequence[int],
-        *,
-        wait: bool,
-        timeout: float | None = ...,
-    ) -> TaskResult | TaskHandle: ...
-
     def swap_in(
         self,
         rank: int | None,
@@ -375,17 +352,6 @@ class CacheTasks:
         wait: Literal[False],
         timeout: float | None = ...,
     ) -> TaskHandle: ...
-
-    @overload
-    def store(
-        self,
-        rank: int | None,
-        device_block_ids: Sequence[int],
-        keys: Sequence[bytes],
-        *,
-        wait: bool,
-        timeout: float | None = ...,
-    ) -> TaskResult | TaskHandle: ...
 
     def store(
         self,
@@ -426,17 +392,6 @@ class CacheTasks:
         wait: Literal[False],
         timeout: float | None = ...,
     ) -> TaskHandle: ...
-
-    @overload
-    def load(
-        self,
-        rank: int | None,
-        keys: Sequence[bytes],
-        device_block_ids: Sequence[int],
-        *,
-        wait: bool,
-        timeout: float | None = ...,
-    ) -> TaskResult | TaskHandle: ...
 
     def load(
         self,

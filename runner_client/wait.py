@@ -137,6 +137,9 @@ class _Waiter:
                 self._describe("no daemon", time.time_ns())
             self._sleep(POLL_ABSENT_S)
             return False
+        if self.mark is not None:  # a mark on a stale block: the new one gets its own
+            os.close(self.mark)
+            self.mark = None
         self.view, self.block, self.header = view, view.block, view.header
         header = view.header
         if header.num_ranks <= self.rank:
@@ -150,6 +153,7 @@ class _Waiter:
             self._describe(f"stale (daemon pid {header.daemon_pid} is dead)", time.time_ns())
             self.stale_inode = view.block.inode
             self._drop_block()
+            self.mark = mark_waiting(self.instance, self.rank)  # counted while we wait for a new daemon
             self._sleep(POLL_ABSENT_S)
             return False
         try:

@@ -241,6 +241,39 @@ def run_runner(env: dict[str, str], **request: Any) -> subprocess.Popen[str]:
     )
 
 
+def wait_waiting(instance: str, rank: int, count: int = 1, timeout: float = 30.0) -> None:
+    """Block until ``count`` runner processes wait for ``rank`` of ``instance`` (their waiting marks, as
+    ``kvcached status`` counts them): the deterministic "the runners are in their wait"."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = read_status(instance)["ranks"]
+        if len(ranks) > rank and ranks[rank].get("waiting", 0) >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{count} waiting runners for rank {rank} of {instance} not seen within {timeout}s")
+
+
+def wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 30.0) -> None:
+    """Block until ``proc`` writes a line containing ``text`` to stderr (for states no shared object shows,
+    e.g. a runner that waits while there is no daemon at all)."""
+    import selectors
+
+    assert proc.stderr is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline:
+        if selector.select(timeout=0.1):
+            line = proc.stderr.readline()
+            seen += line
+            if text in line:
+                return
+            if not line and proc.poll() is not None:
+                break
+    raise AssertionError(f"{text!r} not written within {timeout}s; stderr so far:\n{seen}")
+
+
 def runner_result(proc: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
     out, err = proc.communicate(timeout=timeout)
     lines = [line for line in out.splitlines() if line.startswith("{")]

@@ -61,6 +61,10 @@ def swap_rounds(cache: rc.KVCache, instance: str, rank: int, rounds: int) -> boo
 
 def main() -> None:
     request: dict[str, Any] = json.loads(sys.argv[1])
+    if request.get("log"):  # the runner client's log lines on stderr (tests wait for "Waiting for ...")
+        import logging
+
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     if "slice_s" in request:  # lengthen the liveness slice: a missed wake-up then shows as a long delay
         runner_client.wait.SLICE_S = request["slice_s"]
     spec = rc.CacheSpec(**request["spec"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import runner_client as rc
-from tests.conftest import DaemonFactory, run_runner, runner_result, shm_entries
+from tests.conftest import DaemonFactory, run_runner, runner_result, shm_entries, wait_waiting
 
 SMALL = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
 
@@ -185,7 +185,7 @@ def test_worker_death_fails_the_rank_and_the_daemon(daemons: DaemonFactory) -> N
     daemon = daemons.start(ranks=2, env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"))
     status = daemon.wait_state("ALLOCATING")
     runner = run_runner(daemons.env(), spec=SMALL, rank=1, instance=daemon.instance, timeout=60)
-    time.sleep(0.5)
+    wait_waiting(daemon.instance, 1)
     killed_ns = time.monotonic_ns()
     os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
     result = runner_result(runner)

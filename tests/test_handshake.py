@@ -19,7 +19,7 @@ import pytest
 import runner_client as rc
 from kvcached.protocol.layout import device_arena_bytes
 from kvcached.status import read_status
-from tests.conftest import DaemonFactory, run_runner, runner_result, shm_entries
+from tests.conftest import DaemonFactory, run_runner, runner_result, shm_entries, wait_for_line, wait_waiting
 
 #: Matches the ``small`` geometry of DaemonFactory.start.
 SMALL: dict[str, Any] = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
@@ -123,13 +123,14 @@ def test_runner_with_drifted_spec_refuses_second_copy(daemons: DaemonFactory) ->
 
 def test_runner_started_before_daemon_waits_then_attaches(daemons: DaemonFactory, instance: str) -> None:
     """A runner that starts first waits (no daemon yet), then attaches once the daemon is ready."""
-    runner = run_runner(daemons.env(), spec=small_spec().to_dict(), rank=1, instance=instance, timeout=60)
-    time.sleep(1.0)
+    runner = run_runner(daemons.env(), spec=small_spec().to_dict(), rank=1, instance=instance, timeout=60, log=True)
+    wait_for_line(runner, "Waiting for cache managers")
     assert runner.poll() is None, "the runner must still be waiting"
+    daemon_started_ns = time.monotonic_ns()
     daemon = daemons.start(instance, ranks=2)
     result = runner_result(runner)
     assert result["ok"] and result["owner"] == "daemon"
-    assert result["waited_s"] >= 1.0
+    assert result["returned_ns"] > daemon_started_ns, "it attached only after the daemon started"
     assert result["generation"] == daemon.wait_ready()["generation"]
 
 
@@ -179,7 +180,7 @@ def test_stale_ready_block_is_never_trusted(daemons: DaemonFactory) -> None:
         rc.initialize_kv_cache(small_spec(), 0, instance=first.instance, timeout=1.0)
 
     runner = run_runner(daemons.env(), spec=small_spec().to_dict(), rank=0, instance=first.instance, timeout=60)
-    time.sleep(0.5)
+    wait_waiting(first.instance, 0)
     assert runner.poll() is None, "a runner facing only a stale block keeps waiting"
     second = daemons.start(first.instance, ranks=2)
     new_generation = second.wait_ready()["generation"]
@@ -199,7 +200,8 @@ def test_kill9_while_waiting_raises_daemon_gone_within_2s(daemons: DaemonFactory
     daemon.wait_state("ALLOCATING")
     env = daemons.env()
     runners = [run_runner(env, spec=small_spec().to_dict(), rank=r, instance=instance, timeout=60) for r in (0, 1)]
-    time.sleep(1.0)  # both are in their wait loop
+    for rank in (0, 1):
+        wait_waiting(instance, rank)
     killed_ns = time.monotonic_ns()
     daemon.kill9()
     for runner in runners:
@@ -216,7 +218,7 @@ def test_clean_stop_while_waiting_raises_daemon_gone(daemons: DaemonFactory, ins
     daemon = daemons.start(instance, ranks=1, env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"))
     daemon.wait_state("ALLOCATING")
     runner = run_runner(daemons.env(), spec=small_spec().to_dict(), rank=0, instance=instance, timeout=60)
-    time.sleep(0.5)
+    wait_waiting(instance, 0)
     assert daemon.stop() == 0
     result = runner_result(runner)
     assert result["error_type"] == "DaemonGone"

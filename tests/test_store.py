@@ -231,6 +231,28 @@ def test_round_trip_file_backend(daemons: DaemonFactory, tmp_path: Path) -> None
     round_trip(start_file_daemon(daemons, tmp_path / "store").instance)
 
 
+def test_test_only_store_backend_plugs_in_with_its_own_option(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A store backend from one plugin module and one registration: its option is a flag, an environment
+    variable and a TOML key, is checked with the source named, shows in doctor, and the store works."""
+    env = daemons.env(KVCACHED_PLUGINS="tests.plugins.memstore")
+    help_text = daemons.cli("start", "--help", env=env).stdout
+    assert "--testmem-objects" in help_text and "KVCACHED_TESTMEM_OBJECTS" in help_text and "testmem" in help_text
+    bad = daemons.cli(
+        "start", "--instance", "kvt-never", "--storage-backend", "testmem", "--testmem-objects", "x", env=env
+    )
+    assert bad.returncode == 4 and "--testmem-objects: must be an integer >= 1, got 'x'" in bad.stderr
+    toml = tmp_path / "mem.toml"
+    toml.write_text("testmem_objects = 2000000\n")
+    bad = daemons.cli("doctor", "--storage-backend", "testmem", "--config", str(toml), env=env)
+    assert bad.returncode == 4 and f"{toml}: testmem_objects: at most 1000000" in bad.stderr, bad.stderr
+    doctor = daemons.cli("doctor", "--json", "--storage-backend", "testmem", "--testmem-objects", "7", env=env)
+    assert {"name": "testmem", "verdict": "ok"}.items() <= json.loads(doctor.stdout)["checks"][-1].items()
+    daemon = daemons.start(ranks=2, args=[*FLAGS, "--storage-backend", "testmem"], env=env)
+    daemon.wait_ready()
+    round_trip(daemon.instance)
+    assert read_status(daemon.instance)["ranks"][0]["store"]["backend"] == "testmem"
+
+
 def test_round_trip_mooncake_backend(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """mooncake backend against a real master on loopback: store then load, N=2."""
     daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])

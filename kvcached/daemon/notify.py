@@ -36,10 +36,6 @@ class Notifier:
         self.next_ping = 0.0
         self.last_status = 0.0
 
-    @property
-    def enabled(self) -> bool:
-        return self.sock is not None
-
     def send(self, **fields: object) -> None:
         """Send one datagram of ``KEY=VALUE`` lines (keys as given, e.g. ``READY=1``)."""
         if self.sock is None:

@@ -20,6 +20,7 @@ stopped, and every object of the instance is unlinked, the lock file last.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import selectors
@@ -365,17 +366,8 @@ class Supervisor:
                 self.notify.status(self._progress_text(), throttle_s=0.5)
                 self._show_progress()
             case channel.Ready():
-                self._set(
-                    rank,
-                    state=State.READY,
-                    backend=message.backend,
-                    descriptor=message.descriptor,
-                    dev_bytes=message.dev_bytes,
-                    cpu_name=message.cpu_name,
-                    cpu_bytes=message.cpu_bytes,
-                    layout_version=message.layout_version,
-                    reserved_bytes=record.total_bytes,
-                )
+                # Ready's fields are record fields of the same names (backend, descriptor, sizes, layout).
+                self._set(rank, state=State.READY, reserved_bytes=record.total_bytes, **dataclasses.asdict(message))
                 self._show_progress()
                 self.log.info("rank ready", rank=rank, bytes=record.total_bytes)
                 if not self.all_ready_logged and all(r.state is State.READY for r in self.records):

@@ -36,8 +36,8 @@ INSTALL_HINT = (
 )
 
 
-class XpuUnavailable(BackendUnavailable):
-    """This host cannot run the xpu backend; the message says what is missing and what to install."""
+#: Raised when this host cannot run the xpu backend; the message says what is missing and what to install.
+XpuUnavailable = BackendUnavailable
 
 
 class XpuRuntime(Protocol):

@@ -103,8 +103,3 @@ def task_socket_path(run_dir: str | Path, instance: str, rank: int) -> Path:
     """Path of rank ``rank``'s task socket. The run directory comes from the control block header, so
     a runner finds it whatever its own environment says."""
     return Path(run_dir) / f"{check_instance(instance)}.r{rank}.sock"
-
-
-#: A rank record's device name when the device tier is in XPU memory: ``xpu:<device id>`` (no shm arena;
-#: runners attach the tensors by FastDeploy's names).
-XPU_PREFIX = "xpu:"

@@ -1,0 +1,88 @@
+"""A storage backend that exists only in the tests: each rank keeps its objects in a dict in its worker.
+
+It shows the store seam: one module and one registration (the last line) give ``--storage-backend
+testmem`` with its own option (``--testmem-objects``, ``KVCACHED_TESTMEM_OBJECTS``, ``testmem_objects`` in
+TOML) and its own doctor check, when ``KVCACHED_PLUGINS=tests.plugins.memstore`` is set.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvcached import knobs, store
+from kvcached.health import OK, Check
+from kvcached.logs import Logger
+from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.spec import CacheSpec
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
+
+
+class MemStore(Store):
+    def __init__(self, identity: ObjectIdentity, limit: int) -> None:
+        self.identity = identity
+        self.limit = limit
+        self.objects: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self.counters = StoreCounters()
+        self.protected: set[bytes] = set()
+
+    def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
+        new = 0
+        for key, parts in zip(keys, pieces, strict=True):
+            if key in self.objects:
+                continue
+            self.objects[key] = self.identity.header(key, checksum(parts)) + b"".join(bytes(p) for p in parts)
+            new += 1
+            while len(self.objects) > self.limit:
+                victim = next(k for k in self.objects if k not in self.protected)
+                del self.objects[victim]
+                self.counters.evictions += 1
+        self.counters.objects = len(self.objects)
+        self.counters.bytes = sum(len(v) for v in self.objects.values())
+        return new
+
+    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
+        for i, key in enumerate(keys):
+            data = self.objects.get(key)
+            if data is None or self.identity.verify(key, memoryview(data)) is not None:
+                self.counters.misses += 1
+                return i
+            self.counters.hits += 1
+            sink(i, memoryview(data)[HEADER_SIZE:])
+        return len(keys)
+
+    def present(self, keys: Sequence[bytes]) -> int:
+        count = 0
+        for key in keys:
+            if key not in self.objects:
+                break
+            count += 1
+        return count
+
+    def protect(self, keys: Sequence[bytes]) -> None:
+        self.protected = set(keys)
+
+
+class MemBackend(StoreBackend):
+    name = "testmem"
+    summary = "TEST ONLY: objects in the worker's memory"
+    options = (knobs.Knob("testmem_objects", knobs.integer(1), 1000, "testmem backend: objects per rank.", "N"),)
+
+    def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
+        limit = values["testmem_objects"]
+        if limit > 1_000_000:
+            raise InvalidSpec("testmem_objects", f"at most 1000000 objects per rank, got {limit}")
+        return {"testmem_objects": limit}
+
+    def open(
+        self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
+    ) -> Store:
+        return MemStore(identity, options["testmem_objects"])
+
+    def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
+        limit = options["testmem_objects"]
+        return [Check("testmem", OK, f"{limit} objects per rank", {"objects": limit})]
+
+
+store.register(MemBackend())
