@@ -134,6 +134,21 @@ CORE: tuple[Knob, ...] = (
         "LIST",
     ),
     Knob(
+        "worker_timeout",
+        knobs.seconds(1, 3600),
+        10.0,
+        "Seconds a rank worker may go without progress (its loop turning, a long task moving) before it counts "
+        "as hung and is replaced on the same memory.",
+        "SECONDS",
+    ),
+    Knob(
+        "store_timeout",
+        knobs.seconds(0.1, 3600),
+        10.0,
+        "Seconds one call of the attention store may take before its task fails (the rank serves on).",
+        "SECONDS",
+    ),
+    Knob(
         "ipc_suffix",
         knobs.integer(0, what="a non-negative integer (the engine's port)"),
         None,
@@ -199,6 +214,8 @@ class DaemonConfig:
     metrics_address: str = "127.0.0.1"
     ipc_suffix: int | None = None
     devices: tuple[int, ...] = ()
+    worker_timeout: float = 10.0
+    store_timeout: float = 10.0
 
     def shm_need(self) -> tuple[int, int]:
         """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
@@ -286,6 +303,8 @@ class DaemonConfig:
             metrics_address=values["metrics_address"],
             ipc_suffix=values["ipc_suffix"],
             devices=devices,
+            worker_timeout=values["worker_timeout"],
+            store_timeout=values["store_timeout"],
         )
 
 

@@ -33,7 +33,7 @@ from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftover
 from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.layout import cpu_pool_bytes
-from kvcached.protocol.names import MAX_SOCKET_PATH, lock_path, task_socket_path
+from kvcached.protocol.names import MAX_SOCKET_PATH, instance_lock_path, lock_path, task_socket_path
 
 LOGIND_CONFS = ("/etc/systemd/logind.conf", "/etc/systemd/logind.conf.d/*.conf", "/run/systemd/logind.conf.d/*.conf")
 #: logind treats users up to SYS_UID_MAX (from login.defs, 999 by default) as system users.
@@ -180,15 +180,21 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
 
 def _clean(instance: str, found: Leftovers) -> int:
     """Remove a dead run's objects while holding the instance lock, as a start would; then drop the lock."""
-    path = lock_path(instance)
+    path, shared = lock_path(instance), instance_lock_path(instance)
     try:
         lockfile.prepare_run_dir(path.parent)
         fd = lockfile.acquire(path)
     except lockfile.Locked:
         return 0  # a daemon is starting right now: it reclaims them itself
     try:
-        return remove_leftovers(found)
+        shared_fd = lockfile.acquire(shared)
+    except lockfile.Locked:
+        lockfile.release(path, fd)
+        return 0
+    try:
+        return remove_leftovers(found) + 1  # and the instance lock the dead daemon left
     finally:
+        lockfile.release(shared, shared_fd)
         lockfile.release(path, fd)
 
 

@@ -11,6 +11,7 @@ returns the value, or raises ``ValueError`` whose message says what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,6 +67,23 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f" <= {maximum}"
     return ""
+
+
+def seconds(minimum: float, maximum: float) -> Parser:
+    """A number of seconds in ``[minimum, maximum]`` (``"2.5"`` too)."""
+
+    def parse(value: Any) -> float:
+        number: float | None = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value.strip())
+        if number is None or not minimum <= number <= maximum:
+            raise ValueError(f"must be a number of seconds from {minimum:g} to {maximum:g}, got {value!r}")
+        return number
+
+    return parse
 
 
 def choice(values: Sequence[str], *, none: bool = False) -> Parser:

@@ -223,7 +223,7 @@ def initialize_kv_cache(
     try:
         _check_layout(spec, ready.header, ready.record, instance, local_rank)
         backend = memory.get(ready.record.backend)
-        attached = backend.attach(spec, ready.record.descriptor, local_rank, framework)
+        attached = backend.attach(spec, ready.record.descriptor, local_rank, framework, owner=ready.block.owner_uid)
     finally:
         ready.block.close()
     waited = time.monotonic() - started

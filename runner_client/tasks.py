@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import struct
 import threading
@@ -35,8 +36,11 @@ from kvcached.protocol.errors import (
     AccessDenied,
     DaemonGone,
     InvalidTask,
+    NotTrusted,
     RankFailed,
+    StoreUnavailable,
     TaskFailed,
+    TaskLost,
     TaskTimeout,
     TornRead,
 )
@@ -54,6 +58,7 @@ from kvcached.protocol.messages import (
 )
 from kvcached.protocol.names import check_instance, task_socket_path
 from kvcached.protocol.proc import is_alive
+from kvcached.protocol.trust import check_owner
 
 _INT32_MAX = 2**31 - 1
 
@@ -73,36 +78,53 @@ class _Closed(Exception):
     """The rank's connection ended (EOF or reset)."""
 
 
-class _Channel:
-    """One connection to one rank worker; frames are sent and replies read under ``lock``."""
+#: Tasks a connection may have in flight (sent, reply not read yet). At the bound, ``submit`` reads
+#: replies (keeping them for their handles) before it sends more: any number of ``wait=False`` tasks can
+#: be submitted without the two sides' socket buffers filling up and deadlocking.
+MAX_IN_FLIGHT = 128
 
-    def __init__(self, path: str, rank: int, generation: int, timeout: float) -> None:
+
+class _Channel:
+    """One connection to one rank worker; frames are sent and replies read under ``lock``. Every send and
+    receive has a deadline."""
+
+    def __init__(self, path: str, rank: int, generation: int, timeout: float, owner: int) -> None:
         self.rank = rank
+        self.timeout = timeout
         self.lock = threading.Lock()
         self.next_id = 1
+        self.unread = 0  # tasks sent whose reply has not been read from the socket yet
         self.early: dict[int, tuple[int, dict[str, Any]]] = {}
         self.buf = bytearray()
+        try:
+            check_owner(f"task socket {path}", os.stat(path), owner=owner)
+        except FileNotFoundError:
+            raise _Closed() from None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
+            peer_uid = struct.unpack("3i", self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if peer_uid != owner:
+                raise NotTrusted(f"the process serving {path} runs as uid {peer_uid}, not the daemon's uid {owner}")
         except PermissionError:
             self.sock.close()
             raise AccessDenied(
                 f"rank {rank}: no permission to connect to {path}: the daemon admits its own user and the "
                 "members of its --group"
             ) from None
-        except OSError:
+        except BaseException:
             self.sock.close()
             raise
         self.sock.setblocking(True)
         self.rcvtimeo = 0.0
         self._set_rcvtimeo(timeout)
+        self._set_sndtimeo(timeout)
         hello = json.dumps({"generation": f"{generation:016x}"}).encode()
         try:
             task_id = self.submit(Op.HELLO, hello)
         except _Closed:
-            # Closed at once: a refused peer gets one REFUSED frame first; wait() raises AccessDenied on it.
+            # Closed at once: a refused peer gets one REFUSED frame first; wait() raises on it.
             self.wait(0, time.monotonic() + min(timeout, 1.0))
             raise
         status, body = self.wait(task_id, time.monotonic() + timeout)
@@ -111,13 +133,21 @@ class _Channel:
             raise DaemonGone(f"rank {rank}: the daemon's worker refused this client: {body.get('message')}")
 
     def submit(self, op: Op, payload: bytes, flags: int = 0) -> int:
+        """Send one task; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for their handles)."""
         with self.lock:
+            deadline = time.monotonic() + self.timeout
+            while self.unread >= MAX_IN_FLIGHT:
+                self._read_reply(deadline)
             task_id = self.next_id
             self.next_id += 1
             try:
                 self.sock.sendall(request(op, task_id, payload, flags))
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise _Closed() from exc
+            except (BlockingIOError, TimeoutError):  # SO_SNDTIMEO: the worker reads nothing any more
+                self.sock.close()  # part of a frame may be out: this connection cannot be used again
+                raise TimeoutError from None
+            self.unread += 1
             return task_id
 
     def _fill(self, deadline: float) -> None:
@@ -137,7 +167,7 @@ class _Channel:
                 chunk = self.sock.recv(1 << 16)
             except BlockingIOError:
                 continue  # SO_RCVTIMEO expired: look at the deadline again
-            except ConnectionResetError as exc:
+            except (ConnectionResetError, OSError) as exc:
                 raise _Closed() from exc
             if not chunk:
                 raise _Closed()
@@ -145,40 +175,62 @@ class _Channel:
             return
 
     def _set_rcvtimeo(self, seconds: float) -> None:
-        seconds = max(seconds, 0.001)
-        whole = int(seconds)
-        self.sock.setsockopt(
-            socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6))
-        )
-        self.rcvtimeo = seconds
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        self.rcvtimeo = max(seconds, 0.001)
+
+    def _set_sndtimeo(self, seconds: float) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+
+    def _read_reply(self, deadline: float) -> None:
+        """Read one reply into ``early``. Caller holds the lock."""
+        while len(self.buf) < REPLY.size:
+            self._fill(deadline)
+        magic, op, status, got_id, length = REPLY.unpack_from(self.buf)
+        if magic != REPLY_MAGIC:
+            raise _Closed()
+        while len(self.buf) < REPLY.size + length:
+            self._fill(deadline)
+        body = parse_reply_body(op, status, bytes(self.buf[REPLY.size : REPLY.size + length]))
+        del self.buf[: REPLY.size + length]
+        if status == Status.REFUSED:
+            if body.get("reason") == "capacity":
+                raise TaskFailed(f"rank {self.rank}: the worker refused the connection: {body.get('message')}")
+            raise AccessDenied(f"rank {self.rank}: the daemon refused this client: {body.get('message')}")
+        self.unread = max(0, self.unread - 1)
+        self.early[got_id] = (status, body)
 
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way."""
         with self.lock:
             while task_id not in self.early:
-                while len(self.buf) < REPLY.size:
-                    self._fill(deadline)
-                magic, op, status, got_id, length = REPLY.unpack_from(self.buf)
-                if magic != REPLY_MAGIC:
-                    raise _Closed()
-                while len(self.buf) < REPLY.size + length:
-                    self._fill(deadline)
-                body = parse_reply_body(op, status, bytes(self.buf[REPLY.size : REPLY.size + length]))
-                del self.buf[: REPLY.size + length]
-                if status == Status.REFUSED:
-                    raise AccessDenied(f"rank {self.rank}: the daemon refused this client: {body.get('message')}")
-                self.early[got_id] = (status, body)
+                self._read_reply(deadline)
             return self.early.pop(task_id)
 
     def close(self) -> None:
         self.sock.close()
 
 
+def _timeval(seconds: float) -> bytes:
+    seconds = max(seconds, 0.001)
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Part:
+    """One rank's share of a task: its channel, its task id, and the blocks it writes (for TaskLost)."""
+
+    channel: _Channel
+    task_id: int
+    targets: tuple[int, ...]
+
+
 class TaskHandle:
     """A submitted task; ``result()`` waits for every rank's reply."""
 
-    def __init__(self, tasks: CacheTasks, parts: list[tuple[_Channel, int]], timeout: float) -> None:
+    def __init__(self, tasks: CacheTasks, op: Op, parts: list[_Part], timeout: float) -> None:
         self._tasks = tasks
+        self._op = op
         self._parts = parts
         self._timeout = timeout
         self._result: TaskResult | None = None
@@ -186,28 +238,31 @@ class TaskHandle:
     def result(self, timeout: float | None = None) -> TaskResult:
         """Wait (at most ``timeout`` s, default the client's) for the task on every rank.
 
-        Raises ``InvalidTask`` (nothing changed), ``TaskFailed``, ``TaskTimeout``, ``DaemonGone`` or
-        ``RankFailed``. All ranks' replies are collected before an error is raised.
+        Raises ``InvalidTask`` (nothing changed), ``TaskFailed`` (``TaskLost`` when a rank's worker died
+        during it, naming the blocks it may have half-written; ``StoreUnavailable`` when the store did not
+        answer), ``TaskTimeout``, ``DaemonGone`` or ``RankFailed``.
         """
         if self._result is not None:
             return self._result
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         replies = []
-        for channel, task_id in self._parts:
+        for part in self._parts:
+            channel = part.channel
             try:
-                replies.append((channel.rank, *channel.wait(task_id, deadline)))
+                replies.append((channel.rank, *channel.wait(part.task_id, deadline)))
             except TimeoutError:
                 raise TaskTimeout(
                     f"instance {self._tasks.instance!r} rank {channel.rank}: no reply within the timeout; "
                     "the task may still complete"
                 ) from None
             except _Closed:
-                raise self._tasks._lost(channel.rank) from None
+                raise self._tasks._lost(channel.rank, self._op, part.targets) from None
         for rank, status, body in replies:
             if status == Status.INVALID:
                 raise InvalidTask(str(body.get("field")), f"rank {rank}: {body.get('message')}")
             if status != Status.OK:
-                raise TaskFailed(f"instance {self._tasks.instance!r} rank {rank}: {body.get('message')}")
+                message = f"instance {self._tasks.instance!r} rank {rank}: {body.get('message')}"
+                raise StoreUnavailable(message) if body.get("store_unavailable") else TaskFailed(message)
         self._result = TaskResult(
             ranks=tuple(rank for rank, _, _ in replies),
             blocks=min(int(body["blocks"]) for _, _, body in replies),
@@ -292,7 +347,7 @@ class CacheTasks:
         if keys is not None:
             payload += self._keys(keys, len(src))
             flags = FLAG_KEYS
-        return self._submit(Op.SWAP_OUT, rank, payload, flags=flags, wait=wait, timeout=timeout)
+        return self._submit(Op.SWAP_OUT, rank, payload, flags=flags, wait=wait, timeout=timeout, targets=dst)
 
     @overload
     def swap_in(
@@ -329,7 +384,7 @@ class CacheTasks:
         src = self._ids(cpu_block_ids, "cpu_block_ids")
         dst = self._ids(device_block_ids, "device_block_ids")
         self._same_length(src, dst)
-        return self._submit(Op.SWAP_IN, rank, pack_ids(src, dst), wait=wait, timeout=timeout)
+        return self._submit(Op.SWAP_IN, rank, pack_ids(src, dst), wait=wait, timeout=timeout, targets=dst)
 
     @overload
     def store(
@@ -409,7 +464,7 @@ class CacheTasks:
         """
         ids = self._ids(device_block_ids, "device_block_ids")
         payload = ids.astype("<i4").tobytes() + self._keys(keys, len(ids))
-        return self._submit(Op.LOAD, rank, payload, wait=wait, timeout=timeout)
+        return self._submit(Op.LOAD, rank, payload, wait=wait, timeout=timeout, targets=ids)
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading ``keys`` the store holds for every rank of the instance.
@@ -462,39 +517,54 @@ class CacheTasks:
             )
         return [rank]
 
-    def _check_ready(self, rank: int) -> None:
-        """Before the first task of a rank: the daemon is alive and the rank READY in its generation.
-        Later tasks need no check: a worker that answers is alive, and it dies with its supervisor."""
+    def _check_ready(self, rank: int, deadline: float) -> None:
+        """Before a rank's connection opens: the daemon is alive and the rank READY in its generation. A rank
+        whose worker is being replaced (RECOVERING: its memory is intact) is waited for until ``deadline``;
+        any other state is refused. Later tasks need no check: a worker that answers is alive."""
         header = self._header
-        if not is_alive(header.daemon_pid, header.daemon_start):
-            raise DaemonGone(f"instance {self.instance!r}: daemon pid {header.daemon_pid} is gone")
-        try:
-            record = self._block.read(rank)
-        except TornRead:
-            return  # a record mid-update; the worker itself refuses if it cannot serve
-        if record.state is not State.READY or record.generation != header.generation:
-            raise InvalidTask("rank", f"rank {rank} of {self.instance!r} is {record.state.name}, not READY")
+        while True:
+            if not is_alive(header.daemon_pid, header.daemon_start):
+                raise DaemonGone(f"instance {self.instance!r}: daemon pid {header.daemon_pid} is gone")
+            try:
+                record = self._block.read(rank)
+            except TornRead:
+                record = None  # a record mid-update: look again
+            if record is not None:
+                if record.state is State.READY and record.generation == header.generation:
+                    return
+                if record.state is State.FAILED:
+                    raise RankFailed(f"instance {self.instance!r} rank {rank}: {record.error}")
+                if record.state is not State.RECOVERING:
+                    raise InvalidTask("rank", f"rank {rank} of {self.instance!r} is {record.state.name}, not READY")
+            if time.monotonic() >= deadline:
+                state = record.state.name if record is not None else "being written"
+                raise TaskTimeout(f"instance {self.instance!r} rank {rank}: still {state}, not READY")
+            time.sleep(0.005)
 
-    def _channel(self, rank: int) -> _Channel:
+    def _channel(self, rank: int, deadline: float) -> _Channel:
         with self._lock:
             channel = self._channels.get(rank)
             if channel is not None:
                 return channel
-            self._check_ready(rank)
-            path = str(task_socket_path(self._header.run_dir, self.instance, rank))
+        path = str(task_socket_path(self._header.run_dir, self.instance, rank))
+        while True:
+            self._check_ready(rank, deadline)
             try:
-                channel = _Channel(path, rank, self._header.generation, self.timeout)
-            except AccessDenied:
+                channel = _Channel(path, rank, self._header.generation, self.timeout, self._block.owner_uid)
+            except (AccessDenied, TaskFailed):
                 raise
-            except (OSError, _Closed):
-                channel = None  # _lost() takes the lock itself
-            else:
+            except (OSError, _Closed):  # the worker is being replaced: its socket comes back with it
+                if time.monotonic() >= deadline:
+                    raise self._lost(rank, Op.HELLO, ()) from None
+                time.sleep(0.005)
+                continue
+            with self._lock:
                 self._channels[rank] = channel
-                return channel
-        raise self._lost(rank)
+            return channel
 
-    def _lost(self, rank: int) -> Exception:
-        """The error for a rank whose connection ended: which of the daemon or the rank failed."""
+    def _lost(self, rank: int, op: Op, targets: tuple[int, ...]) -> Exception:
+        """The error for a task whose connection ended: the daemon died, the rank failed, or its worker died
+        (and is being replaced) during the task."""
         with self._lock:
             channel = self._channels.pop(rank, None)
         if channel is not None:
@@ -508,8 +578,19 @@ class CacheTasks:
             record = None
         if record is not None and record.state is State.FAILED:
             return RankFailed(f"instance {self.instance!r} rank {rank}: {record.error}")
-        state = record.state.name if record is not None else "unknown"
-        return DaemonGone(f"instance {self.instance!r} rank {rank}: connection to the worker lost (state {state})")
+        if op is Op.HELLO:
+            return DaemonGone(f"instance {self.instance!r} rank {rank}: cannot reach the worker's task socket")
+        undefined = (
+            f"its target {('CPU' if op is Op.SWAP_OUT else 'device')} blocks {list(targets)} are undefined"
+            if targets
+            else "nothing it wrote is half-done (store objects are whole or absent)"
+        )
+        return TaskLost(
+            f"instance {self.instance!r} rank {rank}: the worker died during the {op.name} task and is being "
+            f"replaced on the same memory; {undefined}. Later tasks are served.",
+            rank=rank,
+            blocks=targets,
+        )
 
     @staticmethod
     def _same_length(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
@@ -531,17 +612,48 @@ class CacheTasks:
         return b"".join(keys)
 
     def _submit(
-        self, op: Op, rank: int | None, payload: bytes, *, flags: int = 0, wait: bool, timeout: float | None
+        self,
+        op: Op,
+        rank: int | None,
+        payload: bytes,
+        *,
+        flags: int = 0,
+        wait: bool,
+        timeout: float | None,
+        targets: np.ndarray[Any, Any] | None = None,
     ) -> TaskResult | TaskHandle:
         if self._closed:
             raise InvalidTask("tasks", f"this CacheTasks of {self.instance!r} is closed; open a new one")
         ranks = self._ranks(rank)
-        channels = [self._channel(r) for r in ranks]  # READY is checked once, when a channel opens
+        seconds = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + seconds
+        written = tuple(targets.tolist()) if targets is not None else ()
         parts = []
-        for r, channel in zip(ranks, channels, strict=True):
+        for r in ranks:
             try:
-                parts.append((channel, channel.submit(op, payload, flags)))
-            except _Closed:
-                raise self._lost(r) from None
-        handle = TaskHandle(self, parts, self.timeout if timeout is None else timeout)
+                parts.append(self._send(r, deadline, op, payload, flags=flags, written=written))
+            except TimeoutError:
+                with self._lock:
+                    self._channels.pop(r, None)
+                raise TaskTimeout(
+                    f"instance {self.instance!r} rank {r}: the worker took no more tasks within {self.timeout:g}s"
+                ) from None
+        handle = TaskHandle(self, op, parts, seconds)
         return handle.result() if wait else handle
+
+    def _send(
+        self, rank: int, deadline: float, op: Op, payload: bytes, *, flags: int, written: tuple[int, ...]
+    ) -> _Part:
+        """Send the task to ``rank``. A connection found closed before the task went out (its worker was
+        replaced since the last task) is opened anew and the task sent there: nothing of it had run."""
+        for attempt in range(2):
+            channel = self._channel(rank, deadline)  # READY is checked once, when a channel opens
+            try:
+                return _Part(channel, channel.submit(op, payload, flags), written)
+            except _Closed:
+                with self._lock:
+                    self._channels.pop(rank, None)
+                channel.close()
+                if attempt:
+                    raise self._lost(rank, op, ()) from None
+        raise AssertionError("unreachable")  # pragma: no cover

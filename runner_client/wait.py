@@ -32,7 +32,8 @@ from kvcached.protocol.errors import (
     TornRead,
 )
 from kvcached.protocol.instance import InstanceView, open_instance
-from kvcached.protocol.names import semaphore_name
+from kvcached.protocol.names import SHM_DIR, semaphore_name
+from kvcached.protocol.trust import check_owner
 from kvcached.protocol.waiters import mark_waiting
 
 log = logging.getLogger("runner_client")
@@ -158,7 +159,12 @@ class _Waiter:
             return False
         try:
             name = semaphore_name(self.instance, header.generation, self.rank)
+            check_owner(f"semaphore {name}", os.stat(SHM_DIR / f"sem.{name.lstrip('/')}"), owner=view.block.owner_uid)
             self.sem = posix_ipc.Semaphore(name)
+        except FileNotFoundError:
+            self._drop_block()  # the daemon already unlinked its semaphores: it is stopping
+            self._sleep(POLL_ABSENT_S)
+            return False
         except posix_ipc.PermissionsError:
             raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
         except posix_ipc.ExistentialError:
@@ -209,22 +215,25 @@ class _Waiter:
             return False
         return True
 
+    def _check_deadline(self) -> None:
+        if time.monotonic() >= self.deadline:
+            raise CacheNotReady(
+                f"instance {self.instance!r} rank {self.rank}: cache not ready after "
+                f"{self.timeout:.1f}s; state {self.state} since {_wall(self.since_wall_ns)}",
+                instance=self.instance,
+                rank=self.rank,
+                state=self.state,
+            )
+
     def run(self) -> Ready:
-        """Wait until ready; return the mapped block, or raise one of the documented errors."""
+        """Wait until ready; return the mapped block, or raise one of the documented errors. The rank is
+        looked at before the deadline is: a READY rank is attached even with ``timeout=0``."""
         pending: Record | None = None  # a record already read after a wake-up: not read again
         try:
             while True:
-                now = time.monotonic()
-                if now >= self.deadline:
-                    raise CacheNotReady(
-                        f"instance {self.instance!r} rank {self.rank}: cache not ready after "
-                        f"{self.timeout:.1f}s; state {self.state} since {_wall(self.since_wall_ns)}",
-                        instance=self.instance,
-                        rank=self.rank,
-                        state=self.state,
-                    )
-                self._maybe_log(now)
+                self._maybe_log(time.monotonic())
                 if self.block is None and not self._find_block():
+                    self._check_deadline()
                     continue
                 assert self.block is not None and self.header is not None
                 record, pending = pending or self._read(), None
@@ -232,12 +241,16 @@ class _Waiter:
                     self._judge(record)  # raises RankFailed: more precise than the daemon's exit after it
                 if not self._daemon_alive():
                     raise self._gone("died")
-                if record is None:
+                if record is None:  # torn: its writer is mid-write, or died so; look again after a pause
+                    self._describe("record being written", time.time_ns())
+                    self._check_deadline()
+                    self._sleep(POLL_ABSENT_S)
                     continue
                 if self._judge(record):
                     ready = Ready(self.block, self.header, record)
                     self.view = None  # handed over: not closed by the finally below
                     return ready
+                self._check_deadline()
                 self.followed = (self.header.daemon_pid, self.header.daemon_start, self.header.generation)
                 if self.mark is None:
                     self.mark = mark_waiting(self.instance, self.rank)

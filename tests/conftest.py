@@ -11,7 +11,9 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -239,6 +241,74 @@ def run_runner(env: dict[str, str], **request: Any) -> subprocess.Popen[str]:
         env=env,
         cwd=ROOT,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MooncakeMaster:
+    """A real mooncake_master on loopback with its HTTP metadata server."""
+
+    def __init__(self, log: Path) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def start(self) -> None:
+        binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which(
+            "mooncake_master"
+        )
+        assert binary, "mooncake_master not found: pip install '.[mooncake]' (and apt install libibverbs1 libnuma1)"
+        with open(self.log, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--port={self.port}",
+                    f"--metrics_port={free_port()}",  # its default, 9003, would collide with another suite's
+                    "--enable_http_metadata_server=true",
+                    f"--http_metadata_server_port={self.http_port}",
+                    "--http_metadata_server_host=127.0.0.1",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        for port in (self.port, self.http_port):
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+                assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]
+                assert time.monotonic() < deadline, "mooncake_master did not listen within 30 s"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def args(self) -> list[str]:
+        return [
+            "--storage-backend",
+            "mooncake",
+            "--mooncake-master",
+            self.address,
+            "--mooncake-metadata",
+            self.metadata,
+            "--mooncake-segment",
+            "64MiB",
+        ]
 
 
 def wait_waiting(instance: str, rank: int, count: int = 1, timeout: float = 30.0) -> None:

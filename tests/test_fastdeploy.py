@@ -97,9 +97,10 @@ def test_engine_created_flags_follow_ready_through_kill9_and_restart(daemons: Da
         swap.close()
 
 
-def test_daemon_created_flags_and_a_failed_rank(daemons: DaemonFactory, suffix: int) -> None:
-    """No engine yet: the daemon creates both flags (what an engine attaching with create=False reads);
-    a rank that dies reads 0; what the daemon created is removed when it stops."""
+def test_daemon_created_flags_and_a_replaced_worker(daemons: DaemonFactory, suffix: int) -> None:
+    """No engine yet: the daemon creates both flags (what an engine attaching with create=False reads); a
+    rank whose worker dies stays 1 (its memory is intact while the worker is replaced); a rank that fails
+    reads 0; what the daemon created is removed when it stops."""
     daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix), "--num-cpu-blocks", "0", "--role", "decode"])
     status = daemon.wait_ready()
     reader = EngineSignal("cache_ready_signal", suffix, 2, create=False)
@@ -108,7 +109,10 @@ def test_daemon_created_flags_and_a_failed_rank(daemons: DaemonFactory, suffix: 
         until(lambda: list(reader.value) == [1, 1], what="READY flags")
         assert list(swap.value) == [0, 0], "no CPU pool: swap space is never ready"
         os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
-        assert daemon.exit_code(timeout=30) == 1
+        until(lambda: read_status(daemon.instance)["ranks"][1]["pid"] != status["ranks"][1]["pid"], what="replaced")
+        assert list(reader.value) == [1, 1], "the cache never went away"
+        daemon.wait_ready()
+        assert daemon.stop() == 0
         assert list(reader.value) == [0, 0]
     finally:
         reader.close()

@@ -37,10 +37,6 @@ SUPERVISOR_STEPS = ("after-lock", "after-reclaim", "after-semaphores", "after-co
 WORKER_STEPS = ("worker-allocating", "worker-before-ready")
 
 
-def all_shm() -> set[str]:
-    return set(os.listdir(SHM_DIR))
-
-
 # -- 2. kill -9 at each start-up step -------------------------------------------------------------------
 
 
@@ -48,7 +44,7 @@ def all_shm() -> set[str]:
 def test_kill9_at_each_startup_step(daemons: DaemonFactory, step: str) -> None:
     """A runner waiting from before the start never sees READY from the killed run; the next start
     succeeds and serves it; nothing is left in /dev/shm (the fixture checks after the clean stop)."""
-    assert set(SUPERVISOR_STEPS + WORKER_STEPS + ("after-ready",)) == set(faults.STEPS)
+    assert set(SUPERVISOR_STEPS + WORKER_STEPS + ("after-ready", "copy-step")) == set(faults.STEPS)
     instance = unique_instance()
     daemons.instances.add(instance)
     env = daemons.env()
@@ -58,7 +54,7 @@ def test_kill9_at_each_startup_step(daemons: DaemonFactory, step: str) -> None:
     if step in SUPERVISOR_STEPS:
         assert code == -signal.SIGKILL
     else:
-        assert code == 1, "a worker killed at start-up fails the rank, and the supervisor exits 1"
+        assert code == 1, "workers killed at start-up (each replacement too) fail the rank: the supervisor exits 1"
     result = runner_result(waiter)
     assert not result["ok"], f"a runner attached to a run killed at {step}: {result}"
     assert result["error_type"] in ("CacheNotReady", "DaemonGone", "RankFailed"), result
@@ -77,7 +73,6 @@ def test_kill9_at_each_startup_step(daemons: DaemonFactory, step: str) -> None:
 def test_leak_loop_start_kill9_restart(daemons: DaemonFactory) -> None:
     """50 rounds of start, kill -9, restart; then a clean stop: /dev/shm and the run directory are back
     to what they were."""
-    baseline = all_shm()
     instance = unique_instance()
     daemons.instances.add(instance)
     daemons.run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,9 +83,9 @@ def test_leak_loop_start_kill9_restart(daemons: DaemonFactory) -> None:
         daemon.kill9()
     last = daemons.start(instance, ranks=2)
     last.wait_ready()
-    assert len(shm_entries(instance)) == 7, "the restart reclaimed every object of the killed runs"
+    assert len(shm_entries(instance)) == 8, "the restart reclaimed every object of the killed runs"
     assert last.stop() == 0
-    assert all_shm() - baseline == set(), "objects left in /dev/shm"
+    assert shm_entries(instance) == [], "objects left in /dev/shm"
     assert set(os.listdir(daemons.run_dir)) == run_files, "files left in the run directory"
 
 
@@ -324,17 +319,27 @@ def test_bad_config_file_through_the_cli_creates_nothing(daemons: DaemonFactory,
 # -- 8. a rank worker killed under an attached runner ---------------------------------------------------
 
 
-def test_worker_kill9_gives_attached_runner_an_error_within_2s(daemons: DaemonFactory) -> None:
+def test_worker_kill9_costs_at_most_the_task_in_flight(daemons: DaemonFactory) -> None:
+    """kill -9 of a rank worker while a runner keeps swapping: at most the task in flight fails (TaskLost,
+    naming its target blocks); tasks succeed again within 2 s; the daemon stays up and says why it replaced
+    the worker."""
     daemon = daemons.start(ranks=2)
     status = daemon.wait_ready()
+    lost = []
     with rc.CacheTasks(daemon.instance) as tasks:
         tasks.swap_out(1, [0], [0])
         killed = time.monotonic()
         os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
-        with pytest.raises((rc.RankFailed, rc.DaemonGone)):
-            while time.monotonic() - killed < 5:
+        while True:
+            try:
                 tasks.swap_out(1, [0], [0], timeout=2)
-                time.sleep(0.01)
+                break
+            except rc.TaskLost as exc:
+                assert exc.rank == 1 and exc.blocks == (0,), exc
+                lost.append(exc)
         assert time.monotonic() - killed < 2.0
-    assert daemon.exit_code(timeout=30) == 1
-    assert "killed by SIGKILL" in daemon.log()
+        assert len(lost) <= 1
+    after = read_status(daemon.instance)
+    assert after["alive"] and [r["state"] for r in after["ranks"]] == ["READY", "READY"]
+    assert after["ranks"][1]["pid"] != status["ranks"][1]["pid"]
+    assert "killed by SIGKILL" in daemon.log() and "replacing rank worker on the same memory" in daemon.log()

@@ -237,7 +237,8 @@ def check_access(daemons: DaemonFactory, run_dir: Path, gid: int, member_uid: in
     os.chmod(sock, 0o666)
     refused = as_user(outsider_uid, outsider_uid, [], raw_hello(sock))
     assert refused.startswith("answered b'KVR1'"), refused  # the refusal, then the connection is closed
-    os.chmod(instance_shm_entries(daemon.instance)[0], 0o666)  # loosen the control block too (sorted first)
+    # Let everyone read the control block too (sorted first); writable by others, runners would refuse it.
+    os.chmod(instance_shm_entries(daemon.instance)[0], 0o664)
     refused = as_user(outsider_uid, outsider_uid, [], swap_one(daemon.instance))
     assert refused.startswith("refused AccessDenied") and "neither the daemon's user" in refused, refused
     deadline = time.monotonic() + 5

@@ -5,9 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +17,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.status import read_status
-from tests.conftest import Daemon, DaemonFactory
+from tests.conftest import Daemon, DaemonFactory, MooncakeMaster
 
 GEOMETRY: dict[str, Any] = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
 FLAGS = ["--num-layers", "3", "--num-blocks", "16", "--num-cpu-blocks", "8", "--dtype", "int8", "--block-wise-fp8"]
@@ -57,73 +54,6 @@ def attached(instance: str, ranks: int = 2, **changes: Any) -> Iterator[list[rc.
     finally:
         for cache in caches:
             cache.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class MooncakeMaster:
-    """A real mooncake_master on loopback with its HTTP metadata server."""
-
-    def __init__(self, log: Path) -> None:
-        self.port, self.http_port = free_port(), free_port()
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def metadata(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
-
-    def start(self) -> None:
-        binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which(
-            "mooncake_master"
-        )
-        assert binary, "mooncake_master not found: pip install '.[mooncake]' (and apt install libibverbs1 libnuma1)"
-        with open(self.log, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--port={self.port}",
-                    "--enable_http_metadata_server=true",
-                    f"--http_metadata_server_port={self.http_port}",
-                    "--http_metadata_server_host=127.0.0.1",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 30
-        for port in (self.port, self.http_port):
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-                assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]
-                assert time.monotonic() < deadline, "mooncake_master did not listen within 30 s"
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
-
-    def args(self) -> list[str]:
-        return [
-            "--storage-backend",
-            "mooncake",
-            "--mooncake-master",
-            self.address,
-            "--mooncake-metadata",
-            self.metadata,
-            "--mooncake-segment",
-            "64MiB",
-        ]
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@
                            Progress(done)                  while reserving (at most every 100 ms)
                            Ready(backend, descriptor, ...) the rank's tiers exist and the task socket listens
                            Failed(error, exit_status)      the worker cannot go on; it exits next
-                           Heartbeat()                     every HEARTBEAT_S while serving
     supervisor -> worker   Stop()                          (EOF means the same)
 
 On the wire a message is a JSON object whose ``"t"`` names its type; ``send`` and ``recv`` are the only
@@ -52,19 +51,12 @@ class Failed:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Heartbeat:
-    pass
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class Stop:
     pass
 
 
-Message = Allocating | Progress | Ready | Failed | Heartbeat | Stop
-_TYPES: dict[str, type[Any]] = {
-    cls.__name__.lower(): cls for cls in (Allocating, Progress, Ready, Failed, Heartbeat, Stop)
-}
+Message = Allocating | Progress | Ready | Failed | Stop
+_TYPES: dict[str, type[Any]] = {cls.__name__.lower(): cls for cls in (Allocating, Progress, Ready, Failed, Stop)}
 
 
 def send(sock: socket.socket, message: Message) -> None:

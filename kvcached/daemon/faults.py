@@ -1,16 +1,20 @@
-"""Fault injection for tests: crash or stall the daemon at a named step of start-up.
+"""Fault injection for tests: crash, stall or starve the daemon at a named step.
 
 ``KVCACHED_FAULT`` holds comma-separated ``step:action`` items; ``action`` is ``kill`` (SIGKILL this
-process at once) or ``sleep=SECONDS``. Steps: ``after-lock``, ``after-reclaim``, ``after-semaphores``,
-``after-control-block``, ``worker-allocating``, ``worker-before-ready``, ``after-ready``. Unset in
-production: ``fault()`` then costs one dict lookup.
+process at once), ``sleep=SECONDS``, or ``enospc`` (fail as a full /dev/shm would: OSError ENOSPC).
+Steps: ``after-lock``, ``after-reclaim``, ``after-semaphores``, ``after-control-block``,
+``worker-allocating``, ``worker-before-ready``, ``after-ready``, and ``copy-step`` (in a worker, after
+each step of a copy: ``sleep`` makes a legitimately slow task). Unset in production: ``fault()`` then
+costs one dict lookup; ``hook()`` returns None once at start.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 
 STEPS = (
     "after-lock",
@@ -20,6 +24,7 @@ STEPS = (
     "worker-allocating",
     "worker-before-ready",
     "after-ready",
+    "copy-step",
 )
 
 
@@ -29,8 +34,8 @@ def _parse(text: str) -> dict[str, str]:
         step, _, action = item.partition(":")
         if step not in STEPS:
             raise ValueError(f"KVCACHED_FAULT: unknown step {step!r}; steps are {', '.join(STEPS)}")
-        if action != "kill" and not action.startswith("sleep="):
-            raise ValueError(f"KVCACHED_FAULT: action for {step} must be kill or sleep=SECONDS, got {action!r}")
+        if action not in ("kill", "enospc") and not action.startswith("sleep="):
+            raise ValueError(f"KVCACHED_FAULT: action for {step} must be kill, enospc or sleep=SECONDS, got {action!r}")
         plan[step] = action
     return plan
 
@@ -48,5 +53,16 @@ def fault(step: str) -> None:
     action = _parse(text).get(step)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (KVCACHED_FAULT at {step})")
     elif action is not None:
         time.sleep(float(action.removeprefix("sleep=")))
+
+
+def hook(step: str) -> Callable[[], None] | None:
+    """A callable that carries out ``step``'s planned action, or None when none is planned (read once, for
+    steps on hot paths)."""
+    action = _parse(os.environ.get("KVCACHED_FAULT", "")).get(step)
+    if action is None:
+        return None
+    return lambda: fault(step)

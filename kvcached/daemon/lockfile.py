@@ -67,10 +67,10 @@ def prepare_run_dir(directory: Path, gid: int | None = None) -> None:
         os.chmod(directory, stat.S_IMODE(st.st_mode) | stat.S_IXGRP)
 
 
-def acquire(path: Path, *, mode: int = 0o600) -> int:
-    """Take the lock at ``path`` and write this process's identity into it; the descriptor (keep it open
-    for as long as the lock must hold). Raises ``Locked`` if another process holds it, ``ResourceError``
-    if ``path`` is not a plain file of ours (a symlink, a directory)."""
+def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
+    """Take the lock at ``path`` (mode ``mode``, group ``gid`` when given) and write this process's identity
+    into it; the descriptor (keep it open for as long as the lock must hold). Raises ``Locked`` if another
+    process holds it, ``ResourceError`` if ``path`` is not a plain file of ours (a symlink, a directory)."""
     while True:
         try:
             fd = os.open(path, _OPEN_FLAGS, mode)
@@ -80,6 +80,9 @@ def acquire(path: Path, *, mode: int = 0o600) -> int:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             os.close(fd)
             raise ResourceError(f"lock file {path} is not a plain file of this user; remove it")
+        os.fchmod(fd, mode)
+        if gid is not None:
+            os.fchown(fd, -1, gid)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

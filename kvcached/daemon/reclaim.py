@@ -18,7 +18,7 @@ import posix_ipc
 
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import open_instance
-from kvcached.protocol.names import instance_shm_entries, posix_name
+from kvcached.protocol.names import instance_lock_path, instance_shm_entries, posix_name
 
 #: Object modes kvcached creates (0600 alone, 0660 with --group).
 OUR_MODES = (0o600, 0o660)
@@ -65,8 +65,10 @@ def live_daemon(instance: str) -> int | None:
 
 
 def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
-    """The objects of ``instance`` (any generation) and whether a live daemon owns them."""
-    entries = instance_shm_entries(instance)
+    """The objects of ``instance`` (any generation) and whether a live daemon owns them. The host-wide
+    instance lock is not among them: it is taken, and removed, by whoever holds it."""
+    lock = instance_lock_path(instance)
+    entries = [entry for entry in instance_shm_entries(instance) if entry != lock]
     squatters = [why for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
     sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
     return Leftovers(entries, sockets, squatters, live_daemon(instance))

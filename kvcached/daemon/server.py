@@ -1,22 +1,39 @@
 """A rank worker's task server: accepts runner connections on the rank's socket and executes their tasks.
 
-Single-threaded, driven by the worker's selector: a connection's bytes are buffered until a whole frame
-is there, the task runs to completion, the reply goes back. Nothing a client sends can end the worker:
-a malformed frame closes that connection only, an invalid task is answered INVALID with nothing changed,
-and a client that vanishes mid-task only loses its reply.
+Single-threaded, driven by the worker's selector. Nothing a client does can end the worker or stall
+the others:
+
+* every connection is non-blocking; replies queue in the connection's output buffer and go out as the
+  client reads them. A client that stops reading stalls only itself: past ``OUT_CAP`` queued bytes the
+  server stops reading its requests until it drains;
+* a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame and
+  ``INPUT_BUDGET`` over all connections (a connection with nothing buffered waits while the budget is
+  spent); a frame left half-sent for ``PARTIAL_IDLE_S`` closes its connection;
+* at most ``max_connections`` connections (below the process's open-file limit); one more is answered
+  REFUSED ("capacity") and closed; running out of descriptors (EMFILE) is met the same way, with a
+  descriptor kept in reserve for it;
+* a malformed frame closes that connection only; an invalid task is answered INVALID with nothing
+  changed; store calls have a deadline (``kvcached.daemon.storecalls``): a slow store fails its task.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import mmap
+import os
+import selectors
 import socket
-import struct
 import time
 
+import numpy as np
+
 from kvcached.access import Access, peer_of
+from kvcached.daemon.storecalls import StoreCalls
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidTask, StoreUnavailable
+from kvcached.protocol.layout import round_up
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
@@ -31,124 +48,239 @@ from kvcached.protocol.messages import (
     unpack_keyed,
 )
 from kvcached.protocol.stats import StatsSlot
-from kvcached.store.base import Store
-from kvcached.transfer import SwapEngine
+from kvcached.transfer import Array, SwapEngine
 
 RECV_CHUNK = 1 << 20
-SEND_TIMEOUT_S = 5
+#: Reply bytes a connection may have queued before its requests stop being read.
+OUT_CAP = 4 << 20
+#: Bytes of unfinished request frames held over all connections.
+INPUT_BUDGET = 2 * MAX_PAYLOAD
+#: A frame left unfinished this long closes its connection.
+PARTIAL_IDLE_S = 30.0
+#: Descriptors kept free below the open-file limit (the worker's own files, the reserve).
+FD_HEADROOM = 64
+#: Bytes of block records moved per store call (a staging buffer of this size, at least one record).
+STAGING_BYTES = 64 << 20
 
 
 class _Conn:
-    """One client connection: its socket, unparsed bytes, and whether it said HELLO."""
+    """One client connection: its socket, unparsed and unsent bytes, and what it waits for."""
 
-    __slots__ = ("buf", "greeted", "sock")
+    __slots__ = ("events", "greeted", "inbuf", "outbuf", "partial_since", "sock", "starved")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.buf = bytearray()
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
         self.greeted = False
+        self.starved = False  # waiting for the input budget
+        self.partial_since = 0.0  # when the unfinished frame in inbuf started (0: none)
+        self.events = 0  # what the selector watches now
 
 
 class TaskServer:
-    """Executes swap tasks for one rank. ``stats`` is the rank's counter array in the control block."""
+    """Executes tasks for one rank. ``stats`` is the rank's slot in the control block."""
 
     def __init__(
         self,
         *,
         listener: socket.socket,
+        selector: selectors.BaseSelector,
         engine: SwapEngine,
         stats: StatsSlot,
         rank: int,
         generation: int,
         log: Logger,
-        store: Store | None = None,
+        store: StoreCalls | None = None,
         access: Access | None = None,
+        max_connections: int | None = None,
     ) -> None:
         self.listener = listener
+        self.selector = selector
         self.access = access or Access.for_daemon(None)
         self.engine = engine
         self.stats = stats
         self.rank = rank
         self.generation = generation
         self.log = log
-        self.conns: dict[int, _Conn] = {}
         self.store = store
+        self.conns: dict[int, _Conn] = {}
+        self.buffered = 0  # bytes in every connection's inbuf
         self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
+        self.max_connections = max_connections or connection_limit()
+        self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        self.staging: Array | None = None
+        self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
 
     # -- connections ----------------------------------------------------------------------------------
 
-    def accept(self) -> socket.socket | None:
-        """Accept one connection if its peer may talk to us (see ``kvcached.daemon.access``); else log and
-        close it before reading anything."""
+    def accept(self) -> None:
+        """Accept what is waiting on the listener (at most 64 per call, so tasks keep being served)."""
+        for _ in range(64):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE) or self.reserve_fd is None:
+                    return
+                self._refuse_with_reserve()
+                continue
+            if len(self.conns) >= self.max_connections:
+                self._refuse(sock, "capacity", f"the worker of rank {self.rank} has {len(self.conns)} connections open")
+                continue
+            peer = peer_of(sock)
+            if not self.access.allows(peer):
+                self.log.warning(
+                    "refused connection: peer is neither the daemon's user nor in its group",
+                    peer_pid=peer.pid,
+                    peer_uid=peer.uid,
+                    peer_gids=sorted(peer.gids),
+                    allowed_uid=self.access.uid,
+                    allowed_gid=self.access.gid,
+                )
+                why = f"uid {peer.uid} is neither the daemon's user (uid {self.access.uid}) nor in its group"
+                self._refuse(sock, "access", why)
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock)
+            self.conns[sock.fileno()] = conn
+            self._watch(conn)
+            self.stats.count(connections=1)
+
+    def _refuse(self, sock: socket.socket, reason: str, why: str) -> None:
+        self.stats.count(tasks_refused=1)
+        with contextlib.suppress(OSError):
+            sock.send(reply(Op.HELLO, Status.REFUSED, 0, {"message": why, "reason": reason}), socket.MSG_DONTWAIT)
+        sock.close()
+
+    def _refuse_with_reserve(self) -> None:
+        """Out of descriptors: give up the reserve one to accept and refuse the waiting client, then take it
+        back (otherwise the client would sit in the backlog, and the listener would wake us forever)."""
+        assert self.reserve_fd is not None
+        os.close(self.reserve_fd)
+        self.reserve_fd = None
         try:
             sock, _ = self.listener.accept()
-        except BlockingIOError:
-            return None
-        peer = peer_of(sock)
-        if not self.access.allows(peer):
-            self.log.warning(
-                "refused connection: peer is neither the daemon's user nor in its group",
-                peer_pid=peer.pid,
-                peer_uid=peer.uid,
-                peer_gids=sorted(peer.gids),
-                allowed_uid=self.access.uid,
-                allowed_gid=self.access.gid,
-            )
-            self.stats.count(tasks_refused=1)
-            why = f"uid {peer.uid} is neither the daemon's user (uid {self.access.uid}) nor in its group"
-            with contextlib.suppress(OSError):
-                sock.send(reply(Op.HELLO, Status.REFUSED, 0, {"message": why}), socket.MSG_DONTWAIT)
-            sock.close()
-            return None
-        # Blocking (no poll() before each call: select already said readable), but a send to a client
-        # that stopped reading its replies gives up after SEND_TIMEOUT_S instead of stalling the rank.
-        sock.setblocking(True)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
-        self.conns[sock.fileno()] = _Conn(sock)
-        self.stats.count(connections=1)
-        return sock
+        except OSError:
+            pass
+        else:
+            self._refuse(sock, "capacity", f"the worker of rank {self.rank} is out of file descriptors")
+        with contextlib.suppress(OSError):
+            self.reserve_fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+
+    def _watch(self, conn: _Conn) -> None:
+        """Point the selector at what ``conn`` waits for now."""
+        events = 0
+        if len(conn.outbuf) <= OUT_CAP and not conn.starved:
+            events |= selectors.EVENT_READ
+        if conn.outbuf:
+            events |= selectors.EVENT_WRITE
+        if events == conn.events:
+            return
+        if conn.events == 0:
+            self.selector.register(conn.sock, events, "client")
+        elif events == 0:
+            self.selector.unregister(conn.sock)
+        else:
+            self.selector.modify(conn.sock, events, "client")
+        conn.events = events
 
     def close(self, sock: socket.socket) -> None:
         """Forget and close a connection."""
-        self.conns.pop(sock.fileno(), None)
+        conn = self.conns.pop(sock.fileno(), None)
+        if conn is not None:
+            if conn.events:
+                self.selector.unregister(sock)
+            self.buffered -= len(conn.inbuf)
+            self._feed_starved()
         sock.close()
 
-    def on_readable(self, sock: socket.socket) -> bool:
-        """Read what arrived and run every complete task; False when the caller should close it."""
-        conn = self.conns[sock.fileno()]
+    def on_event(self, sock: socket.socket, events: int) -> None:
+        """Handle the selector's news for a client connection."""
+        conn = self.conns.get(sock.fileno())
+        if conn is None:
+            return
+        if events & selectors.EVENT_WRITE and not self._flush(conn):
+            self.close(sock)
+            return
+        if events & selectors.EVENT_READ and not self._on_readable(conn):
+            self.close(sock)
+            return
+        self._watch(conn)
+
+    def tick(self, now: float) -> None:
+        """Close connections whose unfinished frame stalled for ``PARTIAL_IDLE_S``."""
+        for conn in [c for c in self.conns.values() if c.partial_since and now - c.partial_since > PARTIAL_IDLE_S]:
+            self.log.warning(
+                "closing a connection that left a frame unfinished", seconds=round(now - conn.partial_since)
+            )
+            self.close(conn.sock)
+
+    def _on_readable(self, conn: _Conn) -> bool:
+        """Read what arrived and run every complete task; False when the connection should close."""
+        if not conn.inbuf and self.buffered >= INPUT_BUDGET:
+            conn.starved = True  # others hold the budget: wait for it instead of growing without bound
+            return True
         try:
-            got = sock.recv_into(self.scratch)
+            got = conn.sock.recv_into(self.scratch)
+        except BlockingIOError:
+            return True
         except OSError:
             got = 0
         if not got:
             return False
-        conn.buf += self.scratch_view[:got]
-        while len(conn.buf) >= REQUEST.size:
-            magic, op, flags, task_id, length = REQUEST.unpack_from(conn.buf)
+        conn.inbuf += self.scratch_view[:got]
+        self.buffered += got
+        ok = self._run_frames(conn)
+        conn.partial_since = (conn.partial_since or time.monotonic()) if conn.inbuf else 0.0
+        self._feed_starved()
+        return ok and self._flush(conn)
+
+    def _run_frames(self, conn: _Conn) -> bool:
+        while len(conn.inbuf) >= REQUEST.size:
+            magic, op, flags, task_id, length = REQUEST.unpack_from(conn.inbuf)
             if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
                 why = (
                     "bad frame magic" if magic != REQUEST_MAGIC else f"payload of {length} bytes exceeds {MAX_PAYLOAD}"
                 )
-                self._send(conn, reply(op, Status.INVALID, task_id, {"field": "frame", "message": why}))
+                conn.outbuf += reply(op, Status.INVALID, task_id, {"field": "frame", "message": why})
                 self.stats.count(tasks_refused=1)
+                self._flush(conn)
                 return False
-            if len(conn.buf) < REQUEST.size + length:
+            if len(conn.inbuf) < REQUEST.size + length:
                 break
-            payload = bytes(conn.buf[REQUEST.size : REQUEST.size + length])
-            del conn.buf[: REQUEST.size + length]
-            if not self._send(conn, self._execute(conn, op, flags, task_id, payload)):
-                return False
+            payload = bytes(conn.inbuf[REQUEST.size : REQUEST.size + length])
+            del conn.inbuf[: REQUEST.size + length]
+            self.buffered -= REQUEST.size + length
+            conn.partial_since = 0.0
+            conn.outbuf += self._execute(conn, op, flags, task_id, payload)
+            if len(conn.outbuf) > OUT_CAP:
+                break  # the client is not reading its replies: stop taking its requests until it does
         return True
 
-    def _send(self, conn: _Conn, frame: bytes) -> bool:
-        try:
-            conn.sock.sendall(frame)
-        except OSError:  # the client left (or stopped reading): its reply is lost, the rank serves on
-            return False
+    def _flush(self, conn: _Conn) -> bool:
+        """Send what the socket takes now; False when the client is gone."""
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except BlockingIOError:
+                return True
+            except OSError:  # the client left: its replies are lost, the rank serves on
+                return False
+            del conn.outbuf[:sent]
         return True
+
+    def _feed_starved(self) -> None:
+        if self.buffered >= INPUT_BUDGET:
+            return
+        for conn in self.conns.values():
+            if conn.starved:
+                conn.starved = False
+                self._watch(conn)
 
     # -- tasks ----------------------------------------------------------------------------------------
 
@@ -167,9 +299,12 @@ class TaskServer:
             self.stats.count(tasks_refused=1)
             return reply(op, Status.INVALID, task_id, {"field": exc.field, "message": exc.message})
         except StoreUnavailable as exc:
-            self.stats.count(store_errors=1)
-            return reply(op, Status.FAILED, task_id, {"message": f"storage backend unavailable: {exc}"})
+            self.store_failures += 1
+            body = {"message": f"storage backend unavailable: {exc}", "store_unavailable": True}
+            return reply(op, Status.FAILED, task_id, body)
         except Exception as exc:
+            if op in (Op.STORE, Op.LOAD, Op.LOOKUP) or flags & FLAG_KEYS:
+                self.store_failures += 1
             self.log.exception("task failed", op=op, task_id=task_id)
             return reply(op, Status.FAILED, task_id, {"message": f"{type(exc).__name__}: {exc}"})
 
@@ -208,34 +343,52 @@ class TaskServer:
         out = op is Op.SWAP_OUT
         tiers = ("device", "cpu") if out else ("cpu", "device")
         self.engine.validate(src, dst, src_tier=tiers[0], dst_tier=tiers[1])
+        if keys:  # write-through, store first: if the store fails, the CPU pool has not changed
+            self._put_blocks(src, keys)
         started = time.monotonic_ns()
         moved = self.engine.swap_out(src, dst) if out else self.engine.swap_in(src, dst)
         took = time.monotonic_ns() - started
         self.stats.count_task("swap_out" if out else "swap_in", len(src), moved, took)
-        if keys:  # write-through: the blocks just swapped out also go to the store
-            self._put_blocks(src.tolist(), keys)
         return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(src), moved, took))
 
     # -- attention store ------------------------------------------------------------------------------
 
-    def _require_store(self) -> Store:
-        store: Store | None = self.store
+    def _require_store(self) -> StoreCalls:
+        store = self.store
         if store is None:
             raise InvalidTask(
                 "storage_backend", "this instance has no attention store (start it with --storage-backend)"
             )
         return store
 
-    def _put_blocks(self, device_ids: list[int], keys: list[bytes]) -> int:
+    def _staging(self) -> Array:
+        """Rows of ``block_bytes`` where block records wait for the store thread (see ``storecalls``)."""
+        if self.staging is None:
+            record = self.engine.spec.block_bytes
+            count = max(1, STAGING_BYTES // record)
+            self.staging = np.frombuffer(mmap.mmap(-1, round_up(count * record)), dtype=np.uint8)[
+                : count * record
+            ].reshape(count, record)
+        return self.staging
+
+    def _put_blocks(self, device_ids: Array, keys: list[bytes]) -> int:
+        """Store device blocks under ``keys``, a staging buffer at a time; bytes newly written."""
         store = self._require_store()
-        store.protect(keys)
+        staging = self._staging()
         started = time.monotonic_ns()
+        written = 0
+        store.call("protect", keys)
         try:
-            stored = store.put_many(keys, [self.engine.block_pieces(device_id) for device_id in device_ids])
+            for start in range(0, len(keys), len(staging)):
+                chunk = device_ids[start : start + len(staging)]
+                self.engine.copy_out(chunk, np.arange(len(chunk)), staging)
+                rows = [[memoryview(staging[i])] for i in range(len(chunk))]
+                written += store.call("put_many", keys[start : start + len(chunk)], rows)
         finally:
-            store.protect([])
+            with contextlib.suppress(StoreUnavailable):
+                store.call("protect", [])
             self._mirror_store_counters()
-        nbytes = stored * self.engine.spec.block_bytes
+        nbytes = written * self.engine.spec.block_bytes
         self.stats.count_task("store", len(keys), nbytes, time.monotonic_ns() - started)
         return nbytes
 
@@ -243,7 +396,7 @@ class TaskServer:
         try:
             return self._store_task(op, task_id, payload)
         finally:
-            if self.store is not None:  # only store tasks change the store's counters
+            if self.store is not None:
                 self._mirror_store_counters()
 
     def _store_task(self, op: Op, task_id: int, payload: bytes) -> bytes:
@@ -253,7 +406,7 @@ class TaskServer:
             if len(payload) % KEY_BYTES:
                 raise InvalidTask("keys", f"{len(payload)} bytes is not a list of {KEY_BYTES}-byte keys")
             keys = [payload[i : i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
-            found = store.present(keys)
+            found = store.call("present", keys)
             self.stats.count(lookup_tasks=1)
             return reply(op, Status.OK, task_id, TASK_RESULT.pack(found, 0, time.monotonic_ns() - started))
         keyed = unpack_keyed(payload, 1)
@@ -262,21 +415,44 @@ class TaskServer:
         (ids,), keys = keyed
         if op is Op.STORE:
             self.engine.check_ids(ids, field="device_block_ids", role="source", unique=False)
-            nbytes = self._put_blocks(ids.tolist(), keys)
+            nbytes = self._put_blocks(ids, keys)
             return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
         self.engine.check_ids(ids, field="device_block_ids", role="target", unique=True)
-        targets = ids.tolist()
-        # Stops at the first miss: a block without its prefix is of no use.
-        loaded = store.load_prefix(keys, lambda i, record: self.engine.write_block(targets[i], record))
+        loaded = self._load_blocks(keys, ids, store)
         nbytes = loaded * self.engine.spec.block_bytes
         took = time.monotonic_ns() - started
         self.stats.count_task("load", loaded, nbytes, took)
         return reply(op, Status.OK, task_id, TASK_RESULT.pack(loaded, nbytes, took))
 
+    def _load_blocks(self, keys: list[bytes], targets: Array, store: StoreCalls) -> int:
+        """Load the longest present prefix of ``keys`` into device blocks ``targets``, a staging buffer at a
+        time (the store thread fills staging rows; this thread copies them into the device tier)."""
+        staging = self._staging()
+        loaded = 0
+        for start in range(0, len(keys), len(staging)):
+            chunk = keys[start : start + len(staging)]
+
+            def sink(i: int, record: memoryview, rows: Array = staging) -> None:
+                rows[i] = np.frombuffer(record, dtype=np.uint8)
+
+            got = store.call("load_prefix", chunk, sink)
+            self.engine.copy_in(np.arange(got), targets[start : start + got], staging)
+            loaded += got
+            if got < len(chunk):  # stops at the first miss: a block without its prefix is of no use
+                break
+        return loaded
+
+    def maintain(self) -> None:
+        """Between tasks: let the store look for trouble, and show its figures (``kvcached status``)."""
+        if self.store is not None:
+            self.store.maintain()
+            self._mirror_store_counters()
+
     def _mirror_store_counters(self) -> None:
         assert self.store is not None
         c = self.store.counters
         self.stats.set(
+            store_errors=self.store_failures + c.errors,
             store_objects=c.objects,
             store_bytes_used=c.bytes,
             store_hits=c.hits,
@@ -284,3 +460,22 @@ class TaskServer:
             store_evictions=c.evictions,
             store_corrupt=c.corrupt,
         )
+
+
+def connection_limit() -> int:
+    """Connections a worker accepts: what its open-file limit leaves after ``FD_HEADROOM``."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = 1 << 16 if soft == resource.RLIM_INFINITY else soft
+    return max(8, min(1 << 16, limit - FD_HEADROOM))
+
+
+def raise_file_limit() -> None:
+    """Raise the soft open-file limit to the hard one (the usual 1024 is low for a busy rank)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -14,7 +14,16 @@ Start-up, in this order (each step is a fault-injection point, see ``kvcached.da
 The supervisor is the only writer of the header and the records (each worker writes its own stats slot).
 Signal handlers only enqueue (Python writes the signal number to a wake-up pipe); the main loop
 dispatches. On SIGTERM/SIGINT/SIGHUP every record goes STOPPING (and its semaphore is posted), workers are
-stopped, and every object of the instance is unlinked, the lock file last.
+stopped, and every object of the instance is unlinked, the lock file last. SIGUSR1 logs each rank's state.
+
+Faults cost a task, not the cache. A worker is judged by progress, not by silence between tasks: its
+``progress`` counter (``kvcached.protocol.stats``) must move within ``--worker-timeout`` seconds of the
+supervisor's own waking time (a supervisor that was paused does not count the pause against anyone). A
+worker that dies, or stops making progress (then it is killed), is replaced: its rank goes RECOVERING and
+the new worker reopens the same memory (``DeviceBackend.reopen``, the CPU pool by name; bytes untouched),
+then the rank is READY again. Runners' tasks in flight fail with ``TaskLost``; new tasks are served. Only
+a rank that cannot be brought back (its worker fails to reopen, or dies ``MAX_REPLACEMENTS`` times within
+``REPLACEMENT_WINDOW_S``) ends the daemon, with the reason.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import posix_ipc
@@ -48,7 +58,7 @@ from kvcached.daemon.errors import (
 from kvcached.daemon.fdsignals import FastDeploySignals
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
-from kvcached.daemon.worker import HEARTBEAT_S, WorkerPlan, worker_main
+from kvcached.daemon.worker import WorkerPlan, worker_main
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
 from kvcached.protocol.errors import ProtocolError, ResourceError, SignalError
@@ -56,6 +66,7 @@ from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
+    instance_lock_path,
     instance_shm_entries,
     lock_path,
     semaphore_name,
@@ -64,10 +75,13 @@ from kvcached.protocol.names import (
 from kvcached.protocol.ownership import cache_owner, explain_owner
 from kvcached.protocol.proc import self_identity
 
-#: A worker silent for this long (no heartbeat) is taken as hung.
-HEARTBEAT_TIMEOUT_S = 10 * HEARTBEAT_S
 #: How long stopping workers may take before they are killed.
 STOP_GRACE_S = 5.0
+#: The supervisor's loop turns at least this often.
+TICK_S = 0.25
+#: A rank whose workers die this many times within the window cannot be brought back.
+MAX_REPLACEMENTS = 3
+REPLACEMENT_WINDOW_S = 60.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 #: Called with the records after each allocation step (the CLI draws progress on a terminal with it).
@@ -93,7 +107,10 @@ class Supervisor:
         self.sems: list[posix_ipc.Semaphore] = []
         self.records: list[Record] = []
         self.workers: dict[int, tuple[int, socket.socket]] = {}  # rank -> (pid, socket)
-        self.heard: dict[int, float] = {}  # rank -> monotonic time of the last message
+        self.progress: dict[int, tuple[int, float]] = {}  # rank -> (last progress seen, seconds it stood still)
+        self.deaths: dict[int, list[float]] = {}  # rank -> when its workers died (within the window)
+        self.instance_lock_fd: int | None = None
+        self.last_tick = time.monotonic()
         self.selector = selectors.DefaultSelector()
         self.run_dir = lock_path(config.instance).parent
         self.wake_r, self.wake_w = -1, -1
@@ -129,7 +146,7 @@ class Supervisor:
     def _install_signals(self) -> None:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        for signum in (*_STOP_SIGNALS, signal.SIGCHLD):
+        for signum in (*_STOP_SIGNALS, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the signal number
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
 
@@ -162,23 +179,10 @@ class Supervisor:
                 raise Fatal(f"--ipc-suffix: {exc}", EXIT_RESOURCES) from None
         self.generation = secrets.randbits(64) | 1
         structlog.contextvars.bind_contextvars(generation=f"{self.generation:016x}")
-        for rank in range(self.config.ranks):
-            name = semaphore_name(self.instance, self.generation, rank)
-            self.sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
-            self.access.apply(SHM_DIR / f"sem.{name.lstrip('/')}")
-        faults.fault("after-semaphores")
-        pid, started = self_identity()
-        self.block = ControlBlock.create(
-            self.instance,
-            generation=self.generation,
-            spec=spec,
-            num_ranks=self.config.ranks,
-            daemon_pid=pid,
-            daemon_start=started,
-            run_dir=str(self.run_dir),
-            mode=self.access.mode,
-            gid=self.access.gid,
-        )
+        try:
+            self._create_objects()
+        except (OSError, posix_ipc.Error) as exc:  # /dev/shm filled up, or a name was taken meanwhile
+            raise Fatal(f"cannot create the instance's objects in /dev/shm: {exc}", EXIT_RESOURCES) from None
         self.records = [Record(rank=r, generation=self.generation) for r in range(self.config.ranks)]
         faults.fault("after-control-block")
         self.log.info(
@@ -193,6 +197,26 @@ class Supervisor:
             self._spawn(rank)
         if self.config.metrics_port:  # after the forks: its thread must not be copied into workers
             self._serve_metrics()
+
+    def _create_objects(self) -> None:
+        """The per-rank semaphores, then the control block (published last)."""
+        for rank in range(self.config.ranks):
+            name = semaphore_name(self.instance, self.generation, rank)
+            self.sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
+            self.access.apply(SHM_DIR / f"sem.{name.lstrip('/')}")
+        faults.fault("after-semaphores")
+        pid, started = self_identity()
+        self.block = ControlBlock.create(
+            self.instance,
+            generation=self.generation,
+            spec=self.spec,
+            num_ranks=self.config.ranks,
+            daemon_pid=pid,
+            daemon_start=started,
+            run_dir=str(self.run_dir),
+            mode=self.access.mode,
+            gid=self.access.gid,
+        )
 
     def _serve_metrics(self) -> None:
         from kvcached.daemon import metrics
@@ -220,13 +244,22 @@ class Supervisor:
             )
         try:
             lockfile.prepare_run_dir(directory, self.access.gid)
-            self.lock_fd = lockfile.acquire(path)
+            self.lock_fd = self._take(path)
+            # One daemon per instance on the host, whatever run directory each was given: a second one's
+            # reclaim must never see the first one's fresh objects as leftovers.
+            self.instance_lock_fd = self._take(
+                instance_lock_path(self.instance), mode=self.access.mode, gid=self.access.gid
+            )
         except ResourceError as exc:
             raise Fatal(str(exc), EXIT_RESOURCES) from None
+
+    def _take(self, where: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
+        try:
+            return lockfile.acquire(where, mode=mode, gid=gid)
         except lockfile.Locked as locked:
             who = f"pid {locked.holder.pid}" if locked.holder else "another process"
             raise Fatal(
-                f"instance {self.instance!r} is already running ({who} holds {path}); "
+                f"instance {self.instance!r} is already running ({who} holds {where}); "
                 f"use another --instance name, or `kvcached stop --instance {self.instance}`",
                 EXIT_ALREADY_RUNNING,
             ) from None
@@ -257,25 +290,60 @@ class Supervisor:
                 EXIT_RESOURCES,
             )
 
-    def _spawn(self, rank: int) -> None:
+    def _spawn(self, rank: int, plan: WorkerPlan | None = None, state: State = State.ALLOCATING) -> None:
+        """Fork rank ``rank``'s worker (a first one, or a replacement with ``plan``)."""
+        assert self.block is not None
+        plan = plan or self._plan(rank)
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # child: keep nothing of the supervisor's but the socket
             parent_sock.close()
             signal.set_wakeup_fd(-1)
-            for fd in (self.lock_fd, self.wake_r, self.wake_w):
+            for fd in (self.lock_fd, self.instance_lock_fd, self.wake_r, self.wake_w):
                 if fd is not None and fd >= 0:
                     os.close(fd)
             for _, other in self.workers.values():
                 other.close()
-            assert self.block is not None
-            worker_main(child_sock, parent=parent, plan=self._plan(rank), stats=self.block.stats_slot(rank))
+            worker_main(child_sock, parent=parent, plan=plan, stats=self.block.stats_slot(rank))
         child_sock.close()
         self.workers[rank] = (pid, parent_sock)
-        self.heard[rank] = time.monotonic()
+        self.progress[rank] = (self.block.stats_slot(rank).progress(), 0.0)
         self.selector.register(parent_sock, selectors.EVENT_READ, rank)
-        self._set(rank, state=State.ALLOCATING, worker_pid=pid)
+        self._set(rank, state=state, worker_pid=pid)
+
+    def _replace(self, rank: int, why: str) -> None:
+        """Fork a new worker for ``rank`` after its worker died or was killed as hung. A rank that was
+        serving keeps its memory: the new worker reopens it (RECOVERING, then READY). One that was still
+        allocating starts over. Raises ``Fatal`` when the rank cannot be brought back."""
+        now = time.monotonic()
+        deaths = [t for t in self.deaths.get(rank, []) if now - t < REPLACEMENT_WINDOW_S] + [now]
+        self.deaths[rank] = deaths
+        if len(deaths) > MAX_REPLACEMENTS:
+            raise self._rank_failed(
+                rank,
+                f"{why}; {len(deaths)} workers of this rank died within {REPLACEMENT_WINDOW_S:.0f}s: giving up",
+                EXIT_FAILURE,
+            )
+        record = self.records[rank]
+        plan = self._plan(rank)
+        task_socket_path(self.run_dir, self.instance, rank).unlink(missing_ok=True)
+        if record.state in (State.READY, State.RECOVERING) and record.backend:
+            plan = dataclasses.replace(
+                plan,
+                device_descriptor=dict(record.descriptor) if self.backend.outlives_worker else None,
+                reopen_pool=bool(record.cpu_bytes),
+            )
+            self.log.warning("replacing rank worker on the same memory", rank=rank, reason=why)
+            self._set(rank, error=why)
+            self._spawn(rank, plan, State.RECOVERING)
+            return
+        # Nothing was published yet: remove what the dead worker half-made and allocate again.
+        request = plan.tier_request()
+        self.backend.release(request)
+        unlink_entries([SHM_DIR / request.shm_name(tier).lstrip("/") for tier in ("dev", "cpu")])
+        self.log.warning("restarting rank worker's allocation", rank=rank, reason=why)
+        self._spawn(rank, plan, State.ALLOCATING)
 
     def _plan(self, rank: int) -> WorkerPlan:
         return WorkerPlan(
@@ -289,6 +357,7 @@ class Supervisor:
             access=self.access,
             memory=self.config.memory,
             device_id=self.config.devices[rank] if self.config.devices else rank,
+            store_timeout=self.config.store_timeout,
         )
 
     # -- records --------------------------------------------------------------------------------------
@@ -308,13 +377,13 @@ class Supervisor:
         if state_changed:
             self.sems[rank].release()
             if self.signals is not None:
-                ready = [r.state is State.READY for r in self.records]
+                ready = [r.state in (State.READY, State.RECOVERING) for r in self.records]
                 self.signals.update(ready, has_pool=self.spec.num_cpu_blocks > 0)
 
     # -- main loop ------------------------------------------------------------------------------------
 
     def _loop(self) -> int:
-        tick = min(HEARTBEAT_S / 2, self.notify.ping_interval() or HEARTBEAT_S)
+        tick = min(TICK_S, self.notify.ping_interval() or TICK_S)
         while True:
             self.notify.ping_if_due()
             for key, _ in self.selector.select(timeout=tick):
@@ -325,7 +394,7 @@ class Supervisor:
                 else:
                     self._on_worker(key.data)
             self._reap()
-            self._check_heartbeats()
+            self._check_progress(tick)
             if self.signals is not None:
                 try:
                     self.signals.tick()
@@ -341,6 +410,9 @@ class Supervisor:
             if signum in _STOP_SIGNALS:
                 self.log.info("stopping", signal=signal.Signals(signum).name)
                 return EXIT_OK
+            if signum in (signal.SIGUSR1, signal.SIGUSR2):
+                states = {r.rank: r.state.name for r in self.records}
+                self.log.info("ranks", signal=signal.Signals(signum).name, states=states, workers=len(self.workers))
         return None
 
     def _on_worker(self, rank: int) -> None:
@@ -348,17 +420,15 @@ class Supervisor:
         try:
             message = channel.recv(sock)
         except ProtocolError as exc:
-            raise self._rank_failed(rank, str(exc), EXIT_FAILURE) from None
-        if message is None:
+            self._kill(rank, str(exc))
+            return
+        if message is None:  # the worker is gone (or going): the reaper replaces it
             self.selector.unregister(sock)
-            self._reap(block_s=1.0)
-            raise self._rank_failed(rank, "worker closed its channel", EXIT_FAILURE)
-        self.heard[rank] = time.monotonic()
+            return
+        self.progress[rank] = (self.progress[rank][0], 0.0)  # a message is progress too
         record = self.records[rank]
         record.heartbeat_ns = time.monotonic_ns()
         match message:
-            case channel.Heartbeat():
-                self._set(rank)
             case channel.Allocating(total=total):
                 self._set(rank, total_bytes=total)
             case channel.Progress(done=done):
@@ -366,9 +436,15 @@ class Supervisor:
                 self.notify.status(self._progress_text(), throttle_s=0.5)
                 self._show_progress()
             case channel.Ready():
+                recovered = record.state is State.RECOVERING
                 # Ready's fields are record fields of the same names (backend, descriptor, sizes, layout).
-                self._set(rank, state=State.READY, reserved_bytes=record.total_bytes, **dataclasses.asdict(message))
+                self._set(
+                    rank, state=State.READY, reserved_bytes=record.total_bytes, error="", **dataclasses.asdict(message)
+                )
                 self._show_progress()
+                if recovered:
+                    self.log.warning("rank recovered", rank=rank, worker_pid=record.worker_pid)
+                    return
                 self.log.info("rank ready", rank=rank, bytes=record.total_bytes)
                 if not self.all_ready_logged and all(r.state is State.READY for r in self.records):
                     self.all_ready_logged = True
@@ -379,7 +455,7 @@ class Supervisor:
             case channel.Failed(error=error, exit_status=exit_status):
                 raise self._rank_failed(rank, error, exit_status)
             case _:
-                raise self._rank_failed(rank, f"unexpected message {message!r}", EXIT_FAILURE)
+                self._kill(rank, f"unexpected message {message!r}")
 
     def _progress_text(self) -> str:
         return progress_text(self.records, self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec))
@@ -392,20 +468,16 @@ class Supervisor:
         self._set(rank, state=State.FAILED, error=why)
         return Fatal(f"rank {rank} failed: {why}", status)
 
-    def _reap(self, block_s: float = 0.0) -> None:
-        deadline = time.monotonic() + block_s
+    def _reap(self) -> None:
+        """Replace every worker that has died (``waitpid`` once per worker, never blocking)."""
         for rank, (pid, _) in list(self.workers.items()):
-            while True:
-                try:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    done, status = pid, 0
-                if done or time.monotonic() >= deadline:
-                    break
-                time.sleep(0.01)
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
             if done:
                 self._forget(rank)
-                raise self._rank_failed(rank, f"worker pid {pid} {describe_exit(status)}", EXIT_FAILURE)
+                self._replace(rank, f"worker pid {pid} {describe_exit(status)}")
 
     def _forget(self, rank: int) -> None:
         _, sock = self.workers.pop(rank)
@@ -413,15 +485,34 @@ class Supervisor:
             self.selector.unregister(sock)
         sock.close()
 
-    def _check_heartbeats(self) -> None:
+    def _kill(self, rank: int, why: str) -> None:
+        """SIGKILL a worker; the reaper replaces it."""
+        pid, _ = self.workers[rank]
+        self.log.error("killing rank worker", rank=rank, worker_pid=pid, reason=why)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _check_progress(self, tick: float) -> None:
+        """Kill workers whose progress counter stood still for ``worker_timeout`` seconds of our waking time.
+
+        The time counted between two looks is capped at twice the tick, so a supervisor that was paused
+        (SIGSTOP, a debugger, a swapped-out host) never blames its workers for the pause."""
+        assert self.block is not None
         now = time.monotonic()
-        for rank, (pid, _) in list(self.workers.items()):
-            if now - self.heard[rank] > HEARTBEAT_TIMEOUT_S and self.records[rank].state is State.READY:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                raise self._rank_failed(
-                    rank, f"worker pid {pid} silent for {now - self.heard[rank]:.1f}s (hung); killed", EXIT_FAILURE
-                )
+        awake, self.last_tick = min(now - self.last_tick, 2 * tick), now
+        for rank in list(self.workers):
+            seen = self.block.stats_slot(rank).progress()
+            last, still = self.progress[rank]
+            if seen != last:
+                self.progress[rank] = (seen, 0.0)
+                self.records[rank].heartbeat_ns = time.monotonic_ns()
+                self._set(rank)
+                continue
+            still += awake
+            self.progress[rank] = (last, still)
+            if still > self.config.worker_timeout and self.records[rank].state in (State.READY, State.RECOVERING):
+                self._kill(rank, f"no progress for {still:.1f}s (hung)")
+                self.progress[rank] = (last, float("-inf"))  # killed once; the reaper takes it from here
 
     # -- stop -----------------------------------------------------------------------------------------
 
@@ -459,6 +550,9 @@ class Supervisor:
             unlink_entries([entry for entry in instance_shm_entries(self.instance) if ours in entry.name])
         for path in self.run_dir.glob(f"{self.instance}.r*.sock"):
             path.unlink(missing_ok=True)
+        if self.instance_lock_fd is not None:
+            lockfile.release(instance_lock_path(self.instance), self.instance_lock_fd)
+            self.instance_lock_fd = None
         lockfile.release(lock_path(self.instance), self.lock_fd)
         self.lock_fd = None
 

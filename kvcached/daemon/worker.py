@@ -4,10 +4,15 @@ Its life, in three steps, each raising ``WorkerFailure`` (a reason and the exit 
 end with) when it cannot go on:
 
 1. ``allocate``: the device tier (through its backend, ``kvcached.memory``) and the CPU pool, reporting
-   progress;
-2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``);
+   progress; or, for a worker that replaces one that died, ``reopen`` them with their bytes untouched;
+2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), behind a
+   thread and a deadline per call (``kvcached.daemon.storecalls``);
 3. ``serve``: listen on the rank's task socket and run tasks (``kvcached.daemon.server``) until told to
    stop.
+
+Liveness: the worker adds to the ``progress`` counter of its stats slot each time its loop turns (at
+least once a second) and at every step of a long task; the supervisor replaces a worker whose counter
+stands still for ``--worker-timeout`` seconds of the supervisor's own waking time.
 
 The worker talks to the supervisor through ``kvcached.daemon.channel``. It never writes a rank record
 (the supervisor is the records' only writer; the worker writes its own stats slot) and never unlinks:
@@ -25,7 +30,7 @@ import selectors
 import signal
 import socket
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import posix_ipc
 import structlog
@@ -33,13 +38,19 @@ import structlog
 from kvcached import logs, memory, store
 from kvcached.access import Access
 from kvcached.config import StoreConfig
-from kvcached.daemon import channel
+from kvcached.daemon import channel, faults, server
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
-from kvcached.daemon.faults import fault
-from kvcached.daemon.server import TaskServer
+from kvcached.daemon.storecalls import StoreCalls
 from kvcached.memory.base import DeviceTier, TierRequest
-from kvcached.memory.shm import create_arena, pin
-from kvcached.protocol.errors import BackendUnavailable, ResourceError, ShmFull, StoreBusy, StoreUnavailable
+from kvcached.memory.shm import create_arena, open_arena, pin
+from kvcached.protocol.errors import (
+    BackendUnavailable,
+    ProtocolError,
+    ResourceError,
+    ShmFull,
+    StoreBusy,
+    StoreUnavailable,
+)
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes
 from kvcached.protocol.names import task_socket_path
 from kvcached.protocol.spec import CacheSpec
@@ -47,7 +58,8 @@ from kvcached.protocol.stats import StatsSlot
 from kvcached.store.base import ObjectIdentity, Store
 from kvcached.transfer import SwapEngine
 
-HEARTBEAT_S = 1.0
+#: The worker's loop turns (and marks progress) at least this often.
+LOOP_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
 
@@ -74,6 +86,11 @@ class WorkerPlan:
     access: Access
     memory: str = "host"
     device_id: int = 0
+    #: A replacement worker reopens what these describe instead of allocating: the device tier (its
+    #: record's descriptor; None: create it) and the CPU pool (True: it exists, keep its bytes).
+    device_descriptor: dict[str, Any] | None = None
+    reopen_pool: bool = False
+    store_timeout: float = 10.0
 
     def tier_request(self) -> TierRequest:
         return TierRequest(
@@ -115,9 +132,10 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
     structlog.contextvars.bind_contextvars(rank=plan.rank)
     log = logs.get("kvcached.worker")
     status = EXIT_FAILURE
+    server.raise_file_limit()
     try:
         tiers = allocate(sock, plan, log)
-        rank_store = open_store(plan, log)
+        rank_store = open_store(plan, stats, log)
         status = serve(sock, plan, tiers, rank_store, stats=stats, log=log)
     except WorkerFailure as failure:
         log.error("rank worker cannot go on", reason=failure.reason)
@@ -140,7 +158,7 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
     dev_bytes, cpu_bytes = backend.arena_bytes(spec), cpu_pool_bytes(spec)
     total = dev_bytes + cpu_bytes
     channel.send(sock, channel.Allocating(total))
-    fault("worker-allocating")
+    faults.fault("worker-allocating")
     last_sent = 0.0
 
     def progress(base: int) -> memory.base.Progress:
@@ -155,12 +173,18 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
 
     pool_name = request.shm_name("cpu")
     try:
-        device = backend.create(request, progress(0))
-        pool = (
-            create_arena(pool_name, cpu_bytes, progress(dev_bytes), mode=request.mode, gid=request.gid)
-            if cpu_bytes
-            else None
-        )
+        if plan.device_descriptor is not None:
+            device = backend.reopen(request, plan.device_descriptor)
+            progress(0)(dev_bytes)
+        else:
+            device = backend.create(request, progress(0))
+        if not cpu_bytes:
+            pool = None
+        elif plan.reopen_pool:
+            pool = open_arena(pool_name, cpu_bytes)
+            progress(dev_bytes)(cpu_bytes)
+        else:
+            pool = create_arena(pool_name, cpu_bytes, progress(dev_bytes), mode=request.mode, gid=request.gid)
     except BackendUnavailable as exc:
         raise WorkerFailure(str(exc), EXIT_CONFIG) from None
     except ShmFull as exc:
@@ -168,7 +192,10 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
     except ResourceError as exc:
         raise WorkerFailure(str(exc), EXIT_RESOURCES) from None
     except posix_ipc.ExistentialError:
-        raise WorkerFailure(f"arena name taken by another process: {pool_name}", EXIT_RESOURCES) from None
+        what = "is gone" if plan.reopen_pool else "is taken by another process"
+        raise WorkerFailure(f"CPU pool {pool_name} {what}", EXIT_RESOURCES) from None
+    except ProtocolError as exc:
+        raise WorkerFailure(f"CPU pool {pool_name}: {exc}", EXIT_RESOURCES) from None
     if backend.pins_pool and pool is not None:
         try:
             pin(pool)  # the device copies to and from it by DMA, as FastDeploy's mlocked swap space
@@ -178,24 +205,36 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
     return RankTiers(device, pool, pool_name if pool is not None else "")
 
 
-def open_store(plan: WorkerPlan, log: logs.Logger) -> Store | None:
-    """This rank's attention store client, or None without a store."""
+#: How long a worker waits for its store to open before it serves without it (store tasks then fail
+#: until the store answers).
+STORE_OPEN_WAIT_S = 5.0
+
+
+def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger) -> StoreCalls | None:
+    """This rank's attention store behind its call thread, or None without a store. A store that refuses
+    to open (its directory held by another daemon, unwritable) fails the worker; one that does not answer
+    yet leaves the rank to serve its other tiers."""
     if plan.store.backend is None:
         return None
     identity = ObjectIdentity(plan.spec.geometry_digest, plan.rank, plan.spec.block_bytes)
+    backend = store.get(plan.store.backend)
+
+    def opener() -> Store:
+        return backend.open(plan.store.options, identity=identity, rank=plan.rank, ranks=plan.ranks, log=log)
+
+    calls = StoreCalls(backend.name, opener, timeout_s=plan.store_timeout, progress=stats.progressed, log=log)
     try:
-        return store.get(plan.store.backend).open(
-            plan.store.options, identity=identity, rank=plan.rank, ranks=plan.ranks, log=log
-        )
+        calls.wait_open(min(plan.store_timeout, STORE_OPEN_WAIT_S))
     except (StoreBusy, StoreUnavailable, OSError) as exc:
         raise WorkerFailure(f"attention store: {exc}", EXIT_CONFIG) from None
+    return calls
 
 
 def serve(
     sock: socket.socket,
     plan: WorkerPlan,
     tiers: RankTiers,
-    rank_store: Store | None,
+    rank_store: StoreCalls | None,
     *,
     stats: StatsSlot,
     log: logs.Logger,
@@ -203,13 +242,23 @@ def serve(
     """Listen on the rank's task socket, report READY, and run tasks until the supervisor says stop."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     socket_path = task_socket_path(plan.run_dir, plan.instance, plan.rank)
+    socket_path.unlink(missing_ok=True)  # a dead predecessor's (the supervisor made sure it is ours)
     listener.bind(str(socket_path))
     plan.access.apply_socket(socket_path)
-    listener.listen(64)
+    listener.listen(1024)
     listener.setblocking(False)
-    server = TaskServer(
+    slow = faults.hook("copy-step")
+
+    def step() -> None:
+        stats.progressed()
+        if slow is not None:
+            slow()
+
+    selector = selectors.DefaultSelector()
+    tasks = server.TaskServer(
         listener=listener,
-        engine=SwapEngine(plan.spec, tiers.device.pieces, tiers.pool),
+        selector=selector,
+        engine=SwapEngine(plan.spec, tiers.device.pieces, tiers.pool, on_step=step),
         stats=stats,
         rank=plan.rank,
         generation=plan.generation,
@@ -217,7 +266,7 @@ def serve(
         store=rank_store,
         access=plan.access,
     )
-    fault("worker-before-ready")
+    faults.fault("worker-before-ready")
     channel.send(
         sock,
         channel.Ready(
@@ -229,27 +278,28 @@ def serve(
             layout_version=LAYOUT_VERSION,
         ),
     )
-    selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ, "supervisor")
     selector.register(listener, selectors.EVENT_READ, "listener")
-    next_beat = time.monotonic() + HEARTBEAT_S
-    while True:
-        for key, _ in selector.select(timeout=max(0.0, next_beat - time.monotonic())):
-            if key.data == "supervisor":
-                message = channel.recv(sock)
-                if message is None or isinstance(message, channel.Stop):
-                    return EXIT_OK
-            elif key.data == "listener":
-                conn = server.accept()
-                if conn is not None:
-                    selector.register(conn, selectors.EVENT_READ, "client")
-            else:
-                client = key.fileobj
-                assert isinstance(client, socket.socket)
-                if not server.on_readable(client):
-                    selector.unregister(client)
-                    server.close(client)
-        now = time.monotonic()
-        if now >= next_beat:  # also after a long copy: the supervisor must not take us for hung
-            channel.send(sock, channel.Heartbeat())
-            next_beat = now + HEARTBEAT_S
+    next_chores = 0.0
+    try:
+        while True:
+            stats.progressed()
+            for key, events in selector.select(timeout=LOOP_S):
+                if key.data == "supervisor":
+                    message = channel.recv(sock)
+                    if message is None or isinstance(message, channel.Stop):
+                        return EXIT_OK
+                elif key.data == "listener":
+                    tasks.accept()
+                else:
+                    client = key.fileobj
+                    assert isinstance(client, socket.socket)
+                    tasks.on_event(client, events)
+            now = time.monotonic()
+            if now >= next_chores:  # once a second: stalled frames, the store's health and figures
+                next_chores = now + 1.0
+                tasks.tick(now)
+                tasks.maintain()
+    finally:
+        if rank_store is not None:
+            rank_store.close()

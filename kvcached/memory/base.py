@@ -134,9 +134,12 @@ class DeviceBackend(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def attach(self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str) -> Attached:
+    def attach(
+        self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
+    ) -> Attached:
         """Runner side: attach the tier ``descriptor`` describes as ``framework`` tensors ("numpy" or
-        "paddle"). Raises ``InvalidSpec`` (framework), ``ProtocolError`` / ``AccessDenied`` (the memory)."""
+        "paddle"). ``owner`` is the daemon's uid: memory under another owner is refused (``NotTrusted``)
+        before it is mapped. Raises ``InvalidSpec`` (framework), ``ProtocolError`` / ``AccessDenied``."""
 
     def doctor(self, spec: CacheSpec, ranks: int) -> list[Check]:
         """Host checks this backend needs (empty when it needs none)."""

@@ -130,7 +130,9 @@ class HostBackend(DeviceBackend):
         except (posix_ipc.Error, ProtocolError) as exc:
             raise ResourceError(f"cannot reopen device arena {name}: {exc}") from None
 
-    def attach(self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str) -> Attached:
+    def attach(
+        self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
+    ) -> Attached:
         name, size = descriptor.get("arena"), descriptor.get("bytes")
         if not isinstance(name, str) or not isinstance(size, int):
             raise ProtocolError(f"rank {local_rank}: host descriptor {dict(descriptor)} lacks arena and bytes")
@@ -140,7 +142,7 @@ class HostBackend(DeviceBackend):
         if framework not in ("numpy", "paddle"):
             raise InvalidSpec("framework", f"must be numpy or paddle, got {framework!r}")
         try:
-            mapping = shm.open_arena(name, size, populate=False)
+            mapping = shm.open_arena(name, size, populate=False, owner=owner)
         except posix_ipc.ExistentialError:
             raise ProtocolError(f"rank {local_rank}: published arena {name} does not exist") from None
         except posix_ipc.PermissionsError:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import posix_ipc
 
 from kvcached.protocol.errors import ProtocolError, ShmFull
+from kvcached.protocol.trust import check_owner
 
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # Linux; named in the mmap module from Python 3.10
 
@@ -56,13 +57,17 @@ def create_arena(
         shm.close_fd()
 
 
-def open_arena(name: str, size: int, *, populate: bool = True) -> mmap.mmap:
-    """Map the existing shm object ``name`` (read-write), checking it holds at least ``size`` bytes; its
-    bytes are untouched. Raises ``posix_ipc.ExistentialError`` (absent), ``posix_ipc.PermissionsError``,
-    ``ProtocolError`` (too small)."""
+def open_arena(name: str, size: int, *, populate: bool = True, owner: int | None = None) -> mmap.mmap:
+    """Map the existing shm object ``name`` (read-write), checking it holds at least ``size`` bytes (and,
+    with ``owner``, that it belongs to that uid and is not writable by others); its bytes are untouched.
+    Raises ``posix_ipc.ExistentialError`` (absent), ``posix_ipc.PermissionsError``, ``ProtocolError`` (too
+    small), ``NotTrusted``."""
     shm = posix_ipc.SharedMemory(name)
     try:
-        actual = os.fstat(shm.fd).st_size
+        st = os.fstat(shm.fd)
+        if owner is not None:
+            check_owner(f"arena /dev/shm{name}", st, owner=owner)
+        actual = st.st_size
         if actual < size:
             raise ProtocolError(f"{name} has {actual} bytes, the layout needs {size}")
         return mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | (MAP_POPULATE if populate else 0))

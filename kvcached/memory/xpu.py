@@ -17,7 +17,9 @@ Device memory belongs to the worker process that allocated it: it does not outli
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -28,7 +30,9 @@ from kvcached.memory import register
 from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest
 from kvcached.protocol.errors import BackendUnavailable, InvalidSpec, ProtocolError
 from kvcached.protocol.fastdeploy import Export, exports
+from kvcached.protocol.names import SHM_DIR
 from kvcached.protocol.spec import CacheSpec
+from kvcached.protocol.trust import check_owner
 
 INSTALL_HINT = (
     "install paddlepaddle-xpu (Kunlun's wheel index, matching the XPU runtime; IPC needs runtime major 5) "
@@ -165,7 +169,9 @@ class XpuBackend(DeviceBackend):
         progress(tier.nbytes)
         return tier
 
-    def attach(self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str) -> Attached:
+    def attach(
+        self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
+    ) -> Attached:
         if framework != "paddle":
             raise InvalidSpec("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
         device = descriptor.get("device")
@@ -177,6 +183,8 @@ class XpuBackend(DeviceBackend):
             raise InvalidSpec("framework", f"attaching an xpu cache: {exc}") from None
         tensors: dict[str, list[Any]] = {"key": [], "value": [], "key_scale": [], "value_scale": []}
         for export in exports(spec, local_rank, device):
+            with contextlib.suppress(FileNotFoundError):  # set_data_ipc's record of the handle; absent: attach fails
+                check_owner(f"IPC record /dev/shm/{export.name}", os.stat(SHM_DIR / export.name), owner=owner)
             tensors[export.kind].append(runtime.attach(device, export.name, export.shape, export.dtype))
         return XpuAttached(tensors)
 

@@ -19,18 +19,21 @@ alone, read by all.
     |  80 bytes reserved so far | 88 bytes to reserve | 96 device backend name 16B           |
     | 112 cpu pool name 64B | 176 last error 256B (utf-8) | 432 descriptor length u16        |
     | 434 device descriptor (JSON, what a runner needs to attach the tier) 480B              |
+    | 914 crc32 of bytes 8..914 u32                                                         |
     +--------------------------------------------------------------------------------------+
     | record of rank 1 ... rank n-1                                                        |
     +--------------------------------------------------------------------------------------+
     | stats slot of rank 0 ... rank n-1 (``kvcached.protocol.stats``): written by each        |
     | rank's worker, never by the supervisor                                                 |
 
-The seqlock: the writer makes ``seq`` odd, writes the body, makes ``seq`` even; a reader reads ``seq``,
-copies the body, reads ``seq`` again and retries while it was odd or changed. This relies on x86-64's
-ordering (stores become visible in program order, loads are not reordered with older loads); CPython
-performs each access as an opaque call, so the C compiler cannot reorder them either. A port to a weaker
-architecture (aarch64) needs a release fence before each ``seq`` store and an acquire fence after each
-``seq`` load, i.e. these accesses would move into a small C helper.
+The seqlock: the writer makes ``seq`` odd, writes the body and its crc32, makes ``seq`` even; a reader
+reads ``seq``, copies the body, reads ``seq`` again and retries while it was odd or changed, or while the
+copy's crc32 does not match. The seq alone relies on stores and loads being seen in program order; the
+copies are memcpy calls, and on CPUs with fast string moves (``rep movsb``, used by glibc for such copies
+on recent AMD and Intel cores) the loads of a copy may complete out of order with the ``seq`` load after
+it: a reader was seen to take a torn body between two equal, even ``seq`` values. The checksum makes a
+torn copy detectable whatever the CPU does (a 1 in 2**32 chance to miss one), so no fence is needed here
+or on a weaker architecture (aarch64) for the body; ``seq`` still tells a reader to retry early.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import mmap
 import os
 import struct
 import time
+import zlib
 from typing import Any
 
 import posix_ipc
@@ -52,6 +56,7 @@ from kvcached.protocol.layout import round_up
 from kvcached.protocol.names import control_name
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import STATS_SIZE, StatsSlot
+from kvcached.protocol.trust import check_owner
 
 MAGIC = b"KVCACHED"
 VERSION = 3
@@ -64,8 +69,10 @@ MAX_DESCRIPTOR = 480
 _HEADER = struct.Struct("<8sIIIIQqQQ16sI128sQI")
 _SPEC_OFFSET = _HEADER.size
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<IIQQQQqIIQQQQ16s64s256sH480s")
-assert _SEQ.size + _BODY.size <= RECORD_SIZE
+_FIELDS = struct.Struct("<IIQQQQqIIQQQQ16s64s256sH480s")
+_CRC = struct.Struct("<I")
+_BODY_SIZE = _FIELDS.size + _CRC.size
+assert _SEQ.size + _BODY_SIZE <= RECORD_SIZE
 
 
 class State(enum.IntEnum):
@@ -76,6 +83,8 @@ class State(enum.IntEnum):
     READY = 2
     STOPPING = 3
     FAILED = 4
+    #: The rank's worker died or hung and is being replaced on the same memory; tasks wait for READY.
+    RECOVERING = 5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,7 +133,7 @@ class Record:
         descriptor = json.dumps(self.descriptor, separators=(",", ":"), sort_keys=True).encode()
         if len(descriptor) > MAX_DESCRIPTOR:
             raise ValueError(f"device descriptor of {len(descriptor)} bytes exceeds {MAX_DESCRIPTOR}")
-        return _BODY.pack(
+        fields = _FIELDS.pack(
             int(self.state),
             self.rank,
             self.generation,
@@ -144,10 +153,12 @@ class Record:
             len(descriptor),
             descriptor,
         )
+        return fields + _CRC.pack(zlib.crc32(fields))
 
     @classmethod
     def unpack(cls, body: bytes) -> Record:
-        """Parse body bytes; an unknown state number or a bad descriptor raises ``ProtocolError``."""
+        """Parse body bytes (whose crc32 the reader checked); an unknown state number or a bad descriptor
+        raises ``ProtocolError``."""
         (
             state,
             rank,
@@ -167,7 +178,7 @@ class Record:
             error,
             descriptor_len,
             descriptor,
-        ) = _BODY.unpack(body)
+        ) = _FIELDS.unpack_from(body)
         try:
             parsed_state = State(state)
         except ValueError:
@@ -218,12 +229,14 @@ def control_block_bytes(num_ranks: int) -> int:
 class ControlBlock:
     """A mapped control block. ``create`` makes the writer (supervisor); ``open`` makes a reader."""
 
-    def __init__(self, name: str, mm: mmap.mmap, writable: bool, inode: int) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, writable: bool, inode: int, owner_uid: int = -1) -> None:
         self.name = name
         self._mm = mm
         self._buf = memoryview(mm)
         self.writable = writable
         self.inode = inode
+        #: The uid that owns the block: the daemon's (every other object of the instance must be its too).
+        self.owner_uid = owner_uid if owner_uid >= 0 else os.geteuid()
         self._header: Header | None = None
         self._num_ranks = 0
 
@@ -299,7 +312,8 @@ class ControlBlock:
     @classmethod
     def open(cls, instance: str) -> ControlBlock | None:
         """Map the instance's block read-only; None if there is none (or it is not sized yet). The header
-        may still be unpublished (``published`` is False): a daemon is starting."""
+        may still be unpublished (``published`` is False): a daemon is starting. A block that belongs to an
+        untrusted user, or is writable by others, is refused before it is mapped (``NotTrusted``)."""
         name = control_name(instance)
         try:
             shm = posix_ipc.SharedMemory(name, read_only=True)
@@ -309,12 +323,13 @@ class ControlBlock:
             raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
         try:
             stat = os.fstat(shm.fd)
+            check_owner(f"control block /dev/shm{name}", stat)
             if stat.st_size < HEADER_SIZE:
                 return None  # created but not sized yet: a daemon in its first microseconds
             mm = mmap.mmap(shm.fd, stat.st_size, prot=mmap.PROT_READ)
         finally:
             shm.close_fd()
-        return cls(name, mm, False, stat.st_ino)
+        return cls(name, mm, False, stat.st_ino, stat.st_uid)
 
     def close(self) -> None:
         """Unmap. The object itself stays; ``unlink`` removes the name."""
@@ -398,14 +413,14 @@ class ControlBlock:
         """A consistent copy of ``rank``'s record (seqlock). Raises ``TornRead`` when no consistent copy
         could be taken within ``attempts`` tries: the writer is mid-write or died mid-write."""
         off = self._record_offset(rank)
-        body_start, body_end = off + _SEQ.size, off + _SEQ.size + _BODY.size
+        body_start, body_end = off + _SEQ.size, off + _SEQ.size + _BODY_SIZE
         buf = self._buf
         for attempt in range(attempts):
             (before,) = _SEQ.unpack_from(buf, off)
             if not before & 1:
                 body = bytes(buf[body_start:body_end])
                 (after,) = _SEQ.unpack_from(buf, off)
-                if before == after:
+                if before == after and zlib.crc32(body[: _FIELDS.size]) == _CRC.unpack_from(body, _FIELDS.size)[0]:
                     return Record.unpack(body)
             if attempt > 16:
                 os.sched_yield()
@@ -419,5 +434,5 @@ class ControlBlock:
         body = record.pack()  # before seq turns odd: a record that cannot be packed leaves the old one
         (seq,) = _SEQ.unpack_from(self._buf, off)
         _SEQ.pack_into(self._buf, off, seq + 1)
-        self._buf[off + _SEQ.size : off + _SEQ.size + _BODY.size] = body
+        self._buf[off + _SEQ.size : off + _SEQ.size + _BODY_SIZE] = body
         _SEQ.pack_into(self._buf, off, seq + 2)

@@ -6,6 +6,8 @@ An instance name is ``[A-Za-z0-9_-]{1,48}`` (no dot), so every object name parse
     /kvcached.<instance>.<gen>.r<rank>            per-rank wake-up semaphore (/dev/shm/sem.kvcached...)
     /kvcached.<instance>.<gen>.r<rank>.dev        device arena of a rank (host backend)
     /kvcached.<instance>.<gen>.r<rank>.cpu        CPU swap pool of a rank
+    /dev/shm/kvcached.<instance>.lock             flock held by the supervisor: one daemon per instance on the
+                                                  host, whatever run directory each was given
     <run_dir>/<instance>.lock                     flock held by the supervisor for its whole life
     <run_dir>/<instance>.r<rank>.sock             a rank worker's task socket (Unix stream)
 
@@ -80,7 +82,7 @@ def run_dir() -> Path:
     """
     explicit = os.environ.get("KVCACHED_RUN_DIR")
     if explicit:
-        return Path(explicit)
+        return Path(explicit).absolute()  # published in the control block: it must mean the same to runners
     systemd = os.environ.get("RUNTIME_DIRECTORY")
     if systemd:
         return Path(systemd.split(":")[0])
@@ -88,6 +90,11 @@ def run_dir() -> Path:
     if xdg:
         return Path(xdg) / PREFIX
     return Path(tempfile.gettempdir()) / f"{PREFIX}-{os.geteuid()}"
+
+
+def instance_lock_path(instance: str) -> Path:
+    """The host-wide instance lock in /dev/shm (a plain file the supervisor holds with flock)."""
+    return SHM_DIR / f"{PREFIX}.{check_instance(instance)}.lock"
 
 
 def lock_path(instance: str) -> Path:

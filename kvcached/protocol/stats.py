@@ -44,6 +44,8 @@ STAT_NAMES: tuple[str, ...] = (
     "store_evictions",
     "store_corrupt",
     "store_errors",
+    # The worker's main loop and its long tasks add to it as they go: the supervisor's liveness check.
+    "progress",
 )
 #: u64 index in a stats slot where the latency histograms begin (room for 64 counters before it).
 LATENCY_INDEX = 64
@@ -58,6 +60,7 @@ assert len(STAT_NAMES) <= LATENCY_INDEX
 assert (LATENCY_INDEX + len(LATENCY_OPS) * len(LATENCY_BUCKETS_S)) * 8 <= STATS_SIZE
 
 _INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
+_PROGRESS = _INDEX["progress"]
 _BOUNDS_NS = [round(bound * 1e9) for bound in LATENCY_BUCKETS_S]
 #: Index in a stats slot of each op's first histogram bucket.
 _HISTOGRAM = {op: LATENCY_INDEX + i * len(_BOUNDS_NS) for i, op in enumerate(LATENCY_OPS)}
@@ -84,6 +87,15 @@ class StatsSlot:
         slot = self._slot
         for name, value in values.items():
             slot[_INDEX[name]] = max(0, value)
+
+    def progressed(self) -> None:
+        """Mark that the worker is making progress (its main loop turned, a long task moved a step)."""
+        self._slot[_PROGRESS] += 1
+
+    def progress(self) -> int:
+        """The progress counter (read by the supervisor)."""
+        value: int = self._slot[_PROGRESS]
+        return value
 
     def count_task(self, op: str, blocks: int, nbytes: int, ns: int) -> None:
         """Count a finished task of ``op`` (one of ``LATENCY_OPS``) and put its duration in its histogram."""

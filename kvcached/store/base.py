@@ -96,16 +96,26 @@ class StoreCounters:
     misses: int = 0
     evictions: int = 0
     corrupt: int = 0
+    #: Calls that failed inside the backend (a disk error, the directory lost), beyond the worker's count.
+    errors: int = 0
 
 
 Sink = Callable[[int, memoryview], None]
 
 
+def _no_progress() -> None:
+    pass
+
+
 class Store(abc.ABC):
     """One rank's view of a storage backend. Methods may raise ``StoreUnavailable`` (the backend cannot be
-    reached) and ``OSError``; a failed call leaves every object either absent or whole."""
+    reached) and ``OSError``; a failed call leaves every object either absent or whole.
+
+    A backend calls ``on_progress()`` after each object (or batch) it moves: the worker gives a call that
+    keeps moving all the time it needs, and fails one that stops moving (``kvcached.daemon.storecalls``)."""
 
     counters: StoreCounters
+    on_progress: Callable[[], None] = staticmethod(_no_progress)
 
     @abc.abstractmethod
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
@@ -124,6 +134,9 @@ class Store(abc.ABC):
 
     def protect(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - backends without eviction ignore it
         """The keys of the task in progress: a backend that evicts passes them over until ``protect([])``."""
+
+    def check(self) -> None:  # noqa: B027 - backends with nothing local to lose have nothing to check
+        """Look for trouble outside any call (a directory removed under it) and mend or report it."""
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release
         """Release resources."""

@@ -2,28 +2,39 @@
 
 ::
 
-    <path>/r<rank>/.lock                       flock: one daemon per rank directory
+    <path>/r<rank>/.lock                       flock: one daemon per rank directory, held for its whole life
     <path>/r<rank>/<k[0:2]>/<key hex>.kvb      an object (header + block record)
     <path>/r<rank>/<k[0:2]>/.tmp-...           a write in progress (removed at start-up if left)
 
-Writes are atomic: a temporary file is written (``writev`` straight from the device arena, no gather
-copy), fsynced and renamed over the final name, so a crash leaves either no object or a whole one. The
-index (key -> size, least recently used first) lives in memory and is rebuilt at start-up from a
-directory scan ordered by mtime, reading each object's header (not its payload: the checksum is checked
-on every load); a hit refreshes the file's mtime so the order survives restarts.
-Capacity is per rank (the instance's capacity divided by its ranks); storing past it evicts the least
-recently used objects, never one written by the same task.
+Writes are atomic: a temporary file is written (``writev``), fsynced and renamed over the final name, so
+a crash leaves either no object or a whole one. The index (key -> size, least recently used first) lives
+in memory and is rebuilt at start-up from a directory scan ordered by mtime, reading each object's header
+(not its payload: the checksum is checked on every load); a hit refreshes the file's mtime so the order
+survives restarts. Capacity is per rank (the instance's capacity divided by its ranks); storing past it
+evicts the least recently used objects, never one written by the same task.
+
+The disk is not trusted either:
+
+* a full disk (ENOSPC) evicts as a full capacity does, and the write is tried again;
+* anything at an object's name that is not a readable regular file of the right size (a directory, a
+  FIFO, a file made unreadable, one deleted by hand) is a miss, is removed where it can be, and leaves the
+  index; a key whose file went missing is written again by the next store of it;
+* the rank directory removed while the daemon runs is noticed (``check``, called from the worker's loop,
+  and every call), reported, and made again, and the lock taken again at once, so a second daemon cannot
+  start on the same path meanwhile.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import fcntl
 import itertools
 import mmap
 import os
 import shutil
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +49,7 @@ from kvcached.store import register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
 
 SUFFIX = ".kvb"
+_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO in an object's place never blocks
 
 
 class FileStore(Store):
@@ -55,14 +67,40 @@ class FileStore(Store):
         self.staging = memoryview(mmap.mmap(-1, round_up(HEADER_SIZE + identity.payload)))[
             : HEADER_SIZE + identity.payload
         ]
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock_fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise StoreBusy(f"{self.dir} is used by another kvcached daemon") from None
+        self._lock_fd = -1
+        self._dir_ino = 0
+        self._take_directory()
         self._rebuild()
+
+    # -- the directory --------------------------------------------------------------------------------
+
+    def _take_directory(self) -> None:
+        """Make the rank directory if needed and hold its lock; ``StoreBusy`` if another daemon does."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreBusy(f"{self.dir} is used by another kvcached daemon") from None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+        self._lock_fd = fd
+        self._dir_ino = os.stat(self.dir).st_ino
+
+    def check(self) -> None:
+        """Notice the rank directory gone or replaced; make it again, take its lock again, start empty."""
+        try:
+            same = os.stat(self.dir).st_ino == self._dir_ino and os.path.exists(self.dir / ".lock")
+        except FileNotFoundError:
+            same = False
+        if same:
+            return
+        self.counters.errors += 1
+        self.log.error("store directory removed while the daemon runs; making it again", path=str(self.dir))
+        self._take_directory()  # StoreBusy if another daemon took it meanwhile: every store call says so
+        self.index.clear()
+        self.counters.objects = self.counters.bytes = 0
 
     def _path(self, key: bytes) -> Path:
         name = key.hex()
@@ -76,7 +114,7 @@ class FileStore(Store):
                 continue
             for entry in os.scandir(sub.path):
                 if entry.name.startswith(".tmp-"):
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):
                         os.unlink(entry.path)
                     continue
                 if not entry.name.endswith(SUFFIX):
@@ -84,17 +122,17 @@ class FileStore(Store):
                 try:
                     key = bytes.fromhex(entry.name[: -len(SUFFIX)])
                     st = entry.stat(follow_symlinks=False)
-                    with open(entry.path, "rb", buffering=0) as f:
-                        head = f.read(HEADER_SIZE)
+                    head = self._read(entry.path, HEADER_SIZE) if stat.S_ISREG(st.st_mode) else b""
                 except (ValueError, OSError):
-                    continue
-                why = self.identity.verify_header(key, memoryview(head), st.st_size)
+                    head = b""
+                    st = None
+                why = self.identity.verify_header(key, memoryview(head), st.st_size) if st and head else "unreadable"
                 if why is not None:
                     self.log.warning("store object unusable, removed", path=entry.path, reason=why)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
+                    _remove(Path(entry.path))
                     self.counters.corrupt += 1
                     continue
+                assert st is not None
                 found.append((st.st_mtime_ns, key, st.st_size))
         found.sort()
         for _, key, size in found:
@@ -103,38 +141,87 @@ class FileStore(Store):
         self.counters.objects = len(self.index)
         self._evict()
 
+    @staticmethod
+    def _read(path: str, size: int) -> bytes:
+        fd = os.open(path, _READ)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            return os.read(fd, size)
+        finally:
+            os.close(fd)
+
     def _forget(self, key: bytes) -> None:
         size = self.index.pop(key, None)
         if size is not None:
             self.counters.bytes -= size
             self.counters.objects -= 1
 
-    def _evict(self) -> None:
-        while self.counters.bytes > self.capacity and self.index:
+    def _evict(self, need: int = 0) -> bool:
+        """Evict least recently used objects (never protected ones) until ``need`` more bytes fit the
+        capacity; False if nothing was left to evict."""
+        evicted = False
+        while self.counters.bytes + need > self.capacity and self.index:
             victim = next((k for k in self.index if k not in self._protected), None)
             if victim is None:
-                return
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(victim))
+                break
+            _remove(self._path(victim))
             self._forget(victim)
             self.counters.evictions += 1
+            evicted = True
+        return evicted
+
+    def _evict_for_disk(self) -> bool:
+        """The disk is full: evict the least recently used object that is not protected; False if none."""
+        victim = next((k for k in self.index if k not in self._protected), None)
+        if victim is None:
+            return False
+        _remove(self._path(victim))
+        self._forget(victim)
+        self.counters.evictions += 1
+        return True
 
     def protect(self, keys: Sequence[bytes]) -> None:
         self._protected = set(keys)
 
+    # -- objects --------------------------------------------------------------------------------------
+
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
-        return sum(self.put(key, parts) for key, parts in zip(keys, pieces, strict=True))
+        self.check()
+        written = 0
+        for key, parts in zip(keys, pieces, strict=True):
+            written += self.put(key, parts)
+            self.on_progress()
+        return written
 
     def put(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
-        """Store one block record under ``key``; False if it was there already."""
-        if key in self.index:
-            self.index.move_to_end(key)
-            return False
+        """Store one block record under ``key``; False if it was there already (and still is)."""
         path = self._path(key)
+        if key in self.index:
+            if os.path.isfile(path):
+                self.index.move_to_end(key)
+                return False
+            self._forget(key)  # deleted behind our back: write it again
+        size = HEADER_SIZE + self.identity.payload
+        self._evict(size)
+        while True:
+            try:
+                self._write(path, key, pieces)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_for_disk():
+                    self.counters.errors += 1
+                    raise
+        self.index[key] = size
+        self.counters.bytes += size
+        self.counters.objects += 1
+        return True
+
+    def _write(self, path: Path, key: bytes, pieces: Sequence[memoryview]) -> None:
         path.parent.mkdir(exist_ok=True, mode=0o700)
         tmp = path.parent / f".tmp-{os.getpid()}-{next(self._tmp)}"
         data = [memoryview(self.identity.header(key, checksum(pieces))), *pieces]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             while data:
                 written = os.writev(fd, data)
@@ -144,68 +231,96 @@ class FileStore(Store):
                 if data and written:
                     data[0] = data[0][written:]
             os.fsync(fd)
-        except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            fd = -1
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)  # something took the object's name: ours again
+            os.rename(tmp, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             raise
-        os.close(fd)
-        os.rename(tmp, path)
-        size = HEADER_SIZE + self.identity.payload
-        self.index[key] = size
-        self.counters.bytes += size
-        self.counters.objects += 1
-        self._evict()
-        return True
 
     def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
+        self.check()
         for i, key in enumerate(keys):
             payload = self.get(key)
             if payload is None:
                 return i
             sink(i, payload)
+            self.on_progress()
         return len(keys)
 
     def get(self, key: bytes) -> memoryview | None:
         """Read and verify ``key``'s object into the staging buffer; its payload, or None for a miss
-        (absent, or failed verification, in which case it is removed)."""
+        (absent, unreadable, or failing verification: then it is removed)."""
         staging = self.staging
         if key not in self.index:
             self.counters.misses += 1
             return None
         path = self._path(key)
+        why = None
+        got = 0
         try:
-            with open(path, "rb", buffering=0) as f:
-                got = f.readinto(staging)
-                extra = f.read(1)  # a file longer than an object is not one
+            fd = os.open(path, _READ)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    why = "not a regular file"
+                elif st.st_size != len(staging):
+                    why = f"{st.st_size} bytes, an object has {len(staging)}"
+                else:
+                    got = os.readv(fd, [staging])
+            finally:
+                os.close(fd)
         except FileNotFoundError:
-            got, extra = -1, b""
-        why = "missing" if got < 0 else ("longer than an object" if extra else None)
-        data = staging[: max(got, 0)]
+            why = "missing"
+        except OSError as exc:
+            why = f"unreadable: {exc.strerror}"
+        data = staging[:got]
         why = why or self.identity.verify(key, data)
         if why is not None:
             self.log.warning("store object unusable, removed", key=key.hex(), path=str(path), reason=why)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _remove(path)
             self._forget(key)
-            self.counters.corrupt += 1
+            self.counters.corrupt += why != "missing"
             self.counters.misses += 1
             return None
         self.index.move_to_end(key)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.utime(path)
         self.counters.hits += 1
         return data[HEADER_SIZE:]
 
     def present(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are indexed and still on disk (one stat each: a file deleted by hand is not
+        present, and leaves the index)."""
+        self.check()
         count = 0
         for key in keys:
             if key not in self.index:
+                break
+            if not os.path.isfile(self._path(key)):
+                self._forget(key)
                 break
             count += 1
         return count
 
     def close(self) -> None:
-        os.close(self._lock_fd)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _remove(path: Path) -> None:
+    """Remove whatever is at ``path`` (a file, a FIFO, a directory), as far as we may."""
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
 
 
 def default_storage_path(instance: str) -> Path:

@@ -179,6 +179,7 @@ class MooncakeStore(Store):
             self.counters.objects += len(names)
             self.counters.bytes += sum(sizes)
             written += len(names)
+            self.on_progress()
         return written
 
     def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
@@ -202,6 +203,7 @@ class MooncakeStore(Store):
                 if payload is None:
                     return start + j
                 sink(start + j, payload)
+            self.on_progress()
         return len(keys)
 
     def _verified(self, key: bytes, code: int, data: memoryview) -> memoryview | None:

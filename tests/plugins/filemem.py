@@ -73,7 +73,9 @@ class FileBackend(DeviceBackend):
     def release(self, request: TierRequest) -> None:
         _path(request).unlink(missing_ok=True)
 
-    def attach(self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str) -> Attached:
+    def attach(
+        self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
+    ) -> Attached:
         path = Path(str(descriptor.get("path")))
         if not path.is_file():
             raise ProtocolError(f"rank {local_rank}: {path} does not exist")

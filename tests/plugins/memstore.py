@@ -3,11 +3,13 @@
 It shows the store seam: one module and one registration (the last line) give ``--storage-backend
 testmem`` with its own option (``--testmem-objects``, ``KVCACHED_TESTMEM_OBJECTS``, ``testmem_objects`` in
 TOML) and its own doctor check, when ``KVCACHED_PLUGINS=tests.plugins.memstore`` is set.
+``--testmem-delay`` makes it a slow store (seconds per object), as a remote one under load can be.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,9 +22,10 @@ from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreB
 
 
 class MemStore(Store):
-    def __init__(self, identity: ObjectIdentity, limit: int) -> None:
+    def __init__(self, identity: ObjectIdentity, limit: int, delay: float = 0.0) -> None:
         self.identity = identity
         self.limit = limit
+        self.delay = delay
         self.objects: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.counters = StoreCounters()
         self.protected: set[bytes] = set()
@@ -30,6 +33,8 @@ class MemStore(Store):
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
         new = 0
         for key, parts in zip(keys, pieces, strict=True):
+            time.sleep(self.delay)
+            self.on_progress()
             if key in self.objects:
                 continue
             self.objects[key] = self.identity.header(key, checksum(parts)) + b"".join(bytes(p) for p in parts)
@@ -67,18 +72,21 @@ class MemStore(Store):
 class MemBackend(StoreBackend):
     name = "testmem"
     summary = "TEST ONLY: objects in the worker's memory"
-    options = (knobs.Knob("testmem_objects", knobs.integer(1), 1000, "testmem backend: objects per rank.", "N"),)
+    options = (
+        knobs.Knob("testmem_objects", knobs.integer(1), 1000, "testmem backend: objects per rank.", "N"),
+        knobs.Knob("testmem_delay", knobs.seconds(0, 60), 0.0, "testmem backend: seconds per object stored.", "S"),
+    )
 
     def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
         limit = values["testmem_objects"]
         if limit > 1_000_000:
             raise InvalidSpec("testmem_objects", f"at most 1000000 objects per rank, got {limit}")
-        return {"testmem_objects": limit}
+        return {"testmem_objects": limit, "testmem_delay": values["testmem_delay"]}
 
     def open(
         self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
     ) -> Store:
-        return MemStore(identity, options["testmem_objects"])
+        return MemStore(identity, options["testmem_objects"], options["testmem_delay"])
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         limit = options["testmem_objects"]

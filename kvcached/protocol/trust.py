@@ -1,0 +1,48 @@
+"""Whom a runner trusts: before it maps or talks to anything under an instance's names, the object must
+belong to a trusted user and must not be writable by others.
+
+Trusted: the runner's own user, root, and the user named by ``KVCACHED_DAEMON_USER`` (a name or a uid:
+the service user of a daemon the runner reaches through ``--group``). An impostor that created the
+control block, a semaphore, an arena or a socket under the instance's names before the daemon started is
+refused with ``NotTrusted`` naming the object, its owner and mode, before a byte is mapped or sent.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+
+from kvcached.protocol.errors import InvalidSpec, NotTrusted
+
+ENV = "KVCACHED_DAEMON_USER"
+
+
+def trusted_uids() -> frozenset[int]:
+    """The uids whose objects a runner uses."""
+    uids = {os.geteuid(), 0}
+    named = os.environ.get(ENV, "").strip()
+    if named:
+        try:
+            uids.add(int(named) if named.isdigit() else pwd.getpwnam(named).pw_uid)
+        except KeyError:
+            raise InvalidSpec(ENV.lower(), f"{ENV}={named}: no such user on this host") from None
+    return frozenset(uids)
+
+
+def check_owner(what: str, st: os.stat_result, *, owner: int | None = None) -> None:
+    """Raise ``NotTrusted`` unless ``st`` (of the object ``what``) belongs to a trusted user (or to exactly
+    ``owner`` when given: the daemon's uid, once its control block was trusted) and, unless it is a socket
+    (whose write permission only lets one connect), is not writable by others."""
+    allowed = {owner} if owner is not None else trusted_uids()
+    if st.st_uid not in allowed:
+        who = f"uid {owner}" if owner is not None else f"uids {', '.join(map(str, sorted(allowed)))}"
+        raise NotTrusted(
+            f"{what} belongs to uid {st.st_uid}, not to the daemon's user ({who}): refusing to use it. "
+            f"An impostor may have made it; remove it, or set {ENV} to the daemon's user."
+        )
+    if st.st_mode & stat.S_IWOTH and not stat.S_ISSOCK(st.st_mode):
+        raise NotTrusted(
+            f"{what} is writable by anyone (mode {stat.S_IMODE(st.st_mode):o}): refusing to use it; kvcached makes "
+            "its objects 0600 or 0660"
+        )
