@@ -59,13 +59,10 @@ class Daemon:
         self.instance = instance
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        options: dict[str, Any] = {"stdout": self._log, "stderr": subprocess.STDOUT, "env": env, "cwd": ROOT}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, "--log-format", "json", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            **(popen or {}),
+            **{**options, **(popen or {})},
         )
 
     @property

@@ -6,12 +6,16 @@ the others:
 * every connection is non-blocking; replies queue in the connection's output buffer and go out as the
   client reads them. A client that stops reading stalls only itself: past ``OUT_CAP`` queued bytes the
   server stops reading its requests until it drains;
-* a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame and
-  ``INPUT_BUDGET`` over all connections (a connection with nothing buffered waits while the budget is
-  spent); a frame left half-sent for ``PARTIAL_IDLE_S`` closes its connection;
-* at most ``max_connections`` connections (below the process's open-file limit); one more is answered
-  REFUSED ("capacity") and closed; running out of descriptors (EMFILE) is met the same way, with a
-  descriptor kept in reserve for it;
+* a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame. A
+  frame larger than a read must first reserve its length from ``INPUT_BUDGET``; while the budget is
+  spent, such connections, and connections with nothing reserved once ``INPUT_BUDGET`` bytes are
+  buffered, are not read (their clients wait): buffered requests stay near ``2 * INPUT_BUDGET`` whatever
+  clients do. A frame left half-sent for ``PARTIAL_IDLE_S`` closes its connection;
+* at most ``max_connections`` connections (below the process's open-file limit). At the cap, the
+  connection idle the longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room
+  (its client reconnects on its next task); with none idle, the newcomer is answered REFUSED
+  ("capacity") and closed. Running out of descriptors (EMFILE) is met the same way, with a descriptor kept
+  in reserve for it;
 * a malformed frame closes that connection only; an invalid task is answered INVALID with nothing
   changed; store calls have a deadline (``kvcached.daemon.storecalls``): a slow store fails its task.
 """
@@ -21,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import mmap
 import os
 import selectors
 import socket
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +37,6 @@ from kvcached.access import Access, peer_of
 from kvcached.daemon.storecalls import StoreCalls
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidTask, StoreUnavailable
-from kvcached.protocol.layout import round_up
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
@@ -57,16 +60,30 @@ OUT_CAP = 4 << 20
 INPUT_BUDGET = 2 * MAX_PAYLOAD
 #: A frame left unfinished this long closes its connection.
 PARTIAL_IDLE_S = 30.0
+#: A connection this long without a request may be closed to make room for a new one at the cap.
+IDLE_EVICT_S = 1.0
 #: Descriptors kept free below the open-file limit (the worker's own files, the reserve).
 FD_HEADROOM = 64
-#: Bytes of block records moved per store call (a staging buffer of this size, at least one record).
-STAGING_BYTES = 64 << 20
 
 
 class _Conn:
     """One client connection: its socket, unparsed and unsent bytes, and what it waits for."""
 
-    __slots__ = ("events", "greeted", "inbuf", "outbuf", "partial_since", "sock", "starved")
+    __slots__ = (
+        "active",
+        "events",
+        "filled",
+        "frame",
+        "frame_header",
+        "greeted",
+        "inbuf",
+        "need",
+        "outbuf",
+        "partial_since",
+        "reserved",
+        "sock",
+        "starved",
+    )
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -74,8 +91,14 @@ class _Conn:
         self.outbuf = bytearray()
         self.greeted = False
         self.starved = False  # waiting for the input budget
+        self.reserved = 0  # bytes of INPUT_BUDGET its unfinished large frame holds
+        self.frame: bytearray | None = None  # that frame's payload, filled in place
+        self.frame_header: tuple[Any, ...] = ()
+        self.filled = 0
+        self.need = 0  # the length of a large frame waiting for room in the budget
         self.partial_since = 0.0  # when the unfinished frame in inbuf started (0: none)
         self.events = 0  # what the selector watches now
+        self.active = time.monotonic()  # when it last sent a request
 
 
 class TaskServer:
@@ -106,11 +129,12 @@ class TaskServer:
         self.store = store
         self.conns: dict[int, _Conn] = {}
         self.buffered = 0  # bytes in every connection's inbuf
+        self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
+        self.starved: set[_Conn] = set()  # connections not read until the budget has room
         self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
         self.max_connections = max_connections or connection_limit()
         self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-        self.staging: Array | None = None
         self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
@@ -129,7 +153,7 @@ class TaskServer:
                     return
                 self._refuse_with_reserve()
                 continue
-            if len(self.conns) >= self.max_connections:
+            if len(self.conns) >= self.max_connections and not self._evict_idle():
                 self._refuse(sock, "capacity", f"the worker of rank {self.rank} has {len(self.conns)} connections open")
                 continue
             peer = peer_of(sock)
@@ -150,6 +174,15 @@ class TaskServer:
             self.conns[sock.fileno()] = conn
             self._watch(conn)
             self.stats.count(connections=1)
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle the longest, if one has been idle for ``IDLE_EVICT_S``."""
+        idle = [c for c in self.conns.values() if not c.inbuf and not c.outbuf]
+        oldest = min(idle, key=lambda c: c.active, default=None)
+        if oldest is None or time.monotonic() - oldest.active < IDLE_EVICT_S:
+            return False
+        self.close(oldest.sock)
+        return True
 
     def _refuse(self, sock: socket.socket, reason: str, why: str) -> None:
         self.stats.count(tasks_refused=1)
@@ -195,7 +228,9 @@ class TaskServer:
         if conn is not None:
             if conn.events:
                 self.selector.unregister(sock)
-            self.buffered -= len(conn.inbuf)
+            self.buffered -= len(conn.inbuf) + conn.filled
+            self.reserved -= conn.reserved
+            self.starved.discard(conn)
             self._feed_starved()
         sock.close()
 
@@ -222,27 +257,47 @@ class TaskServer:
 
     def _on_readable(self, conn: _Conn) -> bool:
         """Read what arrived and run every complete task; False when the connection should close."""
-        if not conn.inbuf and self.buffered >= INPUT_BUDGET:
-            conn.starved = True  # others hold the budget: wait for it instead of growing without bound
+        if not conn.reserved and self.buffered >= INPUT_BUDGET:
+            self._starve(conn)  # others hold the budget: wait for it instead of growing without bound
             return True
+        # A large frame is read straight into its own buffer, allocated once at its reserved length.
+        target = memoryview(conn.frame)[conn.filled :] if conn.frame is not None else self.scratch
         try:
-            got = conn.sock.recv_into(self.scratch)
+            got = conn.sock.recv_into(target)
         except BlockingIOError:
             return True
         except OSError:
             got = 0
         if not got:
             return False
-        conn.inbuf += self.scratch_view[:got]
+        conn.active = time.monotonic()
         self.buffered += got
+        if conn.frame is not None:
+            conn.filled += got
+        else:
+            conn.inbuf += self.scratch_view[:got]
         ok = self._run_frames(conn)
-        conn.partial_since = (conn.partial_since or time.monotonic()) if conn.inbuf else 0.0
+        pending = conn.inbuf or conn.frame is not None
+        conn.partial_since = (conn.partial_since or time.monotonic()) if pending else 0.0
         self._feed_starved()
         return ok and self._flush(conn)
 
     def _run_frames(self, conn: _Conn) -> bool:
-        while len(conn.inbuf) >= REQUEST.size:
-            magic, op, flags, task_id, length = REQUEST.unpack_from(conn.inbuf)
+        while True:
+            if conn.frame is not None:  # a large frame, filled in place
+                if conn.filled < len(conn.frame):
+                    return True
+                header, payload, conn.frame, conn.filled = conn.frame_header, bytes(conn.frame), None, 0
+                self.buffered -= len(payload)
+                self.reserved -= conn.reserved
+                conn.reserved = 0
+                if not self._run(conn, header, payload):
+                    return True
+                continue
+            if len(conn.inbuf) < REQUEST.size:
+                return True
+            header = REQUEST.unpack_from(conn.inbuf)
+            magic, op, _flags, task_id, length = header
             if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
                 why = (
                     "bad frame magic" if magic != REQUEST_MAGIC else f"payload of {length} bytes exceeds {MAX_PAYLOAD}"
@@ -251,16 +306,36 @@ class TaskServer:
                 self.stats.count(tasks_refused=1)
                 self._flush(conn)
                 return False
-            if len(conn.inbuf) < REQUEST.size + length:
-                break
-            payload = bytes(conn.inbuf[REQUEST.size : REQUEST.size + length])
-            del conn.inbuf[: REQUEST.size + length]
-            self.buffered -= REQUEST.size + length
-            conn.partial_since = 0.0
-            conn.outbuf += self._execute(conn, op, flags, task_id, payload)
-            if len(conn.outbuf) > OUT_CAP:
-                break  # the client is not reading its replies: stop taking its requests until it does
-        return True
+            if len(conn.inbuf) >= REQUEST.size + length:
+                payload = bytes(conn.inbuf[REQUEST.size : REQUEST.size + length])
+                del conn.inbuf[: REQUEST.size + length]
+                self.buffered -= REQUEST.size + length
+                if not self._run(conn, header, payload):
+                    return True
+                continue
+            if length > RECV_CHUNK:  # a large frame: reserve its whole length, or wait for room
+                if self.reserved + length > INPUT_BUDGET:
+                    conn.need = length
+                    self._starve(conn)
+                    return True
+                conn.need = 0
+                conn.reserved = length
+                self.reserved += length
+                conn.frame, conn.frame_header = bytearray(length), header
+                have = len(conn.inbuf) - REQUEST.size
+                conn.frame[:have] = conn.inbuf[REQUEST.size :]
+                conn.filled = have
+                self.buffered -= REQUEST.size
+                conn.inbuf.clear()
+            return True
+
+    def _run(self, conn: _Conn, header: tuple[Any, ...], payload: bytes) -> bool:
+        """Execute one request and queue its reply; False when the client stopped reading its replies (then
+        its requests are not taken until it does)."""
+        _, op, flags, task_id, _ = header
+        conn.partial_since = 0.0
+        conn.outbuf += self._execute(conn, op, flags, task_id, payload)
+        return len(conn.outbuf) <= OUT_CAP
 
     def _flush(self, conn: _Conn) -> bool:
         """Send what the socket takes now; False when the client is gone."""
@@ -274,12 +349,19 @@ class TaskServer:
             del conn.outbuf[:sent]
         return True
 
+    def _starve(self, conn: _Conn) -> None:
+        conn.starved = True
+        self.starved.add(conn)
+
     def _feed_starved(self) -> None:
-        if self.buffered >= INPUT_BUDGET:
-            return
-        for conn in self.conns.values():
-            if conn.starved:
+        """Read again from starved connections once the budget has room for what each waits for."""
+        for conn in list(self.starved):
+            if conn.sock.fileno() < 0:  # closed meanwhile
+                self.starved.discard(conn)
+                continue
+            if self.reserved + conn.need <= INPUT_BUDGET if conn.need else self.buffered < INPUT_BUDGET:
                 conn.starved = False
+                self.starved.discard(conn)
                 self._watch(conn)
 
     # -- tasks ----------------------------------------------------------------------------------------
@@ -361,20 +443,10 @@ class TaskServer:
             )
         return store
 
-    def _staging(self) -> Array:
-        """Rows of ``block_bytes`` where block records wait for the store thread (see ``storecalls``)."""
-        if self.staging is None:
-            record = self.engine.spec.block_bytes
-            count = max(1, STAGING_BYTES // record)
-            self.staging = np.frombuffer(mmap.mmap(-1, round_up(count * record)), dtype=np.uint8)[
-                : count * record
-            ].reshape(count, record)
-        return self.staging
-
     def _put_blocks(self, device_ids: Array, keys: list[bytes]) -> int:
         """Store device blocks under ``keys``, a staging buffer at a time; bytes newly written."""
         store = self._require_store()
-        staging = self._staging()
+        staging = store.staging
         started = time.monotonic_ns()
         written = 0
         store.call("protect", keys)
@@ -382,8 +454,7 @@ class TaskServer:
             for start in range(0, len(keys), len(staging)):
                 chunk = device_ids[start : start + len(staging)]
                 self.engine.copy_out(chunk, np.arange(len(chunk)), staging)
-                rows = [[memoryview(staging[i])] for i in range(len(chunk))]
-                written += store.call("put_many", keys[start : start + len(chunk)], rows)
+                written += store.call("put_many", keys[start : start + len(chunk)])
         finally:
             with contextlib.suppress(StoreUnavailable):
                 store.call("protect", [])
@@ -426,16 +497,12 @@ class TaskServer:
 
     def _load_blocks(self, keys: list[bytes], targets: Array, store: StoreCalls) -> int:
         """Load the longest present prefix of ``keys`` into device blocks ``targets``, a staging buffer at a
-        time (the store thread fills staging rows; this thread copies them into the device tier)."""
-        staging = self._staging()
+        time (the store agent fills staging rows; this process copies them into the device tier)."""
+        staging = store.staging
         loaded = 0
         for start in range(0, len(keys), len(staging)):
             chunk = keys[start : start + len(staging)]
-
-            def sink(i: int, record: memoryview, rows: Array = staging) -> None:
-                rows[i] = np.frombuffer(record, dtype=np.uint8)
-
-            got = store.call("load_prefix", chunk, sink)
+            got = store.call("load_prefix", chunk)
             self.engine.copy_in(np.arange(got), targets[start : start + got], staging)
             loaded += got
             if got < len(chunk):  # stops at the first miss: a block without its prefix is of no use

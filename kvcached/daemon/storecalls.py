@@ -1,125 +1,349 @@
-"""A rank's store calls with a deadline each, so that a slow or frozen backend fails its own task, never
-the rank.
+"""A rank's attention store, run in a helper process of its worker, with a deadline on every call: a slow
+or frozen backend fails its own task, never the rank.
 
-Every call of the rank's ``Store`` runs on one thread of the worker (opening it too: a Mooncake master
-that does not answer at start-up leaves the rank READY, its store "connecting"). The worker's main
-thread waits for a call in short slices, marking progress as it waits, until the call returns or goes
-``timeout`` seconds without moving an object (``Store.on_progress``): a long call that keeps moving (a
+Why a process and not a thread: a store's client may block *holding the interpreter lock* (Mooncake's
+``setup()`` does, against a frozen master), which would freeze a thread's whole process. So the worker
+forks a store agent when it opens its store; the agent opens the backend and serves calls sent over a
+socket pair. The worker waits for a reply in short slices, marking its own progress as it waits, until
+the call returns or goes ``timeout`` seconds without moving an object (the backend calls
+``Store.on_progress``; the agent counts in a word both processes map): a long call that keeps moving (a
 store of 30,000 blocks) takes the time it needs, one that stops (a frozen master) fails its task with
-``StoreUnavailable`` and is left to finish in the background. Until it does, store tasks fail at once
-("still busy with a call that timed out").
+``StoreUnavailable``. While that call has not returned, store tasks fail at once ("still busy"); an agent
+stuck past ``ABANDON_AFTER`` timeouts is killed and a new one started.
 
-The store thread never touches device memory: a put reads from a staging buffer the main thread filled,
-a load writes into one the main thread then copies from. So a call that finishes after its task was
-given up on cannot change a block another task has since reused.
+Block records never cross the socket: they sit in ``staging``, rows of ``block_bytes`` in memory both
+processes share (created before the fork). A put reads rows the worker filled; a load writes rows the
+worker then copies into the device tier. The agent never touches device memory, so a call that finishes
+after its task was given up on cannot change a block another task has since reused.
+
+The agent also checks its store for trouble outside any call (``Store.check``) once a second when idle,
+and sends the store's counters with every reply.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
+import ctypes
+import dataclasses
+import mmap
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn
+
+import numpy as np
 
 from kvcached.logs import Logger
-from kvcached.protocol.errors import StoreUnavailable
+from kvcached.protocol.errors import StoreBusy, StoreUnavailable
+from kvcached.protocol.layout import round_up
 from kvcached.store.base import Store, StoreCounters
 
-T = TypeVar("T")
-#: How often the waiting main thread marks progress.
+#: How often the waiting worker marks its own progress and looks at the agent's.
 SLICE_S = 0.1
+#: An agent whose timed-out call has not returned after this many timeouts is killed and replaced.
+ABANDON_AFTER = 6
+_FRAME = struct.Struct("<Q")
+_PR_SET_PDEATHSIG = 1
 
 
 class StoreCalls:
-    """The rank's store, behind one thread and a deadline per call."""
+    """The worker's side: sends calls to the store agent and waits for them within the deadline."""
 
     def __init__(
-        self, name: str, opener: Callable[[], Store], *, timeout_s: float, progress: Callable[[], None], log: Logger
+        self,
+        name: str,
+        opener: Callable[[], Store],
+        *,
+        record_bytes: int,
+        staging_bytes: int,
+        timeout_s: float,
+        progress: Callable[[], None],
+        log: Logger,
     ) -> None:
         self.name = name
+        self.opener = opener
         self.timeout_s = timeout_s
         self.progress = progress
         self.log = log
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcached-store")
-        self.opening: concurrent.futures.Future[Store] = self.pool.submit(opener)
-        self.store: Store | None = None
-        self.stuck: tuple[concurrent.futures.Future[Any], float, str] | None = None
-        self.moves = 0  # objects the store has moved (its on_progress calls, from the store thread)
-        self.checking: concurrent.futures.Future[None] | None = None
+        rows = max(1, staging_bytes // record_bytes)
+        self._staging_map = mmap.mmap(-1, round_up(rows * record_bytes))  # shared with the agent
+        self.staging = np.frombuffer(self._staging_map, dtype=np.uint8)[: rows * record_bytes].reshape(
+            rows, record_bytes
+        )
+        self._moves_map = mmap.mmap(-1, mmap.PAGESIZE)
+        self._moves = memoryview(self._moves_map).cast("Q")
+        self.counters = StoreCounters()
+        self.opened = False
+        self.pid = 0
+        self.sock: socket.socket | None = None
+        self.inbuf = bytearray()
+        self.next_seq = 1
+        self.waiting_for: tuple[int, float, str] | None = None  # a call that timed out: (seq, since, method)
+        self._spawn()
+
+    # -- the agent's life -----------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the agent: it must never return into the worker's code, whatever happens
+            try:
+                ours.close()
+                _agent_main(theirs, parent, self.opener, self.staging, self._moves)
+            finally:
+                os._exit(0)
+        theirs.close()
+        ours.setblocking(False)
+        self.pid, self.sock, self.inbuf = pid, ours, bytearray()
+        self.opened, self.waiting_for = False, None
+
+    def _kill_agent(self, why: str) -> None:
+        self.log.error("attention store agent stuck; starting a new one", agent_pid=self.pid, reason=why)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        if self.sock is not None:
+            self.sock.close()
+        self._spawn()
 
     def wait_open(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for the store to open; re-raise what opening raised. Returns quietly when
-        it is still opening (the rank serves its other tiers meanwhile)."""
-        try:
-            self.store = self._wait(self.opening, seconds)
-            self.store.on_progress = self._moved
-        except TimeoutError:
-            self.log.warning("attention store does not answer yet; store tasks fail until it does", backend=self.name)
-
-    @property
-    def counters(self) -> StoreCounters:
-        return self.store.counters if self.store is not None else StoreCounters()
-
-    def call(self, method: str, *args: Any) -> Any:
-        """``store.<method>(*args)`` on the store thread, within the deadline. Raises ``StoreUnavailable``
-        when the store is not open yet, still busy with a call that timed out, or does not answer in time."""
-        now = time.monotonic()
-        if self.stuck is not None:
-            future, since, what = self.stuck
-            if not future.done():
-                raise StoreUnavailable(
-                    f"the {self.name} store has not returned from a {what} call for {now - since:.0f}s; store tasks "
-                    "fail until it does"
+        """Wait up to ``seconds`` for the store to open; raise what opening raised (``StoreBusy``,
+        ``OSError``...). Returns quietly when it is still opening: the rank serves its other tiers and
+        store tasks fail until it answers."""
+        deadline = time.monotonic() + seconds
+        while not self.opened:
+            message = self._receive(max(0.0, deadline - time.monotonic()))
+            if message is None:
+                self.log.warning(
+                    "attention store does not answer yet; store tasks fail until it does", backend=self.name
                 )
-            self.stuck = None
-        if self.store is None:
-            if not self.opening.done():
-                self.stuck = (self.opening, now, "connect")
-                raise StoreUnavailable(f"the {self.name} store is still connecting")
-            self.store = self.opening.result()  # re-raises what opening raised
-            self.store.on_progress = self._moved
-        store = self.store
-        future = self.pool.submit(lambda: getattr(store, method)(*args))
-        try:
-            return self._wait(future, self.timeout_s)
-        except TimeoutError:
-            self.stuck = (future, now, method)
-            raise StoreUnavailable(
-                f"the {self.name} store went {self.timeout_s:g}s without an answer in a {method} call"
-            ) from None
-
-    def maintain(self) -> None:
-        """Let the store look for trouble outside any call (``Store.check``), without waiting for it."""
-        if self.store is None or self.stuck is not None or (self.checking is not None and not self.checking.done()):
-            return
-        store, log = self.store, self.log
-
-        def check() -> None:
-            try:
-                store.check()
-            except Exception as exc:  # a check that fails is news for the log, not for the rank
-                log.error("attention store check failed", reason=str(exc))
-
-        self.checking = self.pool.submit(check)
-
-    def _moved(self) -> None:
-        self.moves += 1
-
-    def _wait(self, future: concurrent.futures.Future[T], seconds: float) -> T:
-        """The future's result; TimeoutError once it went ``seconds`` without the store moving an object."""
-        deadline, moves = time.monotonic() + seconds, self.moves
-        while True:
-            try:
-                return future.result(timeout=max(0.0, min(SLICE_S, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError:
-                self.progress()
-                if self.moves != moves:
-                    deadline, moves = time.monotonic() + seconds, self.moves
-                elif time.monotonic() >= deadline:
-                    raise TimeoutError from None
+                return
+            self._absorb(message)
 
     def close(self) -> None:
-        """Close the store if it is idle; a call still stuck is abandoned (the process is ending)."""
-        if self.store is not None and self.stuck is None:
-            self.pool.submit(self.store.close)
-        self.pool.shutdown(wait=self.stuck is None, cancel_futures=True)
+        """Stop the agent (it closes its store)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                time.sleep(0.01)
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+
+    # -- calls ----------------------------------------------------------------------------------------
+
+    def call(self, method: str, *args: Any) -> Any:
+        """``store.<method>(*args)`` in the agent (see ``_dispatch`` for the methods and their arguments),
+        within the deadline. Raises ``StoreUnavailable`` when the store is not open yet, still busy with a
+        call that timed out, or makes no progress for ``timeout`` seconds; re-raises the store's errors."""
+        self._drain()
+        if self.waiting_for is not None:
+            seq, since, what = self.waiting_for
+            stuck = time.monotonic() - since
+            if stuck > ABANDON_AFTER * self.timeout_s:
+                self._kill_agent(f"a {what} call has not returned for {stuck:.0f}s")
+            raise StoreUnavailable(
+                f"the {self.name} store has not returned from a {what} call for {stuck:.0f}s; "
+                "store tasks fail until it does"
+            )
+        if not self.opened:
+            self.waiting_for = (0, time.monotonic(), "connect")
+            raise StoreUnavailable(f"the {self.name} store is still connecting")
+        seq = self.next_seq
+        self.next_seq += 1
+        self._send((seq, method, args))
+        deadline, moves = time.monotonic() + self.timeout_s, self._moves[0]
+        while True:
+            message = self._receive(SLICE_S)
+            self.progress()
+            if message is not None:
+                if message[0] == "reply" and message[1] == seq:
+                    return self._result(message)
+                self._absorb(message)
+                continue
+            if self._moves[0] != moves:
+                deadline, moves = time.monotonic() + self.timeout_s, self._moves[0]
+            elif time.monotonic() >= deadline:
+                self.waiting_for = (seq, time.monotonic() - self.timeout_s, method)
+                raise StoreUnavailable(
+                    f"the {self.name} store went {self.timeout_s:g}s without progress in a {method} call"
+                )
+
+    def maintain(self) -> None:
+        """Take in what the agent sent meanwhile (counters after its idle checks), without waiting."""
+        self._drain()
+
+    def _result(self, message: tuple[Any, ...]) -> Any:
+        _, _, ok, value, counters = message
+        self.counters = StoreCounters(**counters)
+        if ok:
+            return value
+        kind, text, code = value
+        if kind == "StoreUnavailable":
+            raise StoreUnavailable(text)
+        if kind == "StoreBusy":
+            raise StoreBusy(text)
+        if code is not None:
+            raise OSError(code, text)
+        raise RuntimeError(f"{kind}: {text}")
+
+    def _absorb(self, message: tuple[Any, ...]) -> None:
+        """An unsolicited message, or the late reply of a call that timed out."""
+        kind = message[0]
+        if kind == "opened":
+            _, error, counters = message
+            if error is not None:
+                self._result(("reply", 0, False, error, counters))
+            self.counters = StoreCounters(**counters)
+            self.opened = True
+            if self.waiting_for is not None and self.waiting_for[0] == 0:
+                self.waiting_for = None
+        elif kind == "counters":
+            self.counters = StoreCounters(**message[1])
+        elif kind == "reply":
+            self.counters = StoreCounters(**message[4])
+            if self.waiting_for is not None and self.waiting_for[0] == message[1]:
+                self.waiting_for = None  # the stuck call finished: the store takes calls again
+
+    def _drain(self) -> None:
+        while (message := self._receive(0.0)) is not None:
+            with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
+                self._absorb(message)
+
+    # -- framing --------------------------------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        assert self.sock is not None
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.sock.setblocking(True)
+        self.sock.settimeout(self.timeout_s)
+        try:
+            self.sock.sendall(_FRAME.pack(len(data)) + data)
+        except OSError:
+            self._kill_agent("cannot send it a call")
+            raise StoreUnavailable(f"the {self.name} store agent did not take the call; it was restarted") from None
+        finally:
+            self.sock.setblocking(False)
+
+    def _receive(self, seconds: float) -> tuple[Any, ...] | None:
+        """One whole message from the agent within ``seconds``, or None."""
+        assert self.sock is not None
+        deadline = time.monotonic() + seconds
+        while True:
+            if len(self.inbuf) >= _FRAME.size:
+                (length,) = _FRAME.unpack_from(self.inbuf)
+                if len(self.inbuf) >= _FRAME.size + length:
+                    message = pickle.loads(bytes(self.inbuf[_FRAME.size : _FRAME.size + length]))
+                    del self.inbuf[: _FRAME.size + length]
+                    assert isinstance(message, tuple)
+                    return message
+            if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            if not chunk:  # the agent died: start another; this call fails
+                self._kill_agent("it exited")
+                raise StoreUnavailable(f"the {self.name} store agent died; a new one is starting")
+            self.inbuf += chunk
+
+
+# -- the agent -----------------------------------------------------------------------------------------
+
+
+def _agent_main(sock: socket.socket, parent: int, opener: Callable[[], Store], staging: Any, moves: Any) -> NoReturn:
+    """The store agent's whole life: open the store, then serve calls until the worker goes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+    keep = sock.fileno()
+    os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
+    with contextlib.suppress(OSError):
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock.setblocking(True)
+
+    def send(message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            sock.sendall(_FRAME.pack(len(data)) + data)
+        except OSError:
+            os._exit(0)  # the worker is gone
+
+    def moved() -> None:
+        moves[0] += 1
+
+    try:
+        store = opener()
+    except BaseException as exc:  # the worker reports it (StoreBusy fails the rank's start)
+        send(("opened", _describe(exc), dataclasses.asdict(StoreCounters())))
+        os._exit(0)
+    store.on_progress = moved
+    send(("opened", None, dataclasses.asdict(store.counters)))
+    inbuf = bytearray()
+    last = dataclasses.asdict(store.counters)
+    while True:
+        if not select.select([sock], [], [], 1.0)[0]:
+            with contextlib.suppress(Exception):
+                store.check()
+            now = dataclasses.asdict(store.counters)
+            if now != last:
+                send(("counters", now))
+                last = now
+            continue
+        try:
+            chunk = sock.recv(1 << 20)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            with contextlib.suppress(Exception):
+                store.close()
+            os._exit(0)
+        inbuf += chunk
+        while len(inbuf) >= _FRAME.size and len(inbuf) >= _FRAME.size + _FRAME.unpack_from(inbuf)[0]:
+            length = _FRAME.unpack_from(inbuf)[0]
+            seq, method, args = pickle.loads(bytes(inbuf[_FRAME.size : _FRAME.size + length]))
+            del inbuf[: _FRAME.size + length]
+            try:
+                reply: Any = ("reply", seq, True, _dispatch(store, staging, method, args))
+            except BaseException as exc:
+                reply = ("reply", seq, False, _describe(exc))
+            last = dataclasses.asdict(store.counters)
+            send((*reply, last))
+
+
+def _dispatch(store: Store, staging: Any, method: str, args: tuple[Any, ...]) -> Any:
+    """The calls the worker sends: ``put_many(keys)`` (records in staging rows 0..n-1), ``load_prefix(keys)``
+    (records into staging rows 0..), ``present(keys)``, ``protect(keys)``."""
+    if method == "put_many":
+        (keys,) = args
+        return store.put_many(keys, [[memoryview(staging[i])] for i in range(len(keys))])
+    if method == "load_prefix":
+        (keys,) = args
+
+        def sink(i: int, record: memoryview) -> None:
+            staging[i] = np.frombuffer(record, dtype=np.uint8)
+
+        return store.load_prefix(keys, sink)
+    if method == "present":
+        return store.present(args[0])
+    if method == "protect":
+        store.protect(args[0])
+        return None
+    raise ValueError(f"unknown store call {method!r}")
+
+
+def _describe(exc: BaseException) -> tuple[str, str, int | None]:
+    code = exc.errno if isinstance(exc, OSError) and exc.errno else None
+    return type(exc).__name__, str(exc) or repr(exc), code

@@ -208,6 +208,8 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
 #: How long a worker waits for its store to open before it serves without it (store tasks then fail
 #: until the store answers).
 STORE_OPEN_WAIT_S = 5.0
+#: Bytes of block records moved per store call (a staging buffer shared with the store agent).
+STAGING_BYTES = 64 << 20
 
 
 def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger) -> StoreCalls | None:
@@ -222,10 +224,19 @@ def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger) -> StoreCal
     def opener() -> Store:
         return backend.open(plan.store.options, identity=identity, rank=plan.rank, ranks=plan.ranks, log=log)
 
-    calls = StoreCalls(backend.name, opener, timeout_s=plan.store_timeout, progress=stats.progressed, log=log)
+    calls = StoreCalls(
+        backend.name,
+        opener,
+        record_bytes=plan.spec.block_bytes,
+        staging_bytes=STAGING_BYTES,
+        timeout_s=plan.store_timeout,
+        progress=stats.progressed,
+        log=log,
+    )
     try:
         calls.wait_open(min(plan.store_timeout, STORE_OPEN_WAIT_S))
-    except (StoreBusy, StoreUnavailable, OSError) as exc:
+    except (StoreBusy, StoreUnavailable, OSError, RuntimeError) as exc:
+        calls.close()
         raise WorkerFailure(f"attention store: {exc}", EXIT_CONFIG) from None
     return calls
 

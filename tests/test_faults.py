@@ -1,0 +1,750 @@
+"""Legitimate long work, hostile neighbours and broken parts: each costs at most the task it hit.
+
+One test per case found by trying the daemon as a hostile tester would; each docstring names its case
+("why 1: ..." follows the issue's list). Everything is real: daemon processes, SIGSTOP/SIGKILL, a real
+Mooncake master, a real tmpfs for a full disk, other uids (as root; skipped otherwise, saying so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import posix_ipc
+import pytest
+
+import runner_client as rc
+from kvcached.protocol.control import ControlBlock
+from kvcached.protocol.messages import MAX_PAYLOAD, REQUEST, REQUEST_MAGIC, Op, request
+from kvcached.protocol.names import control_name, task_socket_path
+from kvcached.status import read_status
+from tests.conftest import (
+    DaemonFactory,
+    MooncakeMaster,
+    arena_digests,
+    run_runner,
+    runner_result,
+    shm_entries,
+    unique_instance,
+)
+from tests.test_service import as_user
+
+GEOMETRY = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4)
+PLUGIN = {"KVCACHED_PLUGINS": "tests.plugins.memstore"}
+
+
+def geometry(num_blocks: int = 8, num_cpu_blocks: int = 4) -> list[str]:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in GEOMETRY.items()]
+    return [*flags, f"--num-blocks={num_blocks}", f"--num-cpu-blocks={num_cpu_blocks}"]
+
+
+def spec(num_blocks: int = 8, num_cpu_blocks: int = 4) -> rc.CacheSpec:
+    return rc.CacheSpec(**GEOMETRY, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks)  # type: ignore[arg-type]
+
+
+def keys(n: int, salt: str = "") -> list[bytes]:
+    return rc.block_keys(list(range(n * 4)), 4, extra=salt or None)
+
+
+def pids(instance: str) -> list[int]:
+    return [r["pid"] for r in read_status(instance)["ranks"]]
+
+
+def states(instance: str) -> list[str]:
+    return [r["state"] for r in read_status(instance)["ranks"]]
+
+
+def until(check: Any, timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.02)
+
+
+def fill(cache: rc.KVCache, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in cache.key_caches + cache.value_caches:
+        raw = t.view(np.uint8)
+        raw[...] = rng.integers(0, 256, raw.shape, dtype=np.uint8)
+
+
+def hello(sock: socket.socket, generation: str) -> None:
+    sock.sendall(request(Op.HELLO, 1, json.dumps({"generation": generation}).encode()))
+
+
+def needs_root(why: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: {why}")
+
+
+# -- why 1: the hang detector destroyed every rank's cache ----------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_60s_store_completes_while_the_daemon_stays_up(daemons: DaemonFactory) -> None:
+    """Why 1: one valid store that takes far longer than 10 s (a slow store, 0.5 s an object, 120 objects)
+    completes; the worker is never taken for hung; the daemon stays up."""
+    env = daemons.env(**PLUGIN)
+    args = [*geometry(num_blocks=128), "--storage-backend", "testmem", "--testmem-delay", "0.5"]
+    daemon = daemons.start(ranks=1, args=args, env=env)
+    daemon.wait_ready()
+    before = pids(daemon.instance)
+    started = time.monotonic()
+    with rc.CacheTasks(daemon.instance, timeout=180) as tasks:
+        result = tasks.store(0, list(range(120)), keys(120))
+        assert tasks.lookup(keys(120)) == 120
+    assert result.blocks == 120 and time.monotonic() - started >= 60
+    assert pids(daemon.instance) == before and states(daemon.instance) == ["READY"]
+    assert "killing rank worker" not in daemon.log()
+
+
+@pytest.mark.slow
+def test_a_60s_swap_completes_while_the_daemon_stays_up(daemons: DaemonFactory) -> None:
+    """Why 1: a valid swap that takes far longer than 10 s (120 runs of ids, each step slowed to 0.5 s by
+    fault injection, as a huge swap on a loaded host is) completes; the worker reports progress at every
+    step and is never taken for hung."""
+    env = daemons.env(KVCACHED_FAULT="copy-step:sleep=0.5")
+    daemon = daemons.start(ranks=1, args=geometry(num_blocks=256, num_cpu_blocks=128), env=env)
+    daemon.wait_ready()
+    before = pids(daemon.instance)
+    started = time.monotonic()
+    with rc.CacheTasks(daemon.instance, timeout=180) as tasks:
+        result = tasks.swap_out(0, list(range(0, 240, 2)), list(range(120)))  # every id its own run
+    assert result.blocks == 120 and time.monotonic() - started >= 60
+    assert pids(daemon.instance) == before and states(daemon.instance) == ["READY"]
+
+
+def test_a_hung_worker_is_replaced_on_the_same_memory(daemons: DaemonFactory) -> None:
+    """Why 1: a worker that truly hangs (SIGSTOP) is killed after --worker-timeout and replaced on the same
+    arenas: the rank is READY again, the device tier and CPU pool are byte for byte what they were, tasks
+    are served."""
+    daemon = daemons.start(ranks=2, args=["--worker-timeout", "2"])
+    status = daemon.wait_ready()
+    with rc.initialize_kv_cache(spec(), 1, instance=daemon.instance) as cache, rc.CacheTasks(daemon.instance) as tasks:
+        fill(cache, 1)
+        tasks.swap_out(1, [1, 2], [0, 1])
+        digests = arena_digests(daemon.instance)
+        os.kill(status["ranks"][1]["pid"], signal.SIGSTOP)
+        until(lambda: pids(daemon.instance)[1] != status["ranks"][1]["pid"] and states(daemon.instance)[1] == "READY")
+        assert arena_digests(daemon.instance) == digests
+        tasks.swap_in(1, [0, 1], [5, 6])
+        assert np.array_equal(cache.key_caches[0][5], cache.key_caches[0][1])
+    assert "no progress for" in daemon.log() and "rank recovered" in daemon.log()
+
+
+def test_kill9_of_a_worker_mid_task_keeps_every_byte(daemons: DaemonFactory) -> None:
+    """Acceptance: kill -9 of one worker mid-task (a slow store reading the device tier): the rank is READY
+    again within 2 s, the sha256 of its device tier and CPU pool unchanged; the task in flight fails with
+    TaskLost, the next ones are served."""
+    env = daemons.env(**PLUGIN)
+    args = [*geometry(num_blocks=64), "--storage-backend", "testmem", "--testmem-delay", "0.2"]
+    daemon = daemons.start(ranks=2, args=args, env=env)
+    status = daemon.wait_ready()
+    with (
+        rc.initialize_kv_cache(spec(64), 1, instance=daemon.instance) as cache,
+        rc.CacheTasks(daemon.instance) as tasks,
+    ):
+        fill(cache, 2)
+        tasks.swap_out(1, [1, 2, 3], [0, 1, 2])
+        digests = arena_digests(daemon.instance)
+        handle = tasks.store(1, list(range(40)), keys(40), wait=False)
+        time.sleep(1.0)  # a few objects into an 8-second task
+        killed = time.monotonic()
+        os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
+        with pytest.raises(rc.TaskLost) as info:
+            handle.result()
+        assert info.value.rank == 1 and "replaced on the same memory" in str(info.value)
+        until(lambda: states(daemon.instance)[1] == "READY" and pids(daemon.instance)[1] != status["ranks"][1]["pid"])
+        assert time.monotonic() - killed < 2.0
+        assert arena_digests(daemon.instance) == digests
+        assert tasks.swap_in(1, [0], [7]).blocks == 1
+    assert read_status(daemon.instance)["alive"]
+
+
+@pytest.mark.slow
+def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Why 1 (and the README's promise): a Mooncake master frozen (SIGSTOP) for 30 s fails store tasks, with
+    StoreUnavailable, within the store timeout; swaps go on; every rank stays READY on the same worker; once
+    the master is back, store tasks work again."""
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    master = MooncakeMaster(tmp_path / "master.log")
+    master.start()
+    try:
+        daemon = daemons.start(ranks=2, args=[*geometry(), *master.args(), "--store-timeout", "3"])
+        daemon.wait_ready()
+        before = pids(daemon.instance)
+        with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+            assert tasks.store(None, [1], keys(1)).blocks == 1
+            assert master.proc is not None
+            master.proc.send_signal(signal.SIGSTOP)
+            frozen = time.monotonic()
+            started = time.monotonic()
+            with pytest.raises(rc.StoreUnavailable):
+                tasks.store(None, [2], keys(2)[1:])
+            assert time.monotonic() - started < 10
+            while time.monotonic() - frozen < 30:
+                assert tasks.swap_out(None, [3], [1]).blocks == 1
+                with pytest.raises(rc.StoreUnavailable):
+                    tasks.lookup(keys(1))
+                assert states(daemon.instance) == ["READY", "READY"] and pids(daemon.instance) == before
+                time.sleep(1)
+            master.proc.send_signal(signal.SIGCONT)
+            until(lambda: _stores(tasks), timeout=60, what="store tasks after the master thawed")
+        assert pids(daemon.instance) == before
+    finally:
+        if master.proc is not None:
+            master.proc.send_signal(signal.SIGCONT)
+        master.stop()
+
+
+def _stores(tasks: rc.CacheTasks) -> bool:
+    try:
+        return tasks.store(None, [4], keys(4)[3:]).blocks == 1
+    except rc.StoreUnavailable:
+        return False
+
+
+def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Why 1: a Mooncake master frozen while the daemon starts: the ranks are READY anyway (their store is
+    "connecting"), store tasks fail with StoreUnavailable, and work once the master answers."""
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    master = MooncakeMaster(tmp_path / "master.log")
+    master.start()
+    assert master.proc is not None
+    master.proc.send_signal(signal.SIGSTOP)
+    try:
+        daemon = daemons.start(ranks=2, args=[*geometry(), *master.args(), "--store-timeout", "2"])
+        daemon.wait_ready(timeout=30)
+        with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+            with pytest.raises(rc.StoreUnavailable):
+                tasks.store(None, [1], keys(1))
+            assert tasks.swap_out(None, [1], [1]).blocks == 1
+            master.proc.send_signal(signal.SIGCONT)
+            until(lambda: _stores(tasks), timeout=90, what="store tasks once the master answers")
+    finally:
+        master.proc.send_signal(signal.SIGCONT)
+        master.stop()
+
+
+@pytest.mark.slow
+def test_a_paused_supervisor_changes_nothing(daemons: DaemonFactory) -> None:
+    """Why 1: the supervisor paused for 30 s (SIGSTOP, a debugger) and resumed: the workers served all along,
+    no worker is taken for hung afterwards, every rank READY on the same worker."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    before = pids(daemon.instance)
+    with rc.CacheTasks(daemon.instance) as tasks:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            paused = time.monotonic()
+            while time.monotonic() - paused < 30:
+                assert tasks.swap_out(None, [1], [1]).blocks == 1
+                time.sleep(0.5)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        time.sleep(3)  # several supervisor ticks after the pause
+        assert tasks.swap_in(None, [1], [2]).blocks == 1
+    assert pids(daemon.instance) == before and states(daemon.instance) == ["READY", "READY"]
+    assert "killing rank worker" not in daemon.log()
+
+
+def test_clients_that_pipeline_and_never_read_stall_only_themselves(daemons: DaemonFactory) -> None:
+    """Why 1 and 3: three clients that pipeline requests and never read a reply: each stalls only itself
+    (its requests stop being read once its replies pile up); another client is served; no worker is taken
+    for hung or replaced."""
+    daemon = daemons.start(ranks=1, args=["--worker-timeout", "3"])
+    status = daemon.wait_ready()
+    path = task_socket_path(daemons.run_dir, daemon.instance, 0)
+    frame = request(Op.SWAP_OUT, 2, np.array([1, 1], "<i4").tobytes())
+    hogs = []
+    for _ in range(3):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(path))
+        hello(sock, status["generation"])
+        sock.settimeout(2)
+        with contextlib.suppress(TimeoutError, BlockingIOError):
+            for _ in range(200_000):
+                sock.sendall(frame)
+        hogs.append(sock)
+    with rc.CacheTasks(daemon.instance, timeout=10) as tasks:
+        started = time.monotonic()
+        assert tasks.swap_out(0, [2], [2]).blocks == 1
+        assert time.monotonic() - started < 5
+        time.sleep(5)  # longer than --worker-timeout
+        assert tasks.swap_in(0, [2], [3]).blocks == 1
+    assert pids(daemon.instance) == [status["ranks"][0]["pid"]]
+    for sock in hogs:
+        sock.close()
+
+
+def test_a_fifo_in_an_objects_place_is_a_miss(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Why 1 and 4: a FIFO where a store object should be (opening it would block forever): the load is a
+    miss at once, the FIFO is removed, the next store writes the object again, and the rank is untouched."""
+    store = tmp_path / "store"
+    daemon = daemons.start(ranks=1, args=[*geometry(), "--storage-backend", "file", "--storage-path", str(store)])
+    status = daemon.wait_ready()
+    key = keys(1)
+    with rc.CacheTasks(daemon.instance, timeout=20) as tasks:
+        tasks.store(0, [1], key)
+        (obj,) = (store / "r0").glob("*/*.kvb")
+        obj.unlink()
+        os.mkfifo(obj)
+        started = time.monotonic()
+        assert tasks.load(0, key, [2]).blocks == 0
+        assert time.monotonic() - started < 5 and not obj.exists()
+        assert tasks.store(0, [1], key).bytes > 0 and obj.is_file()
+        assert tasks.load(0, key, [2]).blocks == 1
+    assert pids(daemon.instance) == [status["ranks"][0]["pid"]]
+    assert read_status(daemon.instance)["ranks"][0]["store"]["corrupt"] >= 1
+
+
+# -- why 2: a runner trusted a control block owned by anyone ---------------------------------------------
+
+
+def test_an_impostor_control_block_is_refused_before_a_byte_is_mapped(daemons: DaemonFactory) -> None:
+    """Why 2: another uid creates the control block (mode 0644) under the instance's name before the daemon
+    starts: a runner's initialize_kv_cache and CacheTasks refuse it with NotTrusted naming the owner; the
+    real daemon refuses to start on a name someone else holds."""
+    needs_root("acts as another user")
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    shm = posix_ipc.SharedMemory(control_name(instance), posix_ipc.O_CREX, mode=0o644, size=8192)
+    try:
+        os.fchown(shm.fd, 64011, 64011)
+        shm.close_fd()
+        with pytest.raises(rc.NotTrusted, match="belongs to uid 64011"):
+            rc.initialize_kv_cache(spec(), 0, instance=instance, timeout=1)
+        with pytest.raises(rc.NotTrusted, match="belongs to uid 64011"):
+            rc.CacheTasks(instance)
+        daemon = daemons.start(instance, ranks=1)
+        assert daemon.exit_code() == 5 and "is not ours" in daemon.log()
+        env = dict(os.environ, KVCACHED_DAEMON_USER="64011")
+        trusting = runner_result(run_runner(env, spec=spec().to_dict(), rank=0, instance=instance, timeout=1))
+        assert trusting["error_type"] in ("CacheNotReady", "ProtocolError"), trusting  # trusted, but not a daemon
+    finally:
+        posix_ipc.unlink_shared_memory(control_name(instance))
+
+
+# -- why 3: the task channel had no flow control --------------------------------------------------------
+
+
+def test_ten_thousand_pipelined_tasks_all_complete(daemons: DaemonFactory) -> None:
+    """Why 3 (acceptance): swap_out(..., wait=False) 10,000 times, then result() on each: all complete;
+    the client reads replies as it goes instead of deadlocking with the worker."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance) as tasks:
+        handles = [tasks.swap_out(0, [i % 8], [i % 4], wait=False) for i in range(10_000)]
+        assert sum(h.result().blocks for h in handles) == 10_000
+    assert read_status(daemon.instance)["ranks"][0]["swap"]["swap_out_tasks"] == 10_000
+
+
+def test_a_send_to_a_frozen_worker_times_out(daemons: DaemonFactory) -> None:
+    """Why 3: a client's send to a frozen worker (SIGSTOP) gives up at its timeout with TaskTimeout instead
+    of blocking forever."""
+    daemon = daemons.start(ranks=1, args=[*geometry(num_blocks=8), "--worker-timeout", "60"])
+    status = daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance, timeout=2) as tasks:
+        tasks.swap_out(0, [1], [1])
+        os.kill(status["ranks"][0]["pid"], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(rc.TaskTimeout):
+                for _ in range(50):  # 4 MiB of ids each: the socket's buffers fill, then the send waits
+                    tasks.swap_out(0, [1] * 262_144, [1] * 262_144, wait=False)
+            assert time.monotonic() - started < 20
+        finally:
+            os.kill(status["ranks"][0]["pid"], signal.SIGCONT)
+
+
+def test_two_thousand_idle_connections_at_nofile_1024_leave_the_daemon_serving(daemons: DaemonFactory) -> None:
+    """Why 3 (acceptance): under an open-file limit of 1024, 2,000 idle connections do not crash the worker
+    (it used to die of EMFILE): the idle ones are closed to make room, a new client is served, the worker
+    is the same."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2200:
+        pytest.skip(f"this process may open at most {hard} files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    daemon = daemons.start(ranks=1, popen={"preexec_fn": low_limit})
+    status = daemon.wait_ready()
+    path = str(task_socket_path(daemons.run_dir, daemon.instance, 0))
+    idle = []
+    try:
+        for _ in range(2000):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(path)
+            idle.append(sock)
+        time.sleep(1.5)  # the idle ones become evictable
+        with rc.CacheTasks(daemon.instance, timeout=10) as tasks:
+            assert tasks.swap_out(0, [1], [1]).blocks == 1
+    finally:
+        for sock in idle:
+            sock.close()
+    assert pids(daemon.instance) == [status["ranks"][0]["pid"]] and read_status(daemon.instance)["alive"]
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_parked_partial_frames_cannot_grow_a_worker_without_bound(daemons: DaemonFactory) -> None:
+    """Why 3: eight connections each parking a 60 MiB frame minus one byte used to grow a worker by 480 MiB;
+    the input budget holds the growth near 2 x MAX_PAYLOAD, and another client is served meanwhile."""
+    daemon = daemons.start(ranks=1)
+    status = daemon.wait_ready()
+    worker = status["ranks"][0]["pid"]
+    before = _rss_kib(worker)
+    path = str(task_socket_path(daemons.run_dir, daemon.instance, 0))
+    size = 60 << 20
+    head = REQUEST.pack(REQUEST_MAGIC, Op.SWAP_OUT, 0, 9, size)
+    body = b"\0" * (size - 1)
+
+    def park() -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            sock.sendall(head + body)
+        parked.append(sock)
+
+    parked: list[socket.socket] = []
+    threads = [threading.Thread(target=park) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    try:
+        grown = _rss_kib(worker) - before
+        assert grown < (2 * MAX_PAYLOAD + (64 << 20)) >> 10, f"the worker grew by {grown >> 10} MiB"
+        with rc.CacheTasks(daemon.instance, timeout=10) as tasks:
+            assert tasks.swap_out(0, [1], [1]).blocks == 1
+    finally:
+        for sock in parked:
+            sock.close()
+
+
+# -- why 4: file store faults ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs: a disk that fills up (needs root to mount)."""
+    needs_root("mounts a small tmpfs as a full disk")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, check=False
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_evicts_as_a_full_capacity_does(daemons: DaemonFactory, small_disk: Path) -> None:
+    """Why 4: on a disk that fills before the store's capacity (4 MiB disk, 1 GiB capacity), stores go on:
+    the least recently used objects are evicted on ENOSPC, the newest are there."""
+    args = [*geometry(num_blocks=64), "--storage-backend", "file", "--storage-path", str(small_disk / "s")]
+    daemon = daemons.start(ranks=1, args=[*args, "--storage-capacity", "1GiB", "--head-dim", "1024"])
+    daemon.wait_ready()
+    many = keys(64, "full")
+    with rc.CacheTasks(daemon.instance) as tasks:  # 64 blocks of 64 KiB: 4 MiB and then some
+        for start in range(0, 64, 8):
+            assert tasks.store(0, list(range(start, start + 8)), many[start : start + 8]).blocks == 8
+        assert tasks.lookup(many[-8:]) == 8
+    store = read_status(daemon.instance)["ranks"][0]["store"]
+    assert store["evictions"] > 0 and store["objects"] < 64
+
+
+def test_a_failed_write_through_changes_no_cpu_block(daemons: DaemonFactory, small_disk: Path) -> None:
+    """Why 4: swap_out(keys=...) whose store fails (a full disk with nothing to evict) fails with nothing
+    changed: the CPU pool is byte for byte what it was; the failure is counted."""
+    args = [*geometry(), "--storage-backend", "file", "--storage-path", str(small_disk / "s")]
+    daemon = daemons.start(ranks=1, args=[*args, "--storage-capacity", "1GiB"])
+    daemon.wait_ready()
+    ballast = small_disk / "ballast"
+    with open(ballast, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\1" * 65536)
+            f.flush()
+    with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance) as cache, rc.CacheTasks(daemon.instance) as tasks:
+        fill(cache, 3)
+        digests = arena_digests(daemon.instance)
+        cpu = [name for name in digests if name.endswith(".cpu")]
+        with pytest.raises(rc.TaskFailed):
+            tasks.swap_out(0, [1, 2], [0, 1], keys=keys(2, "wt"))
+        assert {n: arena_digests(daemon.instance)[n] for n in cpu} == {n: digests[n] for n in cpu}
+    assert read_status(daemon.instance)["ranks"][0]["store"]["errors"] >= 1
+
+
+def test_foreign_things_at_object_names_and_deleted_objects(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Why 4: an object replaced by a directory is a miss (and removed), not an error for every later load;
+    an object deleted by hand is not present to lookup and is written again by the next store."""
+    store = tmp_path / "store"
+    daemon = daemons.start(ranks=1, args=[*geometry(), "--storage-backend", "file", "--storage-path", str(store)])
+    daemon.wait_ready()
+    two = keys(2, "foreign")
+    with rc.CacheTasks(daemon.instance) as tasks:
+        tasks.store(0, [1, 2], two)
+        first, second = (next((store / "r0").glob(f"*/{k.hex()}.kvb")) for k in two)
+        first.unlink()
+        first.mkdir()
+        (first / "junk").write_text("x")
+        assert tasks.load(0, two, [3, 4]).blocks == 0 and not first.exists()
+        assert tasks.load(0, two, [3, 4]).blocks == 0, "every later load is a miss, not an error"
+        second.unlink()
+        assert tasks.lookup(two[1:]) == 0
+        assert tasks.store(0, [1, 2], two).bytes == 2 * spec().block_bytes, "both written again"
+        assert tasks.load(0, two, [3, 4]).blocks == 2
+
+
+def test_the_store_directory_removed_while_running(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Why 4: the store directory removed while the daemon runs is noticed within seconds, counted and
+    logged, made again and locked again at once (a second daemon on the same path is refused), and stores
+    work again without a restart."""
+    store = tmp_path / "store"
+    args = [*geometry(), "--storage-backend", "file", "--storage-path", str(store)]
+    daemon = daemons.start(ranks=1, args=args)
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance) as tasks:
+        tasks.store(0, [1], keys(1))
+        import shutil
+
+        shutil.rmtree(store)
+        until(lambda: read_status(daemon.instance)["ranks"][0]["store"]["errors"] >= 1, what="loss noticed")
+        assert (store / "r0" / ".lock").exists()
+        second = daemons.start(ranks=1, args=args)
+        assert second.exit_code() == 4 and "used by another kvcached daemon" in second.log()
+        assert tasks.store(0, [1], keys(1)).blocks == 1 and tasks.lookup(keys(1)) == 1
+    assert "store directory removed while the daemon runs" in daemon.log()
+
+
+# -- why 5 and 6: the run directory, and no traceback for an operator --------------------------------------
+
+
+def test_a_symlink_at_the_lock_file_is_refused_never_followed(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Why 5: a symlink planted at <run_dir>/<instance>.lock is refused (exit 5); its target is untouched."""
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    daemons.run_dir.mkdir(parents=True, exist_ok=True)
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (daemons.run_dir / f"{instance}.lock").symlink_to(target)
+    daemon = daemons.start(instance, ranks=1)
+    assert daemon.exit_code() == 5 and "Traceback" not in daemon.log()
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("kind", ["file", "open to all"])
+def test_a_run_directory_that_is_a_file_or_open_to_all_is_refused(daemons: DaemonFactory, kind: str) -> None:
+    """Why 5 and 6: KVCACHED_RUN_DIR pointing at a file, or at a directory anyone may write: exit 5 with
+    the reason, no traceback, nothing created."""
+    run_dir = daemons.tmp_path / "odd"
+    if kind == "file":
+        run_dir.write_text("")
+    else:
+        run_dir.mkdir()
+        run_dir.chmod(0o777)
+    daemon = daemons.start(ranks=1, env=daemons.env(KVCACHED_RUN_DIR=str(run_dir)))
+    assert daemon.exit_code() == 5
+    log = daemon.log()
+    assert ("not a directory" if kind == "file" else "writable by anyone") in log and "Traceback" not in log
+    assert shm_entries(daemon.instance) == []
+
+
+def test_dev_shm_filling_up_mid_start_is_exit_5_without_a_traceback(daemons: DaemonFactory) -> None:
+    """Why 6: /dev/shm filling between the semaphores and the control block (ENOSPC, injected) exits 5 (no
+    restart under systemd), says so, and leaves nothing."""
+    daemon = daemons.start(ranks=2, env=daemons.env(KVCACHED_FAULT="after-semaphores:enospc"))
+    assert daemon.exit_code() == 5
+    assert "No space left on device" in daemon.log() and "Traceback" not in daemon.log()
+    assert shm_entries(daemon.instance) == []
+
+
+def test_one_instance_with_two_run_directories_at_once(daemons: DaemonFactory) -> None:
+    """Why 6: the same instance started twice with two run directories: the second exits 3 naming the holder,
+    and the first keeps serving (its semaphores were not reclaimed by the second)."""
+    first = daemons.start(ranks=2)
+    status = first.wait_ready()
+    second = daemons.start(first.instance, ranks=2, env=daemons.env(KVCACHED_RUN_DIR=str(daemons.tmp_path / "other")))
+    assert second.exit_code() == 3 and f"pid {first.pid}" in second.log()
+    result = runner_result(run_runner(daemons.env(), spec=spec().to_dict(), rank=1, instance=first.instance))
+    assert result["ok"] and result["generation"] == status["generation"]
+
+
+def test_status_of_a_tampered_control_block_is_a_message_not_a_traceback(daemons: DaemonFactory) -> None:
+    """Why 6: `kvcached status` on a control block whose bytes were overwritten: a clean error, exit 1."""
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    shm = posix_ipc.SharedMemory(control_name(instance), posix_ipc.O_CREX, mode=0o600, size=8192)
+    os.write(shm.fd, b"NOTOURS!" + b"\xff" * 100)
+    shm.close_fd()
+    try:
+        done = daemons.cli("status", "--instance", instance)
+        assert done.returncode == 1 and "not a kvcached control block" in done.stderr
+        assert "Traceback" not in done.stderr
+    finally:
+        posix_ipc.unlink_shared_memory(control_name(instance))
+
+
+def cli_as(uid: int, *args: str) -> str:
+    """Run the kvcached CLI in a child that dropped to ``uid`` (no exec: the interpreter may live where other
+    users cannot read it): "exit N: <output>", or the traceback an operator would have seen."""
+
+    def action() -> str:
+        from click.testing import CliRunner
+
+        from kvcached.cli import main
+
+        result = CliRunner().invoke(main, list(args))
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            return "Traceback: " + repr(result.exception)
+        return f"exit {result.exit_code}: {result.output}"
+
+    return as_user(uid, uid, [], action)
+
+
+def test_status_and_stop_by_an_outsider_say_so(daemons: DaemonFactory) -> None:
+    """Why 6 and 7: `status` and `stop` run by a user outside the daemon's group: a clear error and a non-zero
+    exit, no traceback; `stop` no longer says "not running" while the daemon runs."""
+    needs_root("acts as another user")
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    for command in ("status", "stop"):
+        said = cli_as(64012, command, "--instance", daemon.instance)
+        assert said.startswith("exit 1: ") and "permission denied" in said, said
+    assert read_status(daemon.instance)["alive"]
+
+
+# -- why 7: the smaller ones ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["stop", "status"])
+def test_an_empty_instance_name_is_a_usage_error(daemons: DaemonFactory, command: str) -> None:
+    """Why 7: `--instance ''` no longer silently means `default`."""
+    done = daemons.cli(command, "--instance", "")
+    assert done.returncode == 2 and "instance: must be 1-48 characters" in done.stderr
+
+
+def test_a_relative_run_dir_is_published_absolute(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Why 7: a relative KVCACHED_RUN_DIR is made absolute before it is published, so a runner elsewhere
+    finds the task sockets."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    daemon = daemons.start(ranks=1, env=daemons.env(KVCACHED_RUN_DIR="rel-run"), popen={"cwd": work})
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance) as tasks:
+        assert tasks.swap_out(0, [1], [1]).blocks == 1
+    assert (work / "rel-run").is_dir()
+
+
+def test_sigusr1_is_logged_not_fatal(daemons: DaemonFactory) -> None:
+    """Why 7: SIGUSR1 used to kill the supervisor and leave 48 MiB in /dev/shm: now it logs the ranks."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    os.kill(daemon.pid, signal.SIGUSR1)
+    until(lambda: '"signal": "SIGUSR1"' in daemon.log(), what="the ranks logged")
+    assert read_status(daemon.instance)["alive"]
+
+
+def test_a_closed_log_pipe_does_not_kill_the_daemon(daemons: DaemonFactory) -> None:
+    """Why 7: `kvcached start | tee` with tee gone: the next log line used to kill the daemon; now lines are
+    dropped and it serves on (a worker killed and replaced logs warnings meanwhile)."""
+    read_end, write_end = os.pipe()
+    daemon = daemons.start(ranks=2, popen={"stdout": write_end, "stderr": write_end})
+    os.close(write_end)
+    daemon.wait_ready()
+    os.close(read_end)  # the reader is gone
+    status = read_status(daemon.instance)
+    os.kill(status["ranks"][0]["pid"], signal.SIGKILL)
+    until(
+        lambda: states(daemon.instance) == ["READY", "READY"] and pids(daemon.instance)[0] != status["ranks"][0]["pid"]
+    )
+    with rc.CacheTasks(daemon.instance) as tasks:
+        assert tasks.swap_out(None, [1], [1]).blocks == 1
+    assert daemon.proc.poll() is None
+
+
+def test_a_record_left_odd_does_not_make_a_runner_spin(daemons: DaemonFactory) -> None:
+    """Why 7: a record whose seqlock was left odd (its writer died mid-write) while the daemon lives: the
+    waiting runner pauses between looks instead of spinning at 100 % CPU, and times out with CacheNotReady."""
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    block = ControlBlock.create(instance, generation=7, spec=spec(), num_ranks=1, daemon_pid=os.getpid(),
+                                daemon_start=_own_start())  # fmt: skip
+    try:
+        block._buf[4096] = 1  # seq of rank 0 odd
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = run_runner(daemons.env(), spec=spec().to_dict(), rank=0, instance=instance, timeout=3)
+        result = runner_result(proc)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert result["error_type"] == "CacheNotReady", result
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        assert cpu < 1.5, f"the runner spun: {cpu:.1f} s of CPU in a 3 s wait"
+    finally:
+        block.unlink()
+        block.close()
+
+
+def _own_start() -> int:
+    from kvcached.protocol.proc import self_identity
+
+    return self_identity()[1]
+
+
+def test_timeout_zero_attaches_a_ready_rank(daemons: DaemonFactory) -> None:
+    """Why 7: initialize_kv_cache(..., timeout=0) looks before it checks the deadline: a READY rank attaches."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=0) as cache:
+        assert cache.owner == "daemon"
+
+
+def test_cache_tasks_after_close_is_a_clear_error(daemons: DaemonFactory) -> None:
+    """Why 7: using a CacheTasks after close() raises InvalidTask saying so, not a raw OSError."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    tasks = rc.CacheTasks(daemon.instance)
+    tasks.swap_out(0, [1], [1])
+    tasks.close()
+    with pytest.raises(rc.InvalidTask, match="is closed"):
+        tasks.swap_out(0, [1], [1])
+
+
+# -- why 8: hermetic tests --------------------------------------------------------------------------------
+
+
+def test_two_mooncake_masters_at_once(tmp_path: Path) -> None:
+    """Why 8: every master the tests start takes its own ports (metrics too), so two suites on one host do
+    not collide."""
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    masters = [MooncakeMaster(tmp_path / f"m{i}.log") for i in range(2)]
+    try:
+        for master in masters:
+            master.start()
+        assert all(m.proc is not None and m.proc.poll() is None for m in masters)
+    finally:
+        for master in masters:
+            master.stop()
