@@ -116,6 +116,8 @@ CORE: tuple[Knob, ...] = (
         "DTYPE",
         choices=SCALE_DTYPES,
     ),
+    Knob("mtp_layers", knobs.integer(0), 0, "Layers of a speculative (MTP) draft model after the model's.", "N"),
+    Knob("mtp_num_blocks", knobs.integer(0), 0, "Blocks of each MTP layer; 0: --num-blocks.", "N"),
     Knob(
         "group",
         knobs.optional_text,
@@ -173,6 +175,8 @@ SPEC_FIELDS: Mapping[str, str] = {
     "block_wise_fp8": "block_wise_fp8",
     "mla": "mla",
     "scale_dtype": "scale_dtype",
+    "mtp_layers": "mtp_layers",
+    "mtp_num_blocks": "mtp_num_blocks",
 }
 _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 

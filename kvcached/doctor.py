@@ -158,7 +158,7 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
         )
     else:
         checks.append(Check("live_instance", OK, f"no daemon runs instance {config.instance!r}", {"pid": None}))
-    names = [str(p) for p in found.entries + found.sockets]
+    names = [str(p) for p in found.paths]
     measured: dict[str, Any] = {"objects": names, "squatters": found.squatters, "removed": 0}
     if live_pid is not None:
         checks.append(Check("leftovers", OK, f"{len(names)} objects, all of the live daemon", measured))

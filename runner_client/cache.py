@@ -44,6 +44,8 @@ MATCHED_FIELDS = (
     "block_wise_fp8",
     "mla",
     "scale_dtype",
+    "mtp_layers",
+    "mtp_num_blocks",
     "num_cpu_blocks",
 )
 
@@ -141,8 +143,10 @@ def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
 def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:
     published = header.spec
     for field in MATCHED_FIELDS:
+        if field == "scale_dtype" and not spec.block_wise_fp8:
+            continue  # no scale tensors: their dtype shapes nothing
         ours = getattr(spec, field)
-        theirs = published.get(field)
+        theirs = published.get(field, 0 if field in ("mtp_layers", "mtp_num_blocks") else None)
         if theirs != ours:
             raise CacheLayoutMismatch(field, theirs, ours, instance=instance, rank=rank)
     if record.layout_version != LAYOUT_VERSION:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,7 +19,7 @@ import pytest
 import runner_client as rc
 from kvcached.protocol.names import SHM_DIR
 from kvcached.status import read_status
-from tests.conftest import DaemonFactory, run_runner, runner_result
+from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result
 
 SMALL = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
 
@@ -121,6 +124,53 @@ def test_daemon_created_flags_and_a_replaced_worker(daemons: DaemonFactory, suff
     assert not (SHM_DIR / f"swap_space_ready_signal.{suffix}").exists()
 
 
+def _reader(*args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "fd_reader.py"), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_flags_cannot_strand_a_waiter(daemons: DaemonFactory, suffix: int) -> None:
+    """The engine created the flags; a FastDeploy waiter waits on them; during ALLOCATING a short-lived
+    FastDeploy reader exits (its resource tracker unlinks the name) and another starts right after: it
+    attaches without error; at READY both the waiter and the engine's own mapping read 1 within 1 s; after
+    `kvcached stop` the engine's names still exist and read 0."""
+    engine = EngineSignal("cache_ready_signal", suffix, 2, create=True)
+    swap = EngineSignal("swap_space_ready_signal", suffix, 2, create=True)
+    inode = (SHM_DIR / f"cache_ready_signal.{suffix}").stat().st_ino
+    try:
+        daemon = daemons.start(
+            ranks=2, args=["--ipc-suffix", str(suffix)], env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=4")
+        )
+        daemon.wait_state("ALLOCATING")
+        waiter = _reader("wait", "cache_ready_signal", suffix, 2, 1)
+        for _ in range(3):
+            short = _reader("once", "cache_ready_signal", suffix, 2)
+            assert short.wait(30) == 0, short.communicate()
+        after = _reader("once", "cache_ready_signal", suffix, 2)  # right after the last exit
+        assert after.wait(30) == 0, f"a reader right after another's exit failed: {after.communicate()[1]}"
+        assert (SHM_DIR / f"cache_ready_signal.{suffix}").stat().st_ino == inode, "the name is the same segment"
+        status = daemon.wait_ready()
+        ready = time.monotonic_ns()
+        out, _ = waiter.communicate(timeout=30)
+        saw = int(out.strip().splitlines()[-1])
+        assert saw - ready < 1e9, "the waiter saw READY more than 1 s late"
+        until(lambda: list(engine.value) == [1, 1], timeout=1, what="the engine's own mapping")
+        assert status["alive"] and daemon.stop() == 0
+        assert (SHM_DIR / f"cache_ready_signal.{suffix}").exists(), "the engine's name is not kvcached's to unlink"
+        assert list(engine.value) == [0, 0] and list(swap.value) == [0, 0]
+        fresh = EngineSignal("cache_ready_signal", suffix, 2, create=False)
+        assert list(fresh.value) == [0, 0]
+        fresh.close()
+    finally:
+        engine.close()
+        swap.close()
+
+
 def test_too_small_engine_flags_are_a_clear_error(daemons: DaemonFactory, suffix: int) -> None:
     small = EngineSignal("cache_ready_signal", suffix, 1, create=True)
     try:
@@ -158,6 +208,8 @@ def fd_config(**changes: Any) -> SimpleNamespace:
             num_key_value_heads=values["kv_heads"],
             head_dim=values["head_dim"],
             dtype=values["dtype"],
+            kv_lora_rank=values.get("kv_lora_rank"),
+            qk_rope_head_dim=values.get("qk_rope_head_dim"),
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=values["tp"]),
         cache_config=SimpleNamespace(
@@ -168,55 +220,148 @@ def fd_config(**changes: Any) -> SimpleNamespace:
         ),
         scheduler_config=SimpleNamespace(splitwise_role=values.get("role", "mixed")),
         quant_config=SimpleNamespace(kv_cache_quant_type=values.get("quant")),
+        speculative_config=SimpleNamespace(
+            num_extra_cache_layer=values.get("mtp", 0), num_gpu_block_expand_ratio=values.get("expand", 1.0)
+        ),
     )
 
 
-#: The reference table (docs/fastdeploy.md), written out for local rank 1 on device 1, 2 layers.
-KV = (100, 2, 64, 128)
-SCALE = (100, 2, 64)
-EXPECTED = {
-    "bf16": [
-        ("key_caches_0_rank1.device1", KV, "bfloat16"),
-        ("value_caches_0_rank1.device1", KV, "bfloat16"),
-        ("key_caches_1_rank1.device1", KV, "bfloat16"),
-        ("value_caches_1_rank1.device1", KV, "bfloat16"),
-    ],
-    "int8": [
-        ("key_caches_0_rank1.device1", KV, "int8"),
-        ("value_caches_0_rank1.device1", KV, "int8"),
-        ("key_caches_1_rank1.device1", KV, "int8"),
-        ("value_caches_1_rank1.device1", KV, "int8"),
-    ],
-    "block_wise_fp8": [
-        ("key_caches_0_rank1.device1", KV, "int8"),
-        ("value_caches_0_rank1.device1", KV, "int8"),
-        ("key_cache_scales_0_rank1.device1", SCALE, "float32"),
-        ("value_cache_scales_0_rank1.device1", SCALE, "float32"),
-        ("key_caches_1_rank1.device1", KV, "int8"),
-        ("value_caches_1_rank1.device1", KV, "int8"),
-        ("key_cache_scales_1_rank1.device1", SCALE, "float32"),
-        ("value_cache_scales_1_rank1.device1", SCALE, "float32"),
-    ],
-    "mla": [
-        ("key_caches_0_rank1.device1", KV, "bfloat16"),
-        ("key_caches_1_rank1.device1", KV, "bfloat16"),
-    ],
+XPU_RUNNER = "fastdeploy/worker/xpu_model_runner.py"
+GPU_RUNNER = "fastdeploy/worker/gpu_model_runner.py"
+#: Lines of FastDeploy at e53f5184 the rows below were read from: (file, line, code found there).
+CITES = {
+    "xpu dtype": (XPU_RUNNER, 1230, "cache_type = self.model_config.dtype"),
+    "xpu quant": (XPU_RUNNER, 1237, 'cache_type = "int8"'),
+    "xpu shape": (
+        "fastdeploy/model_executor/layers/backends/xpu/attention.py",
+        154,
+        "key_cache_shape = value_cache_shape = [max_num_blocks, self.kv_num_heads, self.block_size, self.head_dim]",
+    ),
+    "xpu names": (XPU_RUNNER, 1266, 'key_cache_name = f"key_caches_{i}_rank{local_rank}.device{self.device_id}"'),
+    "xpu key and value only": (XPU_RUNNER, 1274, "set_data_ipc(val_cache, val_cache_name)"),
+    "gpu dtype": (GPU_RUNNER, 1400, "cache_type = self.model_config.dtype"),
+    "gpu quant": (GPU_RUNNER, 1415, 'cache_type = "uint8"'),
+    "gpu shape": (
+        "fastdeploy/model_executor/layers/attention/append_attn_backend.py",
+        267,
+        "key_cache_shape = [max_num_blocks, self.kv_num_heads, self.block_size, self.head_dim]",
+    ),
+    "gpu int4_zp": (
+        "fastdeploy/model_executor/layers/attention/append_attn_backend.py",
+        269,
+        "key_cache_shape[-1] = self.head_dim // 2",
+    ),
+    "gpu scale shape": (
+        GPU_RUNNER,
+        1433,
+        "kv_cache_scale_shape = [key_cache_shape[0], key_cache_shape[1], key_cache_shape[2]]",
+    ),
+    "gpu scale dtype": (GPU_RUNNER, 1485, "shape=kv_cache_scale_shape, fill_value=0, dtype=paddle.get_default_dtype()"),
+    "default dtype is the model's": (
+        "fastdeploy/cache_manager/prefix_cache_manager.py",
+        321,
+        "--default_dtype '{self.config.model_config.dtype}'",
+    ),
+    "gpu names": (
+        GPU_RUNNER,
+        1458,
+        'key_cache_scales_name = f"key_cache_scales_{i}_rank{local_rank}.device{self.device_id}"',
+    ),
+    "mla shape": (
+        "fastdeploy/model_executor/layers/attention/mla_attention_backend.py",
+        398,
+        "key_cache_shape = [max_num_blocks, 1, self.block_size, self.kv_lora_rank + self.qk_rope_head_dim]",
+    ),
+    "mla key only": (
+        "fastdeploy/model_executor/layers/attention/mla_attention_backend.py",
+        399,
+        "value_cache_shape = []",
+    ),
+    "mtp blocks": (
+        "fastdeploy/spec_decode/mtp.py",
+        216,
+        "self.num_gpu_blocks = int(main_model_num_blocks * self.speculative_config.num_gpu_block_expand_ratio)",
+    ),
+    "mtp names": ("fastdeploy/spec_decode/mtp.py", 267, "self.num_main_model_layers,"),
+    "mtp layers": ("fastdeploy/config.py", 862, "self.num_extra_cache_layer = 1"),
 }
 
 
-@pytest.mark.parametrize(
-    ("case", "changes", "mla"),
-    [
-        ("bf16", {}, False),
-        ("int8", {"quant": "int8_zp"}, False),
-        ("block_wise_fp8", {"quant": "block_wise_fp8"}, False),
-        ("mla", {}, True),
-    ],
-)
-def test_export_names_shapes_dtypes_match_fastdeploy(case: str, changes: dict[str, Any], mla: bool) -> None:
-    spec = rc.spec_from_fastdeploy(fd_config(cpu=16, **changes), 1, mla=mla)
+def rows(
+    *layers: int,
+    kinds: tuple[str, ...] = ("key_caches", "value_caches"),
+    shapes: dict[str, Any],
+    dtypes: dict[str, str],
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """The expected exports of local rank 1 on device 1: per layer, each kind's name, shape and dtype."""
+    return [(f"{kind}_{i}_rank1.device1", shapes[kind], dtypes[kind]) for i in layers for kind in kinds]
+
+
+KV, SCALE = (100, 2, 64, 128), (100, 2, 64)
+BF16 = {"key_caches": "bfloat16", "value_caches": "bfloat16"}
+FP16 = {"key_caches": "float16", "value_caches": "float16"}
+SCALES = ("key_caches", "value_caches", "key_cache_scales", "value_cache_scales")
+#: (case, platform, config changes, expected exports, the lines they were read from). 2 layers, 8 KV heads at
+#: TP 4 (2 a rank), head_dim 128, block_size 64, 100 blocks, local rank 1 on device 1.
+REFERENCE: list[tuple[str, str, dict[str, Any], list[Any], tuple[str, ...]]] = [
+    ("xpu bf16", "xpu", {}, rows(0, 1, shapes={"key_caches": KV, "value_caches": KV}, dtypes=BF16),
+     ("xpu dtype", "xpu shape", "xpu names", "xpu key and value only")),
+    ("xpu fp16", "xpu", {"dtype": "float16"},
+     rows(0, 1, shapes={"key_caches": KV, "value_caches": KV}, dtypes=FP16),
+     ("xpu dtype",)),
+    ("xpu int8", "xpu", {"quant": "int8"},
+     rows(0, 1, shapes={"key_caches": KV, "value_caches": KV}, dtypes={"key_caches": "int8", "value_caches": "int8"}),
+     ("xpu quant",)),
+    ("xpu block_wise_fp8: int8, no scale tensors", "xpu", {"quant": "block_wise_fp8"},
+     rows(0, 1, shapes={"key_caches": KV, "value_caches": KV}, dtypes={"key_caches": "int8", "value_caches": "int8"}),
+     ("xpu quant", "xpu key and value only")),
+    ("gpu bf16", "gpu", {}, rows(0, 1, shapes={"key_caches": KV, "value_caches": KV}, dtypes=BF16),
+     ("gpu dtype", "gpu shape", "gpu names")),
+    ("gpu int8: uint8", "gpu", {"quant": "int8"},
+     rows(0, 1, shapes={"key_caches": KV, "value_caches": KV}, dtypes={"key_caches": "uint8", "value_caches": "uint8"}),
+     ("gpu quant",)),
+    ("gpu block_wise_fp8: uint8, scales in the model dtype", "gpu", {"quant": "block_wise_fp8"},
+     rows(0, 1, kinds=SCALES, shapes={"key_caches": KV, "value_caches": KV, "key_cache_scales": SCALE,
+                                      "value_cache_scales": SCALE},
+          dtypes={"key_caches": "uint8", "value_caches": "uint8", "key_cache_scales": "bfloat16",
+                  "value_cache_scales": "bfloat16"}),
+     ("gpu quant", "gpu scale shape", "gpu scale dtype", "default dtype is the model's", "gpu names")),
+    ("gpu int4_zp: two values a byte", "gpu", {"quant": "int4_zp"},
+     rows(0, 1, shapes={"key_caches": (100, 2, 64, 64), "value_caches": (100, 2, 64, 64)},
+          dtypes={"key_caches": "uint8", "value_caches": "uint8"}),
+     ("gpu quant", "gpu int4_zp")),
+    ("gpu MLA, DeepSeek-like at TP8: key only, 576 wide", "gpu",
+     {"mla": True, "tp": 8, "kv_heads": 128, "head_dim": 192, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+     rows(0, 1, kinds=("key_caches",), shapes={"key_caches": (100, 1, 64, 576)}, dtypes={"key_caches": "bfloat16"}),
+     ("mla shape", "mla key only")),
+    ("xpu MTP: one extra layer with the expanded block count", "xpu", {"mtp": 1, "expand": 1.5},
+     rows(0, 1, shapes={"key_caches": KV, "value_caches": KV}, dtypes=BF16)
+     + rows(2, shapes={"key_caches": (150, 2, 64, 128), "value_caches": (150, 2, 64, 128)}, dtypes=BF16),
+     ("mtp blocks", "mtp names", "mtp layers")),
+    ("gpu MTP", "gpu", {"mtp": 1},
+     rows(0, 1, 2, shapes={"key_caches": KV, "value_caches": KV}, dtypes=BF16),
+     ("mtp names", "mtp layers")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "platform", "changes", "expected", "cited"), REFERENCE, ids=[r[0] for r in REFERENCE])
+def test_export_names_shapes_dtypes_match_fastdeploy(
+    case: str, platform: str, changes: dict[str, Any], expected: list[Any], cited: tuple[str, ...]
+) -> None:
+    """Each case as FastDeploy's runner lays it out, written out by hand from the cited lines; with
+    FASTDEPLOY_SRC naming a checkout of e53f5184, each cited line is read there and must hold that code."""
+    changes = dict(changes)
+    mla = changes.pop("mla", False)
+    spec = rc.spec_from_fastdeploy(fd_config(cpu=16, **changes), 1, mla=mla, platform=platform)
     got = [(e.name, e.shape, e.dtype) for e in rc.exports(spec, local_rank=1, device_id=1)]
-    assert got == EXPECTED[case]
+    assert got == expected
+    source = os.environ.get("FASTDEPLOY_SRC")
+    for name in cited:
+        path, line, code = CITES[name]
+        assert path and line and code
+        if source:
+            text = (Path(source) / path).read_text().splitlines()[line - 1]
+            assert code in text, f"{path}:{line} no longer reads {code!r}: {text!r}"
 
 
 def test_spec_from_fastdeploy_follows_the_same_condition_and_per_rank_heads() -> None:

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcached.config",),
     ("kvcached.daemon",),
     ("kvcached.status", "kvcached.doctor"),
-    ("kvcached.cli",),
+    ("kvcached.cli", "kvcached.fastdeploy"),
 ]
 #: Parts on one floor that must not lean on each other.
 SEPARATE = {("kvcached.memory", "kvcached.store"), ("kvcached.store", "kvcached.memory")}

@@ -4,24 +4,36 @@ FastDeploy's engine and runners wait on ``IPCSignal`` arrays: a POSIX shm segmen
 ``/dev/shm/<name>.<suffix>`` (``multiprocessing.shared_memory``), viewed as ``int32[ranks]``, plain stores.
 With ``--ipc-suffix N`` the supervisor maintains two of them:
 
-- ``cache_ready_signal.N[r]`` is 1 exactly while rank r is READY in this daemon's generation, else 0;
+- ``cache_ready_signal.N[r]`` is 1 exactly while rank r has its cache (READY, or RECOVERING: a worker
+  being replaced on the same memory) in this daemon's generation, else 0;
 - ``swap_space_ready_signal.N[r]`` the same, for ranks that have a CPU swap pool.
 
-A segment that exists is attached (the engine created it, or a killed run left it); otherwise it is
-created with the daemon's object mode. Every rank's entry is written 0 before the first worker is forked,
-so a 1 left by a killed run is gone before anything can be READY again. The engine may re-create a segment
-at any time (``IPCSignal(create=True)`` unlinks and recreates): the supervisor looks at the inode on every
-tick of its loop and writes the current values into the new one. At stop every entry becomes 0; segments
-this run created are then unlinked, attached ones are left (zeroed) to their creator.
+Every rank's entry is written 0 before the first worker is forked, so a 1 left by a killed run is gone
+before anything can be READY again.
 
-Rank workers killed with their supervisor cannot write 0; the next start does, before anything else.
+Nobody is ever stranded on a segment FastDeploy's own habits took away:
+
+* **Every mapping is kept in step.** The engine may re-create a segment at any time (``IPCSignal(create=
+  True)`` unlinks the name and makes a new one): processes mapped to the old one keep reading it. So the
+  supervisor keeps a mapping of every segment it has held under a name and writes each value into all of
+  them.
+* **A name taken away comes back at once, as the same segment.** Every FastDeploy reader that attaches
+  with ``IPCSignal(create=False)`` and exits unlinks the name (Python's resource tracker registers every
+  ``SharedMemory`` it opens). The supervisor holds a second name of the current segment (a hard link,
+  ``/dev/shm/kvcached.<instance>.fd.<name>``), watches /dev/shm with inotify, and links the public name
+  back to the same segment within milliseconds: every waiter mapped to it, and every reader that opens
+  the name next, see the same memory with the current values.
+* **What the engine created is the engine's.** At stop every entry becomes 0 in every mapping; a name
+  is unlinked only if this run created the segment it names now; the hidden links are removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,25 +41,32 @@ import posix_ipc
 
 from kvcached.access import Access
 from kvcached.protocol.errors import SignalError
-from kvcached.protocol.names import SHM_DIR
+from kvcached.protocol.names import PREFIX, SHM_DIR, check_instance
 
 SIGNALS = ("cache_ready_signal", "swap_space_ready_signal")
 
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = os.O_CLOEXEC
+_IN_CHANGES = 0x00000100 | 0x00000200 | 0x00000040 | 0x00000080  # IN_CREATE | IN_DELETE | IN_MOVED_FROM/TO
+
 
 class _Segment:
-    def __init__(self, name: str, ranks: int, access: Access) -> None:
+    """One flag array's name: the segment it names now, and a mapping of every segment it has named."""
+
+    def __init__(self, name: str, hidden: str, ranks: int, access: Access) -> None:
         self.name = name  # e.g. "cache_ready_signal.8021"
         self.path = SHM_DIR / name
+        self.hidden = SHM_DIR / hidden  # our second name of the current segment (a hard link)
         self.ranks = ranks
         self.access = access
-        self.created = False
-        self.inode = -1
-        self.map: mmap.mmap | None = None
-        self.values: np.ndarray[Any, Any] | None = None
+        self.views: dict[int, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}  # inode -> mapping, values
+        self.current = -1  # inode the public name had when we last looked
+        self.created: set[int] = set()  # inodes this run created
+        self.values = [0] * ranks
 
     def open(self) -> None:
-        """Attach, or create; raise ``SignalError`` for a segment too small or not ours to write."""
-        self.close()
+        """Attach to what the name holds now, or create it; raise ``SignalError`` for a segment too small or
+        not ours to write."""
         posix = f"/{self.name}"
         size = 4 * self.ranks
         try:
@@ -71,76 +90,121 @@ class _Segment:
                     f"{self.path} has {st.st_size} bytes; {self.ranks} ranks need {size} (int32 per rank): "
                     "does --ranks match the engine's tensor-parallel size?"
                 )
-            self.map = mmap.mmap(shm.fd, size)
+            if st.st_ino not in self.views:
+                mapping = mmap.mmap(shm.fd, size)
+                self.views[st.st_ino] = (mapping, np.frombuffer(mapping, dtype=np.int32, count=self.ranks))
         finally:
             shm.close_fd()
-        self.values = np.frombuffer(self.map, dtype=np.int32, count=self.ranks)
-        self.inode = st.st_ino
-        self.created = created  # a segment re-created by the engine is the engine's, not ours to unlink
+        if created:
+            self.created.add(st.st_ino)
+        self.current = st.st_ino
+        self._hide()
+        self.write()
 
-    def replaced(self) -> bool:
-        """True if the name now refers to another segment than ours (or to none)."""
+    def _hide(self) -> None:
+        """Point the hidden name at the current segment (link to a temporary name, rename over)."""
+        temporary = self.hidden.with_name(self.hidden.name + ".new")
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
         try:
-            return os.stat(self.path).st_ino != self.inode
+            os.link(self.path, temporary)
+            os.replace(temporary, self.hidden)
         except FileNotFoundError:
-            return True
+            pass  # the name went away meanwhile: follow() links it back from what we hold
 
-    def write(self, flags: list[bool]) -> None:
-        assert self.values is not None
-        for rank, flag in enumerate(flags):
-            value = 1 if flag else 0
-            if self.values[rank] != value:
-                self.values[rank] = value
+    def follow(self) -> None:
+        """Keep the name right: back as our segment if it went away, followed if it names another one."""
+        try:
+            inode = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            inode = -1
+        if inode == self.current:
+            return
+        if inode == -1:
+            try:
+                os.link(self.hidden, self.path)  # the same segment, under its public name again
+                return
+            except FileExistsError:  # created meanwhile: follow it below
+                pass
+            except FileNotFoundError:
+                pass  # no hidden name (never linked): make the segment anew
+        self.open()
+
+    def write(self) -> None:
+        for _, values in self.views.values():
+            for rank, value in enumerate(self.values):
+                if values[rank] != value:
+                    values[rank] = value
 
     def close(self) -> None:
-        self.values = None
-        if self.map is not None:
-            self.map.close()
-            self.map = None
+        """0 everywhere; unlink the name only if this run created what it names; drop the hidden name."""
+        self.values = [0] * self.ranks
+        with contextlib.suppress(OSError):
+            self.follow()
+        self.write()
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.path).st_ino in self.created:
+                self.path.unlink()
+        for leftover in (self.hidden, self.hidden.with_name(self.hidden.name + ".new")):
+            leftover.unlink(missing_ok=True)
+        for mapping, _ in self.views.values():
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        self.views.clear()
 
 
 class FastDeploySignals:
-    """The two flag arrays of one instance. Methods raise ``SignalError`` with a clear message."""
+    """The two flag arrays of one instance. Methods raise ``SignalError`` with a clear message.
+    ``fileno()`` is an inotify descriptor on /dev/shm, readable when a name there changed (-1 without
+    inotify: then only the supervisor's tick keeps the names right)."""
 
-    def __init__(self, suffix: int, ranks: int, access: Access) -> None:
-        self.segments = [_Segment(f"{name}.{suffix}", ranks, access) for name in SIGNALS]
+    def __init__(self, instance: str, suffix: int, ranks: int, access: Access) -> None:
+        check_instance(instance)
+        self.segments = [
+            _Segment(f"{name}.{suffix}", f"{PREFIX}.{instance}.fd.{name}.{suffix}", ranks, access) for name in SIGNALS
+        ]
         self.ranks = ranks
-        self.cache = [False] * ranks
-        self.swap = [False] * ranks
+        self.inotify = _inotify(SHM_DIR)
+
+    def fileno(self) -> int:
+        return self.inotify
 
     def open(self) -> None:
         """Attach or create both, and write 0 for every rank."""
         for segment in self.segments:
             segment.open()
-        self._write()
 
     def update(self, ready: list[bool], has_pool: bool) -> None:
-        """New values: ``ready[r]`` is rank r READY in this generation."""
-        self.cache = list(ready)
-        self.swap = [flag and has_pool for flag in ready]
-        self._write()
+        """New values: ``ready[r]`` is rank r's cache present in this generation."""
+        cache, swap = self.segments
+        cache.values = [int(flag) for flag in ready]
+        swap.values = [int(flag and has_pool) for flag in ready]
+        for segment in self.segments:
+            segment.write()
 
     def tick(self) -> None:
-        """Follow a segment the engine re-created, writing the current values into it."""
+        """Read what inotify reports (if anything), and keep every name right."""
+        if self.inotify >= 0:
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                while os.read(self.inotify, 64 * 1024):
+                    pass
         for segment in self.segments:
-            if segment.replaced():
-                segment.open()
-        self._write()
-
-    def _write(self) -> None:
-        cache, swap = self.segments
-        cache.write(self.cache)
-        swap.write(self.swap)
+            segment.follow()
 
     def close(self) -> None:
-        """0 for every rank (in a segment the engine re-created too); unlink what this run created."""
-        self.cache = self.swap = [False] * self.ranks
         for segment in self.segments:
-            with contextlib.suppress(SignalError, posix_ipc.Error, OSError):
-                if segment.values is None or segment.replaced():
-                    segment.open()
-                segment.write([False] * self.ranks)
             segment.close()
-            if segment.created and not segment.replaced():
-                with contextlib.suppress(posix_ipc.ExistentialError):
-                    posix_ipc.unlink_shared_memory(f"/{segment.name}")
+        if self.inotify >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.inotify)
+            self.inotify = -1
+
+
+def _inotify(directory: Path) -> int:
+    """An inotify descriptor watching names come and go in ``directory``, or -1 where there is none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = int(libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
+    if fd >= 0 and libc.inotify_add_watch(fd, str(directory).encode(), _IN_CHANGES) < 0:
+        os.close(fd)
+        fd = -1
+    return fd

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import posix_ipc
 
+from kvcached import memory
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.names import instance_lock_path, instance_shm_entries, posix_name
+from kvcached.protocol.spec import CacheSpec
 
 #: Object modes kvcached creates (0600 alone, 0660 with --group).
 OUR_MODES = (0o600, 0o660)
@@ -30,6 +32,8 @@ class Leftovers:
 
     entries: list[Path]
     sockets: list[Path]
+    #: Files a device backend made outside the instance's names (the xpu backend's set_data_ipc records).
+    files: list[Path]
     #: One message per object under our names that is not ours (foreign owner or mode): never touched.
     squatters: list[str]
     #: The daemon of a published control block, if it is alive (then nothing here is a leftover).
@@ -37,7 +41,7 @@ class Leftovers:
 
     @property
     def paths(self) -> list[Path]:
-        return self.entries + self.sockets
+        return self.entries + self.sockets + self.files
 
 
 def squatter(path: Path, st: os.stat_result) -> str | None:
@@ -71,7 +75,37 @@ def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
     entries = [entry for entry in instance_shm_entries(instance) if entry != lock]
     squatters = [why for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
     sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
-    return Leftovers(entries, sockets, squatters, live_daemon(instance))
+    live = live_daemon(instance)
+    files = [] if live is not None else backend_files(instance)
+    return Leftovers(entries, sockets, files, squatters, live)
+
+
+def backend_files(instance: str) -> list[Path]:
+    """Files the device backend of a dead run made outside the instance's names, as its records tell (the
+    control block of a dead run stays until the next start reclaims it); only those owned by this user."""
+    try:
+        view = open_instance(instance)
+    except KVCacheError:
+        return []
+    if view is None:
+        return []
+    found: list[Path] = []
+    with view:
+        if view.header is None:
+            return []
+        try:
+            spec = CacheSpec.from_dict(view.header.spec)
+        except KVCacheError:
+            return []
+        for rank in range(view.header.num_ranks):
+            try:
+                record = view.block.read(rank)
+                backend = memory.get(record.backend) if record.backend else None
+            except KVCacheError:
+                continue
+            if backend is not None:
+                found += backend.leftovers(spec, record.descriptor)
+    return [path for path in found if path.exists() and path.lstat().st_uid == os.geteuid()]
 
 
 def unlink_entries(entries: list[Path]) -> None:
@@ -89,6 +123,6 @@ def remove_leftovers(found: Leftovers) -> int:
     """Unlink what ``inspect_instance`` found (never with a live daemon or a squatter); how many."""
     assert found.live_pid is None and not found.squatters
     unlink_entries(found.entries)
-    for path in found.sockets:
+    for path in found.sockets + found.files:
         path.unlink(missing_ok=True)
-    return len(found.entries) + len(found.sockets)
+    return len(found.paths)

@@ -171,12 +171,15 @@ class Supervisor:
         faults.fault("after-reclaim")
         self._check_space()
         if self.config.ipc_suffix is not None:
-            self.signals = FastDeploySignals(self.config.ipc_suffix, self.config.ranks, self.access)
+            self.signals = FastDeploySignals(self.instance, self.config.ipc_suffix, self.config.ranks, self.access)
             try:
                 self.signals.open()  # every rank 0 before anything can be READY
             except (SignalError, posix_ipc.Error, OSError) as exc:
+                self.signals.close()
                 self.signals = None
                 raise Fatal(f"--ipc-suffix: {exc}", EXIT_RESOURCES) from None
+            if self.signals.fileno() >= 0:
+                self.selector.register(self.signals.fileno(), selectors.EVENT_READ, "fdsignals")
         self.generation = secrets.randbits(64) | 1
         structlog.contextvars.bind_contextvars(generation=f"{self.generation:016x}")
         try:
@@ -391,15 +394,21 @@ class Supervisor:
                     status = self._on_signals()
                     if status is not None:
                         return status
+                elif key.data == "fdsignals":
+                    self._keep_fastdeploy_flags()
                 else:
                     self._on_worker(key.data)
             self._reap()
             self._check_progress(tick)
-            if self.signals is not None:
-                try:
-                    self.signals.tick()
-                except (SignalError, posix_ipc.Error, OSError) as exc:
-                    self.log.warning("cannot keep FastDeploy's ready flags in step", reason=str(exc))
+            self._keep_fastdeploy_flags()
+
+    def _keep_fastdeploy_flags(self) -> None:
+        if self.signals is None:
+            return
+        try:
+            self.signals.tick()
+        except (SignalError, posix_ipc.Error, OSError) as exc:
+            self.log.warning("cannot keep FastDeploy's ready flags in step", reason=str(exc))
 
     def _on_signals(self) -> int | None:
         try:
@@ -528,6 +537,8 @@ class Supervisor:
                     self._set(rank, state=State.STOPPING)
         self._stop_workers()
         if self.signals is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(self.signals.fileno())
             self.signals.close()
             self.signals = None
         if self.lock_fd is None:

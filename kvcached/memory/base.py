@@ -18,8 +18,11 @@ tensor, in the layout's record order, each a sequence of block rows.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -126,11 +129,16 @@ class DeviceBackend(abc.ABC):
 
         raise ResourceError(f"the {self.name} backend's device memory does not outlive the worker that owned it")
 
-    def release(self, request: TierRequest) -> None:  # noqa: B027 - optional hook
+    def release(self, request: TierRequest) -> None:
         """Remove what ``create`` made beyond the instance's own shm names (which the supervisor unlinks)."""
+        for path in self.leftovers(request.spec, {"device": request.device_id, "local_rank": request.rank}):
+            with contextlib.suppress(FileNotFoundError):
+                if path.lstat().st_uid == os.geteuid():
+                    path.unlink()
 
-    def leftovers(self, instance: str) -> list[str]:
-        """Paths of files a killed run of ``instance`` may have left outside its shm names."""
+    def leftovers(self, spec: CacheSpec, descriptor: Mapping[str, Any]) -> list[Path]:
+        """Files outside the instance's shm names that a tier of ``spec`` described by ``descriptor`` makes
+        (a killed run leaves them; the next start or ``doctor --clean`` removes those that are ours)."""
         return []
 
     @abc.abstractmethod

@@ -45,8 +45,9 @@ def host_pieces(spec: CacheSpec, device: Any) -> list[HostPiece]:
     pieces = []
     column = 0
     for slot in device_slots(spec):
-        width = slot.nbytes // spec.num_blocks
-        view = device_u8[slot.offset : slot.offset + slot.nbytes].reshape(spec.num_blocks, width)
+        rows = slot.shape[0]  # num_blocks, or mtp_blocks for an MTP layer
+        width = slot.nbytes // rows
+        view = device_u8[slot.offset : slot.offset + slot.nbytes].reshape(rows, width)
         pieces.append(HostPiece(view, column, width))
         column += width
     return pieces

@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -128,7 +129,7 @@ class XpuTier(DeviceTier):
             tensor = runtime.allocate(device_id, export.shape, export.dtype)
             runtime.export(tensor, export.name)
             self.tensors[export.name] = tensor
-            piece = XpuPiece(tensor, column, spec.num_blocks)
+            piece = XpuPiece(tensor, column, export.shape[0])
             self.pieces.append(piece)
             column += piece.nbytes
         if column != spec.block_bytes:
@@ -168,6 +169,17 @@ class XpuBackend(DeviceBackend):
         tier = XpuTier(request.spec, request.rank, request.device_id, self.runtime())
         progress(tier.nbytes)
         return tier
+
+    def leftovers(self, spec: CacheSpec, descriptor: Mapping[str, Any]) -> list[Path]:
+        """The records ``set_data_ipc`` writes, one /dev/shm file per exported tensor, named after it
+        (``custom_ops/xpu_ops/src/ops/xpu_multiprocess.h:50`` opens them with O_CREAT); they outlive the
+        process that exported, so the daemon removes them at stop, and a start reclaims a killed run's."""
+        device, local_rank = descriptor.get("device"), descriptor.get("local_rank")
+        if not isinstance(device, int) or not isinstance(local_rank, int):
+            return []
+        return [
+            SHM_DIR / export.name for export in exports(spec, local_rank, device) if (SHM_DIR / export.name).exists()
+        ]
 
     def attach(
         self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int

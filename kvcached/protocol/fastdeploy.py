@@ -1,19 +1,28 @@
-"""FastDeploy's names and shapes for a rank's KV cache, and a ``CacheSpec`` read from its config.
+"""FastDeploy's names, shapes and dtypes for a rank's KV cache, and a ``CacheSpec`` read from its config.
 
-Per layer ``i`` of a rank (``local_rank = rank % tensor_parallel_size``) on XPU device ``d``, FastDeploy's
-runner creates or attaches, with ``set_data_ipc`` / ``share_external_data``:
+Read from FastDeploy's code at develop ``e53f5184`` (2026-04-15); ``tests/test_fastdeploy.py`` keeps a
+table of every case with the file and line each was read from, and checks those lines when a checkout is
+named by ``FASTDEPLOY_SRC``. Per layer ``i`` of a rank (``local_rank = rank % tensor_parallel_size``) on
+device ``d``, a runner creates (``set_data_ipc``) or attaches (``share_external_data``):
 
-=====================================  ===========================================  =================
-name                                   shape                                        dtype
-=====================================  ===========================================  =================
-``key_caches_{i}_rank{r}.device{d}``   ``[num_blocks, kv_heads, block_size, head_dim]``  cache dtype
-``value_caches_{i}_rank{r}.device{d}`` the same (absent for MLA: key cache only)    cache dtype
-``key_cache_scales_{i}_rank{r}...``    ``[num_blocks, kv_heads, block_size]``       float32
-``value_cache_scales_{i}_rank{r}...``  the same (block_wise_fp8 only)               float32
-=====================================  ===========================================  =================
+=========================================  =============================================  ===============
+name                                       shape                                          dtype
+=========================================  =============================================  ===============
+``key_caches_{i}_rank{r}.device{d}``       ``[blocks, kv_heads, block_size, head_dim]``   cache dtype
+``value_caches_{i}_rank{r}.device{d}``     the same (absent for MLA: key cache only)      cache dtype
+``key_cache_scales_{i}_rank{r}...``        ``[blocks, kv_heads, block_size]``             model dtype
+``value_cache_scales_{i}_rank{r}...``      the same                                       model dtype
+=========================================  =============================================  ===============
 
-The cache dtype is the model's (``bfloat16`` usually), or ``int8`` on XPU when the KV cache is quantized.
-``kv_heads`` is per rank: the model's KV heads divided by the tensor-parallel size, never below 1.
+* cache dtype: the model's (``bfloat16``, ``float16``); with a quantized KV cache ``int8`` on XPU and
+  ``uint8`` on GPU, whatever the quantization;
+* scales exist only for ``block_wise_fp8`` on GPU, in the model dtype; the XPU runner creates none;
+* ``int4_zp`` on GPU packs two values a byte: ``head_dim // 2``;
+* MLA (GPU, ``FD_ATTENTION_BACKEND=MLA_ATTN``): a key cache only, ``[blocks, 1, block_size,
+  kv_lora_rank + qk_rope_head_dim]``;
+* MTP (speculative decoding): ``num_extra_cache_layer`` more layers named ``key_caches_{num_layers + j}...``
+  with ``int(blocks * num_gpu_block_expand_ratio)`` blocks;
+* ``kv_heads`` is per rank: the model's KV heads divided by the tensor-parallel size, never below 1.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ NAME_PREFIX = {
     "key_scale": "key_cache_scales",
     "value_scale": "value_cache_scales",
 }
+PLATFORMS = ("xpu", "gpu")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,7 +62,8 @@ def export_name(kind: str, layer: int, local_rank: int, device_id: int) -> str:
 
 
 def exports(spec: CacheSpec, local_rank: int, device_id: int) -> list[Export]:
-    """Every tensor of one rank, in layer order (key, value, key scale, value scale per layer)."""
+    """Every tensor of one rank (the model's layers, then the MTP layers), in layer order: key, value, key
+    scale, value scale per layer."""
     return [
         Export(export_name(slot.kind, slot.layer, local_rank, device_id), slot.kind, slot.layer, slot.shape, slot.dtype)
         for slot in device_slots(spec)
@@ -68,17 +79,27 @@ def _get(obj: Any, path: str, default: Any = None) -> Any:
 
 
 def spec_from_fastdeploy(
-    fd_config: Any, local_rank: int, *, num_blocks: int | None = None, mla: bool | None = None
+    fd_config: Any,
+    local_rank: int,
+    *,
+    num_blocks: int | None = None,
+    mla: bool | None = None,
+    platform: str = "xpu",
 ) -> CacheSpec:
-    """The ``CacheSpec`` of one rank of a FastDeploy ``FDConfig`` (attributes read, nothing imported).
+    """The ``CacheSpec`` of one rank of a FastDeploy ``FDConfig`` as the runner of ``platform`` ("xpu" or
+    "gpu") lays it out (attributes read, nothing imported).
 
-    Read: ``model_config.num_hidden_layers``, ``.num_key_value_heads``, ``.head_dim``, ``.dtype``;
-    ``parallel_config.tensor_parallel_size``; ``cache_config.block_size``, ``.total_block_num`` (unless
-    ``num_blocks`` is given: after profiling FastDeploy fixes the count), ``.num_cpu_blocks``,
-    ``.kvcache_storage_backend``; ``scheduler_config.splitwise_role``; ``quant_config.kv_cache_quant_type``.
-    MLA follows ``FD_ATTENTION_BACKEND == "MLA_ATTN"`` unless ``mla`` is given. Raises ``InvalidSpec``
-    naming FastDeploy's option when a value is missing or unsupported.
+    Read: ``model_config.num_hidden_layers``, ``.num_key_value_heads``, ``.head_dim``, ``.dtype`` (and for MLA
+    ``.kv_lora_rank``, ``.qk_rope_head_dim``); ``parallel_config.tensor_parallel_size``;
+    ``cache_config.block_size``, ``.total_block_num`` (unless ``num_blocks`` is given: after profiling
+    FastDeploy fixes the count), ``.num_cpu_blocks``, ``.kvcache_storage_backend``;
+    ``scheduler_config.splitwise_role``; ``quant_config.kv_cache_quant_type``;
+    ``speculative_config.num_extra_cache_layer``, ``.num_gpu_block_expand_ratio``. MLA follows
+    ``FD_ATTENTION_BACKEND == "MLA_ATTN"`` unless ``mla`` is given. Raises ``InvalidSpec`` naming FastDeploy's
+    option when a value is missing or unsupported.
     """
+    if platform not in PLATFORMS:
+        raise InvalidSpec("platform", f"must be one of {', '.join(PLATFORMS)}; got {platform!r}")
     tp = int(_get(fd_config, "parallel_config.tensor_parallel_size", 1))
     if not 0 <= local_rank < max(tp, 1):
         raise InvalidSpec("local_rank", f"must be 0..{tp - 1} for tensor_parallel_size {tp}, got {local_rank}")
@@ -98,25 +119,44 @@ def spec_from_fastdeploy(
     ):
         if value is None:
             raise InvalidSpec(option.split(" ")[0], f"FastDeploy config has no {option}")
-    quant = _get(fd_config, "quant_config.kv_cache_quant_type")
     backend = _get(fd_config, "cache_config.kvcache_storage_backend") or None
     if backend == "attention_store":
         raise InvalidSpec(
             "kvcache_storage_backend",
             "attention_store is an external SDK kvcached does not speak; use file or mooncake",
         )
+    model_dtype = str(_get(fd_config, "model_config.dtype", "bfloat16"))
+    quant = _get(fd_config, "quant_config.kv_cache_quant_type")
     if mla is None:
         mla = os.environ.get("FD_ATTENTION_BACKEND") == "MLA_ATTN"
+    kv_heads, width = max(1, int(heads) // max(tp, 1)), int(head_dim)
+    if mla and platform == "gpu":
+        lora, rope = _get(fd_config, "model_config.kv_lora_rank"), _get(fd_config, "model_config.qk_rope_head_dim")
+        if lora is None or rope is None:
+            raise InvalidSpec(
+                "model_config.kv_lora_rank", "an MLA model's config has kv_lora_rank and qk_rope_head_dim"
+            )
+        kv_heads, width = 1, int(lora) + int(rope)
+    elif mla:
+        raise InvalidSpec("FD_ATTENTION_BACKEND", "MLA_ATTN: FastDeploy's XPU runner at e53f5184 has no MLA layout")
+    if quant and platform == "gpu" and quant == "int4_zp":
+        width //= 2
+    blocks = int(blocks)
+    extra = int(_get(fd_config, "speculative_config.num_extra_cache_layer", 0) or 0)
+    ratio = float(_get(fd_config, "speculative_config.num_gpu_block_expand_ratio", 1.0) or 1.0)
     return CacheSpec(
         num_layers=int(layers),
-        kv_heads=max(1, int(heads) // max(tp, 1)),
-        head_dim=int(head_dim),
+        kv_heads=kv_heads,
+        head_dim=width,
         block_size=int(block_size),
-        dtype="int8" if quant else str(_get(fd_config, "model_config.dtype", "bfloat16")),
-        num_blocks=int(blocks),
+        dtype=("int8" if platform == "xpu" else "uint8") if quant else model_dtype,
+        num_blocks=blocks,
         num_cpu_blocks=int(_get(fd_config, "cache_config.num_cpu_blocks", 0) or 0),
         storage_backend=backend,
         splitwise_role=str(_get(fd_config, "scheduler_config.splitwise_role", "mixed")),
-        block_wise_fp8=quant == "block_wise_fp8",
+        block_wise_fp8=quant == "block_wise_fp8" and platform == "gpu",
         mla=bool(mla),
+        scale_dtype=model_dtype if quant == "block_wise_fp8" and platform == "gpu" else "float32",
+        mtp_layers=extra,
+        mtp_num_blocks=int(blocks * ratio) if extra and ratio != 1.0 else 0,
     )

@@ -6,6 +6,7 @@ Device arena (one shm object per rank), layer-major, every tensor on a page boun
     | L0.key | L0.value | L0.key_scale | L0.value_scale | L1.key | ... | L{n-1}.value_scale |
       key/value   [num_blocks, kv_heads, block_size, head_dim]   (value absent for MLA)
       scales      [num_blocks, kv_heads, block_size]             (only with block_wise_fp8)
+    then the MTP layers L{n} .. L{n+m-1}, the same tensors with mtp_blocks blocks each
 
 CPU swap pool (one shm object per rank), block-major: one block of every layer is contiguous, so a
 block is one record for the attention store; each record starts on a page boundary::
@@ -79,13 +80,14 @@ def device_slots(spec: CacheSpec) -> list[Slot]:
     """Every tensor of the device arena, in arena order, page-aligned."""
     slots = []
     offset = 0
-    for layer in range(spec.num_layers):
+    for layer in range(spec.all_layers):
+        blocks = spec.num_blocks if layer < spec.num_layers else spec.mtp_blocks
         for kind in layer_kinds(spec):
             if kind.endswith("_scale"):
-                shape: tuple[int, ...] = spec.scale_shape
+                shape: tuple[int, ...] = (blocks, *spec.scale_shape[1:])
                 dtype = spec.scale_dtype
             else:
-                shape, dtype = spec.cache_shape, spec.dtype
+                shape, dtype = (blocks, *spec.cache_shape[1:]), spec.dtype
             slot = Slot(kind, layer, offset, shape, dtype)
             slots.append(slot)
             offset = round_up(offset + slot.nbytes)

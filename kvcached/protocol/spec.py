@@ -30,6 +30,8 @@ _BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 #: Largest arena one rank may ask for: the user address space of x86-64 (128 TiB).
 MAX_RANK_BYTES = 1 << 47
 
+#: Fields added after the first release, left out of the geometry digest while they are 0.
+_ADDED_FIELDS = ("mtp_layers", "mtp_num_blocks")
 _POSITIVE_FIELDS = ("num_layers", "kv_heads", "head_dim", "block_size", "num_blocks")
 
 
@@ -39,6 +41,9 @@ class CacheSpec:
 
     ``mla`` keeps the key cache only (value lists are empty). ``block_wise_fp8`` adds per-layer scale
     tensors ``[num_blocks, kv_heads, block_size]`` of ``scale_dtype`` for each kept cache.
+    ``mtp_layers`` more layers follow the model's (a speculative-decoding draft model's, FastDeploy's MTP),
+    each with ``mtp_num_blocks`` blocks (0: ``num_blocks``); a block id names the same block in every
+    layer, and tasks move blocks ``0 .. num_blocks-1`` of all of them.
     ``num_cpu_blocks`` sizes the CPU swap pool (0: none); ``storage_backend`` names the attention store
     (None: none). With ``splitwise_role`` they decide the owner (see ``kvcached.protocol.ownership``).
     """
@@ -55,11 +60,19 @@ class CacheSpec:
     block_wise_fp8: bool = False
     mla: bool = False
     scale_dtype: str = "float32"
+    mtp_layers: int = 0
+    mtp_num_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
+        _check_int("mtp_layers", self.mtp_layers, minimum=0)
+        _check_int("mtp_num_blocks", self.mtp_num_blocks, minimum=0)
+        if 0 < self.mtp_num_blocks < self.num_blocks:
+            raise InvalidSpec(
+                "mtp_num_blocks", f"must be 0 or at least num_blocks ({self.num_blocks}), got {self.mtp_num_blocks}"
+            )
         _check_choice("dtype", self.dtype, tuple(DTYPE_SIZES))
         _check_choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
         _check_choice("splitwise_role", self.splitwise_role, ROLES)
@@ -119,14 +132,29 @@ class CacheSpec:
         return self.kv_heads * self.block_size * self.scale_itemsize if self.block_wise_fp8 else 0
 
     @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer: its caches and scales."""
+        return self.caches_per_layer * (self.cache_block_bytes + self.scale_block_bytes)
+
+    @property
+    def all_layers(self) -> int:
+        """The model's layers and the MTP layers after them."""
+        return self.num_layers + self.mtp_layers
+
+    @property
+    def mtp_blocks(self) -> int:
+        """Blocks of each MTP layer."""
+        return self.mtp_num_blocks or self.num_blocks
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, caches and scales: the unit of swap and store."""
-        return self.num_layers * self.caches_per_layer * (self.cache_block_bytes + self.scale_block_bytes)
+        return self.all_layers * self.layer_block_bytes
 
     @property
     def device_bytes(self) -> int:
         """Payload bytes of one rank's device cache (alignment padding not counted)."""
-        return self.block_bytes * self.num_blocks
+        return self.layer_block_bytes * (self.num_layers * self.num_blocks + self.mtp_layers * self.mtp_blocks)
 
     @property
     def cpu_bytes(self) -> int:
@@ -153,8 +181,13 @@ class CacheSpec:
 
     @property
     def geometry_digest(self) -> bytes:
-        """16 bytes that identify the memory geometry (everything that shapes the arenas)."""
-        fields = {k: v for k, v in self.to_dict().items() if k not in ("storage_backend", "splitwise_role")}
+        """16 bytes that identify the memory geometry (everything that shapes the arenas). Fields added later
+        count only when set, so a geometry without them keeps its digest (and its stored objects)."""
+        fields = {
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in ("storage_backend", "splitwise_role") and not (k in _ADDED_FIELDS and v == 0)
+        }
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()[:16]
 

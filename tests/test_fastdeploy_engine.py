@@ -1,0 +1,262 @@
+"""FastDeploy's engine served by the kvcached drop-in: one copy of the cache, the transfer queue spoken.
+
+This test plays FastDeploy's engine as ``PrefixCacheManager.launch_cache_manager`` does it (e53f5184,
+``cache_manager/prefix_cache_manager.py`` ~178-345, and the signals and queue server of
+``engine/common_engine.py`` ~360-486): it creates the flags and the cache queue server, launches one drop-in
+per rank with ``cache_transfer_manager.py``'s arguments, waits for ``cache_transfer_inited_signal``, issues
+SWAP2CPU and SWAP2GPU tasks, a storage write and read, and control requests, reading the results the way
+``recv_data_transfer_result`` does (~2140-2190); the bytes in the device blocks are checked after each step
+through a runner's own views. With ``FASTDEPLOY_SRC`` set the queue, the flags, ``CacheStatus`` and the
+storage tasks are FastDeploy's own files; without it, the doubles of ``tests/fastdeploy_double.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import runner_client as rc
+from tests.conftest import ROOT, DaemonFactory, free_port
+from tests.fastdeploy_double import FMQDouble
+from tests.fastdeploy_src import pieces
+
+TP = 2
+SPEC = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
+GEOMETRY = ["--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
+GEOMETRY += ["--num-blocks", "16", "--num-cpu-blocks", "8"]
+
+
+class Engine:
+    """FastDeploy's engine side: its flags, its cache queue server and client, its drop-in processes."""
+
+    def __init__(self, tmp_path: Path, instance: str) -> None:
+        self.fd = pieces()
+        self.tmp_path, self.instance = tmp_path, instance
+        self.suffix = 30000 + os.getpid() % 10000 + free_port() % 1000
+        self.control = tmp_path / "control"
+        self.control.mkdir()
+        zeros = np.zeros([TP], dtype=np.int32)
+        one = np.zeros([1], dtype=np.int32)
+        self.signals = {  # common_engine.py ~392-440 and prefix_cache_manager.py ~186-210: create=True
+            name: self.fd.IPCSignal(name=name, array=array, dtype=np.int32, suffix=self.suffix, create=True)
+            for name, array in (
+                ("cache_ready_signal", zeros),
+                ("swap_space_ready_signal", zeros),
+                ("cache_transfer_inited_signal", zeros),
+                ("kv_cache_status", one),
+                ("cache_task_broadcast_signal", one),
+                ("cache_task_is_paused", one),
+                ("cache_task_inflight", zeros),
+            )
+        }
+        self.port = free_port()
+        self.server = self.fd.EngineCacheQueue(  # common_engine.py ~479-486
+            address=("127.0.0.1", self.port), is_server=True, num_client=TP, client_id=-1
+        )
+        self.queue = self.fd.EngineCacheQueue(  # prefix_cache_manager.py ~211-218
+            address=("127.0.0.1", self.port), is_server=False, num_client=TP, client_id=0
+        )
+        self.dropins: list[subprocess.Popen[str]] = []
+
+    def value(self, name: str) -> list[int]:
+        return [int(v) for v in self.signals[name].value]
+
+    def arguments(self, rank: int, **changes: str) -> list[str]:
+        """``cache_transfer_manager.py``'s command line as launch_cache_manager builds it (~296-321)."""
+        args = {
+            "device_id": str(rank),
+            "rank": str(rank),
+            "splitwise_role": "mixed",
+            "num_layers": "2",
+            "mp_num": str(TP),
+            "cache_dtype": "bfloat16",
+            "key_cache_shape": "16,2,4,16",
+            "value_cache_shape": "16,2,4,16",
+            "cache_queue_port": str(self.port),
+            "enable_splitwise": "0",
+            "pod_ip": "127.0.0.1",
+            "engine_worker_queue_port": str(self.suffix),
+            "num_cpu_blocks": "8",
+            "protocol": "ipc",
+            "local_data_parallel_id": "0",
+            "rdma_port": "0",
+            "speculative_config": "{}",
+            "default_dtype": "bfloat16",
+            "kvcache_storage_backend": "file",
+            "write_policy": "write_through",
+            "max_model_len": "1024",
+            "model_path": str(self.tmp_path),
+        }
+        args.update(changes)
+        return [part for key, value in args.items() for part in (f"--{key}", value)]
+
+    def launch(self, rank: int, **changes: str) -> subprocess.Popen[str]:
+        env = dict(os.environ, KVCACHED_INSTANCE=self.instance, FD_TEST_CONTROL_DIR=str(self.control))
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *self.arguments(rank, **changes)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.dropins.append(proc)
+        return proc
+
+    def until(self, check: Any, what: str, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = check()
+            if got:
+                return got
+            for proc in self.dropins:
+                assert proc.poll() is None, (
+                    f"a drop-in exited ({proc.returncode}):\n{proc.stdout.read() if proc.stdout else ''}"
+                )
+            assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+            time.sleep(0.005)
+
+    def task(self, item: Any, results: int = 1) -> list[Any]:
+        """Put a task, and collect ``results`` done signals for it (recv_data_transfer_result)."""
+        self.queue.put_transfer_task(item)
+        found: list[Any] = []
+
+        def collect() -> bool:
+            data = self.queue.get_transfer_done_signal()
+            if data is not None:
+                found.append(data)
+            return len(found) >= results
+
+        self.until(collect, f"the result of {item[0]}")
+        return found
+
+    def control_request(self, method: str) -> list[dict[str, Any]]:
+        request = self.fd.ControlRequest(request_id=f"{method}-{time.monotonic_ns()}", method=method)
+        self.queue.put_transfer_task((self.fd.CacheStatus.CTRL, request))
+        queues = [FMQDouble(self.control, f"ctrl_c2e_rank{rank}_{self.port}") for rank in range(TP)]
+        replies: list[dict[str, Any]] = []
+
+        def collect() -> bool:
+            for queue in queues:
+                replies.extend(queue.get_all())
+            return len(replies) >= TP
+
+        self.until(collect, f"the responses to {method}")
+        assert {r["request_id"] for r in replies} == {request.request_id}
+        return replies
+
+    def close(self) -> None:
+        for proc in self.dropins:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for holder in self.signals.values():
+            with contextlib.suppress(FileNotFoundError):
+                holder.shm.unlink()
+        with contextlib.suppress(Exception):
+            self.server.manager.shutdown()
+
+
+@pytest.fixture
+def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
+    daemon = daemons.start(ranks=TP, small=False, args=[*GEOMETRY, "--storage-backend", "file",
+                                                        "--storage-path", str(tmp_path / "store")])  # fmt: skip
+    daemon.wait_ready()
+    made = Engine(tmp_path, daemon.instance)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def blocks(cache: rc.KVCache, ids: list[int]) -> bytes:
+    return b"".join(t[i].tobytes() for t in cache.key_caches + cache.value_caches for i in ids)
+
+
+def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
+    """Acceptance: the drop-in for 2 ranks allocates nothing, sets the flags, and serves SWAP2CPU, SWAP2GPU, a
+    storage write and read, pause and resume (and refuses sleep with a reason), the bytes right at each step."""
+    fd, status = engine.fd, engine.fd.CacheStatus
+    for rank in range(TP):
+        engine.launch(rank)
+    engine.until(lambda: engine.value("cache_transfer_inited_signal") == [1, 1], "cache_transfer_inited_signal")
+    assert engine.value("cache_ready_signal") == [1, 1] and engine.value("swap_space_ready_signal") == [1, 1]
+    caches = [rc.initialize_kv_cache(SPEC, rank, instance=engine.instance) for rank in range(TP)]
+    try:
+        rng = np.random.default_rng(7)
+        for cache in caches:
+            for t in cache.key_caches + cache.value_caches:
+                t.view(np.uint8)[...] = rng.integers(0, 256, t.view(np.uint8).shape, dtype=np.uint8)
+        original = [blocks(c, [1, 2]) for c in caches]
+
+        done = engine.task((status.SWAP2CPU, "t1", [11, 12], [1, 2], [0, 1]))
+        assert done[0][0] == status.SWAP2CPU and done[0][1:] == ("t1", [11, 12], [1, 2], [0, 1])
+        assert [blocks(c, [1, 2]) for c in caches] == original
+        for cache in caches:
+            for t in cache.key_caches + cache.value_caches:
+                t[1:3] = 0
+        done = engine.task((status.SWAP2GPU, "t2", [11, 12], [3, 4], [0, 1]))
+        assert done[0][0] == status.SWAP2GPU and done[0][3:] == ([3, 4], [0, 1])
+        assert [blocks(c, [3, 4]) for c in caches] == original
+
+        write = fd.WriteStorageTask(task_id="w1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[3, 4])
+        done = engine.task((status.GPU2STORAGE, write))
+        assert done[0][0] == status.GPU2STORAGE and done[0][1:] == ("w1", ["h1", "h2"], [3, 4])
+        read = fd.ReadStorageTask(task_id="r1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[5, 6],
+                                  start_read_block_idx=0)  # fmt: skip
+        done = engine.task((status.STORAGE2GPU, read), results=TP)  # every rank reports a read
+        assert [d[1:] for d in done] == [("r1", ["h1", "h2"], [5, 6])] * TP
+        assert [blocks(c, [5, 6]) for c in caches] == original
+        again = engine.task((status.GPU2STORAGE, write))
+        assert again[0][3] == [], "both keys are stored already: nothing written"
+
+        replies = engine.control_request("pause")
+        assert [r["error_code"] for r in replies] == [200, 200]
+        engine.until(lambda: engine.value("cache_task_inflight") == [0, 0], "paused")
+        assert engine.value("cache_task_is_paused") == [1]
+        replies = engine.control_request("resume")
+        assert [r["error_code"] for r in replies] == [200, 200]
+        engine.until(lambda: engine.value("cache_task_inflight") == [1, 1], "resumed")
+        refused = engine.control_request("sleep")
+        assert [r["error_code"] for r in refused] == [501, 501] and "kvcached owns" in refused[0]["error_message"]
+
+        done = engine.task((status.SWAP2CPU, "t3", [13], [5], [7]))  # served after the pause
+        assert done[0][1] == "t3"
+    finally:
+        for cache in caches:
+            cache.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("key_cache_shape", {"key_cache_shape": "16,2,4,32", "value_cache_shape": "16,2,4,32"}),
+        ("value_cache_shape", {"value_cache_shape": ""}),
+        ("num_layers", {"num_layers": "3"}),
+        ("num_cpu_blocks", {"num_cpu_blocks": "9"}),
+        ("cache_dtype", {"cache_dtype": "uint8"}),
+    ],
+)
+def test_a_mismatch_is_refused_by_name_before_anything_moves(
+    engine: Engine, field: str, changes: dict[str, str]
+) -> None:
+    """The engine's idea of the cache differs from the daemon's in one field: the drop-in exits 4 naming it,
+    before it joins the queue or sets a flag."""
+    proc = engine.launch(0, **changes)
+    assert proc.wait(60) == 4
+    assert f"--{field}:" in (proc.stdout.read() if proc.stdout else "")
+    assert engine.value("cache_transfer_inited_signal") == [0, 0] and engine.value("cache_ready_signal") == [0, 0]
