@@ -109,6 +109,10 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
 
     Precedence: flags > KVCACHED_* environment > --config file > defaults. The defaults make the
     daemon the owner (a modest CPU swap pool) and reserve 48 MiB of /dev/shm per rank.
+
+    A start adopts the memory an earlier run of the instance left (killed, or stopped with `stop --keep`)
+    when it is ours, of the same spec and consistent: the KV blocks survive, runners keep their views.
+    Otherwise it reclaims that memory and says why (log, `status`). --fresh always reclaims.
     """
     from kvcached import logs
     from kvcached.daemon.supervisor import Supervisor
@@ -116,11 +120,16 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
     config = _build_config(values, config_file)
     _use_streaming_stores()
     logs.configure(log_level, json=None if log_format == "auto" else log_format == "json")
+    supervisor = Supervisor(config, on_progress=_terminal_progress(config))
     try:
-        status = Supervisor(config, on_progress=_terminal_progress(config)).run()
+        status = supervisor.run()
     except Fatal as fatal:
         click.echo(f"Error: {fatal.reason}", err=True)
         sys.exit(fatal.exit_status)
+    if supervisor.restart_requested:  # `kvcached restart`: the same command, the code installed now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
     sys.exit(status)
 
 
@@ -265,44 +274,110 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
         return
 
 
-@main.command(context_settings=_CONTEXT)
-@_instance_option
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
-def stop(instance: str | None, timeout: float) -> None:
-    """Stop a running daemon (SIGTERM) and wait until it has cleaned up. Not running: exit 0."""
+def _daemon_of(name: str) -> tuple[int, int] | None:
+    """(pid, start time) of the live daemon of instance ``name``, or None."""
     from kvcached.daemon.lockfile import holder
     from kvcached.protocol.instance import open_instance
     from kvcached.protocol.names import lock_path
+
+    found = holder(lock_path(name))
+    if found is not None and found.alive:
+        return found.pid, found.started
+    try:
+        view = open_instance(name)
+    except KVCacheError as exc:
+        raise click.ClickException(f"instance {name}: {exc}") from None
+    if view is None:
+        return None
+    with view:
+        return view.daemon
+
+
+def _signal(name: str, pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except PermissionError:
+        raise click.ClickException(f"instance {name}: daemon pid {pid} belongs to another user") from None
+    except ProcessLookupError:
+        pass  # it ended meanwhile: the wait below sees that
+
+
+@main.command(context_settings=_CONTEXT)
+@_instance_option
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the memory (device tiers, CPU pools, key directories) for the next `kvcached start` to adopt, "
+    "instead of releasing it. Runners keep their views and wait for that start.",
+)
+def stop(instance: str | None, timeout: float, keep: bool) -> None:
+    """Stop a running daemon (SIGTERM; --keep: SIGRTMIN+1) and wait until it has cleaned up. Not running:
+    exit 0."""
+    from kvcached.daemon.signals import KEEP_SIGNAL
     from kvcached.protocol.proc import is_alive
 
     name = _instance(instance)
-    found = holder(lock_path(name))
-    target = (found.pid, found.started) if found is not None and found.alive else None
-    if target is None:
-        try:
-            view = open_instance(name)
-        except KVCacheError as exc:
-            raise click.ClickException(f"instance {name}: {exc}") from None
-        if view is not None:
-            with view:
-                target = view.daemon
+    target = _daemon_of(name)
     if target is None:
         click.echo(f"instance {name}: not running")
         return
     pid, started = target
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except PermissionError:
-        raise click.ClickException(f"instance {name}: daemon pid {pid} belongs to another user") from None
+    _signal(name, pid, KEEP_SIGNAL if keep else signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while is_alive(pid, started):
         if time.monotonic() >= deadline:
             raise click.ClickException(
                 f"instance {name}: daemon pid {pid} still running after {timeout:.0f}s; try again or kill -9 it "
-                "(the next start reclaims what it leaves)"
+                "(the next start adopts or reclaims what it leaves)"
             )
         time.sleep(0.05)
-    click.echo(f"instance {name}: stopped (pid {pid})")
+    if keep:
+        click.echo(
+            f"instance {name}: stopped (pid {pid}); its memory is kept in /dev/shm for the next `kvcached start "
+            f"--instance {name}` to adopt (`kvcached doctor --clean --instance {name}` releases it)"
+        )
+    else:
+        click.echo(f"instance {name}: stopped (pid {pid})")
+
+
+@main.command(context_settings=_CONTEXT)
+@_instance_option
+@click.option(
+    "--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for every rank to be READY again."
+)
+def restart(instance: str | None, timeout: float) -> None:
+    """Restart a running daemon without losing its cache (SIGUSR2): it stops keeping its memory, executes
+    itself again (same pid, same arguments, the kvcached now installed: an upgrade) and adopts the memory.
+    Runners keep their views; tasks sent meanwhile are served by the new generation. Waits until every rank
+    is READY again; exit 0 when the memory was adopted, 1 otherwise (the reason is printed).
+    """
+    from kvcached.daemon.signals import RESTART_SIGNAL
+    from kvcached.protocol.proc import is_alive
+    from kvcached.status import is_ready, read_status
+
+    name = _instance(instance)
+    target = _daemon_of(name)
+    if target is None:
+        raise click.ClickException(f"instance {name}: not running; start it with `kvcached start`")
+    pid, started = target
+    before = _guarded(read_status, name)["generation"]
+    began = time.monotonic()
+    _signal(name, pid, RESTART_SIGNAL)
+    deadline = began + timeout
+    while True:
+        snapshot = _guarded(read_status, name)
+        if snapshot["generation"] not in (None, before) and is_ready(snapshot):
+            break
+        if not is_alive(pid, started):
+            raise click.ClickException(f"instance {name}: daemon pid {pid} exited while restarting (see its log)")
+        if time.monotonic() >= deadline:
+            raise click.ClickException(f"instance {name}: not READY again within {timeout:.0f}s (see its log)")
+        time.sleep(0.02)
+    took = time.monotonic() - began
+    note = snapshot.get("note") or ""
+    click.echo(f"instance {name}: restarted (pid {pid}) in {took:.2f}s, generation {snapshot['generation']}: {note}")
+    sys.exit(0 if note.startswith("adopted") else 1)
 
 
 def _instance(instance: str | None) -> str:

@@ -151,6 +151,14 @@ CORE: tuple[Knob, ...] = (
         "SECONDS",
     ),
     Knob(
+        "fresh",
+        knobs.boolean,
+        False,
+        "Never adopt the memory an earlier run of this instance left (killed, or stopped with --keep): reclaim "
+        "it and allocate anew. By default a start adopts it when it is ours, of the same spec and consistent.",
+        switch=True,
+    ),
+    Knob(
         "ipc_suffix",
         knobs.integer(0, what="a non-negative integer (the engine's port)"),
         None,
@@ -220,6 +228,7 @@ class DaemonConfig:
     devices: tuple[int, ...] = ()
     worker_timeout: float = 10.0
     store_timeout: float = 10.0
+    fresh: bool = False
 
     def shm_need(self) -> tuple[int, int]:
         """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
@@ -309,6 +318,7 @@ class DaemonConfig:
             devices=devices,
             worker_timeout=values["worker_timeout"],
             store_timeout=values["store_timeout"],
+            fresh=values["fresh"],
         )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from kvcached import memory, store
 from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
+from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
 from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory.shm import shm_free_bytes
@@ -159,22 +160,32 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     else:
         checks.append(Check("live_instance", OK, f"no daemon runs instance {config.instance!r}", {"pid": None}))
     names = [str(p) for p in found.paths]
-    measured: dict[str, Any] = {"objects": names, "squatters": found.squatters, "removed": 0}
+    squatters = [why for _, why in found.squatters]
+    measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
     if live_pid is not None:
         checks.append(Check("leftovers", OK, f"{len(names)} objects, all of the live daemon", measured))
-    elif found.squatters:
-        advice = "; ".join(found.squatters)
-        checks.append(
-            Check("leftovers", FAIL, f"{len(found.squatters)} objects under our names are not ours", measured, advice)
-        )
+    elif squatters:
+        advice = "; ".join(squatters)
+        figure = f"{len(squatters)} objects under our names are not ours"
+        checks.append(Check("leftovers", FAIL, figure, measured, advice))
     elif not names:
         checks.append(Check("leftovers", OK, "none", measured))
     elif clean:
         measured["removed"] = _clean(config.instance, found)
         checks.append(Check("leftovers", OK, f"removed {measured['removed']} objects of a dead run", measured))
     else:
-        advice = "a killed daemon left them; the next start reclaims them, or run `kvcached doctor --clean`"
-        checks.append(Check("leftovers", WARN, f"{len(names)} objects of a dead run", measured, advice))
+        verdict = None if config.fresh else judge(config)
+        if isinstance(verdict, Adoption):
+            measured["adoptable"] = f"{verdict.generation:016x}"
+            generation = f"generation {verdict.generation:016x}"
+            figure = f"{len(names)} objects of an earlier run; the next start adopts its memory ({generation})"
+            advice = "`kvcached start --fresh` or `kvcached doctor --clean` would discard it instead"
+            checks.append(Check("leftovers", OK, figure, measured, advice))
+        else:
+            measured["adoptable"] = None
+            why = f" ({verdict.note})" if verdict is not None else ""
+            advice = "the next start reclaims them, or run `kvcached doctor --clean`"
+            checks.append(Check("leftovers", WARN, f"{len(names)} objects of a dead run{why}", measured, advice))
     return checks
 
 

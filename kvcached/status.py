@@ -3,6 +3,7 @@
 The JSON shape is a public interface (scripts parse it)::
 
     {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234,
+     "adopted_from": "3e07..." or null, "note": "adopted from generation 3e07... (its daemon died)",
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
                 "error": "", "cpu_blocks": 64, "waiting": 0,
@@ -14,6 +15,8 @@ The JSON shape is a public interface (scripts parse it)::
                          "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
      "spec": {...}}
 
+``adopted_from`` is the generation whose memory this daemon adopted when it started (null: it allocated
+its own); ``note`` says so, or why it did not adopt an earlier run's memory ("" when there was none).
 ``waiting`` is the number of runner processes waiting for that rank to become READY right now.
 ``running`` says a control block exists; ``alive`` that its daemon still runs (a block whose daemon is
 dead is a leftover: every state in it is history). ``generation`` is 16 hex digits (JSON numbers lose
@@ -40,6 +43,8 @@ def read_status(instance: str) -> dict[str, Any]:
         "alive": False,
         "generation": None,
         "pid": None,
+        "adopted_from": None,
+        "note": "",
         "ranks": [],
     }
     view = open_instance(instance)
@@ -56,6 +61,8 @@ def read_status(instance: str) -> dict[str, Any]:
             alive=view.alive,
             generation=f"{header.generation:016x}",
             pid=header.daemon_pid,
+            adopted_from=f"{header.adopted_from:016x}" if header.adopted_from else None,
+            note=header.note,
             spec=header.spec,
         )
         for rank in range(header.num_ranks):
@@ -154,8 +161,12 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
         return f"instance {name}: not running"
     if status["generation"] is None:
         return f"instance {name}: starting"
-    daemon = "alive" if status["alive"] else "DEAD (leftover control block; the next start reclaims it)"
+    daemon = "alive" if status["alive"] else "DEAD (leftover control block; the next start adopts or reclaims it)"
+    if not status["alive"] and status["ranks"] and all(r["state"] == State.KEPT.name for r in status["ranks"]):
+        daemon = "stopped, its memory kept for the next start to adopt"
     lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
+    if status.get("note"):
+        lines.append(status["note"])
     rows: list[tuple[str, ...]] = [
         (
             "rank",

@@ -72,6 +72,7 @@ class KVCache:
         generation: int | None,
         daemon: tuple[int, int] | None,
         waited_s: float,
+        memory: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         self.owner: Owner = owner
         self.spec = spec
@@ -81,6 +82,7 @@ class KVCache:
         self.generation = generation
         self.waited_s = waited_s
         self._daemon = daemon
+        self._memory = memory  # (backend, descriptor) the views were attached from
         self._attached = attached
         tensors = attached.tensors
         self.key_caches: list[Any] = tensors["key"]
@@ -98,6 +100,36 @@ class KVCache:
         if self._daemon is None:
             return True
         return is_alive(*self._daemon)
+
+    def still_valid(self) -> bool:
+        """For a daemon-owned cache: does the instance's live daemon publish, READY, the very memory these
+        views map? True also after the daemon was restarted (``kvcached restart``) or killed and started
+        again, when the new daemon adopted the memory; ``generation`` and ``daemon_alive()`` then follow the
+        new daemon. False when no daemon serves the rank, or the memory was made anew: re-attach with
+        ``initialize_kv_cache``. Always True for the runner's own cache."""
+        if self._daemon is None or self._memory is None:
+            return True
+        try:
+            view = open_instance(self.instance)
+        except KVCacheError:
+            return False
+        if view is None:
+            return False
+        with view:
+            header = view.header
+            if header is None or not view.alive or self.rank >= header.num_ranks:
+                return False
+            try:
+                record = view.block.read(self.rank)
+            except TornRead:
+                return False
+            if record.state is not State.READY or record.generation != header.generation:
+                return False
+            if (record.backend, record.descriptor) != self._memory:
+                return False
+            self.generation = header.generation
+            self._daemon = (header.daemon_pid, header.daemon_start)
+            return True
 
     def close(self) -> None:
         """Drop this object's views and unmap if no other reference holds the memory."""
@@ -248,4 +280,5 @@ def initialize_kv_cache(
         generation=ready.header.generation,
         daemon=(ready.header.daemon_pid, ready.header.daemon_start),
         waited_s=waited,
+        memory=(ready.record.backend, dict(ready.record.descriptor)),
     )

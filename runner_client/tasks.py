@@ -15,6 +15,13 @@ rank of the instance and returns when all have finished (a tensor-parallel group
 task the daemon refuses raises ``InvalidTask`` naming the field, and no block has changed on any rank.
 One connection per rank, opened on first use; replies arrive in order, so one ``CacheTasks`` may be
 shared by threads (each rank's connection is guarded by a lock).
+
+A daemon that is restarted (``kvcached restart``), stopped with ``--keep`` or killed, and whose memory the
+next daemon of the instance adopts, is followed: a task in flight at that moment fails with ``TaskLost``
+(naming the blocks it may have half-written); later tasks wait, within their timeout and at most
+``FOLLOW_S`` seconds, for the next daemon and go to it. When the next daemon made the memory anew (it did
+not adopt it, or the device tier cannot outlive its process), tasks raise ``DaemonGone``: re-attach with
+``initialize_kv_cache`` and open a new ``CacheTasks``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from kvcached.protocol.control import Header, State
+from kvcached.protocol.control import ControlBlock, Header, Record, State
 from kvcached.protocol.errors import (
     AccessDenied,
     DaemonGone,
@@ -61,6 +68,10 @@ from kvcached.protocol.proc import is_alive
 from kvcached.protocol.trust import check_owner
 
 _INT32_MAX = 2**31 - 1
+#: How long, at most, a task waits for the next daemon after the one it talked to died or handed over.
+FOLLOW_S = 10.0
+#: Times a task the daemon did not run (NOT_RUN: it was handing over) is sent again.
+MAX_RESENDS = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -218,11 +229,14 @@ def _timeval(seconds: float) -> bytes:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Part:
-    """One rank's share of a task: its channel, its task id, and the blocks it writes (for TaskLost)."""
+    """One rank's share of a task: its channel, its task id, the blocks it writes (for TaskLost), and what
+    was sent (to send it again to the next daemon when it was not run)."""
 
     channel: _Channel
     task_id: int
     targets: tuple[int, ...]
+    payload: bytes
+    flags: int
 
 
 class TaskHandle:
@@ -246,17 +260,15 @@ class TaskHandle:
             return self._result
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         replies = []
-        for part in self._parts:
-            channel = part.channel
-            try:
-                replies.append((channel.rank, *channel.wait(part.task_id, deadline)))
-            except TimeoutError:
-                raise TaskTimeout(
-                    f"instance {self._tasks.instance!r} rank {channel.rank}: no reply within the timeout; "
-                    "the task may still complete"
-                ) from None
-            except _Closed:
-                raise self._tasks._lost(channel.rank, self._op, part.targets) from None
+        for sent in self._parts:
+            part = sent
+            for _ in range(MAX_RESENDS):
+                rank, status, body = self._reply(part, deadline)
+                if status != Status.NOT_RUN:
+                    break
+                # The worker hands its rank over and did not run it: the next daemon does.
+                part = self._tasks._resend(rank, deadline, self._op, part)
+            replies.append((rank, status, body))
         for rank, status, body in replies:
             if status == Status.INVALID:
                 raise InvalidTask(str(body.get("field")), f"rank {rank}: {body.get('message')}")
@@ -270,6 +282,18 @@ class TaskHandle:
             seconds=max(int(body["ns"]) for _, _, body in replies) / 1e9,
         )
         return self._result
+
+    def _reply(self, part: _Part, deadline: float) -> tuple[int, int, dict[str, Any]]:
+        channel = part.channel
+        try:
+            return (channel.rank, *channel.wait(part.task_id, deadline))
+        except TimeoutError:
+            raise TaskTimeout(
+                f"instance {self._tasks.instance!r} rank {channel.rank}: no reply within the timeout; "
+                "the task may still complete"
+            ) from None
+        except _Closed:
+            raise self._tasks._lost(channel.rank, self._op, part.targets, channel) from None
 
 
 class CacheTasks:
@@ -292,7 +316,20 @@ class CacheTasks:
         self._header: Header = view.header
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
+        self._follow_lock = threading.Lock()
         self._closed = False
+        self._old_blocks: list[ControlBlock] = []  # blocks of daemons followed away from, unmapped at close
+        self._old_channels: list[_Channel] = []  # and their connections, closed at close
+        #: The memory each rank's record named when this client first saw it READY: the same must be
+        #: published by any daemon this client follows.
+        self._memory: dict[int, tuple[str, dict[str, Any], str]] = {}
+        for rank in range(view.header.num_ranks):
+            try:
+                record = view.block.read(rank)
+            except TornRead:
+                continue
+            if record.state is State.READY and record.generation == view.header.generation:
+                self._memory[rank] = (record.backend, record.descriptor, record.cpu_name)
 
     @property
     def num_ranks(self) -> int:
@@ -482,10 +519,11 @@ class CacheTasks:
             if self._closed:
                 return
             self._closed = True
-            for channel in self._channels.values():
+            for channel in (*self._channels.values(), *self._old_channels):
                 channel.close()
             self._channels.clear()
-        self._block.close()
+        for block in (*self._old_blocks, self._block):
+            block.close()
 
     def __enter__(self) -> CacheTasks:
         return self
@@ -518,28 +556,81 @@ class CacheTasks:
         return [rank]
 
     def _check_ready(self, rank: int, deadline: float) -> None:
-        """Before a rank's connection opens: the daemon is alive and the rank READY in its generation. A rank
-        whose worker is being replaced (RECOVERING: its memory is intact) is waited for until ``deadline``;
-        any other state is refused. Later tasks need no check: a worker that answers is alive."""
-        header = self._header
+        """Before a rank's connection opens: the daemon is alive and the rank READY in its generation, on the
+        memory this client knows. A rank whose worker is being replaced or reopens adopted memory
+        (RECOVERING: its memory is intact), or whose daemon has just published its block (EMPTY), is waited
+        for until ``deadline``; a daemon that handed over (KEPT) or died with the rank whole is
+        followed to the next one (``_follow``); any other state is refused. Later tasks need no check: a
+        worker that answers is alive."""
         while True:
-            if not is_alive(header.daemon_pid, header.daemon_start):
-                raise DaemonGone(f"instance {self.instance!r}: daemon pid {header.daemon_pid} is gone")
+            header = self._header
+            alive = is_alive(header.daemon_pid, header.daemon_start)
             try:
                 record = self._block.read(rank)
             except TornRead:
                 record = None  # a record mid-update: look again
             if record is not None:
-                if record.state is State.READY and record.generation == header.generation:
+                if alive and record.state is State.READY and record.generation == header.generation:
+                    self._check_memory(rank, record)
                     return
                 if record.state is State.FAILED:
                     raise RankFailed(f"instance {self.instance!r} rank {rank}: {record.error}")
-                if record.state is not State.RECOVERING:
-                    raise InvalidTask("rank", f"rank {rank} of {self.instance!r} is {record.state.name}, not READY")
+                if record.state is State.KEPT or (not alive and record.state in (State.READY, State.RECOVERING)):
+                    self._follow(header, deadline)
+                    continue
+            if not alive:
+                raise DaemonGone(f"instance {self.instance!r}: daemon pid {header.daemon_pid} is gone")
+            if record is not None and record.state not in (State.RECOVERING, State.EMPTY):
+                raise InvalidTask("rank", f"rank {rank} of {self.instance!r} is {record.state.name}, not READY")
             if time.monotonic() >= deadline:
                 state = record.state.name if record is not None else "being written"
                 raise TaskTimeout(f"instance {self.instance!r} rank {rank}: still {state}, not READY")
             time.sleep(0.005)
+
+    def _check_memory(self, rank: int, record: Record) -> None:
+        """Raise ``DaemonGone`` when ``rank``'s record names other memory than this client first saw."""
+        named = (record.backend, record.descriptor, record.cpu_name)
+        known = self._memory.setdefault(rank, named)
+        if known != named:
+            raise DaemonGone(
+                f"instance {self.instance!r} rank {rank}: the daemon (generation {record.generation:016x}) made "
+                "this rank's memory anew, so the runners' views are not its memory any more: re-attach with "
+                "initialize_kv_cache and open a new CacheTasks"
+            )
+
+    def _follow(self, old: Header, deadline: float) -> None:
+        """The daemon of ``old`` handed over or died: wait (until ``deadline``, at most ``FOLLOW_S`` s) for the
+        instance's next live daemon and switch to it when it adopted the memory; raise ``DaemonGone``
+        otherwise."""
+        began = time.monotonic()
+        limit = min(deadline, began + FOLLOW_S)
+        with self._follow_lock:
+            while self._header is old:
+                view = open_instance(self.instance)
+                new = view.header if view is not None and view.alive else None
+                if view is not None and new is not None and new.generation != old.generation:
+                    if new.arena_id != old.arena_id:
+                        view.close()
+                        raise DaemonGone(
+                            f"instance {self.instance!r}: generation {new.generation:016x} replaced generation "
+                            f"{old.generation:016x} without adopting its memory ({new.note or 'it allocated anew'}): "
+                            "re-attach with initialize_kv_cache and open a new CacheTasks"
+                        )
+                    with self._lock:  # a task of another thread may still wait on an old connection
+                        self._old_channels += self._channels.values()
+                        self._channels.clear()
+                        self._old_blocks.append(self._block)
+                        self._block, self._header = view.block, new
+                    return
+                if view is not None:
+                    view.close()
+                if time.monotonic() >= limit:
+                    raise DaemonGone(
+                        f"instance {self.instance!r}: daemon pid {old.daemon_pid} (generation {old.generation:016x}) "
+                        f"stopped, and no daemon took its memory over within {limit - began:.1f}s; "
+                        "start one with `kvcached start`"
+                    )
+                time.sleep(0.01)
 
     def _channel(self, rank: int, deadline: float) -> _Channel:
         with self._lock:
@@ -555,36 +646,50 @@ class CacheTasks:
                 raise
             except (OSError, _Closed):  # the worker is being replaced: its socket comes back with it
                 if time.monotonic() >= deadline:
-                    raise self._lost(rank, Op.HELLO, ()) from None
+                    raise self._lost(rank, Op.HELLO, (), None) from None
                 time.sleep(0.005)
                 continue
             with self._lock:
                 self._channels[rank] = channel
             return channel
 
-    def _lost(self, rank: int, op: Op, targets: tuple[int, ...]) -> Exception:
-        """The error for a task whose connection ended: the daemon died, the rank failed, or its worker died
-        (and is being replaced) during the task."""
+    def _retire(self, rank: int, channel: _Channel) -> None:
+        """Close ``channel`` and forget it, if it is still ``rank``'s (a newer one is left alone)."""
         with self._lock:
-            channel = self._channels.pop(rank, None)
+            if self._channels.get(rank) is channel:
+                del self._channels[rank]
+        channel.close()
+
+    def _lost(self, rank: int, op: Op, targets: tuple[int, ...], channel: _Channel | None) -> Exception:
+        """The error for a task whose connection (``channel``) ended: the daemon died or handed over, the
+        rank failed, or its worker died (and is being replaced) during the task."""
         if channel is not None:
-            channel.close()
+            self._retire(rank, channel)
         header = self._header
-        if not is_alive(header.daemon_pid, header.daemon_start):
-            return DaemonGone(f"instance {self.instance!r}: daemon pid {header.daemon_pid} died during the task")
+        alive = is_alive(header.daemon_pid, header.daemon_start)
         try:
             record = self._block.read(rank)
         except TornRead:
             record = None
         if record is not None and record.state is State.FAILED:
             return RankFailed(f"instance {self.instance!r} rank {rank}: {record.error}")
+        handed_over = record is not None and record.state is State.KEPT
         if op is Op.HELLO:
-            return DaemonGone(f"instance {self.instance!r} rank {rank}: cannot reach the worker's task socket")
+            why = "is gone" if not alive else "cannot be reached on its task socket"
+            return DaemonGone(f"instance {self.instance!r} rank {rank}: the daemon's worker {why}")
         undefined = (
             f"its target {('CPU' if op is Op.SWAP_OUT else 'device')} blocks {list(targets)} are undefined"
             if targets
             else "nothing it wrote is half-done (store objects are whole or absent)"
         )
+        if not alive or handed_over:
+            what = "handed its memory over (kvcached restart or stop --keep)" if handed_over else "died"
+            return TaskLost(
+                f"instance {self.instance!r} rank {rank}: the daemon {what} during the {op.name} task; {undefined}. "
+                "Later tasks go to the daemon that adopts the memory.",
+                rank=rank,
+                blocks=targets,
+            )
         return TaskLost(
             f"instance {self.instance!r} rank {rank}: the worker died during the {op.name} task and is being "
             f"replaced on the same memory; {undefined}. Later tasks are served.",
@@ -641,6 +746,14 @@ class CacheTasks:
         handle = TaskHandle(self, op, parts, seconds)
         return handle.result() if wait else handle
 
+    def _resend(self, rank: int, deadline: float, op: Op, part: _Part) -> _Part:
+        """Send ``part`` again after its worker answered NOT_RUN: its connection is done with."""
+        self._retire(rank, part.channel)
+        try:
+            return self._send(rank, deadline, op, part.payload, flags=part.flags, written=part.targets)
+        except TimeoutError:
+            raise TaskTimeout(f"instance {self.instance!r} rank {rank}: the next daemon took no task in time") from None
+
     def _send(
         self, rank: int, deadline: float, op: Op, payload: bytes, *, flags: int, written: tuple[int, ...]
     ) -> _Part:
@@ -649,11 +762,9 @@ class CacheTasks:
         for attempt in range(2):
             channel = self._channel(rank, deadline)  # READY is checked once, when a channel opens
             try:
-                return _Part(channel, channel.submit(op, payload, flags), written)
+                return _Part(channel, channel.submit(op, payload, flags), written, payload, flags)
             except _Closed:
-                with self._lock:
-                    self._channels.pop(rank, None)
-                channel.close()
+                self._retire(rank, channel)
                 if attempt:
-                    raise self._lost(rank, op, ()) from None
+                    raise self._lost(rank, op, (), None) from None
         raise AssertionError("unreachable")  # pragma: no cover

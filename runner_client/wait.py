@@ -6,6 +6,10 @@ A rank is ready for a runner when all of these hold at once (DESIGN principle 2)
 * the daemon in its header is alive: its pid runs and has the recorded start time (not a zombie);
 * the rank's record says READY in the header's generation.
 
+A rank whose daemon stopped keeping its memory for the next one (KEPT: ``kvcached stop --keep`` or
+``kvcached restart``) is waited through: the runner waits for the next daemon's control block, and
+attaches to the memory that daemon adopted.
+
 While not ready the runner blocks on the rank's semaphore for at most ``SLICE_S``, then re-checks. The
 semaphore counts posts, it is not a level: a waiter that wakes re-reads the record and posts once more
 when the state changed, so the next waiter wakes too (a turnstile); a wake-up with no change consumes a
@@ -196,11 +200,24 @@ class _Waiter:
             )
         if record.state is State.STOPPING:
             raise self._gone("is stopping")
+        if record.state is State.KEPT:
+            self._describe("KEPT (handed over to the next daemon)", record.since_wall_ns or time.time_ns())
+            return False
         detail = record.state.name
         if record.state is State.ALLOCATING and record.total_bytes:
             detail += f" ({record.reserved_bytes / 2**20:.1f}/{record.total_bytes / 2**20:.1f} MiB reserved)"
         self._describe(detail, record.since_wall_ns or time.time_ns())
         return False
+
+    def _wait_for_successor(self) -> None:
+        """The daemon handed the rank over (KEPT): its block is stale from now on; look for the next one."""
+        assert self.block is not None
+        self.stale_inode = self.block.inode
+        self.followed = None  # the next daemon is a new one to follow
+        self._drop_block()
+        self.mark = mark_waiting(self.instance, self.rank)
+        self._check_deadline()
+        self._sleep(POLL_ABSENT_S)
 
     def _acquire(self) -> bool:
         assert self.sem is not None
@@ -239,6 +256,10 @@ class _Waiter:
                 record, pending = pending or self._read(), None
                 if record is not None and record.state is State.FAILED:
                     self._judge(record)  # raises RankFailed: more precise than the daemon's exit after it
+                if record is not None and record.state is State.KEPT and record.generation == self.header.generation:
+                    self._judge(record)
+                    self._wait_for_successor()
+                    continue
                 if not self._daemon_alive():
                     raise self._gone("died")
                 if record is None:  # torn: its writer is mid-write, or died so; look again after a pause

@@ -245,7 +245,7 @@ def test_every_object_is_ours_and_mode_0600(daemons: DaemonFactory) -> None:
     daemon = daemons.start(ranks=2)
     daemon.wait_ready()
     names = shm_entries(daemon.instance)
-    assert len(names) == 2 + 2 * 3  # control block, instance lock; per rank: semaphore, device arena, CPU pool
+    assert len(names) == 2 + 2 * 4  # control block, instance lock; per rank: semaphore, arena, CPU pool, keys
     assert f"kvcached.{daemon.instance}.lock" in names
     for path in [Path("/dev/shm") / n for n in names] + [daemons.run_dir / f"{daemon.instance}.lock"]:
         st = path.stat()

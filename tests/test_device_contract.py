@@ -216,7 +216,8 @@ def test_xpu_ipc_records_are_removed_at_stop_and_reclaimed_after_kill9(daemons: 
     assert {str(p) for p in records} <= set(listed)
     daemon = daemons.start(daemon.instance, ranks=2, args=args, env=env)
     daemon.wait_ready(timeout=60)
-    assert '"reclaimed objects of a dead run"' in daemon.log()
+    assert '"reclaimed objects of an earlier run"' in daemon.log()  # the CPU pools are adopted, the records not
+    assert all(p.exists() for p in records), "the new worker exports the device tier it made anew"
     assert daemon.stop() == 0 and not any(p.exists() for p in records)
 
 

@@ -136,14 +136,18 @@ def test_leftovers_of_a_killed_daemon_are_reported_then_cleaned(daemons: DaemonF
     daemon.wait_ready()
     daemon.kill9()
     left = shm_entries(daemon.instance)
-    assert len(left) == 8
+    assert len(left) == 10
     code, document = doctor(daemons, "--instance", daemon.instance, *SMALL)
     check = by_name(document)["leftovers"]
-    assert code == 0 and check["verdict"] == "warn" and len(check["measured"]["objects"]) >= 7
+    assert code == 0 and check["verdict"] == "ok" and len(check["measured"]["objects"]) >= 9
+    assert "the next start adopts its memory" in check["figure"], check
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--num-blocks", "9")
+    check = by_name(document)["leftovers"]
+    assert check["verdict"] == "warn" and "num_blocks was 8, this configuration has 9" in check["figure"], check
     assert shm_entries(daemon.instance) == left, "without --clean nothing is removed"
     code, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--clean")
     check = by_name(document)["leftovers"]
-    assert code == 0 and check["verdict"] == "ok" and check["measured"]["removed"] >= 7
+    assert code == 0 and check["verdict"] == "ok" and check["measured"]["removed"] >= 9
     assert shm_entries(daemon.instance) == []
     assert not list(daemons.run_dir.glob(f"{daemon.instance}.*")), "sockets and lock file removed"
     _, document = doctor(daemons, "--instance", daemon.instance, *SMALL)

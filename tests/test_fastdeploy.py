@@ -52,8 +52,9 @@ class EngineSignal:
 
 
 @pytest.fixture
-def suffix() -> Iterator[int]:
-    """A unique ipc suffix; its segments are removed after the test."""
+def suffix(daemons: DaemonFactory) -> Iterator[int]:
+    """A unique ipc suffix; its segments are removed after the test, once its daemons are stopped (a
+    daemon still running would link a name removed before it back)."""
     value = 40000 + (os.getpid() * 7 + time.monotonic_ns()) % 20000
     yield value
     for name in ("cache_ready_signal", "swap_space_ready_signal"):
@@ -84,7 +85,7 @@ def test_engine_created_flags_follow_ready_through_kill9_and_restart(daemons: Da
         daemon.kill9()
         assert list(cache.value) == [1, 1], "(nothing is left to clear them between kill -9 and restart)"
         restarted = daemons.start(daemon.instance, ranks=2, args=args, env=slow)
-        restarted.wait_state("ALLOCATING")
+        restarted.wait_state("RECOVERING")  # it adopts the killed run's memory
         assert list(cache.value) == [0, 0] and list(swap.value) == [0, 0]
         restarted.wait_ready()
         until(lambda: list(cache.value) == [1, 1], what="flags at READY after restart")

@@ -167,7 +167,7 @@ def test_many_waiters_on_one_rank_all_wake(daemons: DaemonFactory, instance: str
 
 def test_stale_ready_block_is_never_trusted(daemons: DaemonFactory) -> None:
     """After kill -9 the block still says READY, but its daemon is dead: runners wait (or time out) until a
-    new daemon publishes, and the new daemon reclaims every stale object."""
+    new daemon publishes; the new daemon adopts the memory and replaces every other stale object."""
     first = daemons.start(ranks=2)
     old_generation = first.wait_ready()["generation"]
     first.kill9()
@@ -186,7 +186,9 @@ def test_stale_ready_block_is_never_trusted(daemons: DaemonFactory) -> None:
     new_generation = second.wait_ready()["generation"]
     result = runner_result(runner)
     assert result["ok"] and result["generation"] == new_generation != old_generation
-    assert not any(old_generation in n for n in shm_entries(first.instance)), "stale objects reclaimed"
+    adopted = [n for n in shm_entries(first.instance) if old_generation in n]
+    assert adopted and all(n.endswith((".dev", ".cpu", ".keys")) for n in adopted), "stale objects reclaimed"
+    assert read_status(first.instance)["adopted_from"] == old_generation
     assert second.stop() == 0
     assert shm_entries(first.instance) == []
 

@@ -6,7 +6,8 @@
                            Progress(done)                  while reserving (at most every 100 ms)
                            Ready(backend, descriptor, ...) the rank's tiers exist and the task socket listens
                            Failed(error, exit_status)      the worker cannot go on; it exits next
-    supervisor -> worker   Stop()                          (EOF means the same)
+    supervisor -> worker   Stop(drain)                     (EOF means the same); with drain, the
+                                                           worker first runs what clients already sent
 
 On the wire a message is a JSON object whose ``"t"`` names its type; ``send`` and ``recv`` are the only
 functions that see that encoding.
@@ -52,7 +53,8 @@ class Failed:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Stop:
-    pass
+    #: Run the requests clients already sent, and send their replies, before exiting (a handover).
+    drain: bool = False
 
 
 Message = Allocating | Progress | Ready | Failed | Stop

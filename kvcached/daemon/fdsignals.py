@@ -5,7 +5,8 @@ FastDeploy's engine and runners wait on ``IPCSignal`` arrays: a POSIX shm segmen
 With ``--ipc-suffix N`` the supervisor maintains two of them:
 
 - ``cache_ready_signal.N[r]`` is 1 exactly while rank r has its cache (READY, or RECOVERING: a worker
-  being replaced on the same memory) in this daemon's generation, else 0;
+  being replaced on device memory that outlived it) in this daemon's generation, else 0 (also while an
+  adopting daemon reopens the memory, and across ``kvcached restart``);
 - ``swap_space_ready_signal.N[r]`` the same, for ranks that have a CPU swap pool.
 
 Every rank's entry is written 0 before the first worker is forked, so a 1 left by a killed run is gone

@@ -17,13 +17,11 @@ from pathlib import Path
 import posix_ipc
 
 from kvcached import memory
+from kvcached.memory.shm import OUR_MODES
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.names import instance_lock_path, instance_shm_entries, posix_name
 from kvcached.protocol.spec import CacheSpec
-
-#: Object modes kvcached creates (0600 alone, 0660 with --group).
-OUR_MODES = (0o600, 0o660)
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,8 +32,8 @@ class Leftovers:
     sockets: list[Path]
     #: Files a device backend made outside the instance's names (the xpu backend's set_data_ipc records).
     files: list[Path]
-    #: One message per object under our names that is not ours (foreign owner or mode): never touched.
-    squatters: list[str]
+    #: Each object under our names that is not ours (foreign owner or mode), with why: never touched.
+    squatters: list[tuple[Path, str]]
     #: The daemon of a published control block, if it is alive (then nothing here is a leftover).
     live_pid: int | None
 
@@ -57,7 +55,8 @@ def squatter(path: Path, st: os.stat_result) -> str | None:
 
 def live_daemon(instance: str) -> int | None:
     """The pid of the live daemon of ``instance``'s published control block, or None (no block, a dead
-    daemon's, or one that is not ours: none of these is alive)."""
+    daemon's, one that is not ours, or this very process's before it executed itself again for ``kvcached
+    restart``: none of these is alive)."""
     try:
         view = open_instance(instance)
     except KVCacheError:
@@ -65,7 +64,9 @@ def live_daemon(instance: str) -> int | None:
     if view is None:
         return None
     with view:
-        return view.header.daemon_pid if view.header is not None and view.alive else None
+        if view.header is None or not view.alive or view.header.daemon_pid == os.getpid():
+            return None
+        return view.header.daemon_pid
 
 
 def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
@@ -73,7 +74,7 @@ def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
     instance lock is not among them: it is taken, and removed, by whoever holds it."""
     lock = instance_lock_path(instance)
     entries = [entry for entry in instance_shm_entries(instance) if entry != lock]
-    squatters = [why for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
+    squatters = [(entry, why) for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
     sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
     live = live_daemon(instance)
     files = [] if live is not None else backend_files(instance)
@@ -119,10 +120,13 @@ def unlink_entries(entries: list[Path]) -> None:
                 posix_ipc.unlink_shared_memory(name)
 
 
-def remove_leftovers(found: Leftovers) -> int:
-    """Unlink what ``inspect_instance`` found (never with a live daemon or a squatter); how many."""
-    assert found.live_pid is None and not found.squatters
-    unlink_entries(found.entries)
+def remove_leftovers(found: Leftovers, keep: set[Path] | frozenset[Path] = frozenset()) -> int:
+    """Unlink what ``inspect_instance`` found (never with a live daemon), except squatters and ``keep``
+    (the memory a start adopts); how many."""
+    assert found.live_pid is None
+    spared = keep | {path for path, _ in found.squatters}
+    entries = [entry for entry in found.entries if entry not in spared]
+    unlink_entries(entries)
     for path in found.sockets + found.files:
         path.unlink(missing_ok=True)
-    return len(found.paths)
+    return len(entries) + len(found.sockets) + len(found.files)

@@ -18,6 +18,14 @@ the others:
   in reserve for it;
 * a malformed frame closes that connection only; an invalid task is answered INVALID with nothing
   changed; store calls have a deadline (``kvcached.daemon.storecalls``): a slow store fails its task.
+
+Handing over (``kvcached restart``, ``stop --keep``): the worker stops accepting connections and answers
+every task that still arrives NOT_RUN, so its client sends it to the next daemon; it exits once its clients
+are quiet.
+
+Keys: a ``swap_out`` with keys enters its CPU blocks in the rank's key directory (``kvcached.daemon.keydir``)
+once copied, and writes them through to the store when there is one; ``lookup`` and ``load`` find each key
+in the CPU pool first, then in the store.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvcached.access import Access, peer_of
+from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.storecalls import StoreCalls
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidTask, StoreUnavailable
@@ -117,6 +126,7 @@ class TaskServer:
         store: StoreCalls | None = None,
         access: Access | None = None,
         max_connections: int | None = None,
+        keys: KeyDirectory | None = None,
     ) -> None:
         self.listener = listener
         self.selector = selector
@@ -127,6 +137,8 @@ class TaskServer:
         self.generation = generation
         self.log = log
         self.store = store
+        #: The CPU pool's key directory (None without a pool): ``swap_out`` with keys enters blocks there.
+        self.keys = keys
         self.conns: dict[int, _Conn] = {}
         self.buffered = 0  # bytes in every connection's inbuf
         self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
@@ -136,6 +148,7 @@ class TaskServer:
         self.max_connections = max_connections or connection_limit()
         self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
+        self.handing_over = False  # tasks are answered NOT_RUN: the next daemon runs them
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
 
@@ -246,6 +259,14 @@ class TaskServer:
             self.close(sock)
             return
         self._watch(conn)
+
+    def hand_over(self) -> None:
+        """From now on, answer every task NOT_RUN (its client sends it to the daemon that adopts the rank)."""
+        self.handing_over = True
+
+    def sending(self) -> bool:
+        """Whether a reply is still queued for a client."""
+        return any(conn.outbuf for conn in self.conns.values())
 
     def tick(self, now: float) -> None:
         """Close connections whose unfinished frame stalled for ``PARTIAL_IDLE_S``."""
@@ -372,6 +393,9 @@ class TaskServer:
                 return self._hello(conn, task_id, payload)
             if not conn.greeted:
                 raise InvalidTask("hello", "send HELLO with the daemon generation first")
+            if self.handing_over:
+                message = "not run: this daemon is handing the rank over to the next one; send it there"
+                return reply(op, Status.NOT_RUN, task_id, {"message": message})
             if op in (Op.SWAP_OUT, Op.SWAP_IN):
                 return self._swap(Op(op), flags, task_id, payload)
             if op in (Op.STORE, Op.LOAD, Op.LOOKUP):
@@ -416,7 +440,6 @@ class TaskServer:
             if keyed is None:
                 raise InvalidTask("payload", f"{len(payload)} bytes is not n device ids, n CPU ids and n keys")
             (src, dst), keys = keyed
-            self._require_store()
         else:
             ids = unpack_ids(payload)
             if ids is None:
@@ -425,10 +448,14 @@ class TaskServer:
         out = op is Op.SWAP_OUT
         tiers = ("device", "cpu") if out else ("cpu", "device")
         self.engine.validate(src, dst, src_tier=tiers[0], dst_tier=tiers[1])
-        if keys:  # write-through, store first: if the store fails, the CPU pool has not changed
+        if keys and self.store is not None:  # write-through, store first: if it fails, the pool has not changed
             self._put_blocks(src, keys)
         started = time.monotonic_ns()
+        if out and self.keys is not None:
+            self.keys.forget(dst.tolist())  # before a byte of them changes (see kvcached.daemon.keydir)
         moved = self.engine.swap_out(src, dst) if out else self.engine.swap_in(src, dst)
+        if keys and self.keys is not None:
+            self.keys.publish(dst.tolist(), keys)
         took = time.monotonic_ns() - started
         self.stats.count_task("swap_out" if out else "swap_in", len(src), moved, took)
         return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(src), moved, took))
@@ -471,13 +498,13 @@ class TaskServer:
                 self._mirror_store_counters()
 
     def _store_task(self, op: Op, task_id: int, payload: bytes) -> bytes:
-        store = self._require_store()
         started = time.monotonic_ns()
         if op is Op.LOOKUP:
             if len(payload) % KEY_BYTES:
                 raise InvalidTask("keys", f"{len(payload)} bytes is not a list of {KEY_BYTES}-byte keys")
+            self._require_keyed_tier()
             keys = [payload[i : i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
-            found = store.call("present", keys)
+            found = self._present(keys)
             self.stats.count(lookup_tasks=1)
             return reply(op, Status.OK, task_id, TASK_RESULT.pack(found, 0, time.monotonic_ns() - started))
         keyed = unpack_keyed(payload, 1)
@@ -485,19 +512,80 @@ class TaskServer:
             raise InvalidTask("payload", f"{len(payload)} bytes is not n device block ids and n keys")
         (ids,), keys = keyed
         if op is Op.STORE:
+            self._require_store()
             self.engine.check_ids(ids, field="device_block_ids", role="source", unique=False)
             nbytes = self._put_blocks(ids, keys)
             return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
+        self._require_keyed_tier()
         self.engine.check_ids(ids, field="device_block_ids", role="target", unique=True)
-        loaded = self._load_blocks(keys, ids, store)
+        loaded = self._load_blocks(keys, ids)
         nbytes = loaded * self.engine.spec.block_bytes
         took = time.monotonic_ns() - started
         self.stats.count_task("load", loaded, nbytes, took)
         return reply(op, Status.OK, task_id, TASK_RESULT.pack(loaded, nbytes, took))
 
-    def _load_blocks(self, keys: list[bytes], targets: Array, store: StoreCalls) -> int:
-        """Load the longest present prefix of ``keys`` into device blocks ``targets``, a staging buffer at a
-        time (the store agent fills staging rows; this process copies them into the device tier)."""
+    def _require_keyed_tier(self) -> None:
+        if self.store is None and self.keys is None:
+            raise InvalidTask(
+                "storage_backend",
+                "this instance has neither a CPU pool nor an attention store to find keys in "
+                "(start it with --num-cpu-blocks > 0 or --storage-backend)",
+            )
+
+    def _in_pool(self, key: bytes) -> int | None:
+        return self.keys.find(key) if self.keys is not None else None
+
+    def _store_run(self, keys: list[bytes], start: int) -> int:
+        """The end of the run of keys from ``start`` that the CPU pool does not hold."""
+        end = start + 1
+        while end < len(keys) and self._in_pool(keys[end]) is None:
+            end += 1
+        return end
+
+    def _present(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` a host tier holds: the CPU pool (its key directory) or the store."""
+        found = 0
+        while found < len(keys):
+            if self._in_pool(keys[found]) is not None:
+                found += 1
+                continue
+            if self.store is None:
+                break
+            end = self._store_run(keys, found)
+            got = self.store.call("present", keys[found:end])
+            found += got
+            if found < end:
+                break
+        return found
+
+    def _load_blocks(self, keys: list[bytes], targets: Array) -> int:
+        """Load the longest prefix of ``keys`` a host tier holds into device blocks ``targets``, each block
+        from the fastest tier that has it: the CPU pool, else the store. Stops at the first miss."""
+        loaded = 0
+        while loaded < len(keys):
+            pooled: list[int] = []
+            while loaded + len(pooled) < len(keys):
+                block = self._in_pool(keys[loaded + len(pooled)])
+                if block is None:
+                    break
+                pooled.append(block)
+            if pooled:
+                self.engine.swap_in(np.array(pooled, dtype=np.int64), targets[loaded : loaded + len(pooled)])
+                loaded += len(pooled)
+                continue
+            if self.store is None:
+                break
+            end = self._store_run(keys, loaded)
+            got = self._load_from_store(keys[loaded:end], targets[loaded:end], self.store)
+            loaded += got
+            if loaded < end:
+                break
+        return loaded
+
+    def _load_from_store(self, keys: list[bytes], targets: Array, store: StoreCalls) -> int:
+        """Load the longest present prefix of ``keys`` from the store into device blocks ``targets``, a
+        staging buffer at a time (the store agent fills staging rows; this process copies them into the
+        device tier)."""
         staging = store.staging
         loaded = 0
         for start in range(0, len(keys), len(staging)):

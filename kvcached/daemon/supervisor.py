@@ -4,17 +4,22 @@ Start-up, in this order (each step is a fault-injection point, see ``kvcached.da
 
 1. refuse a spec for which the runner owns the cache (the fixed condition, cited in the message);
 2. take ``<run_dir>/<instance>.lock`` (``kvcached.daemon.lockfile``), or exit 3 and touch nothing;
-3. reclaim what a dead run of this instance left (``kvcached.daemon.reclaim``; ours only: a foreign owner
-   or foreign permissions on one of our names is refused, never used or deleted);
+3. adopt the memory an earlier run of this instance left (killed, or stopped with ``--keep``) when
+   ``kvcached.daemon.adopt`` finds it ours, of the same spec and consistent; reclaim the rest of what it
+   left (``kvcached.daemon.reclaim``; ours only: an object under our names owned by someone else is
+   never used or deleted, and at the control block's name it is refused);
 4. check /dev/shm has room for every rank and tier, before anything is reserved;
 5. create the per-rank semaphores, then the control block (published last: magic);
 6. fork one worker per rank (``kvcached.daemon.worker``); each record goes ALLOCATING, then READY when its
-   worker has reserved.
+   worker has reserved (adopted ranks: RECOVERING, then READY when its worker has reopened them).
 
 The supervisor is the only writer of the header and the records (each worker writes its own stats slot).
 Signal handlers only enqueue (Python writes the signal number to a wake-up pipe); the main loop
-dispatches. On SIGTERM/SIGINT/SIGHUP every record goes STOPPING (and its semaphore is posted), workers are
-stopped, and every object of the instance is unlinked, the lock file last. SIGUSR1 logs each rank's state.
+dispatches (the signals are listed in ``kvcached.daemon.signals``). On SIGTERM/SIGINT/SIGHUP every record
+goes STOPPING (and its semaphore is posted), workers are stopped, and every object of the instance is
+unlinked, the lock file last. On the keep signal every record goes KEPT instead, workers stop after the
+requests clients already sent, and the memory and the control block stay for the next start to adopt;
+the restart signal does the same, then ``kvcached start`` executes itself again. SIGUSR1 logs each rank.
 
 Faults cost a task, not the cache. A worker is judged by progress, not by silence between tasks: its
 ``progress`` counter (``kvcached.protocol.stats``) must move within ``--worker-timeout`` seconds of the
@@ -47,6 +52,8 @@ from kvcached import logs, memory
 from kvcached.access import Access
 from kvcached.config import DaemonConfig
 from kvcached.daemon import channel, faults, lockfile
+from kvcached.daemon import signals as requests
+from kvcached.daemon.adopt import Adoption, Refusal, judge
 from kvcached.daemon.errors import (
     EXIT_ALREADY_RUNNING,
     EXIT_CONFIG,
@@ -66,6 +73,7 @@ from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
+    control_name,
     instance_lock_path,
     instance_shm_entries,
     lock_path,
@@ -82,7 +90,6 @@ TICK_S = 0.25
 #: A rank whose workers die this many times within the window cannot be brought back.
 MAX_REPLACEMENTS = 3
 REPLACEMENT_WINDOW_S = 60.0
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 #: Called with the records after each allocation step (the CLI draws progress on a terminal with it).
 ProgressHook = Callable[[list[Record]], None]
@@ -120,6 +127,12 @@ class Supervisor:
         self.access = Access.for_daemon(config.gid)
         self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
         self.signals: FastDeploySignals | None = None  # FastDeploy's flags, when --ipc-suffix is set
+        self.arena_id = 0  # the generation that allocated the memory (ours, or the adopted one's)
+        self.adoption: Adoption | None = None
+        self.note = ""  # what the header tells `kvcached status` about the start
+        self.keep = False  # stopping keeps the memory for the next start
+        #: Set when the daemon stopped to execute itself again (``kvcached restart``): the caller does it.
+        self.restart_requested = False
 
     # -- entry ----------------------------------------------------------------------------------------
 
@@ -137,7 +150,10 @@ class Supervisor:
             status = fatal.exit_status
             raise
         finally:
-            self.notify.send(STOPPING=1)
+            if self.restart_requested:
+                self.notify.send(RELOADING=1, MONOTONIC_USEC=time.monotonic_ns() // 1000)
+            else:
+                self.notify.send(STOPPING=1)
             self._cleanup()
             self.notify.close()
             self.log.info("stopped", exit_status=status)
@@ -146,7 +162,8 @@ class Supervisor:
     def _install_signals(self) -> None:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        for signum in (*_STOP_SIGNALS, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
+        handled = (*requests.STOP_SIGNALS, requests.KEEP_SIGNAL, requests.RESTART_SIGNAL, requests.LOG_SIGNAL)
+        for signum in (*handled, signal.SIGCHLD):
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the signal number
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
 
@@ -181,6 +198,7 @@ class Supervisor:
             if self.signals.fileno() >= 0:
                 self.selector.register(self.signals.fileno(), selectors.EVENT_READ, "fdsignals")
         self.generation = secrets.randbits(64) | 1
+        self.arena_id = self.adoption.arena_id if self.adoption is not None else self.generation
         structlog.contextvars.bind_contextvars(generation=f"{self.generation:016x}")
         try:
             self._create_objects()
@@ -195,9 +213,13 @@ class Supervisor:
             owner=explain_owner(spec),
             per_rank=mib(self.config.shm_need()[1]),
             glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
+            **({"note": self.note} if self.note else {}),
         )
         for rank in range(self.config.ranks):
-            self._spawn(rank)
+            if self.adoption is None:
+                self._spawn(rank)
+            else:
+                self._adopt(rank, self.adoption.records[rank])
         if self.config.metrics_port:  # after the forks: its thread must not be copied into workers
             self._serve_metrics()
 
@@ -219,7 +241,32 @@ class Supervisor:
             run_dir=str(self.run_dir),
             mode=self.access.mode,
             gid=self.access.gid,
+            adopted_from=self.adoption.generation if self.adoption is not None else 0,
+            arena_id=self.arena_id,
+            note=self.note,
         )
+
+    def _adopt(self, rank: int, old: Record) -> None:
+        """Fork rank ``rank``'s worker on the memory ``old`` (the earlier generation's record) describes: it
+        reopens the device tier where its backend's memory outlived the old daemon (else makes it anew) and
+        the CPU pool with its key directory, bytes untouched."""
+        reopen_device = self.backend.outlives_worker
+        plan = dataclasses.replace(
+            self._plan(rank),
+            device_descriptor=dict(old.descriptor) if reopen_device else None,
+            reopen_pool=bool(old.cpu_bytes),
+        )
+        # The record names the memory from the start: a worker that dies while reopening it is replaced on
+        # it (``_replace``), never made to allocate over it.
+        self._set(
+            rank,
+            backend=old.backend,
+            descriptor=dict(old.descriptor) if reopen_device else {},
+            cpu_name=old.cpu_name,
+            cpu_bytes=old.cpu_bytes,
+            total_bytes=old.dev_bytes + old.cpu_bytes,
+        )
+        self._spawn(rank, plan, State.RECOVERING)
 
     def _serve_metrics(self) -> None:
         from kvcached.daemon import metrics
@@ -268,7 +315,9 @@ class Supervisor:
             ) from None
 
     def _reclaim(self) -> None:
-        """Remove what a dead run of this instance left; refuse squatters and live instances."""
+        """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows; remove the
+        rest of it. A live instance, and an object someone else owns at the control block's name, are
+        refused; objects someone else owns under older names are left untouched (and forbid adoption)."""
         found = inspect_instance(self.instance, self.run_dir)
         if found.live_pid is not None:
             raise Fatal(
@@ -276,11 +325,29 @@ class Supervisor:
                 f"than {self.run_dir}",
                 EXIT_ALREADY_RUNNING,
             )
-        if found.squatters:
-            raise Fatal(found.squatters[0], EXIT_RESOURCES)
-        count = remove_leftovers(found)
+        control = SHM_DIR / control_name(self.instance).lstrip("/")
+        for path, why in found.squatters:
+            if path == control:
+                raise Fatal(why, EXIT_RESOURCES)
+        verdict = None if self.config.fresh else judge(self.config)
+        if isinstance(verdict, Adoption) and found.squatters:
+            verdict = Refusal(verdict.generation, found.squatters[0][1])
+        for _, why in found.squatters:
+            self.log.warning("left untouched: an object under this instance's names is not ours", reason=why)
+        keep: set[Path] = set()
+        if isinstance(verdict, Adoption):
+            self.adoption = verdict
+            ours = f".{verdict.arena_id:016x}."
+            keep = {entry for entry in found.entries if ours in entry.name and not entry.name.startswith("sem.")}
+            self.log.info("adopting the memory of an earlier run", note=verdict.note)
+        elif isinstance(verdict, Refusal):
+            self.log.warning("not adopting the memory of an earlier run; reclaiming it", reason=verdict.reason)
+        elif self.config.fresh and found.entries:
+            verdict = Refusal(0, "--fresh")
+        self.note = verdict.note if verdict is not None else ""
+        count = remove_leftovers(found, keep=keep)
         if count:
-            self.log.info("reclaimed objects of a dead run", count=count)
+            self.log.info("reclaimed objects of an earlier run", count=count)
 
     def _check_space(self) -> None:
         need, per_rank = self.config.shm_need()
@@ -344,7 +411,7 @@ class Supervisor:
         # Nothing was published yet: remove what the dead worker half-made and allocate again.
         request = plan.tier_request()
         self.backend.release(request)
-        unlink_entries([SHM_DIR / request.shm_name(tier).lstrip("/") for tier in ("dev", "cpu")])
+        unlink_entries([SHM_DIR / request.shm_name(tier).lstrip("/") for tier in ("dev", "cpu", "keys")])
         self.log.warning("restarting rank worker's allocation", rank=rank, reason=why)
         self._spawn(rank, plan, State.ALLOCATING)
 
@@ -361,6 +428,7 @@ class Supervisor:
             memory=self.config.memory,
             device_id=self.config.devices[rank] if self.config.devices else rank,
             store_timeout=self.config.store_timeout,
+            arena_id=self.arena_id,
         )
 
     # -- records --------------------------------------------------------------------------------------
@@ -380,8 +448,16 @@ class Supervisor:
         if state_changed:
             self.sems[rank].release()
             if self.signals is not None:
-                ready = [r.state in (State.READY, State.RECOVERING) for r in self.records]
-                self.signals.update(ready, has_pool=self.spec.num_cpu_blocks > 0)
+                self.signals.update([self._has_cache(r) for r in self.records], has_pool=self.spec.num_cpu_blocks > 0)
+
+    def _has_cache(self, record: Record) -> bool:
+        """Whether rank ``record.rank`` has its device cache now (what FastDeploy's ready flag says): READY,
+        or RECOVERING on device memory that outlived the worker it replaces (not yet, while this daemon
+        reopens what it adopted: runners may attach only once it is READY)."""
+        if record.state is State.READY:
+            return True
+        recovering = record.state is State.RECOVERING and self.all_ready_logged
+        return recovering and self.backend.outlives_worker
 
     # -- main loop ------------------------------------------------------------------------------------
 
@@ -416,12 +492,18 @@ class Supervisor:
         except BlockingIOError:
             return None
         for signum in data:
-            if signum in _STOP_SIGNALS:
-                self.log.info("stopping", signal=signal.Signals(signum).name)
+            if signum in requests.STOP_SIGNALS:
+                self.log.info("stopping", signal=requests.name(signum))
                 return EXIT_OK
-            if signum in (signal.SIGUSR1, signal.SIGUSR2):
+            if signum in (requests.KEEP_SIGNAL, requests.RESTART_SIGNAL):
+                self.keep = True
+                self.restart_requested = signum == requests.RESTART_SIGNAL
+                what = "restarting" if self.restart_requested else "stopping"
+                self.log.info(f"{what}, keeping the memory for the next start", signal=requests.name(signum))
+                return EXIT_OK
+            if signum == requests.LOG_SIGNAL:
                 states = {r.rank: r.state.name for r in self.records}
-                self.log.info("ranks", signal=signal.Signals(signum).name, states=states, workers=len(self.workers))
+                self.log.info("ranks", signal=requests.name(signum), states=states, workers=len(self.workers))
         return None
 
     def _on_worker(self, rank: int) -> None:
@@ -445,19 +527,19 @@ class Supervisor:
                 self.notify.status(self._progress_text(), throttle_s=0.5)
                 self._show_progress()
             case channel.Ready():
-                recovered = record.state is State.RECOVERING
+                reopened = record.state is State.RECOVERING
                 # Ready's fields are record fields of the same names (backend, descriptor, sizes, layout).
                 self._set(
                     rank, state=State.READY, reserved_bytes=record.total_bytes, error="", **dataclasses.asdict(message)
                 )
                 self._show_progress()
-                if recovered:
+                if reopened and self.all_ready_logged:
                     self.log.warning("rank recovered", rank=rank, worker_pid=record.worker_pid)
                     return
-                self.log.info("rank ready", rank=rank, bytes=record.total_bytes)
+                self.log.info("rank adopted" if reopened else "rank ready", rank=rank, bytes=record.total_bytes)
                 if not self.all_ready_logged and all(r.state is State.READY for r in self.records):
                     self.all_ready_logged = True
-                    self.log.info("all ranks ready", ranks=len(self.records))
+                    self.log.info("all ranks ready", ranks=len(self.records), note=self.note)
                     total = sum(r.total_bytes for r in self.records)
                     self.notify.send(READY=1, STATUS=f"serving {len(self.records)} ranks, {total / 2**30:.1f} GiB")
                     faults.fault("after-ready")
@@ -526,16 +608,21 @@ class Supervisor:
     # -- stop -----------------------------------------------------------------------------------------
 
     def _cleanup(self) -> None:
-        """Idempotent: STOPPING, stop workers, unlink every object of this generation, release the lock."""
+        """Idempotent: STOPPING, stop workers, unlink every object of this instance, release the lock. With
+        ``keep`` (and every rank whole), KEPT instead, and the memory and the control block stay."""
         if self.metrics is not None:
             self.metrics.shutdown()
             self.metrics.server_close()
             self.metrics = None
+        keep = self.keep and bool(self.records) and all(r.state is State.READY for r in self.records)
+        if self.keep and not keep:
+            states = [r.state.name for r in self.records]
+            self.log.warning("not keeping the memory: not every rank is READY", states=states)
         if self.block is not None:
             for rank, record in enumerate(self.records):
                 if record.state is not State.FAILED:
-                    self._set(rank, state=State.STOPPING)
-        self._stop_workers()
+                    self._set(rank, state=State.KEPT if keep else State.STOPPING)
+        self._stop_workers(drain=keep)
         if self.signals is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(self.signals.fileno())
@@ -544,7 +631,8 @@ class Supervisor:
         if self.lock_fd is None:
             return  # we never owned the instance: touch nothing
         if self.block is not None:
-            self.block.unlink()
+            if not keep:
+                self.block.unlink()
             self.block.close()
             self.block = None
         for sem in self.sems:
@@ -552,13 +640,16 @@ class Supervisor:
                 sem.unlink()
             sem.close()
         self.sems = []
-        if self.generation:
+        if self.generation and not keep:
             for rank in range(self.config.ranks):
                 self.backend.release(self._plan(rank).tier_request())
-            # Every object of this generation (arenas, pools, a semaphore or arena a killed worker
-            # half-made). Only names with our generation: objects we refused at start-up are not ours.
-            ours = f".{self.generation:016x}."
-            unlink_entries([entry for entry in instance_shm_entries(self.instance) if ours in entry.name])
+            # Every object of this instance's generation and of the memory's (arenas, pools, key
+            # directories, a semaphore or arena a killed worker half-made). Objects we refused at start-up
+            # carry neither name: they are not ours.
+            names = {f".{self.generation:016x}.", f".{self.arena_id:016x}."}
+            unlink_entries([e for e in instance_shm_entries(self.instance) if any(n in e.name for n in names)])
+        elif keep:
+            self.log.info("kept for the next start", generation=f"{self.generation:016x}", ranks=len(self.records))
         for path in self.run_dir.glob(f"{self.instance}.r*.sock"):
             path.unlink(missing_ok=True)
         if self.instance_lock_fd is not None:
@@ -567,10 +658,10 @@ class Supervisor:
         lockfile.release(lock_path(self.instance), self.lock_fd)
         self.lock_fd = None
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, *, drain: bool = False) -> None:
         for _, sock in self.workers.values():
             with contextlib.suppress(OSError):
-                channel.send(sock, channel.Stop())
+                channel.send(sock, channel.Stop(drain=drain))
         deadline = time.monotonic() + STOP_GRACE_S
         for rank, (pid, _) in list(self.workers.items()):
             while True:

@@ -3,12 +3,14 @@
 Its life, in three steps, each raising ``WorkerFailure`` (a reason and the exit status the daemon should
 end with) when it cannot go on:
 
-1. ``allocate``: the device tier (through its backend, ``kvcached.memory``) and the CPU pool, reporting
-   progress; or, for a worker that replaces one that died, ``reopen`` them with their bytes untouched;
+1. ``allocate``: the device tier (through its backend, ``kvcached.memory``), the CPU pool and its key
+   directory (``kvcached.daemon.keydir``), reporting progress; or, for a worker that replaces one that
+   died or one of a daemon that adopted an earlier run's memory, ``reopen`` them with their bytes untouched;
 2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), behind a
    thread and a deadline per call (``kvcached.daemon.storecalls``);
 3. ``serve``: listen on the rank's task socket and run tasks (``kvcached.daemon.server``) until told to
-   stop.
+   stop; told to stop for a handover (``Stop(drain=True)``), it answers the tasks that still arrive
+   NOT_RUN until its clients are quiet, then exits.
 
 Liveness: the worker adds to the ``progress`` counter of its stats slot each time its loop turns (at
 least once a second) and at every step of a long task; the supervisor replaces a worker whose counter
@@ -40,6 +42,7 @@ from kvcached.access import Access
 from kvcached.config import StoreConfig
 from kvcached.daemon import channel, faults, server
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
+from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.storecalls import StoreCalls
 from kvcached.memory.base import DeviceTier, TierRequest
 from kvcached.memory.shm import create_arena, open_arena, pin
@@ -60,6 +63,9 @@ from kvcached.transfer import SwapEngine
 
 #: The worker's loop turns (and marks progress) at least this often.
 LOOP_S = 0.5
+#: Handing over: done when no client sent anything for this long (or after ``DRAIN_S``).
+DRAIN_QUIET_S = 0.02
+DRAIN_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -86,16 +92,19 @@ class WorkerPlan:
     access: Access
     memory: str = "host"
     device_id: int = 0
-    #: A replacement worker reopens what these describe instead of allocating: the device tier (its
-    #: record's descriptor; None: create it) and the CPU pool (True: it exists, keep its bytes).
+    #: A replacement worker, or one of a daemon that adopted an earlier one's memory, reopens what these
+    #: describe instead of allocating: the device tier (its record's descriptor; None: create it) and the
+    #: CPU pool with its key directory (True: they exist, keep their bytes).
     device_descriptor: dict[str, Any] | None = None
     reopen_pool: bool = False
     store_timeout: float = 10.0
+    #: The generation that allocated the memory (names of arenas, pools, key directories); 0: this one.
+    arena_id: int = 0
 
     def tier_request(self) -> TierRequest:
         return TierRequest(
             instance=self.instance,
-            arena_id=self.generation,
+            arena_id=self.arena_id or self.generation,
             rank=self.rank,
             spec=self.spec,
             device_id=self.device_id,
@@ -111,6 +120,7 @@ class RankTiers:
     device: DeviceTier
     pool: mmap.mmap | None
     pool_name: str
+    keys: KeyDirectory | None = None
 
 
 def _die_with_parent(parent: int) -> None:
@@ -196,13 +206,36 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
         raise WorkerFailure(f"CPU pool {pool_name} {what}", EXIT_RESOURCES) from None
     except ProtocolError as exc:
         raise WorkerFailure(f"CPU pool {pool_name}: {exc}", EXIT_RESOURCES) from None
+    keys = _key_directory(plan, request, log) if pool is not None else None
     if backend.pins_pool and pool is not None:
         try:
             pin(pool)  # the device copies to and from it by DMA, as FastDeploy's mlocked swap space
         except OSError as exc:
             raise WorkerFailure(f"CPU pool of rank {plan.rank}: {exc.strerror}", EXIT_RESOURCES) from None
     log.info("tiers reserved", device_bytes=device.nbytes, cpu_bytes=cpu_bytes, backend=plan.memory)
-    return RankTiers(device, pool, pool_name if pool is not None else "")
+    return RankTiers(device, pool, pool_name if pool is not None else "", keys)
+
+
+def _key_directory(plan: WorkerPlan, request: TierRequest, log: logs.Logger) -> KeyDirectory:
+    """The CPU pool's key directory: the one a reopened pool has (an empty new one when it has none or
+    it cannot be read: an empty directory is always true), else a new one."""
+    name, slots = request.shm_name("keys"), plan.spec.num_cpu_blocks
+    try:
+        if plan.reopen_pool:
+            try:
+                keys = KeyDirectory.open(name, slots)
+                log.info("key directory reopened", keyed_blocks=len(keys))
+                return keys
+            except posix_ipc.ExistentialError:
+                pass
+            except ProtocolError as exc:
+                log.warning("key directory unreadable: starting an empty one", reason=str(exc))
+                posix_ipc.unlink_shared_memory(name)
+        return KeyDirectory.create(name, slots, mode=request.mode, gid=request.gid)
+    except ShmFull as exc:
+        raise WorkerFailure(str(exc.strerror), EXIT_RESOURCES) from None
+    except posix_ipc.Error as exc:
+        raise WorkerFailure(f"key directory {name}: {exc}", EXIT_RESOURCES) from None
 
 
 #: How long a worker waits for its store to open before it serves without it (store tasks then fail
@@ -276,6 +309,7 @@ def serve(
         log=log,
         store=rank_store,
         access=plan.access,
+        keys=tiers.keys,
     )
     faults.fault("worker-before-ready")
     channel.send(
@@ -292,21 +326,32 @@ def serve(
     selector.register(sock, selectors.EVENT_READ, "supervisor")
     selector.register(listener, selectors.EVENT_READ, "listener")
     next_chores = 0.0
+    draining_until = 0.0  # set by Stop(drain=True): answer what clients send NOT_RUN until they are quiet
     try:
         while True:
             stats.progressed()
-            for key, events in selector.select(timeout=LOOP_S):
+            events = selector.select(timeout=DRAIN_QUIET_S if draining_until else LOOP_S)
+            for key, mask in events:
                 if key.data == "supervisor":
                     message = channel.recv(sock)
-                    if message is None or isinstance(message, channel.Stop):
+                    if isinstance(message, channel.Stop) and message.drain and not draining_until:
+                        selector.unregister(listener)
+                        listener.close()  # clients that connect now are refused, and try the next daemon
+                        selector.unregister(sock)
+                        tasks.hand_over()
+                        draining_until = time.monotonic() + DRAIN_S
+                    elif message is None or isinstance(message, channel.Stop):
                         return EXIT_OK
                 elif key.data == "listener":
                     tasks.accept()
                 else:
                     client = key.fileobj
                     assert isinstance(client, socket.socket)
-                    tasks.on_event(client, events)
+                    tasks.on_event(client, mask)
             now = time.monotonic()
+            if draining_until and ((not events and not tasks.sending()) or now >= draining_until):
+                log.info("drained: stopping for the next daemon", connections=len(tasks.conns))
+                return EXIT_OK
             if now >= next_chores:  # once a second: stalled frames, the store's health and figures
                 next_chores = now + 1.0
                 tasks.tick(now)

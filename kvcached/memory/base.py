@@ -129,6 +129,13 @@ class DeviceBackend(abc.ABC):
 
         raise ResourceError(f"the {self.name} backend's device memory does not outlive the worker that owned it")
 
+    def why_not_adoptable(self, request: TierRequest, descriptor: Mapping[str, Any]) -> str | None:
+        """Why a new daemon cannot ``reopen`` the tier ``descriptor`` describes (None: it can). Looks, never
+        opens or changes. The default: a backend whose tiers do not outlive their process makes them anew."""
+        if not self.outlives_worker:
+            return f"the {self.name} backend's device memory died with the daemon that held it"
+        return None
+
     def release(self, request: TierRequest) -> None:
         """Remove what ``create`` made beyond the instance's own shm names (which the supervisor unlinks)."""
         for path in self.leftovers(request.spec, {"device": request.device_id, "local_rank": request.rank}):

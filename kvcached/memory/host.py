@@ -131,6 +131,12 @@ class HostBackend(DeviceBackend):
         except (posix_ipc.Error, ProtocolError) as exc:
             raise ResourceError(f"cannot reopen device arena {name}: {exc}") from None
 
+    def why_not_adoptable(self, request: TierRequest, descriptor: Mapping[str, Any]) -> str | None:
+        name = descriptor.get("arena")
+        if name != request.shm_name("dev"):
+            return f"rank {request.rank}'s record names arena {name!r}, expected {request.shm_name('dev')!r}"
+        return shm.why_not_ours(name, device_arena_bytes(request.spec))
+
     def attach(
         self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
     ) -> Attached:

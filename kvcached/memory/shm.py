@@ -13,6 +13,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable
 
 import posix_ipc
@@ -73,6 +74,29 @@ def open_arena(name: str, size: int, *, populate: bool = True, owner: int | None
         return mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | (MAP_POPULATE if populate else 0))
     finally:
         shm.close_fd()
+
+
+#: Modes kvcached gives its objects (0600 alone, 0660 with --group).
+OUR_MODES = (0o600, 0o660)
+
+
+def why_not_ours(name: str, size: int) -> str | None:
+    """Why shm object ``name`` cannot be taken over as one of ours of at least ``size`` bytes (absent, not a
+    plain object, another owner, foreign permissions, too small), or None when it can. Nothing is opened."""
+    path = f"/dev/shm{name}"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path} is gone"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a shared-memory object"
+    if st.st_uid != os.geteuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this daemon's uid {os.geteuid()}"
+    if stat.S_IMODE(st.st_mode) not in OUR_MODES:
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):o}; kvcached makes 600 or 660"
+    if st.st_size < size:
+        return f"{path} has {st.st_size} bytes, the layout needs {size}"
+    return None
 
 
 def unlink(name: str) -> bool:

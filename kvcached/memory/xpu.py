@@ -6,13 +6,16 @@ scales), zero-filled, with FastDeploy's shapes and dtypes, and exports each unde
 FastDeploy's ``set_data_ipc`` (see ``kvcached.protocol.fastdeploy``). A runner attaches each by name with
 ``share_external_data``. Swaps and store tasks move block rows between those tensors and the CPU pool.
 
-The descriptor a runner attaches with: ``{"device": d, "local_rank": r}`` (the names follow from them
-and the spec).
+The descriptor a runner attaches with: ``{"device": d, "local_rank": r, "pid": p}`` (the names follow
+from the device, the rank and the spec; ``pid`` is the worker that allocated the tensors, so a tier made
+anew never publishes the descriptor of the one before it).
 
 Everything that needs the hardware goes through ``XpuRuntime``. ``PaddleXpuRuntime`` is the real one; it
 checks that paddle has XPU support and that FastDeploy's XPU ops are importable, and otherwise fails with
 what to install. There is no fallback to host memory: ``--memory xpu`` without an XPU is an error.
-Device memory belongs to the worker process that allocated it: it does not outlive that process.
+Device memory belongs to the worker process that allocated it: it does not outlive that process. A
+replaced worker, or a daemon that adopts an earlier one's memory, makes the device tier anew (zeroed);
+the CPU pool and the store, in host memory and on disk, are kept.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ class XpuTier(DeviceTier):
     def __init__(self, spec: CacheSpec, local_rank: int, device_id: int, runtime: XpuRuntime) -> None:
         self.spec = spec
         self.device_id = device_id
-        self.descriptor = {"device": device_id, "local_rank": local_rank}
+        self.descriptor = {"device": device_id, "local_rank": local_rank, "pid": os.getpid()}
         self.nbytes = spec.num_blocks * spec.block_bytes
         self.exports: list[Export] = exports(spec, local_rank, device_id)
         self.tensors: dict[str, Any] = {}

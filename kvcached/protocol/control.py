@@ -10,7 +10,9 @@ alone, read by all.
     |  20 ranks u32 | 24 generation u64 | 32 daemon pid i64 | 40 daemon start time u64       |
     |  48 created (wall ns) u64 | 56 spec digest 16B | 72 spec JSON length u32                 |
     |  76 run directory 128B (utf-8: where the task sockets are) | 204 adopted from u64      |
-    | 212 stats slot size u32 | 216 spec JSON                                                |
+    | 212 stats slot size u32 | 216 spec JSON (at most 3368 bytes)                         |
+    | 3584 arena id u64 (the generation that allocated the memory: arena and pool names)    |
+    | 3592 note length u16 | 3594 note 502B (utf-8: adopted from ..., or why not)          |
     +--------------------------------------------------------------------------------------+
     | record of rank 0, 1024 bytes, under a seqlock                                        |
     |   0 seq u64 | 8 state u32 | 12 rank u32 | 16 generation u64 | 24 heartbeat (mono ns)  |
@@ -25,6 +27,10 @@ alone, read by all.
     +--------------------------------------------------------------------------------------+
     | stats slot of rank 0 ... rank n-1 (``kvcached.protocol.stats``): written by each        |
     | rank's worker, never by the supervisor                                                 |
+
+The fields from offset 3584 were added after version 3 was first published, where its readers never
+look: a reader of the first version 3 still reads a newer block (it sees no arena id or note), and a
+newer reader takes a zero arena id for the generation (a daemon before adoption allocated its own).
 
 The seqlock: the writer makes ``seq`` odd, writes the body and its crc32, makes ``seq`` even; a reader
 reads ``seq``, copies the body, reads ``seq`` again and retries while it was odd or changed, or while the
@@ -68,6 +74,9 @@ MAX_DESCRIPTOR = 480
 
 _HEADER = struct.Struct("<8sIIIIQqQQ16sI128sQI")
 _SPEC_OFFSET = _HEADER.size
+_EXTENSION_OFFSET = 3584
+_EXTENSION = struct.Struct("<QH")
+MAX_NOTE = HEADER_SIZE - _EXTENSION_OFFSET - _EXTENSION.size
 _SEQ = struct.Struct("<Q")
 _FIELDS = struct.Struct("<IIQQQQqIIQQQQ16s64s256sH480s")
 _CRC = struct.Struct("<I")
@@ -85,6 +94,9 @@ class State(enum.IntEnum):
     FAILED = 4
     #: The rank's worker died or hung and is being replaced on the same memory; tasks wait for READY.
     RECOVERING = 5
+    #: The daemon stopped keeping the rank's memory for the next one (``kvcached stop --keep``, ``kvcached
+    #: restart``): runners keep their views and wait for the daemon that adopts it.
+    KEPT = 6
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +114,11 @@ class Header:
     run_dir: str
     #: The generation whose memory this daemon adopted at start (0: it allocated its own).
     adopted_from: int = 0
+    #: The generation that allocated the memory (arenas and pools are named after it): this generation
+    #: unless it adopted another's.
+    arena_id: int = 0
+    #: What the daemon says about its start: "adopted from generation G", or why it did not adopt.
+    note: str = ""
 
 
 @dataclasses.dataclass(slots=True)
@@ -256,10 +273,13 @@ class ControlBlock:
         mode: int = 0o600,
         gid: int | None = None,
         adopted_from: int = 0,
+        arena_id: int = 0,
+        note: str = "",
     ) -> ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
         ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
-        ``magic`` is written last."""
+        ``magic`` is written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE``
+        bytes."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         run_dir_bytes = run_dir.encode()
@@ -283,7 +303,7 @@ class ControlBlock:
         block = cls(name, mm, True, inode)
         block._num_ranks = num_ranks
         spec_json = json.dumps(spec.to_dict(), sort_keys=True).encode()
-        if _SPEC_OFFSET + len(spec_json) > HEADER_SIZE:
+        if _SPEC_OFFSET + len(spec_json) > _EXTENSION_OFFSET:
             raise ValueError("spec does not fit the control block header")
         _HEADER.pack_into(
             block._buf,
@@ -304,6 +324,10 @@ class ControlBlock:
             STATS_SIZE,
         )
         block._buf[_SPEC_OFFSET : _SPEC_OFFSET + len(spec_json)] = spec_json
+        note_bytes = _fit(note, MAX_NOTE)
+        _EXTENSION.pack_into(block._buf, _EXTENSION_OFFSET, arena_id or generation, len(note_bytes))
+        start = _EXTENSION_OFFSET + _EXTENSION.size
+        block._buf[start : start + len(note_bytes)] = note_bytes
         for rank in range(num_ranks):
             block.write(rank, Record(rank=rank, generation=generation))
         block._buf[0:8] = MAGIC
@@ -380,7 +404,7 @@ class ControlBlock:
             )
         if not 1 <= num_ranks <= MAX_RANKS or len(self._buf) < HEADER_SIZE + (RECORD_SIZE + STATS_SIZE) * num_ranks:
             raise ProtocolError(f"{self.name}: rank count {num_ranks} does not fit the block")
-        if spec_len > HEADER_SIZE - _SPEC_OFFSET:
+        if spec_len > _EXTENSION_OFFSET - _SPEC_OFFSET:
             raise ProtocolError(f"{self.name}: spec length {spec_len} does not fit the header")
         try:
             spec = json.loads(bytes(self._buf[_SPEC_OFFSET : _SPEC_OFFSET + spec_len]))
@@ -388,8 +412,22 @@ class ControlBlock:
             raise ProtocolError(f"{self.name}: spec in header is not JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise ProtocolError(f"{self.name}: spec in header is not an object")
+        arena_id, note_len = _EXTENSION.unpack_from(self._buf, _EXTENSION_OFFSET)
+        note_start = _EXTENSION_OFFSET + _EXTENSION.size
+        note = bytes(self._buf[note_start : note_start + min(note_len, MAX_NOTE)]).decode("utf-8", "replace")
         self._header = Header(
-            version, num_ranks, generation, pid, start, created, digest, spec, _unfit(run_dir), adopted_from
+            version,
+            num_ranks,
+            generation,
+            pid,
+            start,
+            created,
+            digest,
+            spec,
+            _unfit(run_dir),
+            adopted_from,
+            arena_id or generation,
+            note,
         )
         self._num_ranks = num_ranks
         return self._header

@@ -17,7 +17,8 @@ Every frame is a fixed header and a payload; integers little-endian::
 
     status OK (0): every op but HELLO answers ``TASK_RESULT`` (blocks u64, bytes u64, ns u64); HELLO replies
     JSON; INVALID (1): JSON {"field", "message"}, nothing was changed; FAILED (2): JSON {"message"}; the
-    connection stays usable after both.
+    connection stays usable after both. NOT_RUN (4): JSON {"message"}, the worker is handing its rank over
+    to the next daemon (``kvcached restart``, ``stop --keep``) and did not run the task: send it to that one.
 
 Replies come back in request order on a connection. A frame with a bad magic or a payload larger than
 ``MAX_PAYLOAD`` cannot be resynchronised: the worker answers INVALID and closes that connection only.
@@ -65,6 +66,8 @@ class Status(enum.IntEnum):
     FAILED = 2
     #: The connection itself is refused (peer credentials); sent once, unsolicited, then it is closed.
     REFUSED = 3
+    #: The task was not run: the worker hands its rank over to the next daemon. Send it there.
+    NOT_RUN = 4
 
 
 def request(op: Op, task_id: int, payload: bytes = b"", flags: int = 0) -> bytes:

@@ -6,13 +6,16 @@ An instance name is ``[A-Za-z0-9_-]{1,48}`` (no dot), so every object name parse
     /kvcached.<instance>.<gen>.r<rank>            per-rank wake-up semaphore (/dev/shm/sem.kvcached...)
     /kvcached.<instance>.<gen>.r<rank>.dev        device arena of a rank (host backend)
     /kvcached.<instance>.<gen>.r<rank>.cpu        CPU swap pool of a rank
+    /kvcached.<instance>.<gen>.r<rank>.keys       key directory of a rank's CPU pool
     /dev/shm/kvcached.<instance>.lock             flock held by the supervisor: one daemon per instance on the
                                                   host, whatever run directory each was given
     <run_dir>/<instance>.lock                     flock held by the supervisor for its whole life
     <run_dir>/<instance>.r<rank>.sock             a rank worker's task socket (Unix stream)
 
-``<gen>`` is the daemon generation in 16 hex digits: a post or an arena of a dead run never carries the
-current generation's name.
+``<gen>`` is a daemon generation in 16 hex digits: a semaphore carries the generation that made it, an
+arena, pool or key directory the generation that allocated it (its arena id). A daemon that adopted the
+memory of an earlier generation keeps that generation's arena names; nothing of a dead run ever carries
+the name of a new generation.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def semaphore_name(instance: str, generation: int, rank: int) -> str:
 
 
 def arena_name(instance: str, generation: int, rank: int, tier: str) -> str:
-    """POSIX shm name of a rank's arena of ``tier`` ("dev" or "cpu") in one generation."""
+    """POSIX shm name of a rank's arena of ``tier`` ("dev", "cpu" or "keys") allocated by ``generation``."""
     return f"/{PREFIX}.{check_instance(instance)}.{generation:016x}.r{rank}.{tier}"
 
 

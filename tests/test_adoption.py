@@ -1,0 +1,362 @@
+"""The cache outlives its processes: a start adopts the memory an earlier run left, runners ride through
+a kill -9 and a restart, the CPU pool is found again by key, and adoption is refused when it must be.
+
+Everything is real: daemon processes killed with SIGKILL, ``kvcached restart`` executing itself, runner
+processes holding their views across it, sha256 of the very shared memory objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import posix_ipc
+import pytest
+
+import runner_client as rc
+from kvcached.protocol.control import HEADER_SIZE, RECORD_SIZE
+from kvcached.protocol.names import SHM_DIR, control_name
+from kvcached.status import read_status
+from tests.conftest import ROOT, Daemon, DaemonFactory, shm_entries, unique_instance
+
+
+def geometry(spec: rc.CacheSpec) -> list[str]:
+    """``kvcached start`` flags for ``spec``."""
+    return [
+        "--num-layers", str(spec.num_layers), "--kv-heads", str(spec.kv_heads), "--head-dim", str(spec.head_dim),
+        "--block-size", str(spec.block_size), "--num-blocks", str(spec.num_blocks),
+        "--num-cpu-blocks", str(spec.num_cpu_blocks),
+    ]  # fmt: skip
+
+
+SPEC = rc.CacheSpec(num_layers=4, kv_heads=2, head_dim=32, block_size=16, num_blocks=64, num_cpu_blocks=64)
+#: 2 ranks x 1 GiB (device 768 MiB, CPU pool 256 MiB each), the acceptance's size.
+GIB_SPEC = rc.CacheSpec(num_layers=4, kv_heads=2, head_dim=128, block_size=64, num_blocks=3072, num_cpu_blocks=1024)
+
+
+class RunnerProcess:
+    """``tests/adoption_runner.py``: a runner process answering one JSON line per command."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "adoption_runner.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+
+    def ask(self, do: str, **command: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"do": do, **command}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"runner exited ({self.proc.poll()}): {self.proc.stderr.read() if self.proc.stderr else ''}"
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def memory_digests(instance: str) -> dict[str, str]:
+    """sha256 of every device arena, CPU pool and key directory of ``instance``, by name."""
+    digests = {}
+    for name in shm_entries(instance):
+        if name.endswith((".dev", ".cpu", ".keys")):
+            shm = posix_ipc.SharedMemory(f"/{name}", read_only=True)
+            size = os.fstat(shm.fd).st_size
+            with mmap.mmap(shm.fd, size, prot=mmap.PROT_READ) as mm:
+                digests[name] = hashlib.sha256(mm).hexdigest()
+            shm.close_fd()
+    return digests
+
+
+def wait_ready_after(daemon: Daemon, started: float, timeout: float = 60) -> float:
+    """Seconds from ``started`` until every rank of ``daemon`` is READY."""
+    daemon.wait_ready(timeout)
+    return time.monotonic() - started
+
+
+def test_kill9_while_two_runners_swap_then_start_adopts(daemons: DaemonFactory) -> None:
+    """Acceptance 1: kill -9 of the daemon while two runner processes are attached and swapping, then
+    `kvcached start`: every rank READY (time printed), every device tier and CPU pool byte for byte what it
+    was (the swaps write the same bytes again and again, so a task cut off changed nothing), both runners'
+    views read their patterns, and their next swap succeeds without re-attaching."""
+    daemon = daemons.start(ranks=2, args=geometry(GIB_SPEC), small=False)
+    first = daemon.wait_ready(timeout=120)
+    runners = [RunnerProcess(daemons.env()) for _ in range(2)]
+    try:
+        blocks, cpu = list(range(0, 64)), list(range(100, 164))
+        for rank, runner in enumerate(runners):
+            assert runner.ask("attach", spec=GIB_SPEC.to_dict(), rank=rank, instance=daemon.instance)["ok"]
+            runner.ask("fill", blocks=blocks, seed=rank)
+            runner.ask("loop", src=blocks, cpu=cpu)
+        time.sleep(0.3)  # both are swapping now
+        daemon.kill9()
+        before = memory_digests(daemon.instance)
+        started = time.monotonic()
+        second = daemons.start(daemon.instance, ranks=2, args=geometry(GIB_SPEC), small=False)
+        took = wait_ready_after(second, started)
+        print(f"\n2 ranks x 1 GiB: READY {took:.2f} s after `kvcached start` (adopting)")
+        status = read_status(daemon.instance)
+        assert status["adopted_from"] == first["generation"] and "adopted from" in status["note"]
+        assert memory_digests(daemon.instance) == before, "adoption changed the memory"
+        for rank, runner in enumerate(runners):
+            report = runner.ask("unloop")
+            assert report["done"] > 0, report
+            for failure in report["failures"]:  # a task in flight at the kill: TaskLost naming its blocks
+                assert failure["type"] == "TaskLost" and failure["blocks"] == cpu, failure
+            assert runner.ask("check", blocks=blocks, seed=rank)["ok"], "a runner's view changed"
+            assert runner.ask("valid") == {"ok": True, "valid": True, "generation": status["generation"]}
+            assert runner.ask("swap_in", cpu=cpu[:8], dst=list(range(200, 208)))["blocks"] == 8
+            moved = runner.ask("check", blocks=list(range(200, 208)), seed=rank, sources=blocks[:8])
+            assert moved["ok"], f"rank {rank}: the swap after the restart moved other bytes: {moved}"
+        assert took < 30, "adoption hung"
+    finally:
+        for runner in runners:
+            runner.close()
+
+
+def test_restart_under_a_stream_of_swaps_loses_nothing(daemons: DaemonFactory) -> None:
+    """Acceptance 2: `kvcached restart` three times under a steady stream of swap tasks whose bytes are
+    checked: every task succeeds or raises, no byte is lost, the longest gap in service is printed."""
+    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False)
+    daemon.wait_ready()
+    pid = daemon.pid
+    cache = rc.initialize_kv_cache(SPEC, 0, instance=daemon.instance, timeout=10)
+    tasks = rc.CacheTasks(daemon.instance, timeout=30)
+    raw = cache.key_caches[0].view(np.uint8)
+    rng = np.random.default_rng(5)
+    stop = threading.Event()
+    outcome: dict[str, Any] = {"done": 0, "errors": [], "wrong": 0, "gap": 0.0}
+
+    def stream() -> None:
+        last = time.monotonic()
+        i = 0
+        while not stop.is_set():
+            src, cpu, dst = i % 16, i % 32, 32 + i % 16
+            raw[src] = rng.integers(0, 256, raw[src].shape, dtype=np.uint8)
+            expected = raw[src].copy()
+            try:
+                tasks.swap_out(0, [src], [cpu])
+                tasks.swap_in(0, [cpu], [dst])
+                outcome["done"] += 1
+                if not np.array_equal(raw[dst], expected):
+                    outcome["wrong"] += 1
+            except rc.KVCacheError as exc:
+                outcome["errors"].append(repr(exc))
+            now = time.monotonic()
+            outcome["gap"] = max(outcome["gap"], now - last)
+            last, i = now, i + 1
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        time.sleep(0.3)
+        generations = []
+        for _ in range(3):
+            done = outcome["done"]
+            result = daemons.cli("restart", "--instance", daemon.instance)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert "adopted from generation" in result.stdout
+            generations.append(read_status(daemon.instance)["generation"])
+            time.sleep(0.2)
+            assert outcome["done"] > done, "no task ran across the restart"
+    finally:
+        stop.set()
+        thread.join(60)
+    print(f"\n3 restarts under a swap stream: {outcome['done']} round trips, longest gap {outcome['gap']:.3f} s")
+    assert outcome["wrong"] == 0, "a swap moved wrong bytes"
+    assert all("TaskLost" in error for error in outcome["errors"]), outcome["errors"]
+    assert len(set(generations)) == 3 and read_status(daemon.instance)["pid"] == pid, "restart keeps the pid"
+    assert cache.still_valid() and cache.daemon_alive()
+    tasks.close()
+    cache.close()
+    assert daemon.stop() == 0
+    assert shm_entries(daemon.instance) == []
+
+
+def test_a_new_runner_process_finds_a_prefix_in_the_cpu_pool_by_key(daemons: DaemonFactory) -> None:
+    """Acceptance 3 (store off): one runner process swaps 64 blocks out with their keys and exits; the
+    daemon is killed and started again (it adopts); a new runner process, knowing no block id, finds the
+    64-block prefix with lookup, loads it, and the bytes match. A CPU block overwritten without keys
+    leaves the directory: lookup stops before it."""
+    spec = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=160, num_cpu_blocks=96)
+    daemon = daemons.start(ranks=2, args=geometry(spec), small=False)
+    daemon.wait_ready()
+    tokens, out, cpu = 64 * 4, list(range(10, 74)), list(range(30, 94))
+    first = RunnerProcess(daemons.env())
+    try:
+        assert first.ask("attach", spec=spec.to_dict(), rank=0, instance=daemon.instance)["ok"]
+        first.ask("fill", blocks=out, seed=9)
+        assert first.ask("keys", tokens=tokens, out=out, cpu=cpu)["blocks"] == 64
+    finally:
+        first.close()
+    daemon.kill9()
+    again = daemons.start(daemon.instance, ranks=2, args=geometry(spec), small=False)
+    again.wait_ready()
+    second = RunnerProcess(daemons.env())
+    try:
+        assert second.ask("attach", spec=spec.to_dict(), rank=0, instance=daemon.instance)["ok"]
+        dst = list(range(80, 144))
+        assert second.ask("lookup_load", tokens=tokens, dst=dst) == {"ok": True, "found": 64, "loaded": 64}
+        assert second.ask("check", blocks=dst, seed=9, sources=out)["ok"], "loaded bytes differ"
+        with rc.CacheTasks(daemon.instance) as tasks:
+            tasks.swap_out(None, [0], [cpu[40]])  # block 40 of the prefix is overwritten, without a key
+            keys = rc.block_keys(list(range(tokens)), spec.block_size)
+            assert tasks.lookup(keys) == 40
+            with pytest.raises(rc.InvalidTask, match="no attention store"):
+                tasks.store(None, [1], keys[:1])
+    finally:
+        second.close()
+
+
+def corrupt_record(instance: str, rank: int) -> None:
+    """Make ``rank``'s record read as torn: its seq odd, as a writer killed mid-write leaves it."""
+    shm = posix_ipc.SharedMemory(control_name(instance))
+    with mmap.mmap(shm.fd, HEADER_SIZE + RECORD_SIZE * (rank + 1)) as mm:
+        offset = HEADER_SIZE + RECORD_SIZE * rank
+        (seq,) = struct.unpack_from("<Q", mm, offset)
+        struct.pack_into("<Q", mm, offset, seq | 1)
+    shm.close_fd()
+
+
+@pytest.mark.parametrize("why", ["spec", "torn", "foreign"])
+def test_adoption_refused_is_logged_shown_and_trusts_nothing(daemons: DaemonFactory, why: str) -> None:
+    """Acceptance 4: a different spec, a record torn mid-write, an object owned by another uid: the start
+    allocates anew (nothing old is used: new arena names, zeroed memory), logs why and `status` says so;
+    a runner's old views are no longer valid. The foreign object is left untouched."""
+    if why == "foreign" and os.geteuid() != 0:
+        pytest.skip("needs root to give an object to another user")
+    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False)
+    first = daemon.wait_ready()
+    cache = rc.initialize_kv_cache(SPEC, 1, instance=daemon.instance, timeout=10)
+    cache.key_caches[0][3] = 9
+    daemon.kill9()
+    foreign = None
+    if why == "torn":
+        corrupt_record(daemon.instance, 1)
+    elif why == "foreign":
+        (foreign,) = [SHM_DIR / n for n in shm_entries(daemon.instance) if n.endswith(".r1.cpu")]
+        os.chown(foreign, 64011, 64011)
+    args = geometry(SPEC) + (["--num-blocks", "65"] if why == "spec" else [])
+    second = daemons.start(daemon.instance, ranks=2, args=args, small=False)
+    status = second.wait_ready()
+    reason = {"spec": "num_blocks was 64", "torn": "rank 1's record is torn", "foreign": "owned by uid 64011"}[why]
+    assert reason in status["note"] and status["note"].startswith("did not adopt"), status["note"]
+    assert reason in second.log() and "not adopting" in second.log()
+    old = [name for name in shm_entries(daemon.instance) if first["generation"] in name]
+    assert status["adopted_from"] is None and old == ([foreign.name] if foreign else []), old
+    assert not cache.still_valid(), "a view of the old memory passed for the new daemon's"
+    if why != "spec":
+        fresh = rc.initialize_kv_cache(SPEC, 1, instance=daemon.instance, timeout=10)
+        assert int(fresh.key_caches[0][3].max()) == 0, "the new memory is not fresh"
+        fresh.close()
+    table = daemons.cli("status", "--instance", daemon.instance).stdout
+    assert "did not adopt" in table
+    cache.close()
+    assert second.stop() == 0
+    if foreign is not None:
+        assert foreign.exists() and foreign.stat().st_uid == 64011, "the foreign object was touched"
+        foreign.unlink()
+
+
+def test_stop_keep_then_start_adopts_and_a_waiting_runner_attaches(daemons: DaemonFactory) -> None:
+    """`kvcached stop --keep` leaves the ranks KEPT (status says so) and the memory in place; a runner that
+    waits meanwhile attaches to the generation that adopts it, and sees the bytes; `--fresh` reclaims."""
+    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False)
+    daemon.wait_ready()
+    cache = rc.initialize_kv_cache(SPEC, 0, instance=daemon.instance, timeout=10)
+    cache.key_caches[1][5] = 3
+    result = daemons.cli("stop", "--keep", "--instance", daemon.instance)
+    assert result.returncode == 0 and "kept" in result.stdout, result
+    assert daemon.exit_code() == 0
+    kept = read_status(daemon.instance)
+    assert not kept["alive"] and {r["state"] for r in kept["ranks"]} == {"KEPT"}
+    assert "memory kept" in daemons.cli("status", "--instance", daemon.instance).stdout
+    waiter = RunnerProcess(daemons.env())
+    try:
+        answers: list[dict[str, Any]] = []
+        attach = threading.Thread(
+            target=lambda: answers.append(waiter.ask("attach", spec=SPEC.to_dict(), rank=0, instance=daemon.instance))
+        )
+        attach.start()
+        time.sleep(0.5)
+        assert not answers, "a runner attached to a daemon that had stopped"
+        again = daemons.start(daemon.instance, ranks=2, args=geometry(SPEC), small=False)
+        status = again.wait_ready()
+        attach.join(30)
+        assert answers and answers[0] == {"ok": True, "generation": status["generation"]}, answers
+        assert "kept by its daemon" in status["note"]
+        assert int(cache.key_caches[1][5].max()) == 3 and cache.still_valid()
+    finally:
+        waiter.close()
+    # --fresh: nothing is adopted.
+    assert daemons.cli("stop", "--keep", "--instance", daemon.instance).returncode == 0
+    assert again.exit_code() == 0
+    fresh = daemons.start(daemon.instance, ranks=2, args=[*geometry(SPEC), "--fresh"], small=False)
+    assert fresh.wait_ready()["note"] == "did not adopt the memory: --fresh"
+    assert not cache.still_valid()
+    cache.close()
+
+
+def test_xpu_device_tier_is_made_anew_while_the_pool_and_keys_are_adopted(daemons: DaemonFactory) -> None:
+    """The xpu backend (over the TEST DOUBLE of its runtime): device memory dies with its process, so an
+    adopting daemon makes the device tier anew (a new descriptor: runners must re-attach, and CacheTasks
+    says so), while the CPU pool and its key directory are adopted byte for byte."""
+    pytest.importorskip("paddle")
+    env = daemons.env(KVCACHED_PLUGINS="tests.plugins.xpu_double")
+    args = ["--memory", "xpu-double", *geometry(SPEC)]
+    daemon = daemons.start(ranks=1, args=args, small=False, env=env)
+    first = daemon.wait_ready()
+    tasks = rc.CacheTasks(daemon.instance)
+    keys = rc.block_keys(list(range(8 * SPEC.block_size)), SPEC.block_size)
+    tasks.swap_out(0, list(range(8)), list(range(8)), keys=keys)
+    pools = {n: d for n, d in memory_digests(daemon.instance).items() if not n.endswith(".dev")}
+    daemon.kill9()
+    again = daemons.start(daemon.instance, ranks=1, args=args, small=False, env=env)
+    status = again.wait_ready()
+    assert status["adopted_from"] == first["generation"]
+    assert memory_digests(daemon.instance) == pools, "the CPU pool or its key directory changed"
+    with pytest.raises(rc.DaemonGone, match="made this rank's memory anew"):
+        tasks.swap_out(0, [1], [1])
+    tasks.close()
+    with rc.CacheTasks(daemon.instance) as fresh:
+        assert fresh.lookup(keys) == 8, "the key directory was not adopted"
+
+
+def test_leftover_objects_are_reclaimed_by_a_fresh_stop(daemons: DaemonFactory) -> None:
+    """Kill -9 loops with adoption in between still end with nothing in /dev/shm after a stop without
+    --keep; an adopted generation's arenas keep their first names through every adoption."""
+    instance = unique_instance()
+    names: set[str] = set()
+    for _ in range(5):
+        daemon = daemons.start(instance, ranks=2)
+        daemon.wait_ready()
+        names.add(",".join(n for n in shm_entries(instance) if n.endswith((".dev", ".cpu", ".keys"))))
+        daemon.kill9()
+    assert len(names) == 1, f"adoption renamed the memory: {names}"
+    last = daemons.start(instance, ranks=2)
+    last.wait_ready()
+    assert last.stop() == 0
+    assert shm_entries(instance) == []
+    assert not Path(daemons.run_dir, f"{instance}.r0.sock").exists()
