@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -65,7 +66,7 @@ from kvcached.daemon.errors import (
 from kvcached.daemon.fdsignals import FastDeploySignals
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
-from kvcached.daemon.worker import WorkerPlan, worker_main
+from kvcached.daemon.worker import DRAIN_S, WorkerPlan, worker_main
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
 from kvcached.protocol.errors import ProtocolError, ResourceError, SignalError
@@ -133,6 +134,8 @@ class Supervisor:
         self.keep = False  # stopping keeps the memory for the next start
         #: Set when the daemon stopped to execute itself again (``kvcached restart``): the caller does it.
         self.restart_requested = False
+        #: Children of an image of this process before ``kvcached restart`` executed it again: reaped here.
+        self.strays = children()
 
     # -- entry ----------------------------------------------------------------------------------------
 
@@ -560,7 +563,12 @@ class Supervisor:
         return Fatal(f"rank {rank} failed: {why}", status)
 
     def _reap(self) -> None:
-        """Replace every worker that has died (``waitpid`` once per worker, never blocking)."""
+        """Replace every worker that has died (``waitpid`` once per worker, never blocking); reap strays."""
+        for pid in list(self.strays):
+            with contextlib.suppress(ChildProcessError):
+                if not os.waitpid(pid, os.WNOHANG)[0]:
+                    continue
+            self.strays.remove(pid)
         for rank, (pid, _) in list(self.workers.items()):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -659,11 +667,17 @@ class Supervisor:
         self.lock_fd = None
 
     def _stop_workers(self, *, drain: bool = False) -> None:
+        """Stop every worker and wait for it to exit; with ``drain`` (a handover), wait only until it has
+        closed its channel: it is done with every task, and its exit (unmapping gigabytes) need not hold
+        up the next daemon. An image executed after this one reaps it (``strays``)."""
         for _, sock in self.workers.values():
             with contextlib.suppress(OSError):
                 channel.send(sock, channel.Stop(drain=drain))
-        deadline = time.monotonic() + STOP_GRACE_S
-        for rank, (pid, _) in list(self.workers.items()):
+        deadline = time.monotonic() + STOP_GRACE_S + (DRAIN_S if drain else 0.0)
+        for rank, (pid, sock) in list(self.workers.items()):
+            if drain and _closed_by(sock, deadline):
+                self._forget(rank)
+                continue
             while True:
                 try:
                     done, _status = os.waitpid(pid, os.WNOHANG)
@@ -678,6 +692,31 @@ class Supervisor:
                     break
                 time.sleep(0.01)
             self._forget(rank)
+
+
+def _closed_by(sock: socket.socket, deadline: float) -> bool:
+    """Whether the worker at the other end of ``sock`` closes it before ``deadline`` (messages it sends
+    meanwhile are read and dropped)."""
+    while (left := deadline - time.monotonic()) > 0:
+        readable, _, _ = select.select([sock], [], [], left)
+        if not readable:
+            break
+        try:
+            if channel.recv(sock) is None:
+                return True
+        except ProtocolError:
+            return False
+    return False
+
+
+def children() -> list[int]:
+    """Pids of this process's children: after ``kvcached restart`` executed the daemon again, the workers
+    of the image before it, still exiting."""
+    try:
+        text = Path(f"/proc/self/task/{os.getpid()}/children").read_text()
+    except OSError:
+        return []
+    return [int(pid) for pid in text.split()]
 
 
 def describe_exit(status: int) -> str:

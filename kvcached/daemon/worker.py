@@ -45,7 +45,7 @@ from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESO
 from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.storecalls import StoreCalls
 from kvcached.memory.base import DeviceTier, TierRequest
-from kvcached.memory.shm import create_arena, open_arena, pin
+from kvcached.memory.shm import create_arena, open_arena, pin, prefault
 from kvcached.protocol.errors import (
     BackendUnavailable,
     ProtocolError,
@@ -157,6 +157,8 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
         with contextlib.suppress(OSError):
             channel.send(sock, channel.Failed(f"worker crashed: {exc!r}", EXIT_FAILURE))
     finally:
+        with contextlib.suppress(OSError):
+            sock.close()  # the supervisor sees it at once; the exit itself (unmapping) takes longer
         os._exit(status)
 
 
@@ -191,7 +193,7 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
         if not cpu_bytes:
             pool = None
         elif plan.reopen_pool:
-            pool = open_arena(pool_name, cpu_bytes)
+            pool = open_arena(pool_name, cpu_bytes, populate=False)  # mapped in the background once READY
             progress(dev_bytes)(cpu_bytes)
         else:
             pool = create_arena(pool_name, cpu_bytes, progress(dev_bytes), mode=request.mode, gid=request.gid)
@@ -323,6 +325,9 @@ def serve(
             layout_version=LAYOUT_VERSION,
         ),
     )
+    tiers.device.warm()
+    if plan.reopen_pool and tiers.pool is not None:
+        prefault(tiers.pool)
     selector.register(sock, selectors.EVENT_READ, "supervisor")
     selector.register(listener, selectors.EVENT_READ, "listener")
     next_chores = 0.0

@@ -87,6 +87,11 @@ class DeviceTier(abc.ABC):
     def close(self) -> None:
         """Unmap or drop this process's handles; never removes the memory's name."""
 
+    def warm(self) -> None:
+        """After the rank is READY: make a reopened tier's first copies fast (map its pages in the
+        background). Does nothing by default."""
+        return None
+
 
 class Attached(abc.ABC):
     """One rank's device tier as a runner sees it: tensors by kind (``key``, ``value``, ``key_scale``,

@@ -56,8 +56,9 @@ def host_pieces(spec: CacheSpec, device: Any) -> list[HostPiece]:
 class HostTier(DeviceTier):
     """A mapped device arena."""
 
-    def __init__(self, spec: CacheSpec, name: str, mapping: mmap.mmap) -> None:
+    def __init__(self, spec: CacheSpec, name: str, mapping: mmap.mmap, *, populated: bool = True) -> None:
         self.mapping = mapping
+        self.populated = populated
         self.nbytes = len(mapping)
         self.descriptor = {"arena": name, "bytes": self.nbytes}
         self.pieces: list[Piece] = list(host_pieces(spec, mapping))
@@ -66,6 +67,11 @@ class HostTier(DeviceTier):
         self.pieces = []
         with contextlib.suppress(BufferError):  # a view still alive elsewhere: unmapped with it
             self.mapping.close()
+
+    def warm(self) -> None:
+        if not self.populated:
+            self.populated = True
+            shm.prefault(self.mapping)
 
 
 class HostAttached(Attached):
@@ -127,9 +133,10 @@ class HostBackend(DeviceBackend):
         if name != request.shm_name("dev"):
             raise ResourceError(f"descriptor names arena {name!r}, expected {request.shm_name('dev')!r}")
         try:
-            return HostTier(request.spec, name, shm.open_arena(name, device_arena_bytes(request.spec)))
+            mapping = shm.open_arena(name, device_arena_bytes(request.spec), populate=False)
         except (posix_ipc.Error, ProtocolError) as exc:
             raise ResourceError(f"cannot reopen device arena {name}: {exc}") from None
+        return HostTier(request.spec, name, mapping, populated=False)
 
     def why_not_adoptable(self, request: TierRequest, descriptor: Mapping[str, Any]) -> str | None:
         name = descriptor.get("arena")

@@ -14,6 +14,7 @@ import errno
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable
 
 import posix_ipc
@@ -97,6 +98,30 @@ def why_not_ours(name: str, size: int) -> str | None:
     if st.st_size < size:
         return f"{path} has {st.st_size} bytes, the layout needs {size}"
     return None
+
+
+#: madvise advice that maps every page of a range writable without changing a byte (Linux 5.14).
+MADV_POPULATE_WRITE = 23
+
+
+def prefault(mapping: mmap.mmap) -> threading.Thread:
+    """Map every page of ``mapping`` on a background thread (``MADV_POPULATE_WRITE``; the GIL is released),
+    so that a reopened arena serves at once and its first copies take no page faults. Bytes are untouched.
+    Where the kernel lacks the advice, pages are mapped as they are first touched instead."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    anchor = ctypes.c_char.from_buffer(mapping)
+    address, size = ctypes.addressof(anchor), len(mapping)
+    del anchor  # a live export would keep the mapping from being closed
+
+    def run() -> None:
+        for start in range(0, size, CHUNK):  # in steps: a mapping closed meanwhile ends it early (ENOMEM)
+            if libc.madvise(address + start, min(CHUNK, size - start), MADV_POPULATE_WRITE) != 0:
+                return
+
+    thread = threading.Thread(target=run, name="prefault", daemon=True)
+    thread.start()
+    return thread
 
 
 def unlink(name: str) -> bool:
