@@ -115,7 +115,7 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
     Otherwise it reclaims that memory and says why (log, `status`). --fresh always reclaims.
     """
     from kvcached import logs
-    from kvcached.daemon.supervisor import Supervisor
+    from kvcached.daemon.supervisor import HANDOVER_ENV, Supervisor
 
     config = _build_config(values, config_file)
     _use_streaming_stores()
@@ -129,6 +129,9 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
     if supervisor.restart_requested:  # `kvcached restart`: the same command, the code installed now
         sys.stdout.flush()
         sys.stderr.flush()
+        handover = supervisor.handover_env()  # the workers serving meanwhile, for the next image to take
+        if handover is not None:
+            os.environ[HANDOVER_ENV] = handover
         os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
     sys.exit(status)
 
@@ -349,8 +352,10 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
 def restart(instance: str | None, timeout: float) -> None:
     """Restart a running daemon without losing its cache (SIGUSR2): it stops keeping its memory, executes
     itself again (same pid, same arguments, the kvcached now installed: an upgrade) and adopts the memory.
-    Runners keep their views; tasks sent meanwhile are served by the new generation. Waits until every rank
-    is READY again; exit 0 when the memory was adopted, 1 otherwise (the reason is printed).
+    Runners keep their views. On the host backend the old workers go on serving until the new ones have
+    reopened the memory, then drain and hand each rank over: the gap is tens of milliseconds. Tasks cut
+    off are answered NOT_RUN and CacheTasks sends them again. Waits until every rank is READY again; exit
+    0 when the memory was adopted, 1 otherwise (the reason is printed).
     """
     from kvcached.daemon.signals import RESTART_SIGNAL
     from kvcached.protocol.proc import is_alive

@@ -151,6 +151,15 @@ CORE: tuple[Knob, ...] = (
         "SECONDS",
     ),
     Knob(
+        "huge_pages",
+        knobs.choice(("auto", "never")),
+        "auto",
+        "auto: ask for 2 MiB pages for the arenas and pools (/dev/shm gives them when mounted huge=advise, "
+        "within_size or always; `kvcached doctor` says what this host gives); never: do not ask.",
+        "MODE",
+        choices=("auto", "never"),
+    ),
+    Knob(
         "fresh",
         knobs.boolean,
         False,
@@ -229,6 +238,7 @@ class DaemonConfig:
     worker_timeout: float = 10.0
     store_timeout: float = 10.0
     fresh: bool = False
+    huge_pages: bool = True
 
     def shm_need(self) -> tuple[int, int]:
         """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
@@ -319,6 +329,7 @@ class DaemonConfig:
             worker_timeout=values["worker_timeout"],
             store_timeout=values["store_timeout"],
             fresh=values["fresh"],
+            huge_pages=values["huge_pages"] == "auto",
         )
 
 

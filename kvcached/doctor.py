@@ -8,10 +8,11 @@ form (``kvcached doctor --json``) is a stable interface::
                  "measured": {"free_bytes": 25125052416, "need_bytes": 402669568},
                  "advice": ""}, ...]}
 
-Check names, in order: ``dev_shm``, ``memlock``, ``remove_ipc``, ``run_dir``, ``live_instance``,
-``leftovers``; then the device backend's own (``--memory xpu``: ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``)
-and the storage backend's (``file_store``, ``mooncake_master``). ``measured`` holds the raw figures
-(numbers, paths, flags) of each; new keys may be added, none is removed or renamed.
+Check names, in order: ``dev_shm``, ``memlock``, ``huge_pages``, ``copy_engine``, ``remove_ipc``,
+``run_dir``, ``live_instance``, ``leftovers``; then the device backend's own (``--memory xpu``:
+``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and the storage backend's (``file_store``,
+``mooncake_master``). ``measured`` holds the raw figures (numbers, paths, flags) of each; new keys may be
+added, none is removed or renamed.
 
 ``--clean`` reclaims a dead instance's leftovers (the same reclaim a start does, under the instance lock);
 a live instance's objects are never touched.
@@ -21,17 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import mmap
 import os
 import resource
 from pathlib import Path
 from typing import Any
 
-from kvcached import memory, store
+from kvcached import memory, native, store
 from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
 from kvcached.health import FAIL, OK, WARN, Check, size_text
+from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import MAX_SOCKET_PATH, instance_lock_path, lock_path, task_socket_path
@@ -70,6 +73,40 @@ def check_memlock(config: DaemonConfig) -> Check:
         advice = "raise the memlock limit: LimitMEMLOCK=infinity in the unit, or memlock in limits.conf"
         return Check("memlock", FAIL, figure, measured, advice)
     return Check("memlock", OK, figure, measured)
+
+
+def check_huge_pages(config: DaemonConfig, mode: str | None = None) -> Check:
+    """What page size the arenas and pools get: /dev/shm's ``huge=`` mount option (or the host-wide shmem
+    policy) and ``--huge-pages``. Never a failure: 4 KiB pages work, 2 MiB pages are faster."""
+    mode = shm.huge_pages() if mode is None else mode
+    asked = config.huge_pages
+    gets = asked and shm.gives_huge_pages(mode)
+    measured = {"dev_shm_huge": mode, "asked": asked, "page_bytes": 2 << 20 if gets else mmap.PAGESIZE}
+    where = f"/dev/shm huge={mode}" if mode not in ("force", "deny") else f"shmem_enabled={mode}"
+    if gets:
+        return Check("huge_pages", OK, f"2 MiB pages ({where})", measured)
+    if not asked:
+        return Check("huge_pages", OK, f"4 KiB pages (--huge-pages never; {where})", measured)
+    advice = (
+        "for 2 MiB pages (a faster cold start and random-order swaps): mount -o remount,huge=within_size "
+        "/dev/shm (or huge=advise: kvcached asks for them), e.g. in /etc/fstab"
+        if mode != "deny"
+        else "the host denies huge pages for shared memory (shmem_enabled=deny)"
+    )
+    return Check("huge_pages", OK, f"4 KiB pages ({where})", measured, advice)
+
+
+def check_copy_engine(config: DaemonConfig) -> Check:
+    """Whether the native block copy was built (one call per task) or swaps go through numpy slices."""
+    figure = native.describe()
+    measured = {"native": native.available()}
+    if native.available() or memory.get(config.memory).pool_layout == "planes":
+        return Check("copy_engine", OK, figure, measured)
+    advice = (
+        "small layer-blocks swap at about half the speed: install a C compiler (apt install gcc) and "
+        "reinstall kvcached so that it builds kvcached/_copy.c"
+    )
+    return Check("copy_engine", WARN, figure, measured, advice)
 
 
 def _logind_remove_ipc(patterns: tuple[str, ...] = LOGIND_CONFS) -> tuple[bool, str]:
@@ -211,7 +248,8 @@ def _clean(instance: str, found: Leftovers) -> int:
 
 def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
     """Every check for ``config``, in the documented order."""
-    checks = [check_dev_shm(config), check_memlock(config), check_remove_ipc(), check_run_dir(config)]
+    checks = [check_dev_shm(config), check_memlock(config), check_huge_pages(config), check_copy_engine(config)]
+    checks += [check_remove_ipc(), check_run_dir(config)]
     checks += check_instance(config, clean)
     checks += memory.get(config.memory).doctor(config.spec, config.ranks)
     if config.store.backend is not None:

@@ -1,21 +1,27 @@
-"""Copies between a rank's device tier and its CPU swap pool, validated first, coalesced into runs.
+"""Copies between a rank's device tier and host memory (its CPU swap pool, a store staging buffer),
+validated first, in as few calls as the memory allows.
 
 A task is two equally long lists of block ids. Validation happens before the first byte moves, so a
-refused task changes nothing. The copy then splits the lists into runs where both ids advance by one,
-and moves each run with one slice copy per tensor (numpy releases the GIL for it)::
+refused task changes nothing. Both sides of a copy are seen as pieces (``kvcached.native.Side``): piece
+``p`` of block ``b`` is one tensor's bytes of that block (a layer's key, value or scales), wherever that
+side keeps them: a row of the device arena's tensor, a column range of a CPU pool record, a row of a CPU
+pool plane, a column range of a staging row. How a task moves, fastest first:
+
+1. the device tier's own whole-task copy with the pool (``DeviceTier.swap``: on XPU, FastDeploy's
+   ``swap_cache_all_layers``, one call per tensor kind, device memory straight to the pinned pool);
+2. one native call (``kvcached.native``) for every piece of every block, when the device tier lives in
+   host memory (its pieces have ``host()`` views) and the native copy was built: no Python per piece,
+   the GIL released, non-temporal stores;
+3. numpy, one slice per piece and run of ids (both lists advancing by one)::
 
     device ids 4 5 6 9 10 | 2          ->  runs (4->0, n=3), (9->3, n=2), (2->5, n=1)
     cpu ids    0 1 2 3 4  | 5
+    per run, per piece p:   host_p[c0:c0+n] = device_p[d0:d0+n]      (one strided copy)
 
-    per run, per tensor t (layer x key/value/scale):
-        pool[c0:c0+n, off_t:off_t+piece_t] = device_t[d0:d0+n]      (one strided copy)
+   A Python loop over runs beats numpy's fancy indexing here: that gathers into a temporary first, an
+   extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces).
 
-The device side is a list of ``Piece`` (``kvcached.memory.base``): one per tensor, its blocks as rows of
-bytes, whatever backend holds them.
-
-A Python loop over runs beats numpy's fancy indexing here: that gathers into a temporary first, an
-extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces, 3.2 vs 12 GB/s for
-256 KiB).
+Every path copies at most ``STEP_BYTES`` between two calls of ``on_step`` (the worker's progress mark).
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from kvcached.memory.base import Piece
+from kvcached import native
+from kvcached.memory.base import Piece, TierSwap
+from kvcached.native import Side
 from kvcached.protocol.errors import InvalidTask
-from kvcached.protocol.layout import cpu_block_stride
+from kvcached.protocol.layout import cpu_block_stride, cpu_planes
 from kvcached.protocol.spec import CacheSpec
 
 Array = np.ndarray[Any, Any]
@@ -90,27 +98,64 @@ STEP_BYTES = 256 << 20
 
 
 class SwapEngine:
-    """Moves whole blocks (every layer, key, value and scale) between the device tier and rows of host
-    memory: the CPU pool, or a staging buffer of the attention store.
+    """Moves whole blocks (every layer, key, value and scale) between the device tier and host memory: the
+    CPU pool, or a staging buffer of the attention store (rows laid out as pool records).
 
-    ``pieces`` are the device tier's tensors in record order; ``pool`` is the CPU pool's buffer (or None).
-    ``on_step`` is called after each run of ids (at most ``STEP_BYTES`` at a time): the worker marks its
-    progress there, so a long task is never taken for a hung one."""
+    ``pieces`` are the device tier's tensors in record order; ``pool`` is the CPU pool's buffer (or None),
+    laid out as ``pool_layout`` (``kvcached.protocol.layout``). ``tier_swap``, when the device tier has
+    one, moves a whole task between the tier and the pool (``DeviceTier.swap``). ``on_step`` is called
+    after each step of at most ``STEP_BYTES``: the worker marks its progress there, so a long task is
+    never taken for a hung one."""
 
     def __init__(
-        self, spec: CacheSpec, pieces: list[Piece], pool: Any | None, on_step: Callable[[], None] | None = None
+        self,
+        spec: CacheSpec,
+        pieces: list[Piece],
+        pool: Any | None,
+        on_step: Callable[[], None] | None = None,
+        *,
+        pool_layout: str = "records",
+        tier_swap: TierSwap | None = None,
     ) -> None:
         self.spec = spec
         self.pieces = pieces
         assert sum(piece.nbytes for piece in self.pieces) == spec.block_bytes
         self.on_step = on_step or (lambda: None)
         self.step_blocks = max(1, STEP_BYTES // spec.block_bytes)
-        self.pool: Array | None = None
+        hosts = [host for piece in pieces if (host := piece.host()) is not None]
+        self.device_side = Side.of(hosts) if native.available() and len(hosts) == len(pieces) else None
+        self.tier_swap = tier_swap
+        self.pool: Side | None = None
+        self._records: dict[tuple[int, int, int], Side] = {}
         if pool is not None and spec.num_cpu_blocks:
-            stride = cpu_block_stride(spec)
-            self.pool = np.frombuffer(pool, dtype=np.uint8, count=stride * spec.num_cpu_blocks).reshape(
-                spec.num_cpu_blocks, stride
-            )
+            if pool_layout == "planes":
+                buffer = np.frombuffer(pool, dtype=np.uint8)
+                count = spec.num_cpu_blocks
+                planes = [buffer[o : o + w * count].reshape(count, w) for o, w in cpu_planes(spec)]
+                self.pool = Side.of(planes)
+            else:
+                stride = cpu_block_stride(spec)
+                rows = np.frombuffer(pool, dtype=np.uint8, count=stride * spec.num_cpu_blocks)
+                self.pool = self.records(rows.reshape(spec.num_cpu_blocks, stride))
+        self.method = (
+            "the device tier's own swap"
+            if tier_swap is not None
+            else native.describe()
+            if self.device_side is not None
+            else "numpy slices"
+        )
+
+    def records(self, rows: Array) -> Side:
+        """``rows`` (uint8 ``[count, >= block_bytes]``, a staging buffer or a records pool) as a side."""
+        key = (rows.ctypes.data, rows.shape[0], rows.strides[0])
+        side = self._records.get(key)
+        if side is None:
+            views, column = [], 0
+            for piece in self.pieces:
+                views.append(rows[:, column : column + piece.nbytes])
+                column += piece.nbytes
+            side = self._records[key] = Side.of(views)
+        return side
 
     def validate(self, src: Array, dst: Array, *, src_tier: str, dst_tier: str) -> None:
         """Raise ``InvalidTask`` unless every id is in range for its tier and no target repeats."""
@@ -135,31 +180,58 @@ class SwapEngine:
             for k in range(0, n, step):
                 yield a0 + k, b0 + k, min(step, n - k)
 
-    def copy_out(self, device_ids: Array, row_ids: Array, rows: Array) -> int:
-        """Copy device blocks into ``rows`` (uint8 ``[count, >= block_bytes]``: the pool or a staging
-        buffer) at ``row_ids`` (validated ids). Returns bytes moved."""
-        for d0, r0, n in self._steps(device_ids, row_ids):
-            for piece in self.pieces:
-                rows[r0 : r0 + n, piece.column : piece.column + piece.nbytes] = piece.read(d0, n)
-            self.on_step()
+    def _chunks(self, a: Array, b: Array) -> Iterator[tuple[Array, Array]]:
+        step = self.step_blocks
+        for k in range(0, len(a), step):
+            yield a[k : k + step], b[k : k + step]
+
+    def copy_out(self, device_ids: Array, row_ids: Array, rows: Array | Side) -> int:
+        """Copy device blocks into host blocks ``row_ids`` of ``rows`` (a records array, or a side) (ids
+        validated). Returns bytes moved."""
+        host = rows if isinstance(rows, Side) else self.records(rows)
+        if self.device_side is not None:
+            for d, r in self._chunks(device_ids, row_ids):
+                native.copy_blocks(self.device_side, host, d, r)
+                self.on_step()
+        else:
+            for d0, r0, n in self._steps(device_ids, row_ids):
+                for piece, view in zip(self.pieces, host.views, strict=True):
+                    view[r0 : r0 + n] = piece.read(d0, n)
+                self.on_step()
         return len(device_ids) * self.spec.block_bytes
 
-    def copy_in(self, row_ids: Array, device_ids: Array, rows: Array) -> int:
-        """Copy ``rows`` at ``row_ids`` into device blocks (validated ids). Returns bytes moved."""
-        for r0, d0, n in self._steps(row_ids, device_ids):
-            for piece in self.pieces:
-                piece.write(d0, rows[r0 : r0 + n, piece.column : piece.column + piece.nbytes])
-            self.on_step()
+    def copy_in(self, row_ids: Array, device_ids: Array, rows: Array | Side) -> int:
+        """Copy host blocks ``row_ids`` of ``rows`` into device blocks (ids validated). Returns bytes moved."""
+        host = rows if isinstance(rows, Side) else self.records(rows)
+        if self.device_side is not None:
+            for r, d in self._chunks(row_ids, device_ids):
+                native.copy_blocks(host, self.device_side, r, d)
+                self.on_step()
+        else:
+            for r0, d0, n in self._steps(row_ids, device_ids):
+                for piece, view in zip(self.pieces, host.views, strict=True):
+                    piece.write(d0, view[r0 : r0 + n])
+                self.on_step()
         return len(device_ids) * self.spec.block_bytes
 
     def swap_out(self, device_ids: Array, cpu_ids: Array) -> int:
         """Copy device blocks to CPU pool blocks (validated ids). Returns bytes moved."""
         assert self.pool is not None
+        if self.tier_swap is not None:
+            for d, c in self._chunks(device_ids, cpu_ids):
+                self.tier_swap("out", d, c)
+                self.on_step()
+            return len(device_ids) * self.spec.block_bytes
         return self.copy_out(device_ids, cpu_ids, self.pool)
 
     def swap_in(self, cpu_ids: Array, device_ids: Array) -> int:
         """Copy CPU pool blocks to device blocks (validated ids). Returns bytes moved."""
         assert self.pool is not None
+        if self.tier_swap is not None:
+            for c, d in self._chunks(cpu_ids, device_ids):
+                self.tier_swap("in", d, c)
+                self.on_step()
+            return len(device_ids) * self.spec.block_bytes
         return self.copy_in(cpu_ids, device_ids, self.pool)
 
     def check_ids(self, ids: Array, *, field: str, role: str, unique: bool) -> None:

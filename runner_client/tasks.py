@@ -99,8 +99,10 @@ class _Channel:
     """One connection to one rank worker; frames are sent and replies read under ``lock``. Every send and
     receive has a deadline."""
 
-    def __init__(self, path: str, rank: int, generation: int, timeout: float, owner: int) -> None:
+    def __init__(self, path: str, rank: int, block: ControlBlock, timeout: float) -> None:
         self.rank = rank
+        self.block = block  # of the daemon it is opened to (kept mapped while this client lives)
+        generation, owner = block.header().generation, block.owner_uid
         self.timeout = timeout
         self.lock = threading.Lock()
         self.next_id = 1
@@ -293,6 +295,8 @@ class TaskHandle:
                 "the task may still complete"
             ) from None
         except _Closed:
+            if self._tasks._handed_over(channel):  # it answers every task it ran before it closes
+                return channel.rank, Status.NOT_RUN, {"message": "closed unanswered by a daemon handing over"}
             raise self._tasks._lost(channel.rank, self._op, part.targets, channel) from None
 
 
@@ -641,7 +645,7 @@ class CacheTasks:
         while True:
             self._check_ready(rank, deadline)
             try:
-                channel = _Channel(path, rank, self._header.generation, self.timeout, self._block.owner_uid)
+                channel = _Channel(path, rank, self._block, self.timeout)
             except (AccessDenied, TaskFailed):
                 raise
             except (OSError, _Closed):  # the worker is being replaced: its socket comes back with it
@@ -652,6 +656,13 @@ class CacheTasks:
             with self._lock:
                 self._channels[rank] = channel
             return channel
+
+    def _handed_over(self, channel: _Channel) -> bool:
+        """Whether the daemon ``channel`` was opened to has handed its rank over (KEPT)."""
+        try:
+            return channel.block.read(channel.rank).state is State.KEPT
+        except TornRead:
+            return False
 
     def _retire(self, rank: int, channel: _Channel) -> None:
         """Close ``channel`` and forget it, if it is still ``rank``'s (a newer one is left alone)."""

@@ -10,6 +10,10 @@ FastDeploy's ``sleep(1)`` poll (handshake). Writes, into ``--out``:
 * ``wakeup_latency.png``: the distribution of wake-up latencies, kvcached against the ``sleep(1)`` poll;
 * ``store_throughput.png``: store and load GB/s per backend beside the plain I/O of the same objects.
 
+It also runs ``bench_swap.py --geometry`` for FastDeploy's TP8 and MLA geometries (runs and shuffled ids
+beside the plain copy) and ``bench_start.py`` (cold start beside the raw allocation, start after kill -9,
+restarts under a swap stream).
+
 The default sizes finish in under 5 minutes on a 2-core machine; ``--smoke`` runs tiny sizes (a check that
 the pipeline works, not a measurement). Needs the ``plot`` extra: ``pip install -e '.[plot]'``.
 """
@@ -31,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d")
 SCRIPTS = ROOT / "scripts"
 
+GEOMETRIES = ["--geometry", "tp8-ernie", "--geometry", "tp8-llama70b", "--geometry", "mla-576"]
 #: Per benchmark: its arguments at the default size and at --smoke size.
 PLANS: dict[str, dict[str, list[str]]] = {
     "handshake": {
@@ -45,7 +50,17 @@ PLANS: dict[str, dict[str, list[str]]] = {
         "default": ["--gib", "0.25", "--repeats", "1"],
         "smoke": ["--gib", "0.02", "--repeats", "1"],
     },
+    "geometry": {
+        "default": ["--gib", "0.5", "--repeats", "1", "--latency-iterations", "200", *GEOMETRIES],
+        "smoke": ["--gib", "0.03", "--repeats", "1", "--latency-iterations", "20", *GEOMETRIES],
+    },
+    "start": {
+        "default": ["--ranks", "2", "--gib", "1", "--restarts", "3"],
+        "smoke": ["--ranks", "2", "--gib", "0.05", "--restarts", "1"],
+    },
 }
+#: Which script each plan runs (``scripts/bench_<script>.py``).
+SCRIPT = {"handshake": "handshake", "swap": "swap", "store": "store", "geometry": "swap", "start": "start"}
 
 
 def run_benchmark(name: str, size: str, out: Path, extra: list[str]) -> tuple[dict[str, Any], str, float]:
@@ -53,7 +68,7 @@ def run_benchmark(name: str, size: str, out: Path, extra: list[str]) -> tuple[di
     figures = out / f"{name}.json"
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *PLANS[name][size], *extra, "--json", str(figures)],
+        [sys.executable, str(SCRIPTS / f"bench_{SCRIPT[name]}.py"), *PLANS[name][size], *extra, "--json", str(figures)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -61,7 +76,9 @@ def run_benchmark(name: str, size: str, out: Path, extra: list[str]) -> tuple[di
     )
     took = time.monotonic() - started
     if result.returncode != 0:
-        raise SystemExit(f"bench_{name}.py failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}")
+        raise SystemExit(
+            f"bench_{SCRIPT[name]}.py failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
     printout = "\n".join(line for line in result.stdout.splitlines() if not GLOG_LINE.match(line))
     return json.loads(figures.read_text()), printout, took
 
@@ -138,6 +155,31 @@ def plot_store(figures: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def swap_rows(swap: dict[str, Any]) -> list[str]:
+    """One row per case: pipelined, and shuffled, each way against the plain copy."""
+    lines = []
+    for row in swap["rows"]:
+        plain = row["plain_gbps"]
+        lines.append(
+            f"| swap out / in, {row['case']} ({row['piece_kib']} KiB layer-blocks) | {row['out_gbps']:.2f} / "
+            f"{row['in_gbps']:.2f} GB/s; shuffled ids {row['shuffled_out_gbps']:.2f} / {row['shuffled_in_gbps']:.2f} "
+            f"| plain copy {plain:.2f} GB/s | {row['out_gbps'] / plain:.2f} / {row['in_gbps'] / plain:.2f}; "
+            f"shuffled {row['shuffled_out_gbps'] / plain:.2f} / {row['shuffled_in_gbps'] / plain:.2f} |"
+        )
+    return lines
+
+
+def start_rows(start: dict[str, Any]) -> list[str]:
+    gib = start["gib"]
+    gaps = ", ".join(f"{gap * 1000:.0f}" for gap in start["longest_gaps_s"][:3])
+    return [
+        f"| cold start, {start['ranks']} ranks x {gib:g} GiB, to READY | {start['cold_s']:.2f} s "
+        f"| raw allocation of the same bytes {start['raw_s']:.2f} s | {start['cold_over_raw']:.2f} |",
+        f"| start after kill -9 (adopts the memory) | {start['adopt_s']:.2f} s | | |",
+        f"| `kvcached restart` under a swap stream | longest gaps {gaps} ms | | |",
+    ]
+
+
 def headline(handshake: dict[str, Any], swap: dict[str, Any], store: dict[str, Any]) -> list[str]:
     ours, poll = handshake["wake_ms"]["kvcached"], handshake["wake_ms"]["sleep(1) poll"]
     cpu = handshake["waiting_cpu_pct"]
@@ -149,17 +191,9 @@ def headline(handshake: dict[str, Any], swap: dict[str, Any], store: dict[str, A
         f"| wake-up p99 | {percentile(ours, 0.99):.2f} ms | sleep(1) poll {percentile(poll, 0.99):.0f} ms | |",
         f"| waiting runner CPU | {cpu['kvcached']:.2f} % of a core | busy loop {cpu['busy `pass` loop']:.0f} % | |",
     ]
-    for row in swap["rows"]:
-        lines.append(
-            f"| swap out / in, {row['piece_kib']} KiB layer-blocks | {row['out_gbps']:.2f} / {row['in_gbps']:.2f} GB/s "
-            f"| plain copy {row['plain_gbps']:.2f} GB/s | {row['out_gbps'] / row['plain_gbps']:.2f} / "
-            f"{row['in_gbps'] / row['plain_gbps']:.2f} |"
-        )
-    for size, rt in swap["round_trip_us"].items():
-        lines.append(
-            f"| one-block swap round trip, {size} KiB layer-blocks | p50 {rt['p50']:.0f} us, "
-            f"p99 {rt['p99']:.0f} us | | |"
-        )
+    lines += swap_rows(swap)
+    for label, rt in swap["round_trip_us"].items():
+        lines.append(f"| one-block swap round trip, {label} | p50 {rt['p50']:.0f} us, p99 {rt['p99']:.0f} us | | |")
     names = {
         "file": "plain write+fsync / read",
         "mooncake": "plain Mooncake put / get",
@@ -194,6 +228,8 @@ def main() -> int:
     swap, swap_text, swap_s = run_benchmark("swap", size, args.out, [])
     store_extra = ["--backends", args.store_backends] if args.store_backends else []
     store, store_text, store_s = run_benchmark("store", size, args.out, store_extra)
+    geometry, geometry_text, geometry_s = run_benchmark("geometry", size, args.out, [])
+    start, start_text, start_s = run_benchmark("start", size, args.out, [])
     plot_swap(swap, args.out / "swap_throughput.png")
     plot_wakeup(handshake, args.out / "wakeup_latency.png")
     plot_store(store, args.out / "store_throughput.png")
@@ -203,12 +239,22 @@ def main() -> int:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}, "
         f"{'SMOKE sizes (not a measurement)' if args.smoke else 'default sizes'}; "
-        f"took {total:.0f} s (handshake {hs_s:.0f} s, swap {swap_s:.0f} s, store {store_s:.0f} s).",
+        f"took {total:.0f} s (handshake {hs_s:.0f} s, swap {swap_s:.0f} s, store {store_s:.0f} s, "
+        f"geometries {geometry_s:.0f} s, start {start_s:.0f} s).",
         "Every ratio compares with the limit measured in the same run: these machines are noisy.",
         "",
         "## Headline",
         "",
         *headline(handshake, swap, store),
+        "",
+        "## FastDeploy geometries and the start",
+        "",
+        f"Copy engine: {geometry['copy_engine']}.",
+        "",
+        "| benchmark | kvcached | physical limit, same run | ratio |",
+        "|---|---|---|---|",
+        *swap_rows(geometry),
+        *start_rows(start),
         "",
         "![swap throughput](swap_throughput.png)",
         "",
@@ -217,10 +263,17 @@ def main() -> int:
         "![store throughput](store_throughput.png)",
         "",
     ]
-    for title, text in (("Handshake", hs_text), ("Swap", swap_text), ("Store", store_text)):
+    printouts = (
+        ("Handshake", hs_text),
+        ("Swap", swap_text),
+        ("Store", store_text),
+        ("Geometries", geometry_text),
+        ("Start", start_text),
+    )
+    for title, text in printouts:
         report += [f"## {title}", "", "```", text.strip(), "```", ""]
     (args.out / "report.md").write_text("\n".join(report))
-    print("\n".join(headline(handshake, swap, store)))
+    print("\n".join([*headline(handshake, swap, store), *swap_rows(geometry), *start_rows(start)]))
     print(f"took {total:.0f} s; report: {args.out / 'report.md'}")
     return 0
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -53,3 +56,20 @@ def start_daemon(instance: str, env: dict[str, str], args: list[str], timeout: f
             raise SystemExit(f"daemon not ready after {timeout:.0f} s")
         time.sleep(0.05)
     return proc
+
+
+PRIVATE_SHM = "KVCACHED_BENCH_PRIVATE_SHM"
+
+
+def private_dev_shm(options: str | None) -> None:
+    """With ``options`` (tmpfs mount options such as ``size=20g,huge=within_size``), execute this benchmark
+    again in a private mount namespace whose /dev/shm is a fresh tmpfs mounted with them (root and
+    unshare(1) needed; the host's /dev/shm is not touched). Returns at once inside it, or without options."""
+    if not options or os.environ.get(PRIVATE_SHM):
+        return
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        raise SystemExit("--dev-shm needs root and unshare(1)")
+    command = shlex.join([sys.executable, *sys.argv])
+    script = f"mount -t tmpfs -o {shlex.quote(options)} tmpfs /dev/shm && exec {command}"
+    os.environ[PRIVATE_SHM] = options
+    os.execvp("unshare", ["unshare", "--mount", "--propagation", "private", "sh", "-c", script])

@@ -11,6 +11,7 @@ import hashlib
 import json
 import mmap
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -190,6 +191,69 @@ def test_restart_under_a_stream_of_swaps_loses_nothing(daemons: DaemonFactory) -
     assert len(set(generations)) == 3 and read_status(daemon.instance)["pid"] == pid, "restart keeps the pid"
     assert cache.still_valid() and cache.daemon_alive()
     tasks.close()
+    cache.close()
+    assert daemon.stop() == 0
+    assert shm_entries(daemon.instance) == []
+
+
+def worker_pids(instance: str) -> list[int]:
+    return [int(rank["pid"]) for rank in read_status(instance)["ranks"]]
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited and been reaped (no zombie left behind)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_restart_past_a_frozen_worker_of_the_last_image(daemons: DaemonFactory) -> None:
+    """A worker of the image before the restart that is frozen (SIGSTOP) cannot drain: it is killed after
+    its grace, and the new worker takes its rank over on the same bytes; the others hand over at once."""
+    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False)
+    daemon.wait_ready()
+    cache = rc.initialize_kv_cache(SPEC, 1, instance=daemon.instance, timeout=10)
+    cache.key_caches[0][7] = 9
+    frozen, other = worker_pids(daemon.instance)
+    os.kill(frozen, signal.SIGSTOP)
+    result = daemons.cli("restart", "--instance", daemon.instance)
+    assert result.returncode == 0 and "adopted from generation" in result.stdout, result.stdout + result.stderr
+    assert "did not drain" in daemon.log() and "handing the rank over" in daemon.log()
+    deadline = time.monotonic() + 10
+    while not (gone(frozen) and gone(other)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(frozen) and gone(other), "a worker of the last image is left running (or a zombie)"
+    assert set(worker_pids(daemon.instance)).isdisjoint({frozen, other})
+    tasks = rc.CacheTasks(daemon.instance, timeout=30)
+    tasks.swap_out(1, [7], [3])
+    tasks.swap_in(1, [3], [8])
+    assert int(cache.key_caches[0][8].min()) == 9 and cache.still_valid()
+    tasks.close()
+    cache.close()
+    assert daemon.stop() == 0
+    assert shm_entries(daemon.instance) == []
+
+
+def test_restart_into_a_changed_configuration_stops_the_last_images_workers(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """The configuration file changed before `kvcached restart`: the new image refuses the memory (the
+    spec differs), stops the workers still serving it, then allocates anew; nothing of the old generation
+    stays in /dev/shm, and runners of the old spec are told the daemon is gone."""
+    config = tmp_path / "kv.toml"
+    config.write_text("num_layers = 4\nkv_heads = 2\nhead_dim = 32\nblock_size = 16\nnum_blocks = 64\n")
+    daemon = daemons.start(ranks=2, args=["--config", str(config), "--num-cpu-blocks", "64"], small=False)
+    old = daemon.wait_ready()
+    cache = rc.initialize_kv_cache(SPEC, 0, instance=daemon.instance, timeout=10)
+    old_names = {name for name in shm_entries(daemon.instance) if name.endswith((".dev", ".cpu", ".keys"))}
+    pids = worker_pids(daemon.instance)
+    config.write_text(config.read_text().replace("num_blocks = 64", "num_blocks = 32"))
+    result = daemons.cli("restart", "--instance", daemon.instance)
+    assert result.returncode == 1 and "did not adopt the memory" in result.stdout, result.stdout + result.stderr
+    assert "stopping the last image's workers" in daemon.log()
+    new = read_status(daemon.instance)
+    assert new["spec"]["num_blocks"] == 32 and new["generation"] != old["generation"]
+    assert all(gone(pid) for pid in pids), "a worker of the refused memory still runs"
+    assert old_names.isdisjoint(shm_entries(daemon.instance)), "an object of the refused memory is left"
+    assert not cache.still_valid()
     cache.close()
     assert daemon.stop() == 0
     assert shm_entries(daemon.instance) == []

@@ -113,8 +113,9 @@ def test_a_60s_store_completes_while_the_daemon_stays_up(daemons: DaemonFactory)
 def test_a_60s_swap_completes_while_the_daemon_stays_up(daemons: DaemonFactory) -> None:
     """Why 1: a valid swap that takes far longer than 10 s (120 runs of ids, each step slowed to 0.5 s by
     fault injection, as a huge swap on a loaded host is) completes; the worker reports progress at every
-    step and is never taken for hung."""
-    env = daemons.env(KVCACHED_FAULT="copy-step:sleep=0.5")
+    step and is never taken for hung. The numpy path, whose steps are runs of ids: the native path's steps
+    are chunks of ``STEP_BYTES`` (a handful here; tests/test_copy.py checks it marks progress per chunk)."""
+    env = daemons.env(KVCACHED_FAULT="copy-step:sleep=0.5", KVCACHED_NATIVE_COPY="0")
     daemon = daemons.start(ranks=1, args=geometry(num_blocks=256, num_cpu_blocks=128), env=env)
     daemon.wait_ready()
     before = pids(daemon.instance)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Parts from the floor up. A module may import its own part and the parts below it, never one above.
 LAYERS: list[tuple[str, ...]] = [
     ("kvcached.protocol",),
-    ("kvcached.plugins", "kvcached.knobs", "kvcached.health", "kvcached.access", "kvcached.logs"),
+    ("kvcached.plugins", "kvcached.knobs", "kvcached.health", "kvcached.access", "kvcached.logs", "kvcached.native"),
     ("kvcached.memory", "kvcached.store"),
     ("kvcached.transfer",),
     ("kvcached.config",),

@@ -4,10 +4,13 @@
 
     worker -> supervisor   Allocating(total)               before reserving
                            Progress(done)                  while reserving (at most every 100 ms)
+                           Prepared()                      memory reopened; waits for Serve (a restart:
+                                                           the last image's worker still serves the rank)
                            Ready(backend, descriptor, ...) the rank's tiers exist and the task socket listens
                            Failed(error, exit_status)      the worker cannot go on; it exits next
     supervisor -> worker   Stop(drain)                     (EOF means the same); with drain, the
-                                                           worker first runs what clients already sent
+                                                           worker first answers what clients send NOT_RUN
+                           Serve()                         after Prepared: the rank is yours, serve it
 
 On the wire a message is a JSON object whose ``"t"`` names its type; ``send`` and ``recv`` are the only
 functions that see that encoding.
@@ -52,13 +55,25 @@ class Failed:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Prepared:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Serve:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Stop:
     #: Run the requests clients already sent, and send their replies, before exiting (a handover).
     drain: bool = False
 
 
-Message = Allocating | Progress | Ready | Failed | Stop
-_TYPES: dict[str, type[Any]] = {cls.__name__.lower(): cls for cls in (Allocating, Progress, Ready, Failed, Stop)}
+Message = Allocating | Progress | Ready | Failed | Stop | Prepared | Serve
+_TYPES: dict[str, type[Any]] = {
+    cls.__name__.lower(): cls for cls in (Allocating, Progress, Ready, Failed, Stop, Prepared, Serve)
+}
 
 
 def send(sock: socket.socket, message: Message) -> None:

@@ -268,6 +268,20 @@ class TaskServer:
         """Whether a reply is still queued for a client."""
         return any(conn.outbuf for conn in self.conns.values())
 
+    def flush_all(self, seconds: float) -> None:
+        """Send every queued reply, waiting at most ``seconds`` in all (before a handover's exit: a task that
+        ran is answered; one whose connection closes unanswered did not run)."""
+        deadline = time.monotonic() + seconds
+        for conn in list(self.conns.values()):
+            if not conn.outbuf:
+                continue
+            try:
+                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                conn.sock.sendall(conn.outbuf)
+                conn.outbuf.clear()
+            except OSError:
+                continue
+
     def tick(self, now: float) -> None:
         """Close connections whose unfinished frame stalled for ``PARTIAL_IDLE_S``."""
         for conn in [c for c in self.conns.values() if c.partial_since and now - c.partial_since > PARTIAL_IDLE_S]:

@@ -18,8 +18,15 @@ Signal handlers only enqueue (Python writes the signal number to a wake-up pipe)
 dispatches (the signals are listed in ``kvcached.daemon.signals``). On SIGTERM/SIGINT/SIGHUP every record
 goes STOPPING (and its semaphore is posted), workers are stopped, and every object of the instance is
 unlinked, the lock file last. On the keep signal every record goes KEPT instead, workers stop after the
-requests clients already sent, and the memory and the control block stay for the next start to adopt;
-the restart signal does the same, then ``kvcached start`` executes itself again. SIGUSR1 logs each rank.
+requests clients already sent, and the memory and the control block stay for the next start to adopt.
+SIGUSR1 logs each rank.
+
+The restart signal (``kvcached restart``) keeps the memory too, but on a backend whose memory outlives its
+workers (``host``) the workers go on serving: their channels are handed to the image ``kvcached start``
+executes next (``HANDOVER_ENV``), and each serves its rank until the next image's worker has reopened the
+memory (Prepared). Only then is it told to drain, and when it has closed its channel the new worker takes
+the task socket (Serve): the gap in service is a drain, not a start-up. A new image that does not adopt
+the memory stops them first.
 
 Faults cost a task, not the cache. A worker is judged by progress, not by silence between tasks: its
 ``progress`` counter (``kvcached.protocol.stats``) must move within ``--worker-timeout`` seconds of the
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import select
@@ -92,6 +100,10 @@ TICK_S = 0.25
 MAX_REPLACEMENTS = 3
 REPLACEMENT_WINDOW_S = 60.0
 
+#: Through this environment variable an image executing itself again (``kvcached restart``) hands its
+#: serving workers to the next image: JSON ``{"<rank>": [pid, channel fd]}``.
+HANDOVER_ENV = "KVCACHED_HANDOVER"
+
 #: Called with the records after each allocation step (the CLI draws progress on a terminal with it).
 ProgressHook = Callable[[list[Record]], None]
 
@@ -136,6 +148,13 @@ class Supervisor:
         self.restart_requested = False
         #: Children of an image of this process before ``kvcached restart`` executed it again: reaped here.
         self.strays = children()
+        #: Workers of the image before this one, still serving their ranks (rank -> pid, channel), and the
+        #: deadline of each told to drain.
+        self.predecessors = take_handover(self.strays, self.log)
+        self.relieving: dict[int, float] = {}
+        self.awaiting_turn: set[int] = set()  # ranks whose worker said Prepared and waits for Serve
+        #: Set by a restart's cleanup: the workers the next image takes over (``handover_env``).
+        self.handing_over: dict[int, tuple[int, socket.socket]] = {}
 
     # -- entry ----------------------------------------------------------------------------------------
 
@@ -169,6 +188,8 @@ class Supervisor:
         for signum in (*handled, signal.SIGCHLD):
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the signal number
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        for rank, (_, sock) in self.predecessors.items():
+            self.selector.register(sock, selectors.EVENT_READ, ("predecessor", rank))
 
     # -- start-up -------------------------------------------------------------------------------------
 
@@ -348,6 +369,11 @@ class Supervisor:
         elif self.config.fresh and found.entries:
             verdict = Refusal(0, "--fresh")
         self.note = verdict.note if verdict is not None else ""
+        if self.predecessors and self.adoption is not None:
+            self.note += "; its workers served until this daemon's had reopened the memory"
+        if self.predecessors and self.adoption is None:
+            self.log.warning("stopping the last image's workers: their memory is not adopted")
+            self._stop_workers()
         count = remove_leftovers(found, keep=keep)
         if count:
             self.log.info("reclaimed objects of an earlier run", count=count)
@@ -376,7 +402,7 @@ class Supervisor:
             for fd in (self.lock_fd, self.instance_lock_fd, self.wake_r, self.wake_w):
                 if fd is not None and fd >= 0:
                     os.close(fd)
-            for _, other in self.workers.values():
+            for _, other in (*self.workers.values(), *self.predecessors.values()):
                 other.close()
             worker_main(child_sock, parent=parent, plan=plan, stats=self.block.stats_slot(rank))
         child_sock.close()
@@ -432,6 +458,8 @@ class Supervisor:
             device_id=self.config.devices[rank] if self.config.devices else rank,
             store_timeout=self.config.store_timeout,
             arena_id=self.arena_id,
+            huge_pages=self.config.huge_pages,
+            handover=rank in self.predecessors,
         )
 
     # -- records --------------------------------------------------------------------------------------
@@ -475,8 +503,11 @@ class Supervisor:
                         return status
                 elif key.data == "fdsignals":
                     self._keep_fastdeploy_flags()
+                elif isinstance(key.data, tuple):
+                    self._on_predecessor(key.data[1])
                 else:
                     self._on_worker(key.data)
+            self._check_relieving()
             self._reap()
             self._check_progress(tick)
             self._keep_fastdeploy_flags()
@@ -546,10 +577,74 @@ class Supervisor:
                     total = sum(r.total_bytes for r in self.records)
                     self.notify.send(READY=1, STATUS=f"serving {len(self.records)} ranks, {total / 2**30:.1f} GiB")
                     faults.fault("after-ready")
+            case channel.Prepared():
+                self._relieve(rank)
             case channel.Failed(error=error, exit_status=exit_status):
                 raise self._rank_failed(rank, error, exit_status)
             case _:
                 self._kill(rank, f"unexpected message {message!r}")
+
+    # -- a restart's handover -------------------------------------------------------------------------
+
+    def _relieve(self, rank: int) -> None:
+        """``rank``'s new worker has reopened the memory: tell the last image's worker to drain (it answers
+        what clients still send NOT_RUN, then closes its channel); with none left, the rank is the new
+        worker's at once."""
+        self.awaiting_turn.add(rank)
+        if rank not in self.predecessors:
+            self._give_turn(rank)
+            return
+        if rank in self.relieving:
+            return
+        pid, sock = self.predecessors[rank]
+        self.relieving[rank] = time.monotonic() + DRAIN_S + STOP_GRACE_S
+        self.log.info("handing the rank over", rank=rank, from_pid=pid, to_pid=self.workers[rank][0])
+        try:
+            channel.send(sock, channel.Stop(drain=True))
+        except OSError:
+            self._predecessor_gone(rank)
+
+    def _on_predecessor(self, rank: int) -> None:
+        _, sock = self.predecessors[rank]
+        try:
+            message = channel.recv(sock)
+        except (ProtocolError, OSError):
+            message = None
+        if message is None:  # done with every task (or dead): the rank is the new worker's
+            self._predecessor_gone(rank)
+
+    def _predecessor_gone(self, rank: int) -> None:
+        pid, sock = self.predecessors.pop(rank)
+        self.relieving.pop(rank, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(sock)
+        sock.close()
+        self.log.info("the last image's worker is done with the rank", rank=rank, worker_pid=pid)
+        if rank in self.awaiting_turn:
+            self._give_turn(rank)
+
+    def _give_turn(self, rank: int) -> None:
+        self.awaiting_turn.discard(rank)
+        _, sock = self.workers[rank]
+        with contextlib.suppress(OSError):  # it died meanwhile: the reaper replaces it
+            channel.send(sock, channel.Serve())
+
+    def _check_relieving(self) -> None:
+        """Kill a worker of the last image that did not drain in time (its channel's EOF follows)."""
+        now = time.monotonic()
+        for rank, deadline in list(self.relieving.items()):
+            if now >= deadline:
+                pid, _ = self.predecessors[rank]
+                self.log.error("killing the last image's worker: it did not drain", rank=rank, worker_pid=pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self.relieving[rank] = float("inf")
+
+    def handover_env(self) -> str | None:
+        """What ``kvcached start`` puts in ``HANDOVER_ENV`` before executing itself again; None: nothing."""
+        if not self.handing_over:
+            return None
+        return json.dumps({str(rank): [pid, sock.fileno()] for rank, (pid, sock) in self.handing_over.items()})
 
     def _progress_text(self) -> str:
         return progress_text(self.records, self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec))
@@ -579,6 +674,7 @@ class Supervisor:
                 self._replace(rank, f"worker pid {pid} {describe_exit(status)}")
 
     def _forget(self, rank: int) -> None:
+        self.awaiting_turn.discard(rank)
         _, sock = self.workers.pop(rank)
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(sock)
@@ -630,7 +726,10 @@ class Supervisor:
             for rank, record in enumerate(self.records):
                 if record.state is not State.FAILED:
                     self._set(rank, state=State.KEPT if keep else State.STOPPING)
-        self._stop_workers(drain=keep)
+        if keep and self.restart_requested and self.backend.outlives_worker:
+            self._hand_over()
+        else:
+            self._stop_workers(drain=keep)
         if self.signals is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(self.signals.fileno())
@@ -659,39 +758,87 @@ class Supervisor:
         elif keep:
             self.log.info("kept for the next start", generation=f"{self.generation:016x}", ranks=len(self.records))
         for path in self.run_dir.glob(f"{self.instance}.r*.sock"):
-            path.unlink(missing_ok=True)
+            if not self.handing_over:  # else the workers still listen there
+                path.unlink(missing_ok=True)
         if self.instance_lock_fd is not None:
             lockfile.release(instance_lock_path(self.instance), self.instance_lock_fd)
             self.instance_lock_fd = None
         lockfile.release(lock_path(self.instance), self.lock_fd)
         self.lock_fd = None
 
+    def _hand_over(self) -> None:
+        """Leave every worker serving, its channel open across the exec for the next image to take."""
+        for rank, (pid, sock) in list(self.workers.items()):
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(sock)
+            sock.set_inheritable(True)
+            self.handing_over[rank] = (pid, sock)
+        self.workers.clear()
+        self.log.info("handing the workers to the next image", workers=len(self.handing_over))
+
     def _stop_workers(self, *, drain: bool = False) -> None:
-        """Stop every worker and wait for it to exit; with ``drain`` (a handover), wait only until it has
-        closed its channel: it is done with every task, and its exit (unmapping gigabytes) need not hold
-        up the next daemon. An image executed after this one reaps it (``strays``)."""
-        for _, sock in self.workers.values():
+        """Stop every worker (and every worker of the image before, still serving) and wait for it to exit;
+        with ``drain`` (a handover), wait only until it has closed its channel: it is done with every task,
+        and its exit (unmapping gigabytes) need not hold up the next daemon. An image executed after this
+        one reaps it (``strays``)."""
+        stopping = [*self.workers.values(), *self.predecessors.values()]
+        for _, sock in stopping:
             with contextlib.suppress(OSError):
                 channel.send(sock, channel.Stop(drain=drain))
         deadline = time.monotonic() + STOP_GRACE_S + (DRAIN_S if drain else 0.0)
-        for rank, (pid, sock) in list(self.workers.items()):
-            if drain and _closed_by(sock, deadline):
-                self._forget(rank)
-                continue
-            while True:
-                try:
-                    done, _status = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if done:
-                    break
-                if time.monotonic() >= deadline:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.01)
-            self._forget(rank)
+        for pid, sock in stopping:
+            if not (drain and _closed_by(sock, deadline)):
+                _wait_or_kill(pid, deadline)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(sock)
+            sock.close()
+        self.workers.clear()
+        self.predecessors.clear()
+        self.relieving.clear()
+        self.awaiting_turn.clear()
+
+
+def _wait_or_kill(pid: int, deadline: float) -> None:
+    """Reap child ``pid``, killing it at ``deadline``."""
+    while True:
+        try:
+            done, _status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            return
+        time.sleep(0.01)
+
+
+def take_handover(strays: list[int], log: logs.Logger) -> dict[int, tuple[int, socket.socket]]:
+    """The workers the image before this one handed over (``HANDOVER_ENV``, removed from the environment):
+    only children of this process, each with the channel it serves on."""
+    text = os.environ.pop(HANDOVER_ENV, "")
+    if not text:
+        return {}
+    taken: dict[int, tuple[int, socket.socket]] = {}
+    try:
+        entries = {int(rank): (int(pid), int(fd)) for rank, (pid, fd) in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError):
+        log.warning(f"ignoring {HANDOVER_ENV}: not what an earlier image writes", value=text[:200])
+        return {}
+    for rank, (pid, fd) in entries.items():
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        if pid not in strays or sock.family != socket.AF_UNIX:
+            sock.detach()
+            continue
+        sock.set_inheritable(False)
+        taken[rank] = (pid, sock)
+    return taken
 
 
 def _closed_by(sock: socket.socket, deadline: float) -> bool:

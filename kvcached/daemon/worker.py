@@ -3,9 +3,11 @@
 Its life, in three steps, each raising ``WorkerFailure`` (a reason and the exit status the daemon should
 end with) when it cannot go on:
 
-1. ``allocate``: the device tier (through its backend, ``kvcached.memory``), the CPU pool and its key
-   directory (``kvcached.daemon.keydir``), reporting progress; or, for a worker that replaces one that
-   died or one of a daemon that adopted an earlier run's memory, ``reopen`` them with their bytes untouched;
+1. ``allocate``: the device tier (through its backend, ``kvcached.memory``) and the CPU pool, reporting
+   progress; or, for a worker that replaces one that died or one of a daemon that adopted an earlier
+   run's memory, ``reopen`` them with their bytes untouched. After ``kvcached restart`` the last image's
+   worker still serves the rank meanwhile: this one says Prepared and waits for Serve (``await_turn``);
+   then the CPU pool's key directory (``kvcached.daemon.keydir``);
 2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), behind a
    thread and a deadline per call (``kvcached.daemon.storecalls``);
 3. ``serve``: listen on the rank's task socket and run tasks (``kvcached.daemon.server``) until told to
@@ -45,7 +47,7 @@ from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESO
 from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.storecalls import StoreCalls
 from kvcached.memory.base import DeviceTier, TierRequest
-from kvcached.memory.shm import create_arena, open_arena, pin, prefault
+from kvcached.memory.shm import create_arena, huge_pages, open_arena, pin, prefault
 from kvcached.protocol.errors import (
     BackendUnavailable,
     ProtocolError,
@@ -100,6 +102,11 @@ class WorkerPlan:
     store_timeout: float = 10.0
     #: The generation that allocated the memory (names of arenas, pools, key directories); 0: this one.
     arena_id: int = 0
+    huge_pages: bool = True
+    #: The rank is still served by the worker of the daemon image before ``kvcached restart``: after
+    #: reopening the memory, say Prepared and wait for Serve (that worker is done) before taking over the
+    #: key directory, the store and the task socket.
+    handover: bool = False
 
     def tier_request(self) -> TierRequest:
         return TierRequest(
@@ -110,6 +117,7 @@ class WorkerPlan:
             device_id=self.device_id,
             mode=self.access.mode,
             gid=self.access.gid,
+            huge_pages=self.huge_pages,
         )
 
 
@@ -121,6 +129,19 @@ class RankTiers:
     pool: mmap.mmap | None
     pool_name: str
     keys: KeyDirectory | None = None
+    #: Every page is mapped already (``warm``).
+    warm: bool = False
+
+    def map_pages(self, *, wait: bool) -> None:
+        """Map every page of the device tier and the pool: in the background, or before returning."""
+        if self.warm:
+            return
+        self.warm = True
+        self.device.warm(wait=wait)
+        if self.pool is not None:
+            thread = prefault(self.pool)
+            if wait:
+                thread.join()
 
 
 def _die_with_parent(parent: int) -> None:
@@ -145,8 +166,14 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
     server.raise_file_limit()
     try:
         tiers = allocate(sock, plan, log)
-        rank_store = open_store(plan, stats, log)
-        status = serve(sock, plan, tiers, rank_store, stats=stats, log=log)
+        if plan.handover:  # the last image's worker serves meanwhile: its time costs nothing
+            tiers.map_pages(wait=True)
+        if not plan.handover or await_turn(sock, stats):
+            tiers.keys = _key_directory(plan, plan.tier_request(), log) if tiers.pool is not None else None
+            rank_store = open_store(plan, stats, log)
+            status = serve(sock, plan, tiers, rank_store, stats=stats, log=log)
+        else:
+            status = EXIT_OK  # stopped before its turn came
     except WorkerFailure as failure:
         log.error("rank worker cannot go on", reason=failure.reason)
         status = failure.exit_status
@@ -159,6 +186,8 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
     finally:
         with contextlib.suppress(OSError):
             sock.close()  # the supervisor sees it at once; the exit itself (unmapping) takes longer
+        with contextlib.suppress(OSError):
+            os.nice(19)  # and must not slow the next worker's first tasks
         os._exit(status)
 
 
@@ -193,10 +222,12 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
         if not cpu_bytes:
             pool = None
         elif plan.reopen_pool:
-            pool = open_arena(pool_name, cpu_bytes, populate=False)  # mapped in the background once READY
+            pool = open_arena(pool_name, cpu_bytes, populate=False)
             progress(dev_bytes)(cpu_bytes)
         else:
-            pool = create_arena(pool_name, cpu_bytes, progress(dev_bytes), mode=request.mode, gid=request.gid)
+            pool = create_arena(
+                pool_name, cpu_bytes, progress(dev_bytes), mode=request.mode, gid=request.gid, huge=plan.huge_pages
+            )
     except BackendUnavailable as exc:
         raise WorkerFailure(str(exc), EXIT_CONFIG) from None
     except ShmFull as exc:
@@ -208,14 +239,38 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
         raise WorkerFailure(f"CPU pool {pool_name} {what}", EXIT_RESOURCES) from None
     except ProtocolError as exc:
         raise WorkerFailure(f"CPU pool {pool_name}: {exc}", EXIT_RESOURCES) from None
-    keys = _key_directory(plan, request, log) if pool is not None else None
     if backend.pins_pool and pool is not None:
         try:
             pin(pool)  # the device copies to and from it by DMA, as FastDeploy's mlocked swap space
         except OSError as exc:
             raise WorkerFailure(f"CPU pool of rank {plan.rank}: {exc.strerror}", EXIT_RESOURCES) from None
-    log.info("tiers reserved", device_bytes=device.nbytes, cpu_bytes=cpu_bytes, backend=plan.memory)
-    return RankTiers(device, pool, pool_name if pool is not None else "", keys)
+    log.info(
+        "tiers reserved",
+        device_bytes=device.nbytes,
+        cpu_bytes=cpu_bytes,
+        backend=plan.memory,
+        huge_pages=huge_pages() if plan.huge_pages else "not asked for",
+    )
+    return RankTiers(device, pool, pool_name if pool is not None else "")
+
+
+def await_turn(sock: socket.socket, stats: StatsSlot) -> bool:
+    """Say Prepared, then wait for Serve (True) or Stop (False), marking progress meanwhile."""
+    channel.send(sock, channel.Prepared())
+    sock.settimeout(LOOP_S)
+    try:
+        while True:
+            stats.progressed()
+            try:
+                message = channel.recv(sock)
+            except TimeoutError:
+                continue
+            if isinstance(message, channel.Serve):
+                return True
+            if message is None or isinstance(message, channel.Stop):
+                return False
+    finally:
+        sock.settimeout(None)
 
 
 def _key_directory(plan: WorkerPlan, request: TierRequest, log: logs.Logger) -> KeyDirectory:
@@ -304,7 +359,14 @@ def serve(
     tasks = server.TaskServer(
         listener=listener,
         selector=selector,
-        engine=SwapEngine(plan.spec, tiers.device.pieces, tiers.pool, on_step=step),
+        engine=SwapEngine(
+            plan.spec,
+            tiers.device.pieces,
+            tiers.pool,
+            on_step=step,
+            pool_layout=memory.get(plan.memory).pool_layout,
+            tier_swap=tiers.device.pool_swap(tiers.pool) if tiers.pool is not None else None,
+        ),
         stats=stats,
         rank=plan.rank,
         generation=plan.generation,
@@ -325,9 +387,7 @@ def serve(
             layout_version=LAYOUT_VERSION,
         ),
     )
-    tiers.device.warm()
-    if plan.reopen_pool and tiers.pool is not None:
-        prefault(tiers.pool)
+    tiers.map_pages(wait=False)  # the pages of memory reserved (or reopened) above are mapped from now on
     selector.register(sock, selectors.EVENT_READ, "supervisor")
     selector.register(listener, selectors.EVENT_READ, "listener")
     next_chores = 0.0
@@ -355,6 +415,7 @@ def serve(
                     tasks.on_event(client, mask)
             now = time.monotonic()
             if draining_until and ((not events and not tasks.sending()) or now >= draining_until):
+                tasks.flush_all(DRAIN_S)
                 log.info("drained: stopping for the next daemon", connections=len(tasks.conns))
                 return EXIT_OK
             if now >= next_chores:  # once a second: stalled frames, the store's health and figures

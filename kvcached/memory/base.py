@@ -54,6 +54,15 @@ class Piece(Protocol):
     def write(self, start: int, rows: Array) -> None:
         """Overwrite blocks from ``start`` with the uint8 ``[count, nbytes]`` array ``rows``."""
 
+    def host(self) -> Array | None:
+        """Every block as a uint8 ``[blocks, nbytes]`` view when the tensor lives in host memory (the copy
+        engine then copies natively, without ``read``/``write``), else None."""
+
+
+#: A device tier's whole-task copy with the CPU pool: ``(direction, device_ids, cpu_ids)``, direction
+#: "out" (device to pool) or "in"; ids checked.
+TierSwap = Callable[[str, Array, Array], None]
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierRequest:
@@ -67,6 +76,8 @@ class TierRequest:
     device_id: int = 0
     mode: int = 0o600
     gid: int | None = None
+    #: Ask for huge pages for memory in /dev/shm (``kvcached.memory.shm``).
+    huge_pages: bool = False
 
     def shm_name(self, tier: str) -> str:
         """The POSIX shm name of this rank's object of ``tier`` (``dev``, ``cpu``, ``keys``)."""
@@ -87,9 +98,15 @@ class DeviceTier(abc.ABC):
     def close(self) -> None:
         """Unmap or drop this process's handles; never removes the memory's name."""
 
-    def warm(self) -> None:
-        """After the rank is READY: make a reopened tier's first copies fast (map its pages in the
-        background). Does nothing by default."""
+    def pool_swap(self, pool: Any) -> TierSwap | None:
+        """A whole-task copy between this tier and ``pool`` (the CPU pool's buffer, laid out as the backend's
+        ``pool_layout`` says), when the tier has one faster than the copy engine's; None by default."""
+        return None
+
+    def warm(self, *, wait: bool = False) -> None:
+        """Make a reopened tier's first copies fast: map its pages, in the background (after the rank is
+        READY), or before returning with ``wait`` (while the last image's worker still serves the rank).
+        Does nothing by default."""
         return None
 
 
@@ -116,6 +133,8 @@ class DeviceBackend(abc.ABC):
     pins_pool: ClassVar[bool] = False
     #: A tier outlives the process that created it (``reopen`` works after that process died).
     outlives_worker: ClassVar[bool] = False
+    #: How the CPU pool is laid out for this backend (``kvcached.protocol.layout.POOL_LAYOUTS``).
+    pool_layout: ClassVar[str] = "records"
 
     def shm_bytes(self, spec: CacheSpec) -> int:
         """Bytes of /dev/shm one rank's device tier takes (0 when it lives on a device)."""

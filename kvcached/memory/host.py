@@ -38,6 +38,9 @@ class HostPiece:
     def write(self, start: int, rows: Array) -> None:
         self.device[start : start + len(rows)] = rows
 
+    def host(self) -> Array:
+        return self.device
+
 
 def host_pieces(spec: CacheSpec, device: Any) -> list[HostPiece]:
     """The pieces of a device arena (any buffer laid out by ``device_slots``)."""
@@ -68,10 +71,12 @@ class HostTier(DeviceTier):
         with contextlib.suppress(BufferError):  # a view still alive elsewhere: unmapped with it
             self.mapping.close()
 
-    def warm(self) -> None:
+    def warm(self, *, wait: bool = False) -> None:
         if not self.populated:
             self.populated = True
-            shm.prefault(self.mapping)
+            thread = shm.prefault(self.mapping)
+            if wait:
+                thread.join()
 
 
 class HostAttached(Attached):
@@ -122,11 +127,16 @@ class HostBackend(DeviceBackend):
         name = request.shm_name("dev")
         try:
             mapping = shm.create_arena(
-                name, device_arena_bytes(request.spec), progress, mode=request.mode, gid=request.gid
+                name,
+                device_arena_bytes(request.spec),
+                progress,
+                mode=request.mode,
+                gid=request.gid,
+                huge=request.huge_pages,
             )
         except posix_ipc.ExistentialError:
             raise ResourceError(f"arena name taken by another process: {name}") from None
-        return HostTier(request.spec, name, mapping)
+        return HostTier(request.spec, name, mapping, populated=False)
 
     def reopen(self, request: TierRequest, descriptor: Mapping[str, Any]) -> DeviceTier:
         name = str(descriptor.get("arena", ""))

@@ -6,6 +6,13 @@ scales), zero-filled, with FastDeploy's shapes and dtypes, and exports each unde
 FastDeploy's ``set_data_ipc`` (see ``kvcached.protocol.fastdeploy``). A runner attaches each by name with
 ``share_external_data``. Swaps and store tasks move block rows between those tensors and the CPU pool.
 
+Swaps between the tensors and the CPU pool are one call of FastDeploy's ``swap_cache_all_layers`` per
+tensor kind (key, value, scales), straight between device memory and the pool, as FastDeploy's own
+transfer manager makes them. For that the pool is laid out in planes (``kvcached.protocol.layout``), one
+per tensor, each layer's CPU blocks at the device block's stride. What it costs: a block's record for
+the attention store is gathered from every plane (one copy per tensor instead of one per block), and the
+store path still goes through host arrays (``XpuPiece.read``/``write``).
+
 The descriptor a runner attaches with: ``{"device": d, "local_rank": r, "pid": p}`` (the names follow
 from the device, the rank and the spec; ``pid`` is the worker that allocated the tensors, so a tier made
 anew never publishes the descriptor of the one before it).
@@ -21,6 +28,7 @@ the CPU pool and the store, in host memory and on disk, are kept.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -31,9 +39,10 @@ import numpy as np
 
 from kvcached.health import FAIL, OK, Check
 from kvcached.memory import register
-from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest
+from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest, TierSwap
 from kvcached.protocol.errors import BackendUnavailable, InvalidSpec, ProtocolError
 from kvcached.protocol.fastdeploy import Export, exports
+from kvcached.protocol.layout import cpu_planes
 from kvcached.protocol.names import SHM_DIR
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
@@ -59,6 +68,21 @@ class XpuRuntime(Protocol):
 
     def attach(self, device_id: int, name: str, shape: tuple[int, ...], dtype: str) -> Any:
         """The tensor another process exported under ``name`` (FastDeploy's ``share_external_data``)."""
+
+    def swap_all_layers(  # noqa: PLR0917 - FastDeploy's op, argument for argument
+        self,
+        tensors: list[Any],
+        cpu_ptrs: list[int],
+        max_cpu_blocks: int,
+        device_ids: list[int],
+        cpu_ids: list[int],
+        device_id: int,
+        mode: int,
+    ) -> None:
+        """FastDeploy's ``swap_cache_all_layers`` (``custom_ops/xpu_ops/src/ops/swap_cache_batch.cc``): for
+        each tensor ``i``, block ``device_ids[k]`` and the host block at ``cpu_ptrs[i] + cpu_ids[k] * (the
+        tensor's bytes per block)`` are copied, one ``xpu_memcpy`` per run of ids; mode 0 device to host,
+        1 host to device. All tensors of one call have one dtype."""
 
 
 def _import_paddle_xpu() -> tuple[Any, Any]:
@@ -96,6 +120,20 @@ class PaddleXpuRuntime:
         # XPU IPC handle (custom_ops/xpu_ops/src/ops/share_external_data.cc:31-42).
         return self.ops.share_external_data(empty, name, list(shape), False)
 
+    def swap_all_layers(  # noqa: PLR0917 - FastDeploy's op, argument for argument
+        self,
+        tensors: list[Any],
+        cpu_ptrs: list[int],
+        max_cpu_blocks: int,
+        device_ids: list[int],
+        cpu_ids: list[int],
+        device_id: int,
+        mode: int,
+    ) -> None:
+        # The op FastDeploy's transfer manager calls (cache_manager/cache_transfer_manager.py:1349 at
+        # e53f5184), with the same arguments: its PD_BUILD_OP(swap_cache_all_layers) in swap_cache_batch.cc.
+        self.ops.swap_cache_all_layers(tensors, cpu_ptrs, max_cpu_blocks, device_ids, cpu_ids, device_id, mode)
+
 
 class XpuPiece:
     """One exported tensor as rows of bytes, one row per block (``paddle.view`` as uint8, no copy)."""
@@ -115,12 +153,16 @@ class XpuPiece:
     def write(self, start: int, rows: np.ndarray[Any, Any]) -> None:
         self.rows[start : start + len(rows)] = self.paddle.to_tensor(np.ascontiguousarray(rows), place=self.rows.place)
 
+    def host(self) -> None:
+        return None  # device memory: the copy engine goes through read/write (or the tier's pool_swap)
+
 
 class XpuTier(DeviceTier):
     """One rank's device tier on an XPU: the tensors, their exports, and their pieces."""
 
     def __init__(self, spec: CacheSpec, local_rank: int, device_id: int, runtime: XpuRuntime) -> None:
         self.spec = spec
+        self.runtime = runtime
         self.device_id = device_id
         self.descriptor = {"device": device_id, "local_rank": local_rank, "pid": os.getpid()}
         self.nbytes = spec.num_blocks * spec.block_bytes
@@ -137,6 +179,30 @@ class XpuTier(DeviceTier):
             column += piece.nbytes
         if column != spec.block_bytes:
             raise XpuUnavailable(f"xpu tensors hold {column} bytes per block, the layout needs {spec.block_bytes}")
+
+    def pool_swap(self, pool: Any) -> TierSwap:
+        """FastDeploy's ``swap_cache_all_layers`` between the tensors and the pool's planes: one call per
+        tensor kind (key, value, and the scales where there are some), as its transfer manager makes them,
+        the pool's plane of each tensor standing where its per-layer CPU buffer would."""
+        anchor = ctypes.c_char.from_buffer(pool)
+        base = ctypes.addressof(anchor)
+        del anchor  # a live export would keep the pool from being unmapped
+        planes = cpu_planes(self.spec)
+        kinds: dict[str, tuple[list[Any], list[int]]] = {}
+        for export, (offset, _) in zip(self.exports, planes, strict=True):
+            tensors, pointers = kinds.setdefault(export.kind, ([], []))
+            tensors.append(self.tensors[export.name])
+            pointers.append(base + offset)
+        calls = list(kinds.values())
+        count = self.spec.num_cpu_blocks
+
+        def swap(direction: str, device_ids: np.ndarray[Any, Any], cpu_ids: np.ndarray[Any, Any]) -> None:
+            mode = 0 if direction == "out" else 1
+            dev, cpu = device_ids.tolist(), cpu_ids.tolist()
+            for tensors, pointers in calls:
+                self.runtime.swap_all_layers(tensors, pointers, count, dev, cpu, self.device_id, mode)
+
+        return swap
 
     def close(self) -> None:
         """Drop the tensors (the runtime frees the memory when this process lets go of them)."""
@@ -164,6 +230,7 @@ class XpuBackend(DeviceBackend):
         "an error otherwise, never a fallback)"
     )
     pins_pool = True
+    pool_layout = "planes"
 
     def __init__(self, runtime: Callable[[], XpuRuntime] = PaddleXpuRuntime) -> None:
         self.runtime = runtime

@@ -8,12 +8,20 @@ Device arena (one shm object per rank), layer-major, every tensor on a page boun
       scales      [num_blocks, kv_heads, block_size]             (only with block_wise_fp8)
     then the MTP layers L{n} .. L{n+m-1}, the same tensors with mtp_blocks blocks each
 
-CPU swap pool (one shm object per rank), block-major: one block of every layer is contiguous, so a
+CPU swap pool (one shm object per rank), in one of two layouts, chosen by the device backend (the
+runner never sees the pool). ``records`` (host): block-major, one block of every layer contiguous, so a
 block is one record for the attention store; each record starts on a page boundary::
 
     | block 0: L0.key L0.value L0.key_scale L0.value_scale L1.key ... | pad | block 1: ... | pad | ...
       <------------------------- spec.block_bytes ------------------------>
       <---------------------------------- block_stride ------------------------>
+
+``planes`` (xpu): one plane per tensor, in record order, each ``[num_cpu_blocks, tensor bytes per block]``,
+so that each layer's CPU blocks lie at the device block's stride from one pointer, as FastDeploy's
+``swap_cache_all_layers`` expects; a block's record for the store is gathered from every plane. Both
+fit in ``cpu_pool_bytes``::
+
+    | L0.key of block 0, 1, ... n-1 | L0.value of block 0 ... n-1 | L1.key ... | (pad)
 
 The daemon publishes ``LAYOUT_VERSION`` and the geometry; a runner recomputes the offsets from its own
 spec after checking that the geometry matches, so no offset table crosses process boundaries.
@@ -108,6 +116,20 @@ def cpu_block_stride(spec: CacheSpec) -> int:
 def cpu_pool_bytes(spec: CacheSpec) -> int:
     """Size of a rank's CPU swap pool (0 when there is none)."""
     return cpu_block_stride(spec) * spec.num_cpu_blocks
+
+
+POOL_LAYOUTS = ("records", "planes")
+
+
+def cpu_planes(spec: CacheSpec) -> list[tuple[int, int]]:
+    """``(offset, width)`` of each tensor's plane in a ``planes`` CPU pool, in record order."""
+    planes = []
+    offset = 0
+    for slot in device_slots(spec):
+        width = slot.nbytes // slot.shape[0]
+        planes.append((offset, width))
+        offset += width * spec.num_cpu_blocks
+    return planes
 
 
 def rank_shm_bytes(spec: CacheSpec) -> int:

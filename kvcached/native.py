@@ -1,0 +1,115 @@
+"""The native block copy (``kvcached/_copy.c``), loaded with ctypes when the install built it.
+
+``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes
+releases it around a foreign call). ``available()`` says whether it was built; without it the copy
+engine (``kvcached.transfer``) copies with numpy, one slice per piece and run of ids.
+``KVCACHED_NATIVE_COPY=0`` turns it off (to compare, or to rule it out).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.machinery
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Side:
+    """One host buffer seen as pieces: piece ``p`` of block ``b`` is ``views[p][b]``, ``widths[p]`` bytes at
+    ``bases[p] + b * strides[p]``. Holds the views, so the memory stays mapped while the side exists."""
+
+    views: tuple[Array, ...]
+    bases: Array  # uint64
+    strides: Array  # int64
+    widths: Array  # int64
+
+    @classmethod
+    def of(cls, views: list[Array]) -> Side:
+        """The side of ``views``: one uint8 ``[blocks, width]`` array per piece, rows of any stride, each
+        row contiguous."""
+        for view in views:
+            if view.ndim != 2 or view.dtype != np.uint8 or (view.shape[1] > 1 and view.strides[1] != 1):
+                raise ValueError("a piece must be a uint8 [blocks, width] view with contiguous rows")
+        return cls(
+            tuple(views),
+            np.array([view.ctypes.data for view in views], dtype=np.uint64),
+            np.array([view.strides[0] for view in views], dtype=np.int64),
+            np.array([view.shape[1] for view in views], dtype=np.int64),
+        )
+
+
+class _Library:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.kv_copy_blocks.restype = ctypes.c_int64
+        self.lib.kv_copy_blocks.argtypes = (
+            ctypes.c_int64,
+            *(ctypes.c_void_p,) * 5,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        )
+        self.lib.kv_streams.restype = ctypes.c_int
+        self.streams = bool(self.lib.kv_streams())
+
+
+def _load() -> _Library | None:
+    if os.environ.get("KVCACHED_NATIVE_COPY", "1") == "0":
+        return None
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_copy{suffix}"
+        if path.is_file():
+            try:
+                return _Library(path)
+            except OSError:
+                return None
+    return None
+
+
+_LIBRARY = _load()
+
+
+def available() -> bool:
+    """Whether the native copy was built and loads."""
+    return _LIBRARY is not None
+
+
+def describe() -> str:
+    """What the copy engine uses, for ``doctor`` and the log."""
+    if _LIBRARY is None:
+        off = os.environ.get("KVCACHED_NATIVE_COPY") == "0"
+        return "numpy slices (KVCACHED_NATIVE_COPY=0)" if off else "numpy slices (the native copy was not built)"
+    stores = "non-temporal stores" if _LIBRARY.streams else "memcpy"
+    return f"native ({_LIBRARY.path.name}, {stores})"
+
+
+def copy_blocks(src: Side, dst: Side, src_ids: Array, dst_ids: Array) -> int:
+    """Copy every piece of block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst``; bytes moved.
+    Ids must be checked (in range, targets unique) by the caller; both sides have the same widths."""
+    assert _LIBRARY is not None
+    src_ids = np.ascontiguousarray(src_ids, dtype=np.int64)
+    dst_ids = np.ascontiguousarray(dst_ids, dtype=np.int64)
+    assert len(src_ids) == len(dst_ids) and len(src.widths) == len(dst.widths)
+    moved: int = _LIBRARY.lib.kv_copy_blocks(
+        len(src.widths),
+        src.bases.ctypes.data,
+        src.strides.ctypes.data,
+        dst.bases.ctypes.data,
+        dst.strides.ctypes.data,
+        src.widths.ctypes.data,
+        len(src_ids),
+        src_ids.ctypes.data,
+        dst_ids.ctypes.data,
+        1,
+    )
+    return moved

@@ -1,0 +1,87 @@
+"""Run inside a private mount namespace whose /dev/shm is a fresh tmpfs (``tests/test_pages.py`` sets it up):
+start a daemon, let a runner swap through it, and report what page size its arenas and pools got.
+
+argv[1]: JSON {"instance", "run_dir", "args": [start flags]}. Prints one JSON line: the doctor's huge_pages
+check, the bytes of each arena / pool mapped with 2 MiB pages in the worker (from /proc/<pid>/smaps), and
+whether the swap round trip was byte-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import runner_client as rc
+from kvcached.status import is_ready, read_status
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pmd_mapped(pid: int, instance: str) -> dict[str, int]:
+    """Bytes mapped with huge pages in ``pid``, per /dev/shm object of ``instance``."""
+    found: dict[str, int] = {}
+    current = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 6:
+            current = fields[5] if f"kvcached.{instance}." in fields[5] else None
+        elif current and fields[0] in ("ShmemPmdMapped:", "FilePmdMapped:"):
+            found[Path(current).name] = found.get(Path(current).name, 0) + int(fields[1]) * 1024
+    return found
+
+
+def main() -> None:
+    request: dict[str, Any] = json.loads(sys.argv[1])
+    instance, env = request["instance"], dict(os.environ, KVCACHED_RUN_DIR=request["run_dir"])
+    os.environ["KVCACHED_RUN_DIR"] = request["run_dir"]
+    command = [sys.executable, "-m", "kvcached.cli"]
+    doctor = subprocess.run(
+        [*command, "doctor", "--json", "--instance", instance, *request["args"]],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+    daemon = subprocess.Popen(
+        [*command, "start", "--instance", instance, *request["args"]], env=env, cwd=ROOT, stderr=subprocess.PIPE
+    )
+    result: dict[str, Any] = {"huge_pages": checks["huge_pages"]}
+    try:
+        deadline = time.monotonic() + 60
+        while not is_ready(read_status(instance)):
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr.read() if daemon.stderr else ""
+            time.sleep(0.05)
+        pid = read_status(instance)["ranks"][0]["pid"]
+        spec = rc.CacheSpec(**request["spec"])
+        cache = rc.initialize_kv_cache(spec, 0, instance=instance, timeout=10)
+        raw = cache.key_caches[0].view(np.uint8)
+        raw[3] = np.random.default_rng(1).integers(0, 256, raw[3].shape, dtype=np.uint8)
+        with rc.CacheTasks(instance) as tasks:
+            tasks.swap_out(0, [3], [1])
+            tasks.swap_in(0, [1], [5])
+        result["swap_exact"] = bool(np.array_equal(raw[3], raw[5]))
+        deadline = time.monotonic() + 10  # the pages are mapped in the background once READY
+        while True:
+            result["pmd_bytes"] = pmd_mapped(pid, instance)
+            names = result["pmd_bytes"]
+            if time.monotonic() > deadline or (names and all(v > 0 for v in names.values()) and len(names) >= 2):
+                break
+            time.sleep(0.1)
+        cache.close()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
