@@ -113,6 +113,7 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
     A start adopts the memory an earlier run of the instance left (killed, or stopped with `stop --keep`)
     when it is ours, of the same spec and consistent: the KV blocks survive, runners keep their views.
     Otherwise it reclaims that memory and says why (log, `status`). --fresh always reclaims.
+
     """
     from kvcached import logs
     from kvcached.daemon.supervisor import HANDOVER_ENV, Supervisor
@@ -134,6 +135,9 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
             os.environ[HANDOVER_ENV] = handover
         os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
     sys.exit(status)
+
+
+start.help = (start.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
 
 
 def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
@@ -173,15 +177,38 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
 def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) -> None:
     """Check this host for the configuration `start` would use, before it fails.
 
-    Checks /dev/shm space for all ranks and tiers, the memlock limit, logind's RemoveIPC, the run
-    directory, a live instance of the same name, leftovers of a dead one, the device backend's stack
-    (--memory xpu) and the storage backend. Takes the same options as `start`. Exit status 1 if any check
-    fails.
+    Checks the configuration (a bad value is a failed check; the rest is checked with it at its default),
+    /dev/shm space for all ranks and tiers, the memlock limit, huge pages, the copy engine, logind's
+    RemoveIPC, the run directory, a live instance of the same name, leftovers of a dead one, the metrics
+    port, the device backend's stack (--memory xpu) and the storage backend (free disk, a directory
+    another daemon holds, a master that does not answer). Takes the same options as `start`. Exit status
+    1 if any check fails.
     """
     from kvcached import doctor as checks
+    from kvcached.config import DaemonConfig
+    from kvcached.protocol.errors import InvalidConfig
 
-    config = _build_config(values, config_file)
-    results = checks.run(config, clean=clean)
+    # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
+    # at its default (as many times as there are bad values).
+    problems: list[InvalidConfig] = []
+    ignored: set[str] = set()
+    config = None
+    while config is None:
+        try:
+            config = DaemonConfig.build(values, config_file, ignore=frozenset(ignored))
+        except InvalidConfig as exc:
+            if exc.field == "instance":  # which instance to check: nothing else can be
+                raise ConfigError(str(exc)) from None
+            problems.append(exc)
+            if exc.field == "config":  # the file itself cannot be read
+                config_file = None
+            elif exc.field in ignored or len(problems) > 64:  # a limit of the geometry as a whole
+                config = DaemonConfig.build({"instance": values.get("instance")}, None, environ={})
+            else:
+                ignored.add(exc.field)
+        except InvalidSpec as exc:
+            raise ConfigError(str(exc)) from None
+    results = [checks.check_config(problem) for problem in problems] + checks.run(config, clean=clean)
     document = checks.report(config.instance, results)
     click.echo(json.dumps(document) if as_json else checks.render(config.instance, results))
     sys.exit(0 if document["ok"] else 1)
@@ -323,7 +350,7 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     name = _instance(instance)
     target = _daemon_of(name)
     if target is None:
-        click.echo(f"instance {name}: not running")
+        click.echo(f"instance {name}: not running{_left_behind(name)}")
         return
     pid, started = target
     _signal(name, pid, KEEP_SIGNAL if keep else signal.SIGTERM)
@@ -342,6 +369,20 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
         )
     else:
         click.echo(f"instance {name}: stopped (pid {pid})")
+
+
+def _left_behind(name: str) -> str:
+    """What an instance that is not running left in /dev/shm, as the end of a sentence ("" for nothing)."""
+    from kvcached.protocol.names import instance_shm_entries
+
+    count = len(instance_shm_entries(name))
+    if not count:
+        return ""
+    return (
+        f"; an earlier run left {count} objects in /dev/shm (its memory: the next `kvcached start --instance "
+        f"{name}` adopts it when it can, else reclaims it; `kvcached doctor --clean --instance {name}` removes "
+        "it now)"
+    )
 
 
 @main.command(context_settings=_CONTEXT)

@@ -252,14 +252,18 @@ class DaemonConfig:
         flags: Mapping[str, Any],
         config_file: Path | None = None,
         environ: Mapping[str, str] | None = None,
+        *,
+        ignore: frozenset[str] = frozenset(),
     ) -> DaemonConfig:
         """Merge ``flags`` (None means unset) over ``environ``'s ``KVCACHED_*`` over ``config_file`` over the
-        defaults. Raises ``InvalidConfig`` naming the source of the first bad value."""
+        defaults. Raises ``InvalidConfig`` naming the source of the first bad value. Knobs (and file keys)
+        in ``ignore`` are taken at their defaults, wherever they were set (``kvcached doctor`` reports a bad
+        value and checks the rest)."""
         environ = os.environ if environ is None else environ
         all_knobs = {knob.name: knob for knob in knobs_all()}
         raw: dict[str, tuple[Any, str]] = {}  # knob -> (value as written, where)
         if config_file is not None:
-            for key, value in load_toml(config_file, all_knobs).items():
+            for key, value in load_toml(config_file, all_knobs, ignore).items():
                 raw[key] = (value, f"{config_file}: {key}")
         for knob in all_knobs.values():
             if knob.env in environ and environ[knob.env] != "":
@@ -267,6 +271,8 @@ class DaemonConfig:
         for name, value in flags.items():
             if value is not None and name in all_knobs:
                 raw[name] = (value, all_knobs[name].flag)
+        for name in ignore:
+            raw.pop(name, None)
         values: dict[str, Any] = {}
         for name, knob in all_knobs.items():
             if name not in raw:
@@ -333,9 +339,9 @@ class DaemonConfig:
         )
 
 
-def load_toml(path: Path, known: Mapping[str, Knob]) -> dict[str, Any]:
+def load_toml(path: Path, known: Mapping[str, Knob], ignore: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Read a config file; unreadable files and unknown keys (with the closest known key) are
-    ``InvalidConfig`` errors naming the file."""
+    ``InvalidConfig`` errors naming the file. Keys in ``ignore`` are left out."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -345,6 +351,7 @@ def load_toml(path: Path, known: Mapping[str, Knob]) -> dict[str, Any]:
         raise InvalidConfig("config", f"--config {path}", f"not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
         raise InvalidConfig("config", f"--config {path}", f"not UTF-8 text (byte {exc.start}), so not TOML") from None
+    data = {key: value for key, value in data.items() if key not in ignore}
     for key in data:
         if key not in known:
             raise InvalidConfig(key, f"{path}: {key}", f"unknown key{suggest(key, known)}")

@@ -8,8 +8,10 @@ form (``kvcached doctor --json``) is a stable interface::
                  "measured": {"free_bytes": 25125052416, "need_bytes": 402669568},
                  "advice": ""}, ...]}
 
-Check names, in order: ``dev_shm``, ``memlock``, ``huge_pages``, ``copy_engine``, ``remove_ipc``,
-``run_dir``, ``live_instance``, ``leftovers``; then the device backend's own (``--memory xpu``:
+Check names, in order: ``config`` (once per bad configuration value, only then: the checks after it
+take that value's default), ``dev_shm``, ``memlock``, ``huge_pages``, ``copy_engine``, ``remove_ipc``,
+``run_dir``, ``live_instance``, ``leftovers``, ``metrics_port`` (with ``--metrics-port``); then the
+device backend's own (``--memory xpu``:
 ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and the storage backend's (``file_store``,
 ``mooncake_master``). ``measured`` holds the raw figures (numbers, paths, flags) of each; new keys may be
 added, none is removed or renamed.
@@ -20,11 +22,13 @@ a live instance's objects are never touched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import mmap
 import os
 import resource
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +40,61 @@ from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftover
 from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
+from kvcached.protocol.errors import InvalidConfig, KVCacheError
+from kvcached.protocol.instance import open_instance
 from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import MAX_SOCKET_PATH, instance_lock_path, lock_path, task_socket_path
 
+#: linux/capability.h
+CAP_IPC_LOCK = 14
 LOGIND_CONFS = ("/etc/systemd/logind.conf", "/etc/systemd/logind.conf.d/*.conf", "/run/systemd/logind.conf.d/*.conf")
 #: logind treats users up to SYS_UID_MAX (from login.defs, 999 by default) as system users.
 DEFAULT_SYS_UID_MAX = 999
+
+
+def check_config(problem: InvalidConfig) -> Check:
+    """A bad configuration value: ``start`` would refuse it (exit 4); the other checks take its default."""
+    measured = {"field": problem.field, "source": problem.source, "message": problem.message}
+    advice = "fix it: `kvcached start` refuses this configuration (exit 4); the checks below take its default"
+    return Check("config", FAIL, str(problem), measured, advice)
+
+
+def run_dir_of(config: DaemonConfig) -> Path:
+    """The run directory of the live daemon of ``config.instance`` (its control block says), else the one
+    a start here would use."""
+    with contextlib.suppress(KVCacheError, OSError):
+        view = open_instance(config.instance)
+        if view is not None:
+            with view:
+                if view.alive and view.header is not None and view.header.run_dir:
+                    return Path(view.header.run_dir)
+    return lock_path(config.instance).parent
+
+
+def has_ipc_lock() -> bool:
+    """Whether this process has CAP_IPC_LOCK in its effective set (then the memlock limit does not apply)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def check_metrics_port(config: DaemonConfig) -> Check | None:
+    """Whether ``--metrics-port`` can be listened on (None when there is no metrics endpoint)."""
+    if not config.metrics_port:
+        return None
+    address, port = config.metrics_address, config.metrics_port
+    measured = {"address": address, "port": port}
+    try:
+        with socket.create_server((address, port)):
+            pass
+    except OSError as exc:
+        advice = "pick a free --metrics-port (0 for none), or stop what listens there (ss -ltnp)"
+        return Check("metrics_port", FAIL, f"{address}:{port}: {exc.strerror}", measured, advice)
+    return Check("metrics_port", OK, f"{address}:{port} is free", measured)
 
 
 def check_dev_shm(config: DaemonConfig) -> Check:
@@ -69,6 +122,11 @@ def check_memlock(config: DaemonConfig) -> Check:
     if need == 0:
         return Check("memlock", OK, f"limit {shown}; the {config.memory} backend pins no memory", measured)
     figure = f"limit {shown}, each rank pins {size_text(need)}"
+    if limit is not None and limit < need and has_ipc_lock():
+        measured["cap_ipc_lock"] = True
+        figure += "; CAP_IPC_LOCK: the limit does not apply to this process"
+        advice = "a daemon without CAP_IPC_LOCK (systemd's User=) needs LimitMEMLOCK=infinity"
+        return Check("memlock", OK, figure, measured, advice)
     if limit is not None and limit < need:
         advice = "raise the memlock limit: LimitMEMLOCK=infinity in the unit, or memlock in limits.conf"
         return Check("memlock", FAIL, figure, measured, advice)
@@ -153,7 +211,7 @@ def check_remove_ipc(uid: int | None = None, patterns: tuple[str, ...] = LOGIND_
 
 
 def check_run_dir(config: DaemonConfig) -> Check:
-    directory = lock_path(config.instance).parent
+    directory = run_dir_of(config)
     longest = task_socket_path(directory, config.instance, config.ranks - 1)
     measured: dict[str, Any] = {"path": str(directory), "exists": directory.exists()}
     if len(str(longest).encode()) > MAX_SOCKET_PATH:
@@ -179,9 +237,9 @@ def check_run_dir(config: DaemonConfig) -> Check:
 
 def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     """``live_instance`` and ``leftovers`` (cleaned with ``clean`` when no daemon is alive)."""
-    run_dir = lock_path(config.instance).parent
+    run_dir = run_dir_of(config)
     found = inspect_instance(config.instance, run_dir)
-    starting = lockfile.held_by(lock_path(config.instance))
+    starting = lockfile.held_by(run_dir / lock_path(config.instance).name)
     live_pid = found.live_pid or (starting.pid if starting is not None else None)
     checks = []
     if live_pid is not None:
@@ -251,6 +309,8 @@ def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
     checks = [check_dev_shm(config), check_memlock(config), check_huge_pages(config), check_copy_engine(config)]
     checks += [check_remove_ipc(), check_run_dir(config)]
     checks += check_instance(config, clean)
+    metrics = check_metrics_port(config)
+    checks += [metrics] if metrics is not None else []
     checks += memory.get(config.memory).doctor(config.spec, config.ranks)
     if config.store.backend is not None:
         checks += store.get(config.store.backend).doctor(config.store.options, config.ranks)

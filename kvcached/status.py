@@ -6,7 +6,7 @@ The JSON shape is a public interface (scripts parse it)::
      "adopted_from": "3e07..." or null, "note": "adopted from generation 3e07... (its daemon died)",
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
-                "error": "", "cpu_blocks": 64, "waiting": 0,
+                "error": "", "cpu_blocks": 64, "waiting": 0, "reserved": 50331648, "total": 50331648,
                 "latency": {"swap_out": {"count": 3, "p50_s": 0.0005, "p99_s": 0.001}, "swap_in": ..., "store": ...,
                             "load": ...},   (bucket upper bounds; null without tasks)
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
@@ -18,6 +18,8 @@ The JSON shape is a public interface (scripts parse it)::
 ``adopted_from`` is the generation whose memory this daemon adopted when it started (null: it allocated
 its own); ``note`` says so, or why it did not adopt an earlier run's memory ("" when there was none).
 ``waiting`` is the number of runner processes waiting for that rank to become READY right now.
+``reserved`` and ``total`` are the bytes the rank's worker has reserved so far and will hold in all (the
+allocation's progress); ``latency`` the task durations per operation, from the rank's histograms.
 ``running`` says a control block exists; ``alive`` that its daemon still runs (a block whose daemon is
 dead is a leftover: every state in it is history). ``generation`` is 16 hex digits (JSON numbers lose
 64-bit precision). Ready means: alive and every rank READY.
@@ -73,12 +75,13 @@ def read_status(instance: str) -> dict[str, Any]:
                 continue
             slot = block.stats_slot(rank)
             stats = slot.counters()
+            age = max(0, now - record.heartbeat_ns) / 1e9  # never -0.0: a beat may land after `now` was read
             status["ranks"].append(
                 {
                     "rank": rank,
                     "state": record.state.name,
                     "pid": record.worker_pid or None,
-                    "heartbeat_age_s": round((now - record.heartbeat_ns) / 1e9, 3) if record.heartbeat_ns else None,
+                    "heartbeat_age_s": round(age, 3) if record.heartbeat_ns else None,
                     "bytes": record.dev_bytes + record.cpu_bytes,
                     "bytes_device": record.dev_bytes,
                     "bytes_cpu": record.cpu_bytes,

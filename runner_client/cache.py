@@ -22,7 +22,7 @@ from kvcached.protocol.control import Header, Record, State
 from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec, KVCacheError, OwnershipConflict, TornRead
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes
-from kvcached.protocol.names import check_instance
+from kvcached.protocol.names import instance_or_default
 from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
 from kvcached.protocol.proc import is_alive
 from kvcached.protocol.spec import CacheSpec
@@ -194,20 +194,21 @@ def initialize_kv_cache(
     local_rank: int,
     *,
     profile: bool = False,
-    instance: str = "default",
+    instance: str | None = None,
     timeout: float = 600.0,
     framework: Framework = "numpy",
 ) -> KVCache:
     """Create or attach rank ``local_rank``'s KV cache, following the fixed condition.
 
     Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon":
-    wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` to
-    publish the rank, then attach zero-copy. Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
+    wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None:
+    ``$KVCACHED_INSTANCE``, else ``default``) to publish the rank, then attach zero-copy. Raises
+    ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
     ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (bad arguments), ``ProtocolError``.
     """
     if not isinstance(spec, CacheSpec):
         raise InvalidSpec("spec", f"must be a runner_client.CacheSpec, got {type(spec).__name__}")
-    check_instance(instance)
+    instance = instance_or_default(instance)
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise InvalidSpec("local_rank", f"must be an integer >= 0, got {local_rank!r}")
     if framework not in FRAMEWORKS:

@@ -63,7 +63,7 @@ from kvcached.protocol.messages import (
     parse_reply_body,
     request,
 )
-from kvcached.protocol.names import check_instance, task_socket_path
+from kvcached.protocol.names import instance_or_default, task_socket_path
 from kvcached.protocol.proc import is_alive
 from kvcached.protocol.trust import check_owner
 
@@ -301,10 +301,11 @@ class TaskHandle:
 
 
 class CacheTasks:
-    """A client of one daemon instance's task sockets. Close it (or use ``with``) when done."""
+    """A client of one daemon instance's task sockets (``instance`` None: ``$KVCACHED_INSTANCE``, else
+    ``default``). Close it (or use ``with``) when done."""
 
-    def __init__(self, instance: str = "default", *, timeout: float = 60.0) -> None:
-        self.instance = check_instance(instance)
+    def __init__(self, instance: str | None = None, *, timeout: float = 60.0) -> None:
+        self.instance = instance_or_default(instance)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidTask("timeout", f"must be a number of seconds > 0, got {timeout!r}")
         self.timeout = float(timeout)

@@ -149,8 +149,15 @@ class _Waiter:
         header = view.header
         if header.num_ranks <= self.rank:
             self._drop_block()
+            last = header.num_ranks - 1
             raise CacheLayoutMismatch(
-                "num_ranks", header.num_ranks, f"> {self.rank}", instance=self.instance, rank=self.rank
+                "num_ranks",
+                header.num_ranks,
+                self.rank + 1,
+                instance=self.instance,
+                rank=self.rank,
+                why=f"out of range: the daemon serves ranks 0..{last} (--ranks {header.num_ranks}); "
+                f"start it with --ranks {self.rank + 1} or more, or attach a rank of 0..{last}",
             )
         if not self._daemon_alive():
             if self.followed == (header.daemon_pid, header.daemon_start, header.generation):

@@ -22,7 +22,7 @@ from kvcached.config import defaults
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--instance", default="default")
+    parser.add_argument("--instance", default=None, help="default: $KVCACHED_INSTANCE, else default")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon")
     parser.add_argument("--profile", action="store_true", help="profile run: the runner creates a temporary cache")

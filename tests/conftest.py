@@ -170,11 +170,11 @@ class DaemonFactory:
         return daemon
 
     def cli(
-        self, *args: str, env: dict[str, str] | None = None, timeout: float = 60
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 60, prefix: list[str] | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``kvcached ARGS`` to completion."""
+        """Run ``kvcached ARGS`` to completion (under ``prefix``, a command such as ``setpriv ... --``)."""
         return subprocess.run(
-            [sys.executable, "-m", "kvcached.cli", *args],
+            [*(prefix or []), sys.executable, "-m", "kvcached.cli", *args],
             check=False,
             capture_output=True,
             text=True,

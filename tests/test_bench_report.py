@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +12,31 @@ import pytest
 from tests.conftest import ROOT
 
 
+def mooncake_runs() -> bool:
+    """Whether the mooncake extra is installed: its client imports and its master is there."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return False
+    beside = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))
+    return bool(beside or shutil.which("mooncake_master"))
+
+
 @pytest.mark.slow
 def test_bench_report_smoke_writes_report_and_images(tmp_path: Path) -> None:
     image = pytest.importorskip("matplotlib.image", reason="the plot extra is not installed")
     out = tmp_path / "report"
+    backends = ["file", "mooncake"] if mooncake_runs() else ["file"]  # what an absent extra disables: its part
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_report.py"), "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_report.py"),
+            "--smoke",
+            "--out",
+            str(out),
+            "--store-backends",
+            ",".join(backends),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -25,7 +45,10 @@ def test_bench_report_smoke_writes_report_and_images(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = (out / "report.md").read_text()
-    for needle in ("## Headline", "plain copy", "sleep(1) poll", "plain write+fsync / read", "![swap throughput]"):
+    needles = ["## Headline", "plain copy", "sleep(1) poll", "plain write+fsync / read", "![swap throughput]"]
+    needles += ["tp8-ernie", "tp8-llama70b", "mla-576", "shuffled", "cold start", "raw allocation", "restart"]
+    needles += ["plain Mooncake put / get"] if "mooncake" in backends else []
+    for needle in needles:
         assert needle in report, needle
     for name in ("swap_throughput.png", "wakeup_latency.png", "store_throughput.png"):
         pixels = image.imread(out / name)

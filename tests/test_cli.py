@@ -12,6 +12,7 @@ import pytest
 
 import runner_client as rc
 from tests.conftest import (
+    ROOT,
     DaemonFactory,
     run_runner,
     runner_result,
@@ -251,3 +252,15 @@ def test_every_object_is_ours_and_mode_0600(daemons: DaemonFactory) -> None:
         st = path.stat()
         assert stat.S_IMODE(st.st_mode) == 0o600, path
         assert st.st_uid == os.geteuid(), path
+
+
+def test_exit_statuses_are_documented_in_help_and_readme(daemons: DaemonFactory) -> None:
+    from kvcached.daemon import errors
+
+    for command in ([], ["start"]):
+        text = " ".join(daemons.cli(*command, "--help").stdout.split())
+        assert " ".join(errors.EXIT_STATUS_HELP.split()) in text, command
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "0 stopped cleanly, 1 a rank failed at run time, 2 usage error, 3 instance already running" in readme
+    assert daemons.cli("start", "--ranks", "two").returncode == errors.EXIT_CONFIG
+    assert daemons.cli("start", "--no-such-flag").returncode == errors.EXIT_USAGE

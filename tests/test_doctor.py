@@ -6,6 +6,8 @@ import json
 import mmap
 import os
 import resource
+import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,18 @@ def test_memlock_below_the_pinned_pool_fails_for_xpu(daemons: DaemonFactory, ins
     if soft == resource.RLIM_INFINITY:
         pytest.skip("memlock is unlimited here: nothing can exceed it")
     blocks = soft // (2 * 2 * 2 * 4 * 16 * 2) + 64  # a CPU pool larger than the limit
-    code, document = doctor(daemons, "--instance", instance, *SMALL, "--memory", "xpu", "--num-cpu-blocks", str(blocks))
+    args = ["--instance", instance, *SMALL, "--memory", "xpu", "--num-cpu-blocks", str(blocks)]
+    if os.geteuid() == 0:  # root may pin beyond the limit: the check says so; without CAP_IPC_LOCK it fails
+        _, document = doctor(daemons, *args)
+        check = by_name(document)["memlock"]
+        assert check["verdict"] == "ok" and check["measured"]["cap_ipc_lock"] is True, check
+        assert "CAP_IPC_LOCK" in check["figure"] and "LimitMEMLOCK" in check["advice"]
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
+        result = daemons.cli("doctor", "--json", *args, prefix=["setpriv", "--bounding-set", "-ipc_lock", "--"])
+        code, document = result.returncode, json.loads(result.stdout)
+    else:
+        code, document = doctor(daemons, *args)
     check = by_name(document)["memlock"]
     assert code == 1 and check["verdict"] == "fail", check
     assert check["measured"]["pinned_per_process_bytes"] > check["measured"]["limit_bytes"] == soft
@@ -196,3 +209,58 @@ def test_doctor_help_lists_start_options(daemons: DaemonFactory) -> None:
     text = daemons.cli("doctor", "--help").stdout
     for flag in ("--json", "--clean", "--ranks", "--memory", "--num-blocks", "--storage-backend", "--config"):
         assert flag in text
+
+
+def test_configuration_errors_are_failed_checks_and_the_rest_still_runs(
+    daemons: DaemonFactory, instance: str, tmp_path: Path
+) -> None:
+    """A bad value (a group this host lacks, a non-number in the environment, an unknown key) is a failed
+    `config` check naming its source; every other check still runs, with that value at its default."""
+    config = tmp_path / "kv.toml"
+    config.write_text('group = "no-such-group-kvt"\nnum_layer = 3\n')
+    env = daemons.env(KVCACHED_NUM_BLOCKS="abc")
+    code, document = doctor(daemons, "--instance", instance, "--config", str(config), env=env)
+    names = [c["name"] for c in document["checks"]]
+    assert code == 1 and names[:3] == ["config"] * 3 and names[3:] == ORDER, names
+    figures = " | ".join(c["figure"] for c in document["checks"][:3])
+    assert f"{config}: group: no group 'no-such-group-kvt'" in figures, figures
+    assert "KVCACHED_NUM_BLOCKS=abc: must be an integer" in figures and "did you mean 'num_layers'" in figures
+    assert {c["measured"]["field"] for c in document["checks"][:3]} == {"group", "num_blocks", "num_layer"}
+    assert all(c["verdict"] == "ok" for c in document["checks"][3:] if c["name"] == "dev_shm")
+    bad_instance = daemons.cli("doctor", "--instance", "no/such")
+    assert bad_instance.returncode == 4 and "instance" in bad_instance.stderr, "a bad --instance ends it"
+
+
+def test_metrics_port_taken_fails_and_free_passes(daemons: DaemonFactory, instance: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, document = doctor(daemons, "--instance", instance, *SMALL, "--metrics-port", str(port))
+        check = by_name(document)["metrics_port"]
+        assert code == 1 and check["verdict"] == "fail" and "in use" in check["figure"].lower(), check
+    code, document = doctor(daemons, "--instance", instance, *SMALL, "--metrics-port", str(port))
+    assert code == 0 and by_name(document)["metrics_port"]["verdict"] == "ok"
+
+
+def test_a_store_directory_another_daemon_holds_fails(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:
+    store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--storage-capacity", "64MiB"]
+    holder = daemons.start(args=store)
+    holder.wait_ready()
+    code, document = doctor(daemons, "--instance", instance, *SMALL, *store)
+    check = by_name(document)["file_store"]
+    assert code == 1 and check["verdict"] == "fail" and check["measured"]["held_ranks"] == [0, 1], check
+    assert "another daemon holds" in check["advice"]
+    assert holder.stop() == 0
+    code, document = doctor(daemons, "--instance", instance, *SMALL, *store)
+    assert code == 0 and by_name(document)["file_store"]["verdict"] == "ok"
+
+
+def test_a_live_instance_is_found_in_its_own_run_directory(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """An operator shell's default run directory is not the daemon's (systemd's /run/kvcached): doctor
+    reads the live daemon's from its control block."""
+    daemon = daemons.start()
+    daemon.wait_ready()
+    elsewhere = daemons.env(KVCACHED_RUN_DIR=str(tmp_path / "elsewhere"))
+    code, document = doctor(daemons, "--instance", daemon.instance, "--ranks", "2", env=elsewhere)
+    checks = by_name(document)
+    assert code == 1 and checks["live_instance"]["verdict"] == "fail"
+    assert checks["run_dir"]["measured"]["path"] == str(daemons.run_dir), checks["run_dir"]

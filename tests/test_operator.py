@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, unique_instance
@@ -86,3 +88,54 @@ def test_status_watch_refreshes_with_rates_until_interrupted(daemons: DaemonFact
     assert frames >= 4, out
     assert "out/s" in out and ("KiB/s" in out or "MiB/s" in out), out
     assert "\x1b[2J" not in out, "no terminal codes when stdout is not a terminal"
+
+
+def test_stop_of_a_killed_instance_says_what_it_left(daemons: DaemonFactory) -> None:
+    daemon = daemons.start()
+    daemon.wait_ready()
+    daemon.kill9()
+    result = daemons.cli("stop", "--instance", daemon.instance)
+    assert result.returncode == 0 and "not running" in result.stdout, result
+    assert "left" in result.stdout and "objects in /dev/shm" in result.stdout and "adopts it" in result.stdout
+    assert f"kvcached doctor --clean --instance {daemon.instance}" in result.stdout
+    assert daemons.cli("doctor", "--clean", "--instance", daemon.instance).returncode in (0, 1)
+    again = daemons.cli("stop", "--instance", daemon.instance)
+    assert again.stdout.strip() == f"instance {daemon.instance}: not running", again.stdout
+
+
+def test_a_store_larger_than_the_disk_is_warned_about_at_start(daemons: DaemonFactory, tmp_path: Path) -> None:
+    args = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--storage-capacity", "900TiB"]
+    daemon = daemons.start(args=args)
+    daemon.wait_ready()
+    assert "--storage-capacity 921600.0 GiB exceeds the" in daemon.log() and "ENOSPC" in daemon.log(), daemon.log()
+    assert daemon.stop() == 0
+
+
+def test_a_rank_out_of_range_says_which_ranks_there_are(daemons: DaemonFactory) -> None:
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    spec = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
+    try:
+        rc.initialize_kv_cache(spec, 5, instance=daemon.instance, timeout=5)
+    except rc.CacheLayoutMismatch as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("rank 5 of a 2-rank daemon attached")
+    assert "rank 5: out of range: the daemon serves ranks 0..1 (--ranks 2)" in message, message
+    assert "--ranks 6 or more" in message
+
+
+def test_runners_take_the_instance_from_the_environment(daemons: DaemonFactory, monkeypatch: Any) -> None:
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    monkeypatch.setenv("KVCACHED_INSTANCE", daemon.instance)
+    with rc.CacheTasks() as tasks:
+        assert tasks.instance == daemon.instance
+        assert tasks.swap_out(0, [1], [2]).blocks == 1
+    monkeypatch.setenv("KVCACHED_INSTANCE", "no/such")
+    try:
+        rc.CacheTasks()
+    except rc.InvalidSpec as exc:
+        assert "KVCACHED_INSTANCE" in str(exc)
+    else:
+        raise AssertionError("a bad KVCACHED_INSTANCE was taken")

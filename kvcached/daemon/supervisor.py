@@ -57,7 +57,7 @@ from typing import Any
 import posix_ipc
 import structlog
 
-from kvcached import logs, memory
+from kvcached import logs, memory, store
 from kvcached.access import Access
 from kvcached.config import DaemonConfig
 from kvcached.daemon import channel, faults, lockfile
@@ -211,6 +211,10 @@ class Supervisor:
         self._reclaim()
         faults.fault("after-reclaim")
         self._check_space()
+        chosen = self.config.store
+        if chosen.backend is not None:
+            for warning in store.get(chosen.backend).start_warnings(chosen.options, self.config.ranks):
+                self.log.warning("attention store", warning=warning)
         if self.config.ipc_suffix is not None:
             self.signals = FastDeploySignals(self.instance, self.config.ipc_suffix, self.config.ranks, self.access)
             try:

@@ -102,10 +102,13 @@ class CacheLayoutMismatch(KVCacheError):
     ``field`` names the first differing field; ``daemon`` and ``runner`` hold both values.
     """
 
-    def __init__(self, field: str, daemon: object, runner: object, *, instance: str, rank: int) -> None:
+    def __init__(
+        self, field: str, daemon: object, runner: object, *, instance: str, rank: int, why: str | None = None
+    ) -> None:
         super().__init__(
-            f"instance {instance!r} rank {rank}: published layout differs from the runner's spec in "
-            f"{field}: daemon has {daemon!r}, runner expects {runner!r}"
+            f"instance {instance!r} rank {rank}: "
+            + (why or f"published layout differs from the runner's spec in {field}: daemon has {daemon!r}, ")
+            + ("" if why else f"runner expects {runner!r}")
         )
         self.field = field
         self.daemon = daemon

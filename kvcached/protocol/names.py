@@ -33,6 +33,22 @@ DEFAULT_INSTANCE = "default"
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,48}")
 
 
+#: The instance a runner uses when it names none (``kvcached`` reads it too): else ``DEFAULT_INSTANCE``.
+INSTANCE_ENV = "KVCACHED_INSTANCE"
+
+
+def instance_or_default(instance: str | None) -> str:
+    """``instance``, or ``$KVCACHED_INSTANCE``, or ``default``; checked (``InvalidSpec`` naming the source)."""
+    if instance is not None:
+        return check_instance(instance)
+    named = os.environ.get(INSTANCE_ENV)
+    if named is None:
+        return DEFAULT_INSTANCE
+    if not _INSTANCE_RE.fullmatch(named):
+        raise InvalidSpec(INSTANCE_ENV, f"must be 1-48 characters of A-Z a-z 0-9 _ -, got {named!r}")
+    return named
+
+
 def check_instance(instance: str) -> str:
     """Return ``instance`` if it is a valid instance name, else raise ``InvalidSpec`` naming the rule."""
     if not isinstance(instance, str) or not _INSTANCE_RE.fullmatch(instance):

@@ -165,3 +165,7 @@ class StoreBackend(abc.ABC):
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         """Host checks of this backend (reachable, writable, room)."""
         return []
+
+    def start_warnings(self, options: Mapping[str, Any], ranks: int) -> list[str]:
+        """What the daemon should warn about as it starts (quick, local: no network); none by default."""
+        return []

@@ -377,17 +377,55 @@ class FileBackend(StoreBackend):
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         path, capacity = Path(options["storage_path"]), options["storage_capacity"]
-        existing = path
-        while not existing.exists():
-            existing = existing.parent
+        existing = _nearest_existing(path)
         free = shutil.disk_usage(existing).free
-        measured = {"path": str(path), "free_bytes": free, "capacity_bytes": capacity}
+        holders = _held_ranks(path, ranks)
+        measured = {"path": str(path), "free_bytes": free, "capacity_bytes": capacity, "held_ranks": holders}
         figure = f"{path}: {size_text(free)} free for a capacity of {size_text(capacity)}"
         if not os.access(existing, os.W_OK):
             return [Check("file_store", FAIL, figure, measured, f"{existing} is not writable by this user")]
+        if holders:
+            advice = (
+                f"another daemon holds the directories of ranks {holders} (one daemon per store directory): "
+                "stop it, or give this instance another --storage-path"
+            )
+            return [Check("file_store", FAIL, f"{figure}; in use", measured, advice)]
         if free < capacity:
             return [Check("file_store", WARN, figure, measured, "the disk fills before the store reaches its capacity")]
         return [Check("file_store", OK, figure, measured)]
+
+    def start_warnings(self, options: Mapping[str, Any], ranks: int) -> list[str]:
+        path, capacity = Path(options["storage_path"]), options["storage_capacity"]
+        free = shutil.disk_usage(_nearest_existing(path)).free
+        if free >= capacity:
+            return []
+        return [
+            f"--storage-capacity {size_text(capacity)} exceeds the {size_text(free)} free on the disk of {path}: "
+            "the disk fills before the store evicts (stores then fail with ENOSPC, the rank serves on)"
+        ]
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _held_ranks(path: Path, ranks: int) -> list[int]:
+    """Ranks whose store directory's lock another process holds now (probed with a non-blocking flock)."""
+    held = []
+    for rank in range(ranks):
+        try:
+            fd = os.open(path / f"r{rank}" / ".lock", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.append(rank)
+        finally:
+            os.close(fd)
+    return held
 
 
 register(FileBackend())

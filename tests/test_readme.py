@@ -1,0 +1,336 @@
+"""Every command and code block in README.md, docs/*.md and systemd/README.md runs as written, in order.
+
+The text is the test. Each fenced block's info string says how it runs:
+
+``sh``
+    ``bash -euo pipefail`` in a scratch checkout (the project's files, nothing built); must exit 0.
+``sh quickstart``
+    README's first block. Line 1 sets up and runs the daemon in the foreground: run in the background
+    until every rank is READY (as ``sh daemon``). Line 2 is the test command: this suite, not run again
+    from inside itself (``.ci/run`` runs it).
+``sh daemon``
+    A daemon in the foreground: started in the background, every rank READY awaited; stopped with SIGTERM
+    (what Ctrl-C sends) when the next ``daemon`` block starts, and at the end.
+``python``
+    Run in one interpreter per document, the scratch checkout's ``.venv`` (names carry over from block to
+    block, as in one session); must not raise.
+``python condition``
+    The fixed condition: for every combination of its inputs it must give what the code decides.
+no language, right after a block that ran (a blank line between at most)
+    What that block prints: every line must appear in its output (numbers and hex ids match any, and the
+    test's instance name reads as ``default``). Elsewhere: a drawing, not run.
+``toml``
+    Parsed.
+``sh synopsis``
+    A synopsis with placeholders: every ``kvcached COMMAND`` named in it must exist (``--help`` exits 0).
+``sh needs-kunlun``, ``sh needs-systemd``
+    Skipped, saying why: a Kunlun XPU host; systemd as PID 1 and root (``tests/test_systemd_unit.py``
+    installs the unit into a scratch root and verifies it).
+
+Any other info string fails: a new block must say how it runs. The daemons run under an instance name of
+the test's own (``KVCACHED_INSTANCE``, which ``kvcached`` and ``runner_client`` read) and a run directory
+of its own, and nothing of them is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcached.protocol.ownership import should_create_cache
+from kvcached.status import read_status
+from tests.conftest import ROOT, remove_entries, shm_entries, unique_instance
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "systemd" / "README.md"]
+SKIPPED = {
+    "needs-kunlun": "needs a Kunlun XPU host with paddlepaddle-xpu and FastDeploy",
+    "needs-systemd": "needs systemd as PID 1 and root (tests/test_systemd_unit.py verifies the unit)",
+}
+RUN = {"sh", "sh quickstart", "sh daemon", "python", "python condition"}
+KINDS = {*RUN, "", "toml", "sh synopsis", *(f"sh {k}" for k in SKIPPED)}
+FENCE = re.compile(r"^```(.*)$")
+#: Numbers and hex ids in expected output match any such token.
+VARYING = re.compile(r"[0-9a-f]{16}|\d+(?:\.\d+)?")
+
+#: Runs blocks of Python in one namespace: one JSON line in (the code), one out (ok, output, error).
+DRIVER = r"""
+import contextlib, io, json, sys, traceback
+space = {"__name__": "__main__"}
+for line in sys.stdin:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(json.loads(line), "<block>", "exec"), space)
+        answer = {"ok": True, "output": out.getvalue()}
+    except BaseException:
+        answer = {"ok": False, "output": out.getvalue(), "error": traceback.format_exc()}
+    print(json.dumps(answer), flush=True)
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int
+    end: int
+    info: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.name}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of ``path``, in order."""
+    found: list[Block] = []
+    info: str | None = None
+    start, body = 0, list[str]()
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fence = FENCE.match(line)
+        if fence and info is None:
+            info, start, body = " ".join(fence.group(1).split()), number, []
+        elif fence and info is not None:
+            found.append(Block(path, start, number, info, "\n".join(body) + "\n"))
+            info = None
+        elif info is not None:
+            body.append(line)
+    assert info is None, f"{path}: the fence opened at line {start} is never closed"
+    return found
+
+
+def printed(expected: str, output: str, instance: str) -> list[str]:
+    """The lines of ``expected`` that do not appear in ``output`` (numbers and hex ids as wildcards)."""
+    actual = output.replace(instance, "default")
+    missing = []
+    for line in expected.splitlines():
+        if line.strip():
+            pattern = r"[0-9a-f.]+".join(re.escape(part) for part in VARYING.split(line.strip()))
+            if not re.search(pattern, actual):
+                missing.append(line)
+    return missing
+
+
+class Session:
+    """A scratch checkout, the daemon its text runs and one Python interpreter, for one document."""
+
+    def __init__(self, checkout: Path, env: dict[str, str]) -> None:
+        self.checkout = checkout
+        self.env = env
+        self.instance = env["KVCACHED_INSTANCE"]
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.daemon_log = checkout.parent / "daemon.log"
+        self.python: subprocess.Popen[str] | None = None
+
+    def shell(self, command: str, timeout: float = 600) -> str:
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", command],
+            cwd=self.checkout,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"exit {result.returncode}:\n{output}"
+        return output
+
+    def start_daemon(self, command: str, timeout: float = 900) -> None:
+        self.stop_daemon()
+        with self.daemon_log.open("ab") as log:
+            self.daemon = subprocess.Popen(
+                ["bash", "-euo", "pipefail", "-c", command],
+                cwd=self.checkout,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            status = read_status(self.instance)
+            if status["alive"] and status["ranks"] and all(r["state"] == "READY" for r in status["ranks"]):
+                return
+            assert self.daemon.poll() is None, f"exited {self.daemon.returncode}:\n{self.daemon_log.read_text()}"
+            assert time.monotonic() < deadline, f"not READY within {timeout:.0f} s:\n{self.daemon_log.read_text()}"
+            time.sleep(0.1)
+
+    def stop_daemon(self) -> None:
+        if self.daemon is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.daemon.pid, signal.SIGTERM)
+        try:
+            self.daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.daemon.pid, signal.SIGKILL)
+            self.daemon.wait()
+        self.daemon = None
+
+    def run_python(self, code: str) -> str:
+        if self.python is None:
+            self.python = subprocess.Popen(
+                [str(self.checkout / ".venv" / "bin" / "python"), "-c", DRIVER],
+                cwd=self.checkout,
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        assert self.python.stdin is not None and self.python.stdout is not None
+        self.python.stdin.write(json.dumps(code) + "\n")
+        self.python.stdin.flush()
+        line = self.python.stdout.readline()
+        assert line, f"the interpreter exited ({self.python.wait()})"
+        answer = json.loads(line)
+        assert answer["ok"], f"raised:\n{answer['error']}"
+        return str(answer["output"])
+
+    def close(self) -> None:
+        if self.python is not None:
+            if self.python.stdin is not None:
+                self.python.stdin.close()
+            try:
+                self.python.wait(30)
+            except subprocess.TimeoutExpired:
+                self.python.kill()
+                self.python.wait()
+            self.python = None
+        self.stop_daemon()
+
+
+def check_condition(text: str) -> None:
+    """The README's condition gives, for every combination, what ``should_create_cache`` decides."""
+    code = compile(text, "<condition>", "exec")
+    for profile, cpu, backend, role in itertools.product(
+        (False, True), (0, 1, 512), (None, "", "file", "mooncake"), ("mixed", "prefill", "decode")
+    ):
+        space = {"profile": profile, "num_cpu_blocks": cpu, "storage_backend": backend, "splitwise_role": role}
+        exec(code, space)
+        assert bool(space["create_cache_tensor"]) == should_create_cache(profile, cpu, backend, role), space
+
+
+def synopsis_commands(text: str) -> set[str]:
+    return set(re.findall(r"^kvcached (\w+)", text, flags=re.MULTILINE))
+
+
+def run_document(path: Path, session: Session) -> list[str]:
+    """Run every block of ``path`` in order; return what was skipped and why. Raises AssertionError naming
+    the block that failed."""
+    skipped = []
+    last: Block | None = None
+    last_output: str | None = None
+    for block in blocks(path):
+        assert block.info in KINDS, f"{block.where}: unknown info string {block.info!r}; allowed: {sorted(KINDS)}"
+        output: str | None = None
+        try:
+            kind = block.info.split()[-1] if block.info else ""
+            if block.info == "":
+                if last is not None and last_output is not None and block.line - last.end <= 2:
+                    missing = printed(block.text, last_output, session.instance)
+                    assert not missing, f"not printed by {last.where}: {missing}\n{last_output}"
+            elif block.info == "sh quickstart":
+                setup, test_command = [line for line in block.text.splitlines() if line.strip()]
+                session.start_daemon(setup.split("#")[0])
+                assert test_command.split("#")[0].strip() == "scripts/test", "line 2 must be the test command"
+            elif block.info == "sh daemon":
+                session.start_daemon(block.text)
+            elif block.info == "sh":
+                output = session.shell(block.text)
+            elif block.info == "python":
+                output = session.run_python(block.text)
+            elif block.info == "python condition":
+                check_condition(block.text)
+            elif block.info == "toml":
+                tomllib.loads(block.text)
+            elif block.info == "sh synopsis":
+                for command in sorted(synopsis_commands(block.text)):
+                    session.shell(f".venv/bin/kvcached {command} --help")
+            elif kind in SKIPPED:
+                skipped.append(f"{block.where}: {SKIPPED[kind]}")
+        except AssertionError as failure:
+            raise AssertionError(f"{block.where} ({block.info or 'output'}):\n{block.text}\n{failure}") from None
+        last, last_output = block, output
+    return skipped
+
+
+def scratch_checkout(into: Path) -> Path:
+    """The project's own files (tracked, and new ones not ignored), nothing built or installed."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            target = into / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return into
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return scratch_checkout(tmp_path_factory.mktemp("readme") / "kvcached")
+
+
+@contextlib.contextmanager
+def session_for(checkout: Path) -> Iterator[Session]:
+    instance = unique_instance()
+    run_dir = checkout.parent / "run"
+    run_dir.mkdir(exist_ok=True)
+    env = {**os.environ, "KVCACHED_INSTANCE": instance, "KVCACHED_RUN_DIR": str(run_dir)}
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "KVCACHED_FAULT"):
+        env.pop(name, None)
+    session = Session(checkout, env)
+    try:
+        yield session
+    finally:
+        session.close()
+        left = shm_entries(instance)
+        remove_entries(instance)
+        assert not left, f"left in /dev/shm: {left}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_every_block_runs_as_written(path: Path, checkout: Path) -> None:
+    with session_for(checkout) as session:
+        skipped = run_document(checkout / path.relative_to(ROOT), session)
+    for reason in skipped:
+        print(f"skipped {reason}")
+
+
+def test_a_broken_block_fails_the_readme_test(checkout: Path) -> None:
+    """The README test is not a formality: one changed value in the runner snippet fails it, naming the
+    block and the field."""
+    broken = checkout.parent / "broken" / "README.md"
+    broken.parent.mkdir(exist_ok=True)
+    text = (checkout / "README.md").read_text()
+    assert "num_layers=4," in text, "the runner snippet changed: update this test"
+    broken.write_text(text.replace("num_layers=4,", "num_layers=5,", 1))
+    with session_for(checkout) as session, pytest.raises(AssertionError) as failure:
+        run_document(broken, session)
+    assert "README.md:" in str(failure.value) and "num_layers" in str(failure.value), failure.value
+
+
+def test_an_unknown_info_string_fails(tmp_path: Path, checkout: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("```bash\necho hi\n```\n")
+    with session_for(checkout) as session, pytest.raises(AssertionError, match="unknown info string 'bash'"):
+        run_document(doc, session)

@@ -1,0 +1,90 @@
+"""systemd/README.md's install steps, run as written on a fresh copy of this host.
+
+The steps change /etc, /opt and /usr/local. Here they run in a private mount namespace over overlays of
+those three (writes land in a scratch directory, the host is untouched), as root: the service user and
+group are created, a venv under /opt gets the project installed from a scratch checkout, the unit and the
+example config are installed, and ``systemd-analyze verify`` must pass. ``systemctl`` (which needs systemd
+as PID 1) and ``usermod ENGINE_USER`` (a placeholder) are left out; everything else runs as written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_readme import blocks, scratch_checkout
+
+OVERLAID = ("/etc", "/opt", "/usr/local")
+LEFT_OUT = re.compile(r"^(systemctl|usermod)\b")
+
+
+def install_steps(checkout: Path) -> list[str]:
+    """The README's install block, one command per line: ``sudo`` dropped (this runs as root), the
+    checkout's path for ``/path/to/kvcached``, ``systemctl`` and ``usermod`` lines left out."""
+    (block,) = [b for b in blocks(ROOT / "systemd" / "README.md") if b.info == "sh needs-systemd"]
+    steps = []
+    for line in block.text.splitlines():
+        command = line.split("#")[0].strip()
+        parts = [part.strip().removeprefix("sudo ") for part in command.split("&&")]
+        parts = [part.replace("/path/to/kvcached", str(checkout)) for part in parts if not LEFT_OUT.match(part)]
+        if parts:
+            steps.append(" && ".join(parts))
+    return steps
+
+
+def test_the_install_steps_verify_on_a_fresh_host(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the install steps run as root (in a private mount namespace)")
+    for tool in ("unshare", "systemd-analyze", "useradd"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (apt install util-linux systemd passwd)")
+    if not all(Path(d).is_dir() for d in OVERLAID):
+        pytest.skip(f"this host lacks one of {OVERLAID}")
+    before = host_state()
+    checkout = scratch_checkout(tmp_path / "kvcached")
+    steps = install_steps(checkout)
+    assert any(s.startswith("systemd-analyze verify") for s in steps), steps
+    mounts = []
+    for i, directory in enumerate(OVERLAID):
+        upper, work = tmp_path / f"upper{i}", tmp_path / f"work{i}"
+        upper.mkdir()
+        work.mkdir()
+        mounts.append(f"mount -t overlay overlay -o lowerdir={directory},upperdir={upper},workdir={work} {directory}")
+    checks = [
+        "getent passwd kvcached && getent group kvcached",
+        "test -x /usr/local/bin/kvcached && /usr/local/bin/kvcached start --help >/dev/null",
+        "test -f /usr/local/share/doc/kvcached/systemd.md",
+        # The installed kvcached reads the installed config, group included (it exists now).
+        "/opt/kvcached/bin/python -c 'from pathlib import Path; from kvcached.config import DaemonConfig; "
+        'c = DaemonConfig.build({}, Path("/etc/kvcached/default.toml")); print("config ok", c.ranks, c.gid)\'',
+    ]
+    script = "\n".join(["set -euxo pipefail", *mounts, *steps, *checks])
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
+    )
+    output = result.stdout + result.stderr
+    if result.returncode != 0 and "unshare failed" in output:
+        pytest.skip(f"no private mount namespace here: {output.strip()[:200]}")
+    assert result.returncode == 0, output[-6000:]
+    said = result.stderr.split("+ systemd-analyze verify")[1].split("\n+ ")[0].splitlines()[1:]
+    assert not [line for line in said if line.strip()], f"systemd-analyze verify warned: {said}"
+    assert re.search(r"config ok 8 \d+", output), output[-2000:]
+    assert host_state() == before, "the install steps changed the host itself"
+
+
+def host_state() -> tuple[bool, bool, bool]:
+    """What the install steps would change on the host, had they escaped their overlays."""
+    user = subprocess.run(["getent", "passwd", "kvcached"], capture_output=True, check=False).returncode == 0
+    return user, Path("/opt/kvcached").exists(), Path("/etc/systemd/system/kvcached@.service").exists()
