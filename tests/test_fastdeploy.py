@@ -154,7 +154,8 @@ def test_flags_cannot_strand_a_waiter(daemons: DaemonFactory, suffix: int) -> No
             assert short.wait(30) == 0, short.communicate()
         after = _reader("once", "cache_ready_signal", suffix, 2)  # right after the last exit
         assert after.wait(30) == 0, f"a reader right after another's exit failed: {after.communicate()[1]}"
-        assert (SHM_DIR / f"cache_ready_signal.{suffix}").stat().st_ino == inode, "the name is the same segment"
+        public = SHM_DIR / f"cache_ready_signal.{suffix}"  # the last reader's exit unlinked it: back soon
+        until(lambda: public.exists() and public.stat().st_ino == inode, timeout=1, what="the same segment again")
         status = daemon.wait_ready()
         ready = time.monotonic_ns()
         out, _ = waiter.communicate(timeout=30)
@@ -170,6 +171,23 @@ def test_flags_cannot_strand_a_waiter(daemons: DaemonFactory, suffix: int) -> No
     finally:
         engine.close()
         swap.close()
+
+
+def test_the_engine_recreating_its_flags_never_finds_the_name_taken(daemons: DaemonFactory, suffix: int) -> None:
+    """IPCSignal(create=True) unlinks the name and creates it exclusively: the daemon, which links a name
+    that went away back, must leave it free for that moment. 300 re-creations in a row, none refused; the
+    last segment reads 1 for every READY rank."""
+    daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix)])
+    daemon.wait_ready()
+    for _ in range(300):
+        signal_ = EngineSignal("cache_ready_signal", suffix, 2, create=True)  # FileExistsError if taken
+        signal_.close()
+    last = EngineSignal("cache_ready_signal", suffix, 2, create=True)
+    try:
+        until(lambda: list(last.value) == [1, 1], timeout=5, what="the daemon writes into the newest segment")
+        assert daemon.stop() == 0
+    finally:
+        last.close()
 
 
 def test_too_small_engine_flags_are_a_clear_error(daemons: DaemonFactory, suffix: int) -> None:

@@ -22,8 +22,9 @@ Nobody is ever stranded on a segment FastDeploy's own habits took away:
   with ``IPCSignal(create=False)`` and exits unlinks the name (Python's resource tracker registers every
   ``SharedMemory`` it opens). The supervisor holds a second name of the current segment (a hard link,
   ``/dev/shm/kvcached.<instance>.fd.<name>``), watches /dev/shm with inotify, and links the public name
-  back to the same segment within milliseconds: every waiter mapped to it, and every reader that opens
-  the name next, see the same memory with the current values.
+  back to the same segment ``RELINK_GRACE_S`` after it went (the engine re-creating the segment unlinks
+  the name and creates it at once: it must find the name free): every waiter mapped to it, and every
+  reader that opens the name next, see the same memory with the current values.
 * **What the engine created is the engine's.** At stop every entry becomes 0 in every mapping; a name
   is unlinked only if this run created the segment it names now; the hidden links are removed.
 """
@@ -34,6 +35,8 @@ import contextlib
 import ctypes
 import mmap
 import os
+import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,9 @@ from kvcached.protocol.errors import SignalError
 from kvcached.protocol.names import PREFIX, SHM_DIR, check_instance
 
 SIGNALS = ("cache_ready_signal", "swap_space_ready_signal")
+#: A name gone for this long is linked back (sooner, and the engine's IPCSignal(create=True), which
+#: unlinks the name and then creates it exclusively, could find our link there and fail).
+RELINK_GRACE_S = 0.02
 
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
@@ -64,16 +70,19 @@ class _Segment:
         self.current = -1  # inode the public name had when we last looked
         self.created: set[int] = set()  # inodes this run created
         self.values = [0] * ranks
+        self.missing_since: float | None = None  # when the public name was first seen gone
 
-    def open(self) -> None:
-        """Attach to what the name holds now, or create it; raise ``SignalError`` for a segment too small or
-        not ours to write."""
+    def open(self, *, create: bool = True) -> bool:
+        """Attach to what the name holds now, or create it (unless not ``create``: then False when the
+        name is gone); raise ``SignalError`` for a segment too small or not ours to write."""
         posix = f"/{self.name}"
         size = 4 * self.ranks
         try:
             shm = posix_ipc.SharedMemory(posix)
             created = False
         except posix_ipc.ExistentialError:
+            if not create:
+                return False
             try:
                 shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=0o600, size=size)
             except posix_ipc.ExistentialError:  # the engine created it just now
@@ -101,6 +110,7 @@ class _Segment:
         self.current = st.st_ino
         self._hide()
         self.write()
+        return True
 
     def _hide(self) -> None:
         """Point the hidden name at the current segment (link to a temporary name, rename over)."""
@@ -113,15 +123,23 @@ class _Segment:
         except FileNotFoundError:
             pass  # the name went away meanwhile: follow() links it back from what we hold
 
-    def follow(self) -> None:
-        """Keep the name right: back as our segment if it went away, followed if it names another one."""
+    def follow(self, *, now: bool = False) -> None:
+        """Keep the name right: back as our segment if it has been gone ``RELINK_GRACE_S`` (at once with
+        ``now``), followed if it names another one."""
         try:
             inode = os.stat(self.path).st_ino
         except FileNotFoundError:
             inode = -1
+        if inode != -1:
+            self.missing_since = None
         if inode == self.current:
             return
         if inode == -1:
+            seen = time.monotonic()
+            self.missing_since = self.missing_since or seen
+            if not now and seen - self.missing_since < RELINK_GRACE_S:
+                return
+            self.missing_since = None
             try:
                 os.link(self.hidden, self.path)  # the same segment, under its public name again
                 return
@@ -129,7 +147,15 @@ class _Segment:
                 pass
             except FileNotFoundError:
                 pass  # no hidden name (never linked): make the segment anew
-        self.open()
+            self.open()
+        elif not self.open(create=False):  # another segment, gone again already: wait for the next
+            self.missing_since = time.monotonic()
+
+    def due(self) -> float | None:
+        """Seconds until a name that went away is linked back; None when none is pending."""
+        if self.missing_since is None:
+            return None
+        return max(0.0, self.missing_since + RELINK_GRACE_S - time.monotonic())
 
     def write(self) -> None:
         for _, values in self.views.values():
@@ -141,7 +167,7 @@ class _Segment:
         """0 everywhere; unlink the name only if this run created what it names; drop the hidden name."""
         self.values = [0] * self.ranks
         with contextlib.suppress(OSError):
-            self.follow()
+            self.follow(now=True)
         self.write()
         with contextlib.suppress(FileNotFoundError):
             if os.stat(self.path).st_ino in self.created:
@@ -183,13 +209,23 @@ class FastDeploySignals:
         for segment in self.segments:
             segment.write()
 
+    def due(self) -> float | None:
+        """Seconds until ``tick`` must run again to link a name back; None when nothing is pending."""
+        pending = [d for d in (segment.due() for segment in self.segments) if d is not None]
+        return min(pending) if pending else None
+
     def tick(self) -> None:
-        """Read what inotify reports (if anything), and keep every name right."""
+        """Read what inotify reports (if anything), and keep every name right. A name deleted again
+        restarts its grace: the engine may be re-creating it over and over."""
+        deleted: set[str] = set()
         if self.inotify >= 0:
             with contextlib.suppress(BlockingIOError, InterruptedError):
-                while os.read(self.inotify, 64 * 1024):
-                    pass
+                while data := os.read(self.inotify, 64 * 1024):
+                    deleted |= _deleted_names(data)
+        now = time.monotonic()
         for segment in self.segments:
+            if segment.name in deleted:
+                segment.missing_since = now
             segment.follow()
 
     def close(self) -> None:
@@ -199,6 +235,22 @@ class FastDeploySignals:
             with contextlib.suppress(OSError):
                 os.close(self.inotify)
             self.inotify = -1
+
+
+_IN_DELETE_OR_MOVED_FROM = 0x00000200 | 0x00000040
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then len bytes of name
+
+
+def _deleted_names(data: bytes) -> set[str]:
+    """Names that inotify events in ``data`` report deleted (or moved away)."""
+    names, offset = set(), 0
+    while offset + _EVENT.size <= len(data):
+        _wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
+        offset += _EVENT.size
+        if mask & _IN_DELETE_OR_MOVED_FROM:
+            names.add(data[offset : offset + length].split(b"\0", 1)[0].decode(errors="replace"))
+        offset += length
+    return names
 
 
 def _inotify(directory: Path) -> int:

@@ -500,7 +500,8 @@ class Supervisor:
         tick = min(TICK_S, self.notify.ping_interval() or TICK_S)
         while True:
             self.notify.ping_if_due()
-            for key, _ in self.selector.select(timeout=tick):
+            due = self.signals.due() if self.signals is not None else None
+            for key, _ in self.selector.select(timeout=tick if due is None else min(tick, due)):
                 if key.data is None:
                     status = self._on_signals()
                     if status is not None:
