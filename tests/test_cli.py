@@ -39,7 +39,13 @@ def test_status_json_shape_and_exit_status(daemons: DaemonFactory) -> None:
     assert data["instance"] == daemon.instance and data["pid"] == daemon.pid
     assert len(data["generation"]) == 16 and int(data["generation"], 16)
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    documented = readme.split("`kvcached status --json` prints one object: ")[1].split(". The shape")[0]
+    top = {"instance", "running", "alive", "generation", "pid", "spec", "adopted_from", "note", "ranks"}
+    assert set(data) == top and all(f"`{key}`" in documented for key in top), "README's list of keys"
+    rank_keys = documented.split("a list of `{")[1].split("}`")[0].split(", ")
     for r in data["ranks"]:
+        assert set(r) == set(rank_keys), f"README lists {sorted(rank_keys)}, status has {sorted(r)}"
         assert r["state"] == "READY" and r["pid"] > 0 and r["pid"] != daemon.pid
         assert 0 <= r["heartbeat_age_s"] < 5
         assert r["bytes"] == r["bytes_device"] + r["bytes_cpu"] > 0

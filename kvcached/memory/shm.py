@@ -20,7 +20,6 @@ TLB misses). ``kvcached doctor`` says what the host gives.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import mmap
@@ -210,8 +209,6 @@ def prefault(mapping: mmap.mmap) -> threading.Thread:
     address, size = _address(mapping), len(mapping)
 
     def run() -> None:
-        with contextlib.suppress(OSError):  # this thread only: tasks (and other ranks) come first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         for start in range(0, size, CHUNK):  # in steps: a mapping closed meanwhile ends it early (ENOMEM)
             if _LIBC.madvise(address + start, min(CHUNK, size - start), MADV_POPULATE_WRITE) != 0:
                 return
