@@ -116,11 +116,14 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
 
     """
     from kvcached import logs
+    from kvcached.config import unknown_variables
     from kvcached.daemon.supervisor import HANDOVER_ENV, Supervisor
 
     config = _build_config(values, config_file)
     _use_streaming_stores()
     logs.configure(log_level, json=None if log_format == "auto" else log_format == "json")
+    for warning in unknown_variables():
+        logs.get("kvcached.cli").warning("environment", warning=warning)
     supervisor = Supervisor(config, on_progress=_terminal_progress(config))
     try:
         status = supervisor.run()
@@ -185,7 +188,7 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) 
     1 if any check fails.
     """
     from kvcached import doctor as checks
-    from kvcached.config import DaemonConfig
+    from kvcached.config import DaemonConfig, unknown_variables
     from kvcached.protocol.errors import InvalidConfig
 
     # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
@@ -208,7 +211,9 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) 
                 ignored.add(exc.field)
         except InvalidSpec as exc:
             raise ConfigError(str(exc)) from None
-    results = [checks.check_config(problem) for problem in problems] + checks.run(config, clean=clean)
+    results = [checks.check_config(problem) for problem in problems]
+    results += [checks.check_variable(warning) for warning in unknown_variables()]
+    results += checks.run(config, clean=clean)
     document = checks.report(config.instance, results)
     click.echo(json.dumps(document) if as_json else checks.render(config.instance, results))
     sys.exit(0 if document["ok"] else 1)

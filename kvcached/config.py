@@ -339,6 +339,39 @@ class DaemonConfig:
         )
 
 
+#: ``KVCACHED_*`` variables that are not knobs: read by the CLI, the runners, the FastDeploy drop-in, the
+#: tests and the benchmarks.
+OTHER_VARIABLES = frozenset(
+    {
+        "KVCACHED_CONFIG",
+        "KVCACHED_LOG_LEVEL",
+        "KVCACHED_LOG_FORMAT",
+        "KVCACHED_RUN_DIR",
+        "KVCACHED_PLUGINS",
+        "KVCACHED_DAEMON_USER",
+        "KVCACHED_NATIVE_COPY",
+        "KVCACHED_FAULT",
+        "KVCACHED_HANDOVER",
+        "KVCACHED_WAIT_S",
+    }
+)
+OTHER_PREFIXES = ("KVCACHED_TEST_", "KVCACHED_BENCH_")
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per ``KVCACHED_*`` variable in ``environ`` that kvcached does not read (a typo is
+    otherwise silently ignored), with the closest known name."""
+    environ = os.environ if environ is None else environ
+    known = {knob.env for knob in knobs_all()} | OTHER_VARIABLES
+    found = []
+    for name in sorted(environ):
+        if name.startswith("KVCACHED_") and name not in known and not name.startswith(OTHER_PREFIXES):
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            found.append(f"{name} is not a kvcached setting: ignored{hint}")
+    return found
+
+
 def load_toml(path: Path, known: Mapping[str, Knob], ignore: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Read a config file; unreadable files and unknown keys (with the closest known key) are
     ``InvalidConfig`` errors naming the file. Keys in ``ignore`` are left out."""

@@ -8,12 +8,13 @@ form (``kvcached doctor --json``) is a stable interface::
                  "measured": {"free_bytes": 25125052416, "need_bytes": 402669568},
                  "advice": ""}, ...]}
 
-Check names, in order: ``config`` (once per bad configuration value, only then: the checks after it
-take that value's default), ``dev_shm``, ``memlock``, ``huge_pages``, ``copy_engine``, ``remove_ipc``,
-``run_dir``, ``live_instance``, ``leftovers``, ``metrics_port`` (with ``--metrics-port``); then the
-device backend's own (``--memory xpu``:
-``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and the storage backend's (``file_store``,
-``mooncake_master``). ``measured`` holds the raw figures (numbers, paths, flags) of each; new keys may be
+Check names, in order: ``config`` (a failure for each bad configuration value, the checks after it
+taking that value's default; a warning for each ``KVCACHED_*`` variable kvcached does not read),
+``dev_shm``, ``memlock``, ``huge_pages``, ``copy_engine``, ``remove_ipc``, ``run_dir``,
+``live_instance``, ``leftovers``, ``metrics_port`` (with ``--metrics-port``); then the device backend's
+own (``--memory xpu``: ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and the storage backend's
+(``file_store``, ``mooncake_master``). ``measured`` holds the raw figures (numbers, paths, flags) of
+each; new keys may be
 added, none is removed or renamed.
 
 ``--clean`` reclaims a dead instance's leftovers (the same reclaim a start does, under the instance lock);
@@ -57,6 +58,12 @@ def check_config(problem: InvalidConfig) -> Check:
     measured = {"field": problem.field, "source": problem.source, "message": problem.message}
     advice = "fix it: `kvcached start` refuses this configuration (exit 4); the checks below take its default"
     return Check("config", FAIL, str(problem), measured, advice)
+
+
+def check_variable(warning: str) -> Check:
+    """A ``KVCACHED_*`` variable kvcached does not read (a typo, most likely)."""
+    name = warning.split(maxsplit=1)[0]
+    return Check("config", WARN, warning, {"variable": name}, f"fix its name, or unset {name}")
 
 
 def run_dir_of(config: DaemonConfig) -> Path:

@@ -72,26 +72,11 @@ def raw_seconds(ranks: int, nbytes: int) -> float:
     return max(times)
 
 
-def until_ready(instance: str, proc: subprocess.Popen[bytes], started: float) -> float:
-    while True:
-        status = read_status(instance)
-        if status["alive"] and status["ranks"] and all(r["state"] == "READY" for r in status["ranks"]):
-            return time.monotonic() - started
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        time.sleep(0.005)
-
-
 def start(instance: str, env: dict[str, str], args: list[str]) -> tuple[subprocess.Popen[bytes], float]:
+    """``kvcached start``, and the seconds until every rank was READY (looked at every 5 ms)."""
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, *args, "--log-format", "json"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=ROOT,
-    )
-    return proc, until_ready(instance, proc, started)
+    proc = benchlib.start_daemon(instance, env, args, poll_s=0.005)
+    return proc, time.monotonic() - started
 
 
 def stream(instance: str, stop: Any, results: Any) -> None:

@@ -38,8 +38,11 @@ def geometry_args(
     ]
 
 
-def start_daemon(instance: str, env: dict[str, str], args: list[str], timeout: float = 300) -> subprocess.Popen[bytes]:
-    """``kvcached start --instance INSTANCE ARGS``, returned once every rank is READY; exits on failure."""
+def start_daemon(
+    instance: str, env: dict[str, str], args: list[str], timeout: float = 300, poll_s: float = 0.05
+) -> subprocess.Popen[bytes]:
+    """``kvcached start --instance INSTANCE ARGS``, returned once every rank is READY (looked at every
+    ``poll_s``); exits on failure."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, *args, "--log-format", "json"],
         env=env,
@@ -54,7 +57,7 @@ def start_daemon(instance: str, env: dict[str, str], args: list[str], timeout: f
         if time.monotonic() > deadline:
             proc.kill()
             raise SystemExit(f"daemon not ready after {timeout:.0f} s")
-        time.sleep(0.05)
+        time.sleep(poll_s)
     return proc
 
 

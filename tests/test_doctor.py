@@ -218,10 +218,12 @@ def test_configuration_errors_are_failed_checks_and_the_rest_still_runs(
     `config` check naming its source; every other check still runs, with that value at its default."""
     config = tmp_path / "kv.toml"
     config.write_text('group = "no-such-group-kvt"\nnum_layer = 3\n')
-    env = daemons.env(KVCACHED_NUM_BLOCKS="abc")
+    env = daemons.env(KVCACHED_NUM_BLOCKS="abc", KVCACHED_NUM_LAYER="3")
     code, document = doctor(daemons, "--instance", instance, "--config", str(config), env=env)
     names = [c["name"] for c in document["checks"]]
-    assert code == 1 and names[:3] == ["config"] * 3 and names[3:] == ORDER, names
+    assert code == 1 and names[:4] == ["config"] * 4 and names[4:] == ORDER, names
+    typo = document["checks"][3]
+    assert typo["verdict"] == "warn" and "did you mean KVCACHED_NUM_LAYERS?" in typo["figure"], typo
     figures = " | ".join(c["figure"] for c in document["checks"][:3])
     assert f"{config}: group: no group 'no-such-group-kvt'" in figures, figures
     assert "KVCACHED_NUM_BLOCKS=abc: must be an integer" in figures and "did you mean 'num_layers'" in figures

@@ -139,3 +139,10 @@ def test_runners_take_the_instance_from_the_environment(daemons: DaemonFactory, 
         assert "KVCACHED_INSTANCE" in str(exc)
     else:
         raise AssertionError("a bad KVCACHED_INSTANCE was taken")
+
+
+def test_a_mistyped_variable_is_warned_about_at_start(daemons: DaemonFactory) -> None:
+    daemon = daemons.start(env=daemons.env(KVCACHED_NUM_BLOCK="64"))
+    daemon.wait_ready()
+    assert "KVCACHED_NUM_BLOCK is not a kvcached setting: ignored; did you mean KVCACHED_NUM_BLOCKS?" in daemon.log()
+    assert daemon.stop() == 0

@@ -430,7 +430,8 @@ class Supervisor:
             )
         record = self.records[rank]
         plan = self._plan(rank)
-        task_socket_path(self.run_dir, self.instance, rank).unlink(missing_ok=True)
+        if rank not in self.predecessors:  # else the last image's worker still listens there
+            task_socket_path(self.run_dir, self.instance, rank).unlink(missing_ok=True)
         if record.state in (State.READY, State.RECOVERING) and record.backend:
             plan = dataclasses.replace(
                 plan,
