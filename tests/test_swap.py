@@ -242,14 +242,28 @@ def test_daemon_gone_during_tasks(daemons: DaemonFactory) -> None:
     assert os.path.exists(f"/dev/shm/kvcached.{daemon.instance}")
 
 
-def test_workers_run_with_streaming_store_tunables(fp8_daemon: Daemon) -> None:
-    """The daemon re-execs itself (same pid) with the streaming-store tunables, which its forked rank workers
-    inherit. (/proc/<pid>/environ cannot show it: glibc splits that string in place while parsing it.)"""
+def test_workers_run_with_streaming_store_tunables_on_the_numpy_path(daemons: DaemonFactory) -> None:
+    """Without the native copy routine the daemon re-execs itself (same pid) with the streaming-store
+    tunables, which its forked rank workers inherit; with it (it streams by itself) there is no exec.
+    (/proc/<pid>/environ cannot show it: glibc splits that string in place while parsing it.)"""
     import json
 
+    from kvcached import native
     from kvcached.cli import STREAMING_TUNABLES
 
-    assert read_status(fp8_daemon.instance)["pid"] == fp8_daemon.pid
-    starting = next(json.loads(line) for line in fp8_daemon.log().splitlines() if '"starting"' in line)
+    def starting(daemon: Daemon) -> dict[str, str]:
+        daemon.wait_ready()
+        assert read_status(daemon.instance)["pid"] == daemon.pid
+        return next(json.loads(line) for line in daemon.log().splitlines() if '"starting"' in line)
+
+    env = daemons.env(KVCACHED_NATIVE_COPY="0")
+    env.pop("GLIBC_TUNABLES", None)
+    numpy_path = starting(daemons.start(ranks=1, env=env))
     for name, value in STREAMING_TUNABLES.items():
-        assert f"{name}={value}" in starting["glibc_tunables"]
+        assert f"{name}={value}" in numpy_path["glibc_tunables"]
+    if not native.available():
+        pytest.skip("the native copy routine is not built here")
+    env = daemons.env()
+    env.pop("GLIBC_TUNABLES", None)
+    native_path = starting(daemons.start(ranks=1, env=env))
+    assert native_path["glibc_tunables"] == "" and "native" in native_path["copy_engine"]

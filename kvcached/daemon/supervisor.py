@@ -57,7 +57,7 @@ from typing import Any
 import posix_ipc
 import structlog
 
-from kvcached import logs, memory, store
+from kvcached import logs, memory, native, store
 from kvcached.access import Access
 from kvcached.config import DaemonConfig
 from kvcached.daemon import channel, faults, lockfile
@@ -241,6 +241,7 @@ class Supervisor:
             owner=explain_owner(spec),
             per_rank=mib(self.config.shm_need()[1]),
             glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
+            copy_engine=native.describe(),
             **({"note": self.note} if self.note else {}),
         )
         for rank in range(self.config.ranks):
