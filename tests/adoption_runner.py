@@ -5,6 +5,7 @@ answers each with one JSON line on stdout.
     {"do": "fill", "blocks": [...], "seed": 1}                        write each block's pattern
     {"do": "check", "blocks": [...], "seed": 1}                       do the views hold the patterns?
     {"do": "loop", "src": [...], "cpu": [...]}                        swap_out those blocks again and again
+                                                                      (answers once the first one is done)
     {"do": "unloop"}                                                  stop; how many tasks ran, which failed
     {"do": "swap_in", "cpu": [...], "dst": [...]}                     one swap_in with the CacheTasks it has
     {"do": "keys", "tokens": n, "out": [...], "cpu": [...]}           swap_out with the keys of n tokens
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -84,7 +86,10 @@ class Runner:
 
         self.loop_thread = threading.Thread(target=run, daemon=True)
         self.loop_thread.start()
-        return {}
+        deadline = time.monotonic() + 60
+        while not self.done and not self.failures and time.monotonic() < deadline:
+            time.sleep(0.005)  # the first one done: from here on every swap writes the same bytes again
+        return {"first": bool(self.done)}
 
     def unloop(self) -> dict[str, Any]:
         self.looping = False

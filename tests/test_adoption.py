@@ -110,8 +110,8 @@ def test_kill9_while_two_runners_swap_then_start_adopts(daemons: DaemonFactory) 
         for rank, runner in enumerate(runners):
             assert runner.ask("attach", spec=GIB_SPEC.to_dict(), rank=rank, instance=daemon.instance)["ok"]
             runner.ask("fill", blocks=blocks, seed=rank)
-            runner.ask("loop", src=blocks, cpu=cpu)
-        time.sleep(0.3)  # both are swapping now
+            assert runner.ask("loop", src=blocks, cpu=cpu)["first"], "the first swap did not complete"
+        time.sleep(0.3)  # both are swapping now, every swap writing what the first one wrote
         daemon.kill9()
         before = memory_digests(daemon.instance)
         started = time.monotonic()
