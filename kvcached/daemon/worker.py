@@ -34,6 +34,7 @@ import selectors
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import posix_ipc
@@ -132,16 +133,20 @@ class RankTiers:
     #: Every page is mapped already (``warm``).
     warm: bool = False
 
-    def map_pages(self, *, wait: bool) -> None:
-        """Map every page of the device tier and the pool: in the background, or before returning."""
+    def map_pages(self, *, until_done: Callable[[], None] | None = None) -> None:
+        """Map every page of the device tier and the pool in the background; with ``until_done``, wait
+        until they are mapped, calling it every ``LOOP_S`` meanwhile (the worker's progress mark: gigabytes
+        take seconds)."""
         if self.warm:
             return
         self.warm = True
-        self.device.warm(wait=wait)
-        if self.pool is not None:
-            thread = prefault(self.pool)
-            if wait:
-                thread.join()
+        threads = [self.device.warm(), prefault(self.pool) if self.pool is not None else None]
+        if until_done is None:
+            return
+        for thread in filter(None, threads):
+            while thread.is_alive():
+                thread.join(LOOP_S)
+                until_done()
 
 
 def _die_with_parent(parent: int) -> None:
@@ -167,7 +172,7 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
     try:
         tiers = allocate(sock, plan, log)
         if plan.handover:  # the last image's worker serves meanwhile: its time costs nothing
-            tiers.map_pages(wait=True)
+            tiers.map_pages(until_done=stats.progressed)
         if not plan.handover or await_turn(sock, stats):
             tiers.keys = _key_directory(plan, plan.tier_request(), log) if tiers.pool is not None else None
             rank_store = open_store(plan, stats, log)
@@ -387,7 +392,7 @@ def serve(
             layout_version=LAYOUT_VERSION,
         ),
     )
-    tiers.map_pages(wait=False)  # the pages of memory reserved (or reopened) above are mapped from now on
+    tiers.map_pages()  # the pages of memory reserved (or reopened) above are mapped from now on
     selector.register(sock, selectors.EVENT_READ, "supervisor")
     selector.register(listener, selectors.EVENT_READ, "listener")
     next_chores = 0.0

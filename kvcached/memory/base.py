@@ -21,6 +21,7 @@ import abc
 import contextlib
 import dataclasses
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -103,10 +104,10 @@ class DeviceTier(abc.ABC):
         ``pool_layout`` says), when the tier has one faster than the copy engine's; None by default."""
         return None
 
-    def warm(self, *, wait: bool = False) -> None:
-        """Make a reopened tier's first copies fast: map its pages, in the background (after the rank is
-        READY), or before returning with ``wait`` (while the last image's worker still serves the rank).
-        Does nothing by default."""
+    def warm(self) -> threading.Thread | None:
+        """Make a reopened tier's first copies fast: map its pages on a background thread, returned (the
+        worker waits for it while the last image's worker still serves the rank); None: nothing to do,
+        the default."""
         return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import mmap
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,12 +72,11 @@ class HostTier(DeviceTier):
         with contextlib.suppress(BufferError):  # a view still alive elsewhere: unmapped with it
             self.mapping.close()
 
-    def warm(self, *, wait: bool = False) -> None:
-        if not self.populated:
-            self.populated = True
-            thread = shm.prefault(self.mapping)
-            if wait:
-                thread.join()
+    def warm(self) -> threading.Thread | None:
+        if self.populated:
+            return None
+        self.populated = True
+        return shm.prefault(self.mapping)
 
 
 class HostAttached(Attached):
