@@ -57,6 +57,9 @@ def suffix(daemons: DaemonFactory) -> Iterator[int]:
     daemon still running would link a name removed before it back)."""
     value = 40000 + (os.getpid() * 7 + time.monotonic_ns()) % 20000
     yield value
+    for daemon in daemons.daemons:  # a test that failed midway left its daemon running
+        if daemon.proc.poll() is None:
+            daemon.stop()
     for name in ("cache_ready_signal", "swap_space_ready_signal"):
         (SHM_DIR / f"{name}.{value}").unlink(missing_ok=True)
 
