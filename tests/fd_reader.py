@@ -1,7 +1,8 @@
 """A FastDeploy process reading a flag as FastDeploy's do: ``IPCSignal(create=False)`` (FastDeploy's own from
 ``FASTDEPLOY_SRC``, or the double), keeping Python's resource-tracker registration, so its exit unlinks the
 name. ``once NAME SUFFIX RANKS``: attach and exit. ``wait NAME SUFFIX RANKS RANK``: FastDeploy's wait loop
-(``while value[rank] != 1: sleep``), then print CLOCK_MONOTONIC ns of when it saw 1."""
+(``while value[rank] != 1: sleep``), then print CLOCK_MONOTONIC ns of when it saw 1 (and "attached" on
+stderr once it has attached)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ if __name__ == "__main__":
     )
     if mode == "wait":
         rank = int(sys.argv[5])
+        print("attached", file=sys.stderr, flush=True)
         while signal.value[rank] != 1:
             time.sleep(0.01)
         print(time.monotonic_ns(), flush=True)

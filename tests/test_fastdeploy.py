@@ -19,7 +19,7 @@ import pytest
 import runner_client as rc
 from kvcached.protocol.names import SHM_DIR
 from kvcached.status import read_status
-from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result
+from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result, wait_for_line
 
 SMALL = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
 
@@ -152,6 +152,7 @@ def test_flags_cannot_strand_a_waiter(daemons: DaemonFactory, suffix: int) -> No
         )
         daemon.wait_state("ALLOCATING")
         waiter = _reader("wait", "cache_ready_signal", suffix, 2, 1)
+        wait_for_line(waiter, "attached")  # waiting before the short-lived readers come and go
         for _ in range(3):
             short = _reader("once", "cache_ready_signal", suffix, 2)
             assert short.wait(30) == 0, short.communicate()

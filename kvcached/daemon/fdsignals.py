@@ -24,7 +24,9 @@ Nobody is ever stranded on a segment FastDeploy's own habits took away:
   ``/dev/shm/kvcached.<instance>.fd.<name>``), watches /dev/shm with inotify, and links the public name
   back to the same segment ``RELINK_GRACE_S`` after it went (the engine re-creating the segment unlinks
   the name and creates it at once: it must find the name free): every waiter mapped to it, and every
-  reader that opens the name next, see the same memory with the current values.
+  reader that opens the name next, see the same memory with the current values. (A reader that opens
+  the name within those milliseconds of another's exit finds it gone, as it would without kvcached;
+  a process starting after another's exit takes longer than that.)
 * **What the engine created is the engine's.** At stop every entry becomes 0 in every mapping; a name
   is unlinked only if this run created the segment it names now; the hidden links are removed.
 """
