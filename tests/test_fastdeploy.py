@@ -146,12 +146,14 @@ def test_flags_cannot_strand_a_waiter(daemons: DaemonFactory, suffix: int) -> No
     engine = EngineSignal("cache_ready_signal", suffix, 2, create=True)
     swap = EngineSignal("swap_space_ready_signal", suffix, 2, create=True)
     inode = (SHM_DIR / f"cache_ready_signal.{suffix}").stat().st_ino
+    readers: list[subprocess.Popen[str]] = []
     try:
         daemon = daemons.start(
             ranks=2, args=["--ipc-suffix", str(suffix)], env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=4")
         )
         daemon.wait_state("ALLOCATING")
         waiter = _reader("wait", "cache_ready_signal", suffix, 2, 1)
+        readers.append(waiter)
         wait_for_line(waiter, "attached")  # waiting before the short-lived readers come and go
         for _ in range(3):
             short = _reader("once", "cache_ready_signal", suffix, 2)
@@ -173,6 +175,10 @@ def test_flags_cannot_strand_a_waiter(daemons: DaemonFactory, suffix: int) -> No
         assert list(fresh.value) == [0, 0]
         fresh.close()
     finally:
+        for reader in readers:  # a waiter of a failed test would wait for ever
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
         engine.close()
         swap.close()
 
