@@ -42,17 +42,14 @@ def instance_or_default(instance: str | None) -> str:
     if instance is not None:
         return check_instance(instance)
     named = os.environ.get(INSTANCE_ENV)
-    if named is None:
-        return DEFAULT_INSTANCE
-    if not _INSTANCE_RE.fullmatch(named):
-        raise InvalidSpec(INSTANCE_ENV, f"must be 1-48 characters of A-Z a-z 0-9 _ -, got {named!r}")
-    return named
+    return DEFAULT_INSTANCE if named is None else check_instance(named, field=INSTANCE_ENV)
 
 
-def check_instance(instance: str) -> str:
-    """Return ``instance`` if it is a valid instance name, else raise ``InvalidSpec`` naming the rule."""
+def check_instance(instance: str, *, field: str = "instance") -> str:
+    """Return ``instance`` if it is a valid instance name, else raise ``InvalidSpec`` naming ``field`` and
+    the rule."""
     if not isinstance(instance, str) or not _INSTANCE_RE.fullmatch(instance):
-        raise InvalidSpec("instance", f"must be 1-48 characters of A-Z a-z 0-9 _ -, got {instance!r}")
+        raise InvalidSpec(field, f"must be 1-48 characters of A-Z a-z 0-9 _ -, got {instance!r}")
     return instance
 
 
