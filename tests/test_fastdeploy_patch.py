@@ -83,3 +83,26 @@ def test_the_drop_in_takes_exactly_the_transfer_managers_arguments() -> None:
     body = body[: body.index("cache_manager_processes.append")]
     passed = set(re.findall(r'" (--\w+)', body))
     assert passed and passed <= set(ours), passed - set(ours)
+
+
+def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> None:
+    """``XpuRuntime.swap_all_layers`` passes FastDeploy's ``swap_cache_all_layers`` its tensors and then its
+    attributes in the order the op declares them (PD_BUILD_OP in swap_cache_batch.cc), as FastDeploy's own
+    transfer manager calls it (cache_transfer_manager.py: seven arguments, mode 0 device to host)."""
+    import inspect
+
+    from kvcached.memory.xpu import PaddleXpuRuntime
+
+    root = checkout()
+    op = (root / "custom_ops/xpu_ops/src/ops/swap_cache_batch.cc").read_text()
+    declared = op.split("PD_BUILD_OP(swap_cache_all_layers)", 1)[1].split(".SetKernelFn", 1)[0]
+    attrs = re.findall(r'"(\w+): [^"]+"', declared)
+    ours = {"cache_cpu_ptrs": "cpu_ptrs", "max_block_num_cpu": "max_cpu_blocks", "swap_block_ids_xpu": "device_ids"}
+    ours |= {"swap_block_ids_cpu": "cpu_ids", "rank": "device_id", "mode": "mode"}
+    assert attrs == list(ours), attrs
+    params = list(inspect.signature(PaddleXpuRuntime.swap_all_layers).parameters)[1:]
+    assert params == ["tensors", *ours.values()], params
+    manager = (root / "fastdeploy/cache_manager/cache_transfer_manager.py").read_text()
+    call = manager.split("swap_cache_all_layers(\n", 2)[1].split(")", 1)[0]
+    arguments = [a.strip() for a in call.split(",") if a.strip()]
+    assert len(arguments) == 1 + len(attrs) and "dst_ptrs" in arguments[1] and arguments[-1] == "0", arguments
