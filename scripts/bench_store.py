@@ -79,6 +79,7 @@ def mooncake_master(log: Path) -> Any:
             [
                 binary,
                 f"--port={port}",
+                f"--metrics_port={free_port()}",  # its default, 9003, would collide with another run's master
                 "--enable_http_metadata_server=true",
                 f"--http_metadata_server_port={http}",
                 "--http_metadata_server_host=127.0.0.1",
@@ -92,8 +93,8 @@ def mooncake_master(log: Path) -> Any:
             while True:
                 with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", p), timeout=0.2):
                     break
-                if time.monotonic() > deadline:
-                    raise SystemExit("mooncake_master did not start")
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"mooncake_master did not start: {log.read_text(errors='replace')[-2000:]}")
                 time.sleep(0.05)
         yield f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/metadata"
     finally:
