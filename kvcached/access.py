@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import os
+import pwd
 import socket
 import struct
 from pathlib import Path
@@ -33,6 +34,17 @@ def resolve_group(value: str | int) -> int:
         return grp.getgrgid(int(text)).gr_gid if text.isdigit() else grp.getgrnam(text).gr_gid
     except KeyError:
         raise KeyError(f"no group {text!r} on this host (see /etc/group)") from None
+
+
+def resolve_user(value: str | int) -> int:
+    """The uid of a user name or number; ``KeyError`` with the reason if there is no such user."""
+    text = str(value).strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise KeyError(f"no user {text!r} on this host (see /etc/passwd)") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,22 +94,26 @@ class Access:
         """Mode of the shared-memory objects and semaphores the daemon creates."""
         return 0o600 if self.gid is None else 0o660
 
+    @property
+    def group(self) -> int:
+        """The group the instance's objects carry: ``gid``, or without one the daemon's own group."""
+        return os.getegid() if self.gid is None else self.gid
+
     def allows(self, peer: Peer) -> bool:
         return peer.uid == self.uid or (self.gid is not None and self.gid in peer.gids)
 
     def apply(self, target: int | Path) -> None:
-        """Give a file descriptor or path our object mode and group (group unchanged without one)."""
+        """Give a file descriptor or path our object mode and group: what this start was given, whatever
+        an earlier start gave it (an object adopted across a change of ``--group`` follows the change)."""
         if isinstance(target, int):
+            os.fchown(target, -1, self.group)
             os.fchmod(target, self.mode)
-            if self.gid is not None:
-                os.fchown(target, -1, self.gid)
-        else:
+        else:  # owner only while the group changes: neither group has more than it is given
+            os.chmod(target, 0o600)
+            os.chown(target, -1, self.group)
             os.chmod(target, self.mode)
-            if self.gid is not None:
-                os.chown(target, -1, self.gid)
 
     def apply_socket(self, path: Path) -> None:
-        """Task sockets: 0660, group ``gid`` when set."""
-        if self.gid is not None:
-            os.chown(path, -1, self.gid)
+        """Task sockets: 0660, group ``gid`` (or the daemon's own group)."""
+        os.chown(path, -1, self.group)
         os.chmod(path, SOCKET_MODE)

@@ -18,14 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
+from kvcached import plugins
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
 from kvcached.knobs import Knob
 from kvcached.logs import LEVELS
-from kvcached.protocol.errors import InvalidSpec, KVCacheError
-from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
+from kvcached.protocol.errors import InvalidConfig, InvalidSpec
+from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_ENV, check_instance
 
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+#: A KVCACHED_PLUGINS that does not load: `start` and `doctor` report it; every other command (and
+#: --help) works with the built-in backends alone.
+PLUGINS_PROBLEM = plugins.problem()
+if PLUGINS_PROBLEM is not None:
+    plugins.ignore_plugins()
 
 
 class ConfigError(click.ClickException):
@@ -36,7 +43,8 @@ class ConfigError(click.ClickException):
 
 @click.group(context_settings=_CONTEXT)
 @click.version_option(package_name="kvcached-xpu")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """kvcached owns the KV cache of every inference rank on this host.
 
     One daemon per instance allocates each rank's device cache (and CPU swap pool) in shared memory,
@@ -44,6 +52,8 @@ def main() -> None:
     Who allocates follows one fixed condition: the runner creates its own cache iff
     `profile or not (num_cpu_blocks > 0 or storage_backend or role != "mixed")`; otherwise the daemon does.
     """
+    if PLUGINS_PROBLEM is not None and ctx.invoked_subcommand not in ("start", "doctor"):
+        click.echo(f"warning: {PLUGINS_PROBLEM}; this command goes on with the built-in backends", err=True)
 
 
 main.help = (main.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
@@ -71,18 +81,35 @@ def config_options(fn: Any) -> Any:
     return click.option(
         "--config",
         "config_file",
-        type=click.Path(dir_okay=False, path_type=Path),
+        type=Path,
         envvar="KVCACHED_CONFIG",
         help="TOML file with any of these options (knob names: the flags' names with underscores). "
         "[env: KVCACHED_CONFIG]",
     )(fn)
 
 
+def _source(param: str, flag: str, variable: str, value: object) -> str:
+    """Where the current command's ``param`` came from, as an operator wrote it: the variable with its
+    value, or the flag."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.get_parameter_source(param) is ParameterSource.ENVIRONMENT:
+        return f"{variable}={value}"
+    return flag
+
+
+def _config_source(config_file: Path | None) -> str | None:
+    if config_file is None:
+        return None
+    return _source("config_file", f"--config {config_file}", "KVCACHED_CONFIG", config_file)
+
+
 def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
     from kvcached.config import DaemonConfig
 
+    if PLUGINS_PROBLEM is not None:
+        raise ConfigError(str(PLUGINS_PROBLEM))
     try:
-        return DaemonConfig.build(values, config_file)
+        return DaemonConfig.build(values, config_file, config_source=_config_source(config_file))
     except InvalidSpec as exc:
         raise ConfigError(str(exc)) from None
 
@@ -91,20 +118,25 @@ def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
 @config_options
 @click.option(
     "--log-level",
-    type=click.Choice(LEVELS),
     default="info",
     envvar="KVCACHED_LOG_LEVEL",
-    show_default=True,
+    metavar="LEVEL",
+    help=f"One of: {', '.join(LEVELS)}. [env: KVCACHED_LOG_LEVEL; default: info]",
 )
 @click.option(
     "--log-format",
-    type=click.Choice(["auto", "json", "console"]),
     default="auto",
     envvar="KVCACHED_LOG_FORMAT",
-    show_default=True,
-    help="auto: console on a TTY, else JSON.",
+    metavar="FORMAT",
+    help="auto: console on a TTY, else JSON; json; console. [env: KVCACHED_LOG_FORMAT; default: auto]",
 )
-def start(config_file: Path | None, log_level: str, log_format: str, **values: Any) -> None:
+@click.option(
+    "--check-config",
+    is_flag=True,
+    help="Check that this configuration loads, and exit: 0, or 4 with what is wrong. `kvcached restart` runs "
+    "it (the code installed now, the daemon's arguments) before the daemon stops.",
+)
+def start(config_file: Path | None, log_level: str, log_format: str, check_config: bool, **values: Any) -> None:
     """Run the daemon in the foreground until SIGTERM / SIGINT (or `kvcached stop`).
 
     Precedence: flags > KVCACHED_* environment > --config file > defaults. The defaults make the
@@ -115,32 +147,41 @@ def start(config_file: Path | None, log_level: str, log_format: str, **values: A
     Otherwise it reclaims that memory and says why (log, `status`). --fresh always reclaims.
 
     """
-    from kvcached import logs
+    from kvcached import logs, running
     from kvcached.config import unknown_variables
-    from kvcached.daemon.supervisor import HANDOVER_ENV, Supervisor
+    from kvcached.daemon.supervisor import Supervisor
 
+    level = _choice(log_level, LEVELS, "log_level", "--log-level", "KVCACHED_LOG_LEVEL")
+    formats = ("auto", "json", "console")
+    log_format = _choice(log_format, formats, "log_format", "--log-format", "KVCACHED_LOG_FORMAT")
     config = _build_config(values, config_file)
+    if check_config:
+        click.echo(f"instance {config.instance}: the configuration loads ({config.ranks} ranks, {config.memory})")
+        return
     _use_streaming_stores()
-    logs.configure(log_level, json=None if log_format == "auto" else log_format == "json")
+    logs.configure(level, json=None if log_format == "auto" else log_format == "json")
     for warning in unknown_variables():
         logs.get("kvcached.cli").warning("environment", warning=warning)
-    supervisor = Supervisor(config, on_progress=_terminal_progress(config))
+    supervisor = Supervisor(config, on_progress=_terminal_progress(config), preflight=running.next_image_problem)
     try:
         status = supervisor.run()
     except Fatal as fatal:
         click.echo(f"Error: {fatal.reason}", err=True)
         sys.exit(fatal.exit_status)
-    if supervisor.restart_requested:  # `kvcached restart`: the same command, the code installed now
-        sys.stdout.flush()
-        sys.stderr.flush()
-        handover = supervisor.handover_env()  # the workers serving meanwhile, for the next image to take
-        if handover is not None:
-            os.environ[HANDOVER_ENV] = handover
-        os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
+    handover = supervisor.handover_env()
+    if handover is not None:  # `kvcached restart`: the same command, the code installed now
+        running.execute_again(handover)
     sys.exit(status)
 
 
 start.help = (start.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
+
+
+def _choice(value: str, allowed: tuple[str, ...], param: str, flag: str, variable: str) -> str:
+    """``value`` if it is one of ``allowed``; else a configuration error naming where it came from."""
+    if value in allowed:
+        return value
+    raise ConfigError(f"{_source(param, flag, variable, value)}: must be one of {', '.join(allowed)}; got {value!r}")
 
 
 def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
@@ -189,16 +230,16 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) 
     """
     from kvcached import doctor as checks
     from kvcached.config import DaemonConfig, unknown_variables
-    from kvcached.protocol.errors import InvalidConfig
 
     # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
     # at its default (as many times as there are bad values).
-    problems: list[InvalidConfig] = []
+    problems: list[InvalidConfig] = [PLUGINS_PROBLEM] if PLUGINS_PROBLEM is not None else []
     ignored: set[str] = set()
     config = None
+    source = _config_source(config_file)
     while config is None:
         try:
-            config = DaemonConfig.build(values, config_file, ignore=frozenset(ignored))
+            config = DaemonConfig.build(values, config_file, ignore=frozenset(ignored), config_source=source)
         except InvalidConfig as exc:
             if exc.field == "instance":  # which instance to check: nothing else can be
                 raise ConfigError(str(exc)) from None
@@ -272,27 +313,21 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
 
     Exit status 0 when the daemon is alive and every rank is READY, 1 otherwise (--watch: 0 on Ctrl-C).
     """
+    from kvcached.running import guarded
     from kvcached.status import is_ready, read_status, render
 
     name = _instance(instance)
     if watch:
         _watch(name, interval, as_json)
         return
-    snapshot = _guarded(read_status, name)
+    snapshot = guarded(read_status, name)
     click.echo(json.dumps(snapshot) if as_json else render(snapshot))
     sys.exit(0 if is_ready(snapshot) else 1)
 
 
-def _guarded(read: Callable[[str], dict[str, Any]], instance: str) -> dict[str, Any]:
-    """``read(instance)``, with kvcached's own errors (a foreign block, no permission) as a clean message."""
-    try:
-        return read(instance)
-    except KVCacheError as exc:
-        raise click.ClickException(f"instance {instance}: {exc}") from None
-
-
 def _watch(instance: str, interval: float, as_json: bool) -> None:
     """Print a frame every ``interval`` s: on a terminal redrawn in place, else one after the other."""
+    from kvcached.running import guarded
     from kvcached.status import read_status, render
 
     tty = sys.stdout.isatty() and not as_json
@@ -300,7 +335,7 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
     try:
         while True:
             now = time.monotonic()
-            snapshot = _guarded(read_status, instance)
+            snapshot = guarded(read_status, instance)
             if as_json:
                 frame = json.dumps(snapshot)
             else:
@@ -315,34 +350,6 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
         return
 
 
-def _daemon_of(name: str) -> tuple[int, int] | None:
-    """(pid, start time) of the live daemon of instance ``name``, or None."""
-    from kvcached.daemon.lockfile import holder
-    from kvcached.protocol.instance import open_instance
-    from kvcached.protocol.names import lock_path
-
-    found = holder(lock_path(name))
-    if found is not None and found.alive:
-        return found.pid, found.started
-    try:
-        view = open_instance(name)
-    except KVCacheError as exc:
-        raise click.ClickException(f"instance {name}: {exc}") from None
-    if view is None:
-        return None
-    with view:
-        return view.daemon
-
-
-def _signal(name: str, pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except PermissionError:
-        raise click.ClickException(f"instance {name}: daemon pid {pid} belongs to another user") from None
-    except ProcessLookupError:
-        pass  # it ended meanwhile: the wait below sees that
-
-
 @main.command(context_settings=_CONTEXT)
 @_instance_option
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
@@ -355,44 +362,26 @@ def _signal(name: str, pid: int, signum: int) -> None:
 def stop(instance: str | None, timeout: float, keep: bool) -> None:
     """Stop a running daemon (SIGTERM; --keep: SIGRTMIN+1) and wait until it has cleaned up. Not running:
     exit 0."""
+    from kvcached import running
     from kvcached.daemon.signals import KEEP_SIGNAL
-    from kvcached.protocol.proc import is_alive
 
     name = _instance(instance)
-    target = _daemon_of(name)
+    target = running.daemon_of(name)
     if target is None:
-        click.echo(f"instance {name}: not running{_left_behind(name)}")
+        click.echo(f"instance {name}: not running{running.left_behind(name)}")
         return
     pid, started = target
-    _signal(name, pid, KEEP_SIGNAL if keep else signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while is_alive(pid, started):
-        if time.monotonic() >= deadline:
-            raise click.ClickException(
-                f"instance {name}: daemon pid {pid} still running after {timeout:.0f}s; try again or kill -9 it "
-                "(the next start adopts or reclaims what it leaves)"
-            )
-        time.sleep(0.05)
-    if keep:
-        click.echo(
-            f"instance {name}: stopped (pid {pid}); its memory is kept in /dev/shm for the next `kvcached start "
-            f"--instance {name}` to adopt (`kvcached doctor --clean --instance {name}` releases it)"
-        )
-    else:
+    running.send(name, pid, KEEP_SIGNAL if keep else signal.SIGTERM)
+    running.wait_exit(name, pid, started, timeout)
+    if not keep:
         click.echo(f"instance {name}: stopped (pid {pid})")
-
-
-def _left_behind(name: str) -> str:
-    """What an instance that is not running left in /dev/shm, as the end of a sentence ("" for nothing)."""
-    from kvcached.protocol.names import instance_shm_entries
-
-    count = len(instance_shm_entries(name))
-    if not count:
-        return ""
-    return (
-        f"; an earlier run left {count} objects in /dev/shm (its memory: the next `kvcached start --instance "
-        f"{name}` adopts it when it can, else reclaims it; `kvcached doctor --clean --instance {name}` removes "
-        "it now)"
+        return
+    why = running.not_kept(name)
+    if why:
+        raise click.ClickException(f"instance {name}: stopped (pid {pid}), but its memory was NOT kept: {why}")
+    click.echo(
+        f"instance {name}: stopped (pid {pid}); its memory is kept in /dev/shm for the next `kvcached start "
+        f"--instance {name}` to adopt (`kvcached doctor --clean --instance {name}` releases it)"
     )
 
 
@@ -409,39 +398,30 @@ def restart(instance: str | None, timeout: float) -> None:
     off are answered NOT_RUN and CacheTasks sends them again. Waits until every rank is READY again; exit
     0 when the memory was adopted, 1 otherwise (the reason is printed).
     """
+    from kvcached import running
     from kvcached.daemon.signals import RESTART_SIGNAL
-    from kvcached.protocol.proc import is_alive
-    from kvcached.status import is_ready, read_status
 
     name = _instance(instance)
-    target = _daemon_of(name)
+    target = running.daemon_of(name)
     if target is None:
         raise click.ClickException(f"instance {name}: not running; start it with `kvcached start`")
     pid, started = target
-    before = _guarded(read_status, name)["generation"]
-    began = time.monotonic()
-    _signal(name, pid, RESTART_SIGNAL)
-    deadline = began + timeout
-    while True:
-        snapshot = _guarded(read_status, name)
-        if snapshot["generation"] not in (None, before) and is_ready(snapshot):
-            break
-        if not is_alive(pid, started):
-            raise click.ClickException(f"instance {name}: daemon pid {pid} exited while restarting (see its log)")
-        if time.monotonic() >= deadline:
-            raise click.ClickException(f"instance {name}: not READY again within {timeout:.0f}s (see its log)")
-        time.sleep(0.02)
-    took = time.monotonic() - began
+    snapshot, took = running.wait_restarted(name, pid, started, RESTART_SIGNAL, timeout)
     note = snapshot.get("note") or ""
     click.echo(f"instance {name}: restarted (pid {pid}) in {took:.2f}s, generation {snapshot['generation']}: {note}")
     sys.exit(0 if note.startswith("adopted") else 1)
 
 
 def _instance(instance: str | None) -> str:
+    """The instance to act on; a bad name is a usage error naming --instance, or a configuration error
+    naming KVCACHED_INSTANCE when it came from there."""
     try:
         return check_instance(DEFAULT_INSTANCE if instance is None else instance)
     except InvalidSpec as exc:
-        raise click.BadParameter(str(exc), param_hint="--instance") from None
+        where = _source("instance", "--instance", INSTANCE_ENV, instance)
+        if where == "--instance":
+            raise click.BadParameter(str(exc), param_hint="--instance") from None
+        raise ConfigError(f"{where}: {exc.message}") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import knobs, memory, store
-from kvcached.access import resolve_group
+from kvcached.access import resolve_group, resolve_user
 from kvcached.knobs import Knob
 from kvcached.protocol.control import MAX_RANKS, control_block_bytes
 from kvcached.protocol.errors import InvalidConfig, InvalidSpec
@@ -176,6 +176,14 @@ CORE: tuple[Knob, ...] = (
         "the engine's ipc suffix (its worker queue port). [default: off]",
         "N",
     ),
+    Knob(
+        "engine_user",
+        knobs.optional_text,
+        None,
+        "FastDeploy compatibility (--ipc-suffix): the user (name or uid) the engine runs as, whose flag segments "
+        "the daemon follows besides its own user's and root's (another user's are left alone). [default: none]",
+        "USER",
+    ),
 )
 
 #: Knob -> CacheSpec field, for the knobs that describe the cache.
@@ -239,6 +247,7 @@ class DaemonConfig:
     store_timeout: float = 10.0
     fresh: bool = False
     huge_pages: bool = True
+    engine_uid: int | None = None
 
     def shm_need(self) -> tuple[int, int]:
         """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
@@ -254,17 +263,24 @@ class DaemonConfig:
         environ: Mapping[str, str] | None = None,
         *,
         ignore: frozenset[str] = frozenset(),
+        config_source: str | None = None,
     ) -> DaemonConfig:
         """Merge ``flags`` (None means unset) over ``environ``'s ``KVCACHED_*`` over ``config_file`` over the
-        defaults. Raises ``InvalidConfig`` naming the source of the first bad value. Knobs (and file keys)
-        in ``ignore`` are taken at their defaults, wherever they were set (``kvcached doctor`` reports a bad
-        value and checks the rest)."""
+        defaults. Raises ``InvalidConfig`` naming the source of the first bad value (``config_source`` says
+        where the file's name came from, ``--config FILE`` by default). Knobs (and file keys) in ``ignore``
+        are taken at their defaults, wherever they were set (``kvcached doctor`` reports a bad value and
+        checks the rest); so are the other variables ``check_variables`` checks."""
         environ = os.environ if environ is None else environ
+        check_variables(environ, ignore)
         all_knobs = {knob.name: knob for knob in knobs_all()}
         raw: dict[str, tuple[Any, str]] = {}  # knob -> (value as written, where)
         if config_file is not None:
-            for key, value in load_toml(config_file, all_knobs, ignore).items():
-                raw[key] = (value, f"{config_file}: {key}")
+            for key, value in load_toml(config_file, all_knobs, ignore, source=config_source).items():
+                where = f"{config_file}: {key}"
+                kind = knobs.toml_type(all_knobs[key].parse)
+                if isinstance(value, str) and kind is not None and key not in ignore:
+                    raise InvalidConfig(key, where, f"must be a TOML {kind}, written without quotes; got {value!r}")
+                raw[key] = (value, where)
         for knob in all_knobs.values():
             if knob.env in environ and environ[knob.env] != "":
                 raw[knob.name] = (environ[knob.env], f"{knob.env}={environ[knob.env]}")
@@ -303,6 +319,12 @@ class DaemonConfig:
                 gid = resolve_group(values["group"])
             except KeyError as exc:
                 raise InvalidConfig("group", source("group"), str(exc.args[0])) from None
+        engine_uid = None
+        if values["engine_user"] is not None:
+            try:
+                engine_uid = resolve_user(values["engine_user"])
+            except KeyError as exc:
+                raise InvalidConfig("engine_user", source("engine_user"), str(exc.args[0])) from None
         devices = values["devices"] or tuple(range(ranks))
         if len(devices) != ranks:
             raise InvalidConfig(
@@ -336,6 +358,7 @@ class DaemonConfig:
             store_timeout=values["store_timeout"],
             fresh=values["fresh"],
             huge_pages=values["huge_pages"] == "auto",
+            engine_uid=engine_uid,
         )
 
 
@@ -356,6 +379,19 @@ OTHER_VARIABLES = frozenset(
     }
 )
 OTHER_PREFIXES = ("KVCACHED_TEST_", "KVCACHED_BENCH_")
+#: The variables that are not knobs but take a value from a fixed list: (field, allowed values, meaning).
+CHECKED_VARIABLES: Mapping[str, tuple[str, tuple[str, ...], str]] = {
+    "KVCACHED_NATIVE_COPY": ("native_copy", ("0", "1"), "0 (numpy slices) or 1 (the native copy where built)"),
+}
+
+
+def check_variables(environ: Mapping[str, str], ignore: frozenset[str] = frozenset()) -> None:
+    """Raise ``InvalidConfig`` for a variable of ``CHECKED_VARIABLES`` set to a value it does not take
+    (fields in ``ignore`` are not checked)."""
+    for variable, (field, allowed, meaning) in CHECKED_VARIABLES.items():
+        value = environ.get(variable, "")
+        if value and value not in allowed and field not in ignore:
+            raise InvalidConfig(field, f"{variable}={value}", f"must be {meaning}")
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -372,18 +408,22 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     return found
 
 
-def load_toml(path: Path, known: Mapping[str, Knob], ignore: frozenset[str] = frozenset()) -> dict[str, Any]:
+def load_toml(
+    path: Path, known: Mapping[str, Knob], ignore: frozenset[str] = frozenset(), *, source: str | None = None
+) -> dict[str, Any]:
     """Read a config file; unreadable files and unknown keys (with the closest known key) are
-    ``InvalidConfig`` errors naming the file. Keys in ``ignore`` are left out."""
+    ``InvalidConfig`` errors naming the file (as ``source`` says it was given: ``--config FILE`` by
+    default, ``KVCACHED_CONFIG=FILE``). Keys in ``ignore`` are left out."""
+    where = source or f"--config {path}"
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except OSError as exc:
-        raise InvalidConfig("config", f"--config {path}", f"cannot read it: {exc.strerror}") from None
+        raise InvalidConfig("config", where, f"cannot read it: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise InvalidConfig("config", f"--config {path}", f"not valid TOML: {exc}") from None
+        raise InvalidConfig("config", where, f"not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
-        raise InvalidConfig("config", f"--config {path}", f"not UTF-8 text (byte {exc.start}), so not TOML") from None
+        raise InvalidConfig("config", where, f"not UTF-8 text (byte {exc.start}), so not TOML") from None
     data = {key: value for key, value in data.items() if key not in ignore}
     for key in data:
         if key not in known:

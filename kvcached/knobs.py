@@ -17,6 +17,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Parser = Callable[[Any], Any]
+#: The TOML type of the parsers that take numbers or booleans: a file writes those without quotes (the
+#: environment and flags can only give text, which they parse).
+_TOML_TYPES: dict[Parser, str] = {}
+
+
+def toml_type(parser: Parser) -> str | None:
+    """ "integer", "number", "boolean" or "array" for a parser of that TOML type; None for text."""
+    return _TOML_TYPES.get(parser)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +64,7 @@ def integer(minimum: int | None = None, maximum: int | None = None, *, what: str
             raise ValueError(f"must be {what}{bounds}, got {value!r}")
         return number
 
+    _TOML_TYPES[parse] = "integer"
     return parse
 
 
@@ -83,6 +92,7 @@ def seconds(minimum: float, maximum: float) -> Parser:
             raise ValueError(f"must be a number of seconds from {minimum:g} to {maximum:g}, got {value!r}")
         return number
 
+    _TOML_TYPES[parse] = "number"
     return parse
 
 
@@ -111,6 +121,9 @@ def boolean(value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"must be true or false (1/0, yes/no, on/off), got {value!r}")
+
+
+_TOML_TYPES[boolean] = "boolean"
 
 
 def text(value: Any) -> str:
@@ -175,6 +188,9 @@ def int_list(value: Any) -> tuple[int, ...] | None:
     return numbers
 
 
+_TOML_TYPES[int_list] = "array of integers"
+
+
 _PORT = integer(0, 65535, what="a TCP port (0: off)")
 
 
@@ -182,3 +198,6 @@ def port(value: Any) -> int:
     """A TCP port 1..65535, or 0 for off."""
     number: int = _PORT(value)
     return number
+
+
+_TOML_TYPES[port] = "integer"

@@ -17,11 +17,14 @@ from kvcached.protocol.errors import InvalidConfig, InvalidSpec
 
 ENV = "KVCACHED_PLUGINS"
 _loaded: set[str] = set()
+_ignored = False
 
 
 def load_plugins() -> None:
     """Import every module named in ``KVCACHED_PLUGINS`` (comma-separated) once. A module that cannot be
     imported is an ``InvalidConfig`` naming it."""
+    if _ignored:
+        return
     for name in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
         if name in _loaded:
             continue
@@ -30,6 +33,22 @@ def load_plugins() -> None:
         except ImportError as exc:
             raise InvalidConfig("plugins", f"{ENV}={os.environ[ENV]}", f"cannot import {name}: {exc}") from None
         _loaded.add(name)
+
+
+def problem() -> InvalidConfig | None:
+    """Why ``KVCACHED_PLUGINS`` cannot be loaded, or None when it can."""
+    try:
+        load_plugins()
+    except InvalidConfig as exc:
+        return exc
+    return None
+
+
+def ignore_plugins() -> None:
+    """From now on this process knows the built-in backends alone (commands that must work whatever
+    ``KVCACHED_PLUGINS`` says: ``kvcached stop``, ``status``, ``--help``)."""
+    global _ignored
+    _ignored = True
 
 
 class _Named(Protocol):

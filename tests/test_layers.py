@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcached.transfer",),
     ("kvcached.config",),
     ("kvcached.daemon",),
-    ("kvcached.status", "kvcached.doctor"),
+    ("kvcached.status", "kvcached.doctor", "kvcached.running"),
     ("kvcached.cli", "kvcached.fastdeploy"),
 ]
 #: Parts on one floor that must not lean on each other.

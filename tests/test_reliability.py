@@ -33,8 +33,10 @@ from kvcached.status import read_status
 from tests.conftest import Daemon, DaemonFactory, run_runner, runner_result, shm_entries, unique_instance
 
 SMALL = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
-SUPERVISOR_STEPS = ("after-lock", "after-reclaim", "after-semaphores", "after-control-block")
+SUPERVISOR_STEPS = ("after-lock", "after-reclaim", "after-semaphores", "before-publish", "after-control-block")
 WORKER_STEPS = ("worker-allocating", "worker-before-ready")
+#: Steps of a restart's handover: killed at in tests/test_kill_steps.py.
+HANDOVER_STEPS = ("worker-prepared", "after-relieve", "restart-accepted", "before-exec")
 
 
 # -- 2. kill -9 at each start-up step -------------------------------------------------------------------
@@ -44,7 +46,7 @@ WORKER_STEPS = ("worker-allocating", "worker-before-ready")
 def test_kill9_at_each_startup_step(daemons: DaemonFactory, step: str) -> None:
     """A runner waiting from before the start never sees READY from the killed run; the next start
     succeeds and serves it; nothing is left in /dev/shm (the fixture checks after the clean stop)."""
-    assert set(SUPERVISOR_STEPS + WORKER_STEPS + ("after-ready", "copy-step")) == set(faults.STEPS)
+    assert set(SUPERVISOR_STEPS + WORKER_STEPS + HANDOVER_STEPS + ("after-ready", "copy-step")) == set(faults.STEPS)
     instance = unique_instance()
     daemons.instances.add(instance)
     env = daemons.env()
@@ -312,7 +314,7 @@ def test_bad_config_file_through_the_cli_creates_nothing(daemons: DaemonFactory,
     config = daemons.tmp_path / "bad.toml"
     config.write_text('ranks = "eight"\n')
     result = daemons.cli("start", "--instance", instance, "--config", str(config))
-    assert result.returncode == 4 and f"{config}: ranks: must be an integer" in result.stderr, result.stderr
+    assert result.returncode == 4 and f"{config}: ranks: must be a TOML integer" in result.stderr, result.stderr
     assert shm_entries(instance) == []
 
 

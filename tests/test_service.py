@@ -226,7 +226,8 @@ def check_access(daemons: DaemonFactory, run_dir: Path, gid: int, member_uid: in
     sock = task_socket_path(run_dir, daemon.instance, 0)
     st = sock.stat()
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (gid, 0o660)
-    assert run_dir.stat().st_mode & stat.S_IXGRP and run_dir.stat().st_gid == gid
+    directory = run_dir.stat()  # searchable, not listable, its group left as made: others may share it
+    assert directory.st_mode & stat.S_IXOTH and not directory.st_mode & stat.S_IROTH and directory.st_gid != gid
 
     assert as_user(member_uid, member_uid, [gid], swap_one(daemon.instance)) == "ok 1"
     outsider = as_user(outsider_uid, outsider_uid, [], swap_one(daemon.instance))

@@ -10,11 +10,17 @@ first that does not is the reason it reclaims (logged, and shown by ``kvcached s
 * every rank's record reads whole (seqlock and crc32), is of the block's generation, and says READY,
   RECOVERING or KEPT: its memory was complete (ALLOCATING, FAILED, STOPPING or EMPTY say otherwise);
 * every rank's objects are ours (owner, mode, a plain object, the size the layout needs), under the names
-  the records give: the device tier (when its backend's memory outlives its process), the CPU pool; and
-  no other object under the instance's names belongs to someone else.
+  the records give: the device tier (when its backend's memory outlives its process), the CPU pool.
+
+An object of someone else under the instance's names is no reason to refuse: it is reported and left
+alone, never trusted (/dev/shm is writable by every user: refusing would let any of them make the next
+start throw the cache away).
 
 Nothing of the old run is trusted before that: the ready flag's rule (DESIGN principle 2) holds, since
 the new daemon publishes its own generation and marks each rank READY only after its worker reopened it.
+An adopting start writes the adopted memory into its new records (RECOVERING) before its control block
+replaces the old one, so a kill at any step leaves a block that names the memory; and it gives every
+adopted object the mode and group this start was given (``conform``).
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import os
 from typing import Any
 
 from kvcached import memory
+from kvcached.access import Access
 from kvcached.config import DaemonConfig
 from kvcached.memory.base import TierRequest
 from kvcached.memory.shm import why_not_ours
-from kvcached.protocol.control import ControlBlock, Record, State
+from kvcached.protocol.control import ControlBlock, Record, State, control_block_bytes
 from kvcached.protocol.errors import KVCacheError, TornRead
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes
+from kvcached.protocol.names import SHM_DIR
 from kvcached.protocol.proc import is_alive
 
 #: States a rank's record may be in for its memory to be adopted.
@@ -140,3 +148,44 @@ def _spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
         if old.get(field) != new.get(field):
             return f"the spec differs: {field} was {old.get(field)!r}, this configuration has {new.get(field)!r}"
     return ""
+
+
+def adopted_fields(old: Record, *, reopen_device: bool) -> dict[str, Any]:
+    """The record fields a rank adopted from ``old`` starts with (RECOVERING): everything that names its
+    memory, as the next start's ``judge`` reads it, should this daemon be killed before the rank is READY.
+    The device tier is named only where it is reopened (else it is made anew)."""
+    return {
+        "state": State.RECOVERING,
+        "backend": old.backend,
+        "layout_version": old.layout_version,
+        "descriptor": dict(old.descriptor) if reopen_device else {},
+        "dev_bytes": old.dev_bytes if reopen_device else 0,
+        "cpu_name": old.cpu_name,
+        "cpu_bytes": old.cpu_bytes,
+        "total_bytes": old.dev_bytes + old.cpu_bytes,
+        "error": "",
+    }
+
+
+def new_shm_need(config: DaemonConfig, adoption: Adoption | None) -> int:
+    """Bytes of /dev/shm a start must still find free: all it needs, less what it adopts (the adopted
+    memory is in /dev/shm already)."""
+    need, _per_rank = config.shm_need()
+    if adoption is None:
+        return need
+    backend = memory.get(config.memory)
+    kept = backend.shm_bytes(config.spec) if backend.outlives_worker else 0
+    return max(control_block_bytes(config.ranks), need - config.ranks * (kept + cpu_pool_bytes(config.spec)))
+
+
+def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
+    """Give every adopted object (device arenas where they are reopened, CPU pools, key directories) the
+    mode and group this start was given: access follows the configuration, not the one before."""
+    backend = memory.get(config.memory)
+    for rank in range(config.ranks):
+        request = TierRequest(config.instance, adoption.arena_id, rank, config.spec)
+        tiers = ("dev", "cpu", "keys") if backend.outlives_worker else ("cpu", "keys")
+        for tier in tiers:
+            name = request.shm_name(tier)
+            if why_not_ours(name, 0) is None:  # absent or someone else's: left as it is
+                access.apply(SHM_DIR / name.lstrip("/"))

@@ -2,10 +2,16 @@
 
 ``KVCACHED_FAULT`` holds comma-separated ``step:action`` items; ``action`` is ``kill`` (SIGKILL this
 process at once), ``sleep=SECONDS``, or ``enospc`` (fail as a full /dev/shm would: OSError ENOSPC).
-Steps: ``after-lock``, ``after-reclaim``, ``after-semaphores``, ``after-control-block``,
-``worker-allocating``, ``worker-before-ready``, ``after-ready``, and ``copy-step`` (in a worker, after
-each step of a copy: ``sleep`` makes a legitimately slow task). Unset in production: ``fault()`` then
-costs one dict lookup; ``hook()`` returns None once at start.
+``step@restart`` acts only in an image that ``kvcached restart`` executed (and in its workers).
+
+Steps of a start: ``after-lock``, ``after-reclaim``, ``after-semaphores``, ``before-publish`` (the new
+control block is written, its records too, not yet under its public name), ``after-control-block``;
+in each worker ``worker-allocating`` (allocating or reopening), ``worker-prepared`` (a restart's worker
+has reopened the memory and waits for its turn), ``worker-before-ready``; ``after-relieve`` (a restart's
+supervisor told the last image's worker to drain), ``after-ready``; ``copy-step`` (in a worker, after
+each step of a copy: ``sleep`` makes a legitimately slow task). Of a restart, in the image that restarts:
+``restart-accepted`` (before anything stops) and ``before-exec`` (every rank KEPT, the workers handed
+over). Unset in production: ``fault()`` then costs one dict lookup; ``hook()`` returns None once at start.
 """
 
 from __future__ import annotations
@@ -20,24 +26,43 @@ STEPS = (
     "after-lock",
     "after-reclaim",
     "after-semaphores",
+    "before-publish",
     "after-control-block",
     "worker-allocating",
+    "worker-prepared",
     "worker-before-ready",
+    "after-relieve",
     "after-ready",
     "copy-step",
+    "restart-accepted",
+    "before-exec",
 )
+RESTART_ONLY = "@restart"
+_restarted = False
+
+
+def restarted_image() -> None:
+    """This image was executed by ``kvcached restart``: ``step@restart`` items apply from now on (and in
+    the workers forked after)."""
+    global _restarted
+    _restarted = True
 
 
 def _parse(text: str) -> dict[str, str]:
     plan = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         step, _, action = item.partition(":")
-        if step not in STEPS:
+        if step.removesuffix(RESTART_ONLY) not in STEPS:
             raise ValueError(f"KVCACHED_FAULT: unknown step {step!r}; steps are {', '.join(STEPS)}")
         if action not in ("kill", "enospc") and not action.startswith("sleep="):
             raise ValueError(f"KVCACHED_FAULT: action for {step} must be kill, enospc or sleep=SECONDS, got {action!r}")
         plan[step] = action
     return plan
+
+
+def _action(plan: dict[str, str], step: str) -> str | None:
+    found = plan.get(step)
+    return plan.get(step + RESTART_ONLY) if found is None and _restarted else found
 
 
 def check_env() -> None:
@@ -50,7 +75,7 @@ def fault(step: str) -> None:
     text = os.environ.get("KVCACHED_FAULT")
     if not text:
         return
-    action = _parse(text).get(step)
+    action = _action(_parse(text), step)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "enospc":
@@ -62,7 +87,7 @@ def fault(step: str) -> None:
 def hook(step: str) -> Callable[[], None] | None:
     """A callable that carries out ``step``'s planned action, or None when none is planned (read once, for
     steps on hot paths)."""
-    action = _parse(os.environ.get("KVCACHED_FAULT", "")).get(step)
+    action = _action(_parse(os.environ.get("KVCACHED_FAULT", "")), step)
     if action is None:
         return None
     return lambda: fault(step)

@@ -16,8 +16,9 @@ Nobody is ever stranded on a segment FastDeploy's own habits took away:
 
 * **Every mapping is kept in step.** The engine may re-create a segment at any time (``IPCSignal(create=
   True)`` unlinks the name and makes a new one): processes mapped to the old one keep reading it. So the
-  supervisor keeps a mapping of every segment it has held under a name and writes each value into all of
-  them.
+  supervisor keeps a mapping of the last ``MAX_FOLLOWED`` segments it has held under a name and writes
+  each value into all of them; an older one is released (an engine re-creates its flags when it starts,
+  so a waiter still mapped to a segment that many re-creations ago belongs to an engine long gone).
 * **A name taken away comes back at once, as the same segment.** Every FastDeploy reader that attaches
   with ``IPCSignal(create=False)`` and exits unlinks the name (Python's resource tracker registers every
   ``SharedMemory`` it opens). The supervisor holds a second name of the current segment (a hard link,
@@ -27,6 +28,12 @@ Nobody is ever stranded on a segment FastDeploy's own habits took away:
   reader that opens the name next, see the same memory with the current values. (A reader that opens
   the name within those milliseconds of another's exit finds it gone, as it would without kvcached;
   a process starting after another's exit takes longer than that.)
+* **Only the engine's segments are followed.** /dev/shm is writable by every user: a segment is followed
+  (mapped, written, linked) only when it is a plain shared-memory object of exactly the flag's size,
+  owned by a trusted user (the daemon's, root, or ``--engine-user``) and not writable by others. Links
+  are made from the descriptor of the very segment that was checked (``/proc/self/fd``), never from a
+  name someone could swap meanwhile. Anything else at the name (another user's segment, a directory, a
+  FIFO, a segment of another size) is logged once and left alone; the name is ours again once it is gone.
 * **What the engine created is the engine's.** At stop every entry becomes 0 in every mapping; a name
   is unlinked only if this run created the segment it names now; the hidden links are removed.
 """
@@ -37,13 +44,14 @@ import contextlib
 import ctypes
 import mmap
 import os
+import stat
 import struct
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import posix_ipc
 
 from kvcached.access import Access
 from kvcached.protocol.errors import SignalError
@@ -53,88 +61,162 @@ SIGNALS = ("cache_ready_signal", "swap_space_ready_signal")
 #: A name gone for this long is linked back (sooner, and the engine's IPCSignal(create=True), which
 #: unlinks the name and then creates it exclusively, could find our link there and fail).
 RELINK_GRACE_S = 0.02
+#: Segments of one name kept mapped (and written): the current one and those it replaced most recently.
+MAX_FOLLOWED = 8
 
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
 _IN_CHANGES = 0x00000100 | 0x00000200 | 0x00000040 | 0x00000080  # IN_CREATE | IN_DELETE | IN_MOVED_FROM/TO
 
 
-class _Segment:
-    """One flag array's name: the segment it names now, and a mapping of every segment it has named."""
+class _Odd(Exception):
+    """The object at a flag's name is not one the daemon follows (see the module docstring)."""
 
-    def __init__(self, name: str, hidden: str, ranks: int, access: Access) -> None:
+
+class _Unsized(Exception):
+    """The engine's segment has no size yet: it is being created (``SharedMemory`` sizes it right after)."""
+
+
+class _Segment:
+    """One flag array's name: the segment it names now (its descriptor kept open), and a mapping of each
+    of the last ``MAX_FOLLOWED`` segments it has named."""
+
+    def __init__(self, name: str, hidden: str, ranks: int, access: Access, trusted: frozenset[int]) -> None:
         self.name = name  # e.g. "cache_ready_signal.8021"
         self.path = SHM_DIR / name
         self.hidden = SHM_DIR / hidden  # our second name of the current segment (a hard link)
         self.ranks = ranks
+        self.size = 4 * ranks
         self.access = access
-        self.views: dict[int, tuple[mmap.mmap, np.ndarray[Any, Any]]] = {}  # inode -> mapping, values
+        self.trusted = trusted
+        self.views: OrderedDict[int, tuple[mmap.mmap, np.ndarray[Any, Any]]] = OrderedDict()  # inode -> view
+        self.fd = -1  # the current segment, open
         self.current = -1  # inode the public name had when we last looked
         self.created: set[int] = set()  # inodes this run created
         self.values = [0] * ranks
         self.missing_since: float | None = None  # when the public name was first seen gone
+        self.refused: int | None = None  # inode of the odd object at the name: not looked at again
+        self.said = ""  # the last warning, not repeated
+        self.warnings: list[str] = []
 
     def open(self, *, create: bool = True) -> bool:
-        """Attach to what the name holds now, or create it (unless not ``create``: then False when the
-        name is gone); raise ``SignalError`` for a segment too small or not ours to write."""
-        posix = f"/{self.name}"
-        size = 4 * self.ranks
-        try:
-            shm = posix_ipc.SharedMemory(posix)
-            created = False
-        except posix_ipc.ExistentialError:
+        """Follow what the name holds now, or create it (unless not ``create``: then False when the name is
+        gone). Raises ``SignalError`` for an engine's segment of another size, ``_Odd`` for an object that
+        is not a segment the daemon follows."""
+        created = False
+        fd = self._open_existing()
+        if fd < 0:
             if not create:
                 return False
             try:
-                shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=0o600, size=size)
-            except posix_ipc.ExistentialError:  # the engine created it just now
-                shm = posix_ipc.SharedMemory(posix)
-                created = False
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:  # the engine created it just now
+                fd = self._open_existing()
+                if fd < 0:
+                    return False
             else:
-                self.access.apply(shm.fd)
                 created = True
-        except posix_ipc.PermissionsError:
-            raise SignalError(f"{self.path} exists and is not writable by the daemon's user") from None
+                os.ftruncate(fd, self.size)
+                self.access.apply(fd)
         try:
-            st = os.fstat(shm.fd)
-            if st.st_size < size:
-                raise SignalError(
-                    f"{self.path} has {st.st_size} bytes; {self.ranks} ranks need {size} (int32 per rank): "
-                    "does --ranks match the engine's tensor-parallel size?"
-                )
-            if st.st_ino not in self.views:
-                mapping = mmap.mmap(shm.fd, size)
-                self.views[st.st_ino] = (mapping, np.frombuffer(mapping, dtype=np.int32, count=self.ranks))
-        finally:
-            shm.close_fd()
+            st = os.fstat(fd)
+            self._check(st)
+            self._map(fd, st.st_ino)
+        except BaseException:
+            os.close(fd)
+            raise
         if created:
             self.created.add(st.st_ino)
-        self.current = st.st_ino
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.current, self.refused, self.said = fd, st.st_ino, None, ""
         self._hide()
         self.write()
         return True
 
+    def _open_existing(self) -> int:
+        """A descriptor of the object at the name (-1: none there). Raises ``_Odd`` for one that cannot be
+        opened as a segment (a directory, a symlink, another user's)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return -1
+        if not stat.S_ISREG(st.st_mode):
+            raise _Odd(f"{self.path} is not a shared-memory segment ({_kind(st.st_mode)})")
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            raise _Odd(f"{self.path} cannot be opened by the daemon's user: {exc.strerror}") from None
+
+    def _check(self, st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            raise _Odd(f"{self.path} is not a shared-memory segment ({_kind(st.st_mode)})")
+        if st.st_uid not in self.trusted:
+            trusted = ", ".join(map(str, sorted(self.trusted)))
+            raise _Odd(
+                f"{self.path} belongs to uid {st.st_uid}, not to a user the daemon trusts (uids {trusted}; "
+                "--engine-user names the engine's)"
+            )
+        if st.st_mode & stat.S_IWOTH:
+            raise _Odd(f"{self.path} is writable by anyone (mode {stat.S_IMODE(st.st_mode):o}): not the engine's")
+        if st.st_size == 0:
+            raise _Unsized()
+        if st.st_size != self.size:
+            raise SignalError(
+                f"{self.path} has {st.st_size} bytes; {self.ranks} ranks need {self.size} (int32 per rank): "
+                "does --ranks match the engine's tensor-parallel size?"
+            )
+
+    def _map(self, fd: int, inode: int) -> None:
+        """Map segment ``inode`` (at most ``MAX_FOLLOWED`` are kept: the oldest goes)."""
+        if inode in self.views:
+            self.views.move_to_end(inode)
+            return
+        mapping = mmap.mmap(fd, self.size)
+        self.views[inode] = (mapping, np.frombuffer(mapping, dtype=np.int32, count=self.ranks))
+        while len(self.views) > MAX_FOLLOWED:
+            _, (old, values) = self.views.popitem(last=False)
+            del values
+            with contextlib.suppress(BufferError):
+                old.close()
+
     def _hide(self) -> None:
-        """Point the hidden name at the current segment (link to a temporary name, rename over)."""
+        """Point the hidden name at the current segment (link its descriptor to a temporary name, rename
+        over): never at whatever the public name holds by then."""
         temporary = self.hidden.with_name(self.hidden.name + ".new")
         with contextlib.suppress(FileNotFoundError):
             temporary.unlink()
         try:
-            os.link(self.path, temporary)
+            _link(self.fd, temporary)
             os.replace(temporary, self.hidden)
         except FileNotFoundError:
-            pass  # the name went away meanwhile: follow() links it back from what we hold
+            pass  # the segment lost its last name meanwhile: follow() makes one anew when the name is free
 
     def follow(self, *, now: bool = False) -> None:
         """Keep the name right: back as our segment if it has been gone ``RELINK_GRACE_S`` (at once with
-        ``now``), followed if it names another one."""
+        ``now``), followed if it names another one the daemon trusts; an odd object there is said once
+        (``warnings``) and left alone."""
         try:
-            inode = os.stat(self.path).st_ino
-        except FileNotFoundError:
-            inode = -1
+            self._follow(now)
+        except _Unsized:
+            pass  # looked at again next time
+        except (_Odd, SignalError, OSError, ValueError) as exc:
+            if isinstance(exc, _Odd):
+                self.refused = _inode(self.path)
+            self.warn(f"{exc}; left alone, the flags are kept in the segments already followed")
+
+    def warn(self, warning: str) -> None:
+        if warning != self.said:
+            self.said = warning
+            self.warnings.append(warning)
+
+    def _follow(self, now: bool) -> None:
+        inode = _inode(self.path)
         if inode != -1:
             self.missing_since = None
-        if inode == self.current:
+        if inode == self.current or (inode != -1 and inode == self.refused):
             return
         if inode == -1:
             seen = time.monotonic()
@@ -143,12 +225,12 @@ class _Segment:
                 return
             self.missing_since = None
             try:
-                os.link(self.hidden, self.path)  # the same segment, under its public name again
+                _link(self.fd, self.path)  # the same segment, under its public name again
                 return
             except FileExistsError:  # created meanwhile: follow it below
                 pass
-            except FileNotFoundError:
-                pass  # no hidden name (never linked): make the segment anew
+            except (FileNotFoundError, OSError):
+                pass  # no segment held (never opened), or it lost every name: make it anew
             self.open()
         elif not self.open(create=False):  # another segment, gone again already: wait for the next
             self.missing_since = time.monotonic()
@@ -168,18 +250,46 @@ class _Segment:
     def close(self) -> None:
         """0 everywhere; unlink the name only if this run created what it names; drop the hidden name."""
         self.values = [0] * self.ranks
-        with contextlib.suppress(OSError):
-            self.follow(now=True)
+        self.follow(now=True)
         self.write()
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(self.path).st_ino in self.created:
-                self.path.unlink()
+        self.warnings.clear()
+        if _inode(self.path) in self.created:
+            self.path.unlink(missing_ok=True)
         for leftover in (self.hidden, self.hidden.with_name(self.hidden.name + ".new")):
             leftover.unlink(missing_ok=True)
         for mapping, _ in self.views.values():
             with contextlib.suppress(BufferError):
                 mapping.close()
         self.views.clear()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _link(fd: int, path: Path) -> None:
+    """Give the file open at ``fd`` the name ``path`` (``linkat`` of ``/proc/self/fd/<fd>``, following it:
+    the very file that was checked, whatever its names say by now). ``FileNotFoundError`` when it has no
+    name left, or ``fd`` is not open."""
+    if fd < 0:
+        raise FileNotFoundError(f"no segment to link to {path}")
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
+
+
+def _inode(path: Path) -> int:
+    """The inode at ``path`` (not following a symlink), or -1."""
+    try:
+        return os.lstat(path).st_ino
+    except FileNotFoundError:
+        return -1
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symlink", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+    return kinds.get(stat.S_IFMT(mode), "not a plain file")
 
 
 class FastDeploySignals:
@@ -187,10 +297,12 @@ class FastDeploySignals:
     ``fileno()`` is an inotify descriptor on /dev/shm, readable when a name there changed (-1 without
     inotify: then only the supervisor's tick keeps the names right)."""
 
-    def __init__(self, instance: str, suffix: int, ranks: int, access: Access) -> None:
+    def __init__(self, instance: str, suffix: int, ranks: int, access: Access, engine_uid: int | None = None) -> None:
         check_instance(instance)
+        trusted = frozenset({os.geteuid(), 0, *([engine_uid] if engine_uid is not None else [])})
         self.segments = [
-            _Segment(f"{name}.{suffix}", f"{PREFIX}.{instance}.fd.{name}.{suffix}", ranks, access) for name in SIGNALS
+            _Segment(f"{name}.{suffix}", f"{PREFIX}.{instance}.fd.{name}.{suffix}", ranks, access, trusted)
+            for name in SIGNALS
         ]
         self.ranks = ranks
         self.inotify = _inotify(SHM_DIR)
@@ -199,9 +311,24 @@ class FastDeploySignals:
         return self.inotify
 
     def open(self) -> None:
-        """Attach or create both, and write 0 for every rank."""
+        """Attach or create both, and write 0 for every rank. Raises ``SignalError`` for an engine's
+        segment of another size; an odd object at a name is a warning (``take_warnings``): the flag is
+        kept from when the name is free."""
         for segment in self.segments:
-            segment.open()
+            try:
+                segment.open()
+            except _Odd as exc:
+                segment.refused = _inode(segment.path)
+                segment.warn(f"{exc}; left alone: the flag is published once the name is free")
+            except _Unsized:
+                pass  # the engine is creating it: followed at the next tick
+
+    def take_warnings(self) -> list[str]:
+        """What was refused since the last call, each once."""
+        found = [warning for segment in self.segments for warning in segment.warnings]
+        for segment in self.segments:
+            segment.warnings.clear()
+        return found
 
     def update(self, ready: list[bool], has_pool: bool) -> None:
         """New values: ``ready[r]`` is rank r's cache present in this generation."""
@@ -229,6 +356,10 @@ class FastDeploySignals:
             if segment.name in deleted:
                 segment.missing_since = now
             segment.follow()
+
+    def mappings(self) -> int:
+        """Segments mapped now, all names together."""
+        return sum(len(segment.views) for segment in self.segments)
 
     def close(self) -> None:
         for segment in self.segments:

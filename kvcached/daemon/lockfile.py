@@ -44,8 +44,10 @@ class Locked(Exception):
 
 def prepare_run_dir(directory: Path, gid: int | None = None) -> None:
     """Create ``directory`` (mode 0700) if missing, then check it: a directory, not a symlink, owned by
-    this user, not writable by others. With ``gid`` its group becomes ``gid`` and gains search permission
-    (the group's runners reach the sockets in it). Raises ``ResourceError`` saying what is wrong."""
+    this user, not writable by others. With ``gid`` the group's runners must reach the sockets in it: it
+    gains search permission for its group when that is ``gid``, else for everyone (search, not listing:
+    each socket keeps its own group and mode 0660, and every connection's peer is checked). Its group is
+    never changed: instances with other groups may share it. Raises ``ResourceError`` saying what is wrong."""
     if not directory.is_absolute():
         raise ResourceError(f"run directory {directory} is relative: set KVCACHED_RUN_DIR to an absolute path")
     try:
@@ -63,8 +65,9 @@ def prepare_run_dir(directory: Path, gid: int | None = None) -> None:
     if st.st_mode & stat.S_IWOTH:
         raise ResourceError(f"run directory {directory} is writable by anyone (mode {stat.S_IMODE(st.st_mode):o})")
     if gid is not None:
-        os.chown(directory, -1, gid)
-        os.chmod(directory, stat.S_IMODE(st.st_mode) | stat.S_IXGRP)
+        search = stat.S_IXGRP if st.st_gid == gid else stat.S_IXGRP | stat.S_IXOTH
+        if st.st_mode & search != search:
+            os.chmod(directory, stat.S_IMODE(st.st_mode) | search)
 
 
 def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:

@@ -3,7 +3,7 @@ allocates), ``kvcached doctor [--clean]`` and the tests.
 
 An entry under the instance's names is a leftover only when no live daemon owns the instance; one that is
 not ours (another owner, foreign permissions, not a plain file) is a squatter and is never used or
-deleted: the start refuses with what to do.
+deleted: a start reports it and goes on (at the control block's name it refuses, with what to do).
 """
 
 from __future__ import annotations
@@ -122,11 +122,12 @@ def unlink_entries(entries: list[Path]) -> None:
 
 def remove_leftovers(found: Leftovers, keep: set[Path] | frozenset[Path] = frozenset()) -> int:
     """Unlink what ``inspect_instance`` found (never with a live daemon), except squatters and ``keep``
-    (the memory a start adopts); how many."""
+    (the memory a start adopts, the sockets its last image's workers still serve on); how many."""
     assert found.live_pid is None
     spared = keep | {path for path, _ in found.squatters}
     entries = [entry for entry in found.entries if entry not in spared]
     unlink_entries(entries)
-    for path in found.sockets + found.files:
+    files = [path for path in found.sockets + found.files if path not in spared]
+    for path in files:
         path.unlink(missing_ok=True)
-    return len(entries) + len(found.sockets) + len(found.files)
+    return len(entries) + len(files)

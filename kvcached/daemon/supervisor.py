@@ -5,11 +5,14 @@ Start-up, in this order (each step is a fault-injection point, see ``kvcached.da
 1. refuse a spec for which the runner owns the cache (the fixed condition, cited in the message);
 2. take ``<run_dir>/<instance>.lock`` (``kvcached.daemon.lockfile``), or exit 3 and touch nothing;
 3. adopt the memory an earlier run of this instance left (killed, or stopped with ``--keep``) when
-   ``kvcached.daemon.adopt`` finds it ours, of the same spec and consistent; reclaim the rest of what it
-   left (``kvcached.daemon.reclaim``; ours only: an object under our names owned by someone else is
-   never used or deleted, and at the control block's name it is refused);
-4. check /dev/shm has room for every rank and tier, before anything is reserved;
-5. create the per-rank semaphores, then the control block (published last: magic);
+   ``kvcached.daemon.adopt`` finds it ours, of the same spec and consistent, giving it this start's mode
+   and group; reclaim the rest of what it left (``kvcached.daemon.reclaim``; ours only: an object under
+   our names owned by someone else is reported and never used or deleted, and at the control block's
+   name it is refused);
+4. check /dev/shm has room for every rank and tier it does not adopt, before anything is reserved;
+5. create the per-rank semaphores, then the control block under a staging name, with its records (an
+   adopted rank's name its memory), then give it the public name (over the adopted run's block: a kill
+   at any step leaves a block that names the memory);
 6. fork one worker per rank (``kvcached.daemon.worker``); each record goes ALLOCATING, then READY when its
    worker has reserved (adopted ranks: RECOVERING, then READY when its worker has reopened them).
 
@@ -19,14 +22,17 @@ dispatches (the signals are listed in ``kvcached.daemon.signals``). On SIGTERM/S
 goes STOPPING (and its semaphore is posted), workers are stopped, and every object of the instance is
 unlinked, the lock file last. On the keep signal every record goes KEPT instead, workers stop after the
 requests clients already sent, and the memory and the control block stay for the next start to adopt.
-SIGUSR1 logs each rank.
+The memory goes only when the operator says so: a daemon that ends for any other reason (a rank that
+cannot be brought back, a crash) keeps it too, whenever every rank's memory is whole (published READY,
+or adopted). SIGUSR1 logs each rank.
 
 The restart signal (``kvcached restart``) keeps the memory too, but on a backend whose memory outlives its
 workers (``host``) the workers go on serving: their channels are handed to the image ``kvcached start``
-executes next (``HANDOVER_ENV``), and each serves its rank until the next image's worker has reopened the
-memory (Prepared). Only then is it told to drain, and when it has closed its channel the new worker takes
-the task socket (Serve): the gap in service is a drain, not a start-up. A new image that does not adopt
-the memory stops them first.
+executes next (``kvcached.daemon.handover``), and each serves its rank until the next image's worker has
+reopened the memory (Prepared). Only then is it told to drain, and when it has closed its channel the new
+worker takes the task socket (Serve): the gap in service is a drain, not a start-up. A new image that
+does not adopt the memory stops them first. A restart is refused, the daemon serving on, while a rank is
+not READY or when the next image could not load its configuration.
 
 Faults cost a task, not the cache. A worker is judged by progress, not by silence between tasks: its
 ``progress`` counter (``kvcached.protocol.stats``) must move within ``--worker-timeout`` seconds of the
@@ -42,10 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import secrets
-import select
 import selectors
 import signal
 import socket
@@ -60,9 +64,9 @@ import structlog
 from kvcached import logs, memory, native, store
 from kvcached.access import Access
 from kvcached.config import DaemonConfig
-from kvcached.daemon import channel, faults, lockfile
+from kvcached.daemon import channel, faults, handover, lockfile
 from kvcached.daemon import signals as requests
-from kvcached.daemon.adopt import Adoption, Refusal, judge
+from kvcached.daemon.adopt import Adoption, Refusal, adopted_fields, conform, judge, new_shm_need
 from kvcached.daemon.errors import (
     EXIT_ALREADY_RUNNING,
     EXIT_CONFIG,
@@ -72,8 +76,9 @@ from kvcached.daemon.errors import (
     Fatal,
 )
 from kvcached.daemon.fdsignals import FastDeploySignals
+from kvcached.daemon.handover import HANDOVER_ENV, Preflight, Worker
 from kvcached.daemon.notify import Notifier
-from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
+from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers, unlink_entries
 from kvcached.daemon.worker import DRAIN_S, WorkerPlan, worker_main
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
@@ -100,9 +105,7 @@ TICK_S = 0.25
 MAX_REPLACEMENTS = 3
 REPLACEMENT_WINDOW_S = 60.0
 
-#: Through this environment variable an image executing itself again (``kvcached restart``) hands its
-#: serving workers to the next image: JSON ``{"<rank>": [pid, channel fd]}``.
-HANDOVER_ENV = "KVCACHED_HANDOVER"
+__all__ = ["HANDOVER_ENV", "Supervisor", "progress_text"]
 
 #: Called with the records after each allocation step (the CLI draws progress on a terminal with it).
 ProgressHook = Callable[[list[Record]], None]
@@ -115,7 +118,9 @@ def mib(n: int) -> str:
 class Supervisor:
     """One daemon instance. ``run()`` returns the exit status; everything created is gone by then."""
 
-    def __init__(self, config: DaemonConfig, on_progress: ProgressHook | None = None) -> None:
+    def __init__(
+        self, config: DaemonConfig, on_progress: ProgressHook | None = None, preflight: Preflight | None = None
+    ) -> None:
         self.config = config
         self.spec = config.spec
         self.instance = config.instance
@@ -144,17 +149,26 @@ class Supervisor:
         self.adoption: Adoption | None = None
         self.note = ""  # what the header tells `kvcached status` about the start
         self.keep = False  # stopping keeps the memory for the next start
+        self.stop_requested = False  # the operator asked for a stop that releases the memory
+        #: Ranks whose memory is whole (adopted, or READY once): kept unless the operator says otherwise.
+        self.whole: set[int] = set()
         #: Set when the daemon stopped to execute itself again (``kvcached restart``): the caller does it.
         self.restart_requested = False
+        self.preflight = preflight
         #: Children of an image of this process before ``kvcached restart`` executed it again: reaped here.
-        self.strays = children()
+        self.strays = handover.children()
+        #: What the image before this one says it handed over (checked once the instance lock is held).
+        self.claim = handover.claim_from_env(self.log)
+        if self.claim is not None:
+            faults.restarted_image()
+        self.restarted = False  # the claim checked out: this start was given by `kvcached restart`
         #: Workers of the image before this one, still serving their ranks (rank -> pid, channel), and the
         #: deadline of each told to drain.
-        self.predecessors = take_handover(self.strays, self.log)
+        self.predecessors: dict[int, Worker] = {}
         self.relieving: dict[int, float] = {}
         self.awaiting_turn: set[int] = set()  # ranks whose worker said Prepared and waits for Serve
         #: Set by a restart's cleanup: the workers the next image takes over (``handover_env``).
-        self.handing_over: dict[int, tuple[int, socket.socket]] = {}
+        self.handing_over: dict[int, Worker] = {}
 
     # -- entry ----------------------------------------------------------------------------------------
 
@@ -188,8 +202,7 @@ class Supervisor:
         for signum in (*handled, signal.SIGCHLD):
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the signal number
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
-        for rank, (_, sock) in self.predecessors.items():
-            self.selector.register(sock, selectors.EVENT_READ, ("predecessor", rank))
+        handover.unblock_requests()  # held by the image before, if a restart executed this one
 
     # -- start-up -------------------------------------------------------------------------------------
 
@@ -215,16 +228,7 @@ class Supervisor:
         if chosen.backend is not None:
             for warning in store.get(chosen.backend).start_warnings(chosen.options, self.config.ranks):
                 self.log.warning("attention store", warning=warning)
-        if self.config.ipc_suffix is not None:
-            self.signals = FastDeploySignals(self.instance, self.config.ipc_suffix, self.config.ranks, self.access)
-            try:
-                self.signals.open()  # every rank 0 before anything can be READY
-            except (SignalError, posix_ipc.Error, OSError) as exc:
-                self.signals.close()
-                self.signals = None
-                raise Fatal(f"--ipc-suffix: {exc}", EXIT_RESOURCES) from None
-            if self.signals.fileno() >= 0:
-                self.selector.register(self.signals.fileno(), selectors.EVENT_READ, "fdsignals")
+        self._open_fastdeploy_signals()
         self.generation = secrets.randbits(64) | 1
         self.arena_id = self.adoption.arena_id if self.adoption is not None else self.generation
         structlog.contextvars.bind_contextvars(generation=f"{self.generation:016x}")
@@ -232,7 +236,6 @@ class Supervisor:
             self._create_objects()
         except (OSError, posix_ipc.Error) as exc:  # /dev/shm filled up, or a name was taken meanwhile
             raise Fatal(f"cannot create the instance's objects in /dev/shm: {exc}", EXIT_RESOURCES) from None
-        self.records = [Record(rank=r, generation=self.generation) for r in range(self.config.ranks)]
         faults.fault("after-control-block")
         self.log.info(
             "starting",
@@ -252,8 +255,26 @@ class Supervisor:
         if self.config.metrics_port:  # after the forks: its thread must not be copied into workers
             self._serve_metrics()
 
+    def _open_fastdeploy_signals(self) -> None:
+        if self.config.ipc_suffix is None:
+            return
+        self.signals = FastDeploySignals(
+            self.instance, self.config.ipc_suffix, self.config.ranks, self.access, self.config.engine_uid
+        )
+        try:
+            self.signals.open()  # every rank 0 before anything can be READY
+        except (SignalError, posix_ipc.Error, OSError) as exc:
+            self.signals.close()
+            self.signals = None
+            raise Fatal(f"--ipc-suffix: {exc}", EXIT_RESOURCES) from None
+        for warning in self.signals.take_warnings():
+            self.log.warning("FastDeploy's ready flags", reason=warning)
+        if self.signals.fileno() >= 0:
+            self.selector.register(self.signals.fileno(), selectors.EVENT_READ, "fdsignals")
+
     def _create_objects(self) -> None:
-        """The per-rank semaphores, then the control block (published last)."""
+        """The per-rank semaphores, then the control block: written whole under its staging name (an adopted
+        rank's record naming its memory), then given the public name, over the adopted run's block."""
         for rank in range(self.config.ranks):
             name = semaphore_name(self.instance, self.generation, rank)
             self.sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
@@ -269,31 +290,29 @@ class Supervisor:
             daemon_start=started,
             run_dir=str(self.run_dir),
             mode=self.access.mode,
-            gid=self.access.gid,
+            gid=self.access.group,
             adopted_from=self.adoption.generation if self.adoption is not None else 0,
             arena_id=self.arena_id,
             note=self.note,
+            staged=True,
         )
+        self.records = [Record(rank=r, generation=self.generation) for r in range(self.config.ranks)]
+        if self.adoption is not None:
+            for rank, old in enumerate(self.adoption.records):
+                self._set(rank, **adopted_fields(old, reopen_device=self.backend.outlives_worker))
+        faults.fault("before-publish")
+        self.block.install(replace=self.adoption is not None)
 
     def _adopt(self, rank: int, old: Record) -> None:
         """Fork rank ``rank``'s worker on the memory ``old`` (the earlier generation's record) describes: it
         reopens the device tier where its backend's memory outlived the old daemon (else makes it anew) and
-        the CPU pool with its key directory, bytes untouched."""
+        the CPU pool with its key directory, bytes untouched. Its record names that memory already: a
+        worker that dies while reopening it is replaced on it (``_replace``), never made to allocate over it."""
         reopen_device = self.backend.outlives_worker
         plan = dataclasses.replace(
             self._plan(rank),
             device_descriptor=dict(old.descriptor) if reopen_device else None,
             reopen_pool=bool(old.cpu_bytes),
-        )
-        # The record names the memory from the start: a worker that dies while reopening it is replaced on
-        # it (``_replace``), never made to allocate over it.
-        self._set(
-            rank,
-            backend=old.backend,
-            descriptor=dict(old.descriptor) if reopen_device else {},
-            cpu_name=old.cpu_name,
-            cpu_bytes=old.cpu_bytes,
-            total_bytes=old.dev_bytes + old.cpu_bytes,
         )
         self._spawn(rank, plan, State.RECOVERING)
 
@@ -327,7 +346,7 @@ class Supervisor:
             # One daemon per instance on the host, whatever run directory each was given: a second one's
             # reclaim must never see the first one's fresh objects as leftovers.
             self.instance_lock_fd = self._take(
-                instance_lock_path(self.instance), mode=self.access.mode, gid=self.access.gid
+                instance_lock_path(self.instance), mode=self.access.mode, gid=self.access.group
             )
         except ResourceError as exc:
             raise Fatal(str(exc), EXIT_RESOURCES) from None
@@ -346,7 +365,7 @@ class Supervisor:
     def _reclaim(self) -> None:
         """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows; remove the
         rest of it. A live instance, and an object someone else owns at the control block's name, are
-        refused; objects someone else owns under older names are left untouched (and forbid adoption)."""
+        refused; objects someone else owns under other names are reported and left untouched."""
         found = inspect_instance(self.instance, self.run_dir)
         if found.live_pid is not None:
             raise Fatal(
@@ -358,39 +377,61 @@ class Supervisor:
         for path, why in found.squatters:
             if path == control:
                 raise Fatal(why, EXIT_RESOURCES)
-        verdict = None if self.config.fresh else judge(self.config)
-        if isinstance(verdict, Adoption) and found.squatters:
-            verdict = Refusal(verdict.generation, found.squatters[0][1])
-        for _, why in found.squatters:
             self.log.warning("left untouched: an object under this instance's names is not ours", reason=why)
+        self._take_handover()
+        fresh = self.config.fresh and not self.restarted
+        if self.config.fresh and self.restarted:
+            self.log.info("--fresh applies to the start it was given to, not to a restart: adopting the memory")
+        verdict = None if fresh else judge(self.config)
         keep: set[Path] = set()
         if isinstance(verdict, Adoption):
             self.adoption = verdict
+            self.whole = set(range(self.config.ranks))
             ours = f".{verdict.arena_id:016x}."
             keep = {entry for entry in found.entries if ours in entry.name and not entry.name.startswith("sem.")}
+            keep |= {control} | {task_socket_path(self.run_dir, self.instance, rank) for rank in self.predecessors}
             self.log.info("adopting the memory of an earlier run", note=verdict.note)
         elif isinstance(verdict, Refusal):
             self.log.warning("not adopting the memory of an earlier run; reclaiming it", reason=verdict.reason)
-        elif self.config.fresh and found.entries:
+        elif fresh and found.entries:
             verdict = Refusal(0, "--fresh")
-        self.note = verdict.note if verdict is not None else ""
-        if self.predecessors and self.adoption is not None:
-            self.note += "; its workers served until this daemon's had reopened the memory"
+        self.note = self._start_note(verdict, found)
         if self.predecessors and self.adoption is None:
             self.log.warning("stopping the last image's workers: their memory is not adopted")
             self._stop_workers()
         count = remove_leftovers(found, keep=keep)
         if count:
             self.log.info("reclaimed objects of an earlier run", count=count)
+        if self.adoption is not None:
+            conform(self.config, self.adoption, self.access)
+
+    def _start_note(self, verdict: Adoption | Refusal | None, found: Leftovers) -> str:
+        """What the header tells ``kvcached status`` about this start."""
+        notes = [verdict.note] if verdict is not None else []
+        if self.predecessors and self.adoption is not None:
+            notes[-1] += "; its workers served until this daemon's had reopened the memory"
+        if found.squatters:
+            names = ", ".join(path.name for path, _ in found.squatters)
+            notes.append(f"left untouched: {len(found.squatters)} objects under its names that are not ours ({names})")
+        return "; ".join(notes)
+
+    def _take_handover(self) -> None:
+        """Take the workers the image before this one handed over, once its claim checks out: this image then
+        is a restart's (``kvcached.daemon.handover``)."""
+        if self.claim is not None:
+            self.restarted, self.predecessors = handover.take(self.claim, self.instance, self.strays, self.log)
+        for rank, (_, sock) in self.predecessors.items():
+            self.selector.register(sock, selectors.EVENT_READ, ("predecessor", rank))
 
     def _check_space(self) -> None:
-        need, per_rank = self.config.shm_need()
+        need = new_shm_need(self.config, self.adoption)
         free = shm_free_bytes()
         if need > free:
+            adopted = " besides the memory it adopts" if self.adoption is not None else ""
             raise Fatal(
-                f"/dev/shm has {mib(free)} free, this configuration needs {mib(need)} "
-                f"({self.config.ranks} ranks x {mib(per_rank)}); enlarge /dev/shm (docker --shm-size, "
-                "mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks / --ranks",
+                f"/dev/shm has {mib(free)} free, this configuration needs {mib(need)}{adopted} "
+                f"({self.config.ranks} ranks x {mib(self.config.shm_need()[1])}); enlarge /dev/shm (docker "
+                "--shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks / --ranks",
                 EXIT_RESOURCES,
             )
 
@@ -526,6 +567,8 @@ class Supervisor:
             self.signals.tick()
         except (SignalError, posix_ipc.Error, OSError) as exc:
             self.log.warning("cannot keep FastDeploy's ready flags in step", reason=str(exc))
+        for warning in self.signals.take_warnings():
+            self.log.warning("FastDeploy's ready flags", reason=warning)
 
     def _on_signals(self) -> int | None:
         try:
@@ -534,18 +577,32 @@ class Supervisor:
             return None
         for signum in data:
             if signum in requests.STOP_SIGNALS:
+                self.stop_requested = True
                 self.log.info("stopping", signal=requests.name(signum))
                 return EXIT_OK
-            if signum in (requests.KEEP_SIGNAL, requests.RESTART_SIGNAL):
+            if signum == requests.KEEP_SIGNAL:
                 self.keep = True
-                self.restart_requested = signum == requests.RESTART_SIGNAL
-                what = "restarting" if self.restart_requested else "stopping"
-                self.log.info(f"{what}, keeping the memory for the next start", signal=requests.name(signum))
+                self.log.info("stopping, keeping the memory for the next start", signal=requests.name(signum))
+                return EXIT_OK
+            if signum == requests.RESTART_SIGNAL and self._accept_restart():
                 return EXIT_OK
             if signum == requests.LOG_SIGNAL:
                 states = {r.rank: r.state.name for r in self.records}
                 self.log.info("ranks", signal=requests.name(signum), states=states, workers=len(self.workers))
         return None
+
+    def _accept_restart(self) -> bool:
+        """Whether to stop now for ``kvcached restart``; when not, say why where the CLI reads it, and serve on."""
+        why = handover.why_no_restart(self.records, bool(self.predecessors), self.preflight)
+        if why:
+            self.log.error("restart refused; serving on", reason=why)
+            handover.record_refusal(handover.refusal_path(self.run_dir, self.instance), why)
+            return False
+        handover.block_requests()  # a stop or restart sent from now on waits for the next image
+        self.keep = self.restart_requested = True
+        faults.fault("restart-accepted")
+        self.log.info("restarting, keeping the memory for the next image", signal="SIGUSR2")
+        return True
 
     def _on_worker(self, rank: int) -> None:
         _, sock = self.workers[rank]
@@ -573,6 +630,7 @@ class Supervisor:
                 self._set(
                     rank, state=State.READY, reserved_bytes=record.total_bytes, error="", **dataclasses.asdict(message)
                 )
+                self.whole.add(rank)
                 self._show_progress()
                 if reopened and self.all_ready_logged:
                     self.log.warning("rank recovered", rank=rank, worker_pid=record.worker_pid)
@@ -610,6 +668,7 @@ class Supervisor:
             channel.send(sock, channel.Stop(drain=True))
         except OSError:
             self._predecessor_gone(rank)
+        faults.fault("after-relieve")
 
     def _on_predecessor(self, rank: int) -> None:
         _, sock = self.predecessors[rank]
@@ -649,9 +708,9 @@ class Supervisor:
 
     def handover_env(self) -> str | None:
         """What ``kvcached start`` puts in ``HANDOVER_ENV`` before executing itself again; None: nothing."""
-        if not self.handing_over:
+        if not self.restart_requested:
             return None
-        return json.dumps({str(rank): [pid, sock.fileno()] for rank, (pid, sock) in self.handing_over.items()})
+        return handover.env_for(self.generation, self.handing_over)
 
     def _progress_text(self) -> str:
         return progress_text(self.records, self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec))
@@ -719,19 +778,16 @@ class Supervisor:
     # -- stop -----------------------------------------------------------------------------------------
 
     def _cleanup(self) -> None:
-        """Idempotent: STOPPING, stop workers, unlink every object of this instance, release the lock. With
-        ``keep`` (and every rank whole), KEPT instead, and the memory and the control block stay."""
+        """Idempotent: STOPPING, stop workers, unlink every object of this instance, release the lock. When the
+        memory is kept (``_keeps``), KEPT instead, and the memory and the control block stay."""
         if self.metrics is not None:
             self.metrics.shutdown()
             self.metrics.server_close()
             self.metrics = None
-        keep = self.keep and bool(self.records) and all(r.state is State.READY for r in self.records)
-        if self.keep and not keep:
-            states = [r.state.name for r in self.records]
-            self.log.warning("not keeping the memory: not every rank is READY", states=states)
+        keep = self._keeps()
         if self.block is not None:
             for rank, record in enumerate(self.records):
-                if record.state is not State.FAILED:
+                if keep or record.state is not State.FAILED:
                     self._set(rank, state=State.KEPT if keep else State.STOPPING)
         if keep and self.restart_requested and self.backend.outlives_worker:
             self._hand_over()
@@ -745,7 +801,7 @@ class Supervisor:
         if self.lock_fd is None:
             return  # we never owned the instance: touch nothing
         if self.block is not None:
-            if not keep:
+            if not keep or not self.block.installed:  # a staged block never named the kept memory
                 self.block.unlink()
             self.block.close()
             self.block = None
@@ -763,15 +819,29 @@ class Supervisor:
             names = {f".{self.generation:016x}.", f".{self.arena_id:016x}."}
             unlink_entries([e for e in instance_shm_entries(self.instance) if any(n in e.name for n in names)])
         elif keep:
-            self.log.info("kept for the next start", generation=f"{self.generation:016x}", ranks=len(self.records))
+            self.log.info("kept for the next start", generation=f"{self.generation:016x}", ranks=self.config.ranks)
         for path in self.run_dir.glob(f"{self.instance}.r*.sock"):
             if not self.handing_over:  # else the workers still listen there
                 path.unlink(missing_ok=True)
+        handover.refusal_path(self.run_dir, self.instance).unlink(missing_ok=True)
         if self.instance_lock_fd is not None:
             lockfile.release(instance_lock_path(self.instance), self.instance_lock_fd)
             self.instance_lock_fd = None
         lockfile.release(lock_path(self.instance), self.lock_fd)
         self.lock_fd = None
+
+    def _keeps(self) -> bool:
+        """Whether stopping keeps the memory: when every rank's memory is whole, unless the operator asked for
+        a stop that releases it (a stop with --keep, a restart, a rank that cannot be brought back, a
+        crash: all keep it). Memory not yet whole is nothing to keep: released, and said so."""
+        if len(self.whole) < self.config.ranks:
+            if self.keep:
+                states = {r.rank: r.state.name for r in self.records if r.rank not in self.whole}
+                self.log.warning("not keeping the memory: some ranks were never whole", states=states)
+            return False
+        if not self.keep and not self.stop_requested:
+            self.log.warning("keeping the memory for the next start: the daemon ends without being told to stop")
+        return self.keep or not self.stop_requested
 
     def _hand_over(self) -> None:
         """Leave every worker serving, its channel open across the exec for the next image to take."""
@@ -794,8 +864,8 @@ class Supervisor:
                 channel.send(sock, channel.Stop(drain=drain))
         deadline = time.monotonic() + STOP_GRACE_S + (DRAIN_S if drain else 0.0)
         for pid, sock in stopping:
-            if not (drain and _closed_by(sock, deadline)):
-                _wait_or_kill(pid, deadline)
+            if not (drain and handover.closed_by(sock, deadline)):
+                handover.wait_or_kill(pid, deadline)
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(sock)
             sock.close()
@@ -803,74 +873,6 @@ class Supervisor:
         self.predecessors.clear()
         self.relieving.clear()
         self.awaiting_turn.clear()
-
-
-def _wait_or_kill(pid: int, deadline: float) -> None:
-    """Reap child ``pid``, killing it at ``deadline``."""
-    while True:
-        try:
-            done, _status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
-            return
-        if time.monotonic() >= deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            return
-        time.sleep(0.01)
-
-
-def take_handover(strays: list[int], log: logs.Logger) -> dict[int, tuple[int, socket.socket]]:
-    """The workers the image before this one handed over (``HANDOVER_ENV``, removed from the environment):
-    only children of this process, each with the channel it serves on."""
-    text = os.environ.pop(HANDOVER_ENV, "")
-    if not text:
-        return {}
-    taken: dict[int, tuple[int, socket.socket]] = {}
-    try:
-        entries = {int(rank): (int(pid), int(fd)) for rank, (pid, fd) in json.loads(text).items()}
-    except (ValueError, TypeError, AttributeError):
-        log.warning(f"ignoring {HANDOVER_ENV}: not what an earlier image writes", value=text[:200])
-        return {}
-    for rank, (pid, fd) in entries.items():
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        if pid not in strays or sock.family != socket.AF_UNIX:
-            sock.detach()
-            continue
-        sock.set_inheritable(False)
-        taken[rank] = (pid, sock)
-    return taken
-
-
-def _closed_by(sock: socket.socket, deadline: float) -> bool:
-    """Whether the worker at the other end of ``sock`` closes it before ``deadline`` (messages it sends
-    meanwhile are read and dropped)."""
-    while (left := deadline - time.monotonic()) > 0:
-        readable, _, _ = select.select([sock], [], [], left)
-        if not readable:
-            break
-        try:
-            if channel.recv(sock) is None:
-                return True
-        except ProtocolError:
-            return False
-    return False
-
-
-def children() -> list[int]:
-    """Pids of this process's children: after ``kvcached restart`` executed the daemon again, the workers
-    of the image before it, still exiting."""
-    try:
-        text = Path(f"/proc/self/task/{os.getpid()}/children").read_text()
-    except OSError:
-        return []
-    return [int(pid) for pid in text.split()]
 
 
 def describe_exit(status: int) -> str:

@@ -51,6 +51,7 @@ from kvcached.memory.base import DeviceTier, TierRequest
 from kvcached.memory.shm import create_arena, huge_pages, open_arena, pin, prefault
 from kvcached.protocol.errors import (
     BackendUnavailable,
+    NotTrusted,
     ProtocolError,
     ResourceError,
     ShmFull,
@@ -262,6 +263,7 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
 def await_turn(sock: socket.socket, stats: StatsSlot) -> bool:
     """Say Prepared, then wait for Serve (True) or Stop (False), marking progress meanwhile."""
     channel.send(sock, channel.Prepared())
+    faults.fault("worker-prepared")
     sock.settimeout(LOOP_S)
     try:
         while True:
@@ -278,9 +280,10 @@ def await_turn(sock: socket.socket, stats: StatsSlot) -> bool:
         sock.settimeout(None)
 
 
-def _key_directory(plan: WorkerPlan, request: TierRequest, log: logs.Logger) -> KeyDirectory:
+def _key_directory(plan: WorkerPlan, request: TierRequest, log: logs.Logger) -> KeyDirectory | None:
     """The CPU pool's key directory: the one a reopened pool has (an empty new one when it has none or
-    it cannot be read: an empty directory is always true), else a new one."""
+    it cannot be read: an empty directory is always true), else a new one; None when another user's
+    object holds its name (the pool then serves by block id only)."""
     name, slots = request.shm_name("keys"), plan.spec.num_cpu_blocks
     try:
         if plan.reopen_pool:
@@ -290,6 +293,9 @@ def _key_directory(plan: WorkerPlan, request: TierRequest, log: logs.Logger) -> 
                 return keys
             except posix_ipc.ExistentialError:
                 pass
+            except NotTrusted as exc:  # someone else's object at its name: never used, never removed
+                log.error("serving without a key directory", reason=str(exc))
+                return None
             except ProtocolError as exc:
                 log.warning("key directory unreadable: starting an empty one", reason=str(exc))
                 posix_ipc.unlink_shared_memory(name)
@@ -330,7 +336,10 @@ def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger) -> StoreCal
     )
     try:
         calls.wait_open(min(plan.store_timeout, STORE_OPEN_WAIT_S))
-    except (StoreBusy, StoreUnavailable, OSError, RuntimeError) as exc:
+    except StoreBusy as exc:  # its directory is another daemon's: a resource taken, as `start --help` says
+        calls.close()
+        raise WorkerFailure(f"attention store: {exc}", EXIT_RESOURCES) from None
+    except (StoreUnavailable, OSError, RuntimeError) as exc:
         calls.close()
         raise WorkerFailure(f"attention store: {exc}", EXIT_CONFIG) from None
     return calls

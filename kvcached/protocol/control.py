@@ -3,7 +3,8 @@ alone, read by all.
 
 ::
 
-    /kvcached.<instance>                         (mode 0600 or 0660, created O_EXCL, page-rounded)
+    /kvcached.<instance>                         (mode 0600 or 0660, created O_EXCL, page-rounded;
+                                                  written under /kvcached.<instance>.<gen>.ctl first)
     +--------------------------------------------------------------------------------------+
     | header, 4096 bytes, written once before ``magic`` (publish last)                     |
     |   0 magic "KVCACHED" | 8 version u32 | 12 header size u32 | 16 record size u32        |
@@ -59,7 +60,7 @@ import posix_ipc
 
 from kvcached.protocol.errors import AccessDenied, ProtocolError, TornRead
 from kvcached.protocol.layout import round_up
-from kvcached.protocol.names import control_name
+from kvcached.protocol.names import SHM_DIR, control_name, staged_control_name
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import STATS_SIZE, StatsSlot
 from kvcached.protocol.trust import check_owner
@@ -256,6 +257,8 @@ class ControlBlock:
         self.owner_uid = owner_uid if owner_uid >= 0 else os.geteuid()
         self._header: Header | None = None
         self._num_ranks = 0
+        #: The name readers find the block by (``name`` until ``install`` for a staged block).
+        self.public_name = name
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -275,17 +278,19 @@ class ControlBlock:
         adopted_from: int = 0,
         arena_id: int = 0,
         note: str = "",
+        staged: bool = False,
     ) -> ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
         ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
         ``magic`` is written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE``
-        bytes."""
+        bytes. With ``staged`` it is made under the generation's staging name, where no reader looks, and
+        ``install`` gives it the public name once its records are written."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         run_dir_bytes = run_dir.encode()
         if len(run_dir_bytes) > MAX_RUN_DIR:
             raise ValueError(f"run directory path longer than {MAX_RUN_DIR} bytes: {run_dir}")
-        name = control_name(instance)
+        name = staged_control_name(instance, generation) if staged else control_name(instance)
         size = control_block_bytes(num_ranks)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
         try:
@@ -301,6 +306,7 @@ class ControlBlock:
             raise
         shm.close_fd()
         block = cls(name, mm, True, inode)
+        block.public_name = control_name(instance)
         block._num_ranks = num_ranks
         spec_json = json.dumps(spec.to_dict(), sort_keys=True).encode()
         if _SPEC_OFFSET + len(spec_json) > _EXTENSION_OFFSET:
@@ -360,6 +366,23 @@ class ControlBlock:
         self._buf.release()
         with contextlib.suppress(BufferError):  # a stats view still alive: unmapped with it
             self._mm.close()
+
+    @property
+    def installed(self) -> bool:
+        """Whether the block has its public name (readers find it)."""
+        return self.name == self.public_name
+
+    def install(self, *, replace: bool) -> None:
+        """Give a staged block its public name. With ``replace`` it is renamed over the block there (an
+        earlier run's, whose memory this one adopts: a kill at any moment leaves one whole block under
+        the name, never none); else linked there, failing with ``FileExistsError`` if the name is taken."""
+        staged, public = SHM_DIR / self.name.lstrip("/"), SHM_DIR / self.public_name.lstrip("/")
+        if replace:
+            os.rename(staged, public)
+        else:
+            os.link(staged, public)
+            staged.unlink()
+        self.name = self.public_name
 
     def unlink(self) -> None:
         """Remove the name (the writer does this on stop). Missing already is fine."""

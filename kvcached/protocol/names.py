@@ -3,6 +3,8 @@
 An instance name is ``[A-Za-z0-9_-]{1,48}`` (no dot), so every object name parses unambiguously::
 
     /kvcached.<instance>                          control block (fixed name: runners find it)
+    /kvcached.<instance>.<gen>.ctl                a new control block before it takes that name (a start
+                                                  writes it whole, then renames it over the last one's)
     /kvcached.<instance>.<gen>.r<rank>            per-rank wake-up semaphore (/dev/shm/sem.kvcached...)
     /kvcached.<instance>.<gen>.r<rank>.dev        device arena of a rank (host backend)
     /kvcached.<instance>.<gen>.r<rank>.cpu        CPU swap pool of a rank
@@ -56,6 +58,11 @@ def check_instance(instance: str, *, field: str = "instance") -> str:
 def control_name(instance: str) -> str:
     """POSIX shm name of the instance's control block."""
     return f"/{PREFIX}.{check_instance(instance)}"
+
+
+def staged_control_name(instance: str, generation: int) -> str:
+    """POSIX shm name under which ``generation`` writes its control block before giving it the public name."""
+    return f"/{PREFIX}.{check_instance(instance)}.{generation:016x}.ctl"
 
 
 def semaphore_name(instance: str, generation: int, rank: int) -> str:

@@ -1,0 +1,159 @@
+"""The CLI's side of a running daemon: find it, signal it, wait for it, and read what it says back about a
+stop that should have kept its memory or a restart it refused. Every error is a ``click.ClickException``
+with a message for an operator (exit status 1).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvcached.daemon import faults
+from kvcached.daemon.errors import EXIT_FAILURE
+from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
+from kvcached.daemon.lockfile import holder
+from kvcached.protocol.errors import KVCacheError
+from kvcached.protocol.instance import open_instance
+from kvcached.protocol.names import instance_shm_entries, lock_path
+from kvcached.protocol.proc import is_alive
+from kvcached.status import is_ready, read_status
+
+#: Seconds the check of the image a restart executes next may take.
+PREFLIGHT_S = 60.0
+
+
+def guarded(read: Callable[[str], dict[str, Any]], instance: str) -> dict[str, Any]:
+    """``read(instance)``, with kvcached's own errors (a foreign block, no permission) as a clean message."""
+    try:
+        return read(instance)
+    except KVCacheError as exc:
+        raise click.ClickException(f"instance {instance}: {exc}") from None
+
+
+def daemon_of(name: str) -> tuple[int, int] | None:
+    """(pid, start time) of the live daemon of instance ``name``, or None."""
+    found = holder(lock_path(name))
+    if found is not None and found.alive:
+        return found.pid, found.started
+    try:
+        view = open_instance(name)
+    except KVCacheError as exc:
+        raise click.ClickException(f"instance {name}: {exc}") from None
+    if view is None:
+        return None
+    with view:
+        return view.daemon
+
+
+def send(name: str, pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except PermissionError:
+        raise click.ClickException(f"instance {name}: daemon pid {pid} belongs to another user") from None
+    except ProcessLookupError:
+        pass  # it ended meanwhile: the wait after sees that
+
+
+def wait_exit(name: str, pid: int, started: int, timeout: float) -> None:
+    """Until daemon ``pid`` has exited; an error after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while is_alive(pid, started):
+        if time.monotonic() >= deadline:
+            raise click.ClickException(
+                f"instance {name}: daemon pid {pid} still running after {timeout:.0f}s; try again or kill -9 it "
+                "(the next start adopts or reclaims what it leaves)"
+            )
+        time.sleep(0.05)
+
+
+def not_kept(name: str) -> str:
+    """Why the stopped daemon of ``name`` left no memory to adopt ("" when every rank is KEPT)."""
+    ranks = guarded(read_status, name)["ranks"]
+    if not ranks:
+        return "the daemon released it (a rank was still allocating; see its log)"
+    states = {rank["state"] for rank in ranks}
+    return "" if states == {"KEPT"} else f"its ranks were left {', '.join(sorted(states))} (see its log)"
+
+
+def left_behind(name: str) -> str:
+    """What an instance that is not running left in /dev/shm, as the end of a sentence ("" for nothing)."""
+    count = len(instance_shm_entries(name))
+    if not count:
+        return ""
+    return (
+        f"; an earlier run left {count} objects in /dev/shm (its memory: the next `kvcached start --instance "
+        f"{name}` adopts it when it can, else reclaims it; `kvcached doctor --clean --instance {name}` removes "
+        "it now)"
+    )
+
+
+def run_dir_of(name: str) -> Path:
+    """The run directory the live daemon of ``name`` publishes (where it writes a refused restart's reason)."""
+    try:
+        view = open_instance(name)
+    except KVCacheError as exc:
+        raise click.ClickException(f"instance {name}: {exc}") from None
+    if view is None or view.header is None:
+        return lock_path(name).parent
+    with view:
+        return Path(view.header.run_dir)
+
+
+def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: float) -> tuple[dict[str, Any], float]:
+    """Send ``signum`` (the restart signal) to daemon ``pid`` and wait until a new generation has every rank
+    READY: (its status, seconds taken). A refusal the daemon writes meanwhile, its exit, or ``timeout`` is
+    an error saying so."""
+    before = guarded(read_status, name)["generation"]
+    refusal = refusal_path(run_dir_of(name), name)
+    sent_ns = time.time_ns()
+    began = time.monotonic()
+    send(name, pid, signum)
+    while True:
+        snapshot = guarded(read_status, name)
+        if snapshot["generation"] not in (None, before) and is_ready(snapshot):
+            return snapshot, time.monotonic() - began
+        refused = read_refusal(refusal, sent_ns)
+        if refused is not None and snapshot["generation"] == before:
+            raise click.ClickException(f"instance {name}: restart refused, the daemon serves on: {refused}")
+        if not is_alive(pid, started):
+            raise click.ClickException(f"instance {name}: daemon pid {pid} exited while restarting (see its log)")
+        if time.monotonic() >= began + timeout:
+            raise click.ClickException(f"instance {name}: not READY again within {timeout:.0f}s (see its log)")
+        time.sleep(0.02)
+
+
+def next_image_problem() -> str:
+    """Why the image `kvcached restart` would execute next cannot start with this one's arguments (the
+    code installed now loads the configuration as it reads now); "" when it can."""
+    command = [sys.executable, "-m", "kvcached.cli", *sys.argv[1:], "--check-config"]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=PREFLIGHT_S, check=False, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`kvcached start --check-config` did not finish: {exc}"
+    if done.returncode == 0:
+        return ""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    return lines[-1].removeprefix("Error: ") if lines else f"`kvcached start --check-config` exited {done.returncode}"
+
+
+def execute_again(handover: str) -> None:
+    """Execute the daemon again in place (same pid, same arguments), handing it ``handover``. The memory
+    is kept already: if the exec fails, the next `kvcached start` adopts it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ[HANDOVER_ENV] = handover
+    faults.fault("before-exec")
+    try:
+        os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
+    except OSError as exc:
+        click.echo(f"Error: cannot execute the daemon again ({exc}); its memory is kept for `kvcached start`", err=True)
+        sys.exit(EXIT_FAILURE)
