@@ -120,7 +120,7 @@ CORE: tuple[Knob, ...] = (
     Knob("mtp_num_blocks", knobs.integer(0), 0, "Blocks of each MTP layer; 0: --num-blocks.", "N"),
     Knob(
         "group",
-        knobs.optional_text,
+        knobs.name_or_id,
         None,
         "Group (name or gid) whose members may use this instance: its shared memory and semaphores become 0660 "
         "with this group, and its task sockets admit them. [default: the daemon's user only]",
@@ -178,7 +178,7 @@ CORE: tuple[Knob, ...] = (
     ),
     Knob(
         "engine_user",
-        knobs.optional_text,
+        knobs.name_or_id,
         None,
         "FastDeploy compatibility (--ipc-suffix): the user (name or uid) the engine runs as, whose flag segments "
         "the daemon follows besides its own user's and root's (another user's are left alone). [default: none]",

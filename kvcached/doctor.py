@@ -41,10 +41,18 @@ from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftover
 from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
-from kvcached.protocol.errors import InvalidConfig, KVCacheError
+from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.layout import cpu_pool_bytes
-from kvcached.protocol.names import MAX_SOCKET_PATH, instance_lock_path, lock_path, task_socket_path
+from kvcached.protocol.names import (
+    MAX_SOCKET_PATH,
+    SHM_DIR,
+    control_name,
+    instance_lock_path,
+    instance_shm_entries,
+    lock_path,
+    task_socket_path,
+)
 
 #: linux/capability.h
 CAP_IPC_LOCK = 14
@@ -242,8 +250,48 @@ def check_run_dir(config: DaemonConfig) -> Check:
     return Check("run_dir", OK, figure, measured)
 
 
+def hidden_owner(instance: str) -> int | None:
+    """The uid of an instance whose control block this user may not read (another user's, without this
+    user in its group), or None when it can be read, belongs to no one trusted, or there is none."""
+    try:
+        view = open_instance(instance)
+    except NotTrusted:
+        return None  # a squatter's: the leftovers check says so
+    except AccessDenied:
+        try:
+            return (SHM_DIR / control_name(instance).lstrip("/")).lstat().st_uid
+        except OSError:
+            return None
+    except KVCacheError:
+        return None
+    if view is not None:
+        view.close()
+    return None
+
+
+def check_hidden_instance(config: DaemonConfig, owner: int) -> list[Check]:
+    """``live_instance`` and ``leftovers`` of an instance of uid ``owner`` that this user cannot read: what
+    can be seen from outside (its lock's holder, the names) and what cannot."""
+    entries = instance_shm_entries(config.instance)
+    pid = lockfile.flock_holder(instance_lock_path(config.instance))
+    advice = f"run `kvcached doctor` as uid {owner} (or as a member of its --group) to see its state"
+    measured: dict[str, Any] = {"pid": pid, "owner_uid": owner, "readable": False}
+    if pid is not None:
+        figure = f"instance {config.instance!r} is running (pid {pid} holds its lock) as uid {owner}"
+        live = Check("live_instance", FAIL, figure, measured, f"pick another --instance; {advice}")
+    else:
+        figure = f"instance {config.instance!r} belongs to uid {owner}; this user cannot read its control block"
+        live = Check("live_instance", WARN, figure, measured, advice)
+    figure = f"{len(entries)} objects of uid {owner}'s instance: not this user's to judge or remove"
+    names = {"objects": [str(p) for p in entries], "squatters": [], "removed": 0}
+    return [live, Check("leftovers", WARN if pid is None else OK, figure, names, advice)]
+
+
 def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     """``live_instance`` and ``leftovers`` (cleaned with ``clean`` when no daemon is alive)."""
+    owner = hidden_owner(config.instance)
+    if owner is not None and owner != os.geteuid():
+        return check_hidden_instance(config, owner)
     run_dir = run_dir_of(config)
     found = inspect_instance(config.instance, run_dir)
     starting = lockfile.held_by(run_dir / lock_path(config.instance).name)
@@ -320,8 +368,21 @@ def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
     checks += [metrics] if metrics is not None else []
     checks += memory.get(config.memory).doctor(config.spec, config.ranks)
     if config.store.backend is not None:
-        checks += store.get(config.store.backend).doctor(config.store.options, config.ranks)
+        checks += _store_checks(config)
     return checks
+
+
+def _store_checks(config: DaemonConfig) -> list[Check]:
+    """The storage backend's own checks; a path its options name that cannot even be looked at is a
+    failed check naming it."""
+    backend = config.store.backend
+    assert backend is not None
+    try:
+        return store.get(backend).doctor(config.store.options, config.ranks)
+    except OSError as exc:
+        figure = f"{exc.strerror}: {exc.filename}"
+        measured = {"errno": exc.errno, "path": str(exc.filename)}
+        return [Check(f"{backend}_store", FAIL, figure, measured, "fix the store's options (--storage-path ...)")]
 
 
 def report(instance: str, checks: list[Check]) -> dict[str, Any]:

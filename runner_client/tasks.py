@@ -55,6 +55,7 @@ from kvcached.protocol.instance import open_instance
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
+    MAX_PAYLOAD,
     REPLY,
     REPLY_MAGIC,
     Op,
@@ -72,6 +73,15 @@ _INT32_MAX = 2**31 - 1
 FOLLOW_S = 10.0
 #: Times a task the daemon did not run (NOT_RUN: it was handing over) is sent again.
 MAX_RESENDS = 4
+#: Per operation: the field a task too large for one frame is refused on, and the payload bytes per block.
+_UNITS = {
+    (Op.SWAP_OUT, 0): ("device_block_ids", 8),
+    (Op.SWAP_OUT, FLAG_KEYS): ("device_block_ids", 8 + KEY_BYTES),
+    (Op.SWAP_IN, 0): ("cpu_block_ids", 8),
+    (Op.STORE, 0): ("device_block_ids", 4 + KEY_BYTES),
+    (Op.LOAD, 0): ("device_block_ids", 4 + KEY_BYTES),
+    (Op.LOOKUP, 0): ("keys", KEY_BYTES),
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -260,6 +270,11 @@ class TaskHandle:
         """
         if self._result is not None:
             return self._result
+        if self._tasks._closed:
+            raise TaskFailed(
+                f"instance {self._tasks.instance!r}: this CacheTasks was closed before the {self._op.name} task's "
+                "result was read, so whether it ran is unknown; read results before close()"
+            )
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         replies = []
         for sent in self._parts:
@@ -741,6 +756,13 @@ class CacheTasks:
     ) -> TaskResult | TaskHandle:
         if self._closed:
             raise InvalidTask("tasks", f"this CacheTasks of {self.instance!r} is closed; open a new one")
+        if len(payload) > MAX_PAYLOAD:
+            field, unit = _UNITS[(op, flags)]
+            raise InvalidTask(
+                field,
+                f"{len(payload) // unit} blocks in one {op.name} task; at most {MAX_PAYLOAD // unit} fit one "
+                f"task (a frame holds {MAX_PAYLOAD >> 20} MiB): split it into smaller tasks",
+            )
         ranks = self._ranks(rank)
         seconds = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + seconds

@@ -152,7 +152,12 @@ def test_config_precedence_flags_over_env_over_file(daemons: DaemonFactory, tmp_
         ([], "num_layer = 3\n", 4, "bad.toml: num_layer: unknown key; did you mean 'num_layers'?"),
         ([], "num-blocks = 3\n", 4, "bad.toml: num-blocks: unknown key; did you mean 'num_blocks'?"),
         ([], "num_layers = [\n", 4, "not valid TOML"),
-        ([], "num_layers = 'four'\n", 4, "bad.toml: num_layers: must be a TOML integer, written without quotes; got 'four'"),
+        (
+            [],
+            "num_layers = 'four'\n",
+            4,
+            "bad.toml: num_layers: must be a TOML integer, written without quotes; got 'four'",
+        ),
         ([], "num_layers = -4\n", 4, "bad.toml: num_layers: must be an integer >= 1, got -4"),
         ([], 'ranks = "2"\n', 4, "bad.toml: ranks: must be a TOML integer, written without quotes; got '2'"),
         ([], 'mla = "true"\n', 4, "bad.toml: mla: must be a TOML boolean, written without quotes; got 'true'"),

@@ -148,3 +148,19 @@ def _parse(raw: bytes) -> Holder | None:
     if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
         return Holder(int(fields[0]), int(fields[1]))
     return None
+
+
+def flock_holder(path: Path, locks: str = "/proc/locks") -> int | None:
+    """The pid holding a flock on the file at ``path`` as the kernel lists it (``/proc/locks``), or None.
+    Needs no permission to open the file: how another user sees that a daemon holds its lock."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        lines = Path(locks).read_text().splitlines()
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
+            return int(fields[4])
+    return None

@@ -335,7 +335,9 @@ class TaskServer:
             magic, op, _flags, task_id, length = header
             if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
                 why = (
-                    "bad frame magic" if magic != REQUEST_MAGIC else f"payload of {length} bytes exceeds {MAX_PAYLOAD}"
+                    "bad frame magic"
+                    if magic != REQUEST_MAGIC
+                    else f"payload of {length} bytes exceeds the limit of {MAX_PAYLOAD} bytes per task: split it"
                 )
                 conn.outbuf += reply(op, Status.INVALID, task_id, {"field": "frame", "message": why})
                 self.stats.count(tasks_refused=1)

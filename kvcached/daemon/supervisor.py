@@ -224,10 +224,7 @@ class Supervisor:
         self._reclaim()
         faults.fault("after-reclaim")
         self._check_space()
-        chosen = self.config.store
-        if chosen.backend is not None:
-            for warning in store.get(chosen.backend).start_warnings(chosen.options, self.config.ranks):
-                self.log.warning("attention store", warning=warning)
+        self._check_store()
         self._open_fastdeploy_signals()
         self.generation = secrets.randbits(64) | 1
         self.arena_id = self.adoption.arena_id if self.adoption is not None else self.generation
@@ -254,6 +251,17 @@ class Supervisor:
                 self._adopt(rank, self.adoption.records[rank])
         if self.config.metrics_port:  # after the forks: its thread must not be copied into workers
             self._serve_metrics()
+
+    def _check_store(self) -> None:
+        chosen = self.config.store
+        if chosen.backend is None:
+            return
+        try:
+            warnings = store.get(chosen.backend).start_warnings(chosen.options, self.config.ranks)
+        except OSError as exc:  # a path its options name cannot even be looked at (too long, ...)
+            raise Fatal(f"attention store {chosen.backend}: {exc.strerror}: {exc.filename}", EXIT_CONFIG) from None
+        for warning in warnings:
+            self.log.warning("attention store", warning=warning)
 
     def _open_fastdeploy_signals(self) -> None:
         if self.config.ipc_suffix is None:
