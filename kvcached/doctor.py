@@ -227,6 +227,15 @@ def check_remove_ipc(uid: int | None = None, patterns: tuple[str, ...] = LOGIND_
 
 def check_run_dir(config: DaemonConfig) -> Check:
     directory = run_dir_of(config)
+    try:
+        return _check_run_dir(config, directory)
+    except PermissionError as exc:  # a directory above it this user may not search
+        measured = {"path": str(directory), "exists": None}
+        figure = f"{directory}: this user may not look into {exc.filename}"
+        return Check("run_dir", FAIL, figure, measured, "run kvcached as a user who may, or set KVCACHED_RUN_DIR")
+
+
+def _check_run_dir(config: DaemonConfig, directory: Path) -> Check:
     longest = task_socket_path(directory, config.instance, config.ranks - 1)
     measured: dict[str, Any] = {"path": str(directory), "exists": directory.exists()}
     if len(str(longest).encode()) > MAX_SOCKET_PATH:

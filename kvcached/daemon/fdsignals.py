@@ -216,7 +216,7 @@ class _Segment:
         inode = _inode(self.path)
         if inode != -1:
             self.missing_since = None
-        if inode == self.current or (inode != -1 and inode == self.refused):
+        if inode != -1 and inode in (self.current, self.refused):
             return
         if inode == -1:
             seen = time.monotonic()

@@ -75,7 +75,10 @@ def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
     lock = instance_lock_path(instance)
     entries = [entry for entry in instance_shm_entries(instance) if entry != lock]
     squatters = [(entry, why) for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
-    sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
+    try:
+        sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
+    except PermissionError:  # another user's run directory (doctor run by someone else): none seen
+        sockets = []
     live = live_daemon(instance)
     files = [] if live is not None else backend_files(instance)
     return Leftovers(entries, sockets, files, squatters, live)
