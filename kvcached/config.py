@@ -38,7 +38,7 @@ import dataclasses
 import difflib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -275,12 +275,7 @@ class DaemonConfig:
         all_knobs = {knob.name: knob for knob in knobs_all()}
         raw: dict[str, tuple[Any, str]] = {}  # knob -> (value as written, where)
         if config_file is not None:
-            for key, value in load_toml(config_file, all_knobs, ignore, source=config_source).items():
-                where = f"{config_file}: {key}"
-                kind = knobs.toml_type(all_knobs[key].parse)
-                if isinstance(value, str) and kind is not None and key not in ignore:
-                    raise InvalidConfig(key, where, f"must be a TOML {kind}, written without quotes; got {value!r}")
-                raw[key] = (value, where)
+            raw.update(file_values(config_file, all_knobs, ignore, config_source))
         for knob in all_knobs.values():
             if knob.env in environ and environ[knob.env] != "":
                 raw[knob.name] = (environ[knob.env], f"{knob.env}={environ[knob.env]}")
@@ -313,18 +308,8 @@ class DaemonConfig:
                 where = f"{', '.join(given)} (with {where} at its default)" if given else where
             raise InvalidConfig(name, where, exc.message) from None
         ranks = values["ranks"]
-        gid = None
-        if values["group"] is not None:
-            try:
-                gid = resolve_group(values["group"])
-            except KeyError as exc:
-                raise InvalidConfig("group", source("group"), str(exc.args[0])) from None
-        engine_uid = None
-        if values["engine_user"] is not None:
-            try:
-                engine_uid = resolve_user(values["engine_user"])
-            except KeyError as exc:
-                raise InvalidConfig("engine_user", source("engine_user"), str(exc.args[0])) from None
+        gid = _resolved(resolve_group, values, "group", source)
+        engine_uid = _resolved(resolve_user, values, "engine_user", source)
         devices = values["devices"] or tuple(range(ranks))
         if len(devices) != ranks:
             raise InvalidConfig(
@@ -360,6 +345,33 @@ class DaemonConfig:
             huge_pages=values["huge_pages"] == "auto",
             engine_uid=engine_uid,
         )
+
+
+def file_values(
+    path: Path, known: Mapping[str, Knob], ignore: frozenset[str], source: str | None
+) -> dict[str, tuple[Any, str]]:
+    """The values of a config file with where each came from; a number or boolean written as a string
+    (``ranks = "2"``) is refused: TOML has the types, and a quoted number is most likely a mistake."""
+    found = {}
+    for key, value in load_toml(path, known, ignore, source=source).items():
+        where = f"{path}: {key}"
+        kind = knobs.toml_type(known[key].parse)
+        if isinstance(value, str) and kind is not None:
+            raise InvalidConfig(key, where, f"must be a TOML {kind}, written without quotes; got {value!r}")
+        found[key] = (value, where)
+    return found
+
+
+def _resolved(
+    resolve: Callable[[str], int], values: Mapping[str, Any], name: str, source: Callable[[str], str]
+) -> int | None:
+    """The id a user or group knob names (None when unset); ``InvalidConfig`` naming its source otherwise."""
+    if values[name] is None:
+        return None
+    try:
+        return resolve(values[name])
+    except KeyError as exc:
+        raise InvalidConfig(name, source(name), str(exc.args[0])) from None
 
 
 #: ``KVCACHED_*`` variables that are not knobs: read by the CLI, the runners, the FastDeploy drop-in, the

@@ -55,7 +55,6 @@ from kvcached.protocol.instance import open_instance
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
-    MAX_PAYLOAD,
     REPLY,
     REPLY_MAGIC,
     Op,
@@ -63,6 +62,7 @@ from kvcached.protocol.messages import (
     pack_ids,
     parse_reply_body,
     request,
+    too_large,
 )
 from kvcached.protocol.names import instance_or_default, task_socket_path
 from kvcached.protocol.proc import is_alive
@@ -73,15 +73,6 @@ _INT32_MAX = 2**31 - 1
 FOLLOW_S = 10.0
 #: Times a task the daemon did not run (NOT_RUN: it was handing over) is sent again.
 MAX_RESENDS = 4
-#: Per operation: the field a task too large for one frame is refused on, and the payload bytes per block.
-_UNITS = {
-    (Op.SWAP_OUT, 0): ("device_block_ids", 8),
-    (Op.SWAP_OUT, FLAG_KEYS): ("device_block_ids", 8 + KEY_BYTES),
-    (Op.SWAP_IN, 0): ("cpu_block_ids", 8),
-    (Op.STORE, 0): ("device_block_ids", 4 + KEY_BYTES),
-    (Op.LOAD, 0): ("device_block_ids", 4 + KEY_BYTES),
-    (Op.LOOKUP, 0): ("keys", KEY_BYTES),
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -756,13 +747,8 @@ class CacheTasks:
     ) -> TaskResult | TaskHandle:
         if self._closed:
             raise InvalidTask("tasks", f"this CacheTasks of {self.instance!r} is closed; open a new one")
-        if len(payload) > MAX_PAYLOAD:
-            field, unit = _UNITS[(op, flags)]
-            raise InvalidTask(
-                field,
-                f"{len(payload) // unit} blocks in one {op.name} task; at most {MAX_PAYLOAD // unit} fit one "
-                f"task (a frame holds {MAX_PAYLOAD >> 20} MiB): split it into smaller tasks",
-            )
+        if (refused := too_large(op, flags, len(payload))) is not None:
+            raise InvalidTask(*refused)
         ranks = self._ranks(rank)
         seconds = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + seconds

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ OTHER_UID = 65534
 
 
 @pytest.fixture
-def suffix(daemons: DaemonFactory) -> object:
+def suffix(daemons: DaemonFactory) -> Iterator[int]:
     value = 20000 + (os.getpid() * 11 + time.monotonic_ns()) % 20000
     yield value
     for daemon in daemons.daemons:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from kvcached import memory
@@ -189,3 +190,15 @@ def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
             name = request.shm_name(tier)
             if why_not_ours(name, 0) is None:  # absent or someone else's: left as it is
                 access.apply(SHM_DIR / name.lstrip("/"))
+
+
+def start_note(verdict: Adoption | Refusal | None, squatters: list[Path], *, handed_over: bool) -> str:
+    """What the header tells ``kvcached status`` about a start: adopted or why not, whether the last image's
+    workers served meanwhile, and the objects of someone else it left alone."""
+    notes = [verdict.note] if verdict is not None else []
+    if handed_over and notes:
+        notes[-1] += "; its workers served until this daemon's had reopened the memory"
+    if squatters:
+        names = ", ".join(path.name for path in squatters)
+        notes.append(f"left untouched: {len(squatters)} objects under its names that are not ours ({names})")
+    return "; ".join(notes)

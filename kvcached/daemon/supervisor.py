@@ -66,7 +66,7 @@ from kvcached.access import Access
 from kvcached.config import DaemonConfig
 from kvcached.daemon import channel, faults, handover, lockfile
 from kvcached.daemon import signals as requests
-from kvcached.daemon.adopt import Adoption, Refusal, adopted_fields, conform, judge, new_shm_need
+from kvcached.daemon.adopt import Adoption, Refusal, adopted_fields, conform, judge, new_shm_need, start_note
 from kvcached.daemon.errors import (
     EXIT_ALREADY_RUNNING,
     EXIT_CONFIG,
@@ -78,7 +78,7 @@ from kvcached.daemon.errors import (
 from kvcached.daemon.fdsignals import FastDeploySignals
 from kvcached.daemon.handover import HANDOVER_ENV, Preflight, Worker
 from kvcached.daemon.notify import Notifier
-from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers, unlink_entries
+from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
 from kvcached.daemon.worker import DRAIN_S, WorkerPlan, worker_main
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
@@ -403,7 +403,8 @@ class Supervisor:
             self.log.warning("not adopting the memory of an earlier run; reclaiming it", reason=verdict.reason)
         elif fresh and found.entries:
             verdict = Refusal(0, "--fresh")
-        self.note = self._start_note(verdict, found)
+        handed = bool(self.predecessors) and self.adoption is not None
+        self.note = start_note(verdict, [path for path, _ in found.squatters], handed_over=handed)
         if self.predecessors and self.adoption is None:
             self.log.warning("stopping the last image's workers: their memory is not adopted")
             self._stop_workers()
@@ -412,16 +413,6 @@ class Supervisor:
             self.log.info("reclaimed objects of an earlier run", count=count)
         if self.adoption is not None:
             conform(self.config, self.adoption, self.access)
-
-    def _start_note(self, verdict: Adoption | Refusal | None, found: Leftovers) -> str:
-        """What the header tells ``kvcached status`` about this start."""
-        notes = [verdict.note] if verdict is not None else []
-        if self.predecessors and self.adoption is not None:
-            notes[-1] += "; its workers served until this daemon's had reopened the memory"
-        if found.squatters:
-            names = ", ".join(path.name for path, _ in found.squatters)
-            notes.append(f"left untouched: {len(found.squatters)} objects under its names that are not ours ({names})")
-        return "; ".join(notes)
 
     def _take_handover(self) -> None:
         """Take the workers the image before this one handed over, once its claim checks out: this image then

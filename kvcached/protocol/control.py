@@ -283,8 +283,7 @@ class ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
         ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
         ``magic`` is written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE``
-        bytes. With ``staged`` it is made under the generation's staging name, where no reader looks, and
-        ``install`` gives it the public name once its records are written."""
+        bytes. ``staged``: under the generation's staging name, until ``install``."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         run_dir_bytes = run_dir.encode()

@@ -115,3 +115,25 @@ def unpack_keyed(payload: bytes, ids_per_key: int) -> tuple[list[np.ndarray[Any,
     base = 4 * ids_per_key * n
     keys = [payload[base + i * KEY_BYTES : base + (i + 1) * KEY_BYTES] for i in range(n)]
     return lists, keys
+
+
+#: Payload bytes per block (or key) of each kind of task: (operation, flags) -> (the field it counts, bytes).
+_UNITS = {
+    (Op.SWAP_OUT, 0): ("device_block_ids", 8),
+    (Op.SWAP_OUT, FLAG_KEYS): ("device_block_ids", 8 + KEY_BYTES),
+    (Op.SWAP_IN, 0): ("cpu_block_ids", 8),
+    (Op.STORE, 0): ("device_block_ids", 4 + KEY_BYTES),
+    (Op.LOAD, 0): ("device_block_ids", 4 + KEY_BYTES),
+    (Op.LOOKUP, 0): ("keys", KEY_BYTES),
+}
+
+
+def too_large(op: Op, flags: int, payload: int) -> tuple[str, str] | None:
+    """(field, message) when a task's payload of ``payload`` bytes does not fit one frame; else None."""
+    if payload <= MAX_PAYLOAD:
+        return None
+    field, unit = _UNITS[(op, flags)]
+    return field, (
+        f"{payload // unit} blocks in one {op.name} task; at most {MAX_PAYLOAD // unit} fit one task (a frame "
+        f"holds {MAX_PAYLOAD >> 20} MiB): split it into smaller tasks"
+    )
