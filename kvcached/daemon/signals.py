@@ -7,7 +7,9 @@ SIGTERM, SIGINT, SIGHUP, SIGQUIT   stop: every rank STOPPING, workers stopped, e
                                    stopped after running what clients sent, the arenas, pools, key
                                    directories and the control block left for ``kvcached start`` to adopt
 ``RESTART_SIGNAL`` (SIGUSR2)       as ``KEEP_SIGNAL``, then the daemon executes itself again (same pid,
-                                   same arguments, the code now installed) and adopts what it kept
+                                   same arguments, the code now installed) and adopts what it kept;
+                                   refused (the daemon serves on) while a rank is not READY or when the
+                                   next image could not load its configuration (``kvcached.daemon.handover``)
 SIGUSR1                            log each rank's state
 =================================  =====================================================================
 """
