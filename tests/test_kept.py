@@ -23,7 +23,7 @@ import runner_client as rc
 from kvcached.protocol.names import SHM_DIR
 from kvcached.status import read_status
 from tests.conftest import ROOT, DaemonFactory, shm_entries, unique_instance
-from tests.test_kill_steps import adopted_whole, digests, fill
+from tests.test_kill_steps import adopted_whole, digests, fill, killed_after_fill
 
 OTHER_UID = 65534
 
@@ -106,11 +106,7 @@ def test_stop_keep_while_ranks_recover_keeps_the_memory(daemons: DaemonFactory) 
     start adopts it, bytes unchanged); while a fresh start still allocates there is nothing whole to
     keep, and the CLI says so instead of claiming it kept it."""
     instance = unique_instance()
-    daemon = daemons.start(instance, ranks=2)
-    daemon.wait_ready()
-    fill(instance, seed=5)
-    daemon.kill9()
-    before = digests(instance)
+    before = killed_after_fill(daemons, instance, seed=5)
     slow = daemons.start(instance, ranks=2, env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"))
     slow.wait_state("RECOVERING")
     done = daemons.cli("stop", "--keep", "--instance", instance)
@@ -128,11 +124,7 @@ def test_a_failed_reopen_keeps_the_memory(daemons: DaemonFactory) -> None:
     """A worker that fails to reopen adopted memory (here: ENOSPC while it reopens) fails its rank and ends
     the daemon, which keeps the memory (every rank KEPT, the reason in the record); the next start adopts it."""
     instance = unique_instance()
-    daemon = daemons.start(instance, ranks=2)
-    daemon.wait_ready()
-    fill(instance, seed=7)
-    daemon.kill9()
-    before = digests(instance)
+    before = killed_after_fill(daemons, instance, seed=7)
     failing = daemons.start(instance, ranks=2, env=daemons.env(KVCACHED_FAULT="worker-allocating:enospc"))
     assert failing.exit_code() == 1, failing.log()
     ranks = read_status(instance)["ranks"]

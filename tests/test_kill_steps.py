@@ -18,40 +18,22 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from kvcached.daemon import faults
 from kvcached.status import read_status
 from tests.conftest import Daemon, DaemonFactory, shm_entries, unique_instance
 
+#: The supervisor's steps of every start.
+STARTING = ("after-lock", "after-reclaim", "after-semaphores", "before-publish", "after-control-block")
 #: Every step an adopting start passes (tests/test_reliability.py kills a fresh start at the same ones).
-ADOPTING_STEPS = (
-    "after-lock",
-    "after-reclaim",
-    "after-semaphores",
-    "before-publish",
-    "after-control-block",
-    "worker-allocating",
-    "worker-before-ready",
-    "after-ready",
-)
+ADOPTING_STEPS = (*STARTING, "worker-allocating", "worker-before-ready", "after-ready")
 #: The steps of a restart: two in the image that restarts, then every step of the image it executes.
-RESTART_STEPS = (
-    "restart-accepted",
-    "before-exec",
-    *(
-        f"{step}@restart"
-        for step in (
-            "after-lock",
-            "after-reclaim",
-            "after-semaphores",
-            "before-publish",
-            "after-control-block",
-            "worker-allocating",
-            "worker-prepared",
-            "after-relieve",
-            "worker-before-ready",
-            "after-ready",
-        )
-    ),
-)
+HANDING_OVER = ("worker-allocating", "worker-prepared", "after-relieve", "worker-before-ready", "after-ready")
+RESTART_STEPS = ("restart-accepted", "before-exec", *(f"{step}@restart" for step in (*STARTING, *HANDING_OVER)))
+
+
+def test_every_step_but_a_copys_is_killed_at() -> None:
+    covered = {step.removesuffix("@restart") for step in (*ADOPTING_STEPS, *RESTART_STEPS)}
+    assert covered == set(faults.STEPS) - {"copy-step"}
 
 
 def fill(instance: str, seed: int) -> None:
@@ -88,6 +70,15 @@ def ended(daemon: Daemon, timeout: float = 30) -> int:
     return int(daemon.proc.returncode)
 
 
+def killed_after_fill(daemons: DaemonFactory, instance: str, seed: int) -> dict[str, str]:
+    """Start a daemon of ``instance``, fill its memory, kill -9 it: the digests of what it left."""
+    daemon = daemons.start(instance, ranks=2)
+    daemon.wait_ready()
+    fill(instance, seed)
+    daemon.kill9()
+    return digests(instance)
+
+
 def adopted_whole(daemons: DaemonFactory, instance: str, before: dict[str, str]) -> None:
     """`kvcached start` adopts the memory: every rank READY, the bytes as they were; then a clean stop."""
     again = daemons.start(instance, ranks=2)
@@ -101,11 +92,7 @@ def adopted_whole(daemons: DaemonFactory, instance: str, before: dict[str, str])
 @pytest.mark.parametrize("step", ADOPTING_STEPS)
 def test_kill9_at_each_step_of_an_adopting_start(daemons: DaemonFactory, step: str) -> None:
     instance = unique_instance()
-    first = daemons.start(instance, ranks=2)
-    first.wait_ready()
-    fill(instance, seed=len(step))
-    first.kill9()
-    before = digests(instance)
+    before = killed_after_fill(daemons, instance, seed=len(step))
     assert len(before) == 4
     killed = daemons.start(instance, ranks=2, env=daemons.env(KVCACHED_FAULT=f"{step}:kill"))
     code = ended(killed)

@@ -152,6 +152,7 @@ class Supervisor:
         self.stop_requested = False  # the operator asked for a stop that releases the memory
         #: Ranks whose memory is whole (adopted, or READY once): kept unless the operator says otherwise.
         self.whole: set[int] = set()
+        self.serving: set[int] = set()  # ranks whose worker said Ready: the others have no task to finish
         #: Set when the daemon stopped to execute itself again (``kvcached restart``): the caller does it.
         self.restart_requested = False
         self.preflight = preflight
@@ -630,6 +631,7 @@ class Supervisor:
                     rank, state=State.READY, reserved_bytes=record.total_bytes, error="", **dataclasses.asdict(message)
                 )
                 self.whole.add(rank)
+                self.serving.add(rank)
                 self._show_progress()
                 if reopened and self.all_ready_logged:
                     self.log.warning("rank recovered", rank=rank, worker_pid=record.worker_pid)
@@ -740,6 +742,7 @@ class Supervisor:
 
     def _forget(self, rank: int) -> None:
         self.awaiting_turn.discard(rank)
+        self.serving.discard(rank)
         _, sock = self.workers.pop(rank)
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(sock)
@@ -856,14 +859,18 @@ class Supervisor:
         """Stop every worker (and every worker of the image before, still serving) and wait for it to exit;
         with ``drain`` (a handover), wait only until it has closed its channel: it is done with every task,
         and its exit (unmapping gigabytes) need not hold up the next daemon. An image executed after this
-        one reaps it (``strays``)."""
+        one reaps it (``strays``). A worker that never said Ready (allocating, reopening) is killed at once:
+        it has no task to finish, and stopping it changes no byte of memory a start could adopt."""
+        unready = {pid for rank, (pid, _) in self.workers.items() if rank not in self.serving}
         stopping = [*self.workers.values(), *self.predecessors.values()]
         for _, sock in stopping:
             with contextlib.suppress(OSError):
                 channel.send(sock, channel.Stop(drain=drain))
         deadline = time.monotonic() + STOP_GRACE_S + (DRAIN_S if drain else 0.0)
         for pid, sock in stopping:
-            if not (drain and handover.closed_by(sock, deadline)):
+            if pid in unready:
+                handover.wait_or_kill(pid, 0.0)
+            elif not (drain and handover.closed_by(sock, deadline)):
                 handover.wait_or_kill(pid, deadline)
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(sock)
