@@ -323,10 +323,11 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
     if live_pid is not None:
         checks.append(Check("leftovers", OK, f"{len(names)} objects, all of the live daemon", measured))
-    elif squatters:
-        advice = "; ".join(squatters)
-        figure = f"{len(squatters)} objects under our names are not ours"
-        checks.append(Check("leftovers", FAIL, figure, measured, advice))
+    elif squatters:  # a start leaves them alone; only one at the control block's name stops it
+        control = SHM_DIR / control_name(config.instance).lstrip("/")
+        blocking = any(path == control for path, _ in found.squatters)
+        figure = f"{len(squatters)} objects under our names are not ours" + ("" if blocking else ": left alone")
+        checks.append(Check("leftovers", FAIL if blocking else WARN, figure, measured, "; ".join(squatters)))
     elif not names:
         checks.append(Check("leftovers", OK, "none", measured))
     elif clean:

@@ -25,8 +25,9 @@ from kvcached.protocol.names import instance_shm_entries, lock_path
 from kvcached.protocol.proc import is_alive
 from kvcached.status import is_ready, read_status
 
-#: Seconds the check of the image a restart executes next may take.
-PREFLIGHT_S = 60.0
+#: Seconds the check of the image a restart executes next may take (the supervisor waits for it: well
+#: within the unit's WatchdogSec).
+PREFLIGHT_S = 20.0
 
 
 def guarded(read: Callable[[str], dict[str, Any]], instance: str) -> dict[str, Any]:
