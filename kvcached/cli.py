@@ -144,7 +144,9 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
 
     A start adopts the memory an earlier run of the instance left (killed, or stopped with `stop --keep`)
     when it is ours, of the same spec and consistent: the KV blocks survive, runners keep their views.
-    Otherwise it reclaims that memory and says why (log, `status`). --fresh always reclaims.
+    Otherwise it reclaims that memory and says why (log, `status`). --fresh reclaims it, at this start
+    (a `kvcached restart` of this daemon adopts). Objects of other users under the instance's names are
+    reported and left alone; a daemon that ends without being told to stop keeps the memory.
 
     """
     from kvcached import logs, running
@@ -396,7 +398,9 @@ def restart(instance: str | None, timeout: float) -> None:
     Runners keep their views. On the host backend the old workers go on serving until the new ones have
     reopened the memory, then drain and hand each rank over: the gap is tens of milliseconds. Tasks cut
     off are answered NOT_RUN and CacheTasks sends them again. Waits until every rank is READY again; exit
-    0 when the memory was adopted, 1 otherwise (the reason is printed).
+    0 when the memory was adopted, 1 otherwise (the reason is printed). Refused, the daemon serving on
+    (exit 1, the reason printed), while a rank is not READY or when the configuration does not load as
+    the next image would read it (`start --check-config`).
     """
     from kvcached import running
     from kvcached.daemon.signals import RESTART_SIGNAL

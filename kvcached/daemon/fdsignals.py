@@ -116,8 +116,13 @@ class _Segment:
                     return False
             else:
                 created = True
-                os.ftruncate(fd, self.size)
-                self.access.apply(fd)
+                try:
+                    os.ftruncate(fd, self.size)
+                    self.access.apply(fd)
+                except OSError:  # /dev/shm full: nothing of ours is left at the name
+                    os.close(fd)
+                    self.path.unlink(missing_ok=True)
+                    raise
         try:
             st = os.fstat(fd)
             self._check(st)

@@ -76,7 +76,7 @@ from kvcached.daemon.errors import (
     Fatal,
 )
 from kvcached.daemon.fdsignals import FastDeploySignals
-from kvcached.daemon.handover import HANDOVER_ENV, Preflight, Worker
+from kvcached.daemon.handover import Preflight, Worker
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
 from kvcached.daemon.worker import DRAIN_S, WorkerPlan, worker_main
@@ -104,8 +104,6 @@ TICK_S = 0.25
 #: A rank whose workers die this many times within the window cannot be brought back.
 MAX_REPLACEMENTS = 3
 REPLACEMENT_WINDOW_S = 60.0
-
-__all__ = ["HANDOVER_ENV", "Supervisor", "progress_text"]
 
 #: Called with the records after each allocation step (the CLI draws progress on a terminal with it).
 ProgressHook = Callable[[list[Record]], None]
@@ -708,7 +706,8 @@ class Supervisor:
                 self.relieving[rank] = float("inf")
 
     def handover_env(self) -> str | None:
-        """What ``kvcached start`` puts in ``HANDOVER_ENV`` before executing itself again; None: nothing."""
+        """What ``kvcached start`` puts in ``kvcached.daemon.handover.HANDOVER_ENV`` before executing itself
+        again for ``kvcached restart``; None when it is not restarting."""
         if not self.restart_requested:
             return None
         return handover.env_for(self.generation, self.handing_over)
