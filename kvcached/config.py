@@ -309,6 +309,8 @@ class DaemonConfig:
             raise InvalidConfig(name, where, exc.message) from None
         ranks = values["ranks"]
         gid = _resolved(resolve_group, values, "group", source)
+        if gid is not None and os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
+            raise InvalidConfig("group", source("group"), f"this user is not in group {gid}: it cannot give it objects")
         engine_uid = _resolved(resolve_user, values, "engine_user", source)
         devices = values["devices"] or tuple(range(ranks))
         if len(devices) != ranks:

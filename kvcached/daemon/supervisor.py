@@ -411,7 +411,12 @@ class Supervisor:
         if count:
             self.log.info("reclaimed objects of an earlier run", count=count)
         if self.adoption is not None:
-            conform(self.config, self.adoption, self.access)
+            try:
+                conform(self.config, self.adoption, self.access)
+            except OSError as exc:
+                raise Fatal(
+                    f"cannot give the adopted memory this start's mode and group: {exc}", EXIT_RESOURCES
+                ) from None
 
     def _take_handover(self) -> None:
         """Take the workers the image before this one handed over, once its claim checks out: this image then
