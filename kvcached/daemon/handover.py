@@ -6,7 +6,9 @@ The image that restarts (same pid, the code installed now) passes ``HANDOVER_ENV
     {"generation": "<16 hex digits>", "workers": {"<rank>": [pid, channel fd], ...}}
 
 ``generation`` is the restarting image's; ``workers`` are its rank workers that go on serving until the
-next image's have reopened the memory (empty where the backend's memory dies with its worker). The next
+next image's have reopened the memory (empty where the backend's memory dies with its worker). An image
+of the release before passed ``{"<rank>": [pid, channel fd]}`` alone: taken too, without the
+generation's check (an upgrade from it hands its workers over like any restart). The next
 image honours it only when the instance's control block was published by an earlier image of this very
 process (daemon pid and start time: they survive ``execv``) in that generation; and a worker only when it
 is a child of this process, that block's record of the rank names its pid, and the descriptor is a
@@ -55,9 +57,10 @@ Preflight = Callable[[], str]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Claim:
-    """What ``HANDOVER_ENV`` says, not yet checked: the generation and rank -> (pid, descriptor)."""
+    """What ``HANDOVER_ENV`` says, not yet checked: the generation (None from an image of a release before
+    it was passed: ``{"<rank>": [pid, fd]}``) and rank -> (pid, descriptor)."""
 
-    generation: int
+    generation: int | None
     workers: dict[int, tuple[int, int]]
 
 
@@ -69,8 +72,9 @@ def claim_from_env(log: logs.Logger) -> Claim | None:
         return None
     try:
         data = json.loads(text)
-        generation = int(data["generation"], 16)
-        workers = {int(rank): (int(pid), int(fd)) for rank, (pid, fd) in data["workers"].items()}
+        generation = int(data["generation"], 16) if "workers" in data else None
+        listed = data.get("workers", data)
+        workers = {int(rank): (int(pid), int(fd)) for rank, (pid, fd) in listed.items()}
     except (ValueError, TypeError, KeyError, AttributeError):
         log.warning(f"ignoring {HANDOVER_ENV}: not what an earlier image writes", value=text[:200])
         return None
@@ -92,7 +96,8 @@ def from_this_process(claim: Claim, block: ControlBlock | None) -> bool:
         header = block.header()
     except KVCacheError:
         return False
-    return (header.daemon_pid, header.daemon_start) == self_identity() and header.generation == claim.generation
+    same = claim.generation is None or header.generation == claim.generation
+    return (header.daemon_pid, header.daemon_start) == self_identity() and same
 
 
 def take(claim: Claim, instance: str, strays: list[int], log: logs.Logger) -> tuple[bool, dict[int, Worker]]:
