@@ -79,6 +79,9 @@ def _storage(value: Any) -> str | None:
     return name
 
 
+#: Where the geometry comes from: the configuration, or the engine's declaration (``--geometry engine``).
+GEOMETRY_SOURCES = ("config", "engine")
+
 #: The knobs of the daemon itself, in --help order. Spec knobs carry the CacheSpec field they set.
 CORE: tuple[Knob, ...] = (
     Knob("ranks", knobs.integer(1, MAX_RANKS), 8, "Ranks (one worker each).", "N"),
@@ -90,6 +93,17 @@ CORE: tuple[Knob, ...] = (
         "NAME",
     ),
     Knob("memory", _memory, "host", "Device-tier backend.", "BACKEND"),
+    Knob(
+        "geometry",
+        knobs.choice(GEOMETRY_SOURCES),
+        "config",
+        "Where the cache's geometry comes from. config: the flags below. engine: the engine's first runner or "
+        "FastDeploy drop-in declares it (FastDeploy's own block count, after its profile run) and the ranks "
+        "wait until then; later declarations that differ are refused by name. With engine, set only memory, "
+        "store and service options.",
+        "FROM",
+        choices=GEOMETRY_SOURCES,
+    ),
     Knob("num_layers", knobs.integer(1), 4, "Layers.", "N"),
     Knob("kv_heads", knobs.integer(1), 2, "KV heads per rank (heads // tensor parallel size).", "N"),
     Knob("head_dim", knobs.integer(1), 128, "Head dimension.", "N"),
@@ -239,6 +253,8 @@ class DaemonConfig:
     store_timeout: float = 10.0
     fresh: bool = False
     huge_pages: bool = True
+    #: "engine": ``spec`` is provisional until the engine declares one (``declared``).
+    geometry: str = "config"
 
     def shm_need(self) -> tuple[int, int]:
         """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
@@ -287,6 +303,14 @@ class DaemonConfig:
         def source(name: str) -> str:
             return raw[name][1] if name in raw else all_knobs[name].flag
 
+        if values["geometry"] == "engine":
+            for name in SPEC_FIELDS:
+                if name in raw and name != "storage_backend":
+                    raise InvalidConfig(
+                        name,
+                        source(name),
+                        "is declared by the engine (--geometry engine): leave it out, or use --geometry config",
+                    )
         try:
             spec = CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
         except InvalidSpec as exc:
@@ -336,7 +360,20 @@ class DaemonConfig:
             store_timeout=values["store_timeout"],
             fresh=values["fresh"],
             huge_pages=values["huge_pages"] == "auto",
+            geometry=values["geometry"],
         )
+
+    def declared(self, spec: CacheSpec) -> DaemonConfig:
+        """This configuration with the engine's ``spec`` (the store backend stays this configuration's).
+        Raises ``InvalidSpec`` naming the field when the store's options do not fit it."""
+        spec = dataclasses.replace(spec, storage_backend=self.spec.storage_backend)
+        store_config = self.store
+        if self.store.backend is not None:
+            options = store.get(self.store.backend).configure(
+                dict(self.store.options), spec=spec, instance=self.instance, ranks=self.ranks
+            )
+            store_config = StoreConfig(backend=self.store.backend, options=options)
+        return dataclasses.replace(self, spec=spec, store=store_config)
 
 
 #: ``KVCACHED_*`` variables that are not knobs: read by the CLI, the runners, the FastDeploy drop-in, the

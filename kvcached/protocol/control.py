@@ -120,6 +120,11 @@ class Header:
     #: What the daemon says about its start: "adopted from generation G", or why it did not adopt.
     note: str = ""
 
+    @property
+    def awaits_geometry(self) -> bool:
+        """True while the daemon waits for the engine to declare the spec (``--geometry engine``)."""
+        return not self.spec
+
 
 @dataclasses.dataclass(slots=True)
 class Record:
@@ -265,7 +270,7 @@ class ControlBlock:
         instance: str,
         *,
         generation: int,
-        spec: CacheSpec,
+        spec: CacheSpec | None,
         num_ranks: int,
         daemon_pid: int,
         daemon_start: int,
@@ -279,7 +284,8 @@ class ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
         ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
         ``magic`` is written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE``
-        bytes."""
+        bytes. ``spec`` None publishes an empty spec: the daemon waits for the engine to declare one
+        (``kvcached.protocol.declare``)."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         run_dir_bytes = run_dir.encode()
@@ -302,7 +308,7 @@ class ControlBlock:
         shm.close_fd()
         block = cls(name, mm, True, inode)
         block._num_ranks = num_ranks
-        spec_json = json.dumps(spec.to_dict(), sort_keys=True).encode()
+        spec_json = json.dumps(spec.to_dict() if spec is not None else {}, sort_keys=True).encode()
         if _SPEC_OFFSET + len(spec_json) > _EXTENSION_OFFSET:
             raise ValueError("spec does not fit the control block header")
         _HEADER.pack_into(
@@ -317,7 +323,7 @@ class ControlBlock:
             daemon_pid,
             daemon_start,
             time.time_ns(),
-            spec.geometry_digest,
+            spec.geometry_digest if spec is not None else bytes(16),
             len(spec_json),
             run_dir_bytes,
             adopted_from,
