@@ -6,8 +6,8 @@ when starting kvcached. With ``--geometry engine`` the supervisor, after taking 
 (``held`` first gives it the geometry an earlier run's memory was made for, so that memory is adopted as
 any other), calls ``await_declaration`` when it adopted nothing:
 
-1. it publishes a control block with an empty spec and every rank EMPTY (``Pending``), so runners, the
-   FastDeploy drop-in and ``kvcached status`` see a live daemon and where it listens;
+1. it publishes a control block whose spec names the store backend only, every rank EMPTY (``Pending``),
+   so runners, the FastDeploy drop-in and ``kvcached status`` see a live daemon and where it listens;
 2. it serves ``<run_dir>/<instance>.declare.sock`` (``Declarations``): each connection, from the daemon's
    user or its ``--group`` (peer credentials), sends one spec; ``judge`` refuses one by name when the
    fixed condition gives the runner the cache, when the store's options or /dev/shm cannot hold it, and
@@ -68,7 +68,7 @@ def held(config: DaemonConfig) -> DaemonConfig:
         return config
     with view:
         published = view.header.spec if view.header is not None else {}
-    if not published:
+    if "num_blocks" not in published:
         return config
     try:
         return config.declared(CacheSpec.from_dict(published))
@@ -94,7 +94,7 @@ def judge(config: DaemonConfig, spec: CacheSpec) -> DaemonConfig | Refusal:
 
 
 class Pending:
-    """The control block of a daemon waiting for the geometry: empty spec, every rank EMPTY."""
+    """The control block of a daemon waiting for the geometry: the store backend as spec, every rank EMPTY."""
 
     def __init__(self, config: DaemonConfig, run_dir: Path, access: Access) -> None:
         self.instance = config.instance
@@ -109,6 +109,7 @@ class Pending:
             self.instance,
             generation=self.generation,
             spec=None,
+            known={"storage_backend": config.spec.storage_backend},
             num_ranks=config.ranks,
             daemon_pid=pid,
             daemon_start=started,

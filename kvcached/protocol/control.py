@@ -122,8 +122,9 @@ class Header:
 
     @property
     def awaits_geometry(self) -> bool:
-        """True while the daemon waits for the engine to declare the spec (``--geometry engine``)."""
-        return not self.spec
+        """True while the daemon waits for the engine to declare the geometry (``--geometry engine``): the
+        spec holds the store backend only."""
+        return "num_blocks" not in self.spec
 
 
 @dataclasses.dataclass(slots=True)
@@ -271,6 +272,7 @@ class ControlBlock:
         *,
         generation: int,
         spec: CacheSpec | None,
+        known: dict[str, Any] | None = None,
         num_ranks: int,
         daemon_pid: int,
         daemon_start: int,
@@ -284,8 +286,8 @@ class ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
         ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
         ``magic`` is written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE``
-        bytes. ``spec`` None publishes an empty spec: the daemon waits for the engine to declare one
-        (``kvcached.protocol.declare``)."""
+        bytes. ``spec`` None publishes only the fields in ``known`` (the store backend): the daemon waits for
+        the engine to declare the rest (``kvcached.protocol.declare``)."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         run_dir_bytes = run_dir.encode()
@@ -308,7 +310,7 @@ class ControlBlock:
         shm.close_fd()
         block = cls(name, mm, True, inode)
         block._num_ranks = num_ranks
-        spec_json = json.dumps(spec.to_dict() if spec is not None else {}, sort_keys=True).encode()
+        spec_json = json.dumps(spec.to_dict() if spec is not None else dict(known or {}), sort_keys=True).encode()
         if _SPEC_OFFSET + len(spec_json) > _EXTENSION_OFFSET:
             raise ValueError("spec does not fit the control block header")
         _HEADER.pack_into(

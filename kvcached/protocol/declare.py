@@ -2,9 +2,10 @@
 
 A daemon started with ``--geometry engine`` knows its ranks, memory and store but not the cache's
 geometry (FastDeploy fixes its block count only after profiling). It publishes a control block whose
-header spec is empty (``Header.spec == {}``) and listens on ``<run_dir>/<instance>.declare.sock`` until
-the engine's first runner or cache-transfer drop-in declares the spec; then it allocates exactly that and
-publishes it in the next control block. One exchange per connection, JSON lines both ways::
+header spec names the store backend only (``Header.awaits_geometry``) and listens on
+``<run_dir>/<instance>.declare.sock`` until the engine's first runner or cache-transfer drop-in declares
+the spec; then it allocates exactly that and publishes it in the next control block. One exchange per
+connection, JSON lines both ways::
 
     -> {"spec": {...CacheSpec fields...}}
     <- {"accepted": true}                                      the daemon allocates this spec
