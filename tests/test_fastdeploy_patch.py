@@ -1,10 +1,13 @@
 """The FastDeploy patch (patches/fastdeploy-e53f5184-kvcached.patch) against FastDeploy's own code: it applies
-to the checkout FASTDEPLOY_SRC names, every patched file compiles, and the drop-in takes exactly the
-arguments FastDeploy's engine passes. Skipped, saying so, without a checkout (FastDeploy is not on the
-package index; its code is not copied here)."""
+to the checkout FASTDEPLOY_SRC names, every patched file compiles and passes FastDeploy's own pre-commit
+hooks (the versions its .pre-commit-config.yaml pins, run with its configuration), and the drop-in takes
+exactly the arguments FastDeploy's engine passes. Skipped, saying so, without a checkout (FastDeploy is not
+on the package index; its code is not copied here) or without the pinned hooks (``KVCACHED_TEST_FD_HOOKS``:
+a directory holding their executables, e.g. a virtual environment's ``bin``)."""
 
 from __future__ import annotations
 
+import os
 import py_compile
 import re
 import shutil
@@ -35,13 +38,30 @@ def patched_files() -> list[str]:
     return re.findall(r"^\+\+\+ b/(\S+)$", PATCH.read_text(), re.MULTILINE)
 
 
+#: FastDeploy's configuration files its hooks read (black and isort: pyproject.toml; flake8: .flake8).
+HOOK_CONFIG = ("pyproject.toml", ".flake8", ".pre-commit-config.yaml")
+
+
+def patched_tree(root: Path, into: Path) -> list[str]:
+    """Copy the files the patch touches (and the hooks' configuration) from ``root`` into ``into``, apply
+    the patch there; the patched files."""
+    files = patched_files()
+    packages = {str(parent / "__init__.py") for f in files for parent in Path(f).parents if parent != Path(".")}
+    for relative in (*files, *HOOK_CONFIG, *sorted(packages)):  # isort tells first-party code by its packages
+        (into / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / relative, into / relative)
+    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=into, capture_output=True, text=True, check=False)
+    assert applied.returncode == 0, applied.stderr
+    return files
+
+
 def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> None:
     root = checkout()
     check = subprocess.run(
         ["git", "-C", str(root), "apply", "--check", str(PATCH)], capture_output=True, text=True, check=False
     )
     assert check.returncode == 0, check.stderr
-    files = patched_files()
+    files = patched_tree(root, tmp_path)
     assert sorted(files) == sorted(
         [
             "fastdeploy/cache_manager/cache_messager.py",
@@ -50,16 +70,55 @@ def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> No
         ]
     )
     for relative in files:
-        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / relative, tmp_path / relative)
-    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=tmp_path, capture_output=True, text=True, check=False)
-    assert applied.returncode == 0, applied.stderr
-    for relative in files:
         py_compile.compile(str(tmp_path / relative), doraise=True)
     launcher = (tmp_path / "fastdeploy/cache_manager/prefix_cache_manager.py").read_text()
-    assert "-m kvcached.fastdeploy.transfer_manager" in launcher
+    assert "-m kvcached.fastdeploy.transfer_manager" in launcher and "def _kvcached_watch" in launcher
     runner = (tmp_path / "fastdeploy/worker/xpu_model_runner.py").read_text()
-    assert "runner_client.initialize_kv_cache(" in runner and "runner_client.cache_owner(spec, profile)" in runner
+    assert "from kvcached.fastdeploy.runner import xpu_kv_cache" in runner
+    messager = (tmp_path / "fastdeploy/cache_manager/cache_messager.py").read_text()
+    assert "from kvcached.fastdeploy.runner import messager_cache" in messager
+
+
+def pinned_hooks(root: Path) -> dict[str, str]:
+    """The hook -> version FastDeploy's .pre-commit-config.yaml pins (its ``rev`` per repository)."""
+    config = (root / ".pre-commit-config.yaml").read_text()
+    pins = dict(re.findall(r"repo: https://github.com/(?:psf|PyCQA|astral-sh)/([\w-]+?)(?:\.git)?\s+rev: v?([\d.]+)", config))
+    return {{"ruff-pre-commit": "ruff"}.get(name, name): version for name, version in pins.items()}
+
+
+def hook(name: str, version: str) -> str:
+    """The executable of hook ``name`` at ``version`` (``KVCACHED_TEST_FD_HOOKS``, else PATH); skip if absent
+    or of another version."""
+    where = os.environ.get("KVCACHED_TEST_FD_HOOKS")
+    found = shutil.which(name, path=where) if where else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} {version} (FastDeploy's pinned hook) not found: set KVCACHED_TEST_FD_HOOKS to its bin")
+    out = subprocess.run([found, "--version"], capture_output=True, text=True, check=False).stdout
+    if version not in out:
+        pytest.skip(f"{found} is not {name} {version}, the version FastDeploy pins: {out.strip()[:80]}")
+    return found
+
+
+def test_the_patched_files_pass_fastdeploys_own_hooks(tmp_path: Path) -> None:
+    """black (line length 119), isort and flake8 with FastDeploy's configuration, and its ruff with the
+    arguments its pre-commit passes, all at the versions it pins, find nothing in the patched files."""
+    root = checkout()
+    pins = pinned_hooks(root)
+    assert set(pins) == {"black", "isort", "flake8", "ruff"}, pins
+    files = patched_tree(root, tmp_path)
+    commands = {
+        "black": ["--check", "--diff"],
+        "isort": ["--check-only", "--diff"],
+        "flake8": [],
+        "ruff": ["check", "--line-length=120", "--config", "pyproject.toml"],
+    }
+    for name, args in commands.items():
+        ran = subprocess.run([hook(name, pins[name]), *args, *files], cwd=tmp_path, capture_output=True, text=True)
+        assert ran.returncode == 0, f"{name} {pins[name]}:\n{ran.stdout}{ran.stderr}"
+    for relative in files:  # pre-commit-hooks: trailing-whitespace, end-of-file-fixer
+        text = (tmp_path / relative).read_text()
+        assert text.endswith("\n") and not text.endswith("\n\n"), relative
+        assert not re.search(r"[ \t]+$", text, re.MULTILINE), relative
 
 
 def test_the_drop_in_takes_exactly_the_transfer_managers_arguments() -> None:
