@@ -48,6 +48,7 @@ def xpu_kv_cache(
     num_blocks: int,
     cache_type: str,
     shapes: tuple[list[int], list[int]],
+    *,
     profile: bool,
 ) -> list[Any] | None:
     """The XPU runner's cache tensors, key and value per layer (``share_inputs["caches"]``), or None when
