@@ -64,14 +64,26 @@ class EngineProcess:
         self.log_dir = tmp / "fdlog"
         self.log_dir.mkdir(exist_ok=True)
         shell = shell_dir(root, patched(root, tmp / "patched"), tmp / "shell", ROOT)
-        env = dict(env, FASTDEPLOY_SRC=str(root), KVCACHED_TEST_FD_PATCHED=str(tmp / "patched"), FD_LOG_DIR=str(self.log_dir),
-                   KVCACHED_INSTANCE=instance, PYTHONPATH=f"{shell}{os.pathsep}{ROOT}")  # fmt: skip
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "fd_engine.py"), json.dumps(self.config)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp / "engine.err", "w"), text=True, env=env,
-            cwd=tmp, start_new_session=True,  # its queue server is a child: stopped with it, as a group
-        )  # fmt: skip
+        env = dict(
+            env,
+            FASTDEPLOY_SRC=str(root),
+            KVCACHED_TEST_FD_PATCHED=str(tmp / "patched"),
+            FD_LOG_DIR=str(self.log_dir),
+            KVCACHED_INSTANCE=instance,
+            PYTHONPATH=f"{shell}{os.pathsep}{ROOT}",
+        )
         self.err = tmp / "engine.err"
+        with open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "fd_engine.py"), json.dumps(self.config)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=tmp,
+                start_new_session=True,  # its queue server is a child: stopped with it, as a group
+            )
         self.replies: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         assert self._reply(60).get("ready"), self.diagnostics()
@@ -143,8 +155,16 @@ class EngineProcess:
                 os.kill(pid, signal.SIGKILL)
         for path in Path("/dev/shm").glob(f"fmq_ctrl_c2e_rank*_{self.config['queue_port']}.ipc"):
             path.unlink(missing_ok=True)
-        for name in ("cache_ready_signal", "swap_space_ready_signal", "cache_transfer_inited_signal", "prefix_tree_status",
-                     "kv_cache_status", "cache_task_broadcast_signal", "cache_task_is_paused", "cache_task_inflight"):  # fmt: skip
+        for name in (
+            "cache_ready_signal",
+            "swap_space_ready_signal",
+            "cache_transfer_inited_signal",
+            "prefix_tree_status",
+            "kv_cache_status",
+            "cache_task_broadcast_signal",
+            "cache_task_is_paused",
+            "cache_task_inflight",
+        ):
             Path(f"/dev/shm/{name}.{self.config['suffix']}").unlink(missing_ok=True)
 
 
@@ -158,8 +178,15 @@ class EngineEnded(AssertionError):
 
 def spec_of(**geometry: Any) -> rc.CacheSpec:
     g = {**GEOMETRY, **geometry}
-    return rc.CacheSpec(num_layers=g["layers"], kv_heads=g["kv_heads"], head_dim=g["head_dim"], block_size=g["block_size"],
-                        num_blocks=g["blocks"], num_cpu_blocks=g["cpu_blocks"], storage_backend=g.get("storage", "file"))  # fmt: skip
+    return rc.CacheSpec(
+        num_layers=g["layers"],
+        kv_heads=g["kv_heads"],
+        head_dim=g["head_dim"],
+        block_size=g["block_size"],
+        num_blocks=g["blocks"],
+        num_cpu_blocks=g["cpu_blocks"],
+        storage_backend=g.get("storage", "file"),
+    )
 
 
 @contextlib.contextmanager

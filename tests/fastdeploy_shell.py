@@ -45,8 +45,16 @@ STUBS = (
     "fastdeploy.cache_manager.ops",
     "fastdeploy.model_executor.layers.attention",
 )
-_SHELLS = ("fastdeploy", "fastdeploy.cache_manager", "fastdeploy.engine", "fastdeploy.model_executor",
-           "fastdeploy.model_executor.layers", "fastdeploy.metrics", "fastdeploy.worker", "fastdeploy.spec_decode")  # fmt: skip
+_SHELLS = (
+    "fastdeploy",
+    "fastdeploy.cache_manager",
+    "fastdeploy.engine",
+    "fastdeploy.model_executor",
+    "fastdeploy.model_executor.layers",
+    "fastdeploy.metrics",
+    "fastdeploy.worker",
+    "fastdeploy.spec_decode",
+)
 
 
 def source_of(root: Path, relative: str, names: tuple[str, ...], namespace: dict[str, Any]) -> dict[str, Any]:
@@ -103,8 +111,12 @@ class AttentionBackendStub:
 
 def _stubs(root: Path) -> None:
     log = logging.getLogger("fastdeploy")
-    hashing = source_of(root, "fastdeploy/utils.py", ("get_hash_str",), {"hashlib": __import__("hashlib"),
-                        "pickle": __import__("pickle"), "Any": Any, "List": list, "Optional": Any})  # fmt: skip
+    hashing = source_of(
+        root,
+        "fastdeploy/utils.py",
+        ("get_hash_str",),
+        {"hashlib": __import__("hashlib"), "pickle": __import__("pickle"), "Any": Any, "List": list, "Optional": Any},
+    )
     _module(
         "fastdeploy.utils",
         get_logger=lambda name, *_a, **_k: logging.getLogger(f"fastdeploy.{name}"),
@@ -112,11 +124,24 @@ def _stubs(root: Path) -> None:
         **{name: log for name in ("llm_logger", "console_logger", "fmq_logger", "data_processor_logger")},
     )
     envs = importlib.import_module("fastdeploy.envs")
-    control = source_of(root, "fastdeploy/engine/request.py", ("ControlRequest", "ControlResponse"),
-                        {"__name__": "fastdeploy.engine.request", "envs": envs, "Any": Any, "Dict": dict,
-                         "Optional": Any, "JSONResponse": None})  # fmt: skip
-    _module("fastdeploy.engine.request", Request=type("Request", (), {"__doc__": "STUB"}), **{
-        name: control[name] for name in ("ControlRequest", "ControlResponse")})  # fmt: skip
+    control = source_of(
+        root,
+        "fastdeploy/engine/request.py",
+        ("ControlRequest", "ControlResponse"),
+        {
+            "__name__": "fastdeploy.engine.request",
+            "envs": envs,
+            "Any": Any,
+            "Dict": dict,
+            "Optional": Any,
+            "JSONResponse": None,
+        },
+    )
+    _module(
+        "fastdeploy.engine.request",
+        Request=type("Request", (), {"__doc__": "STUB"}),
+        **{name: control[name] for name in ("ControlRequest", "ControlResponse")},
+    )
     _module("fastdeploy.metrics.metrics", main_process_metrics=_Metrics())
     _module("fastdeploy.config", FDConfig=type("FDConfig", (), {"__doc__": "STUB"}))
     _module("fastdeploy.cache_manager.ops", get_all_visible_devices=lambda: "CUDA_VISIBLE_DEVICES=0,1")

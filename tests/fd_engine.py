@@ -31,22 +31,35 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fastdeploy_shell import install, source_of  # noqa: E402
+from tests.fastdeploy_shell import install, source_of
 
 
 def configs(c: dict[str, Any]) -> SimpleNamespace:
     """STUB of FDConfig: the fields ``PrefixCacheManager`` and ``launch_cache_manager`` read."""
     cache = SimpleNamespace(
-        total_block_num=c["blocks"], prefill_kvcache_block_num=c["blocks"], num_cpu_blocks=c["cpu_blocks"],
-        kvcache_storage_backend=c.get("storage"), write_policy="write_through", bytes_per_token_per_layer=1,
-        block_size=c["block_size"], enable_prefix_caching=True, local_cache_queue_port=c["queue_port"],
-        model_cfg=SimpleNamespace(num_hidden_layers=c["layers"]), cache_dtype="bfloat16",
-        cache_transfer_protocol="ipc", local_rdma_comm_ports=None, enable_output_caching=False,
-    )  # fmt: skip
+        total_block_num=c["blocks"],
+        prefill_kvcache_block_num=c["blocks"],
+        num_cpu_blocks=c["cpu_blocks"],
+        kvcache_storage_backend=c.get("storage"),
+        write_policy="write_through",
+        bytes_per_token_per_layer=1,
+        block_size=c["block_size"],
+        enable_prefix_caching=True,
+        local_cache_queue_port=c["queue_port"],
+        model_cfg=SimpleNamespace(num_hidden_layers=c["layers"]),
+        cache_dtype="bfloat16",
+        cache_transfer_protocol="ipc",
+        local_rdma_comm_ports=None,
+        enable_output_caching=False,
+    )
     model = SimpleNamespace(
-        num_attention_heads=c["kv_heads"] * c["tp"] * 4, num_key_value_heads=c["kv_heads"] * c["tp"],
-        head_dim=c["head_dim"], dtype="bfloat16", max_model_len=4096, model=c["model_dir"],
-    )  # fmt: skip
+        num_attention_heads=c["kv_heads"] * c["tp"] * 4,
+        num_key_value_heads=c["kv_heads"] * c["tp"],
+        head_dim=c["head_dim"],
+        dtype="bfloat16",
+        max_model_len=4096,
+        model=c["model_dir"],
+    )
     return SimpleNamespace(
         cache_config=cache,
         model_config=model,
@@ -66,10 +79,17 @@ class Engine:
         self.c, self.status, self.node = c, cache_data.CacheStatus, cache_data.BlockNode
         self.config, tp, suffix = configs(c), c["tp"], c["suffix"]
         self.signals = {  # common_engine.py ~392-440: the engine creates them
-            name: IPCSignal(name=name, array=np.zeros([size], dtype=np.int32), dtype=np.int32, suffix=suffix, create=True)
-            for name, size in (("cache_ready_signal", tp), ("swap_space_ready_signal", tp),
-                               ("cache_transfer_inited_signal", tp), ("prefix_tree_status", 1), ("kv_cache_status", 1))
-        }  # fmt: skip
+            name: IPCSignal(
+                name=name, array=np.zeros([size], dtype=np.int32), dtype=np.int32, suffix=suffix, create=True
+            )
+            for name, size in (
+                ("cache_ready_signal", tp),
+                ("swap_space_ready_signal", tp),
+                ("cache_transfer_inited_signal", tp),
+                ("prefix_tree_status", 1),
+                ("kv_cache_status", 1),
+            )
+        }
         self.server = EngineCacheQueue(  # common_engine.py ~479-486
             address=("127.0.0.1", c["queue_port"]), is_server=True, num_client=tp, client_id=-1
         )
@@ -81,9 +101,14 @@ class Engine:
     def launch(self) -> dict[str, Any]:
         c = self.c
         self.manager.launch_cache_manager(
-            self.config.cache_config, c["tp"], [str(d) for d in range(c["tp"])], "127.0.0.1", c["suffix"],
-            c["suffix"], False,
-        )  # fmt: skip
+            self.config.cache_config,
+            c["tp"],
+            [str(d) for d in range(c["tp"])],
+            "127.0.0.1",
+            c["suffix"],
+            c["suffix"],
+            False,
+        )
         return {"inited": [int(v) for v in self.signals["cache_transfer_inited_signal"].value]}
 
     def swap(self, event: str, task_id: str, gpu: list[int], cpu: list[int], nodes: list[Any] | None) -> dict[str, Any]:
@@ -94,26 +119,48 @@ class Engine:
     def make_nodes(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
         """BlockNodes as eviction leaves them (``free_block_ids_async`` ~1460-1466: SWAP2CPU on their GPU block)."""
         for n in nodes:
-            node = self.node(n["node_id"], [], 0, 1, n["block_id"], self.c["block_size"], f"h{n['node_id']}", 0,
-                             parent=self.manager.radix_tree_root, cache_status=getattr(self.status, n["status"]))  # fmt: skip
+            node = self.node(
+                n["node_id"],
+                [],
+                0,
+                1,
+                n["block_id"],
+                self.c["block_size"],
+                f"h{n['node_id']}",
+                0,
+                parent=self.manager.radix_tree_root,
+                cache_status=getattr(self.status, n["status"]),
+            )
             self.manager.node_map[n["node_id"]] = node
         return {}
 
     def nodes(self, ids: list[int]) -> dict[str, Any]:
         found = [self.manager.node_map[i] for i in ids]
-        return {"nodes": [{"status": n.cache_status.name, "block_id": n.block_id} for n in found],
-                "gpu_free": sorted(self.manager.gpu_free_block_list)}  # fmt: skip
+        return {
+            "nodes": [{"status": n.cache_status.name, "block_id": n.block_id} for n in found],
+            "gpu_free": sorted(self.manager.gpu_free_block_list),
+        }
 
     def request(self, request_id: str, prompt: list[int], block_tables: list[int] | None = None) -> SimpleNamespace:
-        return SimpleNamespace(request_id=request_id, prompt_token_ids=prompt, output_token_ids=[],
-                               multimodal_inputs=None, block_tables=block_tables or [], num_total_tokens=len(prompt))  # fmt: skip
+        return SimpleNamespace(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            output_token_ids=[],
+            multimodal_inputs=None,
+            block_tables=block_tables or [],
+            num_total_tokens=len(prompt),
+        )
 
     def match(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
         blocks, tokens, metrics = self.manager.request_match_blocks(
             self.request(request_id, prompt), self.c["block_size"]
         )
-        return {"blocks": blocks, "tokens": tokens, "storage_blocks": metrics["match_storage_block_ids"],
-                "gpu_free": sorted(self.manager.gpu_free_block_list)}  # fmt: skip
+        return {
+            "blocks": blocks,
+            "tokens": tokens,
+            "storage_blocks": metrics["match_storage_block_ids"],
+            "gpu_free": sorted(self.manager.gpu_free_block_list),
+        }
 
     def write_decode(self, request_id: str, prompt: list[int], block_tables: list[int]) -> dict[str, Any]:
         self.manager.write_cache_to_storage_decode(self.request(request_id, prompt, block_tables))
@@ -141,8 +188,12 @@ class Engine:
             from fastdeploy.inter_communicator.fmq import FMQ
 
             root = Path(os.environ["FASTDEPLOY_SRC"])
-            method = source_of(root, "fastdeploy/engine/common_engine.py", ("EngineService._wait_for_control_responses",),
-                               {"asyncio": asyncio, "List": list, "ControlResponse": ControlResponse})  # fmt: skip
+            method = source_of(
+                root,
+                "fastdeploy/engine/common_engine.py",
+                ("EngineService._wait_for_control_responses",),
+                {"asyncio": asyncio, "List": list, "ControlResponse": ControlResponse},
+            )
             port, tp = self.c["queue_port"], self.c["tp"]
             queues = {
                 f"ctrl_c2e_rank{r}_{port}": FMQ().queue(f"ctrl_c2e_rank{r}_{port}", "consumer") for r in range(tp)

@@ -173,8 +173,9 @@ class Engine:
 
 @pytest.fixture
 def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
-    daemon = daemons.start(ranks=TP, small=False, args=[*GEOMETRY, "--storage-backend", "file",
-                                                        "--storage-path", str(tmp_path / "store")])  # fmt: skip
+    daemon = daemons.start(
+        ranks=TP, small=False, args=[*GEOMETRY, "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+    )
     daemon.wait_ready()
     made = Engine(tmp_path, daemon.instance)
     try:
@@ -216,8 +217,9 @@ def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
         write = fd.WriteStorageTask(task_id="w1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[3, 4])
         done = engine.task((status.GPU2STORAGE, write))
         assert done[0][0] == status.GPU2STORAGE and done[0][1:] == ("w1", ["h1", "h2"], [3, 4])
-        read = fd.ReadStorageTask(task_id="r1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[5, 6],
-                                  start_read_block_idx=0)  # fmt: skip
+        read = fd.ReadStorageTask(
+            task_id="r1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[5, 6], start_read_block_idx=0
+        )
         done = engine.task((status.STORAGE2GPU, read), results=TP)  # every rank reports a read
         assert [d[1:] for d in done] == [("r1", ["h1", "h2"], [5, 6])] * TP
         assert [blocks(c, [5, 6]) for c in caches] == original

@@ -62,8 +62,13 @@ def test_a_refused_swap_out_is_reported_with_nothing_moved(daemons: DaemonFactor
         caches = views(daemon.instance)
         fill(caches, [5, 6], seed=4)
         before = blocks(caches, [5, 6])
-        engine.call("make_nodes", nodes=[{"node_id": 900, "status": "SWAP2CPU", "block_id": 5},
-                                         {"node_id": 901, "status": "SWAP2CPU", "block_id": 6}])  # fmt: skip
+        engine.call(
+            "make_nodes",
+            nodes=[
+                {"node_id": 900, "status": "SWAP2CPU", "block_id": 5},
+                {"node_id": 901, "status": "SWAP2CPU", "block_id": 6},
+            ],
+        )
         engine.call("swap", event="SWAP2CPU", task_id="refused", gpu=[5, 6], cpu=[3, 99], nodes=[900, 901])
         state = engine.call("nodes", ids=[900, 901])
         assert state["nodes"] == [{"status": "SWAP2CPU", "block_id": 5}, {"status": "SWAP2CPU", "block_id": 6}]
@@ -116,7 +121,7 @@ def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(daemons: Dae
             ],
             {},
             "--key_cache_shape",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_mismatch_is_refused_by_name_and_stops_the_engine(

@@ -156,8 +156,14 @@ class Handlers:
                 message = handler() or message
             except Exception as exc:
                 code, message = 500, f"Failed to execute {method}: {exc}"
-        log.log(logging.INFO if code == 200 else logging.ERROR, "control %s of rank %d: %d %s", method, self.m.rank,
-                code, message)  # fmt: skip
+        log.log(
+            logging.INFO if code == 200 else logging.ERROR,
+            "control %s of rank %d: %d %s",
+            method,
+            self.m.rank,
+            code,
+            message,
+        )
         self.m.sync(self.m.queue.barrier, "barrier (control)")
         self.m.respond(self.m.fd.control_response(request.request_id, code, message))
 

@@ -80,9 +80,10 @@ def messager_cache(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any],
     key = [int(i) for i in args.key_cache_shape.split(",")]
     if key != list(spec.cache_shape) or args.num_layers != spec.num_layers:
         raise InvalidSpec(
-            "key_cache_shape", f"the engine says {key} x {args.num_layers} layers, kvcached holds "
-            f"{list(spec.cache_shape)} x {spec.num_layers}"
-        )  # fmt: skip
+            "key_cache_shape",
+            f"the engine says {key} x {args.num_layers} layers, kvcached holds "
+            f"{list(spec.cache_shape)} x {spec.num_layers}",
+        )
     cache = rc.initialize_kv_cache(spec, rank, instance=_instance(), timeout=_wait_s(), framework="paddle")
     ATTACHED[rank] = cache
     kvs: dict[str, Any] = {}
