@@ -166,6 +166,45 @@ class Engine:
         self.manager.write_cache_to_storage_decode(self.request(request_id, prompt, block_tables))
         return {}
 
+    def stream(self, pairs: int, progress: str) -> dict[str, Any]:
+        """``pairs`` x (swap out, then swap in elsewhere) through ``issue_swap_task``, each pair checked byte
+        for byte through the runners' views: the source is overwritten after its swap out and the target
+        zeroed before the swap in, so only bytes that really moved both ways compare equal. The pairs done
+        so far are written to ``progress``."""
+        import runner_client as rc
+
+        c = self.c
+        spec = rc.CacheSpec(
+            num_layers=c["layers"],
+            kv_heads=c["kv_heads"],
+            head_dim=c["head_dim"],
+            block_size=c["block_size"],
+            num_blocks=c["blocks"],
+            num_cpu_blocks=c["cpu_blocks"],
+            storage_backend=c.get("storage"),
+        )
+        caches = [rc.initialize_kv_cache(spec, rank, timeout=30) for rank in range(c["tp"])]
+        tensors = [t for cache in caches for t in cache.key_caches + cache.value_caches]
+        rng, slowest, wrong = np.random.default_rng(5), 0.0, []
+        for i in range(pairs):
+            src, dst, cpu = (
+                [2 * (i % 8), 2 * (i % 8) + 1],
+                [32 + 2 * (i % 8), 33 + 2 * (i % 8)],
+                [2 * (i % 16), 2 * (i % 16) + 1],
+            )
+            for t in tensors:
+                t[src].view(np.uint8)[...] = rng.integers(0, 256, t[src].view(np.uint8).shape, dtype=np.uint8)
+            expected = [t[src].tobytes() for t in tensors]
+            slowest = max(slowest, self.swap("SWAP2CPU", f"out-{i}", src, cpu, None)["seconds"])
+            for t in tensors:
+                t[src].view(np.uint8)[...] = 0xA5
+                t[dst].view(np.uint8)[...] = 0
+            slowest = max(slowest, self.swap("SWAP2GPU", f"in-{i}", dst, cpu, None)["seconds"])
+            if [t[dst].tobytes() for t in tensors] != expected:
+                wrong.append(i)
+            Path(progress).write_text(str(i + 1))
+        return {"pairs": pairs, "slowest": slowest, "wrong": wrong}
+
     def control(self, method: str) -> dict[str, Any]:
         """A control request as the engine sends it to the cache transfer managers (``_control_pause``
         ~1429-1439), answered through FastDeploy's own waiter over its FMQ."""

@@ -11,10 +11,13 @@ checked through the runners' views. Skipped without ``FASTDEPLOY_SRC`` (a checko
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from kvcached.fastdeploy.transfer_manager import TASK_S
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
 from tests.fastdeploy_engine_code import GEOMETRY, EngineEnded, blocks, engine_and_daemon, fill, views
@@ -134,3 +137,40 @@ def test_a_mismatch_is_refused_by_name_and_stops_the_engine(
             engine.call("launch", timeout=120)
         assert ended.value.status == -15
         assert f"Error: {argument}:" in engine.dropin_log()
+
+
+@pytest.mark.slow
+def test_a_thousand_swaps_ride_through_a_restart_and_a_kill(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Acceptance: 1,000 swaps issued by FastDeploy's ``issue_swap_task`` while the operator runs ``kvcached
+    restart`` and later kills the daemon (-9) and starts it again: every swap the engine sees done moved its
+    bytes (each pair checked through the runners' views), none takes past the drop-in's task deadline, and
+    the engine never sees an error (both daemons adopted the memory)."""
+    progress = tmp_path / "progress"
+    done: list[str] = []
+
+    def pairs_done() -> int:
+        return int(progress.read_text() or 0) if progress.exists() else 0
+
+    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
+        engine.call("launch")
+        args = ["--geometry", "engine", "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+
+        def operator() -> None:
+            while pairs_done() < 150:
+                time.sleep(0.01)
+            restarted = daemons.cli("restart", "--instance", daemon.instance)
+            done.append(f"restart {restarted.returncode}: {restarted.stdout.strip()}")
+            while pairs_done() < 330:
+                time.sleep(0.01)
+            daemon.kill9()
+            done.append("killed")
+            daemons.start(daemon.instance, ranks=2, small=False, args=args).wait_ready(60)
+            done.append("started")
+
+        thread = threading.Thread(target=operator, daemon=True)
+        thread.start()
+        got = engine.call("stream", pairs=500, progress=str(progress), timeout=900)
+        thread.join(60)
+    assert len(done) == 3 and done[0].startswith("restart 0") and "adopted" in done[0], done
+    assert got["wrong"] == [], f"pairs whose bytes did not move: {got['wrong']}"
+    assert got["slowest"] < TASK_S, got
