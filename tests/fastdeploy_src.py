@@ -2,18 +2,15 @@
 queue, ``IPCSignal``, ``CacheStatus`` and the storage tasks), or ``tests/fastdeploy_double.py`` without one;
 and the adapter the drop-in gets in the tests, built on them.
 
-FastDeploy's files are loaded by path under their own module names, inside a ``fastdeploy`` package shell;
-``fastdeploy.utils`` is a STAND-IN offering only the loggers those files import (the real module imports
-paddle). Control requests and responses and their queue are always the doubles (FastDeploy's need zmq and
-its whole engine).
+FastDeploy's files are imported under their own module names through the package shell of
+``tests/fastdeploy_shell.py`` (its STUBS are listed there). Control requests and responses and their queue
+are the doubles here (``tests/test_fastdeploy_engine_code.py`` uses FastDeploy's own, over its FMQ).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
+import importlib
 import os
-import sys
 import types
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -23,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tests import fastdeploy_double as double
+from tests.fastdeploy_shell import install
 
 _QUEUE = "fastdeploy/inter_communicator/engine_cache_queue.py"
 FILES = {
@@ -39,33 +37,6 @@ def source() -> Path | None:
     return Path(path) if path else None
 
 
-def _shell(root: Path) -> None:
-    """Empty ``fastdeploy`` packages (their ``__init__`` files import the whole engine) and the stand-in
-    ``fastdeploy.utils``."""
-    for name in ("fastdeploy", "fastdeploy.inter_communicator", "fastdeploy.cache_manager"):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [str(root / name.replace(".", "/"))]
-            sys.modules[name] = package
-    if "fastdeploy.utils" not in sys.modules:
-        utils = types.ModuleType("fastdeploy.utils")
-        utils.get_logger = lambda name, *_args, **_kw: logging.getLogger(name)  # type: ignore[attr-defined]
-        utils.llm_logger = logging.getLogger("fastdeploy")  # type: ignore[attr-defined]
-        utils.console_logger = logging.getLogger("fastdeploy")  # type: ignore[attr-defined]
-        sys.modules["fastdeploy.utils"] = utils
-
-
-def _load(root: Path, relative: str, module: str) -> types.ModuleType:
-    if module in sys.modules:
-        return sys.modules[module]
-    spec = importlib.util.spec_from_file_location(module, root / relative)
-    assert spec is not None and spec.loader is not None
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[module] = loaded
-    spec.loader.exec_module(loaded)
-    return loaded
-
-
 def pieces() -> types.SimpleNamespace:
     """FastDeploy's classes as the tests use them, and where each came from."""
     root = source()
@@ -73,8 +44,8 @@ def pieces() -> types.SimpleNamespace:
     origin: dict[str, str] = {}
     for name, (relative, module) in FILES.items():
         if root is not None:
-            _shell(root)
-            found[name] = getattr(_load(root, relative, module), name)
+            install(root)
+            found[name] = getattr(importlib.import_module(module), name)
             origin[name] = f"{root / relative}"
         else:
             found[name] = getattr(double, name)

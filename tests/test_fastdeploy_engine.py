@@ -262,3 +262,20 @@ def test_a_mismatch_is_refused_by_name_before_anything_moves(
     assert proc.wait(60) == 4
     assert f"--{field}:" in (proc.stdout.read() if proc.stdout else "")
     assert engine.value("cache_transfer_inited_signal") == [0, 0] and engine.value("cache_ready_signal") == [0, 0]
+
+
+def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engine) -> None:
+    """Items on the cache queue that are no FastDeploy task (garbage, a task with a field missing, ids that
+    are not ids) are logged and skipped by every rank; the drop-ins serve the next task."""
+    status = engine.fd.CacheStatus
+    for rank in range(TP):
+        engine.launch(rank)
+    engine.until(lambda: engine.value("cache_transfer_inited_signal") == [1, 1], "cache_transfer_inited_signal")
+    for item in ("garbage", (status.SWAP2CPU, "no ids"), (status.SWAP2CPU, "t0", [1], "not ids", [0]), 12345):
+        engine.queue.put_transfer_task(item)
+    done = engine.task((status.SWAP2CPU, "t1", [11], [1], [0]))
+    assert done[0][1:] == ("t1", [11], [1], [0])
+    assert all(proc.poll() is None for proc in engine.dropins), "a drop-in died of a malformed item"
+    engine.close()
+    logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
+    assert logs.count("that is not a task") >= 3 * TP and "ignoring a malformed cache task" in logs
