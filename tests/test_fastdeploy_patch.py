@@ -7,11 +7,14 @@ a directory holding their executables, e.g. a virtual environment's ``bin``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import py_compile
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,70 @@ def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> 
     call = manager.split("swap_cache_all_layers(\n", 2)[1].split(")", 1)[0]
     arguments = [a.strip() for a in call.split(",") if a.strip()]
     assert len(arguments) == 1 + len(attrs) and "dst_ptrs" in arguments[1] and arguments[-1] == "0", arguments
+
+
+def test_fastdeploys_own_parse_args_reads_the_launch_command_as_the_drop_in_does() -> None:
+    """FastDeploy's ``parse_args`` (its source, from the checkout) and the drop-in's read the command line the
+    engine's launcher builds to the same values."""
+    from tests.fastdeploy_shell import source_of
+
+    root = checkout()
+    theirs = source_of(
+        root,
+        "fastdeploy/cache_manager/cache_transfer_manager.py",
+        ("parse_args",),
+        {"argparse": argparse, "json": json},
+    )
+    argv = [
+        "--device_id",
+        "1",
+        "--rank",
+        "1",
+        "--splitwise_role",
+        "mixed",
+        "--num_layers",
+        "16",
+        "--mp_num",
+        "2",
+        "--cache_dtype",
+        "bfloat16",
+        "--key_cache_shape",
+        "64,2,16,64",
+        "--value_cache_shape",
+        "64,2,16,64",
+        "--cache_queue_port",
+        "9000",
+        "--enable_splitwise",
+        "0",
+        "--pod_ip",
+        "127.0.0.1",
+        "--engine_worker_queue_port",
+        "9001",
+        "--num_cpu_blocks",
+        "32",
+        "--protocol",
+        "ipc",
+        "--local_data_parallel_id",
+        "0",
+        "--rdma_port",
+        "0",
+        "--speculative_config",
+        "{}",
+        "--default_dtype",
+        "bfloat16",
+        "--kvcache_storage_backend",
+        "file",
+        "--write_policy",
+        "write_through",
+        "--max_model_len",
+        "4096",
+        "--model_path",
+        "/models/x",
+    ]
+    saved = sys.argv
+    try:
+        sys.argv = ["cache_transfer_manager.py", *argv]
+        expected = vars(theirs["parse_args"]())
+    finally:
+        sys.argv = saved
+    assert vars(build_parser().parse_args(argv)) == expected
