@@ -191,14 +191,20 @@ def spec_of(**geometry: Any) -> rc.CacheSpec:
 
 @contextlib.contextmanager
 def engine_and_daemon(
-    daemons: DaemonFactory, tmp: Path, *, daemon_args: list[str] | None = None, **geometry: Any
+    daemons: DaemonFactory,
+    tmp: Path,
+    *,
+    daemon_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    **geometry: Any,
 ) -> Iterator[tuple[EngineProcess, Any]]:
-    """A 2-rank daemon (by default ``--geometry engine`` with a file store) and FastDeploy's engine code."""
+    """A 2-rank daemon (by default ``--geometry engine`` with a file store) and FastDeploy's engine code (its
+    environment, and so the drop-ins', with ``env`` added)."""
     fastdeploy_checkout()
     args = daemon_args if daemon_args is not None else ["--geometry", "engine"]
     args = [*args, "--storage-backend", "file", "--storage-path", str(tmp / "store")]
     daemon = daemons.start(ranks=2, small=False, args=args)
-    engine = EngineProcess(tmp, daemon.instance, daemons.env(), **geometry)
+    engine = EngineProcess(tmp, daemon.instance, daemons.env(**(env or {})), **geometry)
     try:
         yield engine, daemon
     finally:

@@ -92,6 +92,20 @@ def test_a_swap_in_that_cannot_happen_stops_the_engine_naming_it(daemons: Daemon
         assert "swap in 'impossible'" in log and "cannot be done" in log and "refused by kvcached" in log
 
 
+def test_a_rank_whose_daemon_stays_away_ends_and_the_engine_stops(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The daemon is stopped for good (``kvcached stop``): a swap-in waits for a daemon to adopt the memory
+    until the task deadline (``KVCACHED_TASK_DEADLINE_S``), then the drop-in ends with a line saying why and
+    the patched launcher stops the engine; nothing is reported done."""
+    with engine_and_daemon(daemons, tmp_path, env={"KVCACHED_TASK_DEADLINE_S": "4"}) as (engine, daemon):
+        engine.call("launch")
+        assert daemon.stop() == 0
+        with pytest.raises(EngineEnded) as ended:
+            engine.call("swap", event="SWAP2GPU", task_id="stranded", gpu=[5], cpu=[1], nodes=None, timeout=60)
+        assert ended.value.status == -15
+        log = engine.dropin_log()
+        assert "swap in 'stranded'" in log and "not done within 4s" in log
+
+
 def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(daemons: DaemonFactory, tmp_path: Path) -> None:
     """The engine's control waiter (its FMQ) gets 200 from every rank for sleep and wakeup, saying that
     kvcached keeps the cache; an unknown method is still a 400 the waiter raises on."""
