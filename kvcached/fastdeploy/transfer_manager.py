@@ -72,6 +72,11 @@ WAIT_S = 600.0
 #: (``KVCACHED_TASK_DEADLINE_S``). Barriers and queue calls get this plus ``SLACK_S``.
 TASK_S = 60.0
 SLACK_S = 30.0
+#: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often); ranks
+#: other than 0 look every ``IDLE_POLL_S`` once no task came for ``IDLE_AFTER_S``.
+POLL_S = 0.001
+IDLE_POLL_S = 0.01
+IDLE_AFTER_S = 0.2
 #: Consecutive broken-connection errors after which the engine is taken to be gone.
 MAX_ERRORS = 10
 _BROKEN = (BrokenPipeError, EOFError, ConnectionResetError, ConnectionRefusedError)
@@ -90,7 +95,6 @@ class TransferManager:
         suffix, ranks = args.engine_worker_queue_port, args.mp_num
         self.cache_ready = fd.signal("cache_ready_signal", ranks, suffix)
         self.swap_space_ready = fd.signal("swap_space_ready_signal", ranks, suffix)
-        self.broadcast = fd.signal("cache_task_broadcast_signal", 1, suffix)
         self.is_paused_signal = fd.signal("cache_task_is_paused", 1, suffix)
         self.inflight_signal = fd.signal("cache_task_inflight", ranks, suffix)
         self.inited = fd.signal("cache_transfer_inited_signal", ranks, suffix)
@@ -103,6 +107,7 @@ class TransferManager:
             for name in ("to_cpu", "to_gpu", "read", "write", "control")
         }
         self.is_paused = False
+        self.last_task = 0.0
         self.inflight = 0
         self.inflight_lock = threading.Lock()
 
@@ -154,32 +159,43 @@ class TransferManager:
                 time.sleep(1)
 
     def _step(self) -> None:
-        if self.rank == 0:
-            self.is_paused_signal[0] = 1 if self.is_paused else 0
-        self.sync(self.queue.barrier0, "barrier0")
+        """One turn of the loop: say whether this rank runs or is paused, take the next task, hand it on.
+
+        FastDeploy's own loop meets the other ranks at four barriers on every turn, a millisecond apart
+        when idle, so that its ranks read each task together and copy their shares together. Here rank 0
+        moves every rank's share and the queue already hands each task to every client once (its bitmask,
+        ``engine_cache_queue.py`` ~280-310), so each rank takes tasks at its own pace: one queue call a
+        turn while idle instead of seven, and no CPU taken from the copies. The engine sees the same queue,
+        results and flags; ranks still meet at the control barriers."""
         paused = self._mark_inflight()
-        if self.rank == 0 and not self._call(self.queue.empty):
-            self.broadcast[0] = 1
-        self.sync(self.queue.barrier1, "barrier1")
-        if self.broadcast[0] != 1:
-            self.sync(self.queue.barrier2, "barrier2")
-            time.sleep(0.001)  # FastDeploy spins here; a millisecond costs a task nothing
+        if self._call(self.queue.empty):
+            time.sleep(self._pause())
             return
-        data, read_finish = self._call(self.queue.get_transfer_task)
-        if read_finish:
-            self.broadcast[0] = 0
-        if data is not None:
-            try:
-                event, rest = data[0], tuple(data[1:])
-                if paused and event.value != self.fd.CacheStatus.CTRL.value:  # type: ignore[attr-defined]
-                    return  # as FastDeploy: tasks taken while paused are dropped, only control tasks run
-                self._dispatch(event, rest)
-            except (TypeError, IndexError, AttributeError, KeyError, ValueError) as exc:
-                log.error("rank %d: ignoring a cache queue item that is not a task (%s): %.200r", self.rank, exc, data)
-        self.sync(self.queue.barrier3, "barrier3")
+        data, _ = self._call(self.queue.get_transfer_task)
+        if data is None:  # read already: the other ranks have yet to take it
+            time.sleep(self._pause())
+            return
+        self.last_task = time.monotonic()
+        try:
+            event, rest = data[0], tuple(data[1:])
+            if paused and event.value != self.fd.CacheStatus.CTRL.value:  # type: ignore[attr-defined]
+                return  # as FastDeploy: tasks taken while paused are dropped, only control tasks run
+            self._dispatch(event, rest)
+        except (TypeError, IndexError, AttributeError, KeyError, ValueError) as exc:
+            log.error("rank %d: ignoring a cache queue item that is not a task (%s): %.200r", self.rank, exc, data)
+
+    def _pause(self) -> float:
+        """Rank 0 looks every millisecond (a task's latency); the others, which only take each task so that
+        the queue lets the engine put the next, look as often while tasks come and ten times less after
+        ``IDLE_AFTER_S`` without one: eight ranks polling a manager proxy would take a core from the copies."""
+        idle = time.monotonic() - self.last_task > IDLE_AFTER_S
+        return IDLE_POLL_S if self.rank != 0 and idle else POLL_S
 
     def _mark_inflight(self) -> bool:
-        """Every rank either finishes what it took before the pause and says so, or says it runs."""
+        """Every rank either finishes what it took before the pause and says so, or says it runs (rank 0's
+        pause state is the group's, ``cache_task_is_paused``)."""
+        if self.rank == 0:
+            self.is_paused_signal[0] = 1 if self.is_paused else 0
         if self.is_paused_signal[0] == 1:
             with self.waits.on("this rank's tasks in flight (pausing)", self.queue_s):
                 while self.inflight != 0:
