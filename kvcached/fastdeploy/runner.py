@@ -56,8 +56,9 @@ def xpu_kv_cache(
     if profile:  # the profile run's cache: the runner's alone, exported under no name
         import paddle
 
+        full: Any = paddle.full
         layers = int(fd_config.model_config.num_hidden_layers)
-        return [paddle.full(shape=shape, fill_value=0, dtype=cache_type) for _ in range(layers) for shape in shapes]
+        return [full(shape=shape, fill_value=0, dtype=cache_type) for _ in range(layers) for shape in shapes]
     spec = rc.spec_from_fastdeploy(fd_config, local_rank, num_blocks=num_blocks, platform="xpu")
     if rc.cache_owner(spec) != "daemon":
         return None
