@@ -11,6 +11,8 @@ checked through the runners' views. Skipped without ``FASTDEPLOY_SRC`` (a checko
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -156,9 +158,10 @@ def test_a_mismatch_is_refused_by_name_and_stops_the_engine(
 @pytest.mark.slow
 def test_a_thousand_swaps_ride_through_a_restart_and_a_kill(daemons: DaemonFactory, tmp_path: Path) -> None:
     """Acceptance: 1,000 swaps issued by FastDeploy's ``issue_swap_task`` while the operator runs ``kvcached
-    restart`` and later kills the daemon (-9) and starts it again: every swap the engine sees done moved its
-    bytes (each pair checked through the runners' views), none takes past the drop-in's task deadline, and
-    the engine never sees an error (both daemons adopted the memory)."""
+    restart``, a rank's worker is killed (replaced on the same memory), and the daemon is killed (-9) and
+    started again: every swap the engine sees done moved its bytes (each pair checked through the runners'
+    views), none takes past the drop-in's task deadline, and the engine never sees an error (every daemon
+    adopted the memory)."""
     progress = tmp_path / "progress"
     done: list[str] = []
 
@@ -174,6 +177,10 @@ def test_a_thousand_swaps_ride_through_a_restart_and_a_kill(daemons: DaemonFacto
                 time.sleep(0.01)
             restarted = daemons.cli("restart", "--instance", daemon.instance)
             done.append(f"restart {restarted.returncode}: {restarted.stdout.strip()}")
+            while pairs_done() < 240:
+                time.sleep(0.01)
+            os.kill(read_status(daemon.instance)["ranks"][1]["pid"], signal.SIGKILL)
+            done.append("worker killed")
             while pairs_done() < 330:
                 time.sleep(0.01)
             daemon.kill9()
@@ -185,6 +192,6 @@ def test_a_thousand_swaps_ride_through_a_restart_and_a_kill(daemons: DaemonFacto
         thread.start()
         got = engine.call("stream", pairs=500, progress=str(progress), timeout=900)
         thread.join(60)
-    assert len(done) == 3 and done[0].startswith("restart 0") and "adopted" in done[0], done
+    assert len(done) == 4 and done[0].startswith("restart 0") and "adopted" in done[0], done
     assert got["wrong"] == [], f"pairs whose bytes did not move: {got['wrong']}"
     assert got["slowest"] < TASK_S, got

@@ -1,5 +1,5 @@
-"""What the drop-in reads from FastDeploy's command line: the spec it declares, and each refusal naming
-FastDeploy's argument."""
+"""The drop-in's own pieces: what it reads from FastDeploy's command line (the spec it declares, each refusal
+naming FastDeploy's argument) and the watchdog of its waits."""
 
 from __future__ import annotations
 
@@ -72,3 +72,25 @@ def test_attention_store_is_refused_saying_why() -> None:
     with pytest.raises(InvalidSpec, match="external SDK"):
         check_store(args("--kvcache_storage_backend", "attention_store"), "file")
     check_against(declared_spec(args(), "file").to_dict(), args(), {"device": 1})
+
+
+def test_a_wait_past_its_deadline_ends_the_rank_naming_it(caplog: pytest.LogCaptureFixture) -> None:
+    """The drop-in's watchdog logs a long wait naming what it waits for and calls ``expire`` at the deadline;
+    a wait that ends in time costs nothing."""
+    import threading
+
+    from kvcached.fastdeploy import waits
+
+    expired: list[tuple[str, float]] = []
+    done = threading.Event()
+    watch = waits.Waits(3, lambda what, waited: (expired.append((what, waited)), done.set()))
+    with watch.on("a quick thing", 5.0):
+        pass
+    with caplog.at_level("WARNING", logger="kvcached.fastdeploy"), watch.on("barrier7 of the cache queue", 0.6):
+        waits.LOG_AFTER_S, saved = 0.1, waits.LOG_AFTER_S
+        try:
+            assert done.wait(5)
+        finally:
+            waits.LOG_AFTER_S = saved
+    assert [what for what, _ in expired] == ["barrier7 of the cache queue"] and expired[0][1] >= 0.6
+    assert "rank 3 waiting" in caplog.text and "barrier7" in caplog.text
