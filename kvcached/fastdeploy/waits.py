@@ -1,7 +1,8 @@
 """Every wait of the drop-in has a deadline and is logged while it lasts.
 
-The drop-in waits on things it cannot interrupt: a barrier of FastDeploy's cache queue (a manager proxy
-call that blocks until every rank arrives), the engine's queue server, the kvcached daemon. Each wait is
+The drop-in waits on things it cannot interrupt: a call of FastDeploy's cache queue (a manager proxy that
+blocks while the engine's queue server does not answer), the engine's connection at start, the tasks in
+flight before a pause, the other side of the pause handshake. Each wait is
 entered with ``with waits.on(what, seconds):``; one watchdog thread logs every wait that has lasted
 ``LOG_AFTER_S`` (and again every ``LOG_EVERY_S``) naming what it waits for, and when one passes its
 deadline calls ``expire(what, seconds)``, which ends the rank (``TransferManager.end``): a wait that
