@@ -77,7 +77,8 @@ TASK_S = 60.0
 SLACK_S = 30.0
 #: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often).
 POLL_S = 0.001
-#: Within ``BUSY_S`` of a task rank 0 looks every ``FAST_POLL_S``: the engine often sends the next at once.
+#: Within ``BUSY_S`` of a task, and with none in flight (polling takes CPU from the copies), rank 0 looks
+#: every ``FAST_POLL_S``: the engine often sends the next task at once.
 FAST_POLL_S = 0.0002
 BUSY_S = 0.05
 #: Seconds between two looks of a standing-by rank at the engine (is it still there?).
@@ -181,7 +182,8 @@ class TransferManager:
         paused = self._mark_inflight()
         data = None if self._call(self.queue.empty) else self._call(lambda: take_for_group(self.queue))
         if data is None:
-            time.sleep(FAST_POLL_S if time.monotonic() - self.last_task < BUSY_S else POLL_S)
+            busy = self.inflight == 0 and time.monotonic() - self.last_task < BUSY_S
+            time.sleep(FAST_POLL_S if busy else POLL_S)
             return
         self.last_task = time.monotonic()
         try:
