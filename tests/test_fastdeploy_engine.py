@@ -251,6 +251,8 @@ def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
         ("num_layers", {"num_layers": "3"}),
         ("num_cpu_blocks", {"num_cpu_blocks": "9"}),
         ("cache_dtype", {"cache_dtype": "uint8"}),
+        ("local_data_parallel_id", {"local_data_parallel_id": "1"}),
+        ("kvcache_storage_backend", {"kvcache_storage_backend": "mooncake"}),
     ],
 )
 def test_a_mismatch_is_refused_by_name_before_anything_moves(
@@ -279,3 +281,30 @@ def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engin
     engine.close()
     logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
     assert logs.count("that is not a task") >= 3 and "ignoring a malformed cache task" in logs
+
+
+def test_a_device_id_other_than_the_ranks_device_is_refused(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """kvcached keeps rank 0 on device 4 (``--devices 4,5``, the xpu backend over the TEST DOUBLE of its
+    runtime): a drop-in told ``--device_id 0`` exits 4 naming it, before it joins the queue."""
+    pytest.importorskip("paddle")
+    env = daemons.env(KVCACHED_PLUGINS="tests.plugins.xpu_double")
+    args = [
+        "--memory",
+        "xpu-double",
+        "--devices",
+        "4,5",
+        *GEOMETRY,
+        "--storage-backend",
+        "file",
+        "--storage-path",
+        str(tmp_path / "store"),
+    ]
+    daemons.start(ranks=TP, small=False, args=args, env=env).wait_ready()
+    made = Engine(tmp_path, daemons.daemons[-1].instance)
+    try:
+        proc = made.launch(0, device_id="0")
+        assert proc.wait(60) == 4
+        assert "--device_id: the engine says 0, kvcached keeps this rank on device 4" in (proc.stdout.read() or "")
+        assert made.value("cache_transfer_inited_signal") == [0, 0]
+    finally:
+        made.close()

@@ -292,6 +292,9 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
         for rank in [own] + ([r for r in ranks if r != own] if args.rank == 0 else []):
             rc.wait_until_ready(instance, rank, timeout=wait_s, declare=declared)
     except CacheLayoutMismatch as exc:
+        if exc.field == "num_ranks":  # the group's ranks lie past the daemon's
+            field = "local_data_parallel_id" if args.local_data_parallel_id else "mp_num"
+            raise InvalidSpec(field, f"gives kvcached ranks {ranks}: {exc}") from None
         raise InvalidSpec(ARGUMENT_OF.get(exc.field, exc.field), str(exc)) from None
     view = open_instance(instance)
     if view is None or view.header is None:
