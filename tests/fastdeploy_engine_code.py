@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,33 +22,22 @@ import pytest
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
 from tests.fastdeploy_shell import shell_dir
-from tests.fastdeploy_src import source
+from tests.fastdeploy_src import checkout, patched_tree
 
-PATCH = ROOT / "patches" / "fastdeploy-e53f5184-kvcached.patch"
-COMMIT = "e53f5184"
 #: A realistic geometry: 16 layers, 2 ranks, a file store.
 GEOMETRY = {"tp": 2, "layers": 16, "kv_heads": 2, "head_dim": 64, "block_size": 16, "blocks": 64, "cpu_blocks": 32}
 
 
 def fastdeploy_checkout() -> Path:
     """FASTDEPLOY_SRC at e53f5184 with pyzmq (FastDeploy's FMQ) importable, or skip saying what is missing."""
-    root = source()
-    if root is None:
-        pytest.skip("drives FastDeploy's engine code: set FASTDEPLOY_SRC to a FastDeploy checkout of e53f5184")
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    if not head.stdout.startswith(COMMIT):
-        pytest.skip(f"FASTDEPLOY_SRC is at {head.stdout.strip() or 'no git commit'}, these tests need {COMMIT}")
+    root = checkout("the tests that drive FastDeploy's engine code")
     pytest.importorskip("zmq", reason="FastDeploy's FMQ (control responses) needs pyzmq")
     return root
 
 
 def patched(root: Path, into: Path) -> Path:
     """The files the patch touches, patched, under ``into`` (found before the checkout's)."""
-    files = [line[6:] for line in PATCH.read_text().splitlines() if line.startswith("+++ b/")]
-    for relative in files:
-        (into / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / relative, into / relative)
-    subprocess.run(["git", "apply", str(PATCH)], cwd=into, check=True, capture_output=True)
+    patched_tree(root, into)
     return into
 
 

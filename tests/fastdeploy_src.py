@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import shutil
+import subprocess
 import types
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests import fastdeploy_double as double
 from tests.fastdeploy_shell import install
@@ -35,6 +39,40 @@ FILES = {
 def source() -> Path | None:
     path = os.environ.get("FASTDEPLOY_SRC")
     return Path(path) if path else None
+
+
+PATCH = Path(__file__).resolve().parent.parent / "patches" / "fastdeploy-e53f5184-kvcached.patch"
+COMMIT = "e53f5184"
+#: FastDeploy's configuration files its hooks read (black and isort: pyproject.toml; flake8: .flake8).
+HOOK_CONFIG = ("pyproject.toml", ".flake8", ".pre-commit-config.yaml")
+
+
+def checkout(what: str = "this") -> Path:
+    """FASTDEPLOY_SRC, a checkout of e53f5184, or skip saying what ``what`` needs."""
+    root = source()
+    if root is None:
+        pytest.skip(f"set FASTDEPLOY_SRC to a FastDeploy checkout of {COMMIT} (gongshaotian/FastDeploy) to run {what}")
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    if not head.stdout.startswith(COMMIT):
+        pytest.skip(f"FASTDEPLOY_SRC is at {head.stdout.strip() or 'no git commit'}, {what} needs {COMMIT}")
+    return root
+
+
+def patched_files() -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)$", PATCH.read_text(), re.MULTILINE)
+
+
+def patched_tree(root: Path, into: Path) -> list[str]:
+    """Copy the files the patch touches (with their packages' ``__init__`` files and the hooks'
+    configuration) from ``root`` into ``into`` and apply the patch there; the patched files."""
+    files = patched_files()
+    packages = {str(parent / "__init__.py") for f in files for parent in Path(f).parents if parent != Path(".")}
+    for relative in (*files, *HOOK_CONFIG, *sorted(packages)):  # isort tells first-party code by its packages
+        (into / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / relative, into / relative)
+    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=into, capture_output=True, text=True, check=False)
+    assert applied.returncode == 0, applied.stderr
+    return files
 
 
 def pieces() -> types.SimpleNamespace:

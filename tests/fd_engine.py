@@ -172,17 +172,10 @@ class Engine:
         zeroed before the swap in, so only bytes that really moved both ways compare equal. The pairs done
         so far are written to ``progress``."""
         import runner_client as rc
+        from tests.fastdeploy_engine_code import GEOMETRY, spec_of
 
         c = self.c
-        spec = rc.CacheSpec(
-            num_layers=c["layers"],
-            kv_heads=c["kv_heads"],
-            head_dim=c["head_dim"],
-            block_size=c["block_size"],
-            num_blocks=c["blocks"],
-            num_cpu_blocks=c["cpu_blocks"],
-            storage_backend=c.get("storage"),
-        )
+        spec = spec_of(**{key: c[key] for key in GEOMETRY}, storage=c.get("storage"))
         caches = [rc.initialize_kv_cache(spec, rank, timeout=30) for rank in range(c["tp"])]
         tensors = [t for cache in caches for t in cache.key_caches + cache.value_caches]
         rng, slowest, wrong = np.random.default_rng(5), 0.0, []

@@ -124,20 +124,7 @@ def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(daemons: Dae
     [
         (["--geometry", "engine"], {"storage": "mooncake"}, "--kvcache_storage_backend"),
         (
-            [
-                "--num-layers",
-                "16",
-                "--kv-heads",
-                "2",
-                "--head-dim",
-                "64",
-                "--block-size",
-                "16",
-                "--num-blocks",
-                "48",
-                "--num-cpu-blocks",
-                "32",
-            ],
+            "--num-layers 16 --kv-heads 2 --head-dim 64 --block-size 16 --num-blocks 48 --num-cpu-blocks 32".split(),
             {},
             "--key_cache_shape",
         ),

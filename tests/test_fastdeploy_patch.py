@@ -20,42 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvcached.fastdeploy.transfer_manager import build_parser
-from tests.conftest import ROOT
-from tests.fastdeploy_src import source
-
-PATCH = ROOT / "patches" / "fastdeploy-e53f5184-kvcached.patch"
-COMMIT = "e53f5184"
-
-
-def checkout() -> Path:
-    root = source()
-    if root is None:
-        pytest.skip("set FASTDEPLOY_SRC to a FastDeploy checkout of e53f5184 (gongshaotian/FastDeploy) to run this")
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    if not head.stdout.startswith(COMMIT):
-        pytest.skip(f"FASTDEPLOY_SRC is at {head.stdout.strip() or 'no git commit'}, the patch is against {COMMIT}")
-    return root
-
-
-def patched_files() -> list[str]:
-    return re.findall(r"^\+\+\+ b/(\S+)$", PATCH.read_text(), re.MULTILINE)
-
-
-#: FastDeploy's configuration files its hooks read (black and isort: pyproject.toml; flake8: .flake8).
-HOOK_CONFIG = ("pyproject.toml", ".flake8", ".pre-commit-config.yaml")
-
-
-def patched_tree(root: Path, into: Path) -> list[str]:
-    """Copy the files the patch touches (and the hooks' configuration) from ``root`` into ``into``, apply
-    the patch there; the patched files."""
-    files = patched_files()
-    packages = {str(parent / "__init__.py") for f in files for parent in Path(f).parents if parent != Path(".")}
-    for relative in (*files, *HOOK_CONFIG, *sorted(packages)):  # isort tells first-party code by its packages
-        (into / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / relative, into / relative)
-    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=into, capture_output=True, text=True, check=False)
-    assert applied.returncode == 0, applied.stderr
-    return files
+from tests.fastdeploy_src import PATCH, checkout, patched_tree
 
 
 def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> None:
