@@ -164,6 +164,20 @@ class EngineEnded(AssertionError):
         self.status = status
 
 
+def configured(**changes: int) -> list[str]:
+    """``kvcached start``'s geometry options for ``GEOMETRY`` with ``changes``."""
+    g = {**GEOMETRY, **changes}
+    flags = {
+        "num-layers": "layers",
+        "kv-heads": "kv_heads",
+        "head-dim": "head_dim",
+        "block-size": "block_size",
+        "num-blocks": "blocks",
+        "num-cpu-blocks": "cpu_blocks",
+    }
+    return [part for flag, key in flags.items() for part in (f"--{flag}", str(g[key]))]
+
+
 def spec_of(**geometry: Any) -> rc.CacheSpec:
     g = {**GEOMETRY, **geometry}
     return rc.CacheSpec(

@@ -22,7 +22,7 @@ import pytest
 from kvcached.fastdeploy.transfer_manager import TASK_S
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
-from tests.fastdeploy_engine_code import GEOMETRY, EngineEnded, blocks, engine_and_daemon, fill, views
+from tests.fastdeploy_engine_code import GEOMETRY, EngineEnded, blocks, configured, engine_and_daemon, fill, views
 
 BLOCK = GEOMETRY["block_size"]
 
@@ -123,11 +123,7 @@ def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(daemons: Dae
     ("daemon_args", "geometry", "argument"),
     [
         (["--geometry", "engine"], {"storage": "mooncake"}, "--kvcache_storage_backend"),
-        (
-            "--num-layers 16 --kv-heads 2 --head-dim 64 --block-size 16 --num-blocks 48 --num-cpu-blocks 32".split(),
-            {},
-            "--key_cache_shape",
-        ),
+        (configured(blocks=48), {}, "--key_cache_shape"),
     ],
 )
 def test_a_mismatch_is_refused_by_name_and_stops_the_engine(
