@@ -407,11 +407,12 @@ def restart(instance: str | None, timeout: float) -> None:
     Runners keep their views. On the host backend the old workers go on serving until the new ones have
     reopened the memory, then drain and hand each rank over: the gap is tens of milliseconds. Tasks cut
     off are answered NOT_RUN and CacheTasks sends them again. Waits until every rank is READY again; exit
-    0 when the memory was adopted, 1 otherwise (the reason is printed).
+    0 when the memory was adopted, 1 otherwise (the reason is printed). A daemon still waiting for the
+    engine's geometry (--geometry engine) holds no memory: it waits again, exit 0.
     """
     from kvcached.daemon.signals import RESTART_SIGNAL
     from kvcached.protocol.proc import is_alive
-    from kvcached.status import is_ready, read_status
+    from kvcached.status import awaits_geometry, is_ready, read_status
 
     name = _instance(instance)
     target = _daemon_of(name)
@@ -424,7 +425,7 @@ def restart(instance: str | None, timeout: float) -> None:
     deadline = began + timeout
     while True:
         snapshot = _guarded(read_status, name)
-        if snapshot["generation"] not in (None, before) and is_ready(snapshot):
+        if snapshot["generation"] not in (None, before) and (is_ready(snapshot) or awaits_geometry(snapshot)):
             break
         if not is_alive(pid, started):
             raise click.ClickException(f"instance {name}: daemon pid {pid} exited while restarting (see its log)")
@@ -434,7 +435,7 @@ def restart(instance: str | None, timeout: float) -> None:
     took = time.monotonic() - began
     note = snapshot.get("note") or ""
     click.echo(f"instance {name}: restarted (pid {pid}) in {took:.2f}s, generation {snapshot['generation']}: {note}")
-    sys.exit(0 if note.startswith("adopted") else 1)
+    sys.exit(0 if note.startswith("adopted") or awaits_geometry(snapshot) else 1)
 
 
 def _instance(instance: str | None) -> str:

@@ -11,7 +11,7 @@ the CPU pool or back (alternately):
   both see the same load on a shared machine);
 * ``drop-in``: the engine's side of FastDeploy's protocol puts ``(SWAP2CPU|SWAP2GPU, id, nodes, gpu, cpu)``
   on the cache queue and takes the result off it (``issue_swap_task`` and ``recv_data_transfer_result``,
-  e53f5184 ~566-592 and ~2140-2190: it polls the result queue every millisecond, as FastDeploy's result thread
+  e53f5184 ~555-592 and ~2140-2199: it polls the result queue every millisecond, as FastDeploy's result thread
   does); ``--tp`` drop-ins (``tests/fd_dropin.py``) serve it. The queue
   and the flags are FastDeploy's own files with ``FASTDEPLOY_SRC``, else the doubles of the tests;
 * ``plain``: ``--tp`` processes each copying one rank's share of a task's bytes at the same time.

@@ -8,7 +8,7 @@ import pytest
 import runner_client as rc
 from kvcached.config import DaemonConfig
 from kvcached.protocol.errors import InvalidConfig
-from kvcached.status import read_status
+from kvcached.status import awaits_geometry, read_status
 from tests.conftest import Daemon, DaemonFactory, shm_entries
 
 
@@ -80,8 +80,11 @@ def test_the_declared_geometry_survives_a_restart_and_a_kill(daemons: DaemonFact
         assert cache.key_caches[2][19, 1, 3, 15] == 7
 
 
-def test_a_stop_while_waiting_leaves_nothing(daemons: DaemonFactory) -> None:
+def test_a_restart_while_waiting_waits_again_and_a_stop_leaves_nothing(daemons: DaemonFactory) -> None:
     daemon = waiting(daemons)
+    restarted = daemons.cli("restart", "--instance", daemon.instance)
+    assert restarted.returncode == 0 and "waiting for the engine" in restarted.stdout, restarted
+    assert awaits_geometry(read_status(daemon.instance))
     assert daemon.stop() == 0
     assert shm_entries(daemon.instance) == []
 

@@ -5,7 +5,7 @@ This test plays FastDeploy's engine as ``PrefixCacheManager.launch_cache_manager
 ``engine/common_engine.py`` ~360-486): it creates the flags and the cache queue server, launches one drop-in
 per rank with ``cache_transfer_manager.py``'s arguments, waits for ``cache_transfer_inited_signal``, issues
 SWAP2CPU and SWAP2GPU tasks, a storage write and read, and control requests, reading the results the way
-``recv_data_transfer_result`` does (~2140-2190); the bytes in the device blocks are checked after each step
+``recv_data_transfer_result`` does (~2140-2199); the bytes in the device blocks are checked after each step
 through a runner's own views. With ``FASTDEPLOY_SRC`` set the queue, the flags, ``CacheStatus`` and the
 storage tasks are FastDeploy's own files; without it, the doubles of ``tests/fastdeploy_double.py``.
 """

@@ -1,26 +1,26 @@
 """What the drop-in does with each of FastDeploy's cache tasks, and how it reports it.
 
 The result forms are the ones FastDeploy's result thread reads (``prefix_cache_manager.py``
-``recv_data_transfer_result`` ~2140-2190, e53f5184); each is chosen so the engine never computes on a
+``recv_data_transfer_result`` ~2140-2199, e53f5184); each is chosen so the engine never computes on a
 block that did not move:
 
-* ``SWAP2CPU`` (eviction, ``_evict_cache_async`` ~1365-1404): moved, ``(event, id, nodes, gpu, cpu)``
+* ``SWAP2CPU`` (eviction, ``_evict_cache_async`` ~1360-1404): moved, ``(event, id, nodes, gpu, cpu)``
   as FastDeploy reports it; not moved, ``(event, id, [], [], [])``: the engine handles no node
-  (``for i in range(len(gpu))``, ~2170), so each stays SWAP2CPU on its GPU block, which is not
+  (``for i in range(length)``, ~2178), so each stays SWAP2CPU on its GPU block, which is not
   recycled and keeps its bytes; a later match turns it back to GPU and uses that block (``mm_match_block``
   ~1702-1708). The task's CPU blocks stay allocated in the engine (logged).
-* ``SWAP2GPU`` (``request_match_blocks`` -> ``_prepare_cpu_cache`` ~776-797): once the task's event is set,
-  the engine takes the receiving GPU blocks as the request's prefix (~848), whatever the result lists. No
+* ``SWAP2GPU`` (``request_match_blocks`` -> ``_prepare_cpu_cache`` ~796-813): once the task's event is set,
+  the engine takes the receiving GPU blocks as the request's prefix (~884), whatever the result lists. No
   form of "not done" is safe, and leaving it unanswered hangs the scheduler (it waits holding
-  ``request_release_lock``, ~586-592, ~742). So a swap-in is sent again until it moves; one that cannot
+  ``request_release_lock``, ~582-592, ~759). So a swap-in is sent again until it moves; one that cannot
   move ends the rank (``TransferManager.end``), and the patched engine stops, naming the reason.
-* ``STORAGE2GPU`` (~2148-2157): every rank reports the GPU ids loaded and the engine takes the shortest;
+* ``STORAGE2GPU`` (~2153-2163): every rank reports the GPU ids loaded and the engine takes the shortest;
   here the blocks every rank loaded (``[]`` when none), put once per rank. The engine recomputes the rest
-  and recycles their blocks (~838-841).
-* ``GPU2STORAGE`` (~2158-2162): the ids written (``[]`` when none); the engine only wakes its waiter.
+  and recycles their blocks (~880).
+* ``GPU2STORAGE`` (~2164-2168): the ids written (``[]`` when none); the engine only wakes its waiter.
 
-Storage is FastDeploy's manager's (``cache_transfer_manager.py`` ``read_storage_task`` ~742-800,
-``write_back_storage_task`` ~900-975): one key per full block; a read loads the stored prefix into the
+Storage is FastDeploy's manager's (``cache_transfer_manager.py`` ``read_storage_task`` ~758-830,
+``write_back_storage_task`` ~947-1025): one key per full block; a read loads the stored prefix into the
 first GPU ids (the engine allocates a block for a partial last one, and hashes none for it), a write
 stores the blocks past the prefix already stored.
 """

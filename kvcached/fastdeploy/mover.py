@@ -8,7 +8,7 @@ the other ranks' copies happened. Here rank 0's drop-in moves the blocks of ever
 
 A task is tried until it moves or its deadline passes. A swap is idempotent as FastDeploy issues it: the
 engine recycles neither the source nor the target blocks before it has read the result
-(``prefix_cache_manager.py`` ``_handle_swap_result`` ~2091-2133), so a copy cut off by a daemon restart,
+(``prefix_cache_manager.py`` ``_handle_swap_result`` ~2090-2138), so a copy cut off by a daemon restart,
 an adoption or a worker's replacement (``TaskLost``), or sent while no daemon ran (``DaemonGone`` with
 the memory still the one the drop-in started on), is simply sent again. ``Done.outcome`` says how it ended:
 

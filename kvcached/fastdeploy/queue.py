@@ -16,8 +16,8 @@ from typing import Any
 def take_for_group(queue: Any) -> Any:
     """The next task, taken for every client at once (None: the queue is empty).
 
-    ``get_transfer_task`` (~286-305) marks one client's read in ``task_sync_value`` and pops the task once
-    every client has read it; ``put_transfer_task`` (~249-265) waits while some but not all have. With rank
+    ``get_transfer_task`` (~292-315) marks one client's read in ``task_sync_value`` and pops the task once
+    every client has read it; ``put_transfer_task`` (~272-290) waits while some but not all have. With rank
     0 serving the group no other client reads, so taking the head under ``task_lock`` and leaving the mark
     at 0 is what the last of the clients' reads would do: the engine can put the next task at once."""
     queue.task_lock.acquire()
@@ -33,7 +33,7 @@ def take_for_group(queue: Any) -> Any:
 
 
 def put_results(queue: Any, items: list[Any]) -> None:
-    """Put ``items`` on the result queue in one call. ``put_transfer_done_signal`` (~318-325) appends one
+    """Put ``items`` on the result queue in one call. ``put_transfer_done_signal`` (~329-336) appends one
     item under ``task_done_lock``: the lock orders it against ``get_transfer_done_signal``'s length check and
-    pop (~327-337), which an append cannot disturb (each proxied list call runs whole in the server)."""
+    pop (~338-348), which an append cannot disturb (each proxied list call runs whole in the server)."""
     queue.tansfer_done_queue.extend(items)

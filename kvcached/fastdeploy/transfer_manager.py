@@ -174,7 +174,7 @@ class TransferManager:
         """One turn of rank 0's loop: say whether the group runs or is paused, take the next task, hand it on.
 
         FastDeploy's manager of every rank takes every task (the queue's bitmask pops a task once each rank
-        has read it, ``engine_cache_queue.py`` ~286-305) and meets the others at four barriers each turn, a
+        has read it, ``engine_cache_queue.py`` ~292-315) and meets the others at four barriers each turn, a
         millisecond apart when idle, so that each rank copies its share. Here rank 0 moves every rank's
         share and answers every rank's control queue, so it takes each task for the whole group
         (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU
