@@ -212,6 +212,16 @@ SPEC_FIELDS: Mapping[str, str] = {
 _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 
 
+def _geometry_from(where: str, given: list[tuple[str, str]]) -> None:
+    """With ``--geometry engine`` (``where``) the geometry is the engine's to declare: a geometry knob set
+    anyway (``given``: knob, source) is refused by name. The store backend is the daemon's own."""
+    for name, source in given:
+        if where == "engine" and name != "storage_backend":
+            raise InvalidConfig(
+                name, source, "is declared by the engine (--geometry engine): leave it out, or use --geometry config"
+            )
+
+
 def knobs_all() -> tuple[Knob, ...]:
     """Every configuration knob: the core ones (with the registered backends as choices), then each store
     backend's options."""
@@ -303,14 +313,7 @@ class DaemonConfig:
         def source(name: str) -> str:
             return raw[name][1] if name in raw else all_knobs[name].flag
 
-        if values["geometry"] == "engine":
-            for name in SPEC_FIELDS:
-                if name in raw and name != "storage_backend":
-                    raise InvalidConfig(
-                        name,
-                        source(name),
-                        "is declared by the engine (--geometry engine): leave it out, or use --geometry config",
-                    )
+        _geometry_from(values["geometry"], [(name, source(name)) for name in SPEC_FIELDS if name in raw])
         try:
             spec = CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
         except InvalidSpec as exc:

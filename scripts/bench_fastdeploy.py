@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -88,37 +87,45 @@ class Engine:
         }
         self.server = self.fd.EngineCacheQueue(address=("127.0.0.1", port), is_server=True, num_client=tp, client_id=-1)
         self.queue = self.fd.EngineCacheQueue(address=("127.0.0.1", port), is_server=False, num_client=tp, client_id=0)
+        self.dropins = self._launch(instance, env, tp, work, port, layout)
+        self.ids = itertools.count()
+        inited = self.signals["cache_transfer_inited_signal"]
+        deadline = time.monotonic() + 120
+        while int(inited.value.sum()) != tp:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.dropins):
+                raise SystemExit(f"the drop-ins did not start: see {work}/dropins.log")
+            time.sleep(0.05)
+
+    def _launch(
+        self, instance: str, env: dict[str, str], tp: int, work: Path, port: int, layout: tuple[int, ...]
+    ) -> list[subprocess.Popen[bytes]]:
+        """One drop-in per rank (``tests/fd_dropin.py``) with the launcher's arguments for ``layout``."""
         blocks, kv_heads, block_size, head_dim, layers, cpu = layout
         shape = f"{blocks},{kv_heads},{block_size},{head_dim}"
         control = work / "control"
         control.mkdir(exist_ok=True)
         env = dict(env, KVCACHED_INSTANCE=instance, FD_TEST_CONTROL_DIR=str(control))
         log = (work / "dropins.log").open("w")
-        self.dropins = [
+        common = {
+            "mp_num": tp,
+            "num_layers": layers,
+            "key_cache_shape": shape,
+            "value_cache_shape": shape,
+            "num_cpu_blocks": cpu,
+            "cache_queue_port": port,
+            "pod_ip": "127.0.0.1",
+            "engine_worker_queue_port": self.suffix,
+        }
+        return [
             subprocess.Popen(
                 [
                     sys.executable,
                     str(ROOT / "tests" / "fd_dropin.py"),
-                    "--rank",
-                    str(r),
-                    "--mp_num",
-                    str(tp),
-                    "--num_layers",
-                    str(layers),
-                    "--key_cache_shape",
-                    shape,
-                    "--value_cache_shape",
-                    shape,
-                    "--num_cpu_blocks",
-                    str(cpu),
-                    "--cache_queue_port",
-                    str(port),
-                    "--pod_ip",
-                    "127.0.0.1",
-                    "--engine_worker_queue_port",
-                    str(self.suffix),
-                    "--device_id",
-                    str(r),
+                    *(
+                        part
+                        for key, value in {**common, "rank": r, "device_id": r}.items()
+                        for part in (f"--{key}", str(value))
+                    ),
                 ],
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -127,13 +134,6 @@ class Engine:
             )
             for r in range(tp)
         ]
-        self.ids = itertools.count()
-        inited = self.signals["cache_transfer_inited_signal"]
-        deadline = time.monotonic() + 120
-        while int(inited.value.sum()) != tp:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.dropins):
-                raise SystemExit(f"the drop-ins did not start: see {work}/dropins.log")
-            time.sleep(0.05)
 
     def swap_ms(self, blocks: int, out: bool) -> float:
         """Milliseconds of one swap through the drop-ins, put to the result read."""
@@ -154,6 +154,41 @@ class Engine:
         for signal in self.signals.values():
             signal.shm.unlink()
         self.server.manager.shutdown()
+
+
+def measure(
+    engine: Engine, instance: str, tp: int, sizes: list[int], count: int
+) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Milliseconds of ``count`` tasks per size through ``CacheTasks`` and through the drop-in, taking turns."""
+    direct: dict[int, list[float]] = {b: [] for b in sizes}
+    dropin: dict[int, list[float]] = {b: [] for b in sizes}
+    with rc.CacheTasks(instance, timeout=600) as tasks:
+        for out in (True, False):  # map the pool's pages, open the connections
+            direct_ms(tasks, tp, max(sizes), out)
+            engine.swap_ms(max(sizes), out)
+        for b, i in itertools.product(sizes, range(count)):
+            out = i % 2 == 0
+            direct[b].append(direct_ms(tasks, tp, b, out))
+            dropin[b].append(engine.swap_ms(b, out))
+    return direct, dropin
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
+    """Print the table (and write the figures with ``--json``)."""
+    origin = "FastDeploy's own queue" if os.environ.get("FASTDEPLOY_SRC") else "the tests' double of the queue"
+    print(f"{args.geometry}, {args.tp} ranks, one swap task (out, in alternately), median of {args.tasks}; {origin}")
+    header = ("blocks", 6), ("task MiB", 9), ("plain ms", 9), ("CacheTasks ms", 14), ("drop-in ms", 11)
+    print(" ".join(f"{name:>{width}}" for name, width in (*header, ("added ms", 9), ("ratio", 6))))
+    for row in rows:
+        print(
+            f"{row['blocks']:>6} {row['task_mib']:>9.1f} {row['plain_ms']:>9.2f} {row['cachetasks_ms']:>14.2f} "
+            f"{row['dropin_ms']:>11.2f} {row['dropin_ms'] - row['cachetasks_ms']:>9.2f} "
+            f"{row['dropin_ms'] / row['cachetasks_ms']:>6.3f}"
+        )
+    met = all(row["dropin_ms"] <= 1.10 * row["cachetasks_ms"] for row in rows)
+    print(f"target (the drop-in adds at most 10 %): {'met' if met else 'NOT met'}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"geometry": args.geometry, "tp": args.tp, "rows": rows, "met": met}))
 
 
 def main() -> int:
@@ -182,51 +217,27 @@ def main() -> int:
     )
     daemon = benchlib.start_daemon(instance, env, [*geometry, "--dtype", "bfloat16", *extra])
     block_bytes = layers * 2 * kv_heads * block_size * head_dim * 2
-    rows: list[dict[str, Any]] = []
     try:
         engine = Engine(instance, env, args.tp, work, (most, kv_heads, block_size, head_dim, layers, most))
-        direct: dict[int, list[float]] = {b: [] for b in sizes}
-        dropin: dict[int, list[float]] = {b: [] for b in sizes}
         try:
-            with rc.CacheTasks(instance, timeout=600) as tasks:
-                for out in (True, False):  # map the pool's pages first
-                    direct_ms(tasks, args.tp, most, out)
-                for b, i in itertools.product(sizes, range(args.tasks)):  # the two paths take turns
-                    out = i % 2 == 0
-                    direct[b].append(direct_ms(tasks, args.tp, b, out))
-                    dropin[b].append(engine.swap_ms(b, out))
+            direct, dropin = measure(engine, instance, args.tp, sizes, args.tasks)
         finally:
             engine.close()
-        for b in sizes:
-            plain = b * block_bytes / plain_copy_gbps(args.tp, b * block_bytes, 5) * args.tp / 1e6
-            ms_direct, ms_dropin = statistics.median(direct[b]), statistics.median(dropin[b])
-            rows.append(
-                {
-                    "blocks": b,
-                    "task_mib": args.tp * b * block_bytes / 2**20,
-                    "plain_ms": plain,
-                    "cachetasks_ms": ms_direct,
-                    "dropin_ms": ms_dropin,
-                    "ratio": ms_dropin / ms_direct,
-                }
-            )
     finally:
         daemon.terminate()
         daemon.wait(60)
         shutil.rmtree(work, ignore_errors=True)
-    origin = "FastDeploy's own queue" if os.environ.get("FASTDEPLOY_SRC") else "the tests' double of the queue"
-    print(f"{args.geometry}, {args.tp} ranks, one swap task (out, in alternately), median of {args.tasks}; {origin}")
-    header = ("blocks", 6), ("task MiB", 9), ("plain ms", 9), ("CacheTasks ms", 14), ("drop-in ms", 11)
-    print(" ".join(f"{name:>{width}}" for name, width in (*header, ("added ms", 9), ("ratio", 6))))
-    for row in rows:
-        print(
-            f"{row['blocks']:>6} {row['task_mib']:>9.1f} {row['plain_ms']:>9.2f} {row['cachetasks_ms']:>14.2f} "
-            f"{row['dropin_ms']:>11.2f} {row['dropin_ms'] - row['cachetasks_ms']:>9.2f} {row['ratio']:>6.3f}"
-        )
-    met = all(row["ratio"] <= 1.10 for row in rows)
-    print(f"target (the drop-in adds at most 10 %): {'met' if met else 'NOT met'}")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"geometry": args.geometry, "tp": args.tp, "rows": rows, "met": met}))
+    rows = [
+        {
+            "blocks": b,
+            "task_mib": args.tp * b * block_bytes / 2**20,
+            "plain_ms": b * block_bytes / plain_copy_gbps(args.tp, b * block_bytes, 5) * args.tp / 1e6,
+            "cachetasks_ms": statistics.median(direct[b]),
+            "dropin_ms": statistics.median(dropin[b]),
+        }
+        for b in sizes
+    ]
+    report(args, rows)
     return 0
 
 
