@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec
+from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec
 from kvcached.protocol.spec import CacheSpec
 
 #: Spec fields a runner and its daemon must agree on, in the order they are compared.
@@ -74,8 +74,8 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
     """Declare ``spec`` (for rank ``rank``) to the daemon of ``instance`` waiting in ``run_dir``. True:
     accepted; False: the daemon is not listening (any more: it may have taken another declaration; look at
     its next block).
-    Raises ``CacheLayoutMismatch`` when it refuses, naming the field, and ``InvalidSpec`` when the
-    listener is not the daemon's user (``owner_uid``)."""
+    Raises ``CacheLayoutMismatch`` when it refuses, naming the field, ``AccessDenied`` when this user may not
+    connect, and ``InvalidSpec`` when the listener is not the daemon's user (``owner_uid``)."""
     path = declare_socket_path(run_dir, instance)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -84,6 +84,8 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
             sock.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError):
             return False
+        except PermissionError:
+            raise AccessDenied(f"{path}: permission denied: the daemon admits its own user and its --group") from None
         peer_uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
         if peer_uid != owner_uid:
             raise InvalidSpec("declare", f"{path} is served by uid {peer_uid}, not the daemon's uid {owner_uid}")
