@@ -24,7 +24,7 @@ from tests.fastdeploy_src import PATCH, checkout, patched_tree
 
 
 def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> None:
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     check = subprocess.run(
         ["git", "-C", str(root), "apply", "--check", str(PATCH)], capture_output=True, text=True, check=False
     )
@@ -71,7 +71,7 @@ def hook(name: str, version: str) -> str:
 def test_the_patched_files_pass_fastdeploys_own_hooks(tmp_path: Path) -> None:
     """black (line length 119), isort and flake8 with FastDeploy's configuration, and its ruff with the
     arguments its pre-commit passes, all at the versions it pins, find nothing in the patched files."""
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     pins = pinned_hooks(root)
     assert set(pins) == {"black", "isort", "flake8", "ruff"}, pins
     files = patched_tree(root, tmp_path)
@@ -94,7 +94,7 @@ def test_the_patched_files_pass_fastdeploys_own_hooks(tmp_path: Path) -> None:
 def test_the_drop_in_takes_exactly_the_transfer_managers_arguments() -> None:
     """Every option of cache_transfer_manager.py's parse_args (FastDeploy's own file) is one of the drop-in's
     and the other way round, with the same defaults; every option the engine's launch command passes parses."""
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     source_text = (root / "fastdeploy/cache_manager/cache_transfer_manager.py").read_text()
     parse = source_text[source_text.index("def parse_args") : source_text.index("args = parser.parse_args()")]
     theirs = dict(re.findall(r'add_argument\(\s*"(--\w+)",(?:[^()]|\([^()]*\))*?default=([^,\n]+)', parse))
@@ -122,7 +122,7 @@ def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> 
 
     from kvcached.memory.xpu import PaddleXpuRuntime
 
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     op = (root / "custom_ops/xpu_ops/src/ops/swap_cache_batch.cc").read_text()
     declared = op.split("PD_BUILD_OP(swap_cache_all_layers)", 1)[1].split(".SetKernelFn", 1)[0]
     attrs = re.findall(r'"(\w+): [^"]+"', declared)
@@ -142,7 +142,7 @@ def test_fastdeploys_own_parse_args_reads_the_launch_command_as_the_drop_in_does
     engine's launcher builds to the same values."""
     from tests.fastdeploy_shell import source_of
 
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     theirs = source_of(
         root,
         "fastdeploy/cache_manager/cache_transfer_manager.py",
