@@ -400,10 +400,12 @@ def restart(instance: str | None, timeout: float) -> None:
     off are answered NOT_RUN and CacheTasks sends them again. Waits until every rank is READY again; exit
     0 when the memory was adopted, 1 otherwise (the reason is printed). Refused, the daemon serving on
     (exit 1, the reason printed), while a rank is not READY or when the configuration does not load as
-    the next image would read it (`start --check-config`).
+    the next image would read it (`start --check-config`). A daemon still waiting for the engine's
+    geometry (--geometry engine) holds no memory: it waits again, exit 0.
     """
     from kvcached import running
     from kvcached.daemon.signals import RESTART_SIGNAL
+    from kvcached.status import awaits_geometry
 
     name = _instance(instance)
     target = running.daemon_of(name)
@@ -413,7 +415,7 @@ def restart(instance: str | None, timeout: float) -> None:
     snapshot, took = running.wait_restarted(name, pid, started, RESTART_SIGNAL, timeout)
     note = snapshot.get("note") or ""
     click.echo(f"instance {name}: restarted (pid {pid}) in {took:.2f}s, generation {snapshot['generation']}: {note}")
-    sys.exit(0 if note.startswith("adopted") else 1)
+    sys.exit(0 if note.startswith("adopted") or awaits_geometry(snapshot) else 1)
 
 
 def _instance(instance: str | None) -> str:

@@ -79,6 +79,9 @@ def _storage(value: Any) -> str | None:
     return name
 
 
+#: Where the geometry comes from: the configuration, or the engine's declaration (``--geometry engine``).
+GEOMETRY_SOURCES = ("config", "engine")
+
 #: The knobs of the daemon itself, in --help order. Spec knobs carry the CacheSpec field they set.
 CORE: tuple[Knob, ...] = (
     Knob("ranks", knobs.integer(1, MAX_RANKS), 8, "Ranks (one worker each).", "N"),
@@ -90,6 +93,17 @@ CORE: tuple[Knob, ...] = (
         "NAME",
     ),
     Knob("memory", _memory, "host", "Device-tier backend.", "BACKEND"),
+    Knob(
+        "geometry",
+        knobs.choice(GEOMETRY_SOURCES),
+        "config",
+        "Where the cache's geometry comes from. config: the flags below. engine: the engine's first runner or "
+        "FastDeploy drop-in declares it (FastDeploy's own block count, after its profile run) and the ranks "
+        "wait until then; later declarations that differ are refused by name. With engine, set only memory, "
+        "store and service options.",
+        "FROM",
+        choices=GEOMETRY_SOURCES,
+    ),
     Knob("num_layers", knobs.integer(1), 4, "Layers.", "N"),
     Knob("kv_heads", knobs.integer(1), 2, "KV heads per rank (heads // tensor parallel size).", "N"),
     Knob("head_dim", knobs.integer(1), 128, "Head dimension.", "N"),
@@ -206,6 +220,16 @@ SPEC_FIELDS: Mapping[str, str] = {
 _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 
 
+def _geometry_from(where: str, given: list[tuple[str, str]]) -> None:
+    """With ``--geometry engine`` (``where``) the geometry is the engine's to declare: a geometry knob set
+    anyway (``given``: knob, source) is refused by name. The store backend is the daemon's own."""
+    for name, source in given:
+        if where == "engine" and name != "storage_backend":
+            raise InvalidConfig(
+                name, source, "is declared by the engine (--geometry engine): leave it out, or use --geometry config"
+            )
+
+
 def knobs_all() -> tuple[Knob, ...]:
     """Every configuration knob: the core ones (with the registered backends as choices), then each store
     backend's options."""
@@ -248,6 +272,8 @@ class DaemonConfig:
     fresh: bool = False
     huge_pages: bool = True
     engine_uid: int | None = None
+    #: "engine": ``spec`` is provisional until the engine declares one (``declared``).
+    geometry: str = "config"
 
     def shm_need(self) -> tuple[int, int]:
         """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
@@ -298,6 +324,7 @@ class DaemonConfig:
         def source(name: str) -> str:
             return raw[name][1] if name in raw else all_knobs[name].flag
 
+        _geometry_from(values["geometry"], [(name, source(name)) for name in SPEC_FIELDS if name in raw])
         try:
             spec = CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
         except InvalidSpec as exc:
@@ -346,7 +373,20 @@ class DaemonConfig:
             fresh=values["fresh"],
             huge_pages=values["huge_pages"] == "auto",
             engine_uid=engine_uid,
+            geometry=values["geometry"],
         )
+
+    def declared(self, spec: CacheSpec) -> DaemonConfig:
+        """This configuration with the engine's ``spec`` (the store backend stays this configuration's).
+        Raises ``InvalidSpec`` naming the field when the store's options do not fit it."""
+        spec = dataclasses.replace(spec, storage_backend=self.spec.storage_backend)
+        store_config = self.store
+        if self.store.backend is not None:
+            options = store.get(self.store.backend).configure(
+                dict(self.store.options), spec=spec, instance=self.instance, ranks=self.ranks
+            )
+            store_config = StoreConfig(backend=self.store.backend, options=options)
+        return dataclasses.replace(self, spec=spec, store=store_config)
 
 
 def file_values(
@@ -390,6 +430,7 @@ OTHER_VARIABLES = frozenset(
         "KVCACHED_FAULT",
         "KVCACHED_HANDOVER",
         "KVCACHED_WAIT_S",
+        "KVCACHED_TASK_DEADLINE_S",
     }
 )
 OTHER_PREFIXES = ("KVCACHED_TEST_", "KVCACHED_BENCH_")

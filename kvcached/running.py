@@ -23,7 +23,7 @@ from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.names import instance_shm_entries, lock_path
 from kvcached.protocol.proc import is_alive
-from kvcached.status import is_ready, read_status
+from kvcached.status import awaits_geometry, is_ready, read_status
 
 #: Seconds the check of the image a restart executes next may take (the supervisor waits for it: well
 #: within the unit's WatchdogSec).
@@ -109,8 +109,8 @@ def run_dir_of(name: str) -> Path:
 
 def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: float) -> tuple[dict[str, Any], float]:
     """Send ``signum`` (the restart signal) to daemon ``pid`` and wait until a new generation has every rank
-    READY: (its status, seconds taken). A refusal the daemon writes meanwhile, its exit, or ``timeout`` is
-    an error saying so."""
+    READY, or waits for the engine's geometry again (``--geometry engine``): (its status, seconds taken).
+    A refusal the daemon writes meanwhile, its exit, or ``timeout`` is an error saying so."""
     before = guarded(read_status, name)["generation"]
     refusal = refusal_path(run_dir_of(name), name)
     sent_ns = time.time_ns()
@@ -118,7 +118,7 @@ def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: floa
     send(name, pid, signum)
     while True:
         snapshot = guarded(read_status, name)
-        if snapshot["generation"] not in (None, before) and is_ready(snapshot):
+        if snapshot["generation"] not in (None, before) and (is_ready(snapshot) or awaits_geometry(snapshot)):
             return snapshot, time.monotonic() - began
         refused = read_refusal(refusal, sent_ns)
         if refused is not None and snapshot["generation"] == before:

@@ -123,6 +123,13 @@ def is_ready(status: dict[str, Any]) -> bool:
     return bool(status["alive"] and ranks and all(r["state"] == State.READY.name for r in ranks))
 
 
+def awaits_geometry(status: dict[str, Any]) -> bool:
+    """True iff the daemon is alive and waits for the engine to declare the geometry (``--geometry engine``)."""
+    ranks = status["ranks"]
+    waiting = bool(ranks) and all(r["state"] == State.EMPTY.name for r in ranks) and "num_blocks" not in status["spec"]
+    return bool(status["alive"]) and waiting
+
+
 def _size(n: int | None) -> str:
     return "-" if not n else f"{n / 2**20:.1f} MiB"
 

@@ -19,6 +19,7 @@ from kvcached import memory
 from kvcached.memory.base import Attached
 from kvcached.memory.host import HostAttached
 from kvcached.protocol.control import Header, Record, State
+from kvcached.protocol.declare import first_difference
 from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec, KVCacheError, OwnershipConflict, TornRead
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes
@@ -32,22 +33,6 @@ log = logging.getLogger("runner_client")
 
 Framework = Literal["numpy", "paddle"]
 FRAMEWORKS: tuple[str, ...] = ("numpy", "paddle")
-
-#: Spec fields a runner and its daemon must agree on, in the order they are compared.
-MATCHED_FIELDS = (
-    "num_layers",
-    "kv_heads",
-    "head_dim",
-    "block_size",
-    "dtype",
-    "num_blocks",
-    "block_wise_fp8",
-    "mla",
-    "scale_dtype",
-    "mtp_layers",
-    "mtp_num_blocks",
-    "num_cpu_blocks",
-)
 
 
 class KVCache:
@@ -173,14 +158,9 @@ def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
 
 
 def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:
-    published = header.spec
-    for field in MATCHED_FIELDS:
-        if field == "scale_dtype" and not spec.block_wise_fp8:
-            continue  # no scale tensors: their dtype shapes nothing
-        ours = getattr(spec, field)
-        theirs = published.get(field, 0 if field in ("mtp_layers", "mtp_num_blocks") else None)
-        if theirs != ours:
-            raise CacheLayoutMismatch(field, theirs, ours, instance=instance, rank=rank)
+    differs = first_difference(header.spec, spec)
+    if differs is not None:
+        raise CacheLayoutMismatch(*differs, instance=instance, rank=rank)
     if record.layout_version != LAYOUT_VERSION:
         raise CacheLayoutMismatch("layout_version", record.layout_version, LAYOUT_VERSION, instance=instance, rank=rank)
     if record.backend == "host":
@@ -256,7 +236,7 @@ def initialize_kv_cache(
         )
 
     started = time.monotonic()
-    ready = wait_ready(instance, local_rank, timeout)
+    ready = wait_ready(instance, local_rank, timeout, declare=spec)
     try:
         _check_layout(spec, ready.header, ready.record, instance, local_rank)
         backend = memory.get(ready.record.backend)

@@ -27,6 +27,7 @@ import time
 import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State
+from kvcached.protocol.declare import DECLARED_FIELDS, declare, first_difference
 from kvcached.protocol.errors import (
     AccessDenied,
     CacheLayoutMismatch,
@@ -37,6 +38,7 @@ from kvcached.protocol.errors import (
 )
 from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.names import SHM_DIR, semaphore_name
+from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
 from kvcached.protocol.waiters import mark_waiting
 
@@ -63,10 +65,13 @@ def _wall(ns: float) -> str:
 class _Waiter:
     """State of one wait; ``run`` returns ``Ready`` or raises."""
 
-    def __init__(self, instance: str, rank: int, timeout: float) -> None:
+    def __init__(self, instance: str, rank: int, timeout: float, declared: CacheSpec | None = None) -> None:
         self.instance = instance
         self.rank = rank
         self.timeout = timeout
+        #: The spec this process declares (``--geometry engine``), and the generation that accepted it.
+        self.declared = declared
+        self.declared_to = 0
         self.started = time.monotonic()
         self.deadline = self.started + timeout
         self.view: InstanceView | None = None
@@ -185,6 +190,33 @@ class _Waiter:
             return False
         return True
 
+    def _declare(self) -> None:
+        """With a spec to declare: send it to a daemon that waits for the geometry (again each slice until
+        one accepts it), or compare it with the one the daemon publishes; a difference raises
+        ``CacheLayoutMismatch`` naming the field."""
+        if self.declared is None or self.header is None or self.declared_to == self.header.generation:
+            return
+        assert self.block is not None
+        header = self.header
+        if header.awaits_geometry:
+            self._describe("waiting for the engine to declare the geometry", time.time_ns())
+            if declare(header.run_dir, self.instance, self.rank, self.declared, owner_uid=self.block.owner_uid):
+                self.declared_to = header.generation
+                log.info("declared the geometry to instance=%s: %s", self.instance, self.declared)
+            return
+        differs = first_difference(header.spec, self.declared, DECLARED_FIELDS)
+        if differs is not None:
+            field, theirs, ours = differs
+            raise CacheLayoutMismatch(
+                field,
+                theirs,
+                ours,
+                instance=self.instance,
+                rank=self.rank,
+                why=f"the daemon holds another geometry: {field} is {theirs!r} there, {ours!r} declared here",
+            )
+        self.declared_to = header.generation
+
     def _read(self) -> Record | None:
         assert self.block is not None
         try:
@@ -260,6 +292,7 @@ class _Waiter:
                     self._check_deadline()
                     continue
                 assert self.block is not None and self.header is not None
+                self._declare()
                 record, pending = pending or self._read(), None
                 if record is not None and record.state is State.FAILED:
                     self._judge(record)  # raises RankFailed: more precise than the daemon's exit after it
@@ -291,24 +324,25 @@ class _Waiter:
             self._drop_block()
 
 
-def wait_ready(instance: str, rank: int, timeout: float) -> Ready:
+def wait_ready(instance: str, rank: int, timeout: float, *, declare: CacheSpec | None = None) -> Ready:
     """Block until ``rank`` of ``instance`` is READY in a live daemon's generation, at most ``timeout``
-    seconds. Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``, ``CacheLayoutMismatch`` or
-    ``ProtocolError``. The returned block is mapped; the caller closes it."""
+    seconds. With ``declare``, declare that spec to a daemon waiting for the engine's geometry (and refuse
+    a daemon that publishes another). Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
+    ``CacheLayoutMismatch`` or ``ProtocolError``. The returned block is mapped; the caller closes it."""
     log.info(
         "Waiting for cache managers to create kv cache.. instance=%s rank=%d timeout=%.1fs",
         instance,
         rank,
         timeout,
     )
-    return _Waiter(instance, rank, timeout).run()
+    return _Waiter(instance, rank, timeout, declare).run()
 
 
-def wait_until_ready(instance: str, rank: int, timeout: float = 600.0) -> None:
+def wait_until_ready(instance: str, rank: int, timeout: float = 600.0, *, declare: CacheSpec | None = None) -> None:
     """Return once ``rank`` of ``instance`` is READY in a live daemon; raise ``CacheNotReady`` after
     ``timeout`` seconds, ``DaemonGone`` / ``RankFailed`` at once when the daemon or the rank dies.
 
     The bounded, liveness-checked replacement for FastDeploy's
     ``while cache_ready_signal.value[local_rank] != 1: time.sleep(1)`` (see docs/fastdeploy.md): the
-    runner then attaches its tensors the way it always has."""
-    wait_ready(instance, rank, timeout).block.close()
+    runner then attaches its tensors the way it always has. ``declare``: see ``wait_ready``."""
+    wait_ready(instance, rank, timeout, declare=declare).block.close()

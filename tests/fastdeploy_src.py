@@ -2,18 +2,18 @@
 queue, ``IPCSignal``, ``CacheStatus`` and the storage tasks), or ``tests/fastdeploy_double.py`` without one;
 and the adapter the drop-in gets in the tests, built on them.
 
-FastDeploy's files are loaded by path under their own module names, inside a ``fastdeploy`` package shell;
-``fastdeploy.utils`` is a STAND-IN offering only the loggers those files import (the real module imports
-paddle). Control requests and responses and their queue are always the doubles (FastDeploy's need zmq and
-its whole engine).
+FastDeploy's files are imported under their own module names through the package shell of
+``tests/fastdeploy_shell.py`` (its STUBS are listed there). Control requests and responses and their queue
+are the doubles here (``tests/test_fastdeploy_engine_code.py`` uses FastDeploy's own, over its FMQ).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
+import importlib
 import os
-import sys
+import re
+import shutil
+import subprocess
 import types
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests import fastdeploy_double as double
+from tests.fastdeploy_shell import install
 
 _QUEUE = "fastdeploy/inter_communicator/engine_cache_queue.py"
 FILES = {
@@ -39,31 +41,38 @@ def source() -> Path | None:
     return Path(path) if path else None
 
 
-def _shell(root: Path) -> None:
-    """Empty ``fastdeploy`` packages (their ``__init__`` files import the whole engine) and the stand-in
-    ``fastdeploy.utils``."""
-    for name in ("fastdeploy", "fastdeploy.inter_communicator", "fastdeploy.cache_manager"):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [str(root / name.replace(".", "/"))]
-            sys.modules[name] = package
-    if "fastdeploy.utils" not in sys.modules:
-        utils = types.ModuleType("fastdeploy.utils")
-        utils.get_logger = lambda name, *_args, **_kw: logging.getLogger(name)  # type: ignore[attr-defined]
-        utils.llm_logger = logging.getLogger("fastdeploy")  # type: ignore[attr-defined]
-        utils.console_logger = logging.getLogger("fastdeploy")  # type: ignore[attr-defined]
-        sys.modules["fastdeploy.utils"] = utils
+PATCH = Path(__file__).resolve().parent.parent / "patches" / "fastdeploy-e53f5184-kvcached.patch"
+COMMIT = "e53f5184"
+#: FastDeploy's configuration files its hooks read (black and isort: pyproject.toml; flake8: .flake8).
+HOOK_CONFIG = ("pyproject.toml", ".flake8", ".pre-commit-config.yaml")
 
 
-def _load(root: Path, relative: str, module: str) -> types.ModuleType:
-    if module in sys.modules:
-        return sys.modules[module]
-    spec = importlib.util.spec_from_file_location(module, root / relative)
-    assert spec is not None and spec.loader is not None
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[module] = loaded
-    spec.loader.exec_module(loaded)
-    return loaded
+def checkout(what: str = "this") -> Path:
+    """FASTDEPLOY_SRC, a checkout of e53f5184, or skip saying what ``what`` needs."""
+    root = source()
+    if root is None:
+        pytest.skip(f"set FASTDEPLOY_SRC to a FastDeploy checkout of {COMMIT} (gongshaotian/FastDeploy) to run {what}")
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    if not head.stdout.startswith(COMMIT):
+        pytest.skip(f"FASTDEPLOY_SRC is at {head.stdout.strip() or 'no git commit'}, {what} needs {COMMIT}")
+    return root
+
+
+def patched_files() -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)$", PATCH.read_text(), re.MULTILINE)
+
+
+def patched_tree(root: Path, into: Path) -> list[str]:
+    """Copy the files the patch touches (with their packages' ``__init__`` files and the hooks'
+    configuration) from ``root`` into ``into`` and apply the patch there; the patched files."""
+    files = patched_files()
+    packages = {str(parent / "__init__.py") for f in files for parent in Path(f).parents if parent != Path(".")}
+    for relative in (*files, *HOOK_CONFIG, *sorted(packages)):  # isort tells first-party code by its packages
+        (into / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / relative, into / relative)
+    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=into, capture_output=True, text=True, check=False)
+    assert applied.returncode == 0, applied.stderr
+    return files
 
 
 def pieces() -> types.SimpleNamespace:
@@ -73,8 +82,8 @@ def pieces() -> types.SimpleNamespace:
     origin: dict[str, str] = {}
     for name, (relative, module) in FILES.items():
         if root is not None:
-            _shell(root)
-            found[name] = getattr(_load(root, relative, module), name)
+            install(root)
+            found[name] = getattr(importlib.import_module(module), name)
             origin[name] = f"{root / relative}"
         else:
             found[name] = getattr(double, name)

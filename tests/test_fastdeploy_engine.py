@@ -5,7 +5,7 @@ This test plays FastDeploy's engine as ``PrefixCacheManager.launch_cache_manager
 ``engine/common_engine.py`` ~360-486): it creates the flags and the cache queue server, launches one drop-in
 per rank with ``cache_transfer_manager.py``'s arguments, waits for ``cache_transfer_inited_signal``, issues
 SWAP2CPU and SWAP2GPU tasks, a storage write and read, and control requests, reading the results the way
-``recv_data_transfer_result`` does (~2140-2190); the bytes in the device blocks are checked after each step
+``recv_data_transfer_result`` does (~2140-2199); the bytes in the device blocks are checked after each step
 through a runner's own views. With ``FASTDEPLOY_SRC`` set the queue, the flags, ``CacheStatus`` and the
 storage tasks are FastDeploy's own files; without it, the doubles of ``tests/fastdeploy_double.py``.
 """
@@ -173,8 +173,9 @@ class Engine:
 
 @pytest.fixture
 def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
-    daemon = daemons.start(ranks=TP, small=False, args=[*GEOMETRY, "--storage-backend", "file",
-                                                        "--storage-path", str(tmp_path / "store")])  # fmt: skip
+    daemon = daemons.start(
+        ranks=TP, small=False, args=[*GEOMETRY, "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+    )
     daemon.wait_ready()
     made = Engine(tmp_path, daemon.instance)
     try:
@@ -216,8 +217,9 @@ def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
         write = fd.WriteStorageTask(task_id="w1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[3, 4])
         done = engine.task((status.GPU2STORAGE, write))
         assert done[0][0] == status.GPU2STORAGE and done[0][1:] == ("w1", ["h1", "h2"], [3, 4])
-        read = fd.ReadStorageTask(task_id="r1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[5, 6],
-                                  start_read_block_idx=0)  # fmt: skip
+        read = fd.ReadStorageTask(
+            task_id="r1", keys=["h1", "h2"], token_ids=[], gpu_block_ids=[5, 6], start_read_block_idx=0
+        )
         done = engine.task((status.STORAGE2GPU, read), results=TP)  # every rank reports a read
         assert [d[1:] for d in done] == [("r1", ["h1", "h2"], [5, 6])] * TP
         assert [blocks(c, [5, 6]) for c in caches] == original
@@ -231,8 +233,8 @@ def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
         replies = engine.control_request("resume")
         assert [r["error_code"] for r in replies] == [200, 200]
         engine.until(lambda: engine.value("cache_task_inflight") == [1, 1], "resumed")
-        refused = engine.control_request("sleep")
-        assert [r["error_code"] for r in refused] == [501, 501] and "kvcached owns" in refused[0]["error_message"]
+        slept = engine.control_request("sleep")
+        assert [r["error_code"] for r in slept] == [200, 200] and "frees no memory" in slept[0]["error_message"]
 
         done = engine.task((status.SWAP2CPU, "t3", [13], [5], [7]))  # served after the pause
         assert done[0][1] == "t3"
@@ -249,6 +251,8 @@ def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
         ("num_layers", {"num_layers": "3"}),
         ("num_cpu_blocks", {"num_cpu_blocks": "9"}),
         ("cache_dtype", {"cache_dtype": "uint8"}),
+        ("local_data_parallel_id", {"local_data_parallel_id": "1"}),
+        ("kvcache_storage_backend", {"kvcache_storage_backend": "mooncake"}),
     ],
 )
 def test_a_mismatch_is_refused_by_name_before_anything_moves(
@@ -260,3 +264,47 @@ def test_a_mismatch_is_refused_by_name_before_anything_moves(
     assert proc.wait(60) == 4
     assert f"--{field}:" in (proc.stdout.read() if proc.stdout else "")
     assert engine.value("cache_transfer_inited_signal") == [0, 0] and engine.value("cache_ready_signal") == [0, 0]
+
+
+def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engine) -> None:
+    """Items on the cache queue that are no FastDeploy task (garbage, a task with a field missing, ids that
+    are not ids) are logged and skipped; the drop-ins serve the next task."""
+    status = engine.fd.CacheStatus
+    for rank in range(TP):
+        engine.launch(rank)
+    engine.until(lambda: engine.value("cache_transfer_inited_signal") == [1, 1], "cache_transfer_inited_signal")
+    for item in ("garbage", (status.SWAP2CPU, "no ids"), (status.SWAP2CPU, "t0", [1], "not ids", [0]), 12345):
+        engine.queue.put_transfer_task(item)
+    done = engine.task((status.SWAP2CPU, "t1", [11], [1], [0]))
+    assert done[0][1:] == ("t1", [11], [1], [0])
+    assert all(proc.poll() is None for proc in engine.dropins), "a drop-in died of a malformed item"
+    engine.close()
+    logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
+    assert logs.count("that is not a task") >= 3 and "ignoring a malformed cache task" in logs
+
+
+def test_a_device_id_other_than_the_ranks_device_is_refused(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """kvcached keeps rank 0 on device 4 (``--devices 4,5``, the xpu backend over the TEST DOUBLE of its
+    runtime): a drop-in told ``--device_id 0`` exits 4 naming it, before it joins the queue."""
+    pytest.importorskip("paddle")
+    env = daemons.env(KVCACHED_PLUGINS="tests.plugins.xpu_double")
+    args = [
+        "--memory",
+        "xpu-double",
+        "--devices",
+        "4,5",
+        *GEOMETRY,
+        "--storage-backend",
+        "file",
+        "--storage-path",
+        str(tmp_path / "store"),
+    ]
+    daemons.start(ranks=TP, small=False, args=args, env=env).wait_ready()
+    made = Engine(tmp_path, daemons.daemons[-1].instance)
+    try:
+        proc = made.launch(0, device_id="0")
+        assert proc.wait(60) == 4
+        assert "--device_id: the engine says 0, kvcached keeps this rank on device 4" in (proc.stdout.read() or "")
+        assert made.value("cache_transfer_inited_signal") == [0, 0]
+    finally:
+        made.close()

@@ -1,47 +1,35 @@
 """The FastDeploy patch (patches/fastdeploy-e53f5184-kvcached.patch) against FastDeploy's own code: it applies
-to the checkout FASTDEPLOY_SRC names, every patched file compiles, and the drop-in takes exactly the
-arguments FastDeploy's engine passes. Skipped, saying so, without a checkout (FastDeploy is not on the
-package index; its code is not copied here)."""
+to the checkout FASTDEPLOY_SRC names, every patched file compiles and passes FastDeploy's own pre-commit
+hooks (the versions its .pre-commit-config.yaml pins, run with its configuration), and the drop-in takes
+exactly the arguments FastDeploy's engine passes. Skipped, saying so, without a checkout (FastDeploy is not
+on the package index; its code is not copied here) or without the pinned hooks (``KVCACHED_TEST_FD_HOOKS``:
+a directory holding their executables, e.g. a virtual environment's ``bin``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import py_compile
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvcached.fastdeploy.transfer_manager import build_parser
-from tests.conftest import ROOT
-from tests.fastdeploy_src import source
-
-PATCH = ROOT / "patches" / "fastdeploy-e53f5184-kvcached.patch"
-COMMIT = "e53f5184"
-
-
-def checkout() -> Path:
-    root = source()
-    if root is None:
-        pytest.skip("set FASTDEPLOY_SRC to a FastDeploy checkout of e53f5184 (gongshaotian/FastDeploy) to run this")
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    if not head.stdout.startswith(COMMIT):
-        pytest.skip(f"FASTDEPLOY_SRC is at {head.stdout.strip() or 'no git commit'}, the patch is against {COMMIT}")
-    return root
-
-
-def patched_files() -> list[str]:
-    return re.findall(r"^\+\+\+ b/(\S+)$", PATCH.read_text(), re.MULTILINE)
+from tests.fastdeploy_src import PATCH, checkout, patched_tree
 
 
 def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> None:
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     check = subprocess.run(
         ["git", "-C", str(root), "apply", "--check", str(PATCH)], capture_output=True, text=True, check=False
     )
     assert check.returncode == 0, check.stderr
-    files = patched_files()
+    files = patched_tree(root, tmp_path)
     assert sorted(files) == sorted(
         [
             "fastdeploy/cache_manager/cache_messager.py",
@@ -50,22 +38,63 @@ def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> No
         ]
     )
     for relative in files:
-        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / relative, tmp_path / relative)
-    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=tmp_path, capture_output=True, text=True, check=False)
-    assert applied.returncode == 0, applied.stderr
-    for relative in files:
         py_compile.compile(str(tmp_path / relative), doraise=True)
     launcher = (tmp_path / "fastdeploy/cache_manager/prefix_cache_manager.py").read_text()
-    assert "-m kvcached.fastdeploy.transfer_manager" in launcher
+    assert "-m kvcached.fastdeploy.transfer_manager" in launcher and "def _kvcached_watch" in launcher
     runner = (tmp_path / "fastdeploy/worker/xpu_model_runner.py").read_text()
-    assert "runner_client.initialize_kv_cache(" in runner and "runner_client.cache_owner(spec, profile)" in runner
+    assert "from kvcached.fastdeploy.runner import xpu_kv_cache" in runner
+    messager = (tmp_path / "fastdeploy/cache_manager/cache_messager.py").read_text()
+    assert "from kvcached.fastdeploy.runner import messager_cache" in messager
+
+
+def pinned_hooks(root: Path) -> dict[str, str]:
+    """The hook -> version FastDeploy's .pre-commit-config.yaml pins (its ``rev`` per repository)."""
+    config = (root / ".pre-commit-config.yaml").read_text()
+    repos = r"repo: https://github.com/(?:psf|PyCQA|astral-sh)/([\w-]+?)(?:\.git)?\s+rev: v?([\d.]+)"
+    pins = dict(re.findall(repos, config))
+    return {{"ruff-pre-commit": "ruff"}.get(name, name): version for name, version in pins.items()}
+
+
+def hook(name: str, version: str) -> str:
+    """The executable of hook ``name`` at ``version`` (``KVCACHED_TEST_FD_HOOKS``, else PATH); skip if absent
+    or of another version."""
+    where = os.environ.get("KVCACHED_TEST_FD_HOOKS")
+    found = shutil.which(name, path=where) if where else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} {version} (FastDeploy's pinned hook) not found: set KVCACHED_TEST_FD_HOOKS to its bin")
+    out = subprocess.run([found, "--version"], capture_output=True, text=True, check=False).stdout
+    if version not in out:
+        pytest.skip(f"{found} is not {name} {version}, the version FastDeploy pins: {out.strip()[:80]}")
+    return found
+
+
+def test_the_patched_files_pass_fastdeploys_own_hooks(tmp_path: Path) -> None:
+    """black (line length 119), isort and flake8 with FastDeploy's configuration, and its ruff with the
+    arguments its pre-commit passes, all at the versions it pins, find nothing in the patched files."""
+    root = checkout("the FastDeploy patch's tests")
+    pins = pinned_hooks(root)
+    assert set(pins) == {"black", "isort", "flake8", "ruff"}, pins
+    files = patched_tree(root, tmp_path)
+    commands = {
+        "black": ["--check", "--diff"],
+        "isort": ["--check-only", "--diff"],
+        "flake8": [],
+        "ruff": ["check", "--line-length=120", "--config", "pyproject.toml"],
+    }
+    for name, args in commands.items():
+        command = [hook(name, pins[name]), *args, *files]
+        ran = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+        assert ran.returncode == 0, f"{name} {pins[name]}:\n{ran.stdout}{ran.stderr}"
+    for relative in files:  # pre-commit-hooks: trailing-whitespace, end-of-file-fixer
+        text = (tmp_path / relative).read_text()
+        assert text.endswith("\n") and not text.endswith("\n\n"), relative
+        assert not re.search(r"[ \t]+$", text, re.MULTILINE), relative
 
 
 def test_the_drop_in_takes_exactly_the_transfer_managers_arguments() -> None:
     """Every option of cache_transfer_manager.py's parse_args (FastDeploy's own file) is one of the drop-in's
     and the other way round, with the same defaults; every option the engine's launch command passes parses."""
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     source_text = (root / "fastdeploy/cache_manager/cache_transfer_manager.py").read_text()
     parse = source_text[source_text.index("def parse_args") : source_text.index("args = parser.parse_args()")]
     theirs = dict(re.findall(r'add_argument\(\s*"(--\w+)",(?:[^()]|\([^()]*\))*?default=([^,\n]+)', parse))
@@ -93,7 +122,7 @@ def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> 
 
     from kvcached.memory.xpu import PaddleXpuRuntime
 
-    root = checkout()
+    root = checkout("the FastDeploy patch's tests")
     op = (root / "custom_ops/xpu_ops/src/ops/swap_cache_batch.cc").read_text()
     declared = op.split("PD_BUILD_OP(swap_cache_all_layers)", 1)[1].split(".SetKernelFn", 1)[0]
     attrs = re.findall(r'"(\w+): [^"]+"', declared)
@@ -106,3 +135,70 @@ def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> 
     call = manager.split("swap_cache_all_layers(\n", 2)[1].split(")", 1)[0]
     arguments = [a.strip() for a in call.split(",") if a.strip()]
     assert len(arguments) == 1 + len(attrs) and "dst_ptrs" in arguments[1] and arguments[-1] == "0", arguments
+
+
+def test_fastdeploys_own_parse_args_reads_the_launch_command_as_the_drop_in_does() -> None:
+    """FastDeploy's ``parse_args`` (its source, from the checkout) and the drop-in's read the command line the
+    engine's launcher builds to the same values."""
+    from tests.fastdeploy_shell import source_of
+
+    root = checkout("the FastDeploy patch's tests")
+    theirs = source_of(
+        root,
+        "fastdeploy/cache_manager/cache_transfer_manager.py",
+        ("parse_args",),
+        {"argparse": argparse, "json": json},
+    )
+    argv = [
+        "--device_id",
+        "1",
+        "--rank",
+        "1",
+        "--splitwise_role",
+        "mixed",
+        "--num_layers",
+        "16",
+        "--mp_num",
+        "2",
+        "--cache_dtype",
+        "bfloat16",
+        "--key_cache_shape",
+        "64,2,16,64",
+        "--value_cache_shape",
+        "64,2,16,64",
+        "--cache_queue_port",
+        "9000",
+        "--enable_splitwise",
+        "0",
+        "--pod_ip",
+        "127.0.0.1",
+        "--engine_worker_queue_port",
+        "9001",
+        "--num_cpu_blocks",
+        "32",
+        "--protocol",
+        "ipc",
+        "--local_data_parallel_id",
+        "0",
+        "--rdma_port",
+        "0",
+        "--speculative_config",
+        "{}",
+        "--default_dtype",
+        "bfloat16",
+        "--kvcache_storage_backend",
+        "file",
+        "--write_policy",
+        "write_through",
+        "--max_model_len",
+        "4096",
+        "--model_path",
+        "/models/x",
+    ]
+    saved = sys.argv
+    try:
+        sys.argv = ["cache_transfer_manager.py", *argv]
+        expected = vars(theirs["parse_args"]())
+    finally:
+        sys.argv = saved
+    assert vars(build_parser().parse_args(argv)) == expected

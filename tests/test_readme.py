@@ -9,7 +9,8 @@ The text is the test. Each fenced block's info string says how it runs:
     until every rank is READY (as ``sh daemon``). Line 2 is the test command: it must be the very command
     ``.ci/run`` executes; this suite, not run again from inside itself.
 ``sh daemon``
-    A daemon in the foreground: started in the background, every rank READY awaited; stopped with SIGTERM
+    A daemon in the foreground: started in the background, every rank READY awaited (with ``--geometry
+    engine``: every rank waiting for the engine's declaration); stopped with SIGTERM
     (what Ctrl-C sends) when the next ``daemon`` block starts, and at the end.
 ``python``
     Run in one interpreter per document, the scratch checkout's ``.venv`` (names carry over from block to
@@ -51,7 +52,7 @@ from pathlib import Path
 import pytest
 
 from kvcached.protocol.ownership import should_create_cache
-from kvcached.status import read_status
+from kvcached.status import awaits_geometry, is_ready, read_status
 from tests.conftest import ROOT, remove_entries, shm_entries, unique_instance
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "systemd" / "README.md"]
@@ -163,7 +164,7 @@ class Session:
         deadline = time.monotonic() + timeout
         while True:
             status = read_status(self.instance)
-            if status["alive"] and status["ranks"] and all(r["state"] == "READY" for r in status["ranks"]):
+            if is_ready(status) or awaits_geometry(status):
                 return
             assert self.daemon.poll() is None, f"exited {self.daemon.returncode}:\n{self.daemon_log.read_text()}"
             assert time.monotonic() < deadline, f"not READY within {timeout:.0f} s:\n{self.daemon_log.read_text()}"

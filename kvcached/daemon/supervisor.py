@@ -64,7 +64,7 @@ import structlog
 from kvcached import logs, memory, native, store
 from kvcached.access import Access
 from kvcached.config import DaemonConfig
-from kvcached.daemon import channel, faults, handover, lockfile
+from kvcached.daemon import channel, declare, faults, handover, lockfile
 from kvcached.daemon import signals as requests
 from kvcached.daemon.adopt import Adoption, Refusal, adopted_fields, conform, judge, new_shm_need, start_note
 from kvcached.daemon.errors import (
@@ -177,8 +177,7 @@ class Supervisor:
         self._install_signals()
         status = EXIT_FAILURE
         try:
-            self._start()
-            status = self._loop()
+            status = self._loop() if self._start() else EXIT_OK
         except Fatal as fatal:
             self.log.error("fatal", reason=fatal.reason, exit_status=fatal.exit_status)
             self.notify.send(STATUS=f"failed: {fatal.reason}")
@@ -205,8 +204,10 @@ class Supervisor:
 
     # -- start-up -------------------------------------------------------------------------------------
 
-    def _start(self) -> None:
-        spec = self.spec
+    def _start(self) -> bool:
+        """Everything before serving; False when told to stop first (while waiting for the geometry)."""
+        self.config = declare.held(self.config)  # --geometry engine: the geometry of memory left to adopt
+        spec = self.spec = self.config.spec
         if cache_owner(spec) == "runner":
             raise Fatal(
                 f"refusing to allocate: {explain_owner(spec)}. A daemon-owned copy would be a second "
@@ -222,6 +223,14 @@ class Supervisor:
         faults.fault("after-lock")
         self._reclaim()
         faults.fault("after-reclaim")
+        if self.config.geometry == "engine" and self.adoption is None:
+            got = declare.await_declaration(
+                self.config, self.run_dir, self.access, wake_fd=self.wake_r, notify=self.notify, log=self.log
+            )
+            if isinstance(got, int):
+                self.restart_requested = got == requests.RESTART_SIGNAL
+                return False
+            self.config, self.spec = got, got.spec
         self._check_space()
         self._check_store()
         self._open_fastdeploy_signals()
@@ -237,7 +246,7 @@ class Supervisor:
             "starting",
             ranks=self.config.ranks,
             memory=self.config.memory,
-            owner=explain_owner(spec),
+            owner=explain_owner(self.spec),
             per_rank=mib(self.config.shm_need()[1]),
             glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
             copy_engine=native.describe(),
@@ -250,6 +259,7 @@ class Supervisor:
                 self._adopt(rank, self.adoption.records[rank])
         if self.config.metrics_port:  # after the forks: its thread must not be copied into workers
             self._serve_metrics()
+        return True
 
     def _check_store(self) -> None:
         chosen = self.config.store

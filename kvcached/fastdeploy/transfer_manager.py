@@ -6,48 +6,64 @@ FastDeploy's engine starts one ``cache_transfer_manager.py`` per tensor-parallel
 storage backend is on (``cache_manager/prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184
 ~178-345); with ``--create_cache_tensor`` each allocates the rank's whole KV cache, a second copy beside
 kvcached's. This module takes exactly the same arguments and serves the engine's side of the protocol
-through kvcached instead (the kvcached instance is named by ``KVCACHED_INSTANCE``, default ``default``):
+through kvcached instead (the instance is ``KVCACHED_INSTANCE``, default ``default``):
 
-1. wait (bounded) for kvcached's rank ``--rank`` to be READY, and check ``--key_cache_shape``,
-   ``--value_cache_shape``, ``--num_layers`` (and the MTP layers of ``--speculative_config``),
-   ``--num_cpu_blocks`` and ``--cache_dtype`` against the daemon's spec: a mismatch is refused naming
-   the field (exit status 4) before anything moves;
-2. join the engine's cache queue as client ``--rank`` and set this rank's ``cache_ready_signal``,
+1. it checks FastDeploy's arguments against the daemon (``kvcached.fastdeploy.arguments``): the store
+   backend, then the geometry, which it declares to a daemon started with ``--geometry engine`` (the
+   engine's own block count after profiling), then the device of its rank; a mismatch is refused naming
+   FastDeploy's argument (exit status 4) before anything moves. It waits (bounded, ``KVCACHED_WAIT_S``)
+   for its rank to be READY;
+2. it joins the engine's cache queue as client ``--rank`` and sets this rank's ``cache_ready_signal``,
    ``swap_space_ready_signal`` (with a CPU pool) and ``cache_transfer_inited_signal``;
-3. run FastDeploy's transfer loop (``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320) with
-   the same barriers and pause handshake: ``SWAP2CPU`` / ``SWAP2GPU`` become kvcached swaps of this rank,
-   ``GPU2STORAGE`` / ``STORAGE2GPU`` stores and loads in kvcached's attention store (keys mapped by
-   ``store_key``), each reported as FastDeploy's manager reports it; ``CTRL`` requests are answered on
-   FastDeploy's control queue: ``pause``, ``resume`` and ``update_weights`` as FastDeploy does, ``sleep``
-   and ``wakeup`` (free and re-create the device cache) refused with error code 501 and the reason, since
-   kvcached keeps the cache for every process attached to it; anything else 400.
+3. rank 0's drop-in serves the whole group (``_step``): it takes each task off the queue for every rank,
+   moves its blocks on every rank of the group and reports exactly what moved
+   (``kvcached.fastdeploy.handlers``), answers control requests on every rank's control queue, and keeps
+   the pause handshake (``cache_task_is_paused``, ``cache_task_inflight``) of FastDeploy's transfer loop
+   (``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320); the other ranks' drop-ins stand by,
+   watching for the engine to go away.
 
-Everything FastDeploy-facing goes through ``kvcached.fastdeploy.adapter``.
+The drop-in follows the daemon as ``CacheTasks`` does: a restart, an adoption or a worker's replacement
+costs no task (a task cut off is sent again). Every wait has a deadline and is logged while it lasts
+(``kvcached.fastdeploy.waits``); a rank that cannot be served ends the process with a log line saying why
+(``end``), which FastDeploy's patched launcher notices and stops the engine with. A queue item that is not
+a cache task is logged and skipped. Everything FastDeploy-facing goes through ``kvcached.fastdeploy.adapter``.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import hashlib
-import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import runner_client as rc
 from kvcached.fastdeploy.adapter import FastDeploy, RealFastDeploy
-from kvcached.protocol.errors import DaemonGone, InvalidSpec, KVCacheError
+from kvcached.fastdeploy.arguments import (
+    ARGUMENT_OF,
+    build_parser,
+    check_against,
+    check_store,
+    declared_spec,
+    group_ranks,
+    parse_args,
+    store_key,
+)
+from kvcached.fastdeploy.handlers import Handlers, Malformed
+from kvcached.fastdeploy.mover import Mover
+from kvcached.fastdeploy.queue import take_for_group
+from kvcached.fastdeploy.waits import Waits
+from kvcached.protocol.errors import CacheLayoutMismatch, DaemonGone, InvalidSpec, KVCacheError, TornRead
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.spec import CacheSpec
+
+__all__ = ["EXIT_MISMATCH", "EXIT_UNAVAILABLE", "TransferManager", "build_parser", "main", "parse_args", "store_key"]
 
 log = logging.getLogger("kvcached.fastdeploy")
 
@@ -55,163 +71,93 @@ EXIT_MISMATCH = 4
 EXIT_UNAVAILABLE = 1
 #: Seconds the drop-in waits for kvcached's rank (``KVCACHED_WAIT_S``); FastDeploy's own wait has none.
 WAIT_S = 600.0
+#: Seconds a task may take, through daemon restarts, before the rank counts as unservable
+#: (``KVCACHED_TASK_DEADLINE_S``). Barriers and queue calls get this plus ``SLACK_S``.
+TASK_S = 60.0
+SLACK_S = 30.0
+#: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often).
+POLL_S = 0.001
+#: Within ``BUSY_S`` of a task, and with none in flight (polling takes CPU from the copies), rank 0 looks
+#: every ``FAST_POLL_S``: the engine often sends the next task at once.
+FAST_POLL_S = 0.0002
+BUSY_S = 0.05
+#: Seconds between two looks of a standing-by rank at the engine (is it still there?).
+STANDBY_S = 1.0
 #: Consecutive broken-connection errors after which the engine is taken to be gone.
 MAX_ERRORS = 10
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names,
-    types, defaults and choices, so that the engine can launch this module in its place."""
-    parser = argparse.ArgumentParser("Cache transfer manager (kvcached drop-in)")
-    parser.add_argument("--splitwise_role", type=str, default="mixed")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--device_id", type=int, default=0)
-    parser.add_argument("--max_model_len", type=int, default=32768)
-    parser.add_argument("--num_layers", type=int, default=1)
-    parser.add_argument("--mp_num", type=int, default=1)
-    parser.add_argument("--cache_dtype", type=str, default="bfloat16", choices=["uint8", "bfloat16", "block_wise_fp8"])
-    parser.add_argument("--default_dtype", type=str, default="bfloat16", choices=["float16", "bfloat16", "uint8"])
-    parser.add_argument("--key_cache_shape", type=str, default="")
-    parser.add_argument("--value_cache_shape", type=str, default="")
-    parser.add_argument("--cache_queue_port", type=int, default=9923)
-    parser.add_argument("--enable_splitwise", type=int, default=0)
-    parser.add_argument("--pod_ip", type=str, default="0.0.0.0")
-    parser.add_argument("--engine_worker_queue_port", type=int, default=9923)
-    parser.add_argument("--num_cpu_blocks", type=int, default=4)
-    parser.add_argument("--protocol", type=str, default="ipc")
-    parser.add_argument("--local_data_parallel_id", type=int, default=0)
-    parser.add_argument("--rdma_port", type=str, default="")
-    parser.add_argument("--speculative_config", type=json.loads, default="{}")
-    parser.add_argument("--create_cache_tensor", action="store_true")
-    parser.add_argument(
-        "--kvcache_storage_backend", type=str, default=None, choices=["mooncake", "attention_store", "file"]
-    )
-    parser.add_argument("--write_policy", type=str, choices=["write_through"], default="write_through")
-    parser.add_argument("--model_path", type=str)
-    return parser
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
-def store_key(fd_key: str, key_prefix: str) -> bytes:
-    """The kvcached store key of a FastDeploy block hash (a ``ReadStorageTask`` / ``WriteStorageTask``
-    key): BLAKE2b-256 of ``b"fastdeploy\\0" + key_prefix + b"\\0" + key``. FastDeploy names the per-rank
-    objects ``prefix{key_prefix}_{key}_{rank}_key``; kvcached keeps one object per (key, rank) already,
-    holding key, value and scales, so the rank is not in the key. ``key_prefix`` is the weights' version
-    (``version.yaml``), as in FastDeploy: new weights never load old KV."""
-    return hashlib.blake2b(b"fastdeploy\0" + key_prefix.encode() + b"\0" + fd_key.encode(), digest_size=32).digest()
-
-
-def key_prefix(model_path: str | None) -> str:
-    """FastDeploy's key prefix: the first two ``-`` parts of ``version`` in ``<model_path>/version.yaml``
-    (``get_key_prefix_from_version``), or "" without one."""
-    if not model_path:
-        return ""
-    try:
-        text = (Path(model_path) / "version.yaml").read_text()
-    except OSError:
-        return ""
-    match = re.search(r"^version:\s*['\"]?([^'\"\n]+)", text, re.MULTILINE)
-    return "-".join(match.group(1).strip().split("-", 2)[:2]) if match else ""
-
-
-def _shape(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()] if text else []
-
-
-def check_against(spec: CacheSpec, args: argparse.Namespace) -> None:
-    """Raise ``InvalidSpec`` naming the first of FastDeploy's arguments that disagrees with the daemon's
-    spec: then the engine and kvcached would move different bytes."""
-    key = _shape(args.key_cache_shape)
-    expected_key = [spec.num_blocks, spec.kv_heads, spec.block_size, spec.head_dim]
-    if key != expected_key:
-        raise InvalidSpec("key_cache_shape", f"the engine says {key}, the kvcached daemon has {expected_key}")
-    value = _shape(args.value_cache_shape)
-    expected_value = [] if spec.mla else expected_key
-    if value != expected_value:
-        raise InvalidSpec("value_cache_shape", f"the engine says {value}, the kvcached daemon has {expected_value}")
-    extra = int((args.speculative_config or {}).get("num_extra_cache_layer", 0) or 0)
-    method = str((args.speculative_config or {}).get("method", "") or "").lower()
-    extra = extra or (1 if method == "mtp" else 0)
-    if (args.num_layers, extra) != (spec.num_layers, spec.mtp_layers):
-        raise InvalidSpec(
-            "num_layers",
-            f"the engine says {args.num_layers} (+{extra} MTP), the kvcached daemon has {spec.num_layers} "
-            f"(+{spec.mtp_layers} MTP)",
-        )
-    if args.num_cpu_blocks != spec.num_cpu_blocks:
-        raise InvalidSpec(
-            "num_cpu_blocks", f"the engine says {args.num_cpu_blocks}, the kvcached daemon has {spec.num_cpu_blocks}"
-        )
-    width = 2 if args.cache_dtype == "bfloat16" else 1
-    if width != spec.itemsize:
-        raise InvalidSpec(
-            "cache_dtype", f"the engine says {args.cache_dtype} ({width} byte), the kvcached daemon has {spec.dtype}"
-        )
+_BROKEN = (BrokenPipeError, EOFError, ConnectionResetError, ConnectionRefusedError)
 
 
 class TransferManager:
     """One rank's drop-in: see the module docstring."""
 
-    def __init__(self, args: argparse.Namespace, fd: FastDeploy, instance: str, spec: CacheSpec) -> None:
-        self.args, self.fd, self.instance, self.spec = args, fd, instance, spec
+    def __init__(self, args: argparse.Namespace, fd: FastDeploy, instance: str, task_s: float = TASK_S) -> None:
+        self.args, self.fd, self.instance = args, fd, instance
         self.rank, self.n_ranks = args.rank, args.mp_num
-        self.status = fd.CacheStatus
-        self.tasks = rc.CacheTasks(instance, timeout=300)
-        self.key_prefix = key_prefix(args.model_path)
-        self.queue = fd.cache_queue((args.pod_ip, args.cache_queue_port), self.n_ranks, self.rank)
+        self.task_s, self.queue_s = task_s, task_s + SLACK_S
+        self.waits = Waits(self.rank, lambda what, waited: self.end(f"waited {waited:.0f}s for {what}"))
+        with self.waits.on("the engine's cache queue (connecting)", self.queue_s):
+            self.queue = fd.cache_queue((args.pod_ip, args.cache_queue_port), self.n_ranks, self.rank)
         suffix, ranks = args.engine_worker_queue_port, args.mp_num
         self.cache_ready = fd.signal("cache_ready_signal", ranks, suffix)
         self.swap_space_ready = fd.signal("swap_space_ready_signal", ranks, suffix)
-        self.broadcast = fd.signal("cache_task_broadcast_signal", 1, suffix)
         self.is_paused_signal = fd.signal("cache_task_is_paused", 1, suffix)
         self.inflight_signal = fd.signal("cache_task_inflight", ranks, suffix)
         self.inited = fd.signal("cache_transfer_inited_signal", ranks, suffix)
-        queue_name = f"ctrl_c2e_rank{self.rank + self.n_ranks * args.local_data_parallel_id}_{args.cache_queue_port}"
-        self.respond = fd.control_output(queue_name)
+        self.serving = self.rank == 0  # rank 0 serves the group; the others stand by
+        self.responders = (
+            [fd.control_output(f"ctrl_c2e_rank{rank}_{args.cache_queue_port}") for rank in group_ranks(args)]
+            if self.serving
+            else []
+        )
+        mover = Mover(instance, group_ranks(args), task_s) if self.serving else None
+        self.handlers = Handlers(self, mover)
         self.pools = {
             name: concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
             for name in ("to_cpu", "to_gpu", "read", "write", "control")
         }
         self.is_paused = False
+        self.last_task = 0.0
         self.inflight = 0
         self.inflight_lock = threading.Lock()
 
-    # -- start ----------------------------------------------------------------------------------------
-
-    def announce(self) -> None:
+    def announce(self, has_pool: bool) -> None:
         """The rank's cache exists (kvcached's), its swap space too, and this manager is ready."""
         self.cache_ready[self.rank] = 1
-        if self.spec.num_cpu_blocks > 0:
+        if has_pool:
             self.swap_space_ready[self.rank] = 1
         self.inited[self.rank] = 1
         log.info("serving FastDeploy's cache tasks of rank %d through kvcached instance %s", self.rank, self.instance)
 
+    def end(self, why: str) -> None:
+        """The rank cannot be served: say why, take back ``cache_transfer_inited_signal`` and exit at once
+        (a thread may be stuck in a call that cannot be interrupted). FastDeploy's patched launcher sees the
+        exit and stops the engine, pointing at this process's log."""
+        log.error("rank %d cannot be served: %s; ending (exit status %d)", self.rank, why, EXIT_UNAVAILABLE)
+        print(f"Error: kvcached drop-in of rank {self.rank}: {why}", file=sys.stderr, flush=True)
+        self.inited[self.rank] = 0
+        logging.shutdown()
+        os._exit(EXIT_UNAVAILABLE)
+
     # -- the transfer loop (cache_transfer_manager.py do_data_transfer, ~1192-1320) ----------------------
 
-    def _sync(self, barrier: Any) -> None:
-        if self.n_ranks > 1:
-            barrier.wait()
-            if self.rank == 0:
-                barrier.reset()
+    def respond(self, response: Any) -> None:
+        """A control response, on the control queue of every rank of the group."""
+        for put in self.responders:
+            put(response)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        with self.waits.on("the engine's cache queue", self.queue_s):
+            return fn()
 
     def run(self) -> int:
+        """Serve (rank 0) or stand by (the other ranks) until the engine is gone."""
         errors = 0
-        next_check = 0.0
         while True:
             try:
-                now = time.monotonic()
-                if now >= next_check:
-                    self._check_daemon()
-                    next_check = now + 1.0
-                self._step()
+                self._step() if self.serving else self._stand_by()
                 errors = 0
-            except DaemonGone as exc:
-                log.error("the kvcached daemon is gone: %s", exc)
-                return EXIT_UNAVAILABLE
-            except (BrokenPipeError, EOFError, ConnectionResetError, ConnectionRefusedError) as exc:
+            except _BROKEN as exc:
                 errors += 1
                 log.error("cache queue connection broken (%d in a row): %s", errors, exc)
                 if errors >= MAX_ERRORS:
@@ -219,205 +165,170 @@ class TransferManager:
                     return 0
                 time.sleep(1)
 
-    def _check_daemon(self) -> None:
-        view = open_instance(self.instance)
-        alive = view is not None and view.alive
-        if view is not None:
-            view.close()
-        if not alive:
-            raise DaemonGone(f"instance {self.instance!r} has no live daemon")
+    def _stand_by(self) -> None:
+        """A rank other than 0 only notices the engine going away: rank 0 takes every task for the group."""
+        time.sleep(STANDBY_S)
+        self._call(self.queue.empty)
 
     def _step(self) -> None:
-        if self.rank == 0:
-            self.is_paused_signal[0] = 1 if self.is_paused else 0
-        self._sync(self.queue.barrier0)
-        if self.is_paused_signal[0] == 1:
-            while self.inflight != 0:  # finish what was taken before the pause
-                time.sleep(0.01)
-            self.inflight_signal[self.rank] = 0
-            paused = True
-        else:
-            self.inflight_signal[self.rank] = 1
-            paused = False
-        if self.rank == 0 and not self.queue.empty():
-            self.broadcast[0] = 1
-        self._sync(self.queue.barrier1)
-        if self.broadcast[0] != 1:
-            self._sync(self.queue.barrier2)
-            time.sleep(0.001)  # FastDeploy spins here; a millisecond costs a task nothing
-            return
-        data, read_finish = self.queue.get_transfer_task()
-        if read_finish:
-            self.broadcast[0] = 0
+        """One turn of rank 0's loop: say whether the group runs or is paused, take the next task, hand it on.
+
+        FastDeploy's manager of every rank takes every task (the queue's bitmask pops a task once each rank
+        has read it, ``engine_cache_queue.py`` ~292-315) and meets the others at four barriers each turn, a
+        millisecond apart when idle, so that each rank copies its share. Here rank 0 moves every rank's
+        share and answers every rank's control queue, so it takes each task for the whole group
+        (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU
+        is taken from the copies. The engine sees the same queue, results, flags and control answers."""
+        paused = self._mark_inflight()
+        data = None if self._call(self.queue.empty) else self._call(lambda: take_for_group(self.queue))
         if data is None:
-            self._sync(self.queue.barrier3)
+            busy = self.inflight == 0 and time.monotonic() - self.last_task < BUSY_S
+            time.sleep(FAST_POLL_S if busy else POLL_S)
             return
-        event, rest = data[0], data[1:]
-        if paused and event.value != self.status.CTRL.value:  # type: ignore[attr-defined]
-            return  # as FastDeploy: tasks taken while paused are dropped, only control tasks run
-        self._dispatch(event, rest)
-        self._sync(self.queue.barrier3)
+        self.last_task = time.monotonic()
+        try:
+            event, rest = data[0], tuple(data[1:])
+            if paused and event.value != self.fd.CacheStatus.CTRL.value:  # type: ignore[attr-defined]
+                return  # as FastDeploy: tasks taken while paused are dropped, only control tasks run
+            self._dispatch(event, rest)
+        except (TypeError, IndexError, AttributeError, KeyError, ValueError) as exc:
+            log.error("ignoring a cache queue item that is not a task (%s): %.200r", exc, data)
 
-    def _submit(self, pool: str, fn: Callable[..., None], *args: Any) -> None:
-        with self.inflight_lock:
-            self.inflight += 1
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("%s failed", fn.__name__)
-            finally:
-                with self.inflight_lock:
-                    self.inflight -= 1
-
-        self.pools[pool].submit(run)
+    def _mark_inflight(self) -> bool:
+        """The group either finishes what it took before the pause and says so, or says it runs
+        (``cache_task_is_paused``, ``cache_task_inflight``: each rank's entry)."""
+        self.is_paused_signal[0] = 1 if self.is_paused else 0
+        if self.is_paused:
+            with self.waits.on("the tasks in flight (pausing)", self.queue_s):
+                while self.inflight != 0:
+                    time.sleep(0.01)
+            self.inflight_signal[:] = 0
+            return True
+        self.inflight_signal[:] = 1
+        return False
 
     def _dispatch(self, event: Any, rest: tuple[Any, ...]) -> None:
-        status = self.status
-        if event.value == status.SWAP2CPU.value:  # type: ignore[attr-defined]
-            self._submit("to_cpu", self._swap, event, *rest)
-        elif event.value == status.SWAP2GPU.value:  # type: ignore[attr-defined]
-            self._submit("to_gpu", self._swap, event, *rest)
-        elif event.value == status.STORAGE2GPU.value:  # type: ignore[attr-defined]
-            self._submit("read", self._read_storage, rest[0])
-        elif event.value == status.GPU2STORAGE.value:  # type: ignore[attr-defined]
-            self._submit("write", self._write_storage, rest[0])
-        elif event.value == status.CTRL.value:  # type: ignore[attr-defined]
-            self.pools["control"].submit(self._control, rest[0])
-        else:
-            log.warning("unknown cache task %s: ignored", event)
-
-    # -- tasks ----------------------------------------------------------------------------------------
-
-    def _swap(self, event: Any, task_id: Any, node_ids: Any, gpu_ids: list[int], cpu_ids: list[int]) -> None:
-        """``_do_swap_to_cpu_task`` / ``_do_swap_to_gpu_task``: barrier, this rank's swap, barrier, rank 0
-        reports ``(event, task_id, node_ids, gpu_ids, cpu_ids)``."""
-        out = event.value == self.status.SWAP2CPU.value  # type: ignore[attr-defined]
-        first, second = (
-            (self.queue.swap_to_cpu_barrier1, self.queue.swap_to_cpu_barrier2)
-            if out
-            else (self.queue.swap_to_gpu_barrier1, self.queue.swap_to_gpu_barrier2)
-        )
-        self._sync(first)
-        try:
-            if out:
-                self.tasks.swap_out(self.rank, list(gpu_ids), list(cpu_ids))
-            else:
-                self.tasks.swap_in(self.rank, list(cpu_ids), list(gpu_ids))
-        except KVCacheError as exc:  # FastDeploy's manager logs and reports the task done all the same
-            log.error("swap task %s failed on rank %d: %s", task_id, self.rank, exc)
-        self._sync(second)
-        if self.rank == 0:
-            self.queue.put_transfer_done_signal((event, task_id, node_ids, gpu_ids, cpu_ids))
-
-    def _keys(self, fd_keys: Sequence[str]) -> list[bytes]:
-        return [store_key(str(key), self.key_prefix) for key in fd_keys]
-
-    def _read_storage(self, task: Any) -> None:
-        """``read_storage_task``: the longest stored prefix of the task's keys into its GPU blocks; every
-        rank reports ``(STORAGE2GPU, task_id, keys, gpu_block_ids it loaded)`` after the barrier (the engine
-        takes the shortest)."""
-        gpu_ids = list(task.gpu_block_ids)
-        loaded: list[int] = []
-        if self.spec.storage_backend:
-            try:
-                done = self.tasks.load(self.rank, self._keys(task.keys), gpu_ids, timeout=float(task.timeout))
-                loaded = gpu_ids[: done.blocks]
-            except KVCacheError as exc:
-                log.error("storage read %s failed on rank %d: %s", task.task_id, self.rank, exc)
-        self.queue.swap_storage_to_gpu_barrier.wait()
-        self.queue.swap_storage_to_gpu_barrier.reset()
-        self.queue.put_transfer_done_signal((self.status.STORAGE2GPU, task.task_id, task.keys, loaded))  # type: ignore[attr-defined]
-
-    def _write_storage(self, task: Any) -> None:
-        """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store;
-        rank 0 reports ``(GPU2STORAGE, task_id, keys, gpu_block_ids written)`` after the barrier."""
-        gpu_ids = list(task.gpu_block_ids)
-        written: list[int] = []
-        if self.spec.storage_backend:
-            keys = self._keys(task.keys)
-            try:
-                stored = self.tasks.lookup(keys)
-                if stored < len(keys):
-                    self.tasks.store(self.rank, gpu_ids[stored:], keys[stored:], timeout=float(task.timeout))
-                    written = gpu_ids[stored:]
-            except KVCacheError as exc:
-                log.error("storage write %s failed on rank %d: %s", task.task_id, self.rank, exc)
-        self.queue.swap_to_storage_barrier.wait()
-        if self.rank == 0:
-            self.queue.swap_to_storage_barrier.reset()
-            self.queue.put_transfer_done_signal((self.status.GPU2STORAGE, task.task_id, task.keys, written))  # type: ignore[attr-defined]
-
-    # -- control --------------------------------------------------------------------------------------
-
-    def _control(self, request: Any) -> None:
-        """``control_task``: run the handler, meet the other ranks at the barrier, answer on the control
-        queue with ``ControlResponse(request_id, code, message)``."""
-        method = request.get_method() if hasattr(request, "get_method") else request.method
-        handlers: dict[str, Callable[[], None]] = {
-            "pause": self._pause,
-            "resume": self._resume,
-            "update_weights": self._update_weights,
+        """Hand a task to its pool; raise ``ValueError`` for an item that is no cache task."""
+        status, value = self.fd.CacheStatus, event.value
+        kinds: dict[Any, tuple[str, Callable[..., None], int]] = {
+            status.CTRL.value: ("control", self.handlers.control, 1),  # type: ignore[attr-defined]
+            status.SWAP2CPU.value: ("to_cpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
+            status.SWAP2GPU.value: ("to_gpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
+            status.STORAGE2GPU.value: ("read", self.handlers.read, 1),  # type: ignore[attr-defined]
+            status.GPU2STORAGE.value: ("write", self.handlers.write, 1),  # type: ignore[attr-defined]
         }
-        code, message = 200, "Success"
-        if method in ("sleep", "wakeup"):
-            code, message = (
-                501,
-                (
-                    f"{method}: kvcached owns this rank's KV cache and keeps it for every process attached to it; "
-                    "it does not free or re-create it on FastDeploy's request"
-                ),
-            )
-        elif method in handlers:
-            try:
-                handlers[method]()
-            except Exception as exc:
-                code, message = 500, f"Failed to execute {method}: {exc}"
-        else:
-            code, message = 400, f"Unknown control method: {method}"
-        if code != 200:
-            log.error("control %s of rank %d: %d %s", method, self.rank, code, message)
-        self.queue.barrier.wait()
-        self.respond(self.fd.control_response(request.request_id, code, message))
+        if value not in kinds:
+            raise ValueError(f"unknown cache task type {event!r}")
+        pool, handler, fields = kinds[value]
+        if len(rest) != fields:
+            raise ValueError(f"a {event!r} task has {fields} fields after its type, this one {len(rest)}")
+        args = (event, rest) if handler == self.handlers.swap else (rest[0],)
+        if pool == "control":
+            self.pools[pool].submit(self._guarded, handler, *args)
+            return
+        with self.inflight_lock:
+            self.inflight += 1
+        self.pools[pool].submit(self._counted, handler, *args)
 
-    def _pause(self) -> None:
-        self._sync(self.queue.pause_barrier)
+    def _counted(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._guarded(fn, *args)
+        finally:
+            with self.inflight_lock:
+                self.inflight -= 1
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Malformed as exc:
+            log.error("ignoring a malformed cache task (%s): %.200r", exc, args)
+        except Exception:
+            log.exception("%s failed", getattr(fn, "__name__", fn))
+
+    # -- pause (cache_transfer_manager.py pause / resume, ~1480-1500) -------------------------------------
+
+    def pause(self) -> None:
         self.is_paused = True
         self._wait_inflight(0)
 
-    def _resume(self) -> None:
-        self._sync(self.queue.resume_barrier)
+    def resume(self) -> None:
         self.is_paused = False
         self._wait_inflight(self.n_ranks)
-        self.key_prefix = key_prefix(self.args.model_path)
+        self.handlers.refresh_key_prefix()
 
-    def _update_weights(self) -> None:
-        self.key_prefix = key_prefix(self.args.model_path)
+    def _wait_inflight(self, target: int) -> None:
+        with self.waits.on(f"cache_task_inflight to reach {target} (the transfer loop)", self.queue_s):
+            while int(np.sum(self.inflight_signal)) != target:
+                time.sleep(0.01)
 
-    def _wait_inflight(self, target: int, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while int(np.sum(self.inflight_signal)) != target:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"cache_task_inflight did not reach {target} within {timeout:g}s")
-            time.sleep(0.01)
+
+def _daemon_store(instance: str, rank: int, timeout: float) -> str | None:
+    """The store backend of the instance's live daemon, waiting (bounded) for one to publish its block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = open_instance(instance)
+        if view is not None:
+            with view:
+                if view.alive and view.header is not None:
+                    backend = view.header.spec.get("storage_backend")
+                    return str(backend) if backend else None
+        if time.monotonic() >= deadline:
+            rc.wait_until_ready(instance, rank, timeout=0)  # raises the waiter's own error, naming the state
+        time.sleep(0.05)
+
+
+def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[CacheSpec, bool]:
+    """Check FastDeploy's arguments against the daemon, declaring the geometry to one that waits for it, and
+    wait for the rank (rank 0: every rank of the group) to be READY. The daemon's spec and whether the rank
+    has a CPU pool. Raises ``InvalidSpec`` naming FastDeploy's argument, or ``KVCacheError``."""
+    ranks = group_ranks(args)
+    if not 0 <= args.rank < len(ranks):
+        raise InvalidSpec("rank", f"must be 0..{args.mp_num - 1} for --mp_num {args.mp_num}, got {args.rank}")
+    own = ranks[args.rank]
+    store = _daemon_store(instance, own, wait_s)
+    check_store(args, store)  # the store first: a wrong one declares nothing
+    declared = declared_spec(args, store)
+    try:
+        for rank in [own] + ([r for r in ranks if r != own] if args.rank == 0 else []):
+            rc.wait_until_ready(instance, rank, timeout=wait_s, declare=declared)
+    except CacheLayoutMismatch as exc:
+        if exc.field == "num_ranks":  # the group's ranks lie past the daemon's
+            field = "local_data_parallel_id" if args.local_data_parallel_id else "mp_num"
+            raise InvalidSpec(field, f"gives kvcached ranks {ranks}: {exc}") from None
+        raise InvalidSpec(ARGUMENT_OF.get(exc.field, exc.field), str(exc)) from None
+    view = open_instance(instance)
+    if view is None or view.header is None:
+        raise DaemonGone(f"instance {instance!r}: no daemon")
+    with view:
+        published = dict(view.header.spec)
+        try:
+            descriptor = dict(view.block.read(own).descriptor)
+        except TornRead:
+            descriptor = {}
+    check_against(published, args, descriptor)
+    return CacheSpec.from_dict(published), published.get("num_cpu_blocks", 0) > 0
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        raise InvalidSpec(name, f"must be a number of seconds, got {os.environ.get(name)!r}") from None
+    if not value > 0:
+        raise InvalidSpec(name, f"must be > 0 seconds, got {value:g}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -> int:
-    """Entry point: parse FastDeploy's arguments, wait for and check kvcached's rank, serve."""
+    """Entry point: parse FastDeploy's arguments, check and wait for kvcached's rank, serve."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s kvcached.fastdeploy: %(message)s")
     instance = os.environ.get("KVCACHED_INSTANCE", "default")
     if args.create_cache_tensor:
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
     try:
-        rc.wait_until_ready(instance, args.rank, timeout=float(os.environ.get("KVCACHED_WAIT_S", WAIT_S)))
-        view = open_instance(instance)
-        if view is None or view.header is None:
-            raise DaemonGone(f"instance {instance!r}: no daemon")
-        with view:
-            spec = CacheSpec.from_dict(view.header.spec)
-        check_against(spec, args)
+        wait_s, task_s = _seconds("KVCACHED_WAIT_S", WAIT_S), _seconds("KVCACHED_TASK_DEADLINE_S", TASK_S)
+        _, has_pool = attach(args, instance, wait_s)
     except InvalidSpec as exc:
         log.error("refusing to serve rank %d: --%s", args.rank, exc)
         print(f"Error: --{exc}", file=sys.stderr)
@@ -426,8 +337,8 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(args, adapter or RealFastDeploy(), instance, spec)
-    manager.announce()
+    manager = TransferManager(args, adapter or RealFastDeploy(), instance, task_s)
+    manager.announce(has_pool)
     return manager.run()
 
 

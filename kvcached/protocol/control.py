@@ -121,6 +121,12 @@ class Header:
     #: What the daemon says about its start: "adopted from generation G", or why it did not adopt.
     note: str = ""
 
+    @property
+    def awaits_geometry(self) -> bool:
+        """True while the daemon waits for the engine to declare the geometry (``--geometry engine``): the
+        spec holds the store backend only."""
+        return "num_blocks" not in self.spec
+
 
 @dataclasses.dataclass(slots=True)
 class Record:
@@ -268,7 +274,8 @@ class ControlBlock:
         instance: str,
         *,
         generation: int,
-        spec: CacheSpec,
+        spec: CacheSpec | None,
+        known: dict[str, Any] | None = None,
         num_ranks: int,
         daemon_pid: int,
         daemon_start: int,
@@ -283,7 +290,9 @@ class ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
         ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
         ``magic`` is written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE``
-        bytes. ``staged``: under the generation's staging name, until ``install``."""
+        bytes. ``staged``: under the generation's staging name, until ``install``. ``spec`` None publishes
+        only the fields in ``known`` (the store backend): the daemon waits for the engine to declare the rest
+        (``kvcached.protocol.declare``)."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         run_dir_bytes = run_dir.encode()
@@ -307,7 +316,7 @@ class ControlBlock:
         block = cls(name, mm, True, inode)
         block.public_name = control_name(instance)
         block._num_ranks = num_ranks
-        spec_json = json.dumps(spec.to_dict(), sort_keys=True).encode()
+        spec_json = json.dumps(spec.to_dict() if spec is not None else dict(known or {}), sort_keys=True).encode()
         if _SPEC_OFFSET + len(spec_json) > _EXTENSION_OFFSET:
             raise ValueError("spec does not fit the control block header")
         _HEADER.pack_into(
@@ -322,7 +331,7 @@ class ControlBlock:
             daemon_pid,
             daemon_start,
             time.time_ns(),
-            spec.geometry_digest,
+            spec.geometry_digest if spec is not None else bytes(16),
             len(spec_json),
             run_dir_bytes,
             adopted_from,

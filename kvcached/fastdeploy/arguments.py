@@ -1,0 +1,188 @@
+"""The drop-in's command line (``cache_transfer_manager.py``'s, exactly) and what it says about the cache.
+
+FastDeploy's launcher (``prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184 ~296-326) passes
+the geometry it computed after profiling: ``--key_cache_shape blocks,kv_heads,block_size,head_dim``, an
+empty ``--value_cache_shape`` for MLA, ``--num_layers``, ``--speculative_config`` (MTP layers),
+``--cache_dtype`` with ``--default_dtype`` (the model's), ``--num_cpu_blocks``, ``--splitwise_role`` and
+``--kvcache_storage_backend``. ``declared_spec`` turns them into the ``CacheSpec`` the drop-in declares
+to a daemon started with ``--geometry engine``; ``check_against`` refuses a daemon that holds another
+cache, naming FastDeploy's argument, before anything moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcached.protocol.declare import DECLARED_FIELDS, first_difference
+from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.spec import CacheSpec
+
+#: The spec field -> the FastDeploy argument that carries it.
+ARGUMENT_OF = {
+    "num_blocks": "key_cache_shape",
+    "kv_heads": "key_cache_shape",
+    "block_size": "key_cache_shape",
+    "head_dim": "key_cache_shape",
+    "mla": "value_cache_shape",
+    "num_layers": "num_layers",
+    "mtp_layers": "num_layers",
+    "mtp_num_blocks": "speculative_config",
+    "dtype": "cache_dtype",
+    "block_wise_fp8": "cache_dtype",
+    "scale_dtype": "default_dtype",
+    "num_cpu_blocks": "num_cpu_blocks",
+    "splitwise_role": "splitwise_role",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names,
+    types, defaults and choices, so that the engine can launch this module in its place."""
+    parser = argparse.ArgumentParser("Cache transfer manager (kvcached drop-in)")
+    parser.add_argument("--splitwise_role", type=str, default="mixed")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--device_id", type=int, default=0)
+    parser.add_argument("--max_model_len", type=int, default=32768)
+    parser.add_argument("--num_layers", type=int, default=1)
+    parser.add_argument("--mp_num", type=int, default=1)
+    parser.add_argument("--cache_dtype", type=str, default="bfloat16", choices=["uint8", "bfloat16", "block_wise_fp8"])
+    parser.add_argument("--default_dtype", type=str, default="bfloat16", choices=["float16", "bfloat16", "uint8"])
+    parser.add_argument("--key_cache_shape", type=str, default="")
+    parser.add_argument("--value_cache_shape", type=str, default="")
+    parser.add_argument("--cache_queue_port", type=int, default=9923)
+    parser.add_argument("--enable_splitwise", type=int, default=0)
+    parser.add_argument("--pod_ip", type=str, default="0.0.0.0")
+    parser.add_argument("--engine_worker_queue_port", type=int, default=9923)
+    parser.add_argument("--num_cpu_blocks", type=int, default=4)
+    parser.add_argument("--protocol", type=str, default="ipc")
+    parser.add_argument("--local_data_parallel_id", type=int, default=0)
+    parser.add_argument("--rdma_port", type=str, default="")
+    parser.add_argument("--speculative_config", type=json.loads, default="{}")
+    parser.add_argument("--create_cache_tensor", action="store_true")
+    parser.add_argument(
+        "--kvcache_storage_backend", type=str, default=None, choices=["mooncake", "attention_store", "file"]
+    )
+    parser.add_argument("--write_policy", type=str, choices=["write_through"], default="write_through")
+    parser.add_argument("--model_path", type=str)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def group_ranks(args: argparse.Namespace) -> list[int]:
+    """The kvcached ranks of this tensor-parallel group: data-parallel group ``--local_data_parallel_id``
+    holds ranks ``dp * mp_num .. dp * mp_num + mp_num - 1`` (FastDeploy's control queues are numbered the
+    same way, ``cache_transfer_manager.py`` ~324-331)."""
+    first = args.local_data_parallel_id * args.mp_num
+    return list(range(first, first + args.mp_num))
+
+
+def store_key(fd_key: str, key_prefix: str) -> bytes:
+    """The kvcached store key of a FastDeploy block hash (a ``ReadStorageTask`` / ``WriteStorageTask``
+    key): BLAKE2b-256 of ``b"fastdeploy\\0" + key_prefix + b"\\0" + key``. FastDeploy names the per-rank
+    objects ``prefix{key_prefix}_{key}_{rank}_key``; kvcached keeps one object per (key, rank) already,
+    holding key, value and scales, so the rank is not in the key. ``key_prefix`` is the weights' version
+    (``version.yaml``), as in FastDeploy: new weights never load old KV."""
+    return hashlib.blake2b(b"fastdeploy\0" + key_prefix.encode() + b"\0" + fd_key.encode(), digest_size=32).digest()
+
+
+def key_prefix(model_path: str | None) -> str:
+    """FastDeploy's key prefix: the first two ``-`` parts of ``version`` in ``<model_path>/version.yaml``
+    (``get_key_prefix_from_version``), or "" without one."""
+    if not model_path:
+        return ""
+    try:
+        text = (Path(model_path) / "version.yaml").read_text()
+    except OSError:
+        return ""
+    match = re.search(r"^version:\s*['\"]?([^'\"\n]+)", text, re.MULTILINE)
+    return "-".join(match.group(1).strip().split("-", 2)[:2]) if match else ""
+
+
+def _shape(name: str, text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()] if text else []
+    except ValueError:
+        raise InvalidSpec(name, f"must be comma-separated integers, got {text!r}") from None
+
+
+def _mtp(args: argparse.Namespace, blocks: int) -> tuple[int, int]:
+    """(MTP layers, blocks of each, 0 for the model's) from ``--speculative_config`` as FastDeploy reads it
+    (``SpeculativeConfig``: MTP adds one cache layer, ``num_gpu_block_expand_ratio`` scales its blocks)."""
+    config = args.speculative_config if isinstance(args.speculative_config, dict) else {}
+    extra = int(config.get("num_extra_cache_layer", 0) or 0)
+    extra = extra or (1 if str(config.get("method", "") or "").lower() == "mtp" else 0)
+    ratio = float(config.get("num_gpu_block_expand_ratio", 1.0) or 1.0)
+    return extra, (int(blocks * ratio) if extra and ratio != 1.0 else 0)
+
+
+def declared_spec(args: argparse.Namespace, storage_backend: str | None) -> CacheSpec:
+    """The rank's ``CacheSpec`` as FastDeploy's arguments describe it (with the daemon's store backend), laid
+    out as FastDeploy's XPU runner makes it (a quantized cache is ``int8``, ``xpu_model_runner.py`` ~1238).
+    Raises ``InvalidSpec`` naming the argument that does not describe a cache."""
+    key = _shape("key_cache_shape", args.key_cache_shape)
+    if len(key) != 4:
+        raise InvalidSpec("key_cache_shape", f"must be blocks,kv_heads,block_size,head_dim; got {key}")
+    value = _shape("value_cache_shape", args.value_cache_shape)
+    if value and value != key:
+        raise InvalidSpec("value_cache_shape", f"must equal --key_cache_shape {key} or be empty (MLA), got {value}")
+    mtp_layers, mtp_blocks = _mtp(args, key[0])
+    fp8 = args.cache_dtype == "block_wise_fp8"
+    dtype = {"bfloat16": args.default_dtype, "uint8": "int8", "block_wise_fp8": "uint8"}.get(args.cache_dtype)
+    try:
+        return CacheSpec(
+            num_layers=args.num_layers,
+            kv_heads=key[1],
+            head_dim=key[3],
+            block_size=key[2],
+            dtype=str(dtype),
+            num_blocks=key[0],
+            num_cpu_blocks=args.num_cpu_blocks,
+            storage_backend=storage_backend,
+            splitwise_role=args.splitwise_role,
+            block_wise_fp8=fp8,
+            mla=not value,
+            scale_dtype=args.default_dtype if fp8 else "float32",
+            mtp_layers=mtp_layers,
+            mtp_num_blocks=mtp_blocks,
+        )
+    except InvalidSpec as exc:
+        raise InvalidSpec(ARGUMENT_OF.get(exc.field, exc.field), exc.message) from None
+
+
+def check_store(args: argparse.Namespace, daemon_store: str | None) -> None:
+    """Raise ``InvalidSpec`` when ``--kvcache_storage_backend`` is not the daemon's store backend: the engine
+    would store and load where kvcached does not (or think storage on where it is off)."""
+    if args.kvcache_storage_backend != daemon_store:
+        held = daemon_store or "none (no --storage-backend)"
+        why = {"attention_store": "an external SDK kvcached does not speak; use file or mooncake"}.get(
+            args.kvcache_storage_backend, f"the kvcached daemon's store is {held}"
+        )
+        raise InvalidSpec("kvcache_storage_backend", f"the engine says {args.kvcache_storage_backend}: {why}")
+
+
+def check_against(published: Mapping[str, Any], args: argparse.Namespace, descriptor: Mapping[str, Any]) -> None:
+    """Raise ``InvalidSpec`` naming the first of FastDeploy's arguments that disagrees with the daemon: its
+    store backend, its geometry (``published``: the header's spec), the device of the rank's memory (the
+    record's ``descriptor``, where the backend names one). Then the engine and kvcached would move
+    different bytes, or store and load where the other does not look."""
+    theirs = published.get("storage_backend")
+    check_store(args, theirs)
+    ours = declared_spec(args, theirs)
+    differs = first_difference(published, ours, DECLARED_FIELDS)
+    if differs is not None:
+        field, daemon, engine = differs
+        raise InvalidSpec(
+            ARGUMENT_OF.get(field, field), f"gives {field} {engine!r}, the kvcached daemon holds {daemon!r}"
+        )
+    device = descriptor.get("device")
+    if isinstance(device, int) and device != args.device_id:
+        raise InvalidSpec("device_id", f"the engine says {args.device_id}, kvcached keeps this rank on device {device}")

@@ -1,0 +1,177 @@
+"""What the drop-in does with each of FastDeploy's cache tasks, and how it reports it.
+
+The result forms are the ones FastDeploy's result thread reads (``prefix_cache_manager.py``
+``recv_data_transfer_result`` ~2140-2199, e53f5184); each is chosen so the engine never computes on a
+block that did not move:
+
+* ``SWAP2CPU`` (eviction, ``_evict_cache_async`` ~1360-1404): moved, ``(event, id, nodes, gpu, cpu)``
+  as FastDeploy reports it; not moved, ``(event, id, [], [], [])``: the engine handles no node
+  (``for i in range(length)``, ~2178), so each stays SWAP2CPU on its GPU block, which is not
+  recycled and keeps its bytes; a later match turns it back to GPU and uses that block (``mm_match_block``
+  ~1702-1708). The task's CPU blocks stay allocated in the engine (logged).
+* ``SWAP2GPU`` (``request_match_blocks`` -> ``_prepare_cpu_cache`` ~796-813): once the task's event is set,
+  the engine takes the receiving GPU blocks as the request's prefix (~884), whatever the result lists. No
+  form of "not done" is safe, and leaving it unanswered hangs the scheduler (it waits holding
+  ``request_release_lock``, ~582-592, ~759). So a swap-in is sent again until it moves; one that cannot
+  move ends the rank (``TransferManager.end``), and the patched engine stops, naming the reason.
+* ``STORAGE2GPU`` (~2153-2163): every rank reports the GPU ids loaded and the engine takes the shortest;
+  here the blocks every rank loaded (``[]`` when none), put once per rank. The engine recomputes the rest
+  and recycles their blocks (~880).
+* ``GPU2STORAGE`` (~2164-2168): the ids written (``[]`` when none); the engine only wakes its waiter.
+
+Storage is FastDeploy's manager's (``cache_transfer_manager.py`` ``read_storage_task`` ~758-830,
+``write_back_storage_task`` ~947-1025): one key per full block; a read loads the stored prefix into the
+first GPU ids (the engine allocates a block for a partial last one, and hashes none for it), a write
+stores the blocks past the prefix already stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcached.fastdeploy.arguments import key_prefix, store_key
+from kvcached.fastdeploy.mover import Done, Mover, Outcome
+from kvcached.fastdeploy.queue import put_results
+
+if TYPE_CHECKING:
+    from kvcached.fastdeploy.transfer_manager import TransferManager
+
+log = logging.getLogger("kvcached.fastdeploy")
+
+
+class Malformed(ValueError):
+    """A queue item that is not a FastDeploy cache task: logged and skipped, nothing answered."""
+
+
+def block_ids(value: object, what: str) -> list[int]:
+    """A list of non-negative ints, or ``Malformed``."""
+    if not isinstance(value, (list, tuple)) or not all(type(i) is int and i >= 0 for i in value):
+        raise Malformed(f"{what} must be a list of block ids, got {value!r:.120}")
+    return list(value)
+
+
+class Handlers:
+    """Rank 0's execution of the group's tasks and its answers to control requests."""
+
+    def __init__(self, manager: TransferManager, mover: Mover | None) -> None:
+        self.m, self.mover = manager, mover
+        self.status = manager.fd.CacheStatus
+        self.key_prefix = key_prefix(manager.args.model_path)
+        self.sleeping = False
+
+    def _put(self, item: tuple[Any, ...], copies: int = 1) -> None:
+        with self.m.waits.on("the engine's cache queue (a task result)", self.m.queue_s):
+            put_results(self.m.queue, [item] * copies)
+
+    # -- swaps ----------------------------------------------------------------------------------------
+
+    def swap(self, event: Any, args: Sequence[Any]) -> None:
+        """``_do_swap_to_cpu_task`` / ``_do_swap_to_gpu_task``, reported as the module docstring says."""
+        assert self.mover is not None
+        task_id, node_ids, gpu, cpu = args
+        gpu_ids, cpu_ids = block_ids(gpu, "gpu_block_ids"), block_ids(cpu, "cpu_block_ids")
+        out = event.value == self.status.SWAP2CPU.value  # type: ignore[attr-defined]
+        done = self.mover.swap(out, gpu_ids, cpu_ids)
+        if done.outcome is Outcome.MOVED:
+            self._put((event, task_id, node_ids, gpu, cpu))
+            return
+        what = f"swap {'out' if out else 'in'} {task_id!r} (gpu {gpu_ids}, cpu {cpu_ids})"
+        if out:
+            log.error("%s not done: %s; reported with nothing moved (the engine keeps its GPU copies)", what, done.why)
+            self._put((event, task_id, [], [], []))
+            if done.outcome is Outcome.UNSERVABLE:
+                self.m.end(done.why)
+            return
+        self.m.end(f"{what} cannot be done ({done.why}); FastDeploy would read those GPU blocks as moved")
+
+    # -- storage --------------------------------------------------------------------------------------
+
+    def read(self, task: Any) -> None:
+        """``read_storage_task``: the stored prefix of the task's keys into its first GPU blocks."""
+        assert self.mover is not None
+        keys, gpu_ids = self._task(task)
+        gpu_ids = gpu_ids[: len(keys)]  # a key per full block; the last GPU block may hold a partial one
+        done = self.mover.load([store_key(k, self.key_prefix) for k in keys], gpu_ids, self._timeout(task))
+        loaded = gpu_ids[: done.blocks] if done.outcome is Outcome.MOVED else []
+        self._storage_failed("read", task, done)
+        result = (self.status.STORAGE2GPU, task.task_id, task.keys, loaded)  # type: ignore[attr-defined]
+        self._put(result, copies=self.m.n_ranks)  # the engine waits for one per rank and takes the shortest
+        self._end_if_unservable(done)
+
+    def write(self, task: Any) -> None:
+        """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store."""
+        assert self.mover is not None
+        keys, gpu_ids = self._task(task)
+        if len(keys) != len(gpu_ids):
+            raise Malformed(f"{len(keys)} keys for {len(gpu_ids)} GPU blocks")
+        store_keys = [store_key(k, self.key_prefix) for k in keys]
+        stored = self.mover.stored(store_keys, self._timeout(task))
+        done = Done(Outcome.MOVED)
+        if stored < len(keys):
+            done = self.mover.store(store_keys[stored:], gpu_ids[stored:], self._timeout(task))
+        self._storage_failed("write", task, done)
+        written = gpu_ids[stored:] if done.outcome is Outcome.MOVED else []
+        self._put((self.status.GPU2STORAGE, task.task_id, task.keys, written))  # type: ignore[attr-defined]
+        self._end_if_unservable(done)
+
+    @staticmethod
+    def _task(task: Any) -> tuple[list[str], list[int]]:
+        keys = getattr(task, "keys", None)
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+            raise Malformed(f"storage task keys must be a list of strings, got {keys!r:.120}")
+        return list(keys), block_ids(getattr(task, "gpu_block_ids", None), "gpu_block_ids")
+
+    def _timeout(self, task: Any) -> float:
+        timeout = getattr(task, "timeout", None)
+        return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else self.m.task_s
+
+    def _storage_failed(self, what: str, task: Any, done: Done) -> None:
+        if done.outcome is not Outcome.MOVED:
+            log.error("storage %s %r not done: %s; reported with no block", what, task.task_id, done.why)
+
+    def _end_if_unservable(self, done: Done) -> None:
+        if done.outcome is Outcome.UNSERVABLE:
+            self.m.end(done.why)
+
+    # -- control --------------------------------------------------------------------------------------
+
+    def control(self, request: Any) -> None:
+        """``control_task``: run the handler, answer on every rank's control queue with
+        ``ControlResponse(request_id, code, message)`` (FastDeploy's engine waits for one answer per rank)."""
+        method = request.get_method() if hasattr(request, "get_method") else getattr(request, "method", None)
+        code, message = 200, "Success"
+        handler = {
+            "pause": self.m.pause,
+            "resume": self.m.resume,
+            "update_weights": self.refresh_key_prefix,
+            "sleep": self._sleep,
+            "wakeup": self._wakeup,
+        }.get(str(method))
+        if handler is None:
+            code, message = 400, f"Unknown control method: {method}"
+        else:
+            try:
+                message = handler() or message
+            except Exception as exc:
+                code, message = 500, f"Failed to execute {method}: {exc}"
+        log.log(logging.INFO if code == 200 else logging.ERROR, "control %s: %d %s", method, code, message)
+        self.m.respond(self.m.fd.control_response(request.request_id, code, message))
+
+    def refresh_key_prefix(self) -> None:
+        """The weights' version may have changed (``update_weights``, ``resume``): new weights, new keys."""
+        self.key_prefix = key_prefix(self.m.args.model_path)
+
+    def _sleep(self) -> str:
+        self.sleeping = True
+        return (
+            "Success: kvcached keeps this rank's KV cache (device blocks and CPU pool) for every process attached "
+            "to it, so sleep frees no memory; the engine forgets its prefix tree, so nothing in the blocks is "
+            "relied on after wakeup"
+        )
+
+    def _wakeup(self) -> str:
+        self.sleeping = False
+        self.refresh_key_prefix()
+        return "Success: the KV cache was kept through sleep; nothing to restore"

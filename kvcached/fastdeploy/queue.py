@@ -1,0 +1,39 @@
+"""Rank 0's two uses of FastDeploy's cache queue beyond its public calls, in one place.
+
+Rank 0's drop-in serves every rank of its group (``kvcached.fastdeploy.transfer_manager``), so it takes
+each task for all of them and puts the results of all of them. FastDeploy's ``EngineCacheQueue``
+(``inter_communicator/engine_cache_queue.py``, e53f5184) offers per-client calls only; these two go one level
+down, to the proxies those calls use, under the same lock where FastDeploy's calls take one, and leave the
+queue as the per-client calls would. A queue of another FastDeploy line with other internals needs only
+this module changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def take_for_group(queue: Any) -> Any:
+    """The next task, taken for every client at once (None: the queue is empty).
+
+    ``get_transfer_task`` (~292-315) marks one client's read in ``task_sync_value`` and pops the task once
+    every client has read it; ``put_transfer_task`` (~272-290) waits while some but not all have. With rank
+    0 serving the group no other client reads, so taking the head under ``task_lock`` and leaving the mark
+    at 0 is what the last of the clients' reads would do: the engine can put the next task at once."""
+    queue.task_lock.acquire()
+    try:
+        try:
+            data = queue.transfer_task_queue.pop(0)
+        except IndexError:
+            return None
+        queue.task_sync_value.set(0)
+        return data
+    finally:
+        queue.task_lock.release()
+
+
+def put_results(queue: Any, items: list[Any]) -> None:
+    """Put ``items`` on the result queue in one call. ``put_transfer_done_signal`` (~329-336) appends one
+    item under ``task_done_lock``: the lock orders it against ``get_transfer_done_signal``'s length check and
+    pop (~338-348), which an append cannot disturb (each proxied list call runs whole in the server)."""
+    queue.tansfer_done_queue.extend(items)

@@ -1,0 +1,99 @@
+"""kvcached inside FastDeploy's own processes: what the patch's runner and cache-messager hunks call.
+
+``patches/fastdeploy-e53f5184-kvcached.patch`` keeps FastDeploy's side to a few lines that call here, so
+the decisions live (and are tested) in kvcached:
+
+* ``xpu_kv_cache``: the XPU runner's ``initialize_kv_cache`` (``worker/xpu_model_runner.py`` ~1222).
+  During the profile run (``profile_run`` ~1736-1742; FastDeploy profiles by default,
+  ``engine/common_engine.py`` ~235) the runner needs a cache of its own for the dummy batch: it is
+  allocated here and exported under no name, since the names FastDeploy's ``set_data_ipc`` would give it
+  are the ones kvcached's XPU tier exports (``set_data_ipc`` overwrites a record of the same name,
+  ``xpu_multiprocess.h`` ~50). After profiling, with FastDeploy's own block count, the fixed condition
+  decides; when kvcached owns the cache the runner declares its spec (a daemon started with
+  ``--geometry engine`` allocates exactly that), waits for the rank (bounded) and attaches it.
+* ``messager_cache``: the splitwise cache messager (``cache_manager/cache_messager.py`` ``main``
+  ~965-1051), which always allocates: with kvcached it attaches kvcached's tensors instead.
+
+The attached ``KVCache`` objects are kept here (``ATTACHED``, by rank) for as long as FastDeploy uses
+their tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import runner_client as rc
+from kvcached.fastdeploy.arguments import group_ranks
+from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.instance import open_instance
+from kvcached.protocol.spec import CacheSpec
+
+#: The caches attached in this process, by kvcached rank (their tensors alias kvcached's memory).
+ATTACHED: dict[int, rc.KVCache] = {}
+
+
+def _instance() -> str:
+    return os.environ.get("KVCACHED_INSTANCE") or "default"
+
+
+def _wait_s() -> float:
+    return float(os.environ.get("KVCACHED_WAIT_S", "600"))
+
+
+def xpu_kv_cache(
+    fd_config: Any,
+    local_rank: int,
+    num_blocks: int,
+    cache_type: str,
+    shapes: tuple[list[int], list[int]],
+    *,
+    profile: bool,
+) -> list[Any] | None:
+    """The XPU runner's cache tensors, key and value per layer (``share_inputs["caches"]``), or None when
+    the runner owns its cache by the fixed condition (then FastDeploy's own code creates it)."""
+    if profile:  # the profile run's cache: the runner's alone, exported under no name
+        import paddle
+
+        full: Any = paddle.full
+        layers = int(fd_config.model_config.num_hidden_layers)
+        return [full(shape=shape, fill_value=0, dtype=cache_type) for _ in range(layers) for shape in shapes]
+    spec = rc.spec_from_fastdeploy(fd_config, local_rank, num_blocks=num_blocks, platform="xpu")
+    if rc.cache_owner(spec) != "daemon":
+        return None
+    cache = rc.initialize_kv_cache(spec, local_rank, instance=_instance(), timeout=_wait_s(), framework="paddle")
+    ATTACHED[local_rank] = cache
+    return [t for pair in zip(cache.key_caches, cache.value_caches, strict=True) for t in pair]
+
+
+def messager_cache(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], list[Any]]:
+    """The cache messager's ``gpu_cache_kvs`` (FastDeploy's names), key and value tensors, attached from
+    kvcached's rank (the engine's runner or drop-in declares the geometry). Raises ``InvalidSpec`` naming
+    the messager's argument that disagrees with the daemon's cache."""
+    rank = group_ranks(args)[args.rank]
+    rc.wait_until_ready(_instance(), rank, timeout=_wait_s())
+    view = open_instance(_instance())
+    if view is None or view.header is None:
+        raise rc.DaemonGone(f"instance {_instance()!r}: no daemon")
+    with view:
+        spec = CacheSpec.from_dict(view.header.spec)
+    key = [int(i) for i in args.key_cache_shape.split(",")]
+    if key != list(spec.cache_shape) or args.num_layers != spec.num_layers:
+        raise InvalidSpec(
+            "key_cache_shape",
+            f"the engine says {key} x {args.num_layers} layers, kvcached holds "
+            f"{list(spec.cache_shape)} x {spec.num_layers}",
+        )
+    cache = rc.initialize_kv_cache(spec, rank, instance=_instance(), timeout=_wait_s(), framework="paddle")
+    ATTACHED[rank] = cache
+    kvs: dict[str, Any] = {}
+    suffix = f"rank{args.rank}_device{args.device_id}"
+    for kind, tensors in (
+        ("key_caches", cache.key_caches),
+        ("value_caches", cache.value_caches),
+        ("key_cache_scales", cache.key_cache_scales),
+        ("value_cache_scales", cache.value_cache_scales),
+    ):
+        kvs.update({f"{kind}_{i}_{suffix}": tensor for i, tensor in enumerate(tensors)})
+    return kvs, list(cache.key_caches), list(cache.value_caches)

@@ -1,0 +1,177 @@
+"""FastDeploy's engine-side modules, imported from the checkout ``FASTDEPLOY_SRC`` names, with STUBS only for
+what cannot run here.
+
+FastDeploy's package ``__init__`` files import its whole engine (paddle ops, the model zoo, FastAPI), so the
+packages are shells: ``fastdeploy``, ``fastdeploy.cache_manager``, ``fastdeploy.engine`` and
+``fastdeploy.model_executor`` point their ``__path__`` at FastDeploy's directories and run none of its
+``__init__`` code; every module below them is FastDeploy's own file, except these STUBS:
+
+* ``fastdeploy.utils``: STUB. Loggers, and FastDeploy's own ``get_hash_str``, the block-key hash, whose
+  source is taken from ``fastdeploy/utils.py`` at run time (the rest of that module needs paddle, FastAPI
+  and the model hub);
+* ``fastdeploy.engine.request``: STUB holding FastDeploy's own ``ControlRequest`` and ``ControlResponse``
+  classes, their source taken from ``engine/request.py`` at run time, and ``Request``, a STUB (an
+  annotation in ``prefix_cache_manager.py``; tests pass plain objects with the fields it reads);
+* ``fastdeploy.inter_communicator``: STUB package exporting FastDeploy's own ``engine_cache_queue``,
+  ``ipc_signal``, ``ipc_signal_const`` and ``fmq`` (its ``__init__`` imports the worker queue and ZMQ servers);
+* ``fastdeploy.metrics.metrics``: STUB ``main_process_metrics`` whose gauges record nothing;
+* ``fastdeploy.config``: STUB ``FDConfig`` (an annotation); tests build the config objects it reads;
+* ``fastdeploy.cache_manager.ops``: STUB ``get_all_visible_devices`` (device enumeration, paddle ops);
+* ``fastdeploy.model_executor.layers.attention``: STUB ``get_attention_backend``, an attention backend whose
+  ``get_kv_cache_shape`` gives FastDeploy's layout ``[blocks, kv_heads, block_size, head_dim]``.
+
+``install(root, patched)`` makes them importable in this process (idempotent); ``shell_dir`` writes a
+``fastdeploy`` package that does the same in a subprocess put on ``PYTHONPATH`` (the drop-in, launched by
+FastDeploy's own ``launch_cache_manager``, then runs ``RealFastDeploy`` over FastDeploy's own modules).
+``patched`` is a directory holding patched copies of FastDeploy files; they are found before the checkout's.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+STUBS = (
+    "fastdeploy.utils",
+    "fastdeploy.engine.request",
+    "fastdeploy.inter_communicator",
+    "fastdeploy.metrics.metrics",
+    "fastdeploy.config",
+    "fastdeploy.cache_manager.ops",
+    "fastdeploy.model_executor.layers.attention",
+)
+_SHELLS = (
+    "fastdeploy",
+    "fastdeploy.cache_manager",
+    "fastdeploy.engine",
+    "fastdeploy.model_executor",
+    "fastdeploy.model_executor.layers",
+    "fastdeploy.metrics",
+    "fastdeploy.worker",
+    "fastdeploy.spec_decode",
+)
+
+
+def source_of(root: Path, relative: str, names: tuple[str, ...], namespace: dict[str, Any]) -> dict[str, Any]:
+    """Execute FastDeploy's own definitions ``names`` of ``root/relative`` in ``namespace``: top-level ones,
+    or ``Class.method`` (then a function taking ``self``, under the method's name)."""
+    tree = ast.parse((root / relative).read_text())
+    wanted: list[ast.stmt] = []
+    for name in names:
+        scope, _, member = name.rpartition(".")
+        body = tree.body
+        if scope:
+            body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == scope)
+        found = [n for n in body if getattr(n, "name", None) == member]
+        assert found, f"{relative} has no {name}"
+        wanted += found
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), str(root / relative), "exec"), namespace)
+    return namespace
+
+
+def _module(name: str, **attributes: Any) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    sys.modules[name] = module
+    return module
+
+
+class _Gauge:
+    """STUB of a Prometheus gauge or counter."""
+
+    def set(self, *_: Any) -> None: ...
+
+    def inc(self, *_: Any) -> None: ...
+
+    def observe(self, *_: Any) -> None: ...
+
+
+class _Metrics:
+    """STUB of ``main_process_metrics``: every attribute is a gauge that records nothing."""
+
+    def __getattr__(self, name: str) -> _Gauge:
+        return _Gauge()
+
+
+class AttentionBackendStub:
+    """STUB attention backend: FastDeploy's cache layout ``[blocks, kv_heads, block_size, head_dim]``."""
+
+    def __init__(self, config: Any, *, kv_num_heads: int, num_heads: int, head_dim: int, **_: Any) -> None:
+        self.shape = (kv_num_heads, int(config.cache_config.block_size), head_dim)
+
+    def get_kv_cache_shape(self, max_num_blocks: int, kv_cache_quant_type: Any = None) -> tuple[list[int], list[int]]:
+        shape = [max_num_blocks, *self.shape]
+        return shape, list(shape)
+
+
+def _stubs(root: Path) -> None:
+    log = logging.getLogger("fastdeploy")
+    hashing = source_of(
+        root,
+        "fastdeploy/utils.py",
+        ("get_hash_str",),
+        {"hashlib": __import__("hashlib"), "pickle": __import__("pickle"), "Any": Any, "List": list, "Optional": Any},
+    )
+    _module(
+        "fastdeploy.utils",
+        get_logger=lambda name, *_a, **_k: logging.getLogger(f"fastdeploy.{name}"),
+        get_hash_str=hashing["get_hash_str"],
+        **{name: log for name in ("llm_logger", "console_logger", "fmq_logger", "data_processor_logger")},
+    )
+    envs = importlib.import_module("fastdeploy.envs")
+    control = source_of(
+        root,
+        "fastdeploy/engine/request.py",
+        ("ControlRequest", "ControlResponse"),
+        {
+            "__name__": "fastdeploy.engine.request",
+            "envs": envs,
+            "Any": Any,
+            "Dict": dict,
+            "Optional": Any,
+            "JSONResponse": None,
+        },
+    )
+    _module(
+        "fastdeploy.engine.request",
+        Request=type("Request", (), {"__doc__": "STUB"}),
+        **{name: control[name] for name in ("ControlRequest", "ControlResponse")},
+    )
+    _module("fastdeploy.metrics.metrics", main_process_metrics=_Metrics())
+    _module("fastdeploy.config", FDConfig=type("FDConfig", (), {"__doc__": "STUB"}))
+    _module("fastdeploy.cache_manager.ops", get_all_visible_devices=lambda: "CUDA_VISIBLE_DEVICES=0,1")
+    _module("fastdeploy.model_executor.layers.attention", get_attention_backend=lambda: AttentionBackendStub)
+    package = _module("fastdeploy.inter_communicator", __path__=[str(root / "fastdeploy/inter_communicator")])
+    for name in ("engine_cache_queue", "ipc_signal", "ipc_signal_const"):
+        module = importlib.import_module(f"fastdeploy.inter_communicator.{name}")
+        package.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
+
+
+def install(root: Path, patched: Path | None = None) -> None:
+    """Make FastDeploy's engine-side modules importable in this process (see the module docstring)."""
+    if "fastdeploy.inter_communicator" in sys.modules and hasattr(sys.modules["fastdeploy"], "__kvcached_shell__"):
+        return
+    for name in _SHELLS:
+        relative = name.replace(".", "/")
+        paths = [str(d / relative) for d in (patched, root) if d is not None and (d / relative).is_dir()]
+        _module(name, __path__=paths, __kvcached_shell__=True)
+    _stubs(root)
+
+
+def shell_dir(root: Path, patched: Path | None, into: Path, repository: Path) -> Path:
+    """A directory to put first on ``PYTHONPATH``: its ``fastdeploy`` package installs this shell."""
+    package = into / "fastdeploy"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(1, {str(repository)!r})\n"
+        "from pathlib import Path\n"
+        "from tests.fastdeploy_shell import install\n"
+        f"install(Path({str(root)!r}), {None if patched is None else f'Path({str(patched)!r})'})\n"
+    )
+    return into

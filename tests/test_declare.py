@@ -1,0 +1,97 @@
+"""``--geometry engine``: the daemon holds its ranks until the engine's first runner declares the geometry,
+allocates exactly that, refuses a different one by name, keeps it across a restart and a kill."""
+
+from __future__ import annotations
+
+import pytest
+
+import runner_client as rc
+from kvcached.config import DaemonConfig
+from kvcached.protocol.errors import InvalidConfig
+from kvcached.status import awaits_geometry, read_status
+from tests.conftest import Daemon, DaemonFactory, shm_entries
+
+
+def spec(**changes: object) -> rc.CacheSpec:
+    fields: dict[str, object] = dict(
+        num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=20, num_cpu_blocks=6
+    )
+    fields.update(changes)
+    return rc.CacheSpec(**fields)  # type: ignore[arg-type]
+
+
+def waiting(daemons: DaemonFactory, *args: str) -> Daemon:
+    daemon = daemons.start(ranks=2, small=False, args=["--geometry", "engine", *args])
+    daemon.wait_state("EMPTY")
+    return daemon
+
+
+def test_the_first_declaration_is_allocated_exactly(daemons: DaemonFactory) -> None:
+    """No geometry given: the ranks wait (EMPTY, the note says why) until a runner declares its spec; then
+    every rank holds exactly that spec and the runner attaches."""
+    daemon = waiting(daemons)
+    status = read_status(daemon.instance)
+    assert "declare the geometry" in status["note"] and [r["state"] for r in status["ranks"]] == ["EMPTY", "EMPTY"]
+    with rc.initialize_kv_cache(spec(), 1, instance=daemon.instance, timeout=30) as cache:
+        assert cache.owner == "daemon" and cache.key_caches[0].shape == (20, 2, 4, 16)
+    status = daemon.wait_ready()
+    assert status["spec"]["num_blocks"] == 20 and status["spec"]["num_layers"] == 3
+
+
+def test_a_different_declaration_is_refused_by_name_and_an_equal_one_adopts(daemons: DaemonFactory) -> None:
+    daemon = waiting(daemons)
+    instance = daemon.instance
+    rc.initialize_kv_cache(spec(), 0, instance=instance, timeout=30).close()
+    with pytest.raises(rc.CacheLayoutMismatch) as refused:
+        rc.initialize_kv_cache(spec(num_blocks=21), 1, instance=instance, timeout=30)
+    assert refused.value.field == "num_blocks" and "21" in str(refused.value)
+    rc.initialize_kv_cache(spec(), 1, instance=instance, timeout=30).close()
+
+
+def test_a_declaration_the_daemon_cannot_hold_is_refused_and_it_waits_on(daemons: DaemonFactory) -> None:
+    """A spec for which the runner owns the cache (no CPU pool, no store, mixed) is refused naming
+    num_cpu_blocks; the daemon goes on waiting and takes the next declaration."""
+    daemon = waiting(daemons)
+    instance = daemon.instance
+    with pytest.raises(rc.CacheLayoutMismatch) as refused:
+        rc.wait_until_ready(instance, 0, timeout=10, declare=spec(num_cpu_blocks=0))
+    assert refused.value.field == "num_cpu_blocks" and "the runner owns the cache" in str(refused.value)
+    assert read_status(instance)["ranks"][0]["state"] == "EMPTY"
+    rc.initialize_kv_cache(spec(), 0, instance=instance, timeout=30).close()
+
+
+@pytest.mark.parametrize("how", ["restart", "kill"])
+def test_the_declared_geometry_survives_a_restart_and_a_kill(daemons: DaemonFactory, how: str) -> None:
+    """``kvcached restart``, or kill -9 and ``kvcached start``, with the same ``--geometry engine`` command:
+    the memory is adopted with the geometry declared before, and a runner's equal declaration attaches."""
+    daemon = waiting(daemons)
+    instance = daemon.instance
+    with rc.initialize_kv_cache(spec(), 0, instance=instance, timeout=30) as cache:
+        cache.key_caches[2][19, 1, 3, 15] = 7
+    daemon.wait_ready()
+    if how == "restart":
+        assert daemons.cli("restart", "--instance", instance).returncode == 0
+    else:
+        daemon.kill9()
+        daemon = daemons.start(instance, ranks=2, small=False, args=["--geometry", "engine"])
+    status = daemon.wait_ready()
+    assert "adopted" in status["note"] and status["spec"]["num_blocks"] == 20
+    with rc.initialize_kv_cache(spec(), 0, instance=instance, timeout=30) as cache:
+        assert cache.key_caches[2][19, 1, 3, 15] == 7
+
+
+def test_a_restart_while_waiting_waits_again_and_a_stop_leaves_nothing(daemons: DaemonFactory) -> None:
+    daemon = waiting(daemons)
+    restarted = daemons.cli("restart", "--instance", daemon.instance)
+    assert restarted.returncode == 0 and "waiting for the engine" in restarted.stdout, restarted
+    assert awaits_geometry(read_status(daemon.instance))
+    assert daemon.stop() == 0
+    assert shm_entries(daemon.instance) == []
+
+
+def test_geometry_options_with_geometry_engine_are_refused_by_name() -> None:
+    with pytest.raises(InvalidConfig) as refused:
+        DaemonConfig.build({"geometry": "engine", "num_blocks": "64"}, environ={})
+    assert refused.value.source == "--num-blocks" and "declared by the engine" in refused.value.message
+    config = DaemonConfig.build({"geometry": "engine", "storage_backend": "file"}, environ={})
+    assert config.geometry == "engine" and config.store.backend == "file"

@@ -1,0 +1,180 @@
+"""FastDeploy's own engine code (e53f5184, patched) served by the drop-in and a real daemon, at a realistic
+geometry: 16 layers, 2 ranks, a file store, the daemon started with ``--geometry engine`` (no geometry
+given to kvcached: the engine's drop-ins and runners declare it).
+
+The engine side is ``tests/fd_engine.py`` (its STUBS are listed in ``tests/fastdeploy_shell.py``):
+FastDeploy's ``PrefixCacheManager`` launches the drop-ins with its ``launch_cache_manager``, reads their
+results with its result thread, and its ``issue_swap_task``, ``request_match_blocks`` (with its own block
+hashing), ``write_cache_to_storage_decode`` and control waiter (over its FMQ) are the calls. The bytes are
+checked through the runners' views. Skipped without ``FASTDEPLOY_SRC`` (a checkout of e53f5184).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcached.fastdeploy.transfer_manager import TASK_S
+from kvcached.status import read_status
+from tests.conftest import DaemonFactory
+from tests.fastdeploy_engine_code import GEOMETRY, EngineEnded, blocks, configured, engine_and_daemon, fill, views
+
+BLOCK = GEOMETRY["block_size"]
+
+
+def test_the_engine_declares_the_geometry_and_swaps_move_the_bytes(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """With no geometry given to the daemon, FastDeploy's launch makes it allocate FastDeploy's own block
+    count; a swap out, an overwrite and a swap in issued by ``issue_swap_task`` bring the bytes back."""
+    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
+        assert engine.call("launch")["inited"] == [1, 1]
+        spec = read_status(daemon.instance)["spec"]
+        assert (spec["num_blocks"], spec["num_layers"], spec["num_cpu_blocks"]) == (64, 16, 32)
+        caches = views(daemon.instance)
+        fill(caches, [1, 2, 3], seed=1)
+        original = blocks(caches, [1, 2, 3])
+        engine.call("swap", event="SWAP2CPU", task_id="out", gpu=[1, 2, 3], cpu=[30, 31, 0], nodes=None)
+        fill(caches, [1, 2, 3], seed=2)
+        engine.call("swap", event="SWAP2GPU", task_id="in", gpu=[7, 8, 9], cpu=[30, 31, 0], nodes=None)
+        assert blocks(caches, [7, 8, 9]) == original
+
+
+def test_a_prompt_of_four_and_a_half_blocks_loads_four_from_the_store(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """``write_cache_to_storage_decode`` stores a prompt's 4 full blocks (FastDeploy's chained hashes); a new
+    request for it (4.5 blocks unmatched) gets those 4 blocks loaded byte for byte and reported, its 5th
+    GPU block recycled, 64 tokens counted as cached."""
+    prompt = list(range(1000, 1000 + 4 * BLOCK + BLOCK // 2))
+    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
+        engine.call("launch")
+        caches = views(daemon.instance)
+        fill(caches, [40, 41, 42, 43], seed=3)
+        engine.call("write_decode", request_id="first", prompt=prompt, block_tables=[40, 41, 42, 43, 44])
+        got = engine.call("match", request_id="second", prompt=prompt)
+        assert got["tokens"] == 4 * BLOCK and got["storage_blocks"] == got["blocks"] and len(got["blocks"]) == 4
+        assert blocks(caches, got["blocks"]) == blocks(caches, [40, 41, 42, 43])
+        assert len(got["gpu_free"]) == GEOMETRY["blocks"] - 4, "the fifth block went back to the free list"
+
+
+def test_a_refused_swap_out_is_reported_with_nothing_moved(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Eviction to a CPU block kvcached refuses: the engine's nodes stay SWAP2CPU on their GPU blocks (never
+    recycled, their bytes kept), and the engine goes on: the next swap is served."""
+    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
+        engine.call("launch")
+        caches = views(daemon.instance)
+        fill(caches, [5, 6], seed=4)
+        before = blocks(caches, [5, 6])
+        engine.call(
+            "make_nodes",
+            nodes=[
+                {"node_id": 900, "status": "SWAP2CPU", "block_id": 5},
+                {"node_id": 901, "status": "SWAP2CPU", "block_id": 6},
+            ],
+        )
+        engine.call("swap", event="SWAP2CPU", task_id="refused", gpu=[5, 6], cpu=[3, 99], nodes=[900, 901])
+        state = engine.call("nodes", ids=[900, 901])
+        assert state["nodes"] == [{"status": "SWAP2CPU", "block_id": 5}, {"status": "SWAP2CPU", "block_id": 6}]
+        assert blocks(caches, [5, 6]) == before
+        assert "refused by kvcached" in engine.dropin_log()
+        engine.call("swap", event="SWAP2CPU", task_id="next", gpu=[5], cpu=[3], nodes=None)
+
+
+def test_a_swap_in_that_cannot_happen_stops_the_engine_naming_it(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A swap-in kvcached refuses is never reported done (the engine would read its GPU blocks as moved): the
+    drop-in ends saying why, and the patched launcher stops the engine (SIGTERM)."""
+    with engine_and_daemon(daemons, tmp_path) as (engine, _):
+        engine.call("launch")
+        with pytest.raises(EngineEnded) as ended:
+            engine.call("swap", event="SWAP2GPU", task_id="impossible", gpu=[5], cpu=[99], nodes=None, timeout=60)
+        assert ended.value.status == -15
+        log = engine.dropin_log()
+        assert "swap in 'impossible'" in log and "cannot be done" in log and "refused by kvcached" in log
+
+
+def test_a_rank_whose_daemon_stays_away_ends_and_the_engine_stops(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The daemon is stopped for good (``kvcached stop``): a swap-in waits for a daemon to adopt the memory
+    until the task deadline (``KVCACHED_TASK_DEADLINE_S``), then the drop-in ends with a line saying why and
+    the patched launcher stops the engine; nothing is reported done."""
+    with engine_and_daemon(daemons, tmp_path, env={"KVCACHED_TASK_DEADLINE_S": "4"}) as (engine, daemon):
+        engine.call("launch")
+        assert daemon.stop() == 0
+        with pytest.raises(EngineEnded) as ended:
+            engine.call("swap", event="SWAP2GPU", task_id="stranded", gpu=[5], cpu=[1], nodes=None, timeout=60)
+        assert ended.value.status == -15
+        log = engine.dropin_log()
+        assert "swap in 'stranded'" in log and "not done within 4s" in log
+
+
+def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The engine's control waiter (its FMQ) gets 200 from every rank for sleep and wakeup, saying that
+    kvcached keeps the cache; an unknown method is still a 400 the waiter raises on."""
+    with engine_and_daemon(daemons, tmp_path) as (engine, _):
+        engine.call("launch")
+        assert engine.call("control", method="sleep")["responses"] == [None, None]
+        assert engine.call("control", method="wakeup")["responses"] == [None, None]
+        assert "frees no memory" in engine.dropin_log()
+        assert "Unknown control method" in engine.call("control", method="nap")["error"]
+
+
+@pytest.mark.parametrize(
+    ("daemon_args", "geometry", "argument"),
+    [
+        (["--geometry", "engine"], {"storage": "mooncake"}, "--kvcache_storage_backend"),
+        (configured(blocks=48), {}, "--key_cache_shape"),
+    ],
+)
+def test_a_mismatch_is_refused_by_name_and_stops_the_engine(
+    daemons: DaemonFactory, tmp_path: Path, daemon_args: list[str], geometry: dict[str, str], argument: str
+) -> None:
+    """FastDeploy's store backend or geometry differs from the daemon's: the drop-ins exit 4 naming
+    FastDeploy's argument (in FastDeploy's launch log) and the patched launcher stops the engine."""
+    with engine_and_daemon(daemons, tmp_path, daemon_args=daemon_args, **geometry) as (engine, _):
+        with pytest.raises(EngineEnded) as ended:
+            engine.call("launch", timeout=120)
+        assert ended.value.status == -15
+        assert f"Error: {argument}:" in engine.dropin_log()
+
+
+@pytest.mark.slow
+def test_a_thousand_swaps_ride_through_a_restart_and_a_kill(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Acceptance: 1,000 swaps issued by FastDeploy's ``issue_swap_task`` while the operator runs ``kvcached
+    restart``, a rank's worker is killed (replaced on the same memory), and the daemon is killed (-9) and
+    started again: every swap the engine sees done moved its bytes (each pair checked through the runners'
+    views), none takes past the drop-in's task deadline, and the engine never sees an error (every daemon
+    adopted the memory)."""
+    progress = tmp_path / "progress"
+    done: list[str] = []
+
+    def pairs_done() -> int:
+        return int(progress.read_text() or 0) if progress.exists() else 0
+
+    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
+        engine.call("launch")
+        args = ["--geometry", "engine", "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+
+        def operator() -> None:
+            while pairs_done() < 150:
+                time.sleep(0.01)
+            restarted = daemons.cli("restart", "--instance", daemon.instance)
+            done.append(f"restart {restarted.returncode}: {restarted.stdout.strip()}")
+            while pairs_done() < 240:
+                time.sleep(0.01)
+            os.kill(read_status(daemon.instance)["ranks"][1]["pid"], signal.SIGKILL)
+            done.append("worker killed")
+            while pairs_done() < 330:
+                time.sleep(0.01)
+            daemon.kill9()
+            done.append("killed")
+            daemons.start(daemon.instance, ranks=2, small=False, args=args).wait_ready(60)
+            done.append("started")
+
+        thread = threading.Thread(target=operator, daemon=True)
+        thread.start()
+        got = engine.call("stream", pairs=500, progress=str(progress), timeout=900)
+        thread.join(60)
+    assert len(done) == 4 and done[0].startswith("restart 0") and "adopted" in done[0], done
+    assert got["wrong"] == [], f"pairs whose bytes did not move: {got['wrong']}"
+    assert got["slowest"] < TASK_S, got

@@ -1,0 +1,188 @@
+"""FastDeploy's XPU runner with kvcached: profile first (FastDeploy's default), then attach, one cache.
+
+FastDeploy profiles by default (``engine/common_engine.py`` ~235): ``profile_run`` (``xpu_model_runner.py``
+~1736-1742) sets ``num_gpu_blocks`` to the configured count and calls ``initialize_kv_cache(profile=True)``;
+the worker then fixes the block count from the memory left (``worker_process.py`` ~661-700) and
+``update_share_input_block_num`` (~1756-1765) calls ``initialize_kv_cache()`` with it. Here that sequence
+runs the patched ``initialize_kv_cache`` (its source taken from the patched checkout at run time) on a STUB
+runner (the attributes the method reads), with the XPU ops as named DOUBLES (``set_data_ipc``,
+``share_external_data``, ``paddle.device.xpu.empty_cache``) and paddle's CPU place for the profile cache,
+against a daemon started with ``--geometry engine``: no geometry given to kvcached.
+
+Without ``FASTDEPLOY_SRC`` the same sequence calls ``kvcached.fastdeploy.runner.xpu_kv_cache``, what the
+patched method calls, directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import runner_client as rc
+from kvcached.fastdeploy import runner as kvcached_runner
+from kvcached.status import read_status
+from tests.conftest import DaemonFactory, free_port
+from tests.fastdeploy_src import source
+
+paddle = pytest.importorskip("paddle", reason="the paddle extra is not installed (pip install '.[paddle]')")
+pytestmark = pytest.mark.paddle
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 16
+PROFILE_BLOCKS, FASTDEPLOYS_BLOCKS = 96, 72  # the configured count, and the one profiling leaves
+
+
+class XpuOpsDouble:
+    """DOUBLES of FastDeploy's XPU ops, recording each call (the runner must make none of them)."""
+
+    def __init__(self) -> None:
+        self.exported: list[str] = []
+        self.attached: list[str] = []
+
+    def set_data_ipc(self, tensor: Any, name: str) -> None:
+        self.exported.append(name)
+
+    def share_external_data(self, tensor: Any, name: str, shape: Any, use_ipc: bool) -> Any:
+        self.attached.append(name)
+        return tensor
+
+
+class AttentionBackendStub:
+    """STUB of the XPU attention backend: FastDeploy's layout ``[blocks, kv_heads, block_size, head_dim]``."""
+
+    def get_kv_cache_shape(self, max_num_blocks: int) -> tuple[list[int], list[int]]:
+        shape = [max_num_blocks, KV_HEADS, BLOCK, HEAD_DIM]
+        return shape, list(shape)
+
+
+def runner_stub(suffix: int) -> SimpleNamespace:
+    """STUB of ``XPUModelRunner``: the attributes ``initialize_kv_cache`` reads, CPU swap on (kvcached owns)."""
+    model = SimpleNamespace(dtype="bfloat16", num_hidden_layers=LAYERS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    cache = SimpleNamespace(
+        block_size=BLOCK, total_block_num=PROFILE_BLOCKS, num_cpu_blocks=8, kvcache_storage_backend=None
+    )
+    parallel = SimpleNamespace(tensor_parallel_size=1, local_engine_worker_queue_port=suffix)
+    scheduler = SimpleNamespace(splitwise_role="mixed")
+    fd_config = SimpleNamespace(
+        model_config=model,
+        cache_config=cache,
+        parallel_config=parallel,
+        scheduler_config=scheduler,
+        quant_config=None,
+        speculative_config=None,
+    )
+    return SimpleNamespace(
+        num_gpu_blocks=PROFILE_BLOCKS,
+        model_config=model,
+        quant_config=None,
+        attn_backends=[AttentionBackendStub()],
+        local_rank=0,
+        parallel_config=parallel,
+        scheduler_config=scheduler,
+        device_id=0,
+        fd_config=fd_config,
+        share_inputs={},
+    )
+
+
+def patched_method(ops: XpuOpsDouble, tmp: Path) -> Any:
+    """The patched ``XPUModelRunner.initialize_kv_cache``, from FastDeploy's own file, on the doubles."""
+    from tests.fastdeploy_engine_code import fastdeploy_checkout, patched
+    from tests.fastdeploy_shell import install, source_of
+
+    root = fastdeploy_checkout()
+    install(root)
+    from fastdeploy.inter_communicator import IPCSignal
+
+    device = SimpleNamespace(xpu=SimpleNamespace(empty_cache=lambda: None))  # DOUBLE of paddle.device.xpu
+    paddle_double = SimpleNamespace(full=paddle.full, empty=paddle.empty, device=device)
+    namespace = {
+        "os": os,
+        "np": np,
+        "time": time,
+        "paddle": paddle_double,
+        "IPCSignal": IPCSignal,
+        "logger": logging.getLogger("fastdeploy.xpu_model_runner"),
+        "set_data_ipc": ops.set_data_ipc,
+        "share_external_data": ops.share_external_data,
+    }
+    source_of(
+        patched(root, tmp), "fastdeploy/worker/xpu_model_runner.py", ("XPUModelRunner.initialize_kv_cache",), namespace
+    )
+    return namespace["initialize_kv_cache"]
+
+
+def engine_signal(suffix: int) -> Any:
+    """``cache_ready_signal``, created as FastDeploy's engine creates it (``common_engine.py`` ~392)."""
+    from fastdeploy.inter_communicator import IPCSignal
+
+    return IPCSignal(
+        name="cache_ready_signal", array=np.zeros([1], dtype=np.int32), dtype=np.int32, suffix=suffix, create=True
+    )
+
+
+def direct_call(ops: XpuOpsDouble, tmp: Path) -> Any:
+    """Without FastDeploy's file: what the patched method does when KVCACHED_INSTANCE is set."""
+
+    def initialize_kv_cache(runner: SimpleNamespace, profile: bool = False) -> None:
+        shapes = runner.attn_backends[0].get_kv_cache_shape(max_num_blocks=runner.num_gpu_blocks)
+        caches = kvcached_runner.xpu_kv_cache(
+            runner.fd_config, 0, runner.num_gpu_blocks, runner.model_config.dtype, shapes, profile=profile
+        )
+        assert caches is not None
+        runner.share_inputs["caches"] = caches
+
+    return initialize_kv_cache
+
+
+@pytest.mark.parametrize("code", ["fastdeploy", "kvcached"])
+def test_profile_then_attach_makes_one_cache_of_fastdeploys_block_count(
+    daemons: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str
+) -> None:
+    """The profile run's cache is the runner's own, exported under no name; after profiling the runner
+    declares FastDeploy's block count and attaches kvcached's cache of exactly that count: one cache, no
+    name published by the runner, its tensors kvcached's memory."""
+    if code == "fastdeploy" and source() is None:
+        pytest.skip("runs the patched xpu_model_runner.py: set FASTDEPLOY_SRC to a FastDeploy checkout of e53f5184")
+    daemon = daemons.start(ranks=1, small=False, args=["--geometry", "engine"])
+    daemon.wait_state("EMPTY")  # waiting for the engine's geometry
+    monkeypatch.setenv("KVCACHED_INSTANCE", daemon.instance)
+    monkeypatch.setenv("KVCACHED_WAIT_S", "30")
+    suffix = 20000 + free_port() % 40000
+    ops = XpuOpsDouble()
+    initialize = (patched_method if code == "fastdeploy" else direct_call)(ops, tmp_path)
+    runner = runner_stub(suffix)
+    signal = engine_signal(suffix) if code == "fastdeploy" else None
+    try:
+        initialize(runner, profile=True)  # profile_run, xpu_model_runner.py ~1738-1742
+        profile_cache = runner.share_inputs["caches"]
+        assert [list(t.shape) for t in profile_cache] == [[PROFILE_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM]] * 2 * LAYERS
+        assert read_status(daemon.instance)["ranks"][0]["state"] == "EMPTY", "nothing allocated while profiling"
+        runner.num_gpu_blocks = FASTDEPLOYS_BLOCKS  # update_share_input_block_num, ~1756-1764
+        initialize(runner)
+        caches = runner.share_inputs["caches"]
+        assert read_status(daemon.instance)["spec"]["num_blocks"] == FASTDEPLOYS_BLOCKS
+        assert [list(t.shape) for t in caches] == [[FASTDEPLOYS_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM]] * 2 * LAYERS
+        assert ops.exported == [] and ops.attached == [], "the runner exported or attached by FastDeploy's names"
+        spec = rc.CacheSpec(
+            num_layers=LAYERS,
+            kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK,
+            num_blocks=FASTDEPLOYS_BLOCKS,
+            num_cpu_blocks=8,
+        )
+        with rc.initialize_kv_cache(spec, 0, instance=daemon.instance) as view:
+            caches[2][5, 1, 3, 7] = 2.0  # layer 1's key: through the runner's tensor ...
+            assert view.key_caches[1][5, 1, 3, 7] == 0x4000  # ... into kvcached's memory (bfloat16 2.0)
+    finally:
+        kvcached_runner.ATTACHED.clear()
+        if signal is not None:
+            signal.shm.close()
+            signal.shm.unlink()
