@@ -13,9 +13,10 @@ taking that value's default; a warning for each ``KVCACHED_*`` variable kvcached
 ``dev_shm``, ``memlock``, ``huge_pages``, ``copy_engine``, ``remove_ipc``, ``run_dir``,
 ``live_instance``, ``leftovers``, ``metrics_port`` (with ``--metrics-port``); then the device backend's
 own (``--memory xpu``: ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and the storage backend's
-(``file_store``, ``mooncake_master``). ``measured`` holds the raw figures (numbers, paths, flags) of
-each; new keys may be
-added, none is removed or renamed.
+(``file_store``, ``mooncake_master``); then, given a FastDeploy tree (``--fastdeploy PATH``, or the
+installed package), ``fastdeploy_line``, ``fastdeploy_patch``, ``fastdeploy_queue``, ``fastdeploy_runner``
+and ``fastdeploy_v1_cache_manager`` (``kvcached.fastdeploy.doctor``). ``measured`` holds the raw
+figures (numbers, paths, flags) of each; new keys may be added, none is removed or renamed.
 
 ``--clean`` reclaims a dead instance's leftovers (the same reclaim a start does, under the instance lock);
 a live instance's objects are never touched.
@@ -38,6 +39,7 @@ from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
+from kvcached.fastdeploy import doctor as fastdeploy_doctor
 from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
@@ -311,8 +313,9 @@ def _clean(instance: str, found: Leftovers) -> int:
         lockfile.release(path, fd)
 
 
-def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
-    """Every check for ``config``, in the documented order."""
+def run(config: DaemonConfig, *, clean: bool = False, fastdeploy: str | None = fastdeploy_doctor.AUTO) -> list[Check]:
+    """Every check for ``config``, in the documented order; ``fastdeploy``: the FastDeploy tree to check
+    (a path, ``auto``: the installed package, ``none``)."""
     checks = [check_dev_shm(config), check_memlock(config), check_huge_pages(config), check_copy_engine(config)]
     checks += [check_remove_ipc(), check_run_dir(config)]
     checks += check_instance(config, clean)
@@ -321,6 +324,7 @@ def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
     checks += memory.get(config.memory).doctor(config.spec, config.ranks)
     if config.store.backend is not None:
         checks += store.get(config.store.backend).doctor(config.store.options, config.ranks)
+    checks += fastdeploy_doctor.checks(config.spec, fastdeploy)
     return checks
 
 

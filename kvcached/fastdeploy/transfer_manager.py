@@ -44,8 +44,9 @@ from typing import Any
 import numpy as np
 
 import runner_client as rc
+from kvcached.fastdeploy import guard
 from kvcached.fastdeploy.adapter import FastDeploy, RealFastDeploy
-from kvcached.protocol.errors import DaemonGone, InvalidSpec, KVCacheError
+from kvcached.protocol.errors import DaemonGone, InvalidConfig, InvalidSpec, KVCacheError, OwnershipConflict
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.spec import CacheSpec
 
@@ -59,9 +60,14 @@ WAIT_S = 600.0
 MAX_ERRORS = 10
 
 
+#: Arguments later lines' ``cache_transfer_manager.py`` added to e53f5184's.
+LATER_ARGUMENTS = ("--routing_replay_config",)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names,
-    types, defaults and choices, so that the engine can launch this module in its place."""
+    types, defaults and choices, so that the engine can launch this module in its place; and those of the
+    later lines (``LATER_ARGUMENTS``)."""
     parser = argparse.ArgumentParser("Cache transfer manager (kvcached drop-in)")
     parser.add_argument("--splitwise_role", type=str, default="mixed")
     parser.add_argument("--rank", type=int, default=0)
@@ -88,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--write_policy", type=str, choices=["write_through"], default="write_through")
     parser.add_argument("--model_path", type=str)
+    # The 2.6 line's (r3_eos_2.6 41677b9a6, cache_transfer_manager.py:134); refused when it enables routing
+    # replay (kvcached.fastdeploy.guard), accepted when it does not.
+    parser.add_argument("--routing_replay_config", type=json.loads, default="{}")
     return parser
 
 
@@ -332,20 +341,26 @@ class TransferManager:
 
     def _write_storage(self, task: Any) -> None:
         """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store;
-        rank 0 reports ``(GPU2STORAGE, task_id, keys, gpu_block_ids written)`` after the barrier."""
+        rank 0 reports ``(GPU2STORAGE, task_id, keys, gpu_block_ids written)`` after the barrier, or, on
+        lines whose every rank reports (2.6), each rank the ids the store holds (matched and written)."""
         gpu_ids = list(task.gpu_block_ids)
-        written: list[int] = []
+        matched, written = 0, []
         if self.spec.storage_backend:
             keys = self._keys(task.keys)
             try:
-                stored = self.tasks.lookup(keys)
-                if stored < len(keys):
-                    self.tasks.store(self.rank, gpu_ids[stored:], keys[stored:], timeout=float(task.timeout))
-                    written = gpu_ids[stored:]
+                matched = self.tasks.lookup(keys)
+                if matched < len(keys):
+                    self.tasks.store(self.rank, gpu_ids[matched:], keys[matched:], timeout=float(task.timeout))
+                    written = gpu_ids[matched:]
             except KVCacheError as exc:
                 log.error("storage write %s failed on rank %d: %s", task.task_id, self.rank, exc)
         self.queue.swap_to_storage_barrier.wait()
-        if self.rank == 0:
+        if self.fd.tree is not None and self.fd.tree.writes_reported_by_every_rank:
+            # The engine keeps the shortest list and counts it against the task's blocks (2.6:
+            # prefix_cache_manager.py ~1489-1514 and ~2446-2458; cache_transfer_manager.py ~1303-1305).
+            held = gpu_ids[: matched + len(written)]
+            self.queue.put_transfer_done_signal((self.status.GPU2STORAGE, task.task_id, task.keys, held))  # type: ignore[attr-defined]
+        elif self.rank == 0:
             self.queue.swap_to_storage_barrier.reset()
             self.queue.put_transfer_done_signal((self.status.GPU2STORAGE, task.task_id, task.keys, written))  # type: ignore[attr-defined]
 
@@ -410,6 +425,7 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
     instance = os.environ.get("KVCACHED_INSTANCE", "default")
     if args.create_cache_tensor:
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
+    fd = adapter or RealFastDeploy()
     try:
         rc.wait_until_ready(instance, args.rank, timeout=float(os.environ.get("KVCACHED_WAIT_S", WAIT_S)))
         view = open_instance(instance)
@@ -418,6 +434,11 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         with view:
             spec = CacheSpec.from_dict(view.header.spec)
         check_against(spec, args)
+        guard.refuse(args, fd.tree)
+    except (OwnershipConflict, InvalidConfig) as exc:
+        log.error("refusing to serve rank %d: %s", args.rank, exc)
+        print(f"Error: {exc}", file=sys.stderr)
+        return EXIT_MISMATCH
     except InvalidSpec as exc:
         log.error("refusing to serve rank %d: --%s", args.rank, exc)
         print(f"Error: --{exc}", file=sys.stderr)
@@ -426,7 +447,7 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(args, adapter or RealFastDeploy(), instance, spec)
+    manager = TransferManager(args, fd, instance, spec)
     manager.announce()
     return manager.run()
 
