@@ -9,6 +9,10 @@ notices. The drop-in is given that configuration (its arguments are the engine's
 before it joins the queue or sets a flag, and refuses by name (``refuse``); ``kvcached doctor`` says the
 same before anything starts (``kvcached.fastdeploy.doctor``).
 
+It can be known when the tree's launcher is patched: that launcher is what starts the drop-in, so its runner
+is the engine's. A tree whose launcher is not patched did not start this drop-in (someone did by hand):
+its runner may not be the engine's, so the drop-in only warns, naming the same double allocation.
+
 The one thing the drop-in is not given is whether the runner is in its profile run: that temporary cache is
 the runner's in every line, with or without kvcached, and is not counted here.
 """
@@ -16,6 +20,7 @@ the runner's in every line, with or without kvcached, and is not counted here.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +28,8 @@ from typing import Any
 from kvcached.fastdeploy.condition import Config, Unknown
 from kvcached.fastdeploy.lines import SHM_VALUES, SHM_VARIABLE, Tree
 from kvcached.protocol.errors import InvalidConfig, InvalidSpec, OwnershipConflict
+
+log = logging.getLogger("kvcached.fastdeploy")
 
 
 def engine_config(num_cpu_blocks: int, storage_backend: str | None, splitwise_role: str) -> Config:
@@ -62,8 +69,9 @@ def double_allocation(tree: Tree, config: Config) -> str | None:
 
 def refuse(args: argparse.Namespace, tree: Tree | None, environ: Mapping[str, str] = os.environ) -> None:
     """Raise before the drop-in serves a rank it must not: ``OwnershipConflict`` for a runner that makes
-    its own copy; ``InvalidSpec`` for routing replay (FastDeploy's manager moves routing data with each
-    block, kvcached does not); ``InvalidConfig`` for a queue switch FastDeploy itself could not read."""
+    its own copy (in a tree whose launcher starts this drop-in; else a warning); ``InvalidSpec`` for
+    routing replay (FastDeploy's manager moves routing data with each block, kvcached does not);
+    ``InvalidConfig`` for a queue switch FastDeploy itself could not read."""
     routing: Any = getattr(args, "routing_replay_config", None) or {}
     if isinstance(routing, dict) and routing.get("enable_routing_replay"):
         raise InvalidSpec(
@@ -79,5 +87,7 @@ def refuse(args: argparse.Namespace, tree: Tree | None, environ: Mapping[str, st
         raise InvalidConfig(SHM_VARIABLE, f"{SHM_VARIABLE}={environ.get(SHM_VARIABLE)!r}", SHM_VALUES) from None
     config = engine_config(args.num_cpu_blocks, args.kvcache_storage_backend, args.splitwise_role)
     why = double_allocation(tree, config)
-    if why is not None:
+    if why is not None and tree.launcher_patched:
         raise OwnershipConflict(why)
+    if why is not None:
+        log.warning("%s (the FastDeploy at %s did not start this drop-in: its launcher is not patched)", why, tree.root)
