@@ -37,7 +37,7 @@ STORE_ONLY = "no profile, no CPU swap, storage file, role mixed"
 #: Read from each line's source. XPU runner's condition: e53f5184 worker/xpu_model_runner.py:1255,
 #: 41677b9a6 :1256 (`profile or splitwise_role == "mixed"`), 564c78d78 :971 (`profile or not (storage or
 #: splitwise_role != "mixed")`). Queue: e53f5184 cache_transfer_manager.py:211 TCP only (envs.py:180 default
-#: 0, read for the worker queue only); 41677b9a6 :215-219 and envs.py:184 default 1; 564c78d78 :211-214 and
+#: 0, read for the worker queue only); 41677b9a6 :216-219 and envs.py:184 default 1; 564c78d78 :211-214 and
 #: envs.py:180 default 1.
 EXPECTED: dict[str, dict[str, Any]] = {
     "e53f5184": {
@@ -316,3 +316,44 @@ def test_drop_in_refuses_routing_replay(daemons: DaemonFactory, tmp_path: Path) 
         check=False,
     )
     assert done.returncode == 4 and "--routing_replay_config: routing replay is on" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_an_installed_kvcached_finds_its_patches(tmp_path: Path) -> None:
+    """``pip install`` (not editable) puts the patches in ``<prefix>/share/kvcached/patches``, where
+    ``patch_dir`` finds them, so doctor names a line without kvcached's source tree."""
+    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info beside the sources
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for relative in filter(None, listed.stdout.split("\0")):
+        if (ROOT / relative).is_file():
+            (source / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / relative, source / relative)
+    wheel = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert wheel.returncode == 0, wheel.stderr
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    built = next((tmp_path / "dist").glob("*.whl"))
+    install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(built)]
+    assert subprocess.run(install, capture_output=True, text=True, timeout=600, check=False).returncode == 0
+    deps = next(Path(p) for p in sys.path if p.endswith("site-packages"))  # numpy & co., not kvcached itself
+    found = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "from kvcached.fastdeploy import lines; print(lines.patch_dir())"],
+        env=dict(os.environ, PYTHONPATH=str(deps)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert found.returncode == 0, found.stderr
+    directory = Path(found.stdout.strip())
+    assert directory == venv / "share" / "kvcached" / "patches"
+    assert sorted(p.name for p in directory.glob("*.patch")) == sorted(
+        p.name for p in (ROOT / "patches").glob("*.patch")
+    )
