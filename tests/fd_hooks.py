@@ -1,8 +1,9 @@
 """FastDeploy's own pre-commit hooks, at the versions its tree pins, run on files of that tree.
 
-``.pre-commit-config.yaml`` pins black, isort, flake8 and ruff (``rev:``); ``hooks_venv`` installs exactly
-those into a virtual environment kept under ``~/.cache/kvcached/`` (``KVCACHED_FD_HOOKS_VENV`` overrides),
-built once under a lock so that test processes side by side share it; pip fails loudly. ``run_hooks``
+``.pre-commit-config.yaml`` pins black, isort, flake8 and ruff (``rev:``); ``hooks_bin`` takes them from
+``KVCACHED_TEST_FD_HOOKS`` (a directory holding their executables, each checked to be the pinned version),
+else installs exactly those into a virtual environment kept under ``~/.cache/kvcached/``, built once under
+a lock so that test processes side by side share it; pip fails loudly. ``run_hooks``
 runs each as its hook does, from the tree's root so that its ``pyproject.toml`` and ``.flake8`` apply, in
 check mode (black ``--check``, isort ``--check-only``, ruff without ``--fix``), plus the whitespace hooks of
 ``pre-commit-hooks`` (trailing whitespace, the final newline, merge-conflict markers). pre-commit itself is
@@ -42,11 +43,19 @@ def pins(tree: Path) -> dict[str, str]:
     return found
 
 
-def hooks_venv(versions: dict[str, str]) -> Path:
-    """A virtual environment with exactly ``versions`` installed (and ``toml``, black's hook dependency)."""
+def hooks_bin(versions: dict[str, str]) -> Path:
+    """A directory with the hooks' executables at exactly ``versions``: ``KVCACHED_TEST_FD_HOOKS``, or the
+    ``bin`` of a virtual environment with them installed (and ``toml``, black's hook dependency)."""
+    given = os.environ.get("KVCACHED_TEST_FD_HOOKS")
+    if given:
+        for package, version in versions.items():
+            said = subprocess.run(
+                [str(Path(given) / package), "--version"], capture_output=True, text=True, check=False
+            )
+            assert version in said.stdout, f"KVCACHED_TEST_FD_HOOKS: {package} is not {version}: {said.stdout[:80]}"
+        return Path(given)
     key = hashlib.sha256(repr(sorted(versions.items())).encode()).hexdigest()[:12]
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcached" / f"fd-hooks-{key}"
-    venv = Path(os.environ.get("KVCACHED_FD_HOOKS_VENV", default))
+    venv = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcached" / f"fd-hooks-{key}"
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f"{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -63,7 +72,7 @@ def hooks_venv(versions: dict[str, str]) -> Path:
             )
             assert pip.returncode == 0, f"could not install FastDeploy's hooks {wanted}:\n{pip.stdout}{pip.stderr}"
             done.write_text("\n".join(wanted))
-    return venv
+    return venv / "bin"
 
 
 def _whitespace(tree: Path, relative: str) -> list[str]:
@@ -83,7 +92,7 @@ def _whitespace(tree: Path, relative: str) -> list[str]:
 
 def run_hooks(tree: Path, files: list[str]) -> dict[str, str]:
     """``{hook: what it said}`` for each hook that fails on ``files`` (paths relative to ``tree``)."""
-    bin_dir = hooks_venv(pins(tree)) / "bin"
+    bin_dir = hooks_bin(pins(tree))
     commands = {
         "black": [str(bin_dir / "black"), "--check", "--diff", *files],
         "isort": [str(bin_dir / "isort"), "--check-only", "--diff", *files],

@@ -49,13 +49,18 @@ def test_the_patch_applies_cleanly_to_its_commit(line_trees: dict[str, Path], co
 
 
 @pytest.mark.parametrize("commit", COMMITS)
-def test_the_patch_fits_its_line_only(line_trees: dict[str, Path], commit: str) -> None:
-    """Each tree is identified as its own line, and no other line's patch fits it (so doctor names it truly)."""
+def test_each_tree_is_told_its_own_line(line_trees: dict[str, Path], commit: str) -> None:
+    """Each tree is identified as its own line, unpatched and patched: its patch fits at offset 0, and another
+    line's patch either does not fit or fits only farther away (2.6 and develop 2026-05-20 share hunks)."""
     tree = tree_of(line_trees, commit)
-    assert read_tree(tree).line is not None and read_tree(tree).line.commit == commit  # type: ignore[union-attr]
+    own = patchfile.state(tree, PATCHES[commit])
+    assert own.fits and own.distance == 0
     for other in COMMITS:
         if other != commit:
-            assert not patchfile.state(tree, PATCHES[other]).fits, f"{PATCHES[other].name} fits {commit} too"
+            theirs = patchfile.state(tree, PATCHES[other])
+            assert not theirs.fits or theirs.distance > 0, f"{PATCHES[other].name} fits {commit} as well as its own"
+    found = read_tree(tree).line
+    assert found is not None and found.commit == commit
 
 
 @pytest.mark.parametrize("commit", COMMITS)
@@ -71,17 +76,18 @@ def test_the_patched_files_pass_the_lines_own_pre_commit_hooks(patched_trees: di
 
 
 @pytest.mark.parametrize("commit", COMMITS)
-def test_the_patched_tree_launches_the_drop_in_and_its_runner_decides_through_runner_client(
+def test_the_patched_tree_launches_the_drop_in_and_its_runner_asks_kvcached(
     patched_trees: dict[str, Path], commit: str
 ) -> None:
-    """What the patch is for, read from the patched files: the launcher starts ``-m
-    kvcached.fastdeploy.transfer_manager`` without ``--create_cache_tensor`` when KVCACHED_INSTANCE is set,
-    and the XPU runner asks ``runner_client.cache_owner``."""
+    """What the patch is for, read from the patched files: with KVCACHED_INSTANCE set the launcher starts
+    ``-m kvcached.fastdeploy.transfer_manager`` and passes no ``--create_cache_tensor``, and the XPU runner
+    asks kvcached (which decides with the fixed condition) before its own condition."""
     tree = tree_of(patched_trees, commit)
     launcher = (tree / "fastdeploy/cache_manager/prefix_cache_manager.py").read_text()
     runner = (tree / "fastdeploy/worker/xpu_model_runner.py").read_text()
-    assert "-m kvcached.fastdeploy.transfer_manager" in launcher and 'os.environ.get("KVCACHED_INSTANCE")' in launcher
-    assert "runner_client.cache_owner(" in runner
+    assert "-m kvcached.fastdeploy.transfer_manager" in launcher and "and not kvcached" in launcher
+    asks = runner.index('os.environ.get("KVCACHED_INSTANCE")')
+    assert asks < runner.index("create_cache_tensor = profile"), "kvcached decides first"
     found = read_tree(tree)
     assert found.patch is not None and found.patch.verdict == "applied"
     assert found.launcher_patched and found.runner_patched

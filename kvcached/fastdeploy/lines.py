@@ -199,17 +199,20 @@ def _guarded_by_rank0(function: ast.FunctionDef) -> bool:
 
 
 def _identify(root: Path) -> tuple[Line | None, patchfile.PatchState | None]:
-    """The known line whose patch fits the tree, hunk for hunk, and that patch's state."""
+    """The known line whose patch fits the tree, hunk for hunk, nearest to where the patch puts its hunks
+    (two lines may share hunks; only at its own commit are a patch's offsets all 0), and that patch's state."""
     directory = patch_dir()
     if directory is None:
         return None, None
+    fitting = []
     for line in KNOWN_LINES:
         path = directory / line.patch
-        if path.is_file():
-            found = patchfile.state(root, path)
-            if found.fits:
-                return line, found
-    return None, None
+        if path.is_file() and (found := patchfile.state(root, path)).fits:
+            fitting.append((found.distance, line, found))
+    if not fitting:
+        return None, None
+    _, line, found = min(fitting, key=lambda item: item[0])
+    return line, found
 
 
 def _git_commit(root: Path) -> str | None:
@@ -250,7 +253,9 @@ def read_tree(path: Path) -> Tree:
     if patch is not None:
         runner_patched, launcher_patched = patch.file_applied(RUNNER), patch.file_applied(LAUNCHER)
     else:  # no known patch fits: kvcached's markers, whatever put them there
-        runner_patched = "runner_client" in runner_text and "cache_owner" in runner_text
+        runner_patched = "KVCACHED_INSTANCE" in runner_text and (
+            "runner_client" in runner_text or "kvcached." in runner_text
+        )
         launcher_patched = "kvcached.fastdeploy.transfer_manager" in _read(root, LAUNCHER)
     version = _read(root, "fastdeploy/version.txt").strip().splitlines()
     return Tree(

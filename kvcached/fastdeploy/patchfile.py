@@ -2,8 +2,9 @@
 
 A hunk is *applied* when its post-image (context and added lines, in order) appears in the file, *applicable*
 when its pre-image (context and removed lines) does, else it *conflicts*. Like ``git apply``, a hunk may
-sit anywhere in the file (an offset is no conflict); unlike it, nothing is fuzzed: a line that differs by a
-character is a conflict. That is what ``kvcached doctor`` needs to say of a FastDeploy tree, whether a
+sit anywhere in the file (an offset is no conflict, but counted: ``PatchState.distance``, so that of two
+patches that fit, the one made against this very tree is told apart); unlike it, nothing is fuzzed: a line
+that differs by a character is a conflict. That is what ``kvcached doctor`` needs to say of a FastDeploy tree, whether a
 checkout or an installed package, whether kvcached's patch for its line is in it.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 APPLIED, APPLICABLE, CONFLICT, MISSING = "applied", "applicable", "conflict", "missing"
 
-_HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +26,9 @@ class Hunk:
     path: str
     before: tuple[str, ...]
     after: tuple[str, ...]
+    #: Where the patch puts the pre-image and the post-image (1-based line numbers of its header).
+    old_start: int = 0
+    new_start: int = 0
 
 
 def parse(text: str) -> list[Hunk]:
@@ -44,7 +48,7 @@ def parse(text: str) -> list[Hunk]:
         header = _HUNK.match(line)
         if not header:
             continue
-        old, new = (int(n) if n is not None else 1 for n in header.groups())
+        old_start, old, new_start, new = (int(n) if n is not None else 1 for n in header.groups())
         before: list[str] = []
         after: list[str] = []
         while (len(before) < old or len(after) < new) and i < len(lines):
@@ -57,28 +61,32 @@ def parse(text: str) -> list[Hunk]:
                 before.append(content)
             if kind in (" ", "+"):
                 after.append(content)
-        hunks.append(Hunk(path, tuple(before), tuple(after)))
+        hunks.append(Hunk(path, tuple(before), tuple(after), old_start, new_start))
     return hunks
 
 
-def _contains(lines: list[str], block: tuple[str, ...]) -> bool:
+def _offset(lines: list[str], block: tuple[str, ...], start: int) -> int | None:
+    """The smallest distance, in lines, between where ``block`` appears in ``lines`` and ``start``; None if
+    it does not appear."""
     if not block:
-        return True
+        return 0
     first, n = block[0], len(block)
-    return any(lines[i : i + n] == list(block) for i, line in enumerate(lines) if line == first)
+    found = [abs(i + 1 - start) for i, line in enumerate(lines) if line == first and lines[i : i + n] == list(block)]
+    return min(found) if found else None
 
 
-def hunk_state(root: Path, hunk: Hunk) -> str:
-    """``applied``, ``applicable``, ``conflict``, or ``missing`` (the file is not in the tree)."""
+def hunk_state(root: Path, hunk: Hunk) -> tuple[str, int]:
+    """``applied``, ``applicable``, ``conflict`` or ``missing`` (the file is not in the tree), and the
+    hunk's offset from where the patch puts it (0 for a conflict or a missing file)."""
     try:
         lines = (root / hunk.path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
-        return MISSING
-    if _contains(lines, hunk.after):
-        return APPLIED
-    if _contains(lines, hunk.before):
-        return APPLICABLE
-    return CONFLICT
+        return MISSING, 0
+    if (offset := _offset(lines, hunk.after, hunk.new_start)) is not None:
+        return APPLIED, offset
+    if (offset := _offset(lines, hunk.before, hunk.old_start)) is not None:
+        return APPLICABLE, offset
+    return CONFLICT, 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +95,8 @@ class PatchState:
 
     patch: Path
     files: dict[str, tuple[str, ...]]
+    #: The hunks' offsets summed: 0 for the tree the patch was made against.
+    distance: int = 0
 
     @property
     def states(self) -> set[str]:
@@ -118,6 +128,9 @@ class PatchState:
 def state(root: Path, patch: Path) -> PatchState:
     """The state of ``patch`` in the tree at ``root``."""
     files: dict[str, list[str]] = {}
+    distance = 0
     for hunk in parse(patch.read_text(encoding="utf-8")):
-        files.setdefault(hunk.path, []).append(hunk_state(root, hunk))
-    return PatchState(patch, {path: tuple(states) for path, states in files.items()})
+        found, offset = hunk_state(root, hunk)
+        files.setdefault(hunk.path, []).append(found)
+        distance += offset
+    return PatchState(patch, {path: tuple(states) for path, states in files.items()}, distance)
