@@ -271,3 +271,14 @@ def read_tree(path: Path) -> Tree:
         version=version[0] if version else None,
         commit=_git_commit(root),
     )
+
+
+def storage_write_reports(tree: Tree | None, ranks: int, held: list[int], written: list[int]) -> list[list[int]]:
+    """The block-id lists of the ``GPU2STORAGE`` results a storage write is answered with, as the line's
+    engine collects them: on 2.6 one per rank, each the task's blocks the store now holds (``held``: the
+    prefix found stored and the blocks written), the engine keeping the shortest and counting it against the
+    task's blocks (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458, ``cache_transfer_manager.py``
+    ~1303-1305 there); on the other lines one, the blocks written (e53f5184 ~1015-1021)."""
+    if tree is not None and tree.writes_reported_by_every_rank:
+        return [held] * ranks
+    return [written]

@@ -46,6 +46,7 @@ import numpy as np
 import runner_client as rc
 from kvcached.fastdeploy import guard
 from kvcached.fastdeploy.adapter import FastDeploy, RealFastDeploy
+from kvcached.fastdeploy.lines import storage_write_reports
 from kvcached.protocol.errors import DaemonGone, InvalidConfig, InvalidSpec, KVCacheError, OwnershipConflict
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.spec import CacheSpec
@@ -355,14 +356,11 @@ class TransferManager:
             except KVCacheError as exc:
                 log.error("storage write %s failed on rank %d: %s", task.task_id, self.rank, exc)
         self.queue.swap_to_storage_barrier.wait()
-        if self.fd.tree is not None and self.fd.tree.writes_reported_by_every_rank:
-            # The engine keeps the shortest list and counts it against the task's blocks (2.6:
-            # prefix_cache_manager.py ~1489-1514 and ~2446-2458; cache_transfer_manager.py ~1303-1305).
-            held = gpu_ids[: matched + len(written)]
-            self.queue.put_transfer_done_signal((self.status.GPU2STORAGE, task.task_id, task.keys, held))  # type: ignore[attr-defined]
-        elif self.rank == 0:
+        reports = storage_write_reports(self.fd.tree, self.n_ranks, gpu_ids[: matched + len(written)], written)
+        if self.rank == 0 and len(reports) == 1:
             self.queue.swap_to_storage_barrier.reset()
-            self.queue.put_transfer_done_signal((self.status.GPU2STORAGE, task.task_id, task.keys, written))  # type: ignore[attr-defined]
+        if self.rank < len(reports):  # one per rank, or rank 0's alone, as the line's engine waits for them
+            self.queue.put_transfer_done_signal((self.status.GPU2STORAGE, task.task_id, task.keys, reports[self.rank]))  # type: ignore[attr-defined]
 
     # -- control --------------------------------------------------------------------------------------
 
@@ -427,6 +425,7 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
     fd = adapter or RealFastDeploy()
     try:
+        guard.refuse(args, fd.tree)  # first: nothing declared to or waited on from the daemon before
         rc.wait_until_ready(instance, args.rank, timeout=float(os.environ.get("KVCACHED_WAIT_S", WAIT_S)))
         view = open_instance(instance)
         if view is None or view.header is None:
@@ -434,7 +433,6 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         with view:
             spec = CacheSpec.from_dict(view.header.spec)
         check_against(spec, args)
-        guard.refuse(args, fd.tree)
     except (OwnershipConflict, InvalidConfig) as exc:
         log.error("refusing to serve rank %d: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
