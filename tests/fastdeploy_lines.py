@@ -176,19 +176,21 @@ class LineEngine:
         self.address: tuple[str, int] | str = (
             f"/dev/shm/fd_task_queue_{self.port}.sock" if socket else ("127.0.0.1", self.port)
         )
-        self.signals = {
-            name: fd.IPCSignal(
-                name=name,
-                array=np.zeros([ranks if name in self.SIGNALS else 1], dtype=np.int32),
-                dtype=np.int32,
-                suffix=self.suffix,
-                create=True,
-            )
-            for name in self.SIGNALS + self.FLAGS
-        }
+        self.signals: dict[str, Any] = {}
         self.dropins: list[subprocess.Popen[str]] = []
-        self.server = fd.EngineCacheQueue(address=self.address, is_server=True, num_client=ranks, client_id=-1)
-        self.queue = fd.EngineCacheQueue(address=self.address, is_server=False, num_client=ranks, client_id=0)
+        self.server: Any = None
+        try:
+            for name in self.SIGNALS + self.FLAGS:
+                shape = [ranks if name in self.SIGNALS else 1]
+                array = np.zeros(shape, dtype=np.int32)
+                self.signals[name] = fd.IPCSignal(
+                    name=name, array=array, dtype=np.int32, suffix=self.suffix, create=True
+                )
+            self.server = fd.EngineCacheQueue(address=self.address, is_server=True, num_client=ranks, client_id=-1)
+            self.queue = fd.EngineCacheQueue(address=self.address, is_server=False, num_client=ranks, client_id=0)
+        except BaseException:
+            self.close()
+            raise
 
     def value(self, name: str) -> list[int]:
         return [int(v) for v in self.signals[name].value]
@@ -248,8 +250,9 @@ class LineEngine:
         for holder in self.signals.values():
             with contextlib.suppress(FileNotFoundError):
                 holder.shm.unlink()
-        with contextlib.suppress(Exception):
-            self.server.manager.shutdown()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.manager.shutdown()
         if isinstance(self.address, str):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address)
