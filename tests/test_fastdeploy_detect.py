@@ -76,6 +76,12 @@ def doctor(daemons: DaemonFactory, tree: Path | str, *args: str, **env: str) -> 
     return {c["name"]: c for c in document["checks"] if c["name"].startswith("fastdeploy")}
 
 
+def dropin(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The drop-in with the test adapter (``tests/fd_dropin.py``), run to its end."""
+    command = [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *args]
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+
+
 # -- on each line's own tree ----------------------------------------------------------------------------
 
 
@@ -207,15 +213,7 @@ def test_drop_in_refuses_a_runner_that_makes_its_own_copy(
             args += ["--engine_worker_queue_port", str(suffix)]
             env = dict(daemons.env(), KVCACHED_INSTANCE=daemon.instance, FASTDEPLOY_SRC=str(tree))
             env["FD_TEST_CONTROL_DIR"] = str(tmp_path)
-            done = subprocess.run(
-                [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *args],
-                env=env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
+            done = dropin(args, env)
             assert done.returncode == 4, done.stdout + done.stderr
             assert "double allocation" in done.stderr and "xpu_model_runner.py:1256" in done.stderr, done.stderr
             assert [int(v) for f in flags.values() for v in f.value] == [0, 0, 0, 0]
@@ -306,15 +304,7 @@ def test_drop_in_refuses_routing_replay(daemons: DaemonFactory, tmp_path: Path) 
     args = ["--rank", "0", "--mp_num", "2", "--num_layers", "2", "--key_cache_shape", "16,2,4,16"]
     args += ["--value_cache_shape", "16,2,4,16", "--num_cpu_blocks", "8"]
     args += ["--routing_replay_config", '{"enable_routing_replay": true}']
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = dropin(args, env)
     assert done.returncode == 4 and "--routing_replay_config: routing replay is on" in done.stderr, done.stderr
 
 
@@ -357,3 +347,13 @@ def test_an_installed_kvcached_finds_its_patches(tmp_path: Path) -> None:
     assert sorted(p.name for p in directory.glob("*.patch")) == sorted(
         p.name for p in (ROOT / "patches").glob("*.patch")
     )
+
+
+def test_drop_in_refuses_a_queue_switch_fastdeploy_cannot_read(patched_trees: dict[str, Path], tmp_path: Path) -> None:
+    """FD_ENGINE_TASK_QUEUE_WITH_SHM=yes: FastDeploy's own int() would fail on it; the drop-in exits 4 naming
+    the variable, before it waits for kvcached or joins the queue."""
+    tree = tree_of(patched_trees, "564c78d78")
+    env = dict(os.environ, FASTDEPLOY_SRC=str(tree), FD_ENGINE_TASK_QUEUE_WITH_SHM="yes")
+    env.update(KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path), KVCACHED_WAIT_S="1")
+    done = dropin(["--rank", "0", "--mp_num", "2"], env)
+    assert done.returncode == 4 and "FD_ENGINE_TASK_QUEUE_WITH_SHM='yes'" in done.stderr, done.stderr
