@@ -198,6 +198,7 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str
     """
     from kvcached import doctor as checks
     from kvcached.config import DaemonConfig, unknown_variables
+    from kvcached.fastdeploy.doctor import checks as fastdeploy_checks
     from kvcached.protocol.errors import InvalidConfig
 
     # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
@@ -222,7 +223,8 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str
             raise ConfigError(str(exc)) from None
     results = [checks.check_config(problem) for problem in problems]
     results += [checks.check_variable(warning) for warning in unknown_variables()]
-    results += checks.run(config, clean=clean, fastdeploy=fastdeploy)
+    results += checks.run(config, clean=clean)
+    results += fastdeploy_checks(config.spec, fastdeploy)
     document = checks.report(config.instance, results)
     click.echo(json.dumps(document) if as_json else checks.render(config.instance, results))
     sys.exit(0 if document["ok"] else 1)

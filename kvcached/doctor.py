@@ -39,7 +39,6 @@ from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
-from kvcached.fastdeploy import doctor as fastdeploy_doctor
 from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
@@ -313,9 +312,9 @@ def _clean(instance: str, found: Leftovers) -> int:
         lockfile.release(path, fd)
 
 
-def run(config: DaemonConfig, *, clean: bool = False, fastdeploy: str | None = fastdeploy_doctor.AUTO) -> list[Check]:
-    """Every check for ``config``, in the documented order; ``fastdeploy``: the FastDeploy tree to check
-    (a path, ``auto``: the installed package, ``none``)."""
+def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
+    """Every check for ``config``, in the documented order (the FastDeploy checks, which the CLI adds after
+    these, excepted)."""
     checks = [check_dev_shm(config), check_memlock(config), check_huge_pages(config), check_copy_engine(config)]
     checks += [check_remove_ipc(), check_run_dir(config)]
     checks += check_instance(config, clean)
@@ -324,7 +323,6 @@ def run(config: DaemonConfig, *, clean: bool = False, fastdeploy: str | None = f
     checks += memory.get(config.memory).doctor(config.spec, config.ranks)
     if config.store.backend is not None:
         checks += store.get(config.store.backend).doctor(config.store.options, config.ranks)
-    checks += fastdeploy_doctor.checks(config.spec, fastdeploy)
     return checks
 
 
