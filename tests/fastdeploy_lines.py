@@ -126,6 +126,12 @@ def patched_trees(line_trees: dict[str, Path]) -> dict[str, Path]:
     return found
 
 
+def ipc_suffix() -> int:
+    """An IPCSignal suffix (the engine worker queue port) in a range no other test draws from (60000-64999):
+    ``IPCSignal(create=True)`` unlinks a segment of the same name first."""
+    return 60000 + (os.getpid() * 7919 + time.monotonic_ns()) % 5000
+
+
 def tree_of(line_trees: dict[str, Path], commit: str) -> Path:
     if commit not in line_trees:
         pytest.skip(f"FASTDEPLOY_SRC does not hold {commit}: {NEEDS}")
@@ -170,7 +176,7 @@ class LineEngine:
 
     def __init__(self, fd: types.SimpleNamespace, commit: str, tree: Path, instance: str, ranks: int) -> None:
         self.fd, self.tree, self.instance, self.ranks = fd, tree, instance, ranks
-        self.suffix = 30000 + os.getpid() % 10000 + free_port() % 1000
+        self.suffix = ipc_suffix()
         self.port = free_port()
         socket = ENGINE_SOCKET[commit] and bool(fd.envs.FD_ENGINE_TASK_QUEUE_WITH_SHM)
         self.address: tuple[str, int] | str = (

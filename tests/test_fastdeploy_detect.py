@@ -200,7 +200,7 @@ def test_drop_in_refuses_a_runner_that_makes_its_own_copy(
     daemon = daemons.start(ranks=2, small=False, args=SMALL[2:])
     daemon.wait_ready()
     with fastdeploy_lines.fastdeploy_modules(tree) as fd:
-        suffix = 40000 + os.getpid() % 10000
+        suffix = fastdeploy_lines.ipc_suffix()
         flags = {
             name: fd.IPCSignal(
                 name=name, array=np.zeros([2], dtype=np.int32), dtype=np.int32, suffix=suffix, create=True
