@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write_policy", type=str, choices=["write_through"], default="write_through")
     parser.add_argument("--model_path", type=str)
     # The 2.6 line's (r3_eos_2.6 41677b9a6, cache_transfer_manager.py:134); refused when it enables routing
-    # replay (kvcached.fastdeploy.guard), accepted when it does not.
-    parser.add_argument("--routing_replay_config", type=json.loads, default="{}")
+    # replay (kvcached.fastdeploy.guard), accepted when it does not; absent from the namespace when not given.
+    parser.add_argument("--routing_replay_config", type=json.loads, default=argparse.SUPPRESS)
     return parser
 
 
