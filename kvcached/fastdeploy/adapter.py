@@ -18,6 +18,7 @@ set, else TCP; on e53f5184 always TCP. ``tree`` is that line as ``kvcached.fastd
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -70,8 +71,8 @@ class FastDeploy(Protocol):
     tree: Tree | None
 
     def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> CacheQueue:
-        """Join the engine's cache queue as client ``client_id`` of ``num_client``; ``address`` is
-        ``(pod_ip, cache_queue_port)``, the transport the line's (``queue_address``)."""
+        """Join the engine's cache queue as client ``client_id`` of ``num_client``. ``address`` is
+        ``(pod_ip, cache_queue_port)``; the transport is the line's (``queue_address``)."""
 
     def signal(self, name: str, ranks: int, suffix: int) -> np.ndarray[Any, Any]:
         """Attach the engine's int32 flag array ``name.suffix`` (``IPCSignal(create=False)``), so that this
@@ -105,8 +106,10 @@ class RealFastDeploy:
         self._fmq: Any = importlib.import_module("fastdeploy.inter_communicator.fmq")
         self._queue_class, self._signal_class = queue.EngineCacheQueue, signal.IPCSignal
         self.CacheStatus: type[Enum] = data.CacheStatus
+        self.tree: Tree | None = None
         root = installed_root()
-        self.tree: Tree | None = read_tree(root) if root is not None else None
+        with contextlib.suppress(FileNotFoundError):  # a package without the transfer manager: e53f5184's rule
+            self.tree = read_tree(root) if root is not None else None
         self._keep: list[Any] = []
 
     def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> CacheQueue:
