@@ -123,7 +123,7 @@ def test_doctor_on_a_patched_line(
         checks["fastdeploy_patch"]["verdict"] == "ok" and checks["fastdeploy_patch"]["measured"]["state"] == "applied"
     )
     runner = checks["fastdeploy_runner"]
-    assert runner["verdict"] == "ok" and runner["measured"]["patched"] is True and "runner_client" in runner["figure"]
+    assert runner["verdict"] == "ok" and runner["measured"]["patched"] is True and "fixed condition" in runner["figure"]
     assert [c["verdict"] for c in checks.values()] == ["ok"] * 4
 
 

@@ -149,7 +149,7 @@ def check_runner(tree: Tree, spec: CacheSpec) -> Check:
     measured["differences"] = [{"config": c.describe(), "cost": cost} for c, cost in differences]
     own = f"{where}: create_cache_tensor = {runner.source}"
     if tree.runner_patched:
-        figure = f"decides with the fixed condition through runner_client with KVCACHED_INSTANCE set ({own} else)"
+        figure = f"with KVCACHED_INSTANCE set kvcached decides, by the fixed condition; without it, {own}"
         return Check("fastdeploy_runner", OK, figure, measured)
     config = guard.engine_config(spec.num_cpu_blocks, spec.storage_backend, spec.splitwise_role)
     double = guard.double_allocation(tree, config)
