@@ -220,18 +220,28 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
     "--json", "as_json", is_flag=True, help="One JSON object (documented in kvcached.doctor) instead of a table."
 )
 @click.option("--clean", is_flag=True, help="Reclaim the leftovers of a dead instance (never a live one's).")
-def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) -> None:
+@click.option(
+    "--fastdeploy",
+    default="auto",
+    show_default=True,
+    metavar="PATH|auto|none",
+    help="The FastDeploy to check against: a checkout or an installed package's directory; auto: the "
+    "installed fastdeploy package, if any. Names its line, whether kvcached's patch is applied, the cache "
+    "queue's transport, and whether its runner would allocate a second copy.",
+)
+def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str, **values: Any) -> None:
     """Check this host for the configuration `start` would use, before it fails.
 
     Checks the configuration (a bad value is a failed check; the rest is checked with it at its default),
     /dev/shm space for all ranks and tiers, the memlock limit, huge pages, the copy engine, logind's
     RemoveIPC, the run directory, a live instance of the same name, leftovers of a dead one, the metrics
-    port, the device backend's stack (--memory xpu) and the storage backend (free disk, a directory
-    another daemon holds, a master that does not answer). Takes the same options as `start`. Exit status
-    1 if any check fails.
+    port, the device backend's stack (--memory xpu), the storage backend (free disk, a directory
+    another daemon holds, a master that does not answer) and the FastDeploy in use (--fastdeploy). Takes
+    the same options as `start`. Exit status 1 if any check fails.
     """
     from kvcached import doctor as checks
     from kvcached.config import DaemonConfig, unknown_variables
+    from kvcached.fastdeploy.doctor import checks as fastdeploy_checks
 
     # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
     # at its default (as many times as there are bad values).
@@ -257,6 +267,7 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, **values: Any) 
     results = [checks.check_config(problem) for problem in problems]
     results += [checks.check_variable(warning) for warning in unknown_variables()]
     results += checks.run(config, clean=clean)
+    results += fastdeploy_checks(config.spec, fastdeploy)
     document = checks.report(config.instance, results)
     click.echo(json.dumps(document) if as_json else checks.render(config.instance, results))
     sys.exit(0 if document["ok"] else 1)

@@ -13,9 +13,10 @@ taking that value's default; a warning for each ``KVCACHED_*`` variable kvcached
 ``dev_shm``, ``memlock``, ``huge_pages``, ``copy_engine``, ``remove_ipc``, ``run_dir``,
 ``live_instance``, ``leftovers``, ``metrics_port`` (with ``--metrics-port``); then the device backend's
 own (``--memory xpu``: ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and the storage backend's
-(``file_store``, ``mooncake_master``). ``measured`` holds the raw figures (numbers, paths, flags) of
-each; new keys may be
-added, none is removed or renamed.
+(``file_store``, ``mooncake_master``); then, given a FastDeploy tree (``--fastdeploy PATH``, or the
+installed package), ``fastdeploy_line``, ``fastdeploy_patch``, ``fastdeploy_queue``, ``fastdeploy_runner``
+and ``fastdeploy_v1_cache_manager`` (``kvcached.fastdeploy.doctor``). ``measured`` holds the raw
+figures (numbers, paths, flags) of each; new keys may be added, none is removed or renamed.
 
 ``--clean`` reclaims a dead instance's leftovers (the same reclaim a start does, under the instance lock);
 a live instance's objects are never touched.
@@ -373,7 +374,8 @@ def _clean(instance: str, found: Leftovers) -> int:
 
 
 def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
-    """Every check for ``config``, in the documented order."""
+    """Every check for ``config``, in the documented order (the FastDeploy checks, which the CLI adds after
+    these, excepted)."""
     checks = [check_dev_shm(config), check_memlock(config), check_huge_pages(config), check_copy_engine(config)]
     checks += [check_remove_ipc(), check_run_dir(config)]
     checks += check_instance(config, clean)

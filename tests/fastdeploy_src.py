@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvcached.fastdeploy.adapter import queue_address
+from kvcached.fastdeploy.lines import read_tree
 from tests import fastdeploy_double as double
 from tests.fastdeploy_shell import install
 
@@ -99,12 +101,18 @@ class AdapterForTests:
     def __init__(self, directory: Path) -> None:
         self.fd = pieces()
         self.CacheStatus = self.fd.CacheStatus
+        root = source()
+        self.tree = read_tree(root) if root is not None else None  # the line, as the real adapter reads it
         self.directory = directory
         self._keep: list[Any] = []
 
     def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> Any:
         return self.fd.EngineCacheQueue(
-            address=address, is_server=False, num_client=num_client, client_id=client_id, local_data_parallel_id=0
+            address=queue_address(self.tree, address),
+            is_server=False,
+            num_client=num_client,
+            client_id=client_id,
+            local_data_parallel_id=0,
         )
 
     def signal(self, name: str, ranks: int, suffix: int) -> np.ndarray[Any, Any]:

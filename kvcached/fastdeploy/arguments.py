@@ -41,6 +41,10 @@ ARGUMENT_OF = {
 }
 
 
+#: Arguments later lines' ``cache_transfer_manager.py`` added to e53f5184's.
+LATER_ARGUMENTS = ("--routing_replay_config",)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names,
     types, defaults and choices, so that the engine can launch this module in its place."""
@@ -70,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--write_policy", type=str, choices=["write_through"], default="write_through")
     parser.add_argument("--model_path", type=str)
+    # The 2.6 line's (r3_eos_2.6 41677b9a6, cache_transfer_manager.py:134); refused when it enables routing
+    # replay (kvcached.fastdeploy.guard), accepted when it does not; absent from the namespace when not given.
+    parser.add_argument("--routing_replay_config", type=json.loads, default=argparse.SUPPRESS)
     return parser
 
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcached.fastdeploy.arguments import key_prefix, store_key
+from kvcached.fastdeploy.lines import storage_write_reports
 from kvcached.fastdeploy.mover import Done, Mover, Outcome
 from kvcached.fastdeploy.queue import put_results
 
@@ -113,7 +114,9 @@ class Handlers:
             done = self.mover.store(store_keys[stored:], gpu_ids[stored:], self._timeout(task))
         self._storage_failed("write", task, done)
         written = gpu_ids[stored:] if done.outcome is Outcome.MOVED else []
-        self._put((self.status.GPU2STORAGE, task.task_id, task.keys, written))  # type: ignore[attr-defined]
+        held = gpu_ids[: stored + len(written)]  # 2.6: every rank reports what the store holds
+        for report in storage_write_reports(self.m.fd.tree, self.m.n_ranks, held, written):
+            self._put((self.status.GPU2STORAGE, task.task_id, task.keys, report))  # type: ignore[attr-defined]
         self._end_if_unservable(done)
 
     @staticmethod

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 import runner_client as rc
+from kvcached.fastdeploy import guard
 from kvcached.fastdeploy.adapter import FastDeploy, RealFastDeploy
 from kvcached.fastdeploy.arguments import (
     ARGUMENT_OF,
@@ -59,7 +60,15 @@ from kvcached.fastdeploy.handlers import Handlers, Malformed
 from kvcached.fastdeploy.mover import Mover
 from kvcached.fastdeploy.queue import take_for_group
 from kvcached.fastdeploy.waits import Waits
-from kvcached.protocol.errors import CacheLayoutMismatch, DaemonGone, InvalidSpec, KVCacheError, TornRead
+from kvcached.protocol.errors import (
+    CacheLayoutMismatch,
+    DaemonGone,
+    InvalidConfig,
+    InvalidSpec,
+    KVCacheError,
+    OwnershipConflict,
+    TornRead,
+)
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.spec import CacheSpec
 
@@ -326,9 +335,15 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
     instance = os.environ.get("KVCACHED_INSTANCE", "default")
     if args.create_cache_tensor:
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
+    fd = adapter or RealFastDeploy()
     try:
+        guard.refuse(args, fd.tree)  # first: nothing declared to or waited on from the daemon before
         wait_s, task_s = _seconds("KVCACHED_WAIT_S", WAIT_S), _seconds("KVCACHED_TASK_DEADLINE_S", TASK_S)
         _, has_pool = attach(args, instance, wait_s)
+    except (OwnershipConflict, InvalidConfig) as exc:
+        log.error("refusing to serve rank %d: %s", args.rank, exc)
+        print(f"Error: {exc}", file=sys.stderr)
+        return EXIT_MISMATCH
     except InvalidSpec as exc:
         log.error("refusing to serve rank %d: --%s", args.rank, exc)
         print(f"Error: --{exc}", file=sys.stderr)
@@ -337,7 +352,7 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(args, adapter or RealFastDeploy(), instance, task_s)
+    manager = TransferManager(args, fd, instance, task_s)
     manager.announce(has_pool)
     return manager.run()
 

@@ -1,0 +1,175 @@
+"""``kvcached doctor``'s FastDeploy checks: which FastDeploy this host runs and whether it and kvcached agree.
+
+Given a FastDeploy tree (``--fastdeploy PATH``, or the installed ``fastdeploy`` package by default), in
+this order:
+
+- ``fastdeploy_line``: the line (the one whose kvcached patch fits the tree), its version and commit;
+  a warning for a line kvcached has no patch for.
+- ``fastdeploy_patch``: whether that patch is applied; a failure when not (the engine then starts its own
+  ``cache_transfer_manager.py``, which allocates the cache a second time beside kvcached's).
+- ``fastdeploy_queue``: the transport the engine and the drop-in will use for the cache queue, as the line
+  chooses it (``FD_ENGINE_TASK_QUEUE_WITH_SHM`` in this environment, and the line's default).
+- ``fastdeploy_runner``: the XPU runner's condition (file, line, expression), whether it equals the fixed
+  one, and a failure naming the double allocation when, for this daemon's configuration, an unpatched
+  runner would create its own cache.
+- ``fastdeploy_v1_cache_manager`` (only with ``ENABLE_V1_KVCACHE_MANAGER`` set, on a line that has it): a
+  warning: FastDeploy then starts no transfer manager, so kvcached's CPU pool and store serve nothing.
+
+Nothing of FastDeploy is imported: its files are read (``kvcached.fastdeploy.lines``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvcached.fastdeploy import guard
+from kvcached.fastdeploy.condition import Unknown
+from kvcached.fastdeploy.lines import KNOWN_LINES, V1_VARIABLE, Tree, installed_root, patch_dir, read_tree
+from kvcached.health import FAIL, OK, WARN, Check
+from kvcached.protocol.spec import CacheSpec
+
+#: ``--fastdeploy`` values that are not paths.
+AUTO, NONE = "auto", "none"
+
+
+def checks(spec: CacheSpec, where: str | None = AUTO, environ: Mapping[str, str] = os.environ) -> list[Check]:
+    """The FastDeploy checks for a daemon of ``spec``. ``where``: a path, ``auto`` (the installed package;
+    no checks when there is none) or ``none``."""
+    if where is None or where == NONE:
+        return []
+    if where == AUTO:
+        root = installed_root()
+        if root is None:
+            return []
+    else:
+        root = Path(where)
+    try:
+        tree = read_tree(root)
+    except FileNotFoundError as exc:
+        advice = "give --fastdeploy a FastDeploy checkout (the directory holding fastdeploy/) or its installed package"
+        return [Check("fastdeploy_line", FAIL, str(exc), {"path": str(root)}, advice)]
+    found = [check_line(tree), check_patch(tree), check_queue(tree, environ), check_runner(tree, spec)]
+    v1 = check_v1(tree, environ)
+    return found + ([v1] if v1 is not None else [])
+
+
+def check_line(tree: Tree) -> Check:
+    measured: dict[str, Any] = {
+        "root": str(tree.root),
+        "line": tree.line.name if tree.line else None,
+        "line_commit": tree.line.commit if tree.line else None,
+        "version": tree.version,
+        "commit": tree.commit,
+    }
+    extra = ", ".join(x for x in (tree.version, f"at commit {tree.commit[:9]}" if tree.commit else None) if x)
+    figure = f"FastDeploy {tree.line_name} at {tree.root}" + (f" ({extra})" if extra else "")
+    if tree.line is not None:
+        return Check("fastdeploy_line", OK, figure, measured)
+    known = "; ".join(f"{line.name} ({line.commit})" for line in KNOWN_LINES)
+    where = patch_dir()
+    advice = (
+        f"kvcached has patches for: {known}; none fits this tree, hunk for hunk (the checks below read its "
+        "files as they are)"
+        if where is not None
+        else "kvcached's patches were not found (a source checkout's patches/, or <prefix>/share/kvcached/patches)"
+    )
+    return Check("fastdeploy_line", WARN, figure, measured, advice)
+
+
+def check_patch(tree: Tree) -> Check:
+    if tree.line is None or tree.patch is None:
+        measured: dict[str, Any] = {"patch": None}
+        measured.update(launcher_patched=tree.launcher_patched, runner_patched=tree.runner_patched)
+        marks = [name for name, on in (("launcher", tree.launcher_patched), ("runner", tree.runner_patched)) if on]
+        found = f"; kvcached calls found in its {' and '.join(marks)}" if marks else ""
+        figure = f"no kvcached patch for this line{found}"
+        verdict = WARN if marks else FAIL
+        advice = (
+            "without the patch the engine starts its own cache_transfer_manager.py, which allocates the whole cache "
+            "beside kvcached's: use a FastDeploy line kvcached supports (docs/fastdeploy.md, the version matrix)"
+        )
+        return Check("fastdeploy_patch", verdict, figure, measured, advice)
+    where = patch_dir()
+    path = where / tree.line.patch if where is not None else Path(tree.line.patch)
+    measured = {
+        "patch": str(path),
+        "state": tree.patch.verdict,
+        "files": {name: list(states) for name, states in tree.patch.files.items()},
+    }
+    figure = f"{tree.line.patch}: {tree.patch.verdict}"
+    if tree.patch.verdict == "applied":
+        return Check("fastdeploy_patch", OK, figure, measured)
+    advice = (
+        f"cd {tree.root} && git apply {path} (then reinstall FastDeploy if it runs from an installed package): "
+        "without it the engine starts its own cache_transfer_manager.py, which allocates the whole cache beside "
+        "kvcached's"
+    )
+    return Check("fastdeploy_patch", FAIL, figure, measured, advice)
+
+
+def check_queue(tree: Tree, environ: Mapping[str, str]) -> Check:
+    measured: dict[str, Any] = {
+        "socket": tree.queue.socket,
+        "default": tree.queue.default,
+        "variable": environ.get("FD_ENGINE_TASK_QUEUE_WITH_SHM"),
+    }
+    try:
+        measured["transport"] = "unix" if tree.queue.uses_socket(environ) else "tcp"
+        figure = tree.queue.describe(environ)
+    except ValueError as exc:
+        measured["transport"] = None
+        return Check("fastdeploy_queue", FAIL, str(exc), measured, "set it to 1 or 0, or unset it")
+    return Check("fastdeploy_queue", OK, f"the cache queue over {figure}", measured)
+
+
+def check_runner(tree: Tree, spec: CacheSpec) -> Check:
+    runner = tree.runner
+    measured: dict[str, Any] = {
+        "path": runner.path,
+        "line": runner.line,
+        "condition": runner.source,
+        "patched": tree.runner_patched,
+        "equals_fixed": None,
+        "differences": [],
+    }
+    where = f"{runner.path}:{runner.line}"
+    if runner.unknown is not None:
+        measured["unknown"] = runner.unknown
+        advice = "read the runner's initialize_kv_cache: kvcached cannot tell whether it allocates a second copy"
+        figure = f"{runner.path}: condition not understood ({runner.unknown})"
+        return Check("fastdeploy_runner", WARN, figure, measured, advice)
+    try:
+        differences = runner.differences()
+    except Unknown as exc:  # pragma: no cover - read_condition has evaluated it once already
+        return Check("fastdeploy_runner", WARN, f"{where}: {exc}", measured)
+    measured["equals_fixed"] = not differences
+    measured["differences"] = [{"config": c.describe(), "cost": cost} for c, cost in differences]
+    own = f"{where}: create_cache_tensor = {runner.source}"
+    if tree.runner_patched:
+        figure = f"with KVCACHED_INSTANCE set kvcached decides, by the fixed condition; without it, {own}"
+        return Check("fastdeploy_runner", OK, figure, measured)
+    config = guard.engine_config(spec.num_cpu_blocks, spec.storage_backend, spec.splitwise_role)
+    double = guard.double_allocation(tree, config)
+    if double is not None:
+        return Check("fastdeploy_runner", FAIL, double, measured, "apply the patch (fastdeploy_patch above)")
+    if differences:
+        listed = "; ".join(f"{c.describe()}: {cost}" for c, cost in differences)
+        figure = f"{own}: differs from the fixed condition where {listed}"
+        advice = "not for this daemon's configuration; apply the patch before changing it"
+        return Check("fastdeploy_runner", WARN, figure, measured, advice)
+    return Check("fastdeploy_runner", OK, f"{own}: equals the fixed condition", measured)
+
+
+def check_v1(tree: Tree, environ: Mapping[str, str]) -> Check | None:
+    raw = environ.get(V1_VARIABLE)
+    if not tree.has_v1_cache_manager or raw in (None, "", "0"):
+        return None
+    figure = (
+        f"{V1_VARIABLE}={raw}: FastDeploy's in-worker cache manager starts no cache transfer manager, so the "
+        "kvcached drop-in never runs: its CPU pool and store serve nothing (the patched runner still attaches "
+        "kvcached's device cache: one copy)"
+    )
+    return Check("fastdeploy_v1_cache_manager", WARN, figure, {"variable": raw}, f"unset {V1_VARIABLE} to use kvcached")

@@ -1,0 +1,284 @@
+"""Which FastDeploy a host runs, and what that line does where kvcached meets it. Read, never imported.
+
+FastDeploy changed at kvcached's seam within weeks, differently per line (the repository
+``gongshaotian/FastDeploy`` holds all three as commits)::
+
+    line                  commit     cache queue (transfer manager)          XPU runner creates its cache
+    develop 2026-04-15    e53f5184   TCP (pod_ip, cache_queue_port)          profile or role == "mixed"
+    2.6                   41677b9a6  Unix socket if FD_ENGINE_TASK_QUEUE_    profile or role == "mixed"
+                                     WITH_SHM (default 1), else TCP
+    develop 2026-05-20    564c78d78  the same as 2.6                         profile or not (storage or
+                                                                             role != "mixed")
+
+``read_tree`` reads a FastDeploy tree (a checkout, or the installed package's directory) and returns a
+``Tree``: the line it is (the one whose kvcached patch fits it, hunk for hunk), whether that patch is
+applied, how its transfer manager reaches the cache queue, its XPU runner's condition, and how its transfer
+manager reports storage writes. Every fact is read from the tree's own files, so a tree of no known line
+is still described truly; only the line's name needs kvcached's patches (``patch_dir``).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import importlib.util
+import re
+import subprocess
+import sysconfig
+from collections.abc import Mapping
+from pathlib import Path
+
+from kvcached.fastdeploy import patchfile
+from kvcached.fastdeploy.condition import RUNNER, RunnerCondition, read_condition
+
+MANAGER = "fastdeploy/cache_manager/cache_transfer_manager.py"
+LAUNCHER = "fastdeploy/cache_manager/prefix_cache_manager.py"
+ENVS = "fastdeploy/envs.py"
+SHM_VARIABLE = "FD_ENGINE_TASK_QUEUE_WITH_SHM"
+V1_VARIABLE = "ENABLE_V1_KVCACHE_MANAGER"
+SHM_VALUES = "must be an integer, as FastDeploy reads it with int(): 1 (the Unix socket) or 0 (TCP)"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Line:
+    """A FastDeploy line kvcached has a patch for."""
+
+    name: str
+    commit: str
+    date: str
+    branch: str
+
+    @property
+    def patch(self) -> str:
+        """The patch's file name: named after the commit it is made against."""
+        return f"fastdeploy-{self.commit}-kvcached.patch"
+
+
+KNOWN_LINES = (
+    Line(name="develop 2026-04-15", commit="e53f5184", date="2026-04-15", branch="develop"),
+    Line(name="2.6", commit="41677b9a6", date="2026-06-02", branch="r3_eos_2.6"),
+    Line(name="develop 2026-05-20", commit="564c78d78", date="2026-05-20", branch="r3_mm_dev"),
+)
+
+
+def patch_dir() -> Path | None:
+    """Where kvcached's FastDeploy patches are: ``patches/`` of the source tree kvcached runs from, else
+    ``<prefix>/share/kvcached/patches`` where ``pip install`` puts them. None if neither exists."""
+    here = Path(__file__).resolve().parents[2] / "patches"
+    installed = Path(sysconfig.get_path("data")) / "share" / "kvcached" / "patches"
+    return next((d for d in (here, installed) if d.is_dir()), None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QueueRule:
+    """How a line's transfer manager forms the cache queue's address (``cache_transfer_manager.py``)."""
+
+    #: The Unix socket path with ``{port}``, when the manager takes it under ``FD_ENGINE_TASK_QUEUE_WITH_SHM``.
+    socket: str | None
+    #: The variable's default as the line's ``envs.py`` has it (None when it has no such variable).
+    default: int | None
+
+    def uses_socket(self, environ: Mapping[str, str]) -> bool:
+        """Whether the manager connects to the socket: ``int(os.getenv(VARIABLE, default))`` is true, as
+        FastDeploy's ``envs`` reads it. Raises ``ValueError`` naming the variable for a non-integer."""
+        if self.socket is None:
+            return False
+        raw = environ.get(SHM_VARIABLE, str(self.default if self.default is not None else 0))
+        try:
+            return bool(int(raw))
+        except ValueError:
+            raise ValueError(f"{SHM_VARIABLE}={raw!r}: {SHM_VALUES}") from None
+
+    def address(self, pod_ip: str, port: int, environ: Mapping[str, str]) -> tuple[str, int] | str:
+        """The address the line's own transfer manager would connect to."""
+        if self.socket is not None and self.uses_socket(environ):
+            return self.socket.format(port=port)
+        return (pod_ip, port)
+
+    def describe(self, environ: Mapping[str, str]) -> str:
+        if self.socket is None:
+            return "TCP (pod_ip, cache_queue_port): this line's transfer manager has no other transport"
+        raw = environ.get(SHM_VARIABLE)
+        setting = f"{SHM_VARIABLE}={raw}" if raw is not None else f"{SHM_VARIABLE} unset, default {self.default}"
+        where = self.socket.format(port="<cache_queue_port>")
+        return f"Unix socket {where} ({setting})" if self.uses_socket(environ) else f"TCP ({setting})"
+
+
+#: e53f5184's rule, and the one a drop-in without a FastDeploy tree to read follows.
+TCP_ONLY = QueueRule(socket=None, default=None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tree:
+    """What a FastDeploy tree says about itself where kvcached meets it."""
+
+    root: Path
+    line: Line | None
+    #: The state of ``line``'s patch in this tree (None when no patch fits or none was found).
+    patch: patchfile.PatchState | None
+    queue: QueueRule
+    runner: RunnerCondition
+    #: The XPU runner decides through ``runner_client`` (kvcached's patch) when KVCACHED_INSTANCE is set.
+    runner_patched: bool
+    #: The launcher starts kvcached's drop-in when KVCACHED_INSTANCE is set.
+    launcher_patched: bool
+    #: Every rank reports a storage write, listing the blocks stored (2.6); else rank 0 lists those it wrote.
+    writes_reported_by_every_rank: bool
+    #: Its ``envs.py`` knows ``ENABLE_V1_KVCACHE_MANAGER`` (the in-worker cache manager, #7097).
+    has_v1_cache_manager: bool
+    version: str | None = None
+    commit: str | None = None
+
+    @property
+    def line_name(self) -> str:
+        return f"{self.line.name} ({self.line.commit})" if self.line else "of a line kvcached has no patch for"
+
+
+def _read(root: Path, relative: str) -> str:
+    try:
+        return (root / relative).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def read_queue_rule(root: Path) -> QueueRule:
+    """The transfer manager's socket path (if it takes one under the variable) and the variable's default."""
+    manager = _read(root, MANAGER)
+    found = re.search(r'f"(/dev/shm/fd_task_queue_)\{args\.cache_queue_port\}(\.sock)"', manager)
+    socket = f"{found.group(1)}{{port}}{found.group(2)}" if found and SHM_VARIABLE in manager else None
+    return QueueRule(socket=socket, default=_env_default(_read(root, ENVS), SHM_VARIABLE))
+
+
+def _env_default(envs: str, name: str) -> int | None:
+    """The default of ``name`` in ``envs.py``'s table: ``"NAME": lambda: int(os.getenv("NAME", "1"))``."""
+    with contextlib.suppress(SyntaxError):
+        for node in ast.walk(ast.parse(envs)):
+            if not isinstance(node, ast.Dict):
+                continue
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value == name:
+                    for call in ast.walk(value):
+                        if isinstance(call, ast.Call) and ast.unparse(call.func) == "os.getenv" and len(call.args) == 2:
+                            default = call.args[1]
+                            if isinstance(default, ast.Constant) and isinstance(default.value, str | int):
+                                with contextlib.suppress(ValueError):
+                                    return int(default.value)
+    return None
+
+
+def _every_rank_reports_writes(root: Path) -> bool:
+    """Whether ``write_back_storage_task`` puts its done signal outside any ``if self.rank == 0``."""
+    with contextlib.suppress(SyntaxError):
+        module = ast.parse(_read(root, MANAGER))
+        for function in ast.walk(module):
+            if isinstance(function, ast.FunctionDef) and function.name == "write_back_storage_task":
+                return not _guarded_by_rank0(function)
+    return False
+
+
+def _guarded_by_rank0(function: ast.FunctionDef) -> bool:
+    """Whether the first ``put_transfer_done_signal`` call in ``function`` sits under ``if self.rank == 0``."""
+
+    def visit(node: ast.AST, guarded: bool) -> bool | None:
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("put_transfer_done_signal"):
+            return guarded
+        branches: list[tuple[list[ast.AST], bool]]
+        if isinstance(node, ast.If):
+            rank0 = guarded or "self.rank == 0" in ast.unparse(node.test)
+            branches = [(list(node.body), rank0), (list(node.orelse), guarded)]
+        else:
+            branches = [(list(ast.iter_child_nodes(node)), guarded)]
+        for nodes, flag in branches:
+            for child in nodes:
+                if (found := visit(child, flag)) is not None:
+                    return found
+        return None
+
+    return bool(visit(function, False))
+
+
+def _identify(root: Path) -> tuple[Line | None, patchfile.PatchState | None]:
+    """The known line whose patch fits the tree, hunk for hunk, nearest to where the patch puts its hunks
+    (two lines may share hunks; only at its own commit are a patch's offsets all 0), and that patch's state."""
+    directory = patch_dir()
+    if directory is None:
+        return None, None
+    fitting = []
+    for line in KNOWN_LINES:
+        path = directory / line.patch
+        if path.is_file() and (found := patchfile.state(root, path)).fits:
+            fitting.append((found.distance, line, found))
+    if not fitting:
+        return None, None
+    _, line, found = min(fitting, key=lambda item: item[0])
+    return line, found
+
+
+def _git_commit(root: Path) -> str | None:
+    if not (root / ".git").exists():
+        return None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
+        if done.returncode == 0:
+            return done.stdout.strip() or None
+    return None
+
+
+def find_root(path: Path) -> Path:
+    """The directory holding ``fastdeploy/``: ``path`` itself, or its parent when ``path`` is the package.
+    Raises ``FileNotFoundError`` naming what is missing."""
+    for candidate in (path, path.parent):
+        if (candidate / MANAGER).is_file():
+            return candidate
+    raise FileNotFoundError(f"{path}: no {MANAGER} (give a FastDeploy checkout or its installed package)")
+
+
+def installed_root() -> Path | None:
+    """The directory holding the installed ``fastdeploy`` package (found, not imported), or None."""
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("fastdeploy")
+        if spec is not None and spec.submodule_search_locations:
+            return Path(next(iter(spec.submodule_search_locations))).parent
+    return None
+
+
+def read_tree(path: Path) -> Tree:
+    """Describe the FastDeploy tree at ``path`` (see ``find_root``)."""
+    root = find_root(path)
+    line, patch = _identify(root)
+    runner_text = _read(root, RUNNER)
+    if patch is not None:
+        runner_patched, launcher_patched = patch.file_applied(RUNNER), patch.file_applied(LAUNCHER)
+    else:  # no known patch fits: kvcached's markers, whatever put them there
+        runner_patched = "KVCACHED_INSTANCE" in runner_text and (
+            "runner_client" in runner_text or "kvcached." in runner_text
+        )
+        launcher_patched = "kvcached.fastdeploy.transfer_manager" in _read(root, LAUNCHER)
+    version = _read(root, "fastdeploy/version.txt").strip().splitlines()
+    return Tree(
+        root=root,
+        line=line,
+        patch=patch,
+        queue=read_queue_rule(root),
+        runner=read_condition(root),
+        runner_patched=runner_patched,
+        launcher_patched=launcher_patched,
+        writes_reported_by_every_rank=_every_rank_reports_writes(root),
+        has_v1_cache_manager=f'"{V1_VARIABLE}"' in _read(root, ENVS),
+        version=version[0] if version else None,
+        commit=_git_commit(root),
+    )
+
+
+def storage_write_reports(tree: Tree | None, ranks: int, held: list[int], written: list[int]) -> list[list[int]]:
+    """The block-id lists of the ``GPU2STORAGE`` results a storage write is answered with, as the line's
+    engine collects them: on 2.6 one per rank, each the task's blocks the store now holds (``held``: the
+    prefix found stored and the blocks written), the engine keeping the shortest and counting it against the
+    task's blocks (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458, ``cache_transfer_manager.py``
+    ~1303-1305 there); on the other lines one, the blocks written (e53f5184 ~1015-1021)."""
+    if tree is not None and tree.writes_reported_by_every_rank:
+        return [held] * ranks
+    return [written]

@@ -1,0 +1,359 @@
+"""Never two copies unknowingly: ``kvcached doctor`` names the FastDeploy it faces (line, patch, queue transport,
+runner condition), and the drop-in refuses a rank whose runner makes its own copy.
+
+The expectations per line are read from FastDeploy's source (``gongshaotian/FastDeploy``), each cited; the
+tests run ``kvcached doctor`` and the drop-in as processes against each line's own tree (``FASTDEPLOY_SRC``,
+see ``tests/fastdeploy_lines.py``), patched and unpatched. The evaluation of a condition, the hunk states
+and the transport rule are also checked on files the tests write, which needs no FastDeploy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcached.fastdeploy import patchfile
+from kvcached.fastdeploy.condition import Config, read_condition
+from kvcached.fastdeploy.lines import QueueRule
+from tests import fastdeploy_lines
+from tests.conftest import ROOT, DaemonFactory
+from tests.fastdeploy_lines import apply_patch, tree_of
+
+line_trees, patched_trees = fastdeploy_lines.line_trees, fastdeploy_lines.patched_trees  # session fixtures
+
+SMALL = ["--ranks", "2", "--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
+SMALL += ["--num-blocks", "16", "--num-cpu-blocks", "8"]
+SWAP_ONLY = "no profile, CPU swap (64 blocks), no storage, role mixed"
+SWAP_AND_STORE = "no profile, CPU swap (64 blocks), storage file, role mixed"
+STORE_ONLY = "no profile, no CPU swap, storage file, role mixed"
+#: Read from each line's source. XPU runner's condition: e53f5184 worker/xpu_model_runner.py:1255,
+#: 41677b9a6 :1256 (`profile or splitwise_role == "mixed"`), 564c78d78 :971 (`profile or not (storage or
+#: splitwise_role != "mixed")`). Queue: e53f5184 cache_transfer_manager.py:211 TCP only (envs.py:180 default
+#: 0, read for the worker queue only); 41677b9a6 :216-219 and envs.py:184 default 1; 564c78d78 :211-214 and
+#: envs.py:180 default 1.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "e53f5184": {
+        "line": "develop 2026-04-15",
+        "runner_line": 1255,
+        "socket": None,
+        "default": 0,
+        "two_copies": {SWAP_ONLY, SWAP_AND_STORE, STORE_ONLY},
+    },
+    "41677b9a6": {
+        "line": "2.6",
+        "runner_line": 1256,
+        "socket": "/dev/shm/fd_task_queue_{port}.sock",
+        "default": 1,
+        "two_copies": {SWAP_ONLY, SWAP_AND_STORE, STORE_ONLY},
+    },
+    "564c78d78": {
+        "line": "develop 2026-05-20",
+        "runner_line": 971,
+        "socket": "/dev/shm/fd_task_queue_{port}.sock",
+        "default": 1,
+        "two_copies": {SWAP_ONLY},
+    },
+}
+COMMITS = list(EXPECTED)
+
+
+def doctor(daemons: DaemonFactory, tree: Path | str, *args: str, **env: str) -> dict[str, dict[str, Any]]:
+    """``kvcached doctor --json --fastdeploy TREE``: its FastDeploy checks by name."""
+    environ = daemons.env(**env)
+    for name in {"FD_ENGINE_TASK_QUEUE_WITH_SHM", "ENABLE_V1_KVCACHE_MANAGER"} - set(env):
+        environ.pop(name, None)
+    result = daemons.cli("doctor", "--json", "--fastdeploy", str(tree), *args, env=environ)
+    assert result.stdout.strip(), result.stderr
+    document = json.loads(result.stdout)
+    return {c["name"]: c for c in document["checks"] if c["name"].startswith("fastdeploy")}
+
+
+def dropin(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The drop-in with the test adapter (``tests/fd_dropin.py``), run to its end."""
+    command = [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *args]
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+
+
+# -- on each line's own tree ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("commit", COMMITS)
+def test_doctor_on_an_unpatched_line(
+    daemons: DaemonFactory, instance: str, line_trees: dict[str, Path], commit: str
+) -> None:
+    """Acceptance: the line, its patch not applied (a failure), the transport, and the runner's condition
+    (not the fixed one): a failure naming the double allocation for a daemon with CPU swap only."""
+    tree, expected = tree_of(line_trees, commit), EXPECTED[commit]
+    checks = doctor(daemons, tree, "--instance", instance, *SMALL)
+    line = checks["fastdeploy_line"]
+    assert line["verdict"] == "ok" and line["measured"]["line"] == expected["line"]
+    assert line["measured"]["line_commit"] == commit
+    patch = checks["fastdeploy_patch"]
+    assert patch["verdict"] == "fail" and patch["measured"]["state"] == "not applied"
+    assert patch["measured"]["patch"].endswith(f"fastdeploy-{commit}-kvcached.patch") and "git apply" in patch["advice"]
+    queue = checks["fastdeploy_queue"]["measured"]
+    assert (queue["socket"], queue["default"]) == (expected["socket"], expected["default"])
+    assert queue["transport"] == ("unix" if expected["socket"] else "tcp")
+    runner = checks["fastdeploy_runner"]
+    assert runner["measured"]["line"] == expected["runner_line"] and runner["measured"]["equals_fixed"] is False
+    assert {d["config"] for d in runner["measured"]["differences"] if d["cost"] == "two copies"} == expected[
+        "two_copies"
+    ]
+    assert runner["verdict"] == "fail" and "double allocation" in runner["figure"]
+    assert f"xpu_model_runner.py:{expected['runner_line']}" in runner["figure"]
+
+
+@pytest.mark.parametrize("commit", COMMITS)
+def test_doctor_on_a_patched_line(
+    daemons: DaemonFactory, instance: str, patched_trees: dict[str, Path], commit: str
+) -> None:
+    """Acceptance: the same line, its patch applied, the runner deciding through runner_client: all ok."""
+    tree, expected = tree_of(patched_trees, commit), EXPECTED[commit]
+    checks = doctor(daemons, tree, "--instance", instance, *SMALL)
+    assert checks["fastdeploy_line"]["measured"]["line"] == expected["line"]
+    assert (
+        checks["fastdeploy_patch"]["verdict"] == "ok" and checks["fastdeploy_patch"]["measured"]["state"] == "applied"
+    )
+    runner = checks["fastdeploy_runner"]
+    assert runner["verdict"] == "ok" and runner["measured"]["patched"] is True and "fixed condition" in runner["figure"]
+    assert [c["verdict"] for c in checks.values()] == ["ok"] * 4
+
+
+@pytest.mark.parametrize("commit", COMMITS)
+def test_doctor_reports_the_transport_as_the_line_chooses_it(
+    daemons: DaemonFactory, instance: str, line_trees: dict[str, Path], commit: str
+) -> None:
+    """FD_ENGINE_TASK_QUEUE_WITH_SHM=0 means TCP on every line; =1 the socket where the line has one (e53f5184
+    stays on TCP); a value FastDeploy's int() cannot read is a failure naming the variable."""
+    tree, socket = tree_of(line_trees, commit), EXPECTED[commit]["socket"] is not None
+    assert (
+        doctor(daemons, tree, "--instance", instance, *SMALL, FD_ENGINE_TASK_QUEUE_WITH_SHM="0")["fastdeploy_queue"][
+            "measured"
+        ]["transport"]
+        == "tcp"
+    )
+    on = doctor(daemons, tree, "--instance", instance, *SMALL, FD_ENGINE_TASK_QUEUE_WITH_SHM="1")["fastdeploy_queue"]
+    assert on["measured"]["transport"] == ("unix" if socket else "tcp")
+    bad = doctor(daemons, tree, "--instance", instance, *SMALL, FD_ENGINE_TASK_QUEUE_WITH_SHM="yes")
+    if socket:
+        assert (
+            bad["fastdeploy_queue"]["verdict"] == "fail"
+            and "FD_ENGINE_TASK_QUEUE_WITH_SHM='yes'" in bad["fastdeploy_queue"]["figure"]
+        )
+
+
+def test_doctor_on_develop_2026_05_20_with_a_store_only_warns(
+    daemons: DaemonFactory, instance: str, line_trees: dict[str, Path], tmp_path: Path
+) -> None:
+    """564c78d78's runner waits when a store is on: for a daemon with a store and no CPU swap, its condition
+    differs from the fixed one elsewhere (a warning), but makes no second copy here."""
+    tree = tree_of(line_trees, "564c78d78")
+    store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--num-cpu-blocks", "0"]
+    runner = doctor(daemons, tree, "--instance", instance, *SMALL, *store)["fastdeploy_runner"]
+    assert runner["verdict"] == "warn" and "double allocation" not in runner["figure"], runner
+
+
+def test_doctor_warns_of_the_in_worker_cache_manager(
+    daemons: DaemonFactory, instance: str, patched_trees: dict[str, Path]
+) -> None:
+    """ENABLE_V1_KVCACHE_MANAGER=1 on a line that has it (564c78d78 envs.py:293): FastDeploy starts no transfer
+    manager, so kvcached's CPU pool and store serve nothing: a warning, and nothing allocated twice."""
+    tree = tree_of(patched_trees, "564c78d78")
+    checks = doctor(daemons, tree, "--instance", instance, *SMALL, ENABLE_V1_KVCACHE_MANAGER="1")
+    v1 = checks["fastdeploy_v1_cache_manager"]
+    assert v1["verdict"] == "warn" and "starts no cache transfer manager" in v1["figure"]
+    assert checks["fastdeploy_runner"]["verdict"] == "ok"
+    assert "fastdeploy_v1_cache_manager" not in doctor(daemons, tree, "--instance", instance, *SMALL)
+
+
+def test_doctor_finds_the_installed_package(
+    daemons: DaemonFactory, instance: str, patched_trees: dict[str, Path], tmp_path: Path
+) -> None:
+    """Without --fastdeploy, doctor checks the ``fastdeploy`` package Python would import (found, not imported)."""
+    site = tmp_path / "site"
+    shutil.copytree(tree_of(patched_trees, "41677b9a6") / "fastdeploy", site / "fastdeploy")
+    environ = daemons.env(PYTHONPATH=str(site))
+    result = daemons.cli("doctor", "--json", "--instance", instance, *SMALL, env=environ)
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["fastdeploy_line"]["measured"]["line"] == "2.6"
+    assert checks["fastdeploy_line"]["measured"]["root"] == str(site)
+    assert checks["fastdeploy_patch"]["measured"]["state"] == "applied"
+
+
+def test_drop_in_refuses_a_runner_that_makes_its_own_copy(
+    daemons: DaemonFactory, line_trees: dict[str, Path], tmp_path: Path
+) -> None:
+    """Acceptance: a 2.6 tree whose launcher is patched but whose runner is not (its hunk left out): the drop-in
+    exits 4 naming the double allocation and the runner's line, before it joins the queue or sets a flag."""
+    tree = tmp_path / "fd"
+    assert apply_patch(tree_of(line_trees, "41677b9a6"), "41677b9a6", tree).returncode == 0
+    runner = "fastdeploy/worker/xpu_model_runner.py"
+    shutil.copy(tree_of(line_trees, "41677b9a6") / runner, tree / runner)  # the runner hunk did not apply
+    daemon = daemons.start(ranks=2, small=False, args=SMALL[2:])
+    daemon.wait_ready()
+    with fastdeploy_lines.fastdeploy_modules(tree) as fd:
+        suffix = fastdeploy_lines.ipc_suffix()
+        flags = {
+            name: fd.IPCSignal(
+                name=name, array=np.zeros([2], dtype=np.int32), dtype=np.int32, suffix=suffix, create=True
+            )
+            for name in ("cache_ready_signal", "cache_transfer_inited_signal")
+        }
+        try:
+            args = ["--rank", "0", "--mp_num", "2", "--num_layers", "2", "--key_cache_shape", "16,2,4,16"]
+            args += ["--value_cache_shape", "16,2,4,16", "--num_cpu_blocks", "8", "--cache_queue_port", "1"]
+            args += ["--engine_worker_queue_port", str(suffix)]
+            env = dict(daemons.env(), KVCACHED_INSTANCE=daemon.instance, FASTDEPLOY_SRC=str(tree))
+            env["FD_TEST_CONTROL_DIR"] = str(tmp_path)
+            done = dropin(args, env)
+            assert done.returncode == 4, done.stdout + done.stderr
+            assert "double allocation" in done.stderr and "xpu_model_runner.py:1256" in done.stderr, done.stderr
+            assert [int(v) for f in flags.values() for v in f.value] == [0, 0, 0, 0]
+        finally:
+            for flag in flags.values():
+                flag.shm.unlink()
+
+
+# -- without FastDeploy ---------------------------------------------------------------------------------
+
+
+def test_a_condition_is_evaluated_for_every_configuration(tmp_path: Path) -> None:
+    """The runner's assignment is found in initialize_kv_cache and compared with the fixed condition on every
+    configuration; one that reads anything else is unknown, never guessed."""
+    path = tmp_path / "fastdeploy/worker/xpu_model_runner.py"
+    path.parent.mkdir(parents=True)
+    fixed = "profile or not (self.c.num_cpu_blocks > 0 or self.c.kvcache_storage_backend"
+    fixed += ' or self.s.splitwise_role != "mixed")'
+    for expression, two_copies in (
+        (fixed, set()),
+        ('profile or self.s.splitwise_role == "mixed"', {SWAP_ONLY, SWAP_AND_STORE, STORE_ONLY}),
+        ("profile or self.enable_something", None),
+    ):
+        path.write_text(
+            f"class R:\n    def initialize_kv_cache(self, profile=False):\n        create_cache_tensor = {expression}\n"
+        )
+        condition = read_condition(tmp_path)
+        if two_copies is None:
+            assert condition.unknown == "it reads self.enable_something"
+            continue
+        assert condition.line == 3 and condition.unknown is None
+        assert {c.describe() for c, cost in condition.differences() if cost == "two copies"} == two_copies
+        assert condition.equals_fixed() == (not two_copies)
+        assert condition.creates(
+            Config(profile=True, num_cpu_blocks=8, kvcache_storage_backend="file", splitwise_role="decode")
+        )
+
+
+def test_hunks_are_applied_applicable_or_in_conflict(tmp_path: Path) -> None:
+    """A patch's hunks read against files: before, after, changed elsewhere, missing."""
+    before = "".join(f"line {i}\n" for i in range(20))
+    after = before.replace("line 10\n", "line ten\nline ten and a half\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/f.py").write_text(before)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b/f.py").write_text(after)
+    diff = subprocess.run(
+        ["git", "diff", "--no-index", "a/f.py", "b/f.py"], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    patch = tmp_path / "p.patch"
+    patch.write_text(diff.stdout.replace("a/a/f.py", "a/f.py").replace("b/b/f.py", "b/f.py"))
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    assert patchfile.state(tree, patch).verdict == "does not fit"  # missing
+    (tree / "f.py").write_text("header\n" + before)
+    assert patchfile.state(tree, patch).verdict == "not applied"  # at an offset: still fits
+    (tree / "f.py").write_text(after)
+    assert patchfile.state(tree, patch).verdict == "applied"
+    (tree / "f.py").write_text(before.replace("line 9\n", "line nine\n"))
+    assert patchfile.state(tree, patch).files == {"f.py": (patchfile.CONFLICT,)}
+
+
+def test_the_queue_address_is_formed_as_the_line_forms_it() -> None:
+    """TCP unless the line's manager has a socket and the variable (or its default) says so; a value int()
+    cannot read is an error naming the variable."""
+    socket = QueueRule(socket="/dev/shm/fd_task_queue_{port}.sock", default=1)
+    assert socket.address("10.0.0.1", 8021, {}) == "/dev/shm/fd_task_queue_8021.sock"
+    assert socket.address("10.0.0.1", 8021, {"FD_ENGINE_TASK_QUEUE_WITH_SHM": "0"}) == ("10.0.0.1", 8021)
+    assert QueueRule(socket=None, default=0).address("h", 1, {"FD_ENGINE_TASK_QUEUE_WITH_SHM": "1"}) == ("h", 1)
+    with pytest.raises(ValueError, match="FD_ENGINE_TASK_QUEUE_WITH_SHM='on'"):
+        socket.address("h", 1, {"FD_ENGINE_TASK_QUEUE_WITH_SHM": "on"})
+
+
+def test_doctor_names_a_path_that_is_no_fastdeploy(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:
+    checks = doctor(daemons, tmp_path, "--instance", instance, *SMALL)
+    assert (
+        checks["fastdeploy_line"]["verdict"] == "fail"
+        and "cache_transfer_manager.py" in checks["fastdeploy_line"]["figure"]
+    )
+
+
+def test_drop_in_refuses_routing_replay(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """2.6's launcher passes --routing_replay_config when routing replay is on: FastDeploy's manager then
+    moves routing data with each block, which the drop-in does not, so it refuses by name."""
+    daemon = daemons.start(ranks=2, small=False, args=SMALL[2:])
+    daemon.wait_ready()
+    env = dict(daemons.env(), KVCACHED_INSTANCE=daemon.instance, FD_TEST_CONTROL_DIR=str(tmp_path))
+    args = ["--rank", "0", "--mp_num", "2", "--num_layers", "2", "--key_cache_shape", "16,2,4,16"]
+    args += ["--value_cache_shape", "16,2,4,16", "--num_cpu_blocks", "8"]
+    args += ["--routing_replay_config", '{"enable_routing_replay": true}']
+    done = dropin(args, env)
+    assert done.returncode == 4 and "--routing_replay_config: routing replay is on" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_an_installed_kvcached_finds_its_patches(tmp_path: Path) -> None:
+    """``pip install`` (not editable) puts the patches in ``<prefix>/share/kvcached/patches``, where
+    ``patch_dir`` finds them, so doctor names a line without kvcached's source tree."""
+    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info beside the sources
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for relative in filter(None, listed.stdout.split("\0")):
+        if (ROOT / relative).is_file():
+            (source / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / relative, source / relative)
+    wheel = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert wheel.returncode == 0, wheel.stderr
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    built = next((tmp_path / "dist").glob("*.whl"))
+    install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(built)]
+    assert subprocess.run(install, capture_output=True, text=True, timeout=600, check=False).returncode == 0
+    deps = next(Path(p) for p in sys.path if p.endswith("site-packages"))  # numpy & co., not kvcached itself
+    found = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "from kvcached.fastdeploy import lines; print(lines.patch_dir())"],
+        env=dict(os.environ, PYTHONPATH=str(deps)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert found.returncode == 0, found.stderr
+    directory = Path(found.stdout.strip())
+    assert directory == venv / "share" / "kvcached" / "patches"
+    assert sorted(p.name for p in directory.glob("*.patch")) == sorted(
+        p.name for p in (ROOT / "patches").glob("*.patch")
+    )
+
+
+def test_drop_in_refuses_a_queue_switch_fastdeploy_cannot_read(patched_trees: dict[str, Path], tmp_path: Path) -> None:
+    """FD_ENGINE_TASK_QUEUE_WITH_SHM=yes: FastDeploy's own int() would fail on it; the drop-in exits 4 naming
+    the variable, before it waits for kvcached or joins the queue."""
+    tree = tree_of(patched_trees, "564c78d78")
+    env = dict(os.environ, FASTDEPLOY_SRC=str(tree), FD_ENGINE_TASK_QUEUE_WITH_SHM="yes")
+    env.update(KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path), KVCACHED_WAIT_S="1")
+    done = dropin(["--rank", "0", "--mp_num", "2"], env)
+    assert done.returncode == 4 and "FD_ENGINE_TASK_QUEUE_WITH_SHM='yes'" in done.stderr, done.stderr
