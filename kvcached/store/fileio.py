@@ -149,8 +149,10 @@ class Reader:
     def __init__(self, identity: ObjectIdentity) -> None:
         self.identity = identity
         self.threads = max(1, min(READ_THREADS, READ_BUFFER_BYTES // max(1, identity.payload)))
-        self._buffers: list[memoryview] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        size = round_up(identity.payload)  # page-aligned, and mapped now: a first load takes no page faults
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._buffers = [memoryview(mmap.mmap(-1, size, flags=flags))[: identity.payload] for _ in range(self.threads)]
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="kvcached-read")
 
     def load(
         self, keys: Sequence[bytes], paths: Sequence[Path], sink: Sink, on_progress: Callable[[], None]
@@ -161,7 +163,6 @@ class Reader:
         threads = min(self.threads, count)
         if threads == 0:
             return Outcome(0, 0)
-        pool = self._start(threads)
 
         def run(buffer: memoryview) -> None:
             try:
@@ -174,23 +175,14 @@ class Reader:
                 turns.abort(exc)
                 raise
 
-        futures = [pool.submit(run, self._buffers[t]) for t in range(threads)]
+        futures = [self._pool.submit(run, self._buffers[t]) for t in range(threads)]
         concurrent.futures.wait(futures)
         if turns.error is not None:
             raise turns.error
         return Outcome(turns.admitted, turns.failed, turns.why)
 
-    def _start(self, threads: int) -> concurrent.futures.ThreadPoolExecutor:
-        while len(self._buffers) < threads:  # page-aligned: the kernel and the copies run faster
-            self._buffers.append(memoryview(mmap.mmap(-1, round_up(self.identity.payload)))[: self.identity.payload])
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="kvcached-read")
-        return self._pool
-
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool.shutdown(wait=True)
 
 
 def _chunks(pieces: Sequence[memoryview], size: int) -> Iterator[list[memoryview]]:
