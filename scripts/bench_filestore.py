@@ -28,6 +28,7 @@ from typing import Any
 
 import benchlib
 import numpy as np
+from bench_lmcache import drop_from_page_cache
 
 import runner_client as rc
 
@@ -38,17 +39,6 @@ KV_HEADS, HEAD_DIM = 8, 128
 SETTLE_S = 1.0
 #: The timed phases of a pass, in order; what each side reports (seconds).
 PHASES = ("store", "warm_load", "cold_load")
-
-
-def drop_from_page_cache(paths: list[Path]) -> None:
-    """Drop these files' pages from the page cache (flushed first: dirty pages cannot be dropped)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def plain_file(directory: str, count: int, size: int, barrier: Any, out: Any) -> None:

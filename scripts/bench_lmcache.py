@@ -118,7 +118,9 @@ def wait_written(engine: Any, count: int, timeout: float = 600) -> None:
         time.sleep(0.0005)
 
 
-def drop(paths: list[Path]) -> None:
+def drop_from_page_cache(paths: list[Path]) -> None:
+    """Drop these files' pages from the page cache (flushed first: dirty pages cannot be dropped), and
+    nothing else of the machine's cache."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     engine.gpu_connector.kv = into
     for name, cold in (("warm_load_s", False), ("cold_load_s", True)):
         if cold:
-            drop(written)
+            drop_from_page_cache(written)
         started = time.perf_counter()
         got = engine.retrieve(tokens, mask)
         times[name] = time.perf_counter() - started
