@@ -109,7 +109,7 @@ class StoreCalls:
         if pid == 0:  # the agent: it must never return into the worker's code, whatever happens
             try:
                 ours.close()
-                _agent_main(theirs, parent, self.opener, self.staging, self._moves, device=self.device)
+                _agent_main(theirs, parent, self)
             finally:
                 os._exit(0)
         theirs.close()
@@ -277,26 +277,10 @@ class StoreCalls:
 # -- the agent -----------------------------------------------------------------------------------------
 
 
-def _agent_main(
-    sock: socket.socket,
-    parent: int,
-    opener: Callable[[], Store],
-    staging: Any,
-    moves: Any,
-    *,
-    device: DeviceBlocks | None,
-) -> NoReturn:
+def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn:
     """The store agent's whole life: open the store, then serve calls until the worker goes."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-    keep = sock.fileno()
-    os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
-    with contextlib.suppress(OSError):
-        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock.setblocking(True)
+    _become_agent(sock, parent)
+    staging, moves, device = calls.staging, calls._moves, calls.device
 
     def send(message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -309,7 +293,7 @@ def _agent_main(
         moves[0] += 1
 
     try:
-        store = opener()
+        store = calls.opener()
     except BaseException as exc:  # the worker reports it (StoreBusy fails the rank's start)
         send(("opened", _describe(exc), dataclasses.asdict(StoreCounters())))
         os._exit(0)
@@ -347,6 +331,20 @@ def _agent_main(
                 reply = ("reply", seq, False, _describe(exc))
             last = dataclasses.asdict(store.counters)
             send((*reply, last))
+
+
+def _become_agent(sock: socket.socket, parent: int) -> None:
+    """Die with the worker, hold none of its descriptors but ``sock``, leave Ctrl-C to the supervisor."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+    keep = sock.fileno()
+    os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
+    with contextlib.suppress(OSError):
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock.setblocking(True)
 
 
 def _dispatch(store: Store, staging: Any, device: DeviceBlocks | None, method: str, args: tuple[Any, ...]) -> Any:
