@@ -2,8 +2,8 @@
 """Run the handshake, swap and store benchmarks and write a Markdown report with PNG plots.
 
 Every figure stands beside the physical limit measured in the same run by the benchmark itself: a plain
-``np.copyto`` of the same bytes (swap), plain write+fsync / read and plain Mooncake put / get (store),
-FastDeploy's ``sleep(1)`` poll (handshake). Writes, into ``--out``:
+``np.copyto`` of the same bytes (swap), plain write+fsync+rename / read (warm and cold) and plain Mooncake
+put / get (store), FastDeploy's ``sleep(1)`` poll (handshake). Writes, into ``--out``:
 
 * ``report.md``: headline figures, then each benchmark's full printout;
 * ``swap_throughput.png``: swap-out / swap-in GB/s against the layer-block size, with the plain-copy line;
@@ -137,8 +137,8 @@ def plot_store(figures: dict[str, Any], path: Path) -> None:
     labels, ours, plain = [], [], []
     short = {"mooncake-batch": "mooncake vs\nbatched calls"}
     for backend, passes in figures["backends"].items():
-        for op in ("store", "load"):
-            labels.append(f"{short.get(backend, backend)}\n{op}")
+        for op in store_ops(passes):
+            labels.append(f"{short.get(backend, backend)}\n{op.replace('_', ' ')}")
             ours.append(statistics.median(p[f"{op}_gbps"] for p in passes))
             plain.append(statistics.median(p[f"plain_{op}_gbps"] for p in passes))
     x = range(len(labels))
@@ -195,18 +195,25 @@ def headline(handshake: dict[str, Any], swap: dict[str, Any], store: dict[str, A
     for label, rt in swap["round_trip_us"].items():
         lines.append(f"| one-block swap round trip, {label} | p50 {rt['p50']:.0f} us, p99 {rt['p99']:.0f} us | | |")
     names = {
-        "file": "plain write+fsync / read",
+        "file": "plain write+fsync+rename / read",
         "mooncake": "plain Mooncake put / get",
         "mooncake-batch": "batched own-segment put / get",
     }
     for backend, passes in store["backends"].items():
-        for op in ("store", "load"):
+        for op in store_ops(passes):
             o = statistics.median(p[f"{op}_gbps"] for p in passes)
+            label = f"| {backend} {op.replace('_', ' ')} | {o:.2f} GB/s"
             b = statistics.median(p[f"plain_{op}_gbps"] for p in passes)
-            lines.append(
-                f"| {backend} {op} | {o:.2f} GB/s | {names.get(backend, backend)} {b:.2f} GB/s | {o / b:.2f} |"
-            )
+            lines.append(f"{label} | {names.get(backend, backend)} {b:.2f} GB/s | {o / b:.2f} |")
+            if f"lmcache_{op}_gbps" in passes[0]:
+                lm = statistics.median(p[f"lmcache_{op}_gbps"] for p in passes)
+                lines.append(f"{label} | LMCache local disk {lm:.2f} GB/s | {o / lm:.2f} |")
     return lines
+
+
+def store_ops(passes: list[dict[str, float]]) -> list[str]:
+    """The operations a backend's passes measured (``store``, ``load`` or ``warm_load``, ``cold_load``)."""
+    return [key[: -len("_gbps")] for key in passes[0] if key.endswith("_gbps") and f"plain_{key}" in passes[0]]
 
 
 def main() -> int:

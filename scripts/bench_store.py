@@ -5,9 +5,9 @@ For ``--ranks`` ranks of ``--gib`` GiB each (blocks of ``--block-kib`` KiB), eve
 ``CacheTasks.store(None, ...)`` and loaded back with ``CacheTasks.load(None, ...)``, in pipelined tasks of
 ``--batch`` blocks. Beside it, with one process per rank running at the same time:
 
-* file: plain ``write`` + ``fsync`` of one file per block (same sizes, same directory's file system), then
-  plain ``readinto`` of them. Reads of both are from disk when the page cache can be dropped (root),
-  else from the page cache; the report says which.
+* file (``bench_filestore.py``): store, warm load and cold load (the objects dropped from the page cache)
+  beside plain write + fsync + rename and plain ``readinto`` of one file per block (same sizes, same
+  directory's file system), and with ``--lmcache PYTHON`` LMCache's local disk backend on the same bytes.
 * mooncake: plain ``put`` / ``get_into`` of the same objects with a Mooncake client per process, against a
   fresh ``mooncake_master`` on loopback (the baseline of the target); and, for information, the same with
   the batch calls and placement kvcached itself uses (``batch_put_from`` / ``batch_get_into``, 32 objects
@@ -17,7 +17,7 @@ Passes alternate (plain, kvcached, plain, ...), each on fresh state (a new direc
 daemon), and the report gives the median ratio of each pair with its range: on this shared machine the
 disk and memory speed drift between sequential measurements by 20 % and more.
 
-Targets (issue 4): >= 0.7 of plain file I/O, >= 0.8 of plain Mooncake.
+Targets: >= 0.9 of plain file I/O and >= 1.0 of LMCache (file), >= 0.8 of plain Mooncake.
 """
 
 from __future__ import annotations
@@ -44,22 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_filestore  # noqa: E402
 import benchlib  # noqa: E402
 
 import runner_client as rc  # noqa: E402
 
 KV_HEADS, HEAD_DIM, NUM_LAYERS = 8, 128, 4
-
-
-def drop_caches() -> bool:
-    """Drop the page cache (root only); True if it was dropped."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def free_port() -> int:
@@ -103,27 +93,6 @@ def mooncake_master(log: Path) -> Any:
 
 
 # -- the plain baselines, one process per rank ------------------------------------------------------------
-
-
-def plain_file(directory: str, count: int, size: int, barrier: Any, out: Any) -> None:
-    data = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
-    data[:] = np.arange(size, dtype=np.uint64).view(np.uint8)[:size] if size % 8 == 0 else 7
-    os.makedirs(directory, exist_ok=True)
-    barrier.wait()
-    started = time.perf_counter()
-    for i in range(count):
-        fd = os.open(f"{directory}/{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-        os.close(fd)
-    write_s = time.perf_counter() - started
-    barrier.wait()  # the parent drops the page cache here
-    barrier.wait()
-    started = time.perf_counter()
-    for i in range(count):
-        with open(f"{directory}/{i}", "rb", buffering=0) as f:
-            f.readinto(data)
-    out.put((write_s, time.perf_counter() - started))
 
 
 def segment_bytes(count: int, size: int) -> int:
@@ -176,11 +145,11 @@ def plain_mc(work: Path, ranks: int, blocks: int, block_bytes: int, batched: boo
     batch calls kvcached itself uses (32 objects a call)."""
     with mooncake_master(work / "master.log") as (master, metadata):
         return run_plain(
-            plain_mooncake, [(master, metadata, r, blocks, block_bytes + 128, batched) for r in range(ranks)], False
+            plain_mooncake, [(master, metadata, r, blocks, block_bytes + 128, batched) for r in range(ranks)]
         )
 
 
-def run_plain(target: Any, args_per_rank: list[tuple[Any, ...]], drop: bool) -> tuple[float, float]:
+def run_plain(target: Any, args_per_rank: list[tuple[Any, ...]]) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     ranks = len(args_per_rank)
     barrier, out = ctx.Barrier(ranks + 1), ctx.Queue()
@@ -189,8 +158,6 @@ def run_plain(target: Any, args_per_rank: list[tuple[Any, ...]], drop: bool) -> 
         p.start()
     barrier.wait()
     barrier.wait()
-    if drop:
-        drop_caches()
     barrier.wait()
     times = [out.get() for _ in procs]
     if target is plain_mooncake:
@@ -218,7 +185,7 @@ def start_daemon(
     return benchlib.start_daemon(instance, env, [*args, *store])
 
 
-def run_kvcached(instance: str, blocks: int, batch: int, drop: bool) -> tuple[float, float]:
+def run_kvcached(instance: str, blocks: int, batch: int) -> tuple[float, float]:
     keys = rc.block_keys(list(range(blocks)), 1)
     ids = list(range(blocks))
     with rc.CacheTasks(instance, timeout=3600) as tasks:
@@ -229,8 +196,6 @@ def run_kvcached(instance: str, blocks: int, batch: int, drop: bool) -> tuple[fl
         for h in handles:
             h.result()
         store_s = time.perf_counter() - started
-        if drop:
-            drop_caches()
         started = time.perf_counter()
         handles = [
             tasks.load(None, keys[i : i + batch], ids[i : i + batch], wait=False) for i in range(0, blocks, batch)
@@ -242,51 +207,33 @@ def run_kvcached(instance: str, blocks: int, batch: int, drop: bool) -> tuple[fl
 
 
 def kvcached_pass(
-    backend: str, work: Path, env: dict[str, str], args: Any, blocks: int, block_bytes: int, drop: bool
+    backend: str, work: Path, env: dict[str, str], args: Any, blocks: int, block_bytes: int
 ) -> tuple[float, float]:
-    """Store and load every block through a fresh daemon (and, for mooncake, a fresh master)."""
+    """Store and load every block through a fresh daemon and a fresh master."""
     block_size = block_bytes // (NUM_LAYERS * 2 * KV_HEADS * HEAD_DIM * 2)
     instance = f"bench-store-{os.getpid()}-{backend}"
     with contextlib.ExitStack() as stack:
-        if backend == "file":
-            path = Path(tempfile.mkdtemp(prefix="kv", dir=work))
-            store = [
-                "--storage-backend",
-                "file",
-                "--storage-path",
-                str(path),
-                "--storage-capacity",
-                str(4 * args.ranks * blocks * block_bytes),
-            ]
-            stack.callback(shutil.rmtree, path, ignore_errors=True)
-        else:
-            master, metadata = stack.enter_context(mooncake_master(work / "master.log"))
-            store = [
-                "--storage-backend",
-                "mooncake",
-                "--mooncake-master",
-                master,
-                "--mooncake-metadata",
-                metadata,
-                "--mooncake-segment",
-                str(segment_bytes(blocks, block_bytes + 128)),
-            ]
+        master, metadata = stack.enter_context(mooncake_master(work / "master.log"))
+        store = [
+            "--storage-backend",
+            "mooncake",
+            "--mooncake-master",
+            master,
+            "--mooncake-metadata",
+            metadata,
+            "--mooncake-segment",
+            str(segment_bytes(blocks, block_bytes + 128)),
+        ]
         daemon = start_daemon(instance, env, args.ranks, blocks, block_size, store)
         try:
-            return run_kvcached(instance, blocks, args.batch, drop and backend == "file")
+            return run_kvcached(instance, blocks, args.batch)
         finally:
             daemon.terminate()
             daemon.wait(60)
 
 
-def plain_pass(backend: str, work: Path, ranks: int, blocks: int, block_bytes: int, drop: bool) -> tuple[float, float]:
-    """The same objects written and read plainly, one process per rank at once."""
-    if backend == "file":
-        path = Path(tempfile.mkdtemp(prefix="plain", dir=work))
-        try:
-            return run_plain(plain_file, [(str(path / f"r{r}"), blocks, block_bytes + 128) for r in range(ranks)], drop)
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
+def plain_pass(backend: str, work: Path, ranks: int, blocks: int, block_bytes: int) -> tuple[float, float]:
+    """The same objects put and got plainly, one process per rank at once."""
     return plain_mc(work, ranks, blocks, block_bytes, batched=backend == "mooncake-batch")
 
 
@@ -295,12 +242,16 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--gib", type=float, default=1.0, help="bytes stored per rank, GiB")
     parser.add_argument("--block-kib", type=int, default=512, help="bytes of one block (all layers), KiB")
+    parser.add_argument("--layers", type=int, default=NUM_LAYERS, help="layers of the file backend's geometry")
     parser.add_argument("--batch", type=int, default=64, help="blocks per task")
     parser.add_argument("--repeats", type=int, default=3, help="alternating plain / kvcached passes per backend")
     parser.add_argument(
         "--dir", default=None, help="directory for the file backend (default: a temp dir under /var/tmp)"
     )
     parser.add_argument("--backends", default="file,mooncake")
+    parser.add_argument(
+        "--lmcache", metavar="PYTHON", default=None, help="an interpreter with LMCache (see bench_lmcache.py)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     args = parser.parse_args()
 
@@ -311,21 +262,19 @@ def main() -> int:
     run_dir = tempfile.mkdtemp(prefix="kvb-")
     env = {**os.environ, "KVCACHED_RUN_DIR": run_dir}
     os.environ["KVCACHED_RUN_DIR"] = run_dir
-    drop = drop_caches()
     results: dict[str, list[tuple[tuple[float, float], tuple[float, float]]]] = {}
+    file_passes: list[dict[str, dict[str, float]]] = []
     try:
         for backend in args.backends.split(","):
+            if backend == "file":
+                file_passes = bench_filestore.run(args, work, env)
+                continue
             for _ in range(args.repeats):
-                plain = plain_pass(backend, work, args.ranks, blocks, block_bytes, drop)
-                batched = (
-                    plain_pass("mooncake-batch", work, args.ranks, blocks, block_bytes, drop)
-                    if (backend == "mooncake")
-                    else None
-                )
-                ours = kvcached_pass(backend, work, env, args, blocks, block_bytes, drop)
+                plain = plain_pass(backend, work, args.ranks, blocks, block_bytes)
+                batched = plain_pass("mooncake-batch", work, args.ranks, blocks, block_bytes)
+                ours = kvcached_pass(backend, work, env, args, blocks, block_bytes)
                 results.setdefault(backend, []).append((ours, plain))
-                if batched is not None:
-                    results.setdefault("mooncake-batch", []).append((ours, batched))
+                results.setdefault("mooncake-batch", []).append((ours, batched))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -334,16 +283,50 @@ def main() -> int:
         f"attention store, {args.ranks} ranks x {args.gib:g} GiB in blocks of {args.block_kib} KiB, tasks of "
         f"{args.batch} blocks to all ranks; {args.repeats} alternating passes of plain I/O and kvcached"
     )
-    print(f"file reads: {'from disk (page cache dropped)' if drop else 'from the page cache (cannot drop it)'}")
-    print("GB/s aggregate, median over passes; ratio = kvcached / plain of the same pass pair: median [min-max]")
+    met = True
+    figures: dict[str, Any] = {"ranks": args.ranks, "gib": args.gib, "block_kib": args.block_kib, "backends": {}}
+    if file_passes:
+        lines, figures["backends"]["file"], met = bench_filestore.report(file_passes, total)
+        print("\n".join(lines))
+    if results:
+        met &= mooncake_report(results, total)
+        figures["backends"] |= mooncake_figures(results, total)
+    print(f"targets (median ratio): {'met' if met else 'NOT met'}")
+    if args.json is not None:
+        figures["targets_met"] = met
+        args.json.write_text(json.dumps(figures))
+    return 0
+
+
+def mooncake_figures(
+    results: dict[str, list[tuple[tuple[float, float], tuple[float, float]]]], total: int
+) -> dict[str, list[dict[str, float]]]:
+    """The Mooncake rows of the JSON figures: GB/s per pass."""
+    return {
+        backend: [
+            {
+                "store_gbps": total / o[0] / 1e9,
+                "load_gbps": total / o[1] / 1e9,
+                "plain_store_gbps": total / p[0] / 1e9,
+                "plain_load_gbps": total / p[1] / 1e9,
+            }
+            for o, p in passes
+        ]
+        for backend, passes in results.items()
+    }
+
+
+def mooncake_report(results: dict[str, list[tuple[tuple[float, float], tuple[float, float]]]], total: int) -> bool:
+    """Print the Mooncake rows; whether their targets hold."""
+    print("mooncake: GB/s aggregate, median over passes; ratio = kvcached / plain of the same pass pair")
     print(
         f"{'backend':<9} {'plain':<19} {'plain st':>9} {'store':>7} {'ratio':>18} | {'plain ld':>9} {'load':>7} "
         f"{'ratio':>18} | target"
     )
     met = True
-    names = {"file": "write+fsync / read", "mooncake": "put / get", "mooncake-batch": "own-seg batch p/g"}
+    names = {"mooncake": "put / get", "mooncake-batch": "own-seg batch p/g"}
     for backend, passes in results.items():
-        target = {"file": 0.7, "mooncake": 0.8}.get(backend)  # the batch row is for information
+        target = {"mooncake": 0.8}.get(backend)  # the batch row is for information
         cols = []
         for i in (0, 1):
             plain_gbps = statistics.median(total / p[i] / 1e9 for _, p in passes)
@@ -355,20 +338,8 @@ def main() -> int:
                 f"{plain_gbps:>9.2f} {ours_gbps:>7.2f} {statistics.median(ratios):>6.2f} "
                 f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]"
             )
-        label = "mooncake" if backend.startswith("mooncake") else backend
-        print(f"{label:<9} {names[backend]:<19} {cols[0]} | {cols[1]} | {target or '-'}")
-    print(f"targets (median ratio): {'met' if met else 'NOT met'}")
-    if args.json is not None:
-        figures: dict[str, Any] = {"ranks": args.ranks, "gib": args.gib, "block_kib": args.block_kib, "backends": {}}
-        for backend, passes in results.items():
-            figures["backends"][backend] = [
-                {"store_gbps": total / o[0] / 1e9, "load_gbps": total / o[1] / 1e9,
-                 "plain_store_gbps": total / p[0] / 1e9, "plain_load_gbps": total / p[1] / 1e9}
-                for o, p in passes
-            ]  # fmt: skip
-        figures["targets_met"] = met
-        args.json.write_text(json.dumps(figures))
-    return 0
+        print(f"{'mooncake':<9} {names[backend]:<19} {cols[0]} | {cols[1]} | {target or '-'}")
+    return met
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ def test_bench_report_smoke_writes_report_and_images(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = (out / "report.md").read_text()
-    needles = ["## Headline", "plain copy", "sleep(1) poll", "plain write+fsync / read", "![swap throughput]"]
+    needles = ["## Headline", "plain copy", "sleep(1) poll", "plain write+fsync+rename / read", "file cold load"]
+    needles += ["![swap throughput]"]
     needles += ["tp8-ernie", "tp8-llama70b", "mla-576", "shuffled", "cold start", "raw allocation", "restart"]
     needles += ["plain Mooncake put / get"] if "mooncake" in backends else []
     for needle in needles:

@@ -487,17 +487,21 @@ class TaskServer:
         return store
 
     def _put_blocks(self, device_ids: Array, keys: list[bytes]) -> int:
-        """Store device blocks under ``keys``, a staging buffer at a time; bytes newly written."""
+        """Store device blocks under ``keys``: in one call straight from the blocks (``direct``), else a
+        staging buffer at a time; bytes newly written."""
         store = self._require_store()
         staging = store.staging
         started = time.monotonic_ns()
         written = 0
         store.call("protect", keys)
         try:
-            for start in range(0, len(keys), len(staging)):
-                chunk = device_ids[start : start + len(staging)]
-                self.engine.copy_out(chunk, np.arange(len(chunk)), staging)
-                written += store.call("put_many", keys[start : start + len(chunk)])
+            if store.direct:
+                written = store.call("put_blocks", keys, device_ids.tolist())
+            else:
+                for start in range(0, len(keys), len(staging)):
+                    chunk = device_ids[start : start + len(staging)]
+                    self.engine.copy_out(chunk, np.arange(len(chunk)), staging)
+                    written += store.call("put_many", keys[start : start + len(chunk)])
         finally:
             with contextlib.suppress(StoreUnavailable):
                 store.call("protect", [])
@@ -599,9 +603,12 @@ class TaskServer:
         return loaded
 
     def _load_from_store(self, keys: list[bytes], targets: Array, store: StoreCalls) -> int:
-        """Load the longest present prefix of ``keys`` from the store into device blocks ``targets``, a
-        staging buffer at a time (the store agent fills staging rows; this process copies them into the
-        device tier)."""
+        """Load the longest present prefix of ``keys`` from the store into device blocks ``targets``: in one
+        call straight into the blocks (``direct``), else a staging buffer at a time (the store agent fills
+        staging rows; this process copies them into the device tier)."""
+        if store.direct:
+            loaded: int = store.call("load_blocks", keys, targets.tolist())
+            return loaded
         staging = store.staging
         loaded = 0
         for start in range(0, len(keys), len(staging)):

@@ -11,10 +11,16 @@ store of 30,000 blocks) takes the time it needs, one that stops (a frozen master
 ``StoreUnavailable``. While that call has not returned, store tasks fail at once ("still busy"); an agent
 stuck past ``ABANDON_AFTER`` timeouts is killed and a new one started.
 
-Block records never cross the socket: they sit in ``staging``, rows of ``block_bytes`` in memory both
-processes share (created before the fork). A put reads rows the worker filled; a load writes rows the
-worker then copies into the device tier. The agent never touches device memory, so a call that finishes
-after its task was given up on cannot change a block another task has since reused.
+Block records never cross the socket. Where the device tier lives in host memory and the backend allows
+it (``StoreBackend.direct``: the file store), the agent reads and writes the device blocks themselves,
+through the worker's mapping it inherits at the fork (``kvcached.transfer.DeviceBlocks``): a put writes
+each block's pieces as they are, a load copies each verified record into its block, once, and the worker
+copies nothing. A direct call that times out has its agent killed, and waited for, before its task fails,
+so that no write it had under way lands in a block the task gave up. Otherwise records sit in
+``staging``, rows of ``block_bytes`` in memory both processes share (created before the fork): a put reads
+rows the worker filled; a load writes rows the worker then copies into the device tier, and the agent
+never touches device memory, so a call that finishes after its task was given up on cannot change a
+block another task has since reused.
 
 The agent also checks its store for trouble outside any call (``Store.check``) once a second when idle,
 and sends the store's counters with every reply.
@@ -39,9 +45,11 @@ from typing import Any, NoReturn
 import numpy as np
 
 from kvcached.logs import Logger
+from kvcached.memory import shm
 from kvcached.protocol.errors import StoreBusy, StoreUnavailable
 from kvcached.protocol.layout import round_up
 from kvcached.store.base import Store, StoreCounters
+from kvcached.transfer import DeviceBlocks
 
 #: How often the waiting worker marks its own progress and looks at the agent's.
 SLICE_S = 0.1
@@ -49,6 +57,8 @@ SLICE_S = 0.1
 ABANDON_AFTER = 6
 _FRAME = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
+#: The calls that read or write device blocks (``direct``).
+DIRECT_CALLS = ("put_blocks", "load_blocks")
 
 
 class StoreCalls:
@@ -64,6 +74,7 @@ class StoreCalls:
         timeout_s: float,
         progress: Callable[[], None],
         log: Logger,
+        device: DeviceBlocks | None = None,
     ) -> None:
         self.name = name
         self.opener = opener
@@ -77,6 +88,9 @@ class StoreCalls:
         )
         self._moves_map = mmap.mmap(-1, mmap.PAGESIZE)
         self._moves = memoryview(self._moves_map).cast("Q")
+        self.device = device
+        #: Store and load calls name device blocks (``put_blocks``, ``load_blocks``) instead of staging rows.
+        self.direct = device is not None
         self.counters = StoreCounters()
         self.opened = False
         self.pid = 0
@@ -95,7 +109,7 @@ class StoreCalls:
         if pid == 0:  # the agent: it must never return into the worker's code, whatever happens
             try:
                 ours.close()
-                _agent_main(theirs, parent, self.opener, self.staging, self._moves)
+                _agent_main(theirs, parent, self)
             finally:
                 os._exit(0)
         theirs.close()
@@ -173,10 +187,12 @@ class StoreCalls:
             if self._moves[0] != moves:
                 deadline, moves = time.monotonic() + self.timeout_s, self._moves[0]
             elif time.monotonic() >= deadline:
+                why = f"the {self.name} store went {self.timeout_s:g}s without progress in a {method} call"
+                if method in DIRECT_CALLS:  # it may still write device blocks: it must be gone first
+                    self._kill_agent(why)
+                    raise StoreUnavailable(f"{why}; its agent was stopped and a new one is starting")
                 self.waiting_for = (seq, time.monotonic() - self.timeout_s, method)
-                raise StoreUnavailable(
-                    f"the {self.name} store went {self.timeout_s:g}s without progress in a {method} call"
-                )
+                raise StoreUnavailable(why)
 
     def maintain(self) -> None:
         """Take in what the agent sent meanwhile (counters after its idle checks), without waiting."""
@@ -261,18 +277,10 @@ class StoreCalls:
 # -- the agent -----------------------------------------------------------------------------------------
 
 
-def _agent_main(sock: socket.socket, parent: int, opener: Callable[[], Store], staging: Any, moves: Any) -> NoReturn:
+def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn:
     """The store agent's whole life: open the store, then serve calls until the worker goes."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-    keep = sock.fileno()
-    os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
-    with contextlib.suppress(OSError):
-        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock.setblocking(True)
+    _become_agent(sock, parent)
+    staging, moves, device = calls.staging, calls._moves, calls.device
 
     def send(message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -285,11 +293,13 @@ def _agent_main(sock: socket.socket, parent: int, opener: Callable[[], Store], s
         moves[0] += 1
 
     try:
-        store = opener()
+        store = calls.opener()
     except BaseException as exc:  # the worker reports it (StoreBusy fails the rank's start)
         send(("opened", _describe(exc), dataclasses.asdict(StoreCounters())))
         os._exit(0)
     store.on_progress = moved
+    if device is not None:  # page tables of the inherited mapping, so the first loads take no faults
+        shm.prefault_ranges(device.ranges())
     send(("opened", None, dataclasses.asdict(store.counters)))
     inbuf = bytearray()
     last = dataclasses.asdict(store.counters)
@@ -316,16 +326,39 @@ def _agent_main(sock: socket.socket, parent: int, opener: Callable[[], Store], s
             seq, method, args = pickle.loads(bytes(inbuf[_FRAME.size : _FRAME.size + length]))
             del inbuf[: _FRAME.size + length]
             try:
-                reply: Any = ("reply", seq, True, _dispatch(store, staging, method, args))
+                reply: Any = ("reply", seq, True, _dispatch(store, staging, device, method, args))
             except BaseException as exc:
                 reply = ("reply", seq, False, _describe(exc))
             last = dataclasses.asdict(store.counters)
             send((*reply, last))
 
 
-def _dispatch(store: Store, staging: Any, method: str, args: tuple[Any, ...]) -> Any:
+def _become_agent(sock: socket.socket, parent: int) -> None:
+    """Die with the worker, hold none of its descriptors but ``sock``, leave Ctrl-C to the supervisor."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+    keep = sock.fileno()
+    os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
+    with contextlib.suppress(OSError):
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock.setblocking(True)
+
+
+def _dispatch(store: Store, staging: Any, device: DeviceBlocks | None, method: str, args: tuple[Any, ...]) -> Any:
     """The calls the worker sends: ``put_many(keys)`` (records in staging rows 0..n-1), ``load_prefix(keys)``
-    (records into staging rows 0..), ``present(keys)``, ``protect(keys)``."""
+    (records into staging rows 0..), ``put_blocks(keys, ids)`` and ``load_blocks(keys, ids)`` (records in
+    device blocks ``ids``, ``direct``), ``present(keys)``, ``protect(keys)``."""
+    if method == "put_blocks":
+        assert device is not None
+        keys, ids = args
+        return store.put_many(keys, [device.record(block) for block in ids])
+    if method == "load_blocks":
+        assert device is not None
+        keys, ids = args
+        return store.load_prefix(keys, lambda i, record: device.land(record, ids[i]))
     if method == "put_many":
         (keys,) = args
         return store.put_many(keys, [[memoryview(staging[i])] for i in range(len(keys))])

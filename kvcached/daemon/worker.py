@@ -47,7 +47,7 @@ from kvcached.daemon import channel, faults, server
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
 from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.storecalls import StoreCalls
-from kvcached.memory.base import DeviceTier, TierRequest
+from kvcached.memory.base import DeviceTier, Piece, TierRequest
 from kvcached.memory.shm import create_arena, huge_pages, open_arena, pin, prefault
 from kvcached.protocol.errors import (
     BackendUnavailable,
@@ -63,7 +63,7 @@ from kvcached.protocol.names import task_socket_path
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import StatsSlot
 from kvcached.store.base import ObjectIdentity, Store
-from kvcached.transfer import SwapEngine
+from kvcached.transfer import DeviceBlocks, SwapEngine
 
 #: The worker's loop turns (and marks progress) at least this often.
 LOOP_S = 0.5
@@ -176,7 +176,7 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
             tiers.map_pages(until_done=stats.progressed)
         if not plan.handover or await_turn(sock, stats):
             tiers.keys = _key_directory(plan, plan.tier_request(), log) if tiers.pool is not None else None
-            rank_store = open_store(plan, stats, log)
+            rank_store = open_store(plan, stats, log, tiers.device.pieces)
             status = serve(sock, plan, tiers, rank_store, stats=stats, log=log)
         else:
             status = EXIT_OK  # stopped before its turn came
@@ -313,10 +313,11 @@ STORE_OPEN_WAIT_S = 5.0
 STAGING_BYTES = 64 << 20
 
 
-def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger) -> StoreCalls | None:
-    """This rank's attention store behind its call thread, or None without a store. A store that refuses
+def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger, pieces: list[Piece]) -> StoreCalls | None:
+    """This rank's attention store behind its agent process, or None without a store. A store that refuses
     to open (its directory held by another daemon, unwritable) fails the worker; one that does not answer
-    yet leaves the rank to serve its other tiers."""
+    yet leaves the rank to serve its other tiers. A ``direct`` backend on a host device tier (``pieces``)
+    gets the device blocks themselves."""
     if plan.store.backend is None:
         return None
     identity = ObjectIdentity(plan.spec.geometry_digest, plan.rank, plan.spec.block_bytes)
@@ -333,6 +334,7 @@ def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger) -> StoreCal
         timeout_s=plan.store_timeout,
         progress=stats.progressed,
         log=log,
+        device=DeviceBlocks.of(pieces) if backend.direct else None,
     )
     try:
         calls.wait_open(min(plan.store_timeout, STORE_OPEN_WAIT_S))

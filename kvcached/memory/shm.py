@@ -206,12 +206,19 @@ def prefault(mapping: mmap.mmap) -> threading.Thread:
     """Map every page of ``mapping`` on a background thread (``MADV_POPULATE_WRITE``; the GIL is released),
     so that a reopened arena serves at once and its first copies take no page faults. Bytes are untouched.
     Where the kernel lacks the advice, pages are mapped as they are first touched instead."""
-    address, size = _address(mapping), len(mapping)
+    return prefault_ranges([(_address(mapping), len(mapping))])
+
+
+def prefault_ranges(ranges: list[tuple[int, int]]) -> threading.Thread:
+    """``prefault`` for address ranges of mappings this process holds (another process's view of an arena:
+    a fork does not copy the page tables of shared mappings)."""
+    pages = [(address - address % mmap.PAGESIZE, size + address % mmap.PAGESIZE) for address, size in ranges]
 
     def run() -> None:
-        for start in range(0, size, CHUNK):  # in steps: a mapping closed meanwhile ends it early (ENOMEM)
-            if _LIBC.madvise(address + start, min(CHUNK, size - start), MADV_POPULATE_WRITE) != 0:
-                return
+        for address, size in pages:
+            for start in range(0, size, CHUNK):  # in steps: a mapping closed meanwhile ends it early (ENOMEM)
+                if _LIBC.madvise(address + start, min(CHUNK, size - start), MADV_POPULATE_WRITE) != 0:
+                    return
 
     thread = threading.Thread(target=run, name="prefault", daemon=True)
     thread.start()

@@ -72,9 +72,15 @@ class ObjectIdentity:
     def verify(self, key: bytes, data: memoryview) -> str | None:
         """None if ``data`` (header + payload) is a valid object for ``key``, else why it is not."""
         why = self.verify_header(key, data[:HEADER_SIZE], len(data))
-        if why is None and xxhash.xxh3_64_intdigest(data[HEADER_SIZE:]) != HEADER.unpack_from(data)[8]:
+        if why is None and xxhash.xxh3_64_intdigest(data[HEADER_SIZE:]) != header_checksum(data):
             why = "checksum mismatch"
         return why
+
+
+def header_checksum(head: memoryview | bytes) -> int:
+    """The payload checksum an object's header records."""
+    value: int = HEADER.unpack_from(head)[8]
+    return value
 
 
 def checksum(pieces: Sequence[memoryview]) -> int:
@@ -126,7 +132,9 @@ class Store(abc.ABC):
     def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
         """Hand the verified payload of each leading present key to ``sink(index, payload)`` in order,
         stopping at the first miss; how many were handed over. A payload view is valid only during its
-        ``sink`` call."""
+        ``sink`` call. A backend may read several objects at once and call ``sink`` from several threads,
+        once per index; the call for index ``i`` starts only after every index below ``i`` was verified
+        (their calls may still be running), and no index after a miss is handed over."""
 
     @abc.abstractmethod
     def present(self, keys: Sequence[bytes]) -> int:
@@ -148,6 +156,13 @@ class StoreBackend(abc.ABC):
     name: ClassVar[str]
     #: One line for ``--storage-backend``'s help.
     summary: ClassVar[str]
+    #: Whether its stores may be handed the device tier's memory itself (host tiers only): ``put_many``
+    #: reads block records straight from the device blocks and ``load_prefix``'s sink copies into them,
+    #: with no staging copy between the worker and its store agent. A call that times out then has its
+    #: agent killed before the task fails (so nothing it does later touches a block the task gave up),
+    #: which must cost nothing but that call: true of a store whose objects outlive its agent (files), not
+    #: of one that keeps them in the agent's own memory (a Mooncake segment).
+    direct: ClassVar[bool] = False
     #: This backend's configuration knobs (flags, environment, TOML keys).
     options: ClassVar[tuple[Knob, ...]] = ()
 

@@ -6,8 +6,10 @@
     <path>/r<rank>/<k[0:2]>/<key hex>.kvb      an object (header + block record)
     <path>/r<rank>/<k[0:2]>/.tmp-...           a write in progress (removed at start-up if left)
 
-Writes are atomic: a temporary file is written (``writev``), fsynced and renamed over the final name, so
-a crash leaves either no object or a whole one. The index (key -> size, least recently used first) lives
+Writes are atomic: each object is written to a temporary file, fsynced and renamed over its final name,
+so a crash leaves either no object or a whole one; the objects of a store call are made durable in groups
+while the next ones are written, and loads read several objects at once, each verified before a byte of it
+is handed over (``kvcached.store.fileio``). The index (key -> size, least recently used first) lives
 in memory and is rebuilt at start-up from a directory scan ordered by mtime, reading each object's header
 (not its payload: the checksum is checked on every load); a hit refreshes the file's mtime so the order
 survives restarts. Capacity is per rank (the instance's capacity divided by its ranks); storing past it
@@ -31,7 +33,6 @@ import contextlib
 import errno
 import fcntl
 import itertools
-import mmap
 import os
 import shutil
 import stat
@@ -43,13 +44,12 @@ from kvcached import knobs
 from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec, StoreBusy
-from kvcached.protocol.layout import round_up
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import register
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters
+from kvcached.store.fileio import MISSING, READ_FLAGS, Pending, Reader, Writer, write_temporary
 
 SUFFIX = ".kvb"
-_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO in an object's place never blocks
 
 
 class FileStore(Store):
@@ -64,9 +64,7 @@ class FileStore(Store):
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._tmp = itertools.count()
         self._protected: set[bytes] = set()
-        self.staging = memoryview(mmap.mmap(-1, round_up(HEADER_SIZE + identity.payload)))[
-            : HEADER_SIZE + identity.payload
-        ]
+        self.reader = Reader(identity)
         self._lock_fd = -1
         self._dir_ino = 0
         self._take_directory()
@@ -143,7 +141,7 @@ class FileStore(Store):
 
     @staticmethod
     def _read(path: str, size: int) -> bytes:
-        fd = os.open(path, _READ)
+        fd = os.open(path, READ_FLAGS)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
@@ -187,112 +185,82 @@ class FileStore(Store):
     # -- objects --------------------------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
+        """Write each new object to a temporary file; a committer thread makes them durable (fsync) and
+        renames them in groups meanwhile (``kvcached.store.fileio``). Objects committed before a failure
+        stay stored; the others are removed."""
         self.check()
-        written = 0
-        for key, parts in zip(keys, pieces, strict=True):
-            written += self.put(key, parts)
-            self.on_progress()
-        return written
+        writer = Writer(self.on_progress)
+        queued: list[bytes] = []
+        try:
+            for key, parts in zip(keys, pieces, strict=True):
+                if key in queued or self._stored(key):
+                    continue
+                self._evict(HEADER_SIZE + self.identity.payload)
+                writer.add(self._write_temporary(key, parts))
+                self._enter(key)
+                queued.append(key)
+                self.on_progress()
+        except BaseException:
+            self.counters.errors += 1
+            raise
+        finally:
+            committed = set(writer.finish())
+            for key in queued:
+                if key not in committed:
+                    self._forget(key)
+        if writer.error is not None:
+            self.counters.errors += 1
+            raise writer.error
+        return len(committed)
 
-    def put(self, key: bytes, pieces: Sequence[memoryview]) -> bool:
-        """Store one block record under ``key``; False if it was there already (and still is)."""
+    def _stored(self, key: bytes) -> bool:
+        """Whether ``key`` is stored (indexed and its file there); refreshes its place in the LRU order."""
+        if key not in self.index:
+            return False
+        if os.path.isfile(self._path(key)):
+            self.index.move_to_end(key)
+            return True
+        self._forget(key)  # deleted behind our back: write it again
+        return False
+
+    def _enter(self, key: bytes) -> None:
+        self.index[key] = HEADER_SIZE + self.identity.payload
+        self.counters.bytes += HEADER_SIZE + self.identity.payload
+        self.counters.objects += 1
+
+    def _write_temporary(self, key: bytes, pieces: Sequence[memoryview]) -> Pending:
+        """Write ``key``'s object to a temporary file beside its name; a full disk evicts and tries again."""
         path = self._path(key)
-        if key in self.index:
-            if os.path.isfile(path):
-                self.index.move_to_end(key)
-                return False
-            self._forget(key)  # deleted behind our back: write it again
-        size = HEADER_SIZE + self.identity.payload
-        self._evict(size)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
         while True:
+            tmp = path.parent / f".tmp-{os.getpid()}-{next(self._tmp)}"
             try:
-                self._write(path, key, pieces)
-                break
+                return Pending(key, tmp, path, write_temporary(self.identity, tmp, key, pieces))
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_for_disk():
-                    self.counters.errors += 1
                     raise
-        self.index[key] = size
-        self.counters.bytes += size
-        self.counters.objects += 1
-        return True
-
-    def _write(self, path: Path, key: bytes, pieces: Sequence[memoryview]) -> None:
-        path.parent.mkdir(exist_ok=True, mode=0o700)
-        tmp = path.parent / f".tmp-{os.getpid()}-{next(self._tmp)}"
-        data = [memoryview(self.identity.header(key, checksum(pieces))), *pieces]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            while data:
-                written = os.writev(fd, data)
-                while data and written >= len(data[0]):
-                    written -= len(data[0])
-                    data.pop(0)
-                if data and written:
-                    data[0] = data[0][written:]
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)  # something took the object's name: ours again
-            os.rename(tmp, path)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
+        """Read the leading indexed keys' objects, several at once, each verified before it is handed over
+        (``kvcached.store.fileio.Reader``); the first that fails is a miss and is removed."""
         self.check()
-        for i, key in enumerate(keys):
-            payload = self.get(key)
-            if payload is None:
-                return i
-            sink(i, payload)
-            self.on_progress()
-        return len(keys)
-
-    def get(self, key: bytes) -> memoryview | None:
-        """Read and verify ``key``'s object into the staging buffer; its payload, or None for a miss
-        (absent, unreadable, or failing verification: then it is removed)."""
-        staging = self.staging
-        if key not in self.index:
+        indexed = next((i for i, key in enumerate(keys) if key not in self.index), len(keys))
+        paths = [self._path(key) for key in keys[:indexed]]
+        outcome = self.reader.load(keys[:indexed], paths, sink, self.on_progress)
+        for key, path in zip(keys[: outcome.landed], paths, strict=False):
+            self.index.move_to_end(key)
+            with contextlib.suppress(OSError):
+                os.utime(path)
+        self.counters.hits += outcome.landed
+        if outcome.landed < len(keys):
             self.counters.misses += 1
-            return None
-        path = self._path(key)
-        why = None
-        got = 0
-        try:
-            fd = os.open(path, _READ)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    why = "not a regular file"
-                elif st.st_size != len(staging):
-                    why = f"{st.st_size} bytes, an object has {len(staging)}"
-                else:
-                    got = os.readv(fd, [staging])
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            why = "missing"
-        except OSError as exc:
-            why = f"unreadable: {exc.strerror}"
-        data = staging[:got]
-        why = why or self.identity.verify(key, data)
-        if why is not None:
-            self.log.warning("store object unusable, removed", key=key.hex(), path=str(path), reason=why)
+        if outcome.why is not None:
+            key, path = keys[outcome.failed], paths[outcome.failed]
+            self.log.warning("store object unusable, removed", key=key.hex(), path=str(path), reason=outcome.why)
             _remove(path)
             self._forget(key)
-            self.counters.corrupt += why != "missing"
-            self.counters.misses += 1
-            return None
-        self.index.move_to_end(key)
-        with contextlib.suppress(OSError):
-            os.utime(path)
-        self.counters.hits += 1
-        return data[HEADER_SIZE:]
+            self.counters.corrupt += outcome.why != MISSING
+        return outcome.landed
 
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are indexed and still on disk (one stat each: a file deleted by hand is not
@@ -309,6 +277,7 @@ class FileStore(Store):
         return count
 
     def close(self) -> None:
+        self.reader.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -337,6 +306,7 @@ class FileBackend(StoreBackend):
 
     name = "file"
     summary = "one file per object under a directory (embedded)"
+    direct = True  # its objects are files: an agent killed at a timeout loses nothing but that call
     options = (
         knobs.Knob(
             "storage_path",

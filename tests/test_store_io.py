@@ -1,0 +1,109 @@
+"""The file store's I/O path: loads with several objects in flight land only a verified prefix, and the store
+agent, which reads and writes the device blocks itself, is replaced when it stops in a call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import runner_client as rc
+from kvcached.status import read_status
+from tests.conftest import DaemonFactory
+
+BLOCKS = 16
+FLAGS = ["--num-layers", "3", "--kv-heads", "2", "--head-dim", "64", "--block-size", "64", "--num-blocks", str(BLOCKS)]
+FLAGS += ["--num-cpu-blocks", "0"]
+
+
+def spec() -> rc.CacheSpec:
+    return rc.CacheSpec(num_layers=3, kv_heads=2, head_dim=64, block_size=64, num_blocks=BLOCKS, storage_backend="file")
+
+
+def start(daemons: DaemonFactory, path: Path, *extra: str) -> str:
+    daemon = daemons.start(ranks=1, args=[*FLAGS, "--storage-backend", "file", "--storage-path", str(path), *extra])
+    daemon.wait_ready()
+    return daemon.instance
+
+
+def blocks(cache: rc.KVCache, ids: list[int]) -> list[bytes]:
+    return [b"".join(t[i].tobytes() for t in cache.key_caches + cache.value_caches) for i in ids]
+
+
+def fill(cache: rc.KVCache, ids: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in cache.key_caches + cache.value_caches:
+        raw = t.view(np.uint8)
+        raw[ids] = rng.integers(0, 256, raw[ids].shape, dtype=np.uint8)
+
+
+def object_path(root: Path, key: bytes) -> Path:
+    return root / "r0" / key.hex()[:2] / f"{key.hex()}.kvb"
+
+
+def store_agent(instance: str) -> int:
+    """The pid of rank 0's store agent: its worker's one child."""
+    worker = read_status(instance)["ranks"][0]["pid"]
+    children = Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def test_a_long_load_lands_only_the_verified_prefix(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Eight objects, the fifth damaged in its payload: a load of all eight, read several at a time, loads
+    four; the target blocks of the fifth and of every later one are untouched; only the damaged object is
+    removed, the later ones stay stored."""
+    path = tmp_path / "store"
+    instance = start(daemons, path)
+    keys = rc.block_keys(list(range(8 * 64)), 64)
+    with rc.initialize_kv_cache(spec(), 0, instance=instance) as cache, rc.CacheTasks(instance) as tasks:
+        fill(cache, list(range(8)), seed=1)
+        expected = blocks(cache, list(range(8)))
+        assert tasks.store(0, list(range(8)), keys).blocks == 8
+        victim = object_path(path, keys[4])
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        victim.write_bytes(raw)
+        fill(cache, list(range(8, 16)), seed=2)
+        sentinel = blocks(cache, list(range(8, 16)))
+        assert tasks.load(0, keys, list(range(8, 16))).blocks == 4
+        assert blocks(cache, list(range(8, 12))) == expected[:4]
+        assert blocks(cache, list(range(12, 16))) == sentinel[4:], "nothing at or after the damaged object landed"
+        assert not victim.exists()
+        assert [tasks.lookup([key]) for key in keys] == [1, 1, 1, 1, 0, 1, 1, 1]
+    assert read_status(instance)["ranks"][0]["store"]["corrupt"] == 1
+
+
+def test_a_store_agent_stopped_in_a_load_is_replaced(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The store agent frozen (SIGSTOP) while it serves a load into device blocks: the load fails with
+    StoreUnavailable within the store timeout, the frozen agent is killed (so nothing it had under way can
+    land later) and a new one serves the next loads; the rank's worker is the same throughout."""
+    instance = start(daemons, tmp_path / "store", "--store-timeout", "2")
+    keys = rc.block_keys(list(range(4 * 64)), 64)
+    worker = read_status(instance)["ranks"][0]["pid"]
+    with rc.initialize_kv_cache(spec(), 0, instance=instance) as cache, rc.CacheTasks(instance, timeout=60) as tasks:
+        fill(cache, [0, 1, 2, 3], seed=3)
+        expected = blocks(cache, [0, 1, 2, 3])
+        tasks.store(0, [0, 1, 2, 3], keys)
+        frozen = store_agent(instance)
+        os.kill(frozen, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(rc.StoreUnavailable, match="agent was stopped"):
+            tasks.load(0, keys, [4, 5, 6, 7])
+        assert time.monotonic() - started < 10
+        assert not Path(f"/proc/{frozen}").exists(), "the frozen agent was killed and reaped"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert tasks.load(0, keys, [8, 9, 10, 11]).blocks == 4
+                break
+            except rc.StoreUnavailable:  # the new agent is still opening the store
+                assert time.monotonic() < deadline, "no new store agent within 30 s"
+                time.sleep(0.2)
+        assert blocks(cache, [8, 9, 10, 11]) == expected
+        assert store_agent(instance) != frozen
+    assert read_status(instance)["ranks"][0]["pid"] == worker
