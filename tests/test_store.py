@@ -57,7 +57,9 @@ def attached(instance: str, ranks: int = 2, **changes: Any) -> Iterator[list[rc.
 
 
 @pytest.fixture
-def mooncake(tmp_path: Path) -> Iterator[MooncakeMaster]:
+def mooncake(tmp_path: Path, daemons: DaemonFactory) -> Iterator[MooncakeMaster]:
+    """A real master on loopback, stopped after the test's daemons (their keepers let go of their
+    segments while it still answers)."""
     pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
     master = MooncakeMaster(tmp_path / "mooncake_master.log")
     master.start()

@@ -628,6 +628,7 @@ class TaskServer:
             store_misses=c.misses,
             store_evictions=c.evictions,
             store_corrupt=c.corrupt,
+            store_master_resets=c.master_resets,
         )
 
 
