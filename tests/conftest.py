@@ -308,6 +308,19 @@ class MooncakeMaster:
         ]
 
 
+@pytest.fixture
+def mooncake(tmp_path: Path, daemons: DaemonFactory) -> Iterator[MooncakeMaster]:
+    """A real master on loopback, stopped after the test's daemons (their keepers let go of their
+    segments while it still answers)."""
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    master = MooncakeMaster(tmp_path / "mooncake_master.log")
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()
+
+
 def wait_waiting(instance: str, rank: int, count: int = 1, timeout: float = 30.0) -> None:
     """Block until ``count`` runner processes wait for ``rank`` of ``instance`` (their waiting marks, as
     ``kvcached status`` counts them): the deterministic "the runners are in their wait"."""

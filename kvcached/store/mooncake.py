@@ -333,11 +333,10 @@ class MooncakeBackend(StoreBackend):
         master = options["mooncake_master"]
         keeper = KeeperConfig(
             instance=options["instance"],
-            rank=rank,
             run_dir=str(run_dir()),
             master=master,
             metadata=options["mooncake_metadata"],
-            segment_bytes=options["mooncake_segment"],
+            segment_bytes=ranks * options["mooncake_segment"],
             host=options.get("mooncake_host") or local_address(*host_port(master, 50051)),
         )
         return MooncakeStore(identity=identity, keeper=keeper, replicas=options.get("mooncake_replicas", 1), log=log)

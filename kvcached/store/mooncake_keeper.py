@@ -1,18 +1,20 @@
-"""The Mooncake keeper: one process per rank that owns the rank's segment and outlives the daemon.
+"""The Mooncake keeper: one process per instance that owns the host's segment and outlives the daemon.
 
 Mooncake keeps an object only while the client whose segment holds it stays registered with the master:
 a client that closes unmounts its segment, and one that dies is dropped ``client_ttl`` seconds later
-(10 by default), its objects with it. So the client that owns a rank's segment must not be the daemon's:
-the keeper is started by the rank's store agent the first time it needs one (``mooncake_link.spawn``),
-in its own session, and it stays through ``kvcached restart``, ``stop --keep`` and a kill -9 of the
-daemon; the next daemon's agent connects to it again and finds every object where it was. No byte is
+(10 by default), its objects with it. So the client that owns the host's segment must not be the daemon's:
+the keeper is started by the first store agent that needs it (``mooncake_link.spawn``), in its own
+session, and it stays through ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon; the next
+daemon's agents connect to it again and find every object where it was. No byte is
 written again and no other host sees a gap: the keeper serves the segment to other hosts all along.
 
-The segment is a memfd the keeper reserves up front (``posix_fallocate``: too little memory is a clear
-start-up error) and mounts with ``mount_segment``; agents map it read-only, so an object of this rank's
-segment is read where it lies (after Mooncake has granted a read lease for it, as a get does) instead of
-being copied by Mooncake first. Puts, objects of other segments, existence checks and removals go
-through the keeper's client (requests in ``mooncake_link``).
+One keeper (one segment) per host, not per rank: Mooncake places an object's replicas in distinct
+segments, so with one segment per host a second replica is always on another host. The segment (every
+rank's ``--mooncake-segment``) is a memfd the keeper reserves up front (``posix_fallocate``: too little
+memory is a clear start-up error) and mounts with ``mount_segment``; agents map it read-only, so an
+object of this host's segment is read where it lies (after Mooncake has granted a read lease for it, as
+a get does) instead of being copied by Mooncake first. Puts, objects of other segments, existence checks
+and removals go through the keeper's client (requests in ``mooncake_link``).
 
 The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop``
 without ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for
@@ -28,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import selectors
 import signal
 import socket
 import sys
@@ -55,21 +56,18 @@ class Keeper:
     def __init__(self, config: KeeperConfig, log: logs.Logger) -> None:
         self.config = config
         self.log = log
-        self.segment_fd = os.memfd_create(f"kvcached-mooncake-{config.instance}-r{config.rank}", os.MFD_CLOEXEC)
+        self.segment_fd = os.memfd_create(f"kvcached-mooncake-{config.instance}", os.MFD_CLOEXEC)
         os.posix_fallocate(self.segment_fd, 0, config.segment_bytes)
         self.client: Any = None
         self.hostname = ""
         self.spans: list[tuple[int, int, int]] = []  # (start address, end address, offset in the segment)
         self.marker = mmap.mmap(-1, MARKER_BYTES)
         self.stats: dict[str, Any] = {"master_resets": 0, "master_up": True, "started": time.time()}
-        self.selector = selectors.DefaultSelector()
         self.listener: socket.socket | None = None
-        self.buffers: dict[socket.socket, tuple[mmap.mmap, int]] = {}
-        self.receivers: dict[socket.socket, Receiver] = {}
-        self.quitting = False
-        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.quitting = threading.Event()
         self.gone_since: float | None = None
         self.socket_inode = 0
+        self.marked = False  # the master knows the marker object
 
     # -- start --------------------------------------------------------------------------------------
 
@@ -103,92 +101,91 @@ class Keeper:
             listener.bind(str(path))
         finally:
             os.umask(old)
-        listener.listen(16)
-        listener.setblocking(False)
+        listener.listen(64)
+        listener.settimeout(TICK_S)
         self.listener = listener
         self.socket_inode = path.stat().st_ino
-        self.selector.register(listener, selectors.EVENT_READ, "listen")
 
     # -- the loop -----------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Answer agents until told to quit; a watcher thread does the checks (its Mooncake calls may block
-        for seconds while the master is away: the loop keeps answering, a quit included)."""
-        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        """Accept store agents until told to quit: each connection is served by a thread of its own (the
+        Mooncake calls release the interpreter lock, so every rank's calls run at once); a watcher thread
+        does the checks."""
+        assert self.listener is not None
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
-        while not self.quitting:
-            for key, _ in self.selector.select():
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    os.read(self.wake_r, 512)
-                else:
-                    self._serve_one(key.fileobj)  # type: ignore[arg-type]
+        while not self.quitting.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.quitting.is_set():
+                    break
+                raise
+            if peer(sock)[1] != os.geteuid():
+                sock.close()
+                continue
+            sock.settimeout(None)
+            threading.Thread(target=self._session, args=(sock,), name="agent", daemon=True).start()
 
     def stop(self) -> None:
         """Make ``serve`` return (any thread, a signal handler too)."""
-        self.quitting = True
-        with contextlib.suppress(OSError):
-            os.write(self.wake_w, b"q")
+        self.quitting.set()
 
     def _watch(self) -> None:
-        while not self.quitting:
-            time.sleep(TICK_S)
+        while not self.quitting.wait(TICK_S):
             try:
                 self._tick()
             except Exception as exc:  # a check that failed is tried again a second later
                 self.log.warning("keeper check failed", reason=str(exc))
 
-    def _accept(self) -> None:
-        assert self.listener is not None
-        with contextlib.suppress(BlockingIOError):
-            sock, _ = self.listener.accept()
-            if peer(sock)[1] != os.geteuid():
-                sock.close()
-                return
-            sock.setblocking(True)
-            sock.settimeout(30.0)
-            self.receivers[sock] = Receiver(sock)
-            self.selector.register(sock, selectors.EVENT_READ, "agent")
-
-    def _serve_one(self, sock: socket.socket) -> None:
-        receiver = self.receivers[sock]
+    def _session(self, sock: socket.socket) -> None:
+        """One store agent's requests, in order, until it disconnects."""
+        receiver = Receiver(sock)
+        buffer: mmap.mmap | None = None
         try:
-            receiver.fill()
-            while (request := receiver.frame()) is not None:
-                self._answer(sock, request, receiver.take_fds())
+            while True:
+                request = receiver.receive()
+                fds = receiver.take_fds()
+                op = str(request.get("op"))
+                fd_out: tuple[int, ...] = ()
+                try:
+                    if op == "hello":
+                        buffer = self._adopt_buffer(fds, buffer)
+                        result: Any = self._hello()
+                        fd_out = (self.segment_fd,)
+                    elif op == "quit":
+                        self.stop()
+                        result = None
+                    else:
+                        result = self._dispatch(buffer, op, request)
+                    reply = {"ok": True, "result": result, "stats": self.stats}
+                except Exception as exc:  # the agent gets the reason; the keeper serves on
+                    reply = {"ok": False, "error": f"{op}: {exc}", "stats": self.stats}
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                send(sock, reply, fd_out)
         except (OSError, ConnectionError, ValueError):
-            self._drop(sock)
-
-    def _answer(self, sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
-        op = request.get("op")
-        fd_out: tuple[int, ...] = ()
-        try:
-            if op == "hello":
-                result: Any = self._hello(sock, request, fds)
-                fd_out = (self.segment_fd,)
-            elif op == "quit":
-                self.stop()
-                result = None
-            else:
-                result = self._dispatch(sock, str(op), request)
-            reply = {"ok": True, "result": result, "stats": self.stats}
-        except Exception as exc:  # the agent gets the reason; the keeper serves on
-            reply = {"ok": False, "error": f"{op}: {exc}", "stats": self.stats}
+            pass  # the agent went away
         finally:
-            for fd in fds:
-                os.close(fd)
-        send(sock, reply, fd_out)
+            sock.close()
+            self._forget_buffer(buffer)
 
-    def _hello(self, sock: socket.socket, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        if fds:
-            self._forget_buffer(sock)
-            size = os.fstat(fds[0]).st_size
-            buffer = mmap.mmap(fds[0], size)
-            if self.client.register_buffer(_address(buffer), size) != 0:
-                buffer.close()
-                raise RuntimeError(f"cannot register a buffer of {size} bytes")
-            self.buffers[sock] = (buffer, size)
+    def _adopt_buffer(self, fds: list[int], old: mmap.mmap | None) -> mmap.mmap:
+        """Map and register the agent's batch buffer (the first descriptor of its hello)."""
+        if not fds:
+            raise ValueError("hello without the batch buffer")
+        self._forget_buffer(old)
+        size = os.fstat(fds[0]).st_size
+        buffer = mmap.mmap(fds[0], size)
+        if self.client.register_buffer(_address(buffer), size) != 0:
+            buffer.close()
+            raise RuntimeError(f"cannot register a buffer of {size} bytes")
+        return buffer
+
+    def _hello(self) -> dict[str, Any]:
         return {
             "version": PROTOCOL,
             "config": self.config.identity(),
@@ -196,7 +193,7 @@ class Keeper:
             "pid": os.getpid(),
         }
 
-    def _dispatch(self, sock: socket.socket, op: str, request: dict[str, Any]) -> Any:
+    def _dispatch(self, buffer: mmap.mmap | None, op: str, request: dict[str, Any]) -> Any:
         names: list[str] = request["names"]
         if op == "ping":
             return None
@@ -206,7 +203,9 @@ class Keeper:
             return self._locate(names)
         if op == "remove":
             return [self.client.remove(name) for name in names]
-        base = _address(self.buffers[sock][0])
+        if buffer is None:
+            raise ValueError(f"{op} before hello")
+        base = _address(buffer)
         ptrs = [base + offset for offset in request["offsets"]]
         if op == "put":
             return self.client.batch_put_from(names, ptrs, request["sizes"], self._placement(request["replicas"]))
@@ -252,20 +251,12 @@ class Keeper:
                 return offset + address - start
         return None
 
-    def _drop(self, sock: socket.socket) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(sock)
-        self._forget_buffer(sock)
-        self.receivers.pop(sock, None)
-        sock.close()
-
-    def _forget_buffer(self, sock: socket.socket) -> None:
-        held = self.buffers.pop(sock, None)
-        if held is not None:
+    def _forget_buffer(self, buffer: mmap.mmap | None) -> None:
+        if buffer is not None:
             with contextlib.suppress(Exception):
-                self.client.unregister_buffer(_address(held[0]))
+                self.client.unregister_buffer(_address(buffer))
             with contextlib.suppress(BufferError):
-                held[0].close()
+                buffer.close()
 
     # -- housekeeping -------------------------------------------------------------------------------
 
@@ -273,13 +264,14 @@ class Keeper:
         """Whether the master still knows this segment's objects, and whether the instance still exists."""
         (flag,) = self.client.batch_is_exist([self._marker_name()])
         self.stats["master_up"] = flag >= 0
-        if flag == 0:
+        if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
             self.stats["master_resets"] += 1
             self.log.warning(
                 "the Mooncake master has forgotten this segment's objects (restarted without snapshot restore?); "
                 "they are misses from now on",
                 master=self.config.master,
             )
+        if flag == 0:
             self._put_marker()
         if (SHM_DIR / control_name(self.config.instance).lstrip("/")).exists():
             self.gone_since = None
@@ -303,10 +295,13 @@ class Keeper:
         return f"kvcached/keeper/{self.hostname}"
 
     def _put_marker(self) -> None:
+        """Put the marker (pinned: never evicted, so its absence means the master forgot); ``marked`` says
+        whether the master has it."""
         placement = self._placement(1)
         with contextlib.suppress(AttributeError):
-            placement.with_hard_pin = True  # never evicted: its absence must mean the master forgot
-        self.client.batch_put_from([self._marker_name()], [_address(self.marker)], [MARKER_BYTES], placement)
+            placement.with_hard_pin = True
+        codes = self.client.batch_put_from([self._marker_name()], [_address(self.marker)], [MARKER_BYTES], placement)
+        self.marked = codes == [0]
 
     def close(self) -> None:
         """Let go of the segment: unmount it (its objects leave the store at once) when the master answers;
@@ -357,7 +352,7 @@ def main(argv: list[str]) -> int:
     os.close(read_end)
     os.dup2(2, 1)  # the launcher's pipe is for the result alone; everything else goes to the log
     logs.configure("info", json=True)
-    log = logs.get("kvcached.keeper").bind(instance=config.instance, rank=config.rank)
+    log = logs.get("kvcached.keeper").bind(instance=config.instance)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         keeper = Keeper(config, log)

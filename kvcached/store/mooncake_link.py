@@ -1,13 +1,13 @@
-"""A rank's link to its Mooncake keeper: find it (or start it), talk to it, and stop it for good.
+"""A store agent's link to its host's Mooncake keeper: find it (or start it), talk to it, stop it for good.
 
-The keeper (``kvcached.store.mooncake_keeper``) is the process that owns a rank's Mooncake segment and
-its registration with the master; it outlives the daemon, so the rank's objects stay readable by every
-host across ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon. Its files, per rank, in
-the run directory::
+The keeper (``kvcached.store.mooncake_keeper``) is the process that owns the instance's Mooncake segment
+and its registration with the master; it outlives the daemon, so the host's objects stay readable by
+every host across ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon. One per instance
+(each rank's store agent connects to it); its files, in the run directory::
 
-    <run_dir>/<instance>.mooncake.r<rank>.sock   the keeper's socket (Unix stream, mode 0600)
-    <run_dir>/<instance>.mooncake.r<rank>.lock   flock held while a store agent finds or starts it
-    <run_dir>/<instance>.mooncake.r<rank>.log    its log (and Mooncake's, warnings and up)
+    <run_dir>/<instance>.mooncake.sock   the keeper's socket (Unix stream, mode 0600)
+    <run_dir>/<instance>.mooncake.lock   flock held while a store agent finds or starts it
+    <run_dir>/<instance>.mooncake.log    its log (and Mooncake's)
 
 Wire format: a frame is a u32 length and a JSON object. A request is ``{"op": ..., ...}``, a reply
 ``{"ok": true, "result": ..., "stats": {...}}`` or ``{"ok": false, "error": text}``; replies come in
@@ -45,26 +45,26 @@ MAX_FRAME = 64 << 20
 #: How long a keeper may take to start (connect to the master, map and register its segment).
 START_TIMEOUT_S = 60.0
 #: How long a keeper may take to let go of its segment when told to quit, before it is killed.
-QUIT_TIMEOUT_S = 10.0
+QUIT_TIMEOUT_S = 5.0
 #: A reply taking longer than this means the keeper is stuck (the worker's own deadline is shorter).
 REPLY_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KeeperConfig:
-    """What a rank's keeper is started with; a keeper started with other values is replaced."""
+    """What an instance's keeper is started with; a keeper started with other values is replaced."""
 
     instance: str
-    rank: int
     run_dir: str
     master: str
     metadata: str
     segment_bytes: int
+    #: The segment: every rank's share of the host's memory in the store.
     #: This host's address as other hosts reach it (the keeper picks the transfer port itself).
     host: str
 
     def path(self, suffix: str) -> Path:
-        return Path(self.run_dir) / f"{check_instance(self.instance)}.mooncake.r{self.rank}.{suffix}"
+        return Path(self.run_dir) / f"{check_instance(self.instance)}.mooncake.{suffix}"
 
     def identity(self) -> dict[str, Any]:
         """The fields a running keeper must share with this configuration to be reused."""
@@ -243,7 +243,7 @@ def _hello(sock: socket.socket, config: KeeperConfig, buffer_fd: int) -> tuple[d
 
 
 def open_link(config: KeeperConfig, buffer_fd: int, log: Any) -> KeeperLink:
-    """Connect to the rank's keeper, starting one if none runs or the one running was started with
+    """Connect to the instance's keeper, starting one if none runs or the one running was started with
     another configuration or protocol (that one is told to quit first: its objects go with it)."""
     Path(config.run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
     with _locked(config.path("lock")):
@@ -274,7 +274,7 @@ def open_link(config: KeeperConfig, buffer_fd: int, log: Any) -> KeeperLink:
 
 
 def spawn(config: KeeperConfig) -> None:
-    """Start the rank's keeper, detached (its own session; not this process's child once started), and
+    """Start the instance's keeper, detached (its own session; not this process's child once started), and
     return once it listens. Raises ``StoreUnavailable`` with what it reported if it could not start."""
     config.path("sock").unlink(missing_ok=True)
     env = dict(os.environ)
@@ -291,8 +291,8 @@ def spawn(config: KeeperConfig) -> None:
         )
     try:
         out, _ = launcher.communicate(timeout=START_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        launcher.kill()
+    except subprocess.TimeoutExpired:  # the launcher leads the keeper's process group: both go
+        os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
         raise StoreUnavailable(f"the Mooncake keeper did not start within {START_TIMEOUT_S:.0f}s") from None
     if launcher.returncode != 0:
@@ -332,11 +332,10 @@ def _gone(pid: int) -> bool:
 
 
 def release(run_dir: Path, instance: str) -> int:
-    """The instance stops for good: tell every keeper of ``instance`` to let go of its segment (its
-    objects leave the store), all at once, and wait for them (``QUIT_TIMEOUT_S`` at most, then they are
-    killed); how many there were."""
+    """The instance stops for good: tell its keeper to let go of its segment (its objects leave the
+    store) and wait for it (``QUIT_TIMEOUT_S`` at most, then it is killed); how many there were (0, 1)."""
     pids = []
-    for path in sorted(run_dir.glob(f"{check_instance(instance)}.mooncake.r*.sock")):
+    for path in [run_dir / f"{check_instance(instance)}.mooncake.sock"]:
         with contextlib.suppress(StoreUnavailable, OSError):
             sock = _connect(path, QUIT_TIMEOUT_S)
             if sock is not None:
