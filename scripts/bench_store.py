@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_mooncake_hosts  # noqa: E402
 import benchlib  # noqa: E402
 
 import runner_client as rc  # noqa: E402
@@ -313,6 +314,7 @@ def main() -> int:
     os.environ["KVCACHED_RUN_DIR"] = run_dir
     drop = drop_caches()
     results: dict[str, list[tuple[tuple[float, float], tuple[float, float]]]] = {}
+    hosts: dict[str, Any] | None = None
     try:
         for backend in args.backends.split(","):
             for _ in range(args.repeats):
@@ -326,6 +328,18 @@ def main() -> int:
                 results.setdefault(backend, []).append((ours, plain))
                 if batched is not None:
                     results.setdefault("mooncake-batch", []).append((ours, batched))
+            if backend == "mooncake":
+                hosts = bench_mooncake_hosts.cross_host(
+                    work,
+                    env,
+                    args,
+                    blocks,
+                    block_bytes,
+                    block_bytes // (NUM_LAYERS * 2 * KV_HEADS * HEAD_DIM * 2),
+                    master=mooncake_master,
+                    daemon=start_daemon,
+                    segment=segment_bytes(blocks, block_bytes + 128),
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -358,6 +372,8 @@ def main() -> int:
         label = "mooncake" if backend.startswith("mooncake") else backend
         print(f"{label:<9} {names[backend]:<19} {cols[0]} | {cols[1]} | {target or '-'}")
     print(f"targets (median ratio): {'met' if met else 'NOT met'}")
+    if hosts is not None:
+        print("\n".join(bench_mooncake_hosts.report(hosts, total)))
     if args.json is not None:
         figures: dict[str, Any] = {"ranks": args.ranks, "gib": args.gib, "block_kib": args.block_kib, "backends": {}}
         for backend, passes in results.items():
@@ -367,6 +383,7 @@ def main() -> int:
                 for o, p in passes
             ]  # fmt: skip
         figures["targets_met"] = met
+        figures["mooncake_hosts"] = hosts
         args.json.write_text(json.dumps(figures))
     return 0
 

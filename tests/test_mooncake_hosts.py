@@ -52,7 +52,7 @@ def start_host(
     daemons: DaemonFactory, master: MooncakeMaster, *, replicas: int = 1, instance: str | None = None
 ) -> Host:
     instance = instance or unique_instance()
-    env = daemons.env(KVCACHED_RUN_DIR=str(daemons.tmp_path / f"run-{instance}"))
+    env = daemons.env(KVCACHED_RUN_DIR=str(daemons.tmp_path / f"h{len(daemons.daemons)}"))  # short: socket paths
     args = [
         *FLAGS,
         "--storage-backend",

@@ -47,7 +47,7 @@ from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreB
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
 
 RETRY_S = 1.0
-#: A batch call moves at most this many objects, and at most this many bytes of the batch buffer.
+#: A batch call moves at most this many objects, and at most half this many bytes (the batch buffer).
 BATCH_OBJECTS = 32
 BATCH_BYTES = 64 << 20
 NOT_FOUND = -704
@@ -91,13 +91,13 @@ class MooncakeStore(Store):
         self.endpoints = [host_port(keeper.master, 50051), host_port(keeper.metadata, 8080)]
         self.object_bytes = HEADER_SIZE + identity.payload
         self.slot = round_up(self.object_bytes)
-        self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // self.slot))
+        self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while verifying
         self.log = log
         self.counters = StoreCounters()
         self.prefix = f"kvcached/{identity.digest.hex()}/"
         self.buffer_fd = os.memfd_create(f"kvcached-mooncake-batch-r{identity.rank}", os.MFD_CLOEXEC)
-        os.ftruncate(self.buffer_fd, self.slot * self.count)
-        self.batch = np.frombuffer(mmap.mmap(self.buffer_fd, self.slot * self.count), dtype=np.uint8)
+        os.ftruncate(self.buffer_fd, 2 * self.slot * self.count)
+        self.batch = np.frombuffer(mmap.mmap(self.buffer_fd, 2 * self.slot * self.count), dtype=np.uint8)
         self.link: KeeperLink | None = None
         self.segment: memoryview | None = None
         self.retry_at = 0.0
@@ -187,35 +187,62 @@ class MooncakeStore(Store):
         return offset - base
 
     def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
-        """A batch at a time: locate every object (one call, which takes Mooncake's read lease), fetch the
-        ones in other hosts' segments with one batch_get_into, read the ones in this rank's segment where
-        they lie; verify each in order and stop at the first miss."""
-        for start in range(0, len(keys), self.count):
-            chunk = keys[start : start + self.count]
-            names = [self._name(key) for key in chunk]
-            where = self._call("locate", names=names)
-            present = next((j for j, place in enumerate(where) if place[0] == "missing"), len(chunk))
-            remote = [j for j in range(present) if where[j][0] == "remote"]
-            fetched: dict[int, int] = {}
-            if remote:
-                codes = self._call(
-                    "get",
-                    names=[names[j] for j in remote],
-                    offsets=[j * self.slot for j in remote],
-                    sizes=[self.object_bytes] * len(remote),
-                )
-                if RPC_FAILED in codes:
-                    raise self._failed("batch get", RPC_FAILED)
-                fetched = dict(zip(remote, codes, strict=True))
-            for j, key in enumerate(chunk):
-                payload = self._payload(key, where[j], fetched.get(j, NOT_FOUND), j) if j < present else None
+        """Locate every object (one call, which also takes Mooncake's read lease), read the ones in this
+        host's segment where they lie, fetch the others a batch at a time with batch_get_into (the next
+        batch fetched while this one is verified); verify each in order and stop at the first miss."""
+        if not keys:
+            return 0
+        names = [self._name(key) for key in keys]
+        where = self._call("locate", names=names)
+        present = next((j for j, place in enumerate(where) if place[0] == "missing"), len(keys))
+        windows = [range(s, min(s + self.count, present)) for s in range(0, present, self.count)]
+        pending = self._fetch(names, where, windows, 0)
+        for w, window in enumerate(windows):
+            fetched = self._fetched(pending)
+            pending = self._fetch(names, where, windows, w + 1)
+            for i in window:
+                slot = (w % 2) * self.count + i - window.start
+                payload = self._payload(keys[i], where[i], fetched.get(i, NOT_FOUND), slot)
                 if payload is None:
-                    if j >= present:
-                        self.counters.misses += 1
-                    return start + j
-                sink(start + j, payload)
+                    self._fetched(pending)  # keep the replies in step
+                    return i
+                sink(i, payload)
             self.on_progress()
-        return len(keys)
+        if present < len(keys):
+            self.counters.misses += 1
+        return present
+
+    def _fetch(self, names: list[str], where: list[Any], windows: list[range], w: int) -> list[int] | None:
+        """Send the get of window ``w``'s objects that are in other hosts' segments (into half ``w % 2``
+        of the batch buffer); the indexes sent, or None."""
+        if w >= len(windows):
+            return None
+        window = windows[w]
+        remote = [i for i in window if where[i][0] == "remote"]
+        if not remote:
+            return None
+        base = (w % 2) * self.count - window.start
+        link = self._ensure()
+        link.submit(
+            "get",
+            names=[names[i] for i in remote],
+            offsets=[(base + i) * self.slot for i in remote],
+            sizes=[self.object_bytes] * len(remote),
+        )
+        return remote
+
+    def _fetched(self, pending: list[int] | None) -> dict[int, int]:
+        """The outcome of a get ``_fetch`` sent: object index -> bytes read or error code."""
+        if pending is None:
+            return {}
+        assert self.link is not None
+        try:
+            codes = self.link.collect()
+        finally:
+            self._absorb(self.link.stats)
+        if RPC_FAILED in codes:
+            raise self._failed("batch get", RPC_FAILED)
+        return dict(zip(pending, codes, strict=True))
 
     def _payload(self, key: bytes, place: list[Any], code: int, slot: int) -> memoryview | None:
         """The verified payload of one located object (read in the segment, or fetched into ``slot``)."""
