@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -379,3 +380,33 @@ def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, moonc
     _, loaded, got = load_prefix(b, keys)
     assert loaded == 4 and got == [e[: len(g)] for e, g in zip(expected, got, strict=True)]
     assert read_status(b.instance)["ranks"][0]["store"]["corrupt"] == 1
+
+
+# -- the keeper as the operator sees it -----------------------------------------------------------------------
+
+
+def keeper_check(daemons: DaemonFactory, host: Host, *extra: str) -> dict[str, Any]:
+    args = ["--json", "--instance", host.instance, "--ranks", "2", *host.args, *extra]
+    result = daemons.cli("doctor", *args, env=host.env)
+    checks: dict[str, Any] = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    return checks
+
+
+def test_doctor_shows_the_keeper_and_clean_lets_a_dead_hosts_keeper_go(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """`kvcached doctor` names the keeper and what it holds (and warns when a start with these options
+    would replace it); once `doctor --clean` has reclaimed what a killed daemon left, its keeper lets go of
+    the segment by itself (the instance is gone for good)."""
+    a = start_host(daemons, mooncake)
+    keeper = keeper_pid(a)
+    check = keeper_check(daemons, a)["mooncake_keeper"]
+    assert check["verdict"] == "ok" and check["measured"]["pid"] == keeper, check
+    assert check["measured"]["segment_bytes"] == 2 * (8 << 20) and "the next start keeps it" in check["figure"]
+    assert keeper_check(daemons, a, "--mooncake-segment", "9MiB")["mooncake_keeper"]["verdict"] == "warn"
+    a.daemon.kill9()
+    assert alive(keeper), "a killed daemon's keeper keeps its objects for the next start"
+    cleaned = daemons.cli("doctor", "--clean", "--instance", a.instance, "--ranks", "2", *a.args, env=a.env)
+    assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+    until(lambda: not alive(keeper), timeout=15, what="the keeper of a cleaned instance quitting")
+    assert keeper_check(daemons, a)["mooncake_keeper"]["measured"]["running"] is False

@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 
 from kvcached import knobs
-from kvcached.health import FAIL, OK, Check
+from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec, StoreUnavailable
 from kvcached.protocol.layout import round_up
 from kvcached.protocol.names import run_dir
 from kvcached.protocol.spec import CacheSpec
-from kvcached.store import register
+from kvcached.store import mooncake_link, register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
 
@@ -385,7 +385,24 @@ class MooncakeBackend(StoreBackend):
         if not all(up.values()):
             advice = "start mooncake_master (--enable_http_metadata_server)"
             return [Check("mooncake_master", FAIL, figure, measured, advice)]
-        return [Check("mooncake_master", OK, figure, measured)]
+        return [Check("mooncake_master", OK, figure, measured), self._keeper_check(options, ranks)]
+
+    def _keeper_check(self, options: Mapping[str, Any], ranks: int) -> Check:
+        """Whether the instance's keeper runs, what it holds, and whether the next start keeps it."""
+        found = mooncake_link.info(run_dir(), options["instance"])
+        if found is None:
+            return Check("mooncake_keeper", OK, "none running (the first store agent starts one)", {"running": False})
+        wanted = ranks * options["mooncake_segment"]
+        measured = {"running": True, **{k: found.get(k) for k in ("pid", "hostname", "segment_bytes", "config")}}
+        measured["master_resets"] = found.get("stats", {}).get("master_resets", 0)
+        figure = (
+            f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
+            f"{found.get('hostname')}; the master forgot it {measured['master_resets']} times"
+        )
+        if found.get("segment_bytes") != wanted or found.get("config", {}).get("master") != options["mooncake_master"]:
+            advice = "the next start replaces it (its objects leave the store): start with the options it has"
+            return Check("mooncake_keeper", WARN, f"{figure}; this configuration differs", measured, advice)
+        return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
 
 
 register(MooncakeBackend())

@@ -155,6 +155,8 @@ class Keeper:
                         buffer = self._adopt_buffer(fds, buffer)
                         result: Any = self._hello()
                         fd_out = (self.segment_fd,)
+                    elif op == "info":
+                        result = {**self._hello(), "stats": self.stats}
                     elif op == "quit":
                         self.stop()
                         result = None
@@ -191,6 +193,7 @@ class Keeper:
             "config": self.config.identity(),
             "hostname": self.hostname,
             "pid": os.getpid(),
+            "segment_bytes": self.config.segment_bytes,
         }
 
     def _dispatch(self, buffer: mmap.mmap | None, op: str, request: dict[str, Any]) -> Any:

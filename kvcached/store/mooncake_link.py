@@ -331,6 +331,22 @@ def _gone(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
 
 
+def info(run_dir: Path, instance: str) -> dict[str, Any] | None:
+    """What the instance's keeper says of itself (``hello``'s fields and its stats), or None if none
+    answers."""
+    path = run_dir / f"{check_instance(instance)}.mooncake.sock"
+    try:
+        sock = _connect(path, 5.0)
+        if sock is None:
+            return None
+        with sock:
+            send(sock, {"op": "info", "names": []})
+            reply = Receiver(sock).receive()
+    except (OSError, ConnectionError, ValueError):
+        return None
+    return dict(reply["result"]) if reply.get("ok") else None
+
+
 def release(run_dir: Path, instance: str) -> int:
     """The instance stops for good: tell its keeper to let go of its segment (its objects leave the
     store) and wait for it (``QUIT_TIMEOUT_S`` at most, then it is killed); how many there were (0, 1)."""
@@ -348,4 +364,5 @@ def release(run_dir: Path, instance: str) -> int:
             Receiver(sock).receive()
         sock.close()
     _wait_gone([pid for pid, _ in pids], QUIT_TIMEOUT_S)
+    (run_dir / f"{instance}.mooncake.lock").unlink(missing_ok=True)
     return len(pids)
