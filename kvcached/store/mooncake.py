@@ -255,11 +255,10 @@ class MooncakeStore(Store):
 
     def _verified(self, key: bytes, code: int, data: memoryview) -> memoryview | None:
         """The payload of a fetched object, or None (counted as a miss; an invalid object is removed)."""
-        if code < 0:
+        if code < 0:  # gone, or in a segment that no longer answers (its host died): a miss, not corrupt
             self.counters.misses += 1
             if code != NOT_FOUND:
-                self.log.warning("store object unusable", key=key.hex(), code=code)
-                self.counters.corrupt += 1
+                self.log.info("store object unreachable", key=key.hex(), code=code)
             return None
         why = self.identity.verify(key, data)
         if why is not None:
