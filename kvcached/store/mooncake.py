@@ -126,7 +126,9 @@ class MooncakeStore(Store):
         except StoreUnavailable as exc:
             self.last_error = str(exc)
             raise
-        self.segment = memoryview(mmap.mmap(link.segment_fd, self.keeper.segment_bytes, prot=mmap.PROT_READ))
+        # Page tables filled now, not one fault per page at the first loads (MAP_POPULATE).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
+        self.segment = memoryview(mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ))
         self.link = link
         self._absorb(link.stats)
         return link
