@@ -201,24 +201,27 @@ def cross_host(
             for host in (a, b):
                 host.proc.terminate()
                 host.proc.wait(60)
-    return {"store_s": store_s, "passes": passes, "restarts": restarted}
+    return {"bytes": args.ranks * blocks * block_bytes, "store_s": store_s, "passes": passes, "restarts": restarted}
 
 
-def report(figures: dict[str, Any], total: int) -> list[str]:
-    """The printout of ``cross_host``'s figures (``total``: bytes moved per load, all ranks)."""
-    passes = figures["passes"]
+def gbps(figures: dict[str, Any], key: str) -> float:
+    """Median GB/s over the passes of ``cross_host``'s figures, from the seconds under ``key``."""
+    return statistics.median(figures["bytes"] / p[key] / 1e9 for p in figures["passes"])
 
-    def gbps(key: str) -> float:
-        return statistics.median(total / p[key] / 1e9 for p in passes)
+
+def report(figures: dict[str, Any]) -> list[str]:
+    """The printout of ``cross_host``'s figures."""
+    passes, total = figures["passes"], figures["bytes"]
 
     ratios = sorted(p["batched_get_s"] / p["load_s"] for p in passes)
     single = sorted(p["single_get_s"] / p["load_s"] for p in passes)
     lines = [
         "cross-host: host A stores, host B loads (its keeper fetches from A's segment), GB/s aggregate;",
         "  beside plain clients fetching the same objects, one process per rank; ratio = kvcached / plain",
-        f"  B loads A's blocks {gbps('load_s'):.2f} | plain batch_get_into {gbps('batched_get_s'):.2f}: "
+        f"  B loads A's blocks {gbps(figures, 'load_s'):.2f} | plain batch_get_into "
+        f"{gbps(figures, 'batched_get_s'):.2f}: "
         f"ratio {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}] | plain get_into "
-        f"{gbps('single_get_s'):.2f}: ratio {statistics.median(single):.2f}",
+        f"{gbps(figures, 'single_get_s'):.2f}: ratio {statistics.median(single):.2f}",
         f"  (A stored them at {total / figures['store_s'] / 1e9:.2f} GB/s)",
         "host A restarted while host B looks its prefix up every 5 ms:",
     ]

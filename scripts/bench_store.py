@@ -373,7 +373,7 @@ def main() -> int:
         print(f"{label:<9} {names[backend]:<19} {cols[0]} | {cols[1]} | {target or '-'}")
     print(f"targets (median ratio): {'met' if met else 'NOT met'}")
     if hosts is not None:
-        print("\n".join(bench_mooncake_hosts.report(hosts, total)))
+        print("\n".join(bench_mooncake_hosts.report(hosts)))
     if args.json is not None:
         figures: dict[str, Any] = {"ranks": args.ranks, "gib": args.gib, "block_kib": args.block_kib, "backends": {}}
         for backend, passes in results.items():
