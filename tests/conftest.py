@@ -295,7 +295,8 @@ class MooncakeMaster:
             self.proc.wait(10)
         self.proc = None
 
-    def args(self) -> list[str]:
+    def args(self, segment: str = "64MiB") -> list[str]:
+        """The daemon's store flags for this master, each rank contributing ``segment``."""
         return [
             "--storage-backend",
             "mooncake",
@@ -304,7 +305,7 @@ class MooncakeMaster:
             "--mooncake-metadata",
             self.metadata,
             "--mooncake-segment",
-            "64MiB",
+            segment,
         ]
 
 

@@ -54,19 +54,7 @@ def start_host(
 ) -> Host:
     instance = instance or unique_instance()
     env = daemons.env(KVCACHED_RUN_DIR=str(daemons.tmp_path / f"h{len(daemons.daemons)}"))  # short: socket paths
-    args = [
-        *FLAGS,
-        "--storage-backend",
-        "mooncake",
-        "--mooncake-master",
-        master.address,
-        "--mooncake-metadata",
-        master.metadata,
-        "--mooncake-segment",
-        "8MiB",
-        "--mooncake-replicas",
-        str(replicas),
-    ]
+    args = [*FLAGS, *master.args(segment="8MiB"), "--mooncake-replicas", str(replicas)]
     host = Host(instance, env, args, daemons.start(instance, ranks=2, args=args, env=env, small=False))
     host.daemon.wait_ready()
     return host
@@ -410,3 +398,33 @@ def test_doctor_shows_the_keeper_and_clean_lets_a_dead_hosts_keeper_go(
     assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
     until(lambda: not alive(keeper), timeout=15, what="the keeper of a cleaned instance quitting")
     assert keeper_check(daemons, a)["mooncake_keeper"]["measured"]["running"] is False
+
+
+def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """The keeper killed -9 while its daemon runs (its host's objects go with it): store tasks fail with
+    StoreUnavailable until a new keeper has started, then work; the old prefix is a miss, never an error;
+    nothing holds the dead keeper's segment memory."""
+    a = start_host(daemons, mooncake)
+    keys, _ = store_prefix(a, 4, salt=40)
+    old = keeper_pid(a)
+    os.kill(old, signal.SIGKILL)
+    until(lambda: not alive(old), timeout=10, what="the keeper's death")
+
+    def stores() -> bool:
+        try:
+            store_prefix(a, 4, salt=41)
+            return True
+        except rc.StoreUnavailable:
+            return False
+
+    until(stores, timeout=60, what="store tasks with a new keeper")
+    assert keeper_pid(a) != old
+    found, loaded, _ = load_prefix(a, keys)  # the master lists the dead segment's objects for client_ttl
+    assert loaded == 0 and found in (0, len(keys))
+    again, expected = store_prefix(a, 4, salt=42)
+    assert_loads(a, again, expected)
+    for worker in (r["pid"] for r in read_status(a.instance)["ranks"]):
+        agents = Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
+        for agent in agents:
+            maps = Path(f"/proc/{agent}/maps").read_text()
+            assert maps.count(f"kvcached-mooncake-{a.instance} ") == 1, "an agent maps the dead keeper's segment"

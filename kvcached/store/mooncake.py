@@ -99,7 +99,8 @@ class MooncakeStore(Store):
         os.ftruncate(self.buffer_fd, 2 * self.slot * self.count)
         self.batch = np.frombuffer(mmap.mmap(self.buffer_fd, 2 * self.slot * self.count), dtype=np.uint8)
         self.link: KeeperLink | None = None
-        self.segment: memoryview | None = None
+        self.segment: memoryview | None = None  # the keeper's segment, mapped read-only
+        self.segment_map: mmap.mmap
         self.retry_at = 0.0
         self.last_error = "not connected yet"
         try:
@@ -110,6 +111,7 @@ class MooncakeStore(Store):
     def _ensure(self) -> KeeperLink:
         if self.link is not None and not self.link.dead:
             return self.link
+        self._unmap()  # a keeper that went: its segment's memory must not stay alive through our mapping
         now = time.monotonic()
         if now < self.retry_at:
             raise StoreUnavailable(self.last_error)
@@ -128,7 +130,8 @@ class MooncakeStore(Store):
             raise
         # Page tables filled now, not one fault per page at the first loads (MAP_POPULATE).
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
-        self.segment = memoryview(mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ))
+        self.segment_map = mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ)
+        self.segment = memoryview(self.segment_map)
         self.link = link
         self._absorb(link.stats)
         return link
@@ -290,11 +293,18 @@ class MooncakeStore(Store):
         if self.link is not None and not self.link.dead:
             self._call("ping", names=[])
 
+    def _unmap(self) -> None:
+        if self.segment is not None:
+            self.segment.release()
+            self.segment_map.close()
+            self.segment = None
+
     def close(self) -> None:
         """Disconnect from the keeper; it keeps the segment (and every object) for the next daemon."""
         if self.link is not None:
             self.link.close()
             self.link = None
+        self._unmap()
 
 
 class MooncakeBackend(StoreBackend):

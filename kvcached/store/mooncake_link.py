@@ -58,8 +58,8 @@ class KeeperConfig:
     run_dir: str
     master: str
     metadata: str
-    segment_bytes: int
     #: The segment: every rank's share of the host's memory in the store.
+    segment_bytes: int
     #: This host's address as other hosts reach it (the keeper picks the transfer port itself).
     host: str
 
