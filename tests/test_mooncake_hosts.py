@@ -10,11 +10,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import struct
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.status import read_status
-from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, unique_instance
+from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, free_port, unique_instance
 
 BLOCKS = 72
 GEOMETRY: dict[str, Any] = dict(
@@ -50,11 +52,16 @@ class Host:
 
 
 def start_host(
-    daemons: DaemonFactory, master: MooncakeMaster, *, replicas: int = 1, instance: str | None = None
+    daemons: DaemonFactory,
+    master: MooncakeMaster,
+    *,
+    replicas: int = 1,
+    instance: str | None = None,
+    extra: tuple[str, ...] = (),
 ) -> Host:
     instance = instance or unique_instance()
     env = daemons.env(KVCACHED_RUN_DIR=str(daemons.tmp_path / f"h{len(daemons.daemons)}"))  # short: socket paths
-    args = [*FLAGS, *master.args(segment="8MiB"), "--mooncake-replicas", str(replicas)]
+    args = [*FLAGS, *master.args(segment="8MiB"), "--mooncake-replicas", str(replicas), *extra]
     host = Host(instance, env, args, daemons.start(instance, ranks=2, args=args, env=env, small=False))
     host.daemon.wait_ready()
     return host
@@ -331,9 +338,10 @@ def test_rolling_restart_of_three_hosts_under_a_stream_of_cross_host_loads(
 
 def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """Acceptance point 3: a master restarted without a snapshot forgets every object; the host's keeper
-    notices (every rank's status counts it in master_resets), the old prefix is a miss (no error), and new
-    stores and loads work again without restarting anything of kvcached."""
-    a = start_host(daemons, mooncake)
+    notices (every rank's status and the metrics count it in master_resets), the old prefix is a miss (no
+    error), and new stores and loads work again without restarting anything of kvcached."""
+    port = free_port()
+    a = start_host(daemons, mooncake, extra=("--metrics-port", str(port)))
     keys, _ = store_prefix(a, 4, salt=20)
     mooncake.stop()
     mooncake.start()
@@ -342,6 +350,10 @@ def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFac
         timeout=60,
         what="each rank's status counting the master's restart",
     )
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    counted = re.search(r'kvcached_store_master_resets_total\{rank="0"\} ([0-9.]+)', metrics)
+    assert counted and float(counted.group(1)) >= 1, metrics
     assert load_prefix(a, keys)[:2] == (0, 0)
     again, expected = store_prefix(a, 4, salt=21)
     assert_loads(a, again, expected)
