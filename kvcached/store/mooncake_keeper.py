@@ -44,10 +44,9 @@ from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, peer,
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
-#: Seconds between the keeper's checks (marker object, instance) when no request comes.
+#: Seconds between the keeper's checks (marker object, instance), made by a thread of their own.
 TICK_S = 1.0
 MARKER_BYTES = 4096
-NOT_FOUND = -704
 
 
 class Keeper:
