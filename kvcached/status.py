@@ -10,7 +10,7 @@ The JSON shape is a public interface (scripts parse it)::
                 "latency": {"swap_out": {"count": 3, "p50_s": 0.0005, "p99_s": 0.001}, "swap_in": ..., "store": ...,
                             "load": ...},   (bucket upper bounds; null without tasks)
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
-                          "corrupt": 0, "errors": 0},   (null without a store)
+                          "corrupt": 0, "errors": 0, "master_resets": 0},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
                          "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
      "spec": {...}}
@@ -114,6 +114,7 @@ def _store_view(backend: str | None, stats: dict[str, int]) -> dict[str, Any] | 
         "evictions": stats["store_evictions"],
         "corrupt": stats["store_corrupt"],
         "errors": stats["store_errors"],
+        "master_resets": stats["store_master_resets"],
     }
 
 
@@ -148,7 +149,9 @@ def _store_cell(store: dict[str, Any] | None) -> str:
         return "-"
     return (
         f"{store['backend']}: {store['objects']} obj {_size(store['bytes'])} hit {store['hits']} miss "
-        f"{store['misses']} evict {store['evictions']}" + (f" err {store['errors']}" if store["errors"] else "")
+        f"{store['misses']} evict {store['evictions']}"
+        + (f" err {store['errors']}" if store["errors"] else "")
+        + (f" master reset {store['master_resets']}" if store.get("master_resets") else "")
     )
 
 

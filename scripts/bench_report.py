@@ -208,7 +208,24 @@ def headline(handshake: dict[str, Any], swap: dict[str, Any], store: dict[str, A
             if f"lmcache_{op}_gbps" in passes[0]:
                 lm = statistics.median(p[f"lmcache_{op}_gbps"] for p in passes)
                 lines.append(f"{label} | LMCache local disk {lm:.2f} GB/s | {o / lm:.2f} |")
-    return lines
+    return lines + mooncake_hosts_rows(store.get("mooncake_hosts"))
+
+
+def mooncake_hosts_rows(hosts: dict[str, Any] | None) -> list[str]:
+    """The cross-host load and the restarted host, when the store benchmark ran Mooncake."""
+    if not hosts:
+        return []
+    ours, batched = (
+        statistics.median(hosts["bytes"] / p[k] / 1e9 for p in hosts["passes"]) for k in ("load_s", "batched_get_s")
+    )
+    restart = hosts["restarts"]["restart"]
+    return [
+        f"| mooncake cross-host load (host B loads what host A stored) | {ours:.2f} GB/s "
+        f"| plain batched get of the same objects {batched:.2f} GB/s | {ours / batched:.2f} |",
+        f"| mooncake: `kvcached restart` of host A | host B: {restart['short']} of {restart['lookups']} lookups "
+        f"short, longest gap {restart['longest_gap_s'] * 1000:.0f} ms; A serves its prefix again after "
+        f"{restart['served_after_s']:.2f} s | | |",
+    ]
 
 
 def store_ops(passes: list[dict[str, float]]) -> list[str]:

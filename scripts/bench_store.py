@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_filestore  # noqa: E402
+import bench_mooncake_hosts  # noqa: E402
 import benchlib  # noqa: E402
 
 import runner_client as rc  # noqa: E402
@@ -264,6 +265,7 @@ def main() -> int:
     os.environ["KVCACHED_RUN_DIR"] = run_dir
     results: dict[str, list[tuple[tuple[float, float], tuple[float, float]]]] = {}
     file_passes: list[dict[str, dict[str, float]]] = []
+    hosts: dict[str, Any] | None = None
     try:
         for backend in args.backends.split(","):
             if backend == "file":
@@ -275,6 +277,18 @@ def main() -> int:
                 ours = kvcached_pass(backend, work, env, args, blocks, block_bytes)
                 results.setdefault(backend, []).append((ours, plain))
                 results.setdefault("mooncake-batch", []).append((ours, batched))
+            if backend == "mooncake":
+                hosts = bench_mooncake_hosts.cross_host(
+                    work,
+                    env,
+                    args,
+                    blocks,
+                    block_bytes,
+                    block_bytes // (NUM_LAYERS * 2 * KV_HEADS * HEAD_DIM * 2),
+                    master=mooncake_master,
+                    daemon=start_daemon,
+                    segment=segment_bytes(blocks, block_bytes + 128),
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -292,8 +306,11 @@ def main() -> int:
         met &= mooncake_report(results, total)
         figures["backends"] |= mooncake_figures(results, total)
     print(f"targets (median ratio): {'met' if met else 'NOT met'}")
+    if hosts is not None:
+        print("\n".join(bench_mooncake_hosts.report(hosts)))
     if args.json is not None:
         figures["targets_met"] = met
+        figures["mooncake_hosts"] = hosts
         args.json.write_text(json.dumps(figures))
     return 0
 

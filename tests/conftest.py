@@ -295,7 +295,8 @@ class MooncakeMaster:
             self.proc.wait(10)
         self.proc = None
 
-    def args(self) -> list[str]:
+    def args(self, segment: str = "64MiB") -> list[str]:
+        """The daemon's store flags for this master, each rank contributing ``segment``."""
         return [
             "--storage-backend",
             "mooncake",
@@ -304,8 +305,21 @@ class MooncakeMaster:
             "--mooncake-metadata",
             self.metadata,
             "--mooncake-segment",
-            "64MiB",
+            segment,
         ]
+
+
+@pytest.fixture
+def mooncake(tmp_path: Path, daemons: DaemonFactory) -> Iterator[MooncakeMaster]:
+    """A real master on loopback, stopped after the test's daemons (their keepers let go of their
+    segments while it still answers)."""
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    master = MooncakeMaster(tmp_path / "mooncake_master.log")
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()
 
 
 def wait_waiting(instance: str, rank: int, count: int = 1, timeout: float = 30.0) -> None:

@@ -48,7 +48,7 @@ def test_bench_report_smoke_writes_report_and_images(tmp_path: Path) -> None:
     needles = ["## Headline", "plain copy", "sleep(1) poll", "plain write+fsync+rename / read", "file cold load"]
     needles += ["![swap throughput]"]
     needles += ["tp8-ernie", "tp8-llama70b", "mla-576", "shuffled", "cold start", "raw allocation", "restart"]
-    needles += ["plain Mooncake put / get"] if "mooncake" in backends else []
+    needles += ["plain Mooncake put / get", "cross-host load", "host B: 0 of"] if "mooncake" in backends else []
     for needle in needles:
         assert needle in report, needle
     for name in ("swap_throughput.png", "wakeup_latency.png", "store_throughput.png"):

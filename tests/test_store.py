@@ -56,17 +56,6 @@ def attached(instance: str, ranks: int = 2, **changes: Any) -> Iterator[list[rc.
             cache.close()
 
 
-@pytest.fixture
-def mooncake(tmp_path: Path) -> Iterator[MooncakeMaster]:
-    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    master = MooncakeMaster(tmp_path / "mooncake_master.log")
-    master.start()
-    try:
-        yield master
-    finally:
-        master.stop()
-
-
 def start_file_daemon(
     daemons: DaemonFactory,
     path: Path,
@@ -192,32 +181,31 @@ def test_round_trip_mooncake_backend(daemons: DaemonFactory, mooncake: MooncakeM
     assert store["backend"] == "mooncake" and store["objects"] == 6 and store["hits"] == 6
 
 
-def test_mooncake_objects_go_to_their_rank_segment(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
-    """Each rank's objects are placed in that rank's own segment (a local copy, not a TCP transfer), so the
-    two ranks' objects sit in two different segments. Mooncake's default placement would scatter them."""
+def test_mooncake_objects_go_to_their_hosts_segment(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """Every rank's objects are placed in the host's own segment (its keeper's: a local copy, not a TCP
+    transfer to another host), whatever the master's default placement would pick."""
     from mooncake.store import MooncakeDistributedStore
 
+    others = [daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()]) for _ in range(2)]
     daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])
-    daemon.wait_ready()
+    for d in (*others, daemon):
+        d.wait_ready()
     keys = keys_for(8)
     with rc.CacheTasks(daemon.instance) as tasks:
         tasks.store(None, list(range(8)), keys)
     probe = MooncakeDistributedStore()
     assert probe.setup("127.0.0.1", mooncake.metadata, 16 << 20, 16 << 20, "tcp", "", mooncake.address) == 0
     try:
-        segments = [
-            {
-                probe.get_replica_desc(f"kvcached/{spec().geometry_digest.hex()}/{key.hex()}/r{rank}")[0]
-                .get_memory_descriptor()
-                .buffer_descriptor.transport_endpoint
-                for key in keys
-            }
+        segments = {
+            replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for key in keys
             for rank in (0, 1)
-        ]
+            for replica in probe.get_replica_desc(f"kvcached/{spec().geometry_digest.hex()}/{key.hex()}/r{rank}")
+        }
     finally:
         probe.close()
-    assert len(segments[0]) == 1 and len(segments[1]) == 1, segments
-    assert segments[0] != segments[1]
+    log = (daemons.run_dir / f"{daemon.instance}.mooncake.log").read_text()
+    assert len(segments) == 1 and f'"segment": "{next(iter(segments))}"' in log, segments
 
 
 # -- 2. restart -----------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ Metrics (labels in braces):
   with op ``swap_out``, ``swap_in``, ``store``, ``load``; ``kvcached_task_duration_seconds{rank,op}`` histogram
 - ``kvcached_lookup_tasks_total{rank}``, ``kvcached_tasks_refused_total{rank}``, ``kvcached_connections_total{rank}``
 - ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}``,
-  ``..._misses_total``, ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``
+  ``..._misses_total``, ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``,
+  ``..._master_resets_total``
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ class ControlBlockCollector(Collector):
                 (CounterMetricFamily, "kvcached_store_evictions", "Store objects evicted.", "store_evictions"),
                 (CounterMetricFamily, "kvcached_store_corrupt", "Store objects failing checks.", "store_corrupt"),
                 (CounterMetricFamily, "kvcached_store_errors", "Store tasks failed.", "store_errors"),
+                (
+                    CounterMetricFamily,
+                    "kvcached_store_master_resets",
+                    "Times the store's master forgot this rank's objects (restarted without restoring).",
+                    "store_master_resets",
+                ),
             ]
         for family_type, name, doc, key in simple:
             metric = family_type(name, doc, labels=["rank"])

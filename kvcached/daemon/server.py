@@ -637,6 +637,7 @@ class TaskServer:
             store_misses=c.misses,
             store_evictions=c.evictions,
             store_corrupt=c.corrupt,
+            store_master_resets=c.master_resets,
         )
 
 

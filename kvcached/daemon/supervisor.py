@@ -829,6 +829,7 @@ class Supervisor:
         if self.generation and not keep:
             for rank in range(self.config.ranks):
                 self.backend.release(self._plan(rank).tier_request())
+            self._release_store()
             # Every object of this instance's generation and of the memory's (arenas, pools, key
             # directories, a semaphore or arena a killed worker half-made). Objects we refused at start-up
             # carry neither name: they are not ours.
@@ -858,6 +859,15 @@ class Supervisor:
         if not self.keep and not self.stop_requested:
             self.log.warning("keeping the memory for the next start: the daemon ends without being told to stop")
         return self.keep or not self.stop_requested
+
+    def _release_store(self) -> None:
+        """A final stop: the store backend lets go of what it keeps across daemon runs (Mooncake keepers)."""
+        chosen = self.config.store
+        if chosen.backend is not None:
+            try:
+                store.get(chosen.backend).release(chosen.options, instance=self.instance)
+            except Exception as exc:  # a stop goes on: the keepers quit by themselves once the instance is gone
+                self.log.warning("attention store: could not let go of what it keeps", reason=str(exc))
 
     def _hand_over(self) -> None:
         """Leave every worker serving, its channel open across the exec for the next image to take."""

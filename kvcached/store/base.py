@@ -104,6 +104,8 @@ class StoreCounters:
     corrupt: int = 0
     #: Calls that failed inside the backend (a disk error, the directory lost), beyond the worker's count.
     errors: int = 0
+    #: Times the store's index forgot this rank's objects (a Mooncake master restarted without restoring).
+    master_resets: int = 0
 
 
 Sink = Callable[[int, memoryview], None]
@@ -180,6 +182,10 @@ class StoreBackend(abc.ABC):
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         """Host checks of this backend (reachable, writable, room)."""
         return []
+
+    def release(self, options: Mapping[str, Any], *, instance: str) -> None:  # noqa: B027 - optional hook
+        """The daemon stops for good (``kvcached stop`` without ``--keep``): let go of whatever this backend
+        keeps across daemon runs of ``instance`` (by default nothing: the file store's files stay)."""
 
     def start_warnings(self, options: Mapping[str, Any], ranks: int) -> list[str]:
         """What the daemon should warn about as it starts (quick, local: no network); none by default."""

@@ -1,23 +1,32 @@
-"""The ``mooncake`` backend: Mooncake Store (``mooncake.store.MooncakeDistributedStore``) over TCP.
+"""The ``mooncake`` backend: Mooncake Store (``mooncake.store``) over TCP, the tier shared between hosts.
 
 Object names: ``kvcached/<geometry digest hex>/<key hex>/r<rank>``; values are the same header + record
-as the ``file`` backend. Each rank's client places objects in its own segment while it has room (a local
-copy, not a TCP transfer to another rank's segment: measured 2.6x Mooncake's default placement for two
-ranks on one host); when it is full, Mooncake places them elsewhere. A task's objects go a batch at a time
-through a registered staging buffer:
-gathered there and written with one ``batch_put_from``; read there with one ``batch_get_into`` and
-verified, object by object, before anything reaches a device block.
+as the ``file`` backend. Each rank contributes ``--mooncake-segment`` bytes to the store's pool through
+its *keeper* (``kvcached.store.mooncake_keeper``), a process that owns the segment and its registration
+with the master and outlives the daemon: a restart, a crash or a rolling upgrade of the daemon costs no
+object (the choice, measured against the other options, is in ``docs/mooncake.md``). The store agent
+talks to the keeper (``kvcached.store.mooncake_link``) and holds no Mooncake client itself.
 
-Availability: ``setup()`` blocks for about 90 s when the master is down, while an established client's
-calls fail at once (-900) and recover by themselves when the master is back. So the client connects
-lazily: a quick TCP probe of master and metadata server first, ``setup()`` only when both answer,
-retried at most once per ``RETRY_S``. Until then, and whenever a call reports an RPC failure, tasks that
-need the store fail with ``StoreUnavailable``; the rank keeps serving its device and CPU tiers.
+A rank places its objects in its own segment first (measured 2.6x Mooncake's default placement for two
+ranks on one host); ``--mooncake-replicas N`` places N copies, each in a different segment, so that an
+object survives the loss of its host. A task's objects go a batch at a time: gathered into a buffer the
+keeper registered and written with one ``batch_put_from``; read back with one ``batch_get_replica_desc``
+(which also grants Mooncake's read lease), then taken where they lie when they are in this rank's
+segment (mapped read-only here), or fetched with one ``batch_get_into`` from other hosts' segments, and
+verified object by object before anything reaches a device block. A missing object is a miss, never an
+error: the load stops there.
+
+Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
+the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
+once per ``RETRY_S``) and the rank keeps serving its device and CPU tiers. A master that restarts comes
+back by itself (the keeper's client mounts its segment again); what the master forgot is counted in
+``master_resets``.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import socket
 import time
 import urllib.parse
@@ -27,16 +36,18 @@ from typing import Any
 import numpy as np
 
 from kvcached import knobs
-from kvcached.health import FAIL, OK, Check
+from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec, StoreUnavailable
 from kvcached.protocol.layout import round_up
+from kvcached.protocol.names import run_dir
 from kvcached.protocol.spec import CacheSpec
-from kvcached.store import register
+from kvcached.store import mooncake_link, register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
+from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
 
 RETRY_S = 1.0
-#: A batch call moves at most this many objects, and at most this many bytes of staging.
+#: A batch call moves at most this many objects, and at most half this many bytes (the batch buffer).
 BATCH_OBJECTS = 32
 BATCH_BYTES = 64 << 20
 NOT_FOUND = -704
@@ -52,6 +63,16 @@ def host_port(address: str, default_port: int) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def local_address(host: str, port: int) -> str:
+    """The address of this host on the route to ``host`` (what other hosts reach it by, as a rule)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
 def _reachable(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):
@@ -61,40 +82,25 @@ def _reachable(host: str, port: int) -> bool:
 
 
 class MooncakeStore(Store):
-    """One rank's client of a Mooncake Store."""
+    """One rank's client of a Mooncake Store, through the rank's keeper."""
 
-    def __init__(
-        self,
-        *,
-        identity: ObjectIdentity,
-        master: str,
-        metadata: str,
-        segment_bytes: int,
-        log: Logger,
-        hostname: str = "127.0.0.1",
-    ) -> None:
-        try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-        except ImportError as exc:
-            raise StoreUnavailable(
-                f"the mooncake backend needs the Mooncake Store client: pip install mooncake-transfer-engine-non-cuda "
-                f"(and Debian's libibverbs1 libnuma1): {exc}"
-            ) from None
-        self._factory = MooncakeDistributedStore
-        self._replicate_config = ReplicateConfig
-        self.placement: Any = None
+    def __init__(self, *, identity: ObjectIdentity, keeper: KeeperConfig, replicas: int, log: Logger) -> None:
         self.identity = identity
-        self.master, self.metadata = master, metadata
-        self.endpoints = [host_port(master, 50051), host_port(metadata, 8080)]
-        self.segment_bytes = segment_bytes
-        self.hostname = hostname
+        self.keeper = keeper
+        self.replicas = replicas
+        self.endpoints = [host_port(keeper.master, 50051), host_port(keeper.metadata, 8080)]
         self.object_bytes = HEADER_SIZE + identity.payload
+        self.slot = round_up(self.object_bytes)
+        self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while verifying
         self.log = log
         self.counters = StoreCounters()
         self.prefix = f"kvcached/{identity.digest.hex()}/"
-        self.client: Any = None
-        self.batch: np.ndarray[Any, Any] | None = None
-        self.batch_registered = False
+        self.buffer_fd = os.memfd_create(f"kvcached-mooncake-batch-r{identity.rank}", os.MFD_CLOEXEC)
+        os.ftruncate(self.buffer_fd, 2 * self.slot * self.count)
+        self.batch = np.frombuffer(mmap.mmap(self.buffer_fd, 2 * self.slot * self.count), dtype=np.uint8)
+        self.link: KeeperLink | None = None
+        self.segment: memoryview | None = None  # the keeper's segment, mapped read-only
+        self.segment_map: mmap.mmap
         self.retry_at = 0.0
         self.last_error = "not connected yet"
         try:
@@ -102,9 +108,10 @@ class MooncakeStore(Store):
         except StoreUnavailable as exc:
             log.warning("mooncake store unavailable; store tasks fail until it answers", reason=str(exc))
 
-    def _ensure(self) -> Any:
-        if self.client is not None:
-            return self.client
+    def _ensure(self) -> KeeperLink:
+        if self.link is not None and not self.link.dead:
+            return self.link
+        self._unmap()  # a keeper that went: its segment's memory must not stay alive through our mapping
         now = time.monotonic()
         if now < self.retry_at:
             raise StoreUnavailable(self.last_error)
@@ -112,68 +119,60 @@ class MooncakeStore(Store):
         down = [f"{h}:{p}" for h, p in self.endpoints if not _reachable(h, p)]
         if down:
             self.last_error = (
-                f"Mooncake master {self.master} / metadata {self.metadata}: no answer from {', '.join(down)}"
+                f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: no answer from "
+                f"{', '.join(down)}"
             )
             raise StoreUnavailable(self.last_error)
-        client = self._factory()
-        code = client.setup(self.hostname, self.metadata, self.segment_bytes, 64 << 20, "tcp", "", self.master)
-        if code != 0:
-            self.last_error = f"Mooncake setup with master {self.master} failed (code {code})"
-            raise StoreUnavailable(self.last_error)
-        self.placement = self._replicate_config()
-        self.placement.preferred_segment = client.get_hostname()
-        self.client = client
-        self.batch_registered = False  # a new client: register the batch buffer again
-        self.log.info("mooncake store connected", master=self.master, metadata=self.metadata)
-        return client
+        try:
+            link = open_link(self.keeper, self.buffer_fd, self.log)
+        except StoreUnavailable as exc:
+            self.last_error = str(exc)
+            raise
+        # Page tables filled now, not one fault per page at the first loads (MAP_POPULATE).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
+        self.segment_map = mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ)
+        self.segment = memoryview(self.segment_map)
+        self.link = link
+        self._absorb(link.stats)
+        return link
+
+    def _call(self, op: str, **args: Any) -> Any:
+        link = self._ensure()
+        try:
+            result = link.call(op, **args)
+        finally:
+            self._absorb(link.stats)
+        return result
+
+    def _absorb(self, stats: Mapping[str, Any]) -> None:
+        self.counters.master_resets = int(stats.get("master_resets", self.counters.master_resets))
 
     def _name(self, key: bytes) -> str:
         return f"{self.prefix}{key.hex()}/r{self.identity.rank}"
 
     def _failed(self, what: str, code: int) -> StoreUnavailable:
-        self.last_error = f"Mooncake {what} failed with code {code} (master {self.master})"
+        self.last_error = f"Mooncake {what} failed with code {code} (master {self.keeper.master})"
         return StoreUnavailable(self.last_error)
 
-    def _batch_staging(self) -> tuple[np.ndarray[Any, Any], int, int]:
-        """The registered buffer of a batch, its slot size and how many slots (at most BATCH_BYTES)."""
-        slot = round_up(self.object_bytes)
-        if self.batch is None:
-            count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // slot))
-            self.batch = np.frombuffer(mmap.mmap(-1, slot * count), dtype=np.uint8)
-            self.batch_registered = False
-        if not self.batch_registered:
-            self._ensure().register_buffer(self.batch.ctypes.data, self.batch.nbytes)
-            self.batch_registered = True
-        return self.batch, slot, self.batch.nbytes // slot
-
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
-        """Gather up to a batch of objects into registered memory and write them with one batch_put_from:
-        measured 1.4x a loop of single puts. Objects already stored are skipped (one batch_is_exist per
-        batch), so the count is of objects newly written."""
-        client = self._ensure()
-        batch, slot, count = self._batch_staging()
+        """Gather up to a batch of objects into the registered batch buffer and have the keeper write them
+        with one batch_put_from (measured 1.4x a loop of single puts). Objects already stored are skipped
+        (one batch_is_exist per batch), so the count is of objects newly written."""
         written = 0
-        for start in range(0, len(keys), count):
-            chunk = list(zip(keys[start : start + count], pieces[start : start + count], strict=True))
-            exists = client.batch_is_exist([self._name(key) for key, _ in chunk])
+        for start in range(0, len(keys), self.count):
+            chunk = list(zip(keys[start : start + self.count], pieces[start : start + self.count], strict=True))
+            exists = self._call("exists", names=[self._name(key) for key, _ in chunk])
             if any(flag < 0 for flag in exists):
                 raise self._failed("exists", min(exists))
             chunk = [item for item, flag in zip(chunk, exists, strict=True) if flag != 1]
             if not chunk:
                 continue
-            names, ptrs, sizes = [], [], []
+            offsets, sizes = [], []
             for j, (key, parts) in enumerate(chunk):
-                base = j * slot
-                header = self.identity.header(key, checksum(parts))
-                batch[base : base + len(header)] = np.frombuffer(header, dtype=np.uint8)
-                offset = base + len(header)
-                for part in parts:
-                    batch[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
-                    offset += len(part)
-                names.append(self._name(key))
-                ptrs.append(batch.ctypes.data + base)
-                sizes.append(offset - base)
-            for code in client.batch_put_from(names, ptrs, sizes, self.placement):
+                sizes.append(self._gather(j * self.slot, key, parts))
+                offsets.append(j * self.slot)
+            names = [self._name(key) for key, _ in chunk]
+            for code in self._call("put", names=names, offsets=offsets, sizes=sizes, replicas=self.replicas):
                 if code != 0:
                     raise self._failed("batch put", code)
             self.counters.objects += len(names)
@@ -182,42 +181,94 @@ class MooncakeStore(Store):
             self.on_progress()
         return written
 
+    def _gather(self, base: int, key: bytes, parts: Sequence[memoryview]) -> int:
+        """Header and record of ``key`` into the batch buffer at ``base``; the object's size."""
+        header = self.identity.header(key, checksum(parts))
+        self.batch[base : base + len(header)] = np.frombuffer(header, dtype=np.uint8)
+        offset = base + len(header)
+        for part in parts:
+            self.batch[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+            offset += len(part)
+        return offset - base
+
     def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
-        """Read a batch at a time with one batch_get_into (measured 2x a loop of single gets), verify each
-        object in order and stop at the first miss."""
-        client = self._ensure()
-        batch, slot, count = self._batch_staging()
-        view = batch.data
-        size = self.object_bytes
-        for start in range(0, len(keys), count):
-            chunk = keys[start : start + count]
-            got = client.batch_get_into(
-                [self._name(k) for k in chunk],
-                [batch.ctypes.data + j * slot for j in range(len(chunk))],
-                [size] * len(chunk),
-            )
-            for j, (key, code) in enumerate(zip(chunk, got, strict=True)):
-                if code == RPC_FAILED:
-                    raise self._failed("batch get", code)
-                payload = self._verified(key, code, view[j * slot : j * slot + max(code, 0)])
+        """Locate every object (one call, which also takes Mooncake's read lease), read the ones in this
+        host's segment where they lie, fetch the others a batch at a time with batch_get_into (the next
+        batch fetched while this one is verified); verify each in order and stop at the first miss."""
+        if not keys:
+            return 0
+        names = [self._name(key) for key in keys]
+        where = self._call("locate", names=names)
+        present = next((j for j, place in enumerate(where) if place[0] == "missing"), len(keys))
+        windows = [range(s, min(s + self.count, present)) for s in range(0, present, self.count)]
+        pending = self._fetch(names, where, windows, 0)
+        for w, window in enumerate(windows):
+            fetched = self._fetched(pending)
+            pending = self._fetch(names, where, windows, w + 1)
+            for i in window:
+                slot = (w % 2) * self.count + i - window.start
+                payload = self._payload(keys[i], where[i], fetched.get(i, NOT_FOUND), slot)
                 if payload is None:
-                    return start + j
-                sink(start + j, payload)
+                    self._fetched(pending)  # keep the replies in step
+                    return i
+                sink(i, payload)
             self.on_progress()
-        return len(keys)
+        if present < len(keys):
+            self.counters.misses += 1
+        return present
+
+    def _fetch(self, names: list[str], where: list[Any], windows: list[range], w: int) -> list[int] | None:
+        """Send the get of window ``w``'s objects that are in other hosts' segments (into half ``w % 2``
+        of the batch buffer); the indexes sent, or None."""
+        if w >= len(windows):
+            return None
+        window = windows[w]
+        remote = [i for i in window if where[i][0] == "remote"]
+        if not remote:
+            return None
+        base = (w % 2) * self.count - window.start
+        link = self._ensure()
+        link.submit(
+            "get",
+            names=[names[i] for i in remote],
+            offsets=[(base + i) * self.slot for i in remote],
+            sizes=[self.object_bytes] * len(remote),
+        )
+        return remote
+
+    def _fetched(self, pending: list[int] | None) -> dict[int, int]:
+        """The outcome of a get ``_fetch`` sent: object index -> bytes read or error code."""
+        if pending is None:
+            return {}
+        assert self.link is not None
+        try:
+            codes = self.link.collect()
+        finally:
+            self._absorb(self.link.stats)
+        if RPC_FAILED in codes:
+            raise self._failed("batch get", RPC_FAILED)
+        return dict(zip(pending, codes, strict=True))
+
+    def _payload(self, key: bytes, place: list[Any], code: int, slot: int) -> memoryview | None:
+        """The verified payload of one located object (read in the segment, or fetched into ``slot``)."""
+        if place[0] == "local":
+            assert self.segment is not None
+            _, offset, size = place
+            return self._verified(key, size, self.segment[offset : offset + size])
+        base = slot * self.slot
+        return self._verified(key, code, self.batch.data[base : base + max(code, 0)])
 
     def _verified(self, key: bytes, code: int, data: memoryview) -> memoryview | None:
         """The payload of a fetched object, or None (counted as a miss; an invalid object is removed)."""
-        if code < 0:
+        if code < 0:  # gone, or in a segment that no longer answers (its host died): a miss, not corrupt
             self.counters.misses += 1
             if code != NOT_FOUND:
-                self.log.warning("store object unusable", key=key.hex(), code=code)
-                self.counters.corrupt += 1
+                self.log.info("store object unreachable", key=key.hex(), code=code)
             return None
         why = self.identity.verify(key, data)
         if why is not None:
             self.log.warning("store object unusable, removing", key=key.hex(), reason=why)
-            self._ensure().remove(self._name(key))
+            self._call("remove", names=[self._name(key)])
             self.counters.corrupt += 1
             self.counters.misses += 1
             return None
@@ -227,8 +278,7 @@ class MooncakeStore(Store):
     def present(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        client = self._ensure()
-        found = client.batch_is_exist([self._name(k) for k in keys])
+        found = self._call("exists", names=[self._name(k) for k in keys])
         count = 0
         for flag in found:
             if flag < 0:
@@ -238,10 +288,23 @@ class MooncakeStore(Store):
             count += 1
         return count
 
+    def check(self) -> None:
+        """Refresh what the keeper reports (the master's resets) while idle; never starts a keeper."""
+        if self.link is not None and not self.link.dead:
+            self._call("ping", names=[])
+
+    def _unmap(self) -> None:
+        if self.segment is not None:
+            self.segment.release()
+            self.segment_map.close()
+            self.segment = None
+
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        """Disconnect from the keeper; it keeps the segment (and every object) for the next daemon."""
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        self._unmap()
 
 
 class MooncakeBackend(StoreBackend):
@@ -262,8 +325,24 @@ class MooncakeBackend(StoreBackend):
             "mooncake_segment",
             knobs.size,
             "256MiB",
-            "mooncake backend: memory each rank contributes to the store's pool.",
+            "mooncake backend: memory each rank contributes to the store's pool (held by the rank's keeper).",
             "BYTES",
+        ),
+        knobs.Knob(
+            "mooncake_replicas",
+            knobs.integer(1, 8),
+            1,
+            "mooncake backend: copies of each object, each in another segment (2+: a host lost for good costs "
+            "no prefix, for that much more memory and a network write per object).",
+            "N",
+        ),
+        knobs.Knob(
+            "mooncake_host",
+            knobs.optional_text,
+            None,
+            "mooncake backend: this host's address as the other hosts reach it (default: the address this host "
+            "reaches the master from).",
+            "ADDRESS",
         ),
     )
 
@@ -281,18 +360,28 @@ class MooncakeBackend(StoreBackend):
             "mooncake_master": master,
             "mooncake_metadata": str(values["mooncake_metadata"]),
             "mooncake_segment": knobs.size(values.get("mooncake_segment", "256MiB")),
+            "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
+            "mooncake_host": values.get("mooncake_host") or None,
+            "instance": instance,
         }
 
     def open(
         self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
     ) -> Store:
-        return MooncakeStore(
-            identity=identity,
-            master=options["mooncake_master"],
+        master = options["mooncake_master"]
+        keeper = KeeperConfig(
+            instance=options["instance"],
+            run_dir=str(run_dir()),
+            master=master,
             metadata=options["mooncake_metadata"],
-            segment_bytes=options["mooncake_segment"],
-            log=log,
+            segment_bytes=ranks * options["mooncake_segment"],
+            host=options.get("mooncake_host") or local_address(*host_port(master, 50051)),
         )
+        return MooncakeStore(identity=identity, keeper=keeper, replicas=options.get("mooncake_replicas", 1), log=log)
+
+    def release(self, options: Mapping[str, Any], *, instance: str) -> None:
+        """A final stop: every keeper of the instance lets go of its segment (its objects leave the store)."""
+        release(run_dir(), instance)
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         endpoints = {
@@ -307,7 +396,24 @@ class MooncakeBackend(StoreBackend):
         if not all(up.values()):
             advice = "start mooncake_master (--enable_http_metadata_server)"
             return [Check("mooncake_master", FAIL, figure, measured, advice)]
-        return [Check("mooncake_master", OK, figure, measured)]
+        return [Check("mooncake_master", OK, figure, measured), self._keeper_check(options, ranks)]
+
+    def _keeper_check(self, options: Mapping[str, Any], ranks: int) -> Check:
+        """Whether the instance's keeper runs, what it holds, and whether the next start keeps it."""
+        found = mooncake_link.info(run_dir(), options["instance"])
+        if found is None:
+            return Check("mooncake_keeper", OK, "none running (the first store agent starts one)", {"running": False})
+        wanted = ranks * options["mooncake_segment"]
+        measured = {"running": True, **{k: found.get(k) for k in ("pid", "hostname", "segment_bytes", "config")}}
+        measured["master_resets"] = found.get("stats", {}).get("master_resets", 0)
+        figure = (
+            f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
+            f"{found.get('hostname')}; the master forgot it {measured['master_resets']} times"
+        )
+        if found.get("segment_bytes") != wanted or found.get("config", {}).get("master") != options["mooncake_master"]:
+            advice = "the next start replaces it (its objects leave the store): start with the options it has"
+            return Check("mooncake_keeper", WARN, f"{figure}; this configuration differs", measured, advice)
+        return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
 
 
 register(MooncakeBackend())

@@ -1,0 +1,397 @@
+"""The Mooncake keeper: one process per instance that owns the host's segment and outlives the daemon.
+
+Mooncake keeps an object only while the client whose segment holds it stays registered with the master:
+a client that closes unmounts its segment, and one that dies is dropped ``client_ttl`` seconds later
+(10 by default), its objects with it. So the client that owns the host's segment must not be the daemon's:
+the keeper is started by the first store agent that needs it (``mooncake_link.spawn``), in its own
+session, and it stays through ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon; the next
+daemon's agents connect to it again and find every object where it was. No byte is
+written again and no other host sees a gap: the keeper serves the segment to other hosts all along.
+
+One keeper (one segment) per host, not per rank: Mooncake places an object's replicas in distinct
+segments, so with one segment per host a second replica is always on another host. The segment (every
+rank's ``--mooncake-segment``) is a memfd the keeper reserves up front (``posix_fallocate``: too little
+memory is a clear start-up error) and mounts with ``mount_segment``; agents map it read-only, so an
+object of this host's segment is read where it lies (after Mooncake has granted a read lease for it, as
+a get does) instead of being copied by Mooncake first. Puts, objects of other segments, existence checks
+and removals go through the keeper's client (requests in ``mooncake_link``).
+
+The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop``
+without ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for
+good: no control block in /dev/shm for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean``
+removed it; a killed daemon's stays for the next start to adopt). Every second it also checks a small
+pinned marker object in its segment: when the master no longer knows it, the master has forgotten
+every object (it restarted without ``--enable_snapshot_restore``), which is counted (``master_resets``)
+and logged; Mooncake has no call to register bytes already in a segment, so those objects are misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvcached import logs
+from kvcached.protocol.names import SHM_DIR, control_name
+from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, peer, send
+
+#: Seconds without the instance's control block after which the keeper quits by itself.
+GONE_AFTER_S = 2.0
+#: Seconds between the keeper's checks (marker object, instance), made by a thread of their own.
+TICK_S = 1.0
+MARKER_BYTES = 4096
+
+
+class Keeper:
+    """The keeper's state: its client, its segment, the agents connected to it."""
+
+    def __init__(self, config: KeeperConfig, log: logs.Logger) -> None:
+        self.config = config
+        self.log = log
+        self.segment_fd = os.memfd_create(f"kvcached-mooncake-{config.instance}", os.MFD_CLOEXEC)
+        os.posix_fallocate(self.segment_fd, 0, config.segment_bytes)
+        self.client: Any = None
+        self.hostname = ""
+        self.spans: list[tuple[int, int, int]] = []  # (start address, end address, offset in the segment)
+        self.marker = mmap.mmap(-1, MARKER_BYTES)
+        self.stats: dict[str, Any] = {"master_resets": 0, "master_up": True, "started": time.time()}
+        self.listener: socket.socket | None = None
+        self.quitting = threading.Event()
+        self.gone_since: float | None = None
+        self.socket_inode = 0
+        self.marked = False  # the master knows the marker object
+
+    # -- start --------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Register with the master and mount the segment; raises RuntimeError saying what failed."""
+        from mooncake.store import MooncakeDistributedStore
+
+        for _ in range(5):  # the transfer port is picked free, but may be taken before Mooncake binds it
+            client = MooncakeDistributedStore()
+            hostname = f"{self.config.host}:{_free_port(self.config.host)}"
+            code = client.setup(hostname, self.config.metadata, 0, 0, "tcp", "", self.config.master)
+            if code == 0:
+                break
+        else:
+            raise RuntimeError(f"Mooncake setup with master {self.config.master} failed (code {code})")
+        self.client, self.hostname = client, hostname
+        mounted = client.mount_segment(f"/proc/self/fd/{self.segment_fd}", self.config.segment_bytes, 0, "tcp", "")
+        if mounted.get("ret") != 0:
+            raise RuntimeError(f"Mooncake could not mount a segment of {self.config.segment_bytes} bytes")
+        self.spans = _mapped_spans(self.segment_fd)
+        for start, end, _ in self.spans:  # its pages mapped now, not one fault per page at the first puts
+            _populate(start, end - start)
+        if client.register_buffer(_address(self.marker), MARKER_BYTES) != 0:
+            raise RuntimeError("Mooncake could not register the marker buffer")
+        self._put_marker()
+
+    def listen(self) -> None:
+        path = self.config.path("sock")
+        path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old)
+        listener.listen(64)
+        listener.settimeout(TICK_S)
+        self.listener = listener
+        self.socket_inode = path.stat().st_ino
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Accept store agents until told to quit: each connection is served by a thread of its own (the
+        Mooncake calls release the interpreter lock, so every rank's calls run at once); a watcher thread
+        does the checks."""
+        assert self.listener is not None
+        threading.Thread(target=self._watch, name="watch", daemon=True).start()
+        while not self.quitting.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.quitting.is_set():
+                    break
+                raise
+            if peer(sock)[1] != os.geteuid():
+                sock.close()
+                continue
+            sock.settimeout(None)
+            threading.Thread(target=self._session, args=(sock,), name="agent", daemon=True).start()
+
+    def stop(self) -> None:
+        """Make ``serve`` return (any thread, a signal handler too)."""
+        self.quitting.set()
+
+    def _watch(self) -> None:
+        while not self.quitting.wait(TICK_S):
+            try:
+                self._tick()
+            except Exception as exc:  # a check that failed is tried again a second later
+                self.log.warning("keeper check failed", reason=str(exc))
+
+    def _session(self, sock: socket.socket) -> None:
+        """One store agent's requests, in order, until it disconnects."""
+        receiver = Receiver(sock)
+        buffer: mmap.mmap | None = None
+        try:
+            while True:
+                request = receiver.receive()
+                fds = receiver.take_fds()
+                op = str(request.get("op"))
+                fd_out: tuple[int, ...] = ()
+                try:
+                    if op == "hello":
+                        buffer = self._adopt_buffer(fds, buffer)
+                        result: Any = self._hello()
+                        fd_out = (self.segment_fd,)
+                    elif op == "info":
+                        result = {**self._hello(), "stats": self.stats}
+                    elif op == "quit":
+                        self.stop()
+                        result = None
+                    else:
+                        result = self._dispatch(buffer, op, request)
+                    reply = {"ok": True, "result": result, "stats": self.stats}
+                except Exception as exc:  # the agent gets the reason; the keeper serves on
+                    reply = {"ok": False, "error": f"{op}: {exc}", "stats": self.stats}
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                send(sock, reply, fd_out)
+        except (OSError, ConnectionError, ValueError):
+            pass  # the agent went away
+        finally:
+            sock.close()
+            self._forget_buffer(buffer)
+
+    def _adopt_buffer(self, fds: list[int], old: mmap.mmap | None) -> mmap.mmap:
+        """Map and register the agent's batch buffer (the first descriptor of its hello)."""
+        if not fds:
+            raise ValueError("hello without the batch buffer")
+        self._forget_buffer(old)
+        size = os.fstat(fds[0]).st_size
+        buffer = mmap.mmap(fds[0], size)
+        if self.client.register_buffer(_address(buffer), size) != 0:
+            buffer.close()
+            raise RuntimeError(f"cannot register a buffer of {size} bytes")
+        return buffer
+
+    def _hello(self) -> dict[str, Any]:
+        return {
+            "version": PROTOCOL,
+            "config": self.config.identity(),
+            "hostname": self.hostname,
+            "pid": os.getpid(),
+            "segment_bytes": self.config.segment_bytes,
+        }
+
+    def _dispatch(self, buffer: mmap.mmap | None, op: str, request: dict[str, Any]) -> Any:
+        names: list[str] = request["names"]
+        if op == "ping":
+            return None
+        if op == "exists":
+            return self.client.batch_is_exist(names)
+        if op == "locate":
+            return self._locate(names)
+        if op == "remove":
+            return [self.client.remove(name) for name in names]
+        if buffer is None:
+            raise ValueError(f"{op} before hello")
+        base = _address(buffer)
+        ptrs = [base + offset for offset in request["offsets"]]
+        if op == "put":
+            return self.client.batch_put_from(names, ptrs, request["sizes"], self._placement(request["replicas"]))
+        if op == "get":
+            return self.client.batch_get_into(names, ptrs, request["sizes"])
+        raise ValueError(f"unknown request {op!r}")
+
+    def _placement(self, replicas: int) -> Any:
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.preferred_segment = self.hostname
+        config.replica_num = max(1, int(replicas))
+        return config
+
+    def _locate(self, names: list[str]) -> list[list[Any]]:
+        """Per name: ``["local", offset, size]`` (a complete replica in this segment), ``["remote"]`` or
+        ``["missing"]``. Mooncake grants a read lease on every object it lists."""
+        found = self.client.batch_get_replica_desc(names)
+        absent = [name for name in names if name not in found]
+        if absent and min(self.client.batch_is_exist(absent[:1])) < 0:  # not there, or the master is away?
+            raise RuntimeError(f"the Mooncake master {self.config.master} does not answer")
+        where: list[list[Any]] = []
+        for name in names:
+            place: list[Any] = ["missing"]
+            for replica in found.get(name, ()):
+                if not replica.is_memory_replica():
+                    continue
+                buffer = replica.get_memory_descriptor().buffer_descriptor
+                offset = self._offset(buffer.transport_endpoint, buffer.buffer_address, buffer.size)
+                if offset is not None:
+                    place = ["local", offset, buffer.size]
+                    break
+                place = ["remote"]
+            where.append(place)
+        return where
+
+    def _offset(self, endpoint: str, address: int, size: int) -> int | None:
+        if endpoint != self.hostname:
+            return None
+        for start, end, offset in self.spans:
+            if start <= address and address + size <= end:
+                return offset + address - start
+        return None
+
+    def _forget_buffer(self, buffer: mmap.mmap | None) -> None:
+        if buffer is not None:
+            with contextlib.suppress(Exception):
+                self.client.unregister_buffer(_address(buffer))
+            with contextlib.suppress(BufferError):
+                buffer.close()
+
+    # -- housekeeping -------------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        """Whether the master still knows this segment's objects, and whether the instance still exists."""
+        (flag,) = self.client.batch_is_exist([self._marker_name()])
+        self.stats["master_up"] = flag >= 0
+        if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
+            self.stats["master_resets"] += 1
+            self.log.warning(
+                "the Mooncake master has forgotten this segment's objects (restarted without snapshot restore?); "
+                "they are misses from now on",
+                master=self.config.master,
+            )
+        if flag == 0:
+            self._put_marker()
+        if (SHM_DIR / control_name(self.config.instance).lstrip("/")).exists():
+            self.gone_since = None
+        elif self.gone_since is None:
+            self.gone_since = time.monotonic()
+        elif time.monotonic() - self.gone_since >= GONE_AFTER_S:
+            self.log.info("the instance is gone for good (no control block); letting go of the segment")
+            self.stop()
+        if self.listener is not None and not self._socket_is_ours():
+            self.log.info("the keeper's socket was removed; nobody can reach it any more: quitting")
+            self.stop()
+
+    def _socket_is_ours(self) -> bool:
+        """Whether the socket path still leads to this keeper (a newer keeper may have replaced it)."""
+        try:
+            return self.config.path("sock").stat().st_ino == self.socket_inode
+        except OSError:
+            return False
+
+    def _marker_name(self) -> str:
+        return f"kvcached/keeper/{self.hostname}"
+
+    def _put_marker(self) -> None:
+        """Put the marker (pinned: never evicted, so its absence means the master forgot); ``marked`` says
+        whether the master has it."""
+        placement = self._placement(1)
+        with contextlib.suppress(AttributeError):
+            placement.with_hard_pin = True
+        codes = self.client.batch_put_from([self._marker_name()], [_address(self.marker)], [MARKER_BYTES], placement)
+        self.marked = codes == [0]
+
+    def close(self) -> None:
+        """Let go of the segment: unmount it (its objects leave the store at once) when the master answers;
+        else just exit, and the master drops the segment after its client_ttl."""
+        if self.listener is not None:
+            if self._socket_is_ours():
+                self.config.path("sock").unlink(missing_ok=True)
+            self.listener.close()
+        if self.client is not None and self.client.health_check() == 0:
+            self.client.close()
+
+
+def _address(buffer: mmap.mmap) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+#: madvise(2) advice: fill the page tables of a range for writing (Linux 5.14+; older kernels refuse it).
+MADV_POPULATE_WRITE = 23
+
+
+def _populate(address: int, length: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+def _mapped_spans(fd: int) -> list[tuple[int, int, int]]:
+    """Where this process maps the memfd ``fd`` (Mooncake mapped it when mounting): (start, end, offset)."""
+    inode = os.fstat(fd).st_ino
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[4] == str(inode) and "memfd:" in line:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end, int(fields[2], 16)))
+    return spans
+
+
+def main(argv: list[str]) -> int:
+    """``python -m kvcached.store.mooncake_keeper CONFIG_JSON``: start the keeper, print ``ready`` (or
+    the reason it could not start) and return; the keeper goes on in a child process."""
+    config = KeeperConfig.from_json(argv[0])
+    read_end, write_end = os.pipe()
+    if os.fork() != 0:  # the launcher: report how the start went
+        os.close(write_end)
+        with os.fdopen(read_end) as result:
+            text = result.read().strip()
+        print(text or "the keeper exited while starting (see its log)")
+        return 0 if text.startswith("ready") else 1
+    os.close(read_end)
+    os.dup2(2, 1)  # the launcher's pipe is for the result alone; everything else goes to the log
+    logs.configure("info", json=True)
+    log = logs.get("kvcached.keeper").bind(instance=config.instance)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        keeper = Keeper(config, log)
+    except OSError as exc:
+        os.write(write_end, f"cannot reserve a segment of {config.segment_bytes} bytes: {exc}".encode())
+        os._exit(1)
+    signal.signal(signal.SIGTERM, lambda *_: keeper.stop())
+    try:
+        keeper.connect()
+        keeper.listen()
+    except Exception as exc:
+        os.write(write_end, f"{exc}".encode())
+        keeper.close()
+        os._exit(1)
+    os.write(write_end, f"ready {os.getpid()} {keeper.hostname}".encode())
+    os.close(write_end)
+    log.info("keeping the segment", segment=keeper.hostname, bytes=config.segment_bytes, master=config.master)
+    try:
+        keeper.serve()
+    finally:
+        keeper.close()
+        log.info("segment let go; exiting")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

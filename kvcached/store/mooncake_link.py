@@ -1,0 +1,368 @@
+"""A store agent's link to its host's Mooncake keeper: find it (or start it), talk to it, stop it for good.
+
+The keeper (``kvcached.store.mooncake_keeper``) is the process that owns the instance's Mooncake segment
+and its registration with the master; it outlives the daemon, so the host's objects stay readable by
+every host across ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon. One per instance
+(each rank's store agent connects to it); its files, in the run directory::
+
+    <run_dir>/<instance>.mooncake.sock   the keeper's socket (Unix stream, mode 0600)
+    <run_dir>/<instance>.mooncake.lock   flock held while a store agent finds or starts it
+    <run_dir>/<instance>.mooncake.log    its log (and Mooncake's)
+
+Wire format: a frame is a u32 length and a JSON object. A request is ``{"op": ..., ...}``, a reply
+``{"ok": true, "result": ..., "stats": {...}}`` or ``{"ok": false, "error": text}``; replies come in
+the order of the requests. ``hello`` carries one file descriptor each way: the agent's batch buffer (a
+memfd the keeper maps and registers with its client, where ``put`` reads and ``get`` writes objects),
+and the keeper's segment (a memfd the agent maps read-only: an object in it is read where it lies).
+Both ends check the other's uid (``SO_PEERCRED``) before a byte is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvcached.protocol.errors import StoreUnavailable
+from kvcached.protocol.names import check_instance
+
+#: Bumped when a request or reply changes meaning: a keeper of another version is replaced.
+PROTOCOL = 1
+_FRAME = struct.Struct("<I")
+#: A frame longer than this is refused (a peer speaking something else).
+MAX_FRAME = 64 << 20
+#: How long a keeper may take to start (connect to the master, map and register its segment).
+START_TIMEOUT_S = 60.0
+#: How long a keeper may take to let go of its segment when told to quit, before it is killed.
+QUIT_TIMEOUT_S = 5.0
+#: A reply taking longer than this means the keeper is stuck (the worker's own deadline is shorter).
+REPLY_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeeperConfig:
+    """What an instance's keeper is started with; a keeper started with other values is replaced."""
+
+    instance: str
+    run_dir: str
+    master: str
+    metadata: str
+    #: The segment: every rank's share of the host's memory in the store.
+    segment_bytes: int
+    #: This host's address as other hosts reach it (the keeper picks the transfer port itself).
+    host: str
+
+    def path(self, suffix: str) -> Path:
+        return Path(self.run_dir) / f"{check_instance(self.instance)}.mooncake.{suffix}"
+
+    def identity(self) -> dict[str, Any]:
+        """The fields a running keeper must share with this configuration to be reused."""
+        return {
+            "master": self.master,
+            "metadata": self.metadata,
+            "segment_bytes": self.segment_bytes,
+            "host": self.host,
+        }
+
+    @classmethod
+    def from_json(cls, text: str) -> KeeperConfig:
+        return cls(**json.loads(text))
+
+
+# -- frames -------------------------------------------------------------------------------------------
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    """Send one frame (and ``fds`` with its first byte)."""
+    data = json.dumps(message).encode()
+    frame = _FRAME.pack(len(data)) + data
+    if fds:
+        sent = socket.send_fds(sock, [frame], list(fds))
+        frame = frame[sent:]
+    if frame:
+        sock.sendall(frame)
+
+
+class Receiver:
+    """Whole frames (and the descriptors that came with them) from one stream socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+        self.fds: list[int] = []
+
+    def frame(self) -> dict[str, Any] | None:
+        """The next whole frame already received, or None."""
+        if len(self.buffer) < _FRAME.size:
+            return None
+        (length,) = _FRAME.unpack_from(self.buffer)
+        if length > MAX_FRAME:
+            raise ConnectionError(f"a frame of {length} bytes: not a kvcached keeper peer")
+        if len(self.buffer) < _FRAME.size + length:
+            return None
+        message = json.loads(bytes(self.buffer[_FRAME.size : _FRAME.size + length]))
+        del self.buffer[: _FRAME.size + length]
+        if not isinstance(message, dict):
+            raise ConnectionError("a frame that is not a JSON object")
+        return message
+
+    def fill(self) -> None:
+        """Read what the socket has (blocking per its timeout); ConnectionError at EOF."""
+        data, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, 4)
+        self.fds += fds
+        if not data:
+            raise ConnectionError("the peer closed the connection")
+        self.buffer += data
+
+    def receive(self) -> dict[str, Any]:
+        """The next frame, waiting for it."""
+        while (message := self.frame()) is None:
+            self.fill()
+        return message
+
+    def take_fds(self) -> list[int]:
+        fds, self.fds = self.fds, []
+        return fds
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+# -- the agent's side ---------------------------------------------------------------------------------
+
+
+class KeeperLink:
+    """An open connection to a rank's keeper. Calls raise ``StoreUnavailable`` when the keeper is gone
+    (then this link is dead: open another) or answers with an error."""
+
+    def __init__(self, sock: socket.socket, hello: dict[str, Any], segment_fd: int) -> None:
+        self.sock = sock
+        self.receiver = Receiver(sock)
+        self.hello = hello
+        self.segment_fd = segment_fd
+        self.pid = peer(sock)[0]
+        self.stats: dict[str, Any] = dict(hello.get("stats", {}))
+        self.pending = 0
+        self.dead = False
+
+    @property
+    def hostname(self) -> str:
+        """The keeper's segment name (``host:port``), where this rank's objects go first."""
+        return str(self.hello["hostname"])
+
+    def submit(self, op: str, **args: Any) -> None:
+        """Send a request without waiting; ``collect`` takes the replies in order."""
+        try:
+            send(self.sock, {"op": op, **args})
+        except OSError as exc:
+            raise self._gone(exc) from None
+        self.pending += 1
+
+    def collect(self) -> Any:
+        """The result of the oldest request not yet collected."""
+        try:
+            reply = self.receiver.receive()
+        except (OSError, ConnectionError, ValueError) as exc:
+            raise self._gone(exc) from None
+        self.pending -= 1
+        self.stats = dict(reply.get("stats", self.stats))
+        if not reply.get("ok"):
+            raise StoreUnavailable(f"Mooncake keeper of rank (pid {self.pid}): {reply.get('error')}")
+        return reply.get("result")
+
+    def call(self, op: str, **args: Any) -> Any:
+        self.submit(op, **args)
+        return self.collect()
+
+    def _gone(self, exc: BaseException) -> StoreUnavailable:
+        self.close()
+        return StoreUnavailable(
+            f"the Mooncake keeper (pid {self.pid}) did not answer ({exc}); a new one starts on the next call "
+            "(what it held is gone)"
+        )
+
+    def close(self) -> None:
+        if not self.dead:
+            self.dead = True
+            self.sock.close()
+            with contextlib.suppress(OSError):
+                os.close(self.segment_fd)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _connect(path: Path, timeout: float) -> socket.socket | None:
+    """A connection to the keeper at ``path`` whose process is ours, or None if none answers there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    if peer(sock)[1] != os.geteuid():
+        sock.close()
+        raise StoreUnavailable(f"{path}: the process listening there is not ours; remove it or pick another --instance")
+    return sock
+
+
+def _hello(sock: socket.socket, config: KeeperConfig, buffer_fd: int) -> tuple[dict[str, Any], int]:
+    send(sock, {"op": "hello", "version": PROTOCOL, "config": config.identity()}, (buffer_fd,))
+    receiver = Receiver(sock)
+    reply = receiver.receive()
+    fds = receiver.take_fds()
+    if not reply.get("ok") or not fds:
+        for fd in fds:
+            os.close(fd)
+        raise StoreUnavailable(f"Mooncake keeper refused the connection: {reply.get('error', 'no segment passed')}")
+    for extra in fds[1:]:
+        os.close(extra)
+    return dict(reply["result"]), fds[0]
+
+
+def open_link(config: KeeperConfig, buffer_fd: int, log: Any) -> KeeperLink:
+    """Connect to the instance's keeper, starting one if none runs or the one running was started with
+    another configuration or protocol (that one is told to quit first: its objects go with it)."""
+    Path(config.run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _locked(config.path("lock")):
+        sock = _connect(config.path("sock"), REPLY_TIMEOUT_S)
+        if sock is not None:
+            try:
+                hello, segment_fd = _hello(sock, config, buffer_fd)
+            except (OSError, ConnectionError, ValueError, StoreUnavailable) as exc:
+                sock.close()
+                raise StoreUnavailable(f"Mooncake keeper at {config.path('sock')} did not greet: {exc}") from None
+            if hello.get("version") == PROTOCOL and hello.get("config") == config.identity():
+                log.info("mooncake keeper found", keeper_pid=peer(sock)[0], segment=hello.get("hostname"))
+                return KeeperLink(sock, hello, segment_fd)
+            log.warning(
+                "mooncake keeper runs another configuration; replacing it (its objects are dropped)",
+                keeper=hello.get("config"),
+                wanted=config.identity(),
+            )
+            os.close(segment_fd)
+            _wait_gone([_quit(sock)], QUIT_TIMEOUT_S)
+        spawn(config)
+        sock = _connect(config.path("sock"), REPLY_TIMEOUT_S)
+        if sock is None:
+            raise StoreUnavailable(f"the Mooncake keeper started but does not answer at {config.path('sock')}")
+        hello, segment_fd = _hello(sock, config, buffer_fd)
+        log.info("mooncake keeper started", keeper_pid=peer(sock)[0], segment=hello.get("hostname"))
+        return KeeperLink(sock, hello, segment_fd)
+
+
+def spawn(config: KeeperConfig) -> None:
+    """Start the instance's keeper, detached (its own session; not this process's child once started), and
+    return once it listens. Raises ``StoreUnavailable`` with what it reported if it could not start."""
+    config.path("sock").unlink(missing_ok=True)
+    env = dict(os.environ)
+    env.setdefault("GLOG_minloglevel", "1")  # glog's spelling: Mooncake's warnings and up
+    with open(config.path("log"), "wb") as log:
+        os.fchmod(log.fileno(), 0o600)
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "kvcached.store.mooncake_keeper", json.dumps(dataclasses.asdict(config))],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,
+            env=env,
+        )
+    try:
+        out, _ = launcher.communicate(timeout=START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # the launcher leads the keeper's process group: both go
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        raise StoreUnavailable(f"the Mooncake keeper did not start within {START_TIMEOUT_S:.0f}s") from None
+    if launcher.returncode != 0:
+        tail = config.path("log").read_text(errors="replace").strip().splitlines()[-3:]
+        why = out.decode(errors="replace").strip() or " / ".join(tail)
+        raise StoreUnavailable(f"the Mooncake keeper did not start: {why}")
+
+
+def _quit(sock: socket.socket) -> int:
+    """Tell the keeper at ``sock`` to let go of its segment and exit; its pid (to wait for)."""
+    pid = peer(sock)[0]
+    with contextlib.suppress(OSError, ConnectionError, ValueError):
+        sock.settimeout(QUIT_TIMEOUT_S)
+        send(sock, {"op": "quit"})
+        Receiver(sock).receive()
+    sock.close()
+    return pid
+
+
+def _wait_gone(pids: list[int], seconds: float) -> None:
+    """Wait until every process of ``pids`` has exited; kill those still there after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if not _gone(pid)]
+        time.sleep(0.02)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
+
+
+def info(run_dir: Path, instance: str) -> dict[str, Any] | None:
+    """What the instance's keeper says of itself (``hello``'s fields and its stats), or None if none
+    answers."""
+    path = run_dir / f"{check_instance(instance)}.mooncake.sock"
+    try:
+        sock = _connect(path, 5.0)
+        if sock is None:
+            return None
+        with sock:
+            send(sock, {"op": "info", "names": []})
+            reply = Receiver(sock).receive()
+    except (OSError, ConnectionError, ValueError):
+        return None
+    return dict(reply["result"]) if reply.get("ok") else None
+
+
+def release(run_dir: Path, instance: str) -> int:
+    """The instance stops for good: tell its keeper to let go of its segment (its objects leave the
+    store) and wait for it (``QUIT_TIMEOUT_S`` at most, then it is killed); how many there were (0, 1)."""
+    pids = []
+    for path in [run_dir / f"{check_instance(instance)}.mooncake.sock"]:
+        with contextlib.suppress(StoreUnavailable, OSError):
+            sock = _connect(path, QUIT_TIMEOUT_S)
+            if sock is not None:
+                sock.settimeout(QUIT_TIMEOUT_S)
+                send(sock, {"op": "quit"})
+                pids.append((peer(sock)[0], sock))
+        path.unlink(missing_ok=True)
+    for _, sock in pids:
+        with contextlib.suppress(OSError, ConnectionError, ValueError):
+            Receiver(sock).receive()
+        sock.close()
+    _wait_gone([pid for pid, _ in pids], QUIT_TIMEOUT_S)
+    (run_dir / f"{instance}.mooncake.lock").unlink(missing_ok=True)
+    return len(pids)
