@@ -20,7 +20,14 @@ from kvcached.memory.base import Attached
 from kvcached.memory.host import HostAttached
 from kvcached.protocol.control import Header, Record, State
 from kvcached.protocol.declare import first_difference
-from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec, KVCacheError, OwnershipConflict, TornRead
+from kvcached.protocol.errors import (
+    CacheLayoutMismatch,
+    InvalidArgument,
+    InvalidSpec,
+    KVCacheError,
+    OwnershipConflict,
+    TornRead,
+)
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes
 from kvcached.protocol.names import instance_or_default
@@ -184,26 +191,27 @@ def initialize_kv_cache(
     wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None:
     ``$KVCACHED_INSTANCE``, else ``default``) to publish the rank, then attach zero-copy. Raises
     ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
-    ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (bad arguments), ``ProtocolError``.
+    ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (``spec`` is not a ``CacheSpec``),
+    ``InvalidArgument`` (another argument out of range), ``ProtocolError``.
     """
     if not isinstance(spec, CacheSpec):
         raise InvalidSpec("spec", f"must be a runner_client.CacheSpec, got {type(spec).__name__}")
     instance = instance_or_default(instance)
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
-        raise InvalidSpec("local_rank", f"must be an integer >= 0, got {local_rank!r}")
+        raise InvalidArgument("local_rank", f"must be an integer >= 0, got {local_rank!r}")
     if framework not in FRAMEWORKS:
-        raise InvalidSpec("framework", f"must be one of {', '.join(FRAMEWORKS)}; got {framework!r}")
+        raise InvalidArgument("framework", f"must be one of {', '.join(FRAMEWORKS)}; got {framework!r}")
     if not isinstance(timeout, (int, float)) or timeout < 0:
-        raise InvalidSpec("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+        raise InvalidArgument("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
     if framework == "paddle":
         try:
             import paddle  # noqa: F401
         except ImportError:
-            raise InvalidSpec(
+            raise InvalidArgument(
                 "framework", "'paddle' needs the paddle package: pip install 'kvcached-xpu[paddle]'"
             ) from None
     if profile and not isinstance(profile, bool):
-        raise InvalidSpec("profile", f"must be true or false, got {profile!r}")
+        raise InvalidArgument("profile", f"must be true or false, got {profile!r}")
 
     owner = cache_owner(spec, profile)
     if owner == "runner":

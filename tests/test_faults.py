@@ -159,7 +159,7 @@ def test_kill9_of_a_worker_mid_task_keeps_every_byte(daemons: DaemonFactory) -> 
         fill(cache, 2)
         tasks.swap_out(1, [1, 2, 3], [0, 1, 2])
         digests = arena_digests(daemon.instance)
-        handle = tasks.store(1, list(range(40)), keys(40), wait=False)
+        handle = tasks.submit(tasks.store, 1, list(range(40)), keys(40))
         time.sleep(1.0)  # a few objects into an 8-second task
         killed = time.monotonic()
         os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
@@ -341,12 +341,12 @@ def test_an_impostor_control_block_is_refused_before_a_byte_is_mapped(daemons: D
 
 
 def test_ten_thousand_pipelined_tasks_all_complete(daemons: DaemonFactory) -> None:
-    """Why 3 (acceptance): swap_out(..., wait=False) 10,000 times, then result() on each: all complete;
+    """Why 3 (acceptance): submit(swap_out, ...) 10,000 times, then result() on each: all complete;
     the client reads replies as it goes instead of deadlocking with the worker."""
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance) as tasks:
-        handles = [tasks.swap_out(0, [i % 8], [i % 4], wait=False) for i in range(10_000)]
+        handles = [tasks.submit(tasks.swap_out, 0, [i % 8], [i % 4]) for i in range(10_000)]
         assert sum(h.result().blocks for h in handles) == 10_000
     assert read_status(daemon.instance)["ranks"][0]["swap"]["swap_out_tasks"] == 10_000
 
@@ -363,7 +363,7 @@ def test_a_send_to_a_frozen_worker_times_out(daemons: DaemonFactory) -> None:
             started = time.monotonic()
             with pytest.raises(rc.TaskTimeout):
                 for _ in range(50):  # 4 MiB of ids each: the socket's buffers fill, then the send waits
-                    tasks.swap_out(0, [1] * 262_144, [1] * 262_144, wait=False)
+                    tasks.submit(tasks.swap_out, 0, [1] * 262_144, [1] * 262_144)
             assert time.monotonic() - started < 20
         finally:
             os.kill(status["ranks"][0]["pid"], signal.SIGCONT)

@@ -80,17 +80,17 @@ class Mover:
     def swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Done:
         """Device blocks to CPU pool blocks (``out``) or back, on every rank of the group."""
         if out:
-            return self._attempts(lambda r, t: self.tasks.swap_out(r, gpu_ids, cpu_ids, wait=False, timeout=t))
-        return self._attempts(lambda r, t: self.tasks.swap_in(r, cpu_ids, gpu_ids, wait=False, timeout=t))
+            return self._attempts(lambda r, t: self.tasks.submit(self.tasks.swap_out, r, gpu_ids, cpu_ids, timeout=t))
+        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.swap_in, r, cpu_ids, gpu_ids, timeout=t))
 
     def load(self, keys: list[bytes], gpu_ids: list[int], timeout: float) -> Done:
         """The longest prefix of ``keys`` every rank has stored into ``gpu_ids``; ``blocks``: how many (the
         fewest of any rank: the blocks past it are not reported, whatever a rank wrote there)."""
-        return self._attempts(lambda r, t: self.tasks.load(r, keys, gpu_ids, wait=False, timeout=t), timeout)
+        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.load, r, keys, gpu_ids, timeout=t), timeout)
 
     def store(self, keys: list[bytes], gpu_ids: list[int], timeout: float) -> Done:
         """``gpu_ids`` into the store under ``keys`` on every rank (a key stored already is left as it is)."""
-        return self._attempts(lambda r, t: self.tasks.store(r, gpu_ids, keys, wait=False, timeout=t), timeout)
+        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.store, r, gpu_ids, keys, timeout=t), timeout)
 
     def stored(self, keys: list[bytes], timeout: float) -> int:
         """How many leading ``keys`` every rank has stored (0 when the store cannot say)."""

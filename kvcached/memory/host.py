@@ -20,7 +20,7 @@ import posix_ipc
 
 from kvcached.memory import register, shm
 from kvcached.memory.base import Array, Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest
-from kvcached.protocol.errors import AccessDenied, InvalidSpec, ProtocolError, ResourceError
+from kvcached.protocol.errors import AccessDenied, InvalidArgument, ProtocolError, ResourceError
 from kvcached.protocol.layout import device_arena_bytes, device_slots, device_views
 from kvcached.protocol.spec import CacheSpec
 
@@ -164,7 +164,7 @@ class HostBackend(DeviceBackend):
         if size != expected:
             raise ProtocolError(f"rank {local_rank}: arena {name} has {size} bytes, the runner's layout {expected}")
         if framework not in ("numpy", "paddle"):
-            raise InvalidSpec("framework", f"must be numpy or paddle, got {framework!r}")
+            raise InvalidArgument("framework", f"must be numpy or paddle, got {framework!r}")
         try:
             mapping = shm.open_arena(name, size, populate=False, owner=owner)
         except posix_ipc.ExistentialError:

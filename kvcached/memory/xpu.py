@@ -40,7 +40,7 @@ import numpy as np
 from kvcached.health import FAIL, OK, Check
 from kvcached.memory import register
 from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest, TierSwap
-from kvcached.protocol.errors import BackendUnavailable, InvalidSpec, ProtocolError
+from kvcached.protocol.errors import BackendUnavailable, InvalidArgument, ProtocolError
 from kvcached.protocol.fastdeploy import Export, exports
 from kvcached.protocol.layout import cpu_planes
 from kvcached.protocol.names import SHM_DIR
@@ -255,14 +255,14 @@ class XpuBackend(DeviceBackend):
         self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
     ) -> Attached:
         if framework != "paddle":
-            raise InvalidSpec("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
+            raise InvalidArgument("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
         device = descriptor.get("device")
         if not isinstance(device, int):
             raise ProtocolError(f"rank {local_rank}: xpu descriptor {dict(descriptor)} lacks the device")
         try:
             runtime = self.runtime()
         except XpuUnavailable as exc:
-            raise InvalidSpec("framework", f"attaching an xpu cache: {exc}") from None
+            raise InvalidArgument("framework", f"attaching an xpu cache: {exc}") from None
         tensors: dict[str, list[Any]] = {"key": [], "value": [], "key_scale": [], "value_scale": []}
         for export in exports(spec, local_rank, device):
             with contextlib.suppress(FileNotFoundError):  # set_data_ipc's record of the handle; absent: attach fails
