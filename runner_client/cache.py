@@ -19,7 +19,6 @@ from kvcached import memory
 from kvcached.memory.base import Attached
 from kvcached.memory.host import HostAttached
 from kvcached.protocol.control import Header, Record, State
-from kvcached.protocol.declare import first_difference
 from kvcached.protocol.errors import (
     CacheLayoutMismatch,
     InvalidArgument,
@@ -165,7 +164,7 @@ def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
 
 
 def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:
-    differs = first_difference(header.spec, spec)
+    differs = spec.first_difference(header.spec)
     if differs is not None:
         raise CacheLayoutMismatch(*differs, instance=instance, rank=rank)
     if record.layout_version != LAYOUT_VERSION:

@@ -27,7 +27,7 @@ import time
 import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State
-from kvcached.protocol.declare import DECLARED_FIELDS, declare, first_difference
+from kvcached.protocol.declare import declare
 from kvcached.protocol.errors import (
     AccessDenied,
     CacheLayoutMismatch,
@@ -204,7 +204,7 @@ class _Waiter:
                 self.declared_to = header.generation
                 log.info("declared the geometry to instance=%s: %s", self.instance, self.declared)
             return
-        differs = first_difference(header.spec, self.declared, DECLARED_FIELDS)
+        differs = self.declared.first_difference(header.spec, CacheSpec.DECLARED_FIELDS)
         if differs is not None:
             field, theirs, ours = differs
             raise CacheLayoutMismatch(
