@@ -43,7 +43,7 @@ from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import open_instance, read_instance
 from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
@@ -79,11 +79,9 @@ def run_dir_of(config: DaemonConfig) -> Path:
     """The run directory of the live daemon of ``config.instance`` (its control block says), else the one
     a start here would use."""
     with contextlib.suppress(KVCacheError, OSError):
-        view = open_instance(config.instance)
-        if view is not None:
-            with view:
-                if view.alive and view.header is not None and view.header.run_dir:
-                    return Path(view.header.run_dir)
+        found = read_instance(config.instance)
+        if found is not None and found.header.run_dir:
+            return Path(found.header.run_dir)
     return lock_path(config.instance).parent
 
 

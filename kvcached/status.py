@@ -31,7 +31,6 @@ import time
 from typing import Any
 
 from kvcached.protocol.control import State
-from kvcached.protocol.errors import TornRead
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.stats import latency_marks
 from kvcached.protocol.waiters import count_waiters
@@ -68,9 +67,8 @@ def read_status(instance: str) -> dict[str, Any]:
             spec=header.spec,
         )
         for rank in range(header.num_ranks):
-            try:
-                record = block.read(rank)
-            except TornRead:
+            record = view.record(rank)
+            if record is None:  # torn
                 status["ranks"].append({"rank": rank, "state": "UNKNOWN"})
                 continue
             slot = block.stats_slot(rank)

@@ -25,9 +25,8 @@ from kvcached.protocol.errors import (
     InvalidSpec,
     KVCacheError,
     OwnershipConflict,
-    TornRead,
 )
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import read_instance
 from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes
 from kvcached.protocol.names import instance_or_default
 from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
@@ -101,26 +100,20 @@ class KVCache:
         if self._daemon is None or self._memory is None:
             return True
         try:
-            view = open_instance(self.instance)
+            found = read_instance(self.instance, [self.rank])
         except KVCacheError:
             return False
-        if view is None:
+        record = found.records.get(self.rank) if found is not None else None
+        if found is None or record is None:
             return False
-        with view:
-            header = view.header
-            if header is None or not view.alive or self.rank >= header.num_ranks:
-                return False
-            try:
-                record = view.block.read(self.rank)
-            except TornRead:
-                return False
-            if record.state is not State.READY or record.generation != header.generation:
-                return False
-            if (record.backend, record.descriptor) != self._memory:
-                return False
-            self.generation = header.generation
-            self._daemon = (header.daemon_pid, header.daemon_start)
-            return True
+        header = found.header
+        if record.state is not State.READY or record.generation != header.generation:
+            return False
+        if (record.backend, record.descriptor) != self._memory:
+            return False
+        self.generation = header.generation
+        self._daemon = (header.daemon_pid, header.daemon_start)
+        return True
 
     def close(self) -> None:
         """Drop this object's views and unmap if no other reference holds the memory."""
@@ -145,22 +138,15 @@ class KVCache:
 def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
     """The header and record of a live daemon that holds (or is allocating) ``rank``, else None."""
     try:
-        view = open_instance(instance)
+        found = read_instance(instance, [rank])
     except KVCacheError:
         return None  # no daemon we could attach to either: nothing is held for us
-    if view is None:
+    record = found.records.get(rank) if found is not None else None
+    if found is None or record is None:
         return None
-    with view:
-        header = view.header
-        if header is None or rank >= header.num_ranks or not view.alive:
-            return None
-        try:
-            record = view.block.read(rank)
-        except TornRead:
-            return None
-        if record.state in (State.ALLOCATING, State.READY) and record.generation == header.generation:
-            return header, record
-        return None
+    if record.state in (State.ALLOCATING, State.READY) and record.generation == found.header.generation:
+        return found.header, record
+    return None
 
 
 def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:

@@ -35,16 +35,15 @@ from typing import Any, ParamSpec, cast
 
 import numpy as np
 
-from kvcached.protocol.control import ControlBlock, State
+from kvcached.protocol.control import State
 from kvcached.protocol.errors import (
     DaemonGone,
     InvalidArgument,
     InvalidTask,
     StoreUnavailable,
     TaskFailed,
-    TornRead,
 )
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.messages import FLAG_KEYS, KEY_BYTES, Op, Status, pack_ids, too_large
 from kvcached.protocol.names import instance_or_default
 from runner_client.connection import MAX_IN_FLIGHT
@@ -149,7 +148,7 @@ class CacheTasks:
             raise DaemonGone(f"instance {self.instance!r}: daemon pid {view.header.daemon_pid} is not running")
         self._daemons = Daemons(self.instance, view)
         self._links = [
-            RankLink(rank, self._daemons, self.timeout, _ready_memory(view.block, view.header.generation, rank))
+            RankLink(rank, self._daemons, self.timeout, _ready_memory(view, rank))
             for rank in range(view.header.num_ranks)
         ]
 
@@ -357,15 +356,12 @@ class CacheTasks:
         return array.astype(np.int64, copy=False)
 
 
-def _ready_memory(block: ControlBlock, generation: int, rank: int) -> Memory | None:
-    """The memory ``rank``'s record names when it is READY in ``generation`` (None otherwise, or torn)."""
-    try:
-        record = block.read(rank)
-    except TornRead:
+def _ready_memory(view: InstanceView, rank: int) -> Memory | None:
+    """The memory ``rank``'s record names when it is READY in the view's generation (None otherwise)."""
+    record, header = view.record(rank), view.header
+    if record is None or header is None or record.state is not State.READY or record.generation != header.generation:
         return None
-    if record.state is State.READY and record.generation == generation:
-        return (record.backend, record.descriptor, record.cpu_name)
-    return None
+    return (record.backend, record.descriptor, record.cpu_name)
 
 
 def _targets(ids: np.ndarray[Any, Any]) -> tuple[int, ...]:

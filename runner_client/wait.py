@@ -34,7 +34,6 @@ from kvcached.protocol.errors import (
     CacheNotReady,
     DaemonGone,
     RankFailed,
-    TornRead,
 )
 from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.names import SHM_DIR, semaphore_name
@@ -218,11 +217,8 @@ class _Waiter:
         self.declared_to = header.generation
 
     def _read(self) -> Record | None:
-        assert self.block is not None
-        try:
-            return self.block.read(self.rank, attempts=256)  # torn: the caller pauses and looks again
-        except TornRead:
-            return None
+        assert self.view is not None
+        return self.view.record(self.rank, attempts=256)  # torn: the caller pauses and looks again
 
     def _judge(self, record: Record) -> bool:
         """True if ready; raises for FAILED / STOPPING; records the state for messages otherwise."""
