@@ -39,12 +39,12 @@ from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
-from kvcached.health import FAIL, OK, WARN, Check, size_text
+from kvcached.health import FAIL, OK, WARN, Check
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted
 from kvcached.protocol.instance import open_instance, read_instance
-from kvcached.protocol.layout import cpu_pool_bytes
+from kvcached.protocol.layout import cpu_pool_bytes, size_text
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,

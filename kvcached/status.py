@@ -32,6 +32,7 @@ from typing import Any
 
 from kvcached.protocol.control import State
 from kvcached.protocol.instance import open_instance
+from kvcached.protocol.layout import size_text
 from kvcached.protocol.stats import latency_marks
 from kvcached.protocol.waiters import count_waiters
 
@@ -130,7 +131,7 @@ def awaits_geometry(status: dict[str, Any]) -> bool:
 
 
 def _size(n: int | None) -> str:
-    return "-" if not n else f"{n / 2**20:.1f} MiB"
+    return "-" if not n else size_text(n)
 
 
 def _swaps(swap: dict[str, int], prefix: str, latency: dict[str, Any] | None = None) -> str:
@@ -160,8 +161,7 @@ def _rate(rank: dict[str, Any], before: dict[str, Any] | None, key: str, seconds
     moved = (rank.get("swap") or {}).get(key, 0) - (before.get("swap") or {}).get(key, 0)
     if moved <= 0:
         return "0"
-    rate = moved / seconds
-    return f"{rate / 2**20:.1f} MiB/s" if rate >= 2**20 else f"{rate / 2**10:.1f} KiB/s"
+    return f"{size_text(moved / seconds)}/s"
 
 
 def render(status: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0) -> str:

@@ -36,6 +36,7 @@ from kvcached.protocol.errors import (
     RankFailed,
 )
 from kvcached.protocol.instance import InstanceView, open_instance
+from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import SHM_DIR, semaphore_name
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
@@ -240,7 +241,7 @@ class _Waiter:
             return False
         detail = record.state.name
         if record.state is State.ALLOCATING and record.total_bytes:
-            detail += f" ({record.reserved_bytes / 2**20:.1f}/{record.total_bytes / 2**20:.1f} MiB reserved)"
+            detail += f" ({size_text(record.reserved_bytes)} of {size_text(record.total_bytes)} reserved)"
         self._describe(detail, record.since_wall_ns or time.time_ns())
         return False
 

@@ -149,3 +149,11 @@ def device_views(spec: CacheSpec, buffer: Any) -> dict[str, list[np.ndarray[Any,
         array = np.frombuffer(buffer, dtype=dtype, count=count, offset=slot.offset).reshape(slot.shape)
         views[slot.kind].append(array)
     return views
+
+
+def size_text(n: float) -> str:
+    """Bytes for people, with one decimal: GiB from 1 GiB up, MiB from 1 MiB up, else KiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
