@@ -175,7 +175,7 @@ def check_copy_engine(config: DaemonConfig) -> Check:
     """Whether the native block copy was built (one call per task) or swaps go through numpy slices."""
     figure = native.describe()
     measured = {"native": native.available()}
-    if native.available() or memory.get(config.memory).pool_layout == "planes":
+    if native.available() or memory.get(config.memory).swaps_itself:
         return Check("copy_engine", OK, figure, measured)
     advice = (
         "small layer-blocks swap at about half the speed: install a C compiler (apt install gcc) and "

@@ -11,13 +11,11 @@
 from __future__ import annotations
 
 import logging
-import mmap
 import time
 from typing import Any, Literal
 
 from kvcached import memory
 from kvcached.memory.base import Attached
-from kvcached.memory.host import HostAttached
 from kvcached.protocol.control import Header, Record, State
 from kvcached.protocol.errors import (
     CacheLayoutMismatch,
@@ -27,7 +25,7 @@ from kvcached.protocol.errors import (
     OwnershipConflict,
 )
 from kvcached.protocol.instance import read_instance
-from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes
+from kvcached.protocol.layout import LAYOUT_VERSION
 from kvcached.protocol.names import instance_or_default
 from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
 from kvcached.protocol.proc import is_alive
@@ -155,33 +153,14 @@ def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str
         raise CacheLayoutMismatch(*differs, instance=instance, rank=rank)
     if record.layout_version != LAYOUT_VERSION:
         raise CacheLayoutMismatch("layout_version", record.layout_version, LAYOUT_VERSION, instance=instance, rank=rank)
-    if record.backend == "host":
-        expected = device_arena_bytes(spec)
-        if record.dev_bytes != expected:
-            raise CacheLayoutMismatch("device_arena_bytes", record.dev_bytes, expected, instance=instance, rank=rank)
+    expected = memory.get(record.backend).arena_bytes(spec)
+    if record.dev_bytes != expected:
+        raise CacheLayoutMismatch("device_arena_bytes", record.dev_bytes, expected, instance=instance, rank=rank)
 
 
-def initialize_kv_cache(
-    spec: CacheSpec,
-    local_rank: int,
-    *,
-    profile: bool = False,
-    instance: str | None = None,
-    timeout: float = 600.0,
-    framework: Framework = "numpy",
-) -> KVCache:
-    """Create or attach rank ``local_rank``'s KV cache, following the fixed condition.
-
-    Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon":
-    wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None:
-    ``$KVCACHED_INSTANCE``, else ``default``) to publish the rank, then attach zero-copy. Raises
-    ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
-    ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (``spec`` is not a ``CacheSpec``),
-    ``InvalidArgument`` (another argument out of range), ``ProtocolError``.
-    """
+def _check_arguments(spec: object, local_rank: object, profile: object, timeout: object, framework: object) -> None:
     if not isinstance(spec, CacheSpec):
         raise InvalidSpec("spec", f"must be a runner_client.CacheSpec, got {type(spec).__name__}")
-    instance = instance_or_default(instance)
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise InvalidArgument("local_rank", f"must be an integer >= 0, got {local_rank!r}")
     if framework not in FRAMEWORKS:
@@ -198,36 +177,29 @@ def initialize_kv_cache(
     if profile and not isinstance(profile, bool):
         raise InvalidArgument("profile", f"must be true or false, got {profile!r}")
 
-    owner = cache_owner(spec, profile)
-    if owner == "runner":
-        holder = _live_holder(instance, local_rank)
-        if holder is not None:
-            header, record = holder
-            raise OwnershipConflict(
-                f"instance {instance!r} rank {local_rank}: {explain_owner(spec, profile)}, but daemon pid "
-                f"{header.daemon_pid} already holds this rank's cache (state {record.state.name}); "
-                "allocating here would be a second copy. "
-                + (
-                    "Profile before starting kvcached, or give kvcached the block count directly."
-                    if profile
-                    else "Give the runner the same spec as the daemon."
-                )
-            )
-        size = device_arena_bytes(spec)
-        log.info("runner creates its own kv cache: %s (%d bytes)", explain_owner(spec, profile), size)
-        own = HostAttached(spec, mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), framework)
-        return KVCache(
-            owner="runner",
-            spec=spec,
-            rank=local_rank,
-            instance=instance,
-            framework=framework,
-            attached=own,
-            generation=None,
-            daemon=None,
-            waited_s=0.0,
-        )
 
+def initialize_kv_cache(
+    spec: CacheSpec,
+    local_rank: int,
+    *,
+    profile: bool = False,
+    instance: str | None = None,
+    timeout: float = 600.0,
+    framework: Framework = "numpy",
+) -> KVCache:
+    """Create or attach rank ``local_rank``'s KV cache, following the fixed condition.
+
+    Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon":
+    wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None:
+    ``$KVCACHED_INSTANCE``, else ``default``) to publish the rank, then attach zero-copy. Raises
+    ``CacheNotReady``, ``DaemonGone``, ``RankFailed``, ``CacheLayoutMismatch``, ``OwnershipConflict``,
+    ``InvalidSpec`` (``spec`` is not a ``CacheSpec``), ``InvalidArgument`` (another argument out of
+    range), ``ProtocolError``.
+    """
+    _check_arguments(spec, local_rank, profile, timeout, framework)
+    instance = instance_or_default(instance)
+    if cache_owner(spec, profile) == "runner":
+        return _create_here(spec, local_rank, profile, instance, framework)
     started = time.monotonic()
     ready = wait_ready(instance, local_rank, timeout, declare=spec)
     try:
@@ -237,11 +209,12 @@ def initialize_kv_cache(
     finally:
         ready.block.close()
     waited = time.monotonic() - started
+    header = ready.header
     log.info(
         "attached kv cache of instance=%s rank=%d generation=%016x after %.3fs",
         instance,
         local_rank,
-        ready.header.generation,
+        header.generation,
         waited,
     )
     return KVCache(
@@ -251,8 +224,39 @@ def initialize_kv_cache(
         instance=instance,
         framework=framework,
         attached=attached,
-        generation=ready.header.generation,
-        daemon=(ready.header.daemon_pid, ready.header.daemon_start),
+        generation=header.generation,
+        daemon=(header.daemon_pid, header.daemon_start),
         waited_s=waited,
         memory=(ready.record.backend, dict(ready.record.descriptor)),
+    )
+
+
+def _create_here(spec: CacheSpec, local_rank: int, profile: bool, instance: str, framework: str) -> KVCache:
+    """The runner owns the cache: allocate it in this process, unless a live daemon already holds the rank
+    (``OwnershipConflict``: allocating here would be a second copy)."""
+    holder = _live_holder(instance, local_rank)
+    if holder is not None:
+        header, record = holder
+        raise OwnershipConflict(
+            f"instance {instance!r} rank {local_rank}: {explain_owner(spec, profile)}, but daemon pid "
+            f"{header.daemon_pid} already holds this rank's cache (state {record.state.name}); "
+            "allocating here would be a second copy. "
+            + (
+                "Profile before starting kvcached, or give kvcached the block count directly."
+                if profile
+                else "Give the runner the same spec as the daemon."
+            )
+        )
+    own = memory.private_cache(spec, framework)
+    log.info("runner creates its own kv cache: %s (%d bytes)", explain_owner(spec, profile), own.nbytes)
+    return KVCache(
+        owner="runner",
+        spec=spec,
+        rank=local_rank,
+        instance=instance,
+        framework=framework,
+        attached=own,
+        generation=None,
+        daemon=None,
+        waited_s=0.0,
     )

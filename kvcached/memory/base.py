@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from kvcached.protocol.layout import device_arena_bytes
+from kvcached.protocol.layout import RECORDS, device_arena_bytes
 from kvcached.protocol.names import arena_name
 from kvcached.protocol.spec import CacheSpec
 
@@ -134,8 +134,11 @@ class DeviceBackend(abc.ABC):
     pins_pool: ClassVar[bool] = False
     #: A tier outlives the process that created it (``reopen`` works after that process died).
     outlives_worker: ClassVar[bool] = False
-    #: How the CPU pool is laid out for this backend (``kvcached.protocol.layout.POOL_LAYOUTS``).
-    pool_layout: ClassVar[str] = "records"
+    #: How the CPU pool is laid out for this backend (one of ``kvcached.protocol.layout.POOL_LAYOUTS``).
+    pool_layout: ClassVar[str] = RECORDS
+    #: The tier copies to and from the CPU pool with its own op (``DeviceTier.pool_swap``), not with the
+    #: copy engine's native routine.
+    swaps_itself: ClassVar[bool] = False
 
     def shm_bytes(self, spec: CacheSpec) -> int:
         """Bytes of /dev/shm one rank's device tier takes (0 when it lives on a device)."""

@@ -103,6 +103,12 @@ class HostAttached(Attached):
                 mapping.close()
 
 
+def private_attached(spec: CacheSpec, framework: str) -> HostAttached:
+    """Anonymous private memory of a device arena's size, viewed as ``framework`` tensors."""
+    mapping = mmap.mmap(-1, device_arena_bytes(spec), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return HostAttached(spec, mapping, framework)
+
+
 def to_paddle(array: Array, dtype: str) -> Any:
     """A paddle tensor aliasing numpy ``array`` (zero-copy through DLPack) with the cache's ``dtype``."""
     import paddle

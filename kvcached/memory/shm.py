@@ -225,15 +225,6 @@ def prefault_ranges(ranges: list[tuple[int, int]]) -> threading.Thread:
     return thread
 
 
-def unlink(name: str) -> bool:
-    """Remove shm object ``name``; False if it did not exist."""
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        return False
-    return True
-
-
 def shm_free_bytes() -> int:
     """Bytes an unprivileged process may still allocate in /dev/shm."""
     st = os.statvfs("/dev/shm")

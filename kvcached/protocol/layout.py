@@ -118,7 +118,11 @@ def cpu_pool_bytes(spec: CacheSpec) -> int:
     return cpu_block_stride(spec) * spec.num_cpu_blocks
 
 
-POOL_LAYOUTS = ("records", "planes")
+#: How a CPU pool is laid out: ``RECORDS``, block-major (one block of every layer is one contiguous record,
+#: ``cpu_block_stride`` apart), or ``PLANES``, tensor-major (per tensor, every block contiguous:
+#: ``cpu_planes``), where a device backend's own swap op wants it so.
+RECORDS, PLANES = "records", "planes"
+POOL_LAYOUTS = (RECORDS, PLANES)
 
 
 def cpu_planes(spec: CacheSpec) -> list[tuple[int, int]]:
@@ -130,11 +134,6 @@ def cpu_planes(spec: CacheSpec) -> list[tuple[int, int]]:
         planes.append((offset, width))
         offset += width * spec.num_cpu_blocks
     return planes
-
-
-def rank_shm_bytes(spec: CacheSpec) -> int:
-    """Shared memory one rank reserves on the host backend: device arena plus CPU pool."""
-    return device_arena_bytes(spec) + cpu_pool_bytes(spec)
 
 
 def device_views(spec: CacheSpec, buffer: Any) -> dict[str, list[np.ndarray[Any, Any]]]:
