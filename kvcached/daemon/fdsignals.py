@@ -362,10 +362,6 @@ class FastDeploySignals:
                 segment.missing_since = now
             segment.follow()
 
-    def mappings(self) -> int:
-        """Segments mapped now, all names together."""
-        return sum(len(segment.views) for segment in self.segments)
-
     def close(self) -> None:
         for segment in self.segments:
             segment.close()

@@ -128,8 +128,6 @@ class DeviceBackend(abc.ABC):
     """A device backend: see the module docstring. Instances are stateless and shared."""
 
     name: ClassVar[str]
-    #: Help text for ``--memory``.
-    summary: ClassVar[str]
     #: The CPU pool must be pinned (mlocked): the device copies to and from it by DMA.
     pins_pool: ClassVar[bool] = False
     #: A tier outlives the process that created it (``reopen`` works after that process died).

@@ -123,7 +123,6 @@ class HostBackend(DeviceBackend):
     """See the module docstring."""
 
     name = "host"
-    summary = "POSIX shared memory (the embedded default)"
     outlives_worker = True
 
     def shm_bytes(self, spec: CacheSpec) -> int:

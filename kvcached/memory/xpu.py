@@ -167,10 +167,6 @@ class XpuBackend(DeviceBackend):
     """See the module docstring. ``runtime`` makes the hardware adapter (a double in tests)."""
 
     name = "xpu"
-    summary = (
-        "Kunlun XPU memory, exported under FastDeploy's names (needs paddlepaddle-xpu and fastdeploy-xpu; "
-        "an error otherwise, never a fallback)"
-    )
     pins_pool = True
     pool_layout = PLANES
     swaps_itself = True
