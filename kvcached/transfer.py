@@ -19,7 +19,7 @@ pool plane, a column range of a staging row. How a task moves, fastest first:
     per run, per piece p:   host_p[c0:c0+n] = device_p[d0:d0+n]      (one strided copy)
 
    A Python loop over runs beats numpy's fancy indexing here: that gathers into a temporary first, an
-   extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces).
+   extra copy of every byte (``scripts/bench_copy_choices.py``; figures in docs/benchmarks.md).
 
 Every path copies at most ``STEP_BYTES`` between two calls of ``on_step`` (the worker's progress mark).
 """

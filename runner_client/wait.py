@@ -1,6 +1,6 @@
 """The runner's wait for its rank: bounded, blocking on a semaphore, never trusting a flag it cannot check.
 
-A rank is ready for a runner when all of these hold at once (DESIGN principle 2):
+A rank is ready for a runner when all of these hold at once (a flag left by a crashed run is never trusted):
 
 * the instance's control block is published (magic written) and speaks this protocol version;
 * the daemon in its header is alive: its pid runs and has the recorded start time (not a zombie);

@@ -16,7 +16,7 @@ the CPU pool or back (alternately):
   and the flags are FastDeploy's own files with ``FASTDEPLOY_SRC``, else the doubles of the tests;
 * ``plain``: ``--tp`` processes each copying one rank's share of a task's bytes at the same time.
 
-Target (issue 20): the drop-in adds at most 10 % to a task at TP8.
+Target: the drop-in adds at most 10 % to a task at TP8.
 """
 
 from __future__ import annotations

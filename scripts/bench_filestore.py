@@ -126,7 +126,8 @@ def kvcached_pass(
         with rc.CacheTasks(instance, timeout=3600) as tasks:
             started = time.perf_counter()
             for h in [
-                tasks.submit(tasks.store, None, ids[i : i + batch], keys[i : i + batch]) for i in range(0, blocks, batch)
+                tasks.submit(tasks.store, None, ids[i : i + batch], keys[i : i + batch])
+                for i in range(0, blocks, batch)
             ]:
                 h.result()
             times["store"] = time.perf_counter() - started

@@ -16,7 +16,7 @@ shuffled block ids (no runs to coalesce), and the one-block round trip (submit t
 
 All three have small layer-blocks (16 KiB; 72 KiB for MLA): one block is one piece per layer and kind.
 
-Targets (issue 15): >= 0.7 of the plain copy at 16 KiB layer-blocks with 2 ranks on 2 cores (0.8 with 8
+Targets: >= 0.7 of the plain copy at 16 KiB layer-blocks with 2 ranks on 2 cores (0.8 with 8
 ranks on 16), >= 0.9 at >= 256 KiB, pipelined never below blocking; one-block round trip p50 <= 200 us.
 """
 

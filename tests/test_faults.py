@@ -1,8 +1,19 @@
 """Legitimate long work, hostile neighbours and broken parts: each costs at most the task it hit.
 
-One test per case found by trying the daemon as a hostile tester would; each docstring names its case
-("why 1: ..." follows the issue's list). Everything is real: daemon processes, SIGSTOP/SIGKILL, a real
-Mooncake master, a real tmpfs for a full disk, other uids (as root; skipped otherwise, saying so).
+One test per case found by trying the daemon as a hostile tester would; each docstring names its kind:
+
+* why 1: legitimate long work or a stalled part (a long task, a hung worker, a frozen master or
+  supervisor, clients that never read, a FIFO in the store) costs at most the task it hit;
+* why 2: an object another user planted under the instance's names is refused;
+* why 3: flow control: pipelined tasks, frozen sends, idle connections and parked frames are bounded;
+* why 4: file store faults (a full disk, a failed write-through, foreign objects, a lost directory);
+* why 5: the run directory and its lock file are never followed through a symlink;
+* why 6: an operator gets an error and an exit status, never a traceback;
+* why 7: smaller sharp edges of the CLI and the client;
+* why 8: the suite runs beside another copy of itself.
+
+Everything is real: daemon processes, SIGSTOP/SIGKILL, a real Mooncake master, a real tmpfs for a full
+disk, other uids (as root; skipped otherwise, saying so).
 """
 
 from __future__ import annotations
@@ -341,7 +352,7 @@ def test_an_impostor_control_block_is_refused_before_a_byte_is_mapped(daemons: D
 
 
 def test_ten_thousand_pipelined_tasks_all_complete(daemons: DaemonFactory) -> None:
-    """Why 3 (acceptance): submit(swap_out, ...) 10,000 times, then result() on each: all complete;
+    """Why 3: submit(swap_out, ...) 10,000 times, then result() on each: all complete;
     the client reads replies as it goes instead of deadlocking with the worker."""
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
@@ -370,7 +381,7 @@ def test_a_send_to_a_frozen_worker_times_out(daemons: DaemonFactory) -> None:
 
 
 def test_two_thousand_idle_connections_at_nofile_1024_leave_the_daemon_serving(daemons: DaemonFactory) -> None:
-    """Why 3 (acceptance): under an open-file limit of 1024, 2,000 idle connections do not crash the worker
+    """Why 3: under an open-file limit of 1024, 2,000 idle connections do not crash the worker
     (it used to die of EMFILE): the idle ones are closed to make room, a new client is served, the worker
     is the same."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -3,7 +3,9 @@
 A ``CacheSpec`` is validated when it is built, so every ``CacheSpec`` that exists is allocatable in
 principle: every size is a positive int, ``kv_heads`` is already divided by tensor parallelism and is at
 least 1, the dtype and role are known names, and the bytes of one rank fit a 64-bit host's address space.
-Sizes in bytes are computed here and nowhere else.
+Payload sizes in bytes (of a block, of one rank's device cache and CPU pool) are computed here;
+``kvcached.protocol.layout`` places the tensors and pads them to pages; everything else takes its sizes from
+these two.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class CacheSpec:
                 f"({MAX_RANK_BYTES} bytes); lower num_blocks, num_cpu_blocks or the geometry",
             )
 
-    # -- sizes: the only place they are computed -------------------------------------------------------
+    # -- payload sizes ----------------------------------------------------------------------------------
 
     @property
     def itemsize(self) -> int:
