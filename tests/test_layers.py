@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcached.memory", "kvcached.store"),
     ("runner_client",),
     ("kvcached.transfer",),
-    ("kvcached.config",),
+    ("kvcached.config", "kvcached.config_file"),
     ("kvcached.daemon", "kvcached.daemon.fdsignals"),
     ("kvcached.status", "kvcached.doctor", "kvcached.running"),
     ("kvcached.cli", "kvcached.fastdeploy"),
