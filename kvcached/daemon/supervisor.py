@@ -75,7 +75,7 @@ from kvcached.daemon.errors import (
     EXIT_RESOURCES,
     Fatal,
 )
-from kvcached.daemon.fdsignals import FastDeploySignals
+from kvcached.daemon.fdsignals import ReadyFlags as FastDeploySignals
 from kvcached.daemon.handover import Preflight, Worker
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
