@@ -48,7 +48,7 @@ SEPARATE = {
     ("kvcached.fastdeploy", "kvcached.daemon"),
 }
 #: What the runner's package may import of kvcached: what a runner needs to attach, nothing of the daemon.
-RUNNER_MAY_IMPORT = ("kvcached.protocol", "kvcached.memory", "kvcached.plugins")
+RUNNER_MAY_IMPORT = ("kvcached.protocol", "kvcached.memory", "kvcached.plugins", "kvcached.fastdeploy.names")
 THIRD_PARTY_ON_THE_FLOOR = {"numpy", "posix_ipc"}
 
 
