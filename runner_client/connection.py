@@ -94,8 +94,8 @@ class Connection:
 
     def send(self, op: Op, payload: bytes, flags: int = 0) -> int:
         """Send one task and return its id; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for
-        their waiters). Raises ``Closed`` (nothing of the frame went out) or ``TimeoutError`` (the worker
-        reads nothing any more: this connection is closed, part of a frame may be out)."""
+        their waiters). Raises ``Closed`` (the worker is gone: it runs none of it) or ``TimeoutError`` (the
+        worker reads nothing any more: this connection is closed, part of a frame may be out)."""
         with self.lock:
             deadline = time.monotonic() + self.timeout
             while self.unread >= MAX_IN_FLIGHT:
