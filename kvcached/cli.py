@@ -376,7 +376,7 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     """Stop a running daemon (SIGTERM; --keep: SIGRTMIN+1) and wait until it has cleaned up. Not running:
     exit 0."""
     from kvcached import running
-    from kvcached.daemon.signals import KEEP_SIGNAL
+    from kvcached.daemon.requests import KEEP_SIGNAL
 
     name = _instance(instance)
     target = running.daemon_of(name)
@@ -415,7 +415,7 @@ def restart(instance: str | None, timeout: float) -> None:
     geometry (--geometry engine) holds no memory: it waits again, exit 0.
     """
     from kvcached import running
-    from kvcached.daemon.signals import RESTART_SIGNAL
+    from kvcached.daemon.requests import RESTART_SIGNAL
     from kvcached.status import awaits_geometry
 
     name = _instance(instance)

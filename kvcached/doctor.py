@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import memory, native, store
+from kvcached.checks import FAIL, OK, WARN, Check
 from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
-from kvcached.health import FAIL, OK, WARN, Check
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The figures behind three choices of the copy paths, each against its alternative in the same run:
 
-* numpy's fallback copies one slice per run of ids (``kvcached.transfer``) instead of fancy indexing,
+* numpy's fallback copies one slice per run of ids (``kvcached.copy_engine``) instead of fancy indexing,
   which gathers into a temporary first (scattered ids: every run one block);
 * the host arenas' pages are mapped on a background thread right after READY (``kvcached.memory.shm``
   ``prefault``): the first copy into a fresh shm mapping against one into a mapping already faulted in;

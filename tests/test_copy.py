@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runner_client as rc
-from kvcached import native, transfer
+from kvcached import copy_engine, native
+from kvcached.copy_engine import SwapEngine
 from kvcached.memory.host import host_pieces
 from kvcached.protocol.layout import (
     PLANES,
@@ -31,7 +32,6 @@ from kvcached.protocol.layout import (
     device_arena_bytes,
     device_slots,
 )
-from kvcached.transfer import SwapEngine
 
 Array = np.ndarray[Any, Any]
 
@@ -161,7 +161,7 @@ def test_staging_rows_are_whole_block_records(engine_kind: str, name: str) -> No
 
 def test_a_long_task_moves_in_steps_and_marks_progress(engine_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = SPECS["bf16"]
-    monkeypatch.setattr(transfer, "STEP_BYTES", 3 * spec.block_bytes)
+    monkeypatch.setattr(copy_engine, "STEP_BYTES", 3 * spec.block_bytes)
     steps: list[int] = []
     rank = Rank(spec, RECORDS)
     rank.engine.on_step = lambda: steps.append(1)

@@ -25,10 +25,10 @@ import runner_client as rc
 import tests.plugins.filemem
 import tests.plugins.xpu_double
 from kvcached import memory
+from kvcached.copy_engine import SwapEngine
 from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime
 from kvcached.memory.base import TierRequest
 from kvcached.protocol.errors import BackendUnavailable
-from kvcached.transfer import SwapEngine
 from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result, shm_entries, unique_instance
 
 SPECS = {

@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 #: hooks, the adapter, the doctor of a FastDeploy tree) on the top floor: a client of the daemon, as the CLI
 #: is, that reaches it through ``runner_client`` and the protocol only.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvcached.protocol", "kvcached.protocol.fastdeploy"),
+    ("kvcached.protocol", "kvcached.fastdeploy.names"),
     (
         "kvcached.plugins",
         "kvcached.knobs",
-        "kvcached.health",
+        "kvcached.checks",
         "kvcached.access",
         "kvcached.logs",
         "kvcached.native",
@@ -31,9 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("kvcached.memory", "kvcached.store"),
     ("runner_client",),
-    ("kvcached.transfer",),
+    ("kvcached.copy_engine",),
     ("kvcached.config", "kvcached.config_file"),
-    ("kvcached.daemon", "kvcached.daemon.fdsignals"),
+    ("kvcached.daemon", "kvcached.fastdeploy.flags"),
     ("kvcached.status", "kvcached.doctor", "kvcached.running"),
     ("kvcached.cli", "kvcached.fastdeploy"),
 ]

@@ -17,7 +17,7 @@ KNOWN_EXCEPTIONS = (
     "kvcached/daemon/supervisor.py",
     "kvcached/daemon/server.py",
     "kvcached/daemon/worker.py",
-    "kvcached/daemon/storecalls.py",
+    "kvcached/daemon/store_agent.py",
     "kvcached/store/*",
 )
 

@@ -11,7 +11,7 @@ A backend is one module under ``kvcached/memory/`` holding one ``DeviceBackend``
 Between them travels a ``descriptor``: a small JSON object the worker returns with the tier and the
 supervisor publishes in the rank's record (``kvcached.protocol.control``); ``attach`` reads nothing else.
 
-A tier presents its tensors to the copy engine (``kvcached.transfer``) as ``Piece`` objects: one per
+A tier presents its tensors to the copy engine (``kvcached.copy_engine``) as ``Piece`` objects: one per
 tensor, in the layout's record order, each a sequence of block rows.
 """
 
@@ -33,7 +33,7 @@ from kvcached.protocol.names import arena_name
 from kvcached.protocol.spec import CacheSpec
 
 if TYPE_CHECKING:
-    from kvcached.health import Check
+    from kvcached.checks import Check
 
 Array = np.ndarray[Any, Any]
 Progress = Callable[[int], None]

@@ -3,7 +3,7 @@ runner attaches it.
 
 Per rank the worker allocates, on its XPU device, one paddle tensor per layer and kind (key, value,
 scales), zero-filled, with FastDeploy's shapes and dtypes, and exports each under FastDeploy's name
-(``kvcached.protocol.fastdeploy``) with FastDeploy's ``set_data_ipc``. A runner attaches each by name with
+(``kvcached.fastdeploy.names``) with FastDeploy's ``set_data_ipc``. A runner attaches each by name with
 ``share_external_data``. Swaps and store tasks move block rows between those tensors and the CPU pool.
 
 Swaps between the tensors and the CPU pool are one call of FastDeploy's ``swap_cache_all_layers`` per
@@ -38,12 +38,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvcached.checks import FAIL, OK, Check
+from kvcached.fastdeploy.names import Export, exports
 from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime, ipc_record, ops_present
-from kvcached.health import FAIL, OK, Check
 from kvcached.memory import register
 from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest, TierSwap
 from kvcached.protocol.errors import BackendUnavailable, InvalidArgument, ProtocolError
-from kvcached.protocol.fastdeploy import Export, exports
 from kvcached.protocol.layout import PLANES, cpu_planes
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
