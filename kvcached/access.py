@@ -19,7 +19,8 @@ import socket
 import struct
 from pathlib import Path
 
-_PEERCRED = struct.Struct("3i")
+from kvcached.protocol.trust import peer_credentials
+
 #: Linux's SO_PEERGROUPS (not exported by Python's socket module).
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 #: Python's getsockopt() takes at most 1024 bytes: 256 groups; a peer in more is read from /proc.
@@ -58,7 +59,7 @@ class Peer:
 
 def peer_of(sock: socket.socket) -> Peer:
     """The peer credentials of a connected Unix socket: pid, uid, primary and supplementary gids."""
-    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    pid, uid, gid = peer_credentials(sock)
     gids = {gid}
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GROUPS_BUFFER)

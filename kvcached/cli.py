@@ -288,11 +288,11 @@ def _use_streaming_stores() -> None:
 
     A swap copies one block piece (16 KiB to a few MiB) per memcpy, because the CPU pool is block-major.
     By default glibc streams (skips reading the destination it overwrites) only above about 3/4 of the
-    L3 size, and on AMD takes `rep movsb` below the L2 size: measured here, two ranks moving 256 KiB
-    pieces ran at 15 GB/s with the defaults and at 20.5 GB/s (a plain 1 GiB copy: 20) with these.
-    GLIBC_TUNABLES is read when a process starts, hence the exec. Harmless where they do not apply.
-    Only for the numpy copy path: the native routine (``kvcached.native``) streams by itself, and with
-    it the exec, a second interpreter start-up (about 0.3 s of every start), is skipped.
+    L3 size, and on AMD takes `rep movsb` below the L2 size, so such copies run well below the memory's
+    speed without these (``scripts/bench_copy_choices.py``, docs/benchmarks.md). GLIBC_TUNABLES is read
+    when a process starts, hence the exec. Harmless where they do not apply. Only for the numpy copy
+    path: the native routine (``kvcached.native``) streams by itself, and with it the exec, a second
+    interpreter start-up of every start, is skipped.
     """
     from kvcached import native
 
@@ -376,7 +376,7 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     """Stop a running daemon (SIGTERM; --keep: SIGRTMIN+1) and wait until it has cleaned up. Not running:
     exit 0."""
     from kvcached import running
-    from kvcached.daemon.signals import KEEP_SIGNAL
+    from kvcached.daemon.requests import KEEP_SIGNAL
 
     name = _instance(instance)
     target = running.daemon_of(name)
@@ -415,7 +415,7 @@ def restart(instance: str | None, timeout: float) -> None:
     geometry (--geometry engine) holds no memory: it waits again, exit 0.
     """
     from kvcached import running
-    from kvcached.daemon.signals import RESTART_SIGNAL
+    from kvcached.daemon.requests import RESTART_SIGNAL
     from kvcached.status import awaits_geometry
 
     name = _instance(instance)

@@ -37,13 +37,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from kvcached import knobs, memory, store
 from kvcached.access import resolve_group, resolve_user
+from kvcached.config_file import file_values
 from kvcached.knobs import Knob
 from kvcached.protocol.control import MAX_RANKS, control_block_bytes
 from kvcached.protocol.errors import InvalidConfig, InvalidSpec
@@ -299,41 +299,14 @@ class DaemonConfig:
         environ = os.environ if environ is None else environ
         check_variables(environ, ignore)
         all_knobs = {knob.name: knob for knob in knobs_all()}
-        raw: dict[str, tuple[Any, str]] = {}  # knob -> (value as written, where)
-        if config_file is not None:
-            raw.update(file_values(config_file, all_knobs, ignore, config_source))
-        for knob in all_knobs.values():
-            if knob.env in environ and environ[knob.env] != "":
-                raw[knob.name] = (environ[knob.env], f"{knob.env}={environ[knob.env]}")
-        for name, value in flags.items():
-            if value is not None and name in all_knobs:
-                raw[name] = (value, all_knobs[name].flag)
-        for name in ignore:
-            raw.pop(name, None)
-        values: dict[str, Any] = {}
-        for name, knob in all_knobs.items():
-            if name not in raw:
-                values[name] = knob.default
-                continue
-            value, where = raw[name]
-            try:
-                values[name] = knob.parse(value)
-            except ValueError as exc:
-                raise InvalidConfig(name, where, str(exc)) from None
+        raw = _written(flags, config_file, environ, all_knobs, ignore=ignore, config_source=config_source)
+        values = _parsed(raw, all_knobs)
 
         def source(name: str) -> str:
             return raw[name][1] if name in raw else all_knobs[name].flag
 
         _geometry_from(values["geometry"], [(name, source(name)) for name in SPEC_FIELDS if name in raw])
-        try:
-            spec = CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
-        except InvalidSpec as exc:
-            name = _KNOB_OF_FIELD.get(exc.field, exc.field)
-            where = source(name)
-            if name not in raw:  # a limit of the whole geometry, reached through the values that were set
-                given = [raw[knob][1] for knob in SPEC_FIELDS if knob in raw]
-                where = f"{', '.join(given)} (with {where} at its default)" if given else where
-            raise InvalidConfig(name, where, exc.message) from None
+        spec = _spec_of(values, raw, source)
         ranks = values["ranks"]
         gid = _resolved(resolve_group, values, "group", source)
         if gid is not None and os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
@@ -344,19 +317,7 @@ class DaemonConfig:
             raise InvalidConfig(
                 "devices", source("devices"), f"needs one device number per rank ({ranks}), got {len(devices)}"
             )
-        store_config = StoreConfig()
-        if spec.storage_backend is not None:
-            backend = store.get(spec.storage_backend)
-            try:
-                options = backend.configure(
-                    {knob.name: values[knob.name] for knob in backend.options},
-                    spec=spec,
-                    instance=values["instance"],
-                    ranks=ranks,
-                )
-            except InvalidSpec as exc:
-                raise InvalidConfig(exc.field, source(exc.field), exc.message) from None
-            store_config = StoreConfig(backend=spec.storage_backend, options=options)
+        store_config = _store_of(spec, values, source)
         return cls(
             instance=values["instance"],
             ranks=ranks,
@@ -389,19 +350,74 @@ class DaemonConfig:
         return dataclasses.replace(self, spec=spec, store=store_config)
 
 
-def file_values(
-    path: Path, known: Mapping[str, Knob], ignore: frozenset[str], source: str | None
+def _written(
+    flags: Mapping[str, Any],
+    config_file: Path | None,
+    environ: Mapping[str, str],
+    all_knobs: Mapping[str, Knob],
+    *,
+    ignore: frozenset[str],
+    config_source: str | None,
 ) -> dict[str, tuple[Any, str]]:
-    """The values of a config file with where each came from; a number or boolean written as a string
-    (``ranks = "2"``) is refused: TOML has the types, and a quoted number is most likely a mistake."""
-    found = {}
-    for key, value in load_toml(path, known, ignore, source=source).items():
-        where = f"{path}: {key}"
-        kind = knobs.toml_type(known[key].parse)
-        if isinstance(value, str) and kind is not None:
-            raise InvalidConfig(key, where, f"must be a TOML {kind}, written without quotes; got {value!r}")
-        found[key] = (value, where)
-    return found
+    """knob -> (value as written, where), flags over the environment over the file; ``ignore``d left out."""
+    raw: dict[str, tuple[Any, str]] = {}
+    if config_file is not None:
+        raw.update(file_values(config_file, all_knobs, ignore, config_source))
+    for knob in all_knobs.values():
+        if knob.env in environ and environ[knob.env] != "":
+            raw[knob.name] = (environ[knob.env], f"{knob.env}={environ[knob.env]}")
+    for name, value in flags.items():
+        if value is not None and name in all_knobs:
+            raw[name] = (value, all_knobs[name].flag)
+    for name in ignore:
+        raw.pop(name, None)
+    return raw
+
+
+def _parsed(raw: Mapping[str, tuple[Any, str]], all_knobs: Mapping[str, Knob]) -> dict[str, Any]:
+    """Every knob's value: parsed from what was written, else its default."""
+    values: dict[str, Any] = {}
+    for name, knob in all_knobs.items():
+        if name not in raw:
+            values[name] = knob.default
+            continue
+        value, where = raw[name]
+        try:
+            values[name] = knob.parse(value)
+        except ValueError as exc:
+            raise InvalidConfig(name, where, str(exc)) from None
+    return values
+
+
+def _spec_of(values: Mapping[str, Any], raw: Mapping[str, tuple[Any, str]], source: Callable[[str], str]) -> CacheSpec:
+    """The spec the values give; a bad field is an ``InvalidConfig`` naming where it was set (or, for a
+    limit of the whole geometry, the values that were set and the default that completed them)."""
+    try:
+        return CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
+    except InvalidSpec as exc:
+        name = _KNOB_OF_FIELD.get(exc.field, exc.field)
+        where = source(name)
+        if name not in raw:
+            given = [raw[knob][1] for knob in SPEC_FIELDS if knob in raw]
+            where = f"{', '.join(given)} (with {where} at its default)" if given else where
+        raise InvalidConfig(name, where, exc.message) from None
+
+
+def _store_of(spec: CacheSpec, values: Mapping[str, Any], source: Callable[[str], str]) -> StoreConfig:
+    """The store backend's configuration (none without a ``storage_backend``)."""
+    if spec.storage_backend is None:
+        return StoreConfig()
+    backend = store.get(spec.storage_backend)
+    try:
+        options = backend.configure(
+            {knob.name: values[knob.name] for knob in backend.options},
+            spec=spec,
+            instance=values["instance"],
+            ranks=values["ranks"],
+        )
+    except InvalidSpec as exc:
+        raise InvalidConfig(exc.field, source(exc.field), exc.message) from None
+    return StoreConfig(backend=spec.storage_backend, options=options)
 
 
 def _resolved(
@@ -461,38 +477,3 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
             hint = f"; did you mean {close[0]}?" if close else ""
             found.append(f"{name} is not a kvcached setting: ignored{hint}")
     return found
-
-
-def load_toml(
-    path: Path, known: Mapping[str, Knob], ignore: frozenset[str] = frozenset(), *, source: str | None = None
-) -> dict[str, Any]:
-    """Read a config file; unreadable files and unknown keys (with the closest known key) are
-    ``InvalidConfig`` errors naming the file (as ``source`` says it was given: ``--config FILE`` by
-    default, ``KVCACHED_CONFIG=FILE``). Keys in ``ignore`` are left out."""
-    where = source or f"--config {path}"
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise InvalidConfig("config", where, f"cannot read it: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidConfig("config", where, f"not valid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise InvalidConfig("config", where, f"not UTF-8 text (byte {exc.start}), so not TOML") from None
-    data = {key: value for key, value in data.items() if key not in ignore}
-    for key in data:
-        if key not in known:
-            raise InvalidConfig(key, f"{path}: {key}", f"unknown key{suggest(key, known)}")
-    return data
-
-
-def suggest(word: str, known: Mapping[str, Any] | tuple[str, ...]) -> str:
-    """``"; did you mean X?"`` for the closest of ``known`` (dashes read as underscores), else the list."""
-    candidates = list(known)
-    normal = word.replace("-", "_").lower()
-    if normal in candidates and normal != word:
-        return f"; did you mean {normal!r}?"
-    close = difflib.get_close_matches(normal, candidates, n=1, cutoff=0.75)
-    if close:
-        return f"; did you mean {close[0]!r}?"
-    return f"; known keys are {', '.join(candidates)}"

@@ -35,16 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import memory, native, store
+from kvcached.checks import FAIL, OK, WARN, Check
 from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
-from kvcached.health import FAIL, OK, WARN, Check, size_text
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted
-from kvcached.protocol.instance import open_instance
-from kvcached.protocol.layout import cpu_pool_bytes
+from kvcached.protocol.instance import open_instance, read_instance
+from kvcached.protocol.layout import cpu_pool_bytes, size_text
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
@@ -79,11 +79,9 @@ def run_dir_of(config: DaemonConfig) -> Path:
     """The run directory of the live daemon of ``config.instance`` (its control block says), else the one
     a start here would use."""
     with contextlib.suppress(KVCacheError, OSError):
-        view = open_instance(config.instance)
-        if view is not None:
-            with view:
-                if view.alive and view.header is not None and view.header.run_dir:
-                    return Path(view.header.run_dir)
+        found = read_instance(config.instance)
+        if found is not None and found.header.run_dir:
+            return Path(found.header.run_dir)
     return lock_path(config.instance).parent
 
 
@@ -177,7 +175,7 @@ def check_copy_engine(config: DaemonConfig) -> Check:
     """Whether the native block copy was built (one call per task) or swaps go through numpy slices."""
     figure = native.describe()
     measured = {"native": native.available()}
-    if native.available() or memory.get(config.memory).pool_layout == "planes":
+    if native.available() or memory.get(config.memory).swaps_itself:
         return Check("copy_engine", OK, figure, measured)
     advice = (
         "small layer-blocks swap at about half the speed: install a C compiler (apt install gcc) and "

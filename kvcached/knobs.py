@@ -2,8 +2,8 @@
 
 A knob is set by a flag (``--num-blocks``), an environment variable (``KVCACHED_NUM_BLOCKS``) or a key of
 the ``--config`` TOML file (``num_blocks``); all three names derive from ``Knob.name``. The core knobs live
-in ``kvcached.config``, backend knobs beside their backend (``StoreBackend.options``,
-``DeviceBackend``'s module); ``kvcached.config`` gathers them and the CLI is generated from that list.
+in ``kvcached.config``, a store backend's beside it (``StoreBackend.options``; device backends declare
+none); ``kvcached.config`` gathers them and the CLI is generated from that list.
 
 A parser takes what an operator wrote (a string from a flag or the environment, or a TOML value) and
 returns the value, or raises ``ValueError`` whose message says what is allowed.

@@ -2,8 +2,8 @@
 
 Shared processors with ``merge_contextvars`` first; a console renderer on a TTY, one JSON object per
 line otherwise (journald, files). Workers bind ``rank`` with ``bind_contextvars``; the supervisor binds
-``instance``. Everything goes to stderr. Modules take their logger with ``structlog.get_logger(name)``
-where they use it; only ``configure`` (called by ``kvcached start``) decides where it goes.
+``instance`` (and ``generation``). Everything goes to stderr. Modules take their logger with
+``logs.get(name)`` where they use it; only ``configure`` (called by ``kvcached start``) decides where it goes.
 
 A log line that cannot be written (stderr closed, a pipe whose reader left) is dropped: losing a line
 must never stop the daemon that serves the cache.

@@ -2,7 +2,7 @@
 
 ``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes
 releases it around a foreign call). ``available()`` says whether it was built; without it the copy
-engine (``kvcached.transfer``) copies with numpy, one slice per piece and run of ids.
+engine (``kvcached.copy_engine``) copies with numpy, one slice per piece and run of ids.
 ``KVCACHED_NATIVE_COPY=0`` turns it off (to compare, or to rule it out).
 """
 

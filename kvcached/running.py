@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -20,7 +20,7 @@ from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
 from kvcached.daemon.lockfile import holder
 from kvcached.protocol.errors import KVCacheError
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_shm_entries, lock_path
 from kvcached.protocol.proc import is_alive
 from kvcached.status import awaits_geometry, is_ready, read_status
@@ -29,11 +29,14 @@ from kvcached.status import awaits_geometry, is_ready, read_status
 #: within the unit's WatchdogSec).
 PREFLIGHT_S = 20.0
 
+T = TypeVar("T")
 
-def guarded(read: Callable[[str], dict[str, Any]], instance: str) -> dict[str, Any]:
-    """``read(instance)``, with kvcached's own errors (a foreign block, no permission) as a clean message."""
+
+def guarded(read: Callable[..., T], instance: str, **options: Any) -> T:
+    """``read(instance, **options)``, with kvcached's own errors (a foreign block, no permission) as a clean
+    message."""
     try:
-        return read(instance)
+        return read(instance, **options)
     except KVCacheError as exc:
         raise click.ClickException(f"instance {instance}: {exc}") from None
 
@@ -43,14 +46,8 @@ def daemon_of(name: str) -> tuple[int, int] | None:
     found = holder(lock_path(name))
     if found is not None and found.alive:
         return found.pid, found.started
-    try:
-        view = open_instance(name)
-    except KVCacheError as exc:
-        raise click.ClickException(f"instance {name}: {exc}") from None
-    if view is None:
-        return None
-    with view:
-        return view.daemon
+    published = guarded(read_instance, name)
+    return (published.header.daemon_pid, published.header.daemon_start) if published is not None else None
 
 
 def send(name: str, pid: int, signum: int) -> None:
@@ -97,14 +94,8 @@ def left_behind(name: str) -> str:
 
 def run_dir_of(name: str) -> Path:
     """The run directory the live daemon of ``name`` publishes (where it writes a refused restart's reason)."""
-    try:
-        view = open_instance(name)
-    except KVCacheError as exc:
-        raise click.ClickException(f"instance {name}: {exc}") from None
-    if view is None or view.header is None:
-        return lock_path(name).parent
-    with view:
-        return Path(view.header.run_dir)
+    found = guarded(read_instance, name, live=False)
+    return Path(found.header.run_dir) if found is not None else lock_path(name).parent
 
 
 def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: float) -> tuple[dict[str, Any], float]:

@@ -30,10 +30,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvcached.protocol.control import State
-from kvcached.protocol.errors import TornRead
+from kvcached.protocol.control import Header, Record, State
 from kvcached.protocol.instance import open_instance
-from kvcached.protocol.stats import latency_marks
+from kvcached.protocol.layout import size_text
+from kvcached.protocol.stats import StatsSlot, latency_marks
 from kvcached.protocol.waiters import count_waiters
 
 
@@ -68,37 +68,40 @@ def read_status(instance: str) -> dict[str, Any]:
             spec=header.spec,
         )
         for rank in range(header.num_ranks):
-            try:
-                record = block.read(rank)
-            except TornRead:
+            record = view.record(rank)
+            if record is None:  # torn
                 status["ranks"].append({"rank": rank, "state": "UNKNOWN"})
                 continue
-            slot = block.stats_slot(rank)
-            stats = slot.counters()
-            age = max(0, now - record.heartbeat_ns) / 1e9  # never -0.0: a beat may land after `now` was read
             status["ranks"].append(
-                {
-                    "rank": rank,
-                    "state": record.state.name,
-                    "pid": record.worker_pid or None,
-                    "heartbeat_age_s": round(age, 3) if record.heartbeat_ns else None,
-                    "bytes": record.dev_bytes + record.cpu_bytes,
-                    "bytes_device": record.dev_bytes,
-                    "bytes_cpu": record.cpu_bytes,
-                    "reserved": record.reserved_bytes,
-                    "total": record.total_bytes,
-                    "since": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.since_wall_ns / 1e9))
-                    if record.since_wall_ns
-                    else None,
-                    "error": record.error,
-                    "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
-                    "waiting": waiting[rank],
-                    "latency": {op: latency_marks(counts) for op, counts in slot.latency().items()},
-                    "swap": stats,
-                    "store": _store_view(header.spec.get("storage_backend"), stats),
-                }
+                _rank_view(rank, record, block.stats_slot(rank), header, now=now, waiting=waiting[rank])
             )
     return status
+
+
+def _rank_view(rank: int, record: Record, slot: StatsSlot, header: Header, *, now: int, waiting: int) -> dict[str, Any]:
+    """One rank as ``read_status`` shows it, from its record and stats slot (``now``: monotonic ns;
+    ``waiting``: runners waiting for it)."""
+    stats = slot.counters()
+    age = max(0, now - record.heartbeat_ns) / 1e9  # never -0.0: a beat may land after `now` was read
+    since = time.localtime(record.since_wall_ns / 1e9)
+    return {
+        "rank": rank,
+        "state": record.state.name,
+        "pid": record.worker_pid or None,
+        "heartbeat_age_s": round(age, 3) if record.heartbeat_ns else None,
+        "bytes": record.dev_bytes + record.cpu_bytes,
+        "bytes_device": record.dev_bytes,
+        "bytes_cpu": record.cpu_bytes,
+        "reserved": record.reserved_bytes,
+        "total": record.total_bytes,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S", since) if record.since_wall_ns else None,
+        "error": record.error,
+        "cpu_blocks": header.spec.get("num_cpu_blocks", 0),
+        "waiting": waiting,
+        "latency": {op: latency_marks(counts) for op, counts in slot.latency().items()},
+        "swap": stats,
+        "store": _store_view(header.spec.get("storage_backend"), stats),
+    }
 
 
 def _store_view(backend: str | None, stats: dict[str, int]) -> dict[str, Any] | None:
@@ -132,7 +135,7 @@ def awaits_geometry(status: dict[str, Any]) -> bool:
 
 
 def _size(n: int | None) -> str:
-    return "-" if not n else f"{n / 2**20:.1f} MiB"
+    return "-" if not n else size_text(n)
 
 
 def _swaps(swap: dict[str, int], prefix: str, latency: dict[str, Any] | None = None) -> str:
@@ -162,8 +165,27 @@ def _rate(rank: dict[str, Any], before: dict[str, Any] | None, key: str, seconds
     moved = (rank.get("swap") or {}).get(key, 0) - (before.get("swap") or {}).get(key, 0)
     if moved <= 0:
         return "0"
-    rate = moved / seconds
-    return f"{rate / 2**20:.1f} MiB/s" if rate >= 2**20 else f"{rate / 2**10:.1f} KiB/s"
+    return f"{size_text(moved / seconds)}/s"
+
+
+#: The table's columns; with rates, the rate columns come before the last two.
+_COLUMNS = (
+    "rank",
+    "state",
+    "waiting",
+    "pid",
+    "heartbeat",
+    "device",
+    "cpu pool",
+    "swap out",
+    "swap in",
+    "store",
+    "refused",
+    "since",
+    "error",
+)
+_RATES = ("out/s", "in/s", "store/s", "load/s")
+_RATE_KEYS = ("swap_out_bytes", "swap_in_bytes", "store_bytes", "load_bytes")
 
 
 def render(status: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0) -> str:
@@ -180,53 +202,39 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
     lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
     if status.get("note"):
         lines.append(status["note"])
-    rows: list[tuple[str, ...]] = [
-        (
-            "rank",
-            "state",
-            "waiting",
-            "pid",
-            "heartbeat",
-            "device",
-            "cpu pool",
-            "swap out",
-            "swap in",
-            "store",
-            "refused",
-            "since",
-            "error",
-        )
-    ]
     rates = previous is not None and previous.get("generation") == status["generation"]
     before = {r["rank"]: r for r in previous["ranks"]} if rates and previous else {}
-    rate_keys = ("swap_out_bytes", "swap_in_bytes", "store_bytes", "load_bytes")
-    if rates:
-        rows[0] = (*rows[0][:-2], "out/s", "in/s", "store/s", "load/s", *rows[0][-2:])
+    rows: list[tuple[str, ...]] = [(*_COLUMNS[:-2], *_RATES, *_COLUMNS[-2:]) if rates else _COLUMNS]
     for r in status["ranks"]:
-        state = r["state"]
-        if state == "ALLOCATING" and r.get("total"):
-            state += f" {100 * r['reserved'] // r['total']}%"
-        age = r.get("heartbeat_age_s")
-        swap = r.get("swap") or {}
-        pool = f"{_size(r.get('bytes_cpu'))} ({r.get('cpu_blocks', 0)} blocks)" if r.get("bytes_cpu") else "-"
-        rows.append(
-            (
-                str(r["rank"]),
-                state,
-                str(r.get("waiting", 0)),
-                str(r.get("pid") or "-"),
-                "-" if age is None else f"{age:.1f}s",
-                _size(r.get("bytes_device")),
-                pool,
-                _swaps(swap, "swap_out", r.get("latency")),
-                _swaps(swap, "swap_in", r.get("latency")),
-                _store_cell(r.get("store")),
-                str(swap.get("tasks_refused", 0)),
-                *([_rate(r, before.get(r["rank"]), key, seconds) for key in rate_keys] if rates else []),
-                r.get("since") or "-",
-                r.get("error") or "",
-            )
-        )
+        cells = _row(r)
+        if rates:
+            cells[-2:-2] = [_rate(r, before.get(r["rank"]), key, seconds) for key in _RATE_KEYS]
+        rows.append(tuple(cells))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    """One rank's cells, as ``_COLUMNS`` names them."""
+    state = r["state"]
+    if state == "ALLOCATING" and r.get("total"):
+        state += f" {100 * r['reserved'] // r['total']}%"
+    age = r.get("heartbeat_age_s")
+    swap = r.get("swap") or {}
+    pool = f"{_size(r.get('bytes_cpu'))} ({r.get('cpu_blocks', 0)} blocks)" if r.get("bytes_cpu") else "-"
+    return [
+        str(r["rank"]),
+        state,
+        str(r.get("waiting", 0)),
+        str(r.get("pid") or "-"),
+        "-" if age is None else f"{age:.1f}s",
+        _size(r.get("bytes_device")),
+        pool,
+        _swaps(swap, "swap_out", r.get("latency")),
+        _swaps(swap, "swap_in", r.get("latency")),
+        _store_cell(r.get("store")),
+        str(swap.get("tasks_refused", 0)),
+        r.get("since") or "-",
+        r.get("error") or "",
+    ]

@@ -12,11 +12,13 @@ numpy and posix_ipc only: no click, no structlog, no daemon code. It never confi
 the ``runner_client`` logger.
 """
 
+from kvcached.fastdeploy.names import export_name, exports, spec_from_fastdeploy
 from kvcached.protocol.errors import (
     AccessDenied,
     CacheLayoutMismatch,
     CacheNotReady,
     DaemonGone,
+    InvalidArgument,
     InvalidSpec,
     InvalidTask,
     KVCacheError,
@@ -29,7 +31,6 @@ from kvcached.protocol.errors import (
     TaskLost,
     TaskTimeout,
 )
-from kvcached.protocol.fastdeploy import export_name, exports, spec_from_fastdeploy
 from kvcached.protocol.ownership import CONDITION, Owner, cache_owner, should_create_cache
 from kvcached.protocol.spec import CacheSpec
 from runner_client.cache import KVCache, initialize_kv_cache
@@ -45,6 +46,7 @@ __all__ = [
     "CacheSpec",
     "CacheTasks",
     "DaemonGone",
+    "InvalidArgument",
     "InvalidSpec",
     "InvalidTask",
     "KVCache",

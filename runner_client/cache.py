@@ -11,18 +11,21 @@
 from __future__ import annotations
 
 import logging
-import mmap
 import time
 from typing import Any, Literal
 
 from kvcached import memory
 from kvcached.memory.base import Attached
-from kvcached.memory.host import HostAttached
 from kvcached.protocol.control import Header, Record, State
-from kvcached.protocol.declare import first_difference
-from kvcached.protocol.errors import CacheLayoutMismatch, InvalidSpec, KVCacheError, OwnershipConflict, TornRead
-from kvcached.protocol.instance import open_instance
-from kvcached.protocol.layout import LAYOUT_VERSION, device_arena_bytes
+from kvcached.protocol.errors import (
+    CacheLayoutMismatch,
+    InvalidArgument,
+    InvalidSpec,
+    KVCacheError,
+    OwnershipConflict,
+)
+from kvcached.protocol.instance import read_instance
+from kvcached.protocol.layout import LAYOUT_VERSION
 from kvcached.protocol.names import instance_or_default
 from kvcached.protocol.ownership import Owner, cache_owner, explain_owner
 from kvcached.protocol.proc import is_alive
@@ -95,26 +98,20 @@ class KVCache:
         if self._daemon is None or self._memory is None:
             return True
         try:
-            view = open_instance(self.instance)
+            found = read_instance(self.instance, [self.rank])
         except KVCacheError:
             return False
-        if view is None:
+        record = found.records.get(self.rank) if found is not None else None
+        if found is None or record is None:
             return False
-        with view:
-            header = view.header
-            if header is None or not view.alive or self.rank >= header.num_ranks:
-                return False
-            try:
-                record = view.block.read(self.rank)
-            except TornRead:
-                return False
-            if record.state is not State.READY or record.generation != header.generation:
-                return False
-            if (record.backend, record.descriptor) != self._memory:
-                return False
-            self.generation = header.generation
-            self._daemon = (header.daemon_pid, header.daemon_start)
-            return True
+        header = found.header
+        if record.state is not State.READY or record.generation != header.generation:
+            return False
+        if (record.backend, record.descriptor) != self._memory:
+            return False
+        self.generation = header.generation
+        self._daemon = (header.daemon_pid, header.daemon_start)
+        return True
 
     def close(self) -> None:
         """Drop this object's views and unmap if no other reference holds the memory."""
@@ -139,34 +136,46 @@ class KVCache:
 def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
     """The header and record of a live daemon that holds (or is allocating) ``rank``, else None."""
     try:
-        view = open_instance(instance)
+        found = read_instance(instance, [rank])
     except KVCacheError:
         return None  # no daemon we could attach to either: nothing is held for us
-    if view is None:
+    record = found.records.get(rank) if found is not None else None
+    if found is None or record is None:
         return None
-    with view:
-        header = view.header
-        if header is None or rank >= header.num_ranks or not view.alive:
-            return None
-        try:
-            record = view.block.read(rank)
-        except TornRead:
-            return None
-        if record.state in (State.ALLOCATING, State.READY) and record.generation == header.generation:
-            return header, record
-        return None
+    if record.state in (State.ALLOCATING, State.READY) and record.generation == found.header.generation:
+        return found.header, record
+    return None
 
 
 def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:
-    differs = first_difference(header.spec, spec)
+    differs = spec.first_difference(header.spec)
     if differs is not None:
         raise CacheLayoutMismatch(*differs, instance=instance, rank=rank)
     if record.layout_version != LAYOUT_VERSION:
         raise CacheLayoutMismatch("layout_version", record.layout_version, LAYOUT_VERSION, instance=instance, rank=rank)
-    if record.backend == "host":
-        expected = device_arena_bytes(spec)
-        if record.dev_bytes != expected:
-            raise CacheLayoutMismatch("device_arena_bytes", record.dev_bytes, expected, instance=instance, rank=rank)
+    expected = memory.get(record.backend).arena_bytes(spec)
+    if record.dev_bytes != expected:
+        raise CacheLayoutMismatch("device_arena_bytes", record.dev_bytes, expected, instance=instance, rank=rank)
+
+
+def _check_arguments(spec: object, local_rank: object, profile: object, timeout: object, framework: object) -> None:
+    if not isinstance(spec, CacheSpec):
+        raise InvalidSpec("spec", f"must be a runner_client.CacheSpec, got {type(spec).__name__}")
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+        raise InvalidArgument("local_rank", f"must be an integer >= 0, got {local_rank!r}")
+    if framework not in FRAMEWORKS:
+        raise InvalidArgument("framework", f"must be one of {', '.join(FRAMEWORKS)}; got {framework!r}")
+    if not isinstance(timeout, (int, float)) or timeout < 0:
+        raise InvalidArgument("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+    if framework == "paddle":
+        try:
+            import paddle  # noqa: F401
+        except ImportError:
+            raise InvalidArgument(
+                "framework", "'paddle' needs the paddle package: pip install 'kvcached-xpu[paddle]'"
+            ) from None
+    if profile and not isinstance(profile, bool):
+        raise InvalidArgument("profile", f"must be true or false, got {profile!r}")
 
 
 def initialize_kv_cache(
@@ -183,58 +192,14 @@ def initialize_kv_cache(
     Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon":
     wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None:
     ``$KVCACHED_INSTANCE``, else ``default``) to publish the rank, then attach zero-copy. Raises
-    ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
-    ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (bad arguments), ``ProtocolError``.
+    ``CacheNotReady``, ``DaemonGone``, ``RankFailed``, ``CacheLayoutMismatch``, ``OwnershipConflict``,
+    ``InvalidSpec`` (``spec`` is not a ``CacheSpec``), ``InvalidArgument`` (another argument out of
+    range), ``ProtocolError``.
     """
-    if not isinstance(spec, CacheSpec):
-        raise InvalidSpec("spec", f"must be a runner_client.CacheSpec, got {type(spec).__name__}")
+    _check_arguments(spec, local_rank, profile, timeout, framework)
     instance = instance_or_default(instance)
-    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
-        raise InvalidSpec("local_rank", f"must be an integer >= 0, got {local_rank!r}")
-    if framework not in FRAMEWORKS:
-        raise InvalidSpec("framework", f"must be one of {', '.join(FRAMEWORKS)}; got {framework!r}")
-    if not isinstance(timeout, (int, float)) or timeout < 0:
-        raise InvalidSpec("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
-    if framework == "paddle":
-        try:
-            import paddle  # noqa: F401
-        except ImportError:
-            raise InvalidSpec(
-                "framework", "'paddle' needs the paddle package: pip install 'kvcached-xpu[paddle]'"
-            ) from None
-    if profile and not isinstance(profile, bool):
-        raise InvalidSpec("profile", f"must be true or false, got {profile!r}")
-
-    owner = cache_owner(spec, profile)
-    if owner == "runner":
-        holder = _live_holder(instance, local_rank)
-        if holder is not None:
-            header, record = holder
-            raise OwnershipConflict(
-                f"instance {instance!r} rank {local_rank}: {explain_owner(spec, profile)}, but daemon pid "
-                f"{header.daemon_pid} already holds this rank's cache (state {record.state.name}); "
-                "allocating here would be a second copy. "
-                + (
-                    "Profile before starting kvcached, or give kvcached the block count directly."
-                    if profile
-                    else "Give the runner the same spec as the daemon."
-                )
-            )
-        size = device_arena_bytes(spec)
-        log.info("runner creates its own kv cache: %s (%d bytes)", explain_owner(spec, profile), size)
-        own = HostAttached(spec, mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), framework)
-        return KVCache(
-            owner="runner",
-            spec=spec,
-            rank=local_rank,
-            instance=instance,
-            framework=framework,
-            attached=own,
-            generation=None,
-            daemon=None,
-            waited_s=0.0,
-        )
-
+    if cache_owner(spec, profile) == "runner":
+        return _create_here(spec, local_rank, profile, instance, framework)
     started = time.monotonic()
     ready = wait_ready(instance, local_rank, timeout, declare=spec)
     try:
@@ -244,11 +209,12 @@ def initialize_kv_cache(
     finally:
         ready.block.close()
     waited = time.monotonic() - started
+    header = ready.header
     log.info(
         "attached kv cache of instance=%s rank=%d generation=%016x after %.3fs",
         instance,
         local_rank,
-        ready.header.generation,
+        header.generation,
         waited,
     )
     return KVCache(
@@ -258,8 +224,39 @@ def initialize_kv_cache(
         instance=instance,
         framework=framework,
         attached=attached,
-        generation=ready.header.generation,
-        daemon=(ready.header.daemon_pid, ready.header.daemon_start),
+        generation=header.generation,
+        daemon=(header.daemon_pid, header.daemon_start),
         waited_s=waited,
         memory=(ready.record.backend, dict(ready.record.descriptor)),
+    )
+
+
+def _create_here(spec: CacheSpec, local_rank: int, profile: bool, instance: str, framework: str) -> KVCache:
+    """The runner owns the cache: allocate it in this process, unless a live daemon already holds the rank
+    (``OwnershipConflict``: allocating here would be a second copy)."""
+    holder = _live_holder(instance, local_rank)
+    if holder is not None:
+        header, record = holder
+        raise OwnershipConflict(
+            f"instance {instance!r} rank {local_rank}: {explain_owner(spec, profile)}, but daemon pid "
+            f"{header.daemon_pid} already holds this rank's cache (state {record.state.name}); "
+            "allocating here would be a second copy. "
+            + (
+                "Profile before starting kvcached, or give kvcached the block count directly."
+                if profile
+                else "Give the runner the same spec as the daemon."
+            )
+        )
+    own = memory.private_cache(spec, framework)
+    log.info("runner creates its own kv cache: %s (%d bytes)", explain_owner(spec, profile), own.nbytes)
+    return KVCache(
+        owner="runner",
+        spec=spec,
+        rank=local_rank,
+        instance=instance,
+        framework=framework,
+        attached=own,
+        generation=None,
+        daemon=None,
+        waited_s=0.0,
     )

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.errors import InvalidArgument
+from kvcached.protocol.messages import KEY_BYTES
 
-KEY_BYTES = 32
 _ROOT = b"kvcached.block_keys.v1"
 Extra = bytes | str | int
 
@@ -29,7 +29,7 @@ def _encode(extra: Extra | None) -> bytes:
     if extra is None:
         return b"\0"
     if isinstance(extra, bool) or not isinstance(extra, (bytes, str, int)):
-        raise InvalidSpec("extra", f"each extra must be bytes, str or int, got {type(extra).__name__}")
+        raise InvalidArgument("extra", f"each extra must be bytes, str or int, got {type(extra).__name__}")
     raw = extra.encode() if isinstance(extra, str) else extra if isinstance(extra, bytes) else str(extra).encode()
     return struct.pack("<Q", len(raw)) + raw
 
@@ -43,15 +43,17 @@ def block_keys(
     hash) or a sequence with one value per full block (e.g. multimodal hashes of the tokens in it).
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise InvalidSpec("block_size", f"must be an integer >= 1, got {block_size!r}")
+        raise InvalidArgument("block_size", f"must be an integer >= 1, got {block_size!r}")
     tokens = np.asarray(token_ids)
     if tokens.size and (tokens.ndim != 1 or tokens.dtype.kind not in "iu"):
-        raise InvalidSpec("token_ids", f"must be a flat list of integers, got {tokens.dtype} of shape {tokens.shape}")
+        raise InvalidArgument(
+            "token_ids", f"must be a flat list of integers, got {tokens.dtype} of shape {tokens.shape}"
+        )
     tokens = tokens.astype("<i8", copy=False)
     full = len(tokens) // block_size
     if isinstance(extra, (list, tuple)):
         if len(extra) != full:
-            raise InvalidSpec(
+            raise InvalidArgument(
                 "extra", f"a per-block sequence needs one value per full block ({full}), got {len(extra)}"
             )
         extras = [_encode(e) for e in extra]

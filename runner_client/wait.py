@@ -1,6 +1,6 @@
 """The runner's wait for its rank: bounded, blocking on a semaphore, never trusting a flag it cannot check.
 
-A rank is ready for a runner when all of these hold at once (DESIGN principle 2):
+A rank is ready for a runner when all of these hold at once (a flag left by a crashed run is never trusted):
 
 * the instance's control block is published (magic written) and speaks this protocol version;
 * the daemon in its header is alive: its pid runs and has the recorded start time (not a zombie);
@@ -27,16 +27,16 @@ import time
 import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State
-from kvcached.protocol.declare import DECLARED_FIELDS, declare, first_difference
+from kvcached.protocol.declare import declare
 from kvcached.protocol.errors import (
     AccessDenied,
     CacheLayoutMismatch,
     CacheNotReady,
     DaemonGone,
     RankFailed,
-    TornRead,
 )
 from kvcached.protocol.instance import InstanceView, open_instance
+from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import SHM_DIR, semaphore_name
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
@@ -204,7 +204,7 @@ class _Waiter:
                 self.declared_to = header.generation
                 log.info("declared the geometry to instance=%s: %s", self.instance, self.declared)
             return
-        differs = first_difference(header.spec, self.declared, DECLARED_FIELDS)
+        differs = self.declared.first_difference(header.spec, CacheSpec.DECLARED_FIELDS)
         if differs is not None:
             field, theirs, ours = differs
             raise CacheLayoutMismatch(
@@ -218,11 +218,8 @@ class _Waiter:
         self.declared_to = header.generation
 
     def _read(self) -> Record | None:
-        assert self.block is not None
-        try:
-            return self.block.read(self.rank, attempts=256)  # torn: the caller pauses and looks again
-        except TornRead:
-            return None
+        assert self.view is not None
+        return self.view.record(self.rank, attempts=256)  # torn: the caller pauses and looks again
 
     def _judge(self, record: Record) -> bool:
         """True if ready; raises for FAILED / STOPPING; records the state for messages otherwise."""
@@ -244,7 +241,7 @@ class _Waiter:
             return False
         detail = record.state.name
         if record.state is State.ALLOCATING and record.total_bytes:
-            detail += f" ({record.reserved_bytes / 2**20:.1f}/{record.total_bytes / 2**20:.1f} MiB reserved)"
+            detail += f" ({size_text(record.reserved_bytes)} of {size_text(record.total_bytes)} reserved)"
         self._describe(detail, record.since_wall_ns or time.time_ns())
         return False
 

@@ -6,7 +6,7 @@ One daemon at a FastDeploy TP8 geometry (``--geometry``: ERNIE-4.5-300B's 54 lay
 head_dim 128, block 64, bf16; ``--tp`` ranks). Each task swaps ``--blocks`` blocks of every rank out to
 the CPU pool or back (alternately):
 
-* ``CacheTasks``: one client sends the task to every rank at once (``wait=False``) and waits for all, what
+* ``CacheTasks``: one client sends the task to every rank at once (``submit``) and waits for all, what
   the drop-in of rank 0 does (the drop-ins run meanwhile: the two paths take turns, task by task, so that
   both see the same load on a shared machine);
 * ``drop-in``: the engine's side of FastDeploy's protocol puts ``(SWAP2CPU|SWAP2GPU, id, nodes, gpu, cpu)``
@@ -16,7 +16,7 @@ the CPU pool or back (alternately):
   and the flags are FastDeploy's own files with ``FASTDEPLOY_SRC``, else the doubles of the tests;
 * ``plain``: ``--tp`` processes each copying one rank's share of a task's bytes at the same time.
 
-Target (issue 20): the drop-in adds at most 10 % to a task at TP8.
+Target: the drop-in adds at most 10 % to a task at TP8.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ SIGNALS = {
 def direct_ms(tasks: rc.CacheTasks, ranks: int, blocks: int, out: bool) -> float:
     """Milliseconds of one swap of ``blocks`` blocks sent to every rank at once."""
     ids = list(range(blocks))
-    submit = tasks.swap_out if out else tasks.swap_in
+    task = tasks.swap_out if out else tasks.swap_in
     started = time.perf_counter()
-    for handle in [submit(r, ids, ids, wait=False) for r in range(ranks)]:
+    for handle in [tasks.submit(task, r, ids, ids) for r in range(ranks)]:
         handle.result()
     return (time.perf_counter() - started) * 1e3
 

@@ -126,7 +126,8 @@ def kvcached_pass(
         with rc.CacheTasks(instance, timeout=3600) as tasks:
             started = time.perf_counter()
             for h in [
-                tasks.store(None, ids[i : i + batch], keys[i : i + batch], wait=False) for i in range(0, blocks, batch)
+                tasks.submit(tasks.store, None, ids[i : i + batch], keys[i : i + batch])
+                for i in range(0, blocks, batch)
             ]:
                 h.result()
             times["store"] = time.perf_counter() - started
@@ -135,7 +136,7 @@ def kvcached_pass(
                     drop_from_page_cache(list(path.glob("r*/*/*.kvb")))
                 started = time.perf_counter()
                 handles = [
-                    tasks.load(None, keys[i : i + batch], into[i : i + batch], wait=False)
+                    tasks.submit(tasks.load, None, keys[i : i + batch], into[i : i + batch])
                     for i in range(0, blocks, batch)
                 ]
                 loaded = sum(h.result().blocks for h in handles)

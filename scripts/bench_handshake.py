@@ -10,7 +10,7 @@ In the same run, beside FastDeploy's way of waiting (``while flag != 1: time.sle
 * CPU use of a waiting runner over ``--wait-seconds`` of a rank that stays ALLOCATING, in % of a core,
   read from /proc after a one-second warm-up (steady waiting, not start-up).
 
-Targets (issue 2): p99 <= 2 ms, waiting CPU <= 1 % of a core.
+Targets: p99 <= 2 ms, waiting CPU <= 1 % of a core.
 """
 
 from __future__ import annotations

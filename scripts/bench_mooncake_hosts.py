@@ -83,9 +83,9 @@ def pipelined(instance: str, op: str, keys: list[bytes], batch: int) -> float:
     with rc.CacheTasks(instance, timeout=3600) as tasks:
         started = time.perf_counter()
         if op == "store":
-            handles = [tasks.store(None, ids[i : i + batch], keys[i : i + batch], wait=False) for i in ids[::batch]]
+            handles = [tasks.submit(tasks.store, None, ids[i : i + batch], keys[i : i + batch]) for i in ids[::batch]]
         else:
-            handles = [tasks.load(None, keys[i : i + batch], ids[i : i + batch], wait=False) for i in ids[::batch]]
+            handles = [tasks.submit(tasks.load, None, keys[i : i + batch], ids[i : i + batch]) for i in ids[::batch]]
         moved = sum(h.result().blocks for h in handles)
         took = time.perf_counter() - started
     assert moved == len(keys), f"{op}: {moved} of {len(keys)} blocks"

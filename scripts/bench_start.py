@@ -11,7 +11,7 @@ start that adopts the memory of a killed daemon, and `kvcached restart` under a 
   how long each restart took and the longest gap between two completed round trips.
 
 Each rank gets ``--gib`` GiB: three quarters device tier, one quarter CPU pool, in blocks of 4 layers of
-16 KiB layer-blocks (the TP8 geometry of issue 15). Prints a table; ``--json FILE`` writes the figures.
+16 KiB layer-blocks (a TP8 geometry). Prints a table; ``--json FILE`` writes the figures.
 """
 
 from __future__ import annotations

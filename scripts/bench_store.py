@@ -192,14 +192,14 @@ def run_kvcached(instance: str, blocks: int, batch: int) -> tuple[float, float]:
     with rc.CacheTasks(instance, timeout=3600) as tasks:
         started = time.perf_counter()
         handles = [
-            tasks.store(None, ids[i : i + batch], keys[i : i + batch], wait=False) for i in range(0, blocks, batch)
+            tasks.submit(tasks.store, None, ids[i : i + batch], keys[i : i + batch]) for i in range(0, blocks, batch)
         ]
         for h in handles:
             h.result()
         store_s = time.perf_counter() - started
         started = time.perf_counter()
         handles = [
-            tasks.load(None, keys[i : i + batch], ids[i : i + batch], wait=False) for i in range(0, blocks, batch)
+            tasks.submit(tasks.load, None, keys[i : i + batch], ids[i : i + batch]) for i in range(0, blocks, batch)
         ]
         loaded = sum(h.result().blocks for h in handles)
         load_s = time.perf_counter() - started

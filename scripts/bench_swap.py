@@ -16,7 +16,7 @@ shuffled block ids (no runs to coalesce), and the one-block round trip (submit t
 
 All three have small layer-blocks (16 KiB; 72 KiB for MLA): one block is one piece per layer and kind.
 
-Targets (issue 15): >= 0.7 of the plain copy at 16 KiB layer-blocks with 2 ranks on 2 cores (0.8 with 8
+Targets: >= 0.7 of the plain copy at 16 KiB layer-blocks with 2 ranks on 2 cores (0.8 with 8
 ranks on 16), >= 0.9 at >= 256 KiB, pipelined never below blocking; one-block round trip p50 <= 200 us.
 """
 
@@ -121,19 +121,19 @@ def swap_gbps(
     tasks: rc.CacheTasks, order: np.ndarray[Any, Any], batch: int, total_bytes: int, repeats: int, *, pipelined: bool
 ) -> tuple[float, float]:
     """Aggregate GB/s of swapping every block out and back in (median of ``repeats``). ``pipelined``
-    submits every batch with ``wait=False`` and then collects the results, so no rank idles while the
+    submits every batch (``CacheTasks.submit``) and then collects the results, so no rank idles while the
     client waits for the slower one; otherwise each batch is waited for before the next is sent."""
     batches = [order[i : i + batch].tolist() for i in range(0, len(order), batch)]
     times: dict[str, list[float]] = {"out": [], "in": []}
     for _ in range(repeats):
-        for name, submit in (("out", tasks.swap_out), ("in", tasks.swap_in)):
+        for name, task in (("out", tasks.swap_out), ("in", tasks.swap_in)):
             started = time.perf_counter()
             if pipelined:
-                for handle in [submit(None, ids, ids, wait=False) for ids in batches]:
+                for handle in [tasks.submit(task, None, ids, ids) for ids in batches]:
                     handle.result()
             else:
                 for ids in batches:
-                    submit(None, ids, ids)
+                    task(None, ids, ids)
             times[name].append(time.perf_counter() - started)
     return tuple(total_bytes / statistics.median(times[name]) / 1e9 for name in ("out", "in"))  # type: ignore[return-value]
 
@@ -216,7 +216,7 @@ def main() -> int:
         f"swap throughput, {args.ranks} ranks x {args.gib:g} GiB, tasks of {args.batch_mib} MiB sent to all ranks "
         "at once, GB/s aggregate; ratio = swap / plain copy of the same bytes in this run"
     )
-    print("  pipelined: every task submitted with wait=False, then collected; blocking: one task at a time;")
+    print("  pipelined: every task submitted at once, then collected; blocking: one task at a time;")
     print("  shuffled: block ids in random order (no runs to coalesce), pipelined")
     print(
         f"{'case':>12} {'layer-block':>11} {'block':>9} {'plain':>7} | {'pipelined out':>13} {'in':>6} "

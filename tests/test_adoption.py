@@ -41,7 +41,7 @@ def geometry(spec: rc.CacheSpec) -> list[str]:
 
 
 SPEC = rc.CacheSpec(num_layers=4, kv_heads=2, head_dim=32, block_size=16, num_blocks=64, num_cpu_blocks=64)
-#: 2 ranks x 1 GiB (device 768 MiB, CPU pool 256 MiB each), the acceptance's size.
+#: 2 ranks x 1 GiB (device 768 MiB, CPU pool 256 MiB each): a start that adopts this must still be quick.
 GIB_SPEC = rc.CacheSpec(num_layers=4, kv_heads=2, head_dim=128, block_size=64, num_blocks=3072, num_cpu_blocks=1024)
 
 

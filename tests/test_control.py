@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import stat
 import struct
 import time
+import zlib
 from collections.abc import Iterator
 
 import posix_ipc
 import pytest
 
+from kvcached.protocol import control
 from kvcached.protocol.control import HEADER_SIZE, RECORD_SIZE, ControlBlock, Record, State
 from kvcached.protocol.errors import ProtocolError, TornRead
 from kvcached.protocol.names import SHM_DIR, control_name
@@ -162,3 +165,34 @@ def test_seqlock_never_yields_a_torn_record(block: ControlBlock, instance: str) 
         reader.close()
     assert writer.exitcode == 0
     assert seen > 100, "the reader should have overlapped the writer many times"
+
+
+def test_the_named_tables_pack_format_version_3_and_every_record_field_round_trips() -> None:
+    """The tables that name the header's and the record's fields pack exactly the layout drawn in
+    control.py (format version 3, which readers of other builds share), and a record with every field
+    set reads back equal."""
+    assert control._HEADER.struct.format == "<8sIIIIQqQQ16sI128sQI"
+    assert control._EXTENSION.struct.format == "<QH"
+    assert control._RECORD.struct.format == "<IIQQQQqIIQQQQ16s64s256sH480s"
+    record = Record(
+        state=State.RECOVERING,
+        rank=7,
+        generation=2**64 - 1,
+        heartbeat_ns=1,
+        since_ns=2,
+        since_wall_ns=3,
+        worker_pid=-4,
+        layout_version=5,
+        dev_bytes=6,
+        cpu_bytes=7,
+        reserved_bytes=8,
+        total_bytes=9,
+        backend="xpu",
+        cpu_name="/kvcached.x.r7.cpu",
+        error="é" * 200,  # 400 bytes of utf-8: cut at 256, never inside a character
+        descriptor={"device": 3, "local_rank": 7},
+    )
+    body = record.pack()
+    again = Record.unpack(body)
+    assert again == dataclasses.replace(record, error="é" * 128)
+    assert body[88:91] == b"xpu" and body[-4:] == zlib.crc32(body[:-4]).to_bytes(4, "little")

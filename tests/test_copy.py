@@ -19,10 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runner_client as rc
-from kvcached import native, transfer
+from kvcached import copy_engine, native
+from kvcached.copy_engine import SwapEngine
 from kvcached.memory.host import host_pieces
-from kvcached.protocol.layout import cpu_block_stride, cpu_planes, cpu_pool_bytes, device_arena_bytes, device_slots
-from kvcached.transfer import SwapEngine
+from kvcached.protocol.layout import (
+    PLANES,
+    POOL_LAYOUTS,
+    RECORDS,
+    cpu_block_stride,
+    cpu_planes,
+    cpu_pool_bytes,
+    device_arena_bytes,
+    device_slots,
+)
 
 Array = np.ndarray[Any, Any]
 
@@ -73,7 +82,7 @@ class Rank:
 
     def pool_piece(self, block: int, index: int, buffer: Array | None = None) -> Array:
         pool = self.pool if buffer is None else buffer
-        if self.layout == "planes":
+        if self.layout == PLANES:
             offset, width = cpu_planes(self.spec)[index]
             return pool[offset + block * width : offset + (block + 1) * width]
         widths = [slot.nbytes // slot.shape[0] for slot in device_slots(self.spec)]
@@ -104,7 +113,7 @@ def device_limit(spec: rc.CacheSpec) -> int:
 
 
 @pytest.mark.parametrize("pattern", ["runs", "shuffled", "one", "reversed"])
-@pytest.mark.parametrize("layout", ["records", "planes"])
+@pytest.mark.parametrize("layout", list(POOL_LAYOUTS))
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_swap_out_and_in_move_exactly_their_blocks(engine_kind: str, name: str, layout: str, pattern: str) -> None:
     spec = SPECS[name]
@@ -137,7 +146,7 @@ def test_staging_rows_are_whole_block_records(engine_kind: str, name: str) -> No
     """The store's staging rows (stride above the block's bytes): each row is the block's pieces in record
     order, and copying a row back restores every piece; the padding is never touched."""
     spec = SPECS[name]
-    rank = Rank(spec, "planes")
+    rank = Rank(spec, PLANES)
     staging = np.full((5, spec.block_bytes + 100), 0xEE, dtype=np.uint8)
     dev = np.array([3, 1, 2])
     rank.engine.copy_out(dev, np.array([4, 0, 2]), staging)
@@ -152,9 +161,9 @@ def test_staging_rows_are_whole_block_records(engine_kind: str, name: str) -> No
 
 def test_a_long_task_moves_in_steps_and_marks_progress(engine_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = SPECS["bf16"]
-    monkeypatch.setattr(transfer, "STEP_BYTES", 3 * spec.block_bytes)
+    monkeypatch.setattr(copy_engine, "STEP_BYTES", 3 * spec.block_bytes)
     steps: list[int] = []
-    rank = Rank(spec, "records")
+    rank = Rank(spec, RECORDS)
     rank.engine.on_step = lambda: steps.append(1)
     dev, cpu = np.arange(10), np.arange(10)
     rank.engine.swap_out(dev, cpu)
@@ -171,7 +180,7 @@ def test_native_and_numpy_agree_on_any_task(data: st.DataObject) -> None:
     if not native.available():
         pytest.skip("the native copy was not built here")
     name = data.draw(st.sampled_from(sorted(SPECS)))
-    layout = data.draw(st.sampled_from(["records", "planes"]))
+    layout = data.draw(st.sampled_from(list(POOL_LAYOUTS)))
     spec = SPECS[name]
     limit = device_limit(spec)
     n = data.draw(st.integers(0, min(limit, spec.num_cpu_blocks)))
@@ -205,7 +214,7 @@ def test_xpu_swap_is_fastdeploys_op_once_per_kind_over_the_pool_planes() -> None
     double.XpuRuntimeDouble.exported.clear()
     double.XpuRuntimeDouble.calls.clear()
     backend = memory.get("xpu-double")
-    assert backend.pool_layout == "planes"
+    assert backend.pool_layout == PLANES
     tier = backend.create(TierRequest("kvt-copy", 1, 0, spec, device_id=5), lambda done: None)
     try:
         rng = np.random.default_rng(5)
@@ -214,7 +223,7 @@ def test_xpu_swap_is_fastdeploys_op_once_per_kind_over_the_pool_planes() -> None
         pool = mmap.mmap(-1, cpu_pool_bytes(spec))
         swap = tier.pool_swap(pool)
         assert swap is not None
-        engine = SwapEngine(spec, tier.pieces, pool, pool_layout="planes", tier_swap=swap)
+        engine = SwapEngine(spec, tier.pieces, pool, pool_layout=PLANES, tier_swap=swap)
         engine.swap_out(np.array([6, 2, 3]), np.array([0, 4, 5]))
         anchor = ctypes.c_char.from_buffer(pool)
         base = ctypes.addressof(anchor)

@@ -10,6 +10,7 @@ file), which a real daemon and a real runner also use end to end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -17,16 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import posix_ipc
 import pytest
 
 import runner_client as rc
 import tests.plugins.filemem
 import tests.plugins.xpu_double
 from kvcached import memory
+from kvcached.copy_engine import SwapEngine
+from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime
 from kvcached.memory.base import TierRequest
-from kvcached.memory.shm import unlink
-from kvcached.memory.xpu import PaddleXpuRuntime, XpuUnavailable
-from kvcached.transfer import SwapEngine
+from kvcached.protocol.errors import BackendUnavailable
 from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result, shm_entries, unique_instance
 
 SPECS = {
@@ -36,6 +38,10 @@ SPECS = {
         block_wise_fp8=True,
     ),
     "mla": rc.CacheSpec(num_layers=3, kv_heads=1, head_dim=32, block_size=4, num_blocks=8, num_cpu_blocks=4, mla=True),
+    "mtp": rc.CacheSpec(
+        num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4, mtp_layers=1,
+        mtp_num_blocks=12,
+    ),
 }  # fmt: skip
 LOCAL_RANK, DEVICE_ID = 1, 0
 PLUGINS = (tests.plugins.filemem.__name__, tests.plugins.xpu_double.__name__)
@@ -76,7 +82,8 @@ class Tier:
     def close(self) -> None:
         self.tier.close()
         self.backend.release(self.request)
-        unlink(self.request.shm_name("dev"))
+        with contextlib.suppress(posix_ipc.ExistentialError):  # a backend without a shm arena
+            posix_ipc.unlink_shared_memory(self.request.shm_name("dev"))
 
 
 def _per_layer(tensors: dict[str, list[Any]]) -> list[list[Any]]:
@@ -117,6 +124,18 @@ def test_fresh_tier_is_zero_and_rows_fill_the_block_record(backend: Any, spec: s
         rows = piece.read(0, SPECS[spec].num_blocks)
         assert rows.dtype == np.uint8 and rows.shape == (SPECS[spec].num_blocks, piece.nbytes)
         assert not rows.any()
+
+
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_a_tier_has_the_bytes_its_backend_tells_runners_to_expect(backend: Any, spec: str) -> None:
+    """A tier's bytes (what its record publishes) are its backend's ``arena_bytes`` (what a runner checks
+    them against) and hold every tensor a runner attaches, MTP layers of more blocks than the model's
+    included (the xpu tier once counted ``num_blocks`` blocks for every layer)."""
+    tier = backend(spec)
+    s = SPECS[spec]
+    assert tier.tier.nbytes == tier.backend.arena_bytes(s)
+    assert tier.tier.nbytes >= s.device_bytes == sum(len(view) for view in tier.seen_by_runner())
+    assert sum(p.nbytes * len(p.read(0, 1 << 20)) for p in tier.pieces) == s.device_bytes
 
 
 @pytest.mark.parametrize("spec", sorted(SPECS))
@@ -224,7 +243,7 @@ def test_xpu_ipc_records_are_removed_at_stop_and_reclaimed_after_kill9(daemons: 
 def test_xpu_memory_without_an_xpu_is_a_clear_startup_error(daemons: DaemonFactory) -> None:
     """Here there is no paddle-xpu: `--memory xpu` fails at start-up, says what to install, leaves nothing,
     and never falls back to host memory."""
-    with pytest.raises(XpuUnavailable, match="paddlepaddle-xpu"):
+    with pytest.raises(BackendUnavailable, match="paddlepaddle-xpu"):
         PaddleXpuRuntime()
     daemon = daemons.start(ranks=2, args=["--memory", "xpu", "--devices", "0,1"])
     assert daemon.exit_code(timeout=60) == 4

@@ -17,6 +17,7 @@ PUBLIC = [
     "CacheSpec",
     "CacheTasks",
     "DaemonGone",
+    "InvalidArgument",
     "InvalidSpec",
     "InvalidTask",
     "KVCache",

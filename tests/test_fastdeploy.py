@@ -408,7 +408,7 @@ def test_spec_from_fastdeploy_follows_the_same_condition_and_per_rank_heads() ->
     with pytest.raises(rc.InvalidSpec) as info:
         rc.spec_from_fastdeploy(fd_config(backend="attention_store"), 0)
     assert info.value.field == "kvcache_storage_backend"
-    with pytest.raises(rc.InvalidSpec) as info:
+    with pytest.raises(rc.InvalidArgument) as info:
         rc.spec_from_fastdeploy(fd_config(), 4)
     assert info.value.field == "local_rank"
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -308,10 +309,10 @@ def test_drop_in_refuses_routing_replay(daemons: DaemonFactory, tmp_path: Path) 
     assert done.returncode == 4 and "--routing_replay_config: routing replay is on" in done.stderr, done.stderr
 
 
-@pytest.mark.slow
-def test_an_installed_kvcached_finds_its_patches(tmp_path: Path) -> None:
-    """``pip install`` (not editable) puts the patches in ``<prefix>/share/kvcached/patches``, where
-    ``patch_dir`` finds them, so doctor names a line without kvcached's source tree."""
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the wheel built from the tracked files, a venv it is installed in, without dependencies)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info beside the sources
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
     for relative in filter(None, listed.stdout.split("\0")):
@@ -331,6 +332,21 @@ def test_an_installed_kvcached_finds_its_patches(tmp_path: Path) -> None:
     built = next((tmp_path / "dist").glob("*.whl"))
     install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(built)]
     assert subprocess.run(install, capture_output=True, text=True, timeout=600, check=False).returncode == 0
+    return built, venv
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_py_typed(installed: tuple[Path, Path]) -> None:
+    """The built wheel marks both packages typed (PEP 561), so a runner's type checker reads the API."""
+    names = set(zipfile.ZipFile(installed[0]).namelist())
+    assert {"runner_client/py.typed", "kvcached/py.typed"} <= names
+
+
+@pytest.mark.slow
+def test_an_installed_kvcached_finds_its_patches(installed: tuple[Path, Path], tmp_path: Path) -> None:
+    """``pip install`` (not editable) puts the patches in ``<prefix>/share/kvcached/patches``, where
+    ``patch_dir`` finds them, so doctor names a line without kvcached's source tree."""
+    venv = installed[1]
     deps = next(Path(p) for p in sys.path if p.endswith("site-packages"))  # numpy & co., not kvcached itself
     found = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "from kvcached.fastdeploy import lines; print(lines.patch_dir())"],

@@ -121,7 +121,7 @@ def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> 
     transfer manager calls it (cache_transfer_manager.py: seven arguments, mode 0 device to host)."""
     import inspect
 
-    from kvcached.memory.xpu import PaddleXpuRuntime
+    from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime
 
     root = checkout("the FastDeploy patch's tests")
     op = (root / "custom_ops/xpu_ops/src/ops/swap_cache_batch.cc").read_text()

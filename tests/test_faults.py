@@ -1,8 +1,19 @@
 """Legitimate long work, hostile neighbours and broken parts: each costs at most the task it hit.
 
-One test per case found by trying the daemon as a hostile tester would; each docstring names its case
-("why 1: ..." follows the issue's list). Everything is real: daemon processes, SIGSTOP/SIGKILL, a real
-Mooncake master, a real tmpfs for a full disk, other uids (as root; skipped otherwise, saying so).
+One test per case found by trying the daemon as a hostile tester would; each docstring names its kind:
+
+* why 1: legitimate long work or a stalled part (a long task, a hung worker, a frozen master or
+  supervisor, clients that never read, a FIFO in the store) costs at most the task it hit;
+* why 2: an object another user planted under the instance's names is refused;
+* why 3: flow control: pipelined tasks, frozen sends, idle connections and parked frames are bounded;
+* why 4: file store faults (a full disk, a failed write-through, foreign objects, a lost directory);
+* why 5: the run directory and its lock file are never followed through a symlink;
+* why 6: an operator gets an error and an exit status, never a traceback;
+* why 7: smaller sharp edges of the CLI and the client;
+* why 8: the suite runs beside another copy of itself.
+
+Everything is real: daemon processes, SIGSTOP/SIGKILL, a real Mooncake master, a real tmpfs for a full
+disk, other uids (as root; skipped otherwise, saying so).
 """
 
 from __future__ import annotations
@@ -159,7 +170,7 @@ def test_kill9_of_a_worker_mid_task_keeps_every_byte(daemons: DaemonFactory) -> 
         fill(cache, 2)
         tasks.swap_out(1, [1, 2, 3], [0, 1, 2])
         digests = arena_digests(daemon.instance)
-        handle = tasks.store(1, list(range(40)), keys(40), wait=False)
+        handle = tasks.submit(tasks.store, 1, list(range(40)), keys(40))
         time.sleep(1.0)  # a few objects into an 8-second task
         killed = time.monotonic()
         os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
@@ -341,12 +352,12 @@ def test_an_impostor_control_block_is_refused_before_a_byte_is_mapped(daemons: D
 
 
 def test_ten_thousand_pipelined_tasks_all_complete(daemons: DaemonFactory) -> None:
-    """Why 3 (acceptance): swap_out(..., wait=False) 10,000 times, then result() on each: all complete;
+    """Why 3: submit(swap_out, ...) 10,000 times, then result() on each: all complete;
     the client reads replies as it goes instead of deadlocking with the worker."""
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance) as tasks:
-        handles = [tasks.swap_out(0, [i % 8], [i % 4], wait=False) for i in range(10_000)]
+        handles = [tasks.submit(tasks.swap_out, 0, [i % 8], [i % 4]) for i in range(10_000)]
         assert sum(h.result().blocks for h in handles) == 10_000
     assert read_status(daemon.instance)["ranks"][0]["swap"]["swap_out_tasks"] == 10_000
 
@@ -363,14 +374,14 @@ def test_a_send_to_a_frozen_worker_times_out(daemons: DaemonFactory) -> None:
             started = time.monotonic()
             with pytest.raises(rc.TaskTimeout):
                 for _ in range(50):  # 4 MiB of ids each: the socket's buffers fill, then the send waits
-                    tasks.swap_out(0, [1] * 262_144, [1] * 262_144, wait=False)
+                    tasks.submit(tasks.swap_out, 0, [1] * 262_144, [1] * 262_144)
             assert time.monotonic() - started < 20
         finally:
             os.kill(status["ranks"][0]["pid"], signal.SIGCONT)
 
 
 def test_two_thousand_idle_connections_at_nofile_1024_leave_the_daemon_serving(daemons: DaemonFactory) -> None:
-    """Why 3 (acceptance): under an open-file limit of 1024, 2,000 idle connections do not crash the worker
+    """Why 3: under an open-file limit of 1024, 2,000 idle connections do not crash the worker
     (it used to die of EMFILE): the idle ones are closed to make room, a new client is served, the worker
     is the same."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

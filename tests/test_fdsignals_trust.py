@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.daemon.fdsignals import MAX_FOLLOWED
+from kvcached.fastdeploy.flags import MAX_FOLLOWED
 from kvcached.protocol.names import SHM_DIR
 from tests.conftest import DaemonFactory
 from tests.test_fastdeploy import EngineSignal, until

@@ -287,20 +287,21 @@ def test_layout_mismatch_names_field_and_changes_nothing(
 
 
 def test_bad_arguments_are_named_and_change_nothing(daemons: DaemonFactory) -> None:
-    """Bad rank, framework, timeout, instance or spec: InvalidSpec naming the argument; a rank beyond the
-    daemon's ranks is a mismatch of num_ranks; the daemon serves on, unchanged."""
+    """Bad rank, framework or timeout: InvalidArgument naming the argument; a bad instance name or spec:
+    InvalidSpec naming it; a rank beyond the daemon's ranks is a mismatch of num_ranks; the daemon serves on,
+    unchanged."""
     daemon = daemons.start(ranks=2)
     before = daemon.wait_ready()
-    bad_calls: list[tuple[str, dict[str, Any]]] = [
-        ("local_rank", {"local_rank": -1}),
-        ("framework", {"framework": "torch"}),
-        ("timeout", {"timeout": -1}),
-        ("instance", {"instance": "../etc"}),
-        ("spec", {"spec": {"num_layers": 2}}),
+    bad_calls: list[tuple[str, dict[str, Any], type[rc.KVCacheError]]] = [
+        ("local_rank", {"local_rank": -1}, rc.InvalidArgument),
+        ("framework", {"framework": "torch"}, rc.InvalidArgument),
+        ("timeout", {"timeout": -1}, rc.InvalidArgument),
+        ("instance", {"instance": "../etc"}, rc.InvalidSpec),
+        ("spec", {"spec": {"num_layers": 2}}, rc.InvalidSpec),
     ]
-    for field, override in bad_calls:
+    for field, override, error in bad_calls:
         kwargs: dict[str, Any] = {"spec": small_spec(), "local_rank": 0, "instance": daemon.instance, **override}
-        with pytest.raises(rc.InvalidSpec) as info:
+        with pytest.raises(error) as info:
             rc.initialize_kv_cache(kwargs.pop("spec"), kwargs.pop("local_rank"), **kwargs)
         assert info.value.field == field
     with pytest.raises(rc.CacheLayoutMismatch) as mismatch:

@@ -117,13 +117,13 @@ def test_a_task_too_large_for_a_frame_is_invalid_naming_the_limit(daemons: Daemo
     ids = np.zeros(9_000_000, dtype=np.int64)
     with rc.CacheTasks(daemon.instance) as tasks:
         assert tasks.swap_out(0, [1], [1]).blocks == 1
-        pid = tasks._channels[0].sock.getpeername()  # the connection the next task must still use
+        connection = tasks._links[0]._connection  # the connection the next task must still use
         with pytest.raises(rc.InvalidTask, match=f"at most {MAX_PAYLOAD // 8} fit one task") as caught:
             tasks.swap_out(0, ids, ids)
         assert caught.value.field == "device_block_ids"
         with pytest.raises(rc.InvalidTask, match="keys"):
             tasks.lookup([b"k" * 32] * (MAX_PAYLOAD // 32 + 1))
-        assert tasks.swap_in(0, [1], [2]).blocks == 1 and tasks._channels[0].sock.getpeername() == pid
+        assert tasks.swap_in(0, [1], [2]).blocks == 1 and tasks._links[0]._connection is connection
 
 
 def test_result_after_close_is_a_kvcached_error(daemons: DaemonFactory) -> None:
@@ -132,9 +132,9 @@ def test_result_after_close_is_a_kvcached_error(daemons: DaemonFactory) -> None:
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
     tasks = rc.CacheTasks(daemon.instance)
-    read = tasks.swap_out(0, [1], [1], wait=False)
+    read = tasks.submit(tasks.swap_out, 0, [1], [1])
     done = read.result()
-    unread = tasks.swap_out(0, [2], [2], wait=False)
+    unread = tasks.submit(tasks.swap_out, 0, [2], [2])
     tasks.close()
     assert read.result() == done
     with pytest.raises(rc.TaskFailed, match="closed before the SWAP_OUT task's result was read"):

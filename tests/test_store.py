@@ -111,10 +111,10 @@ def test_block_keys_extra_and_bad_input() -> None:
     assert rc.block_keys(tokens, 4, extra=[None, b"img"])[0] == rc.block_keys(tokens, 4)[0]
     assert rc.block_keys(tokens, 4, extra=[None, b"img"])[1] != rc.block_keys(tokens, 4)[1]
     for kwargs, field in (({"extra": [b"x"]}, "extra"), ({"block_size": 0}, "block_size"), ({"extra": 1.5}, "extra")):
-        with pytest.raises(rc.InvalidSpec) as info:
+        with pytest.raises(rc.InvalidArgument) as info:
             rc.block_keys(tokens, **{"block_size": 4, **kwargs})
         assert info.value.field == field
-    with pytest.raises(rc.InvalidSpec) as info:
+    with pytest.raises(rc.InvalidArgument) as info:
         rc.block_keys([1.5, 2.0], 1)
     assert info.value.field == "token_ids"
 
@@ -332,7 +332,7 @@ def test_kill9_during_store_leaves_no_incomplete_object(daemons: DaemonFactory, 
         t.view(np.uint8)[...] = rng.integers(0, 256, t.view(np.uint8).shape, dtype=np.uint8)
     expected = {i: b"".join(t[i].tobytes() for t in cache.key_caches + cache.value_caches) for i in range(96)}
     tasks = rc.CacheTasks(daemon.instance)
-    tasks.store(0, list(range(96)), keys, wait=False)
+    tasks.submit(tasks.store, 0, list(range(96)), keys)
     deadline = time.monotonic() + 30
     while not any(path.glob("r0/*/*.kvb")) and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,7 +158,7 @@ def test_garbage_and_disconnects_do_not_hurt_the_daemon(fp8_daemon: Daemon) -> N
     instance = fp8_daemon.instance
     # A real task whose client vanishes before the reply: it completes, the rank serves on.
     tasks = rc.CacheTasks(instance)
-    tasks.swap_out(0, list(range(8)), list(range(8)), wait=False)
+    tasks.submit(tasks.swap_out, 0, list(range(8)), list(range(8)))
     tasks.close()
     with rc.CacheTasks(instance) as barrier:
         barrier.swap_out(0, [], [])  # the worker is single-threaded: the earlier task is done
@@ -206,10 +207,10 @@ def test_two_runner_processes_swap_concurrently(fp8_daemon: Daemon, daemons: Dae
 
 
 def test_handle_result_and_status_counters(fp8_daemon: Daemon, daemons: DaemonFactory) -> None:
-    """wait=False returns a handle; status shows the pool size and the swap counters per rank."""
+    """submit returns a handle; status shows the pool size and the swap counters per rank."""
     instance = fp8_daemon.instance
     with rc.CacheTasks(instance) as tasks:
-        handles = [tasks.swap_out(None, [i], [i], wait=False) for i in range(4)]
+        handles = [tasks.submit(tasks.swap_out, None, [i], [i]) for i in range(4)]
         results = [h.result(timeout=10) for h in reversed(handles)]
         assert [r.blocks for r in results] == [1, 1, 1, 1]
     status = read_status(instance)
@@ -221,6 +222,31 @@ def test_handle_result_and_status_counters(fp8_daemon: Daemon, daemons: DaemonFa
         assert r["latency"]["swap_in"] == {"count": 0, "p50_s": None, "p99_s": None}
     table = daemons.cli("status", "--instance", instance).stdout
     assert "(8 blocks)" in table and "4 (4 blk" in table and "p50 <= " in table
+
+
+def test_wait_argument_works_deprecated_and_submit_takes_only_task_methods(fp8_daemon: Daemon) -> None:
+    """The task methods' ``wait=`` keeps working with a DeprecationWarning pointing at the caller (False: a
+    handle, True: the result); ``submit`` takes only this client's swap_out, swap_in, store and load, never
+    ``wait=``, and sends nothing when refused; the plain calls warn about nothing."""
+    with rc.CacheTasks(fp8_daemon.instance) as tasks, rc.CacheTasks(fp8_daemon.instance) as other:
+        with pytest.warns(DeprecationWarning, match=r"tasks.submit\(tasks.<method>") as caught:
+            handle = tasks.swap_out(0, [1], [1], wait=False)
+        assert caught[0].filename == __file__
+        assert isinstance(handle, rc.TaskHandle) and handle.result(timeout=10).blocks == 1
+        with pytest.warns(DeprecationWarning):
+            assert tasks.swap_in(0, [1], [2], wait=True).blocks == 1
+        for task, args in ((tasks.lookup, ([b"k" * 32],)), (other.swap_out, (0, [1], [1])), (print, ())):
+            with pytest.raises(rc.InvalidArgument) as info:
+                tasks.submit(task, *args)  # type: ignore[arg-type]
+            assert info.value.field == "task"
+        with pytest.raises(rc.InvalidArgument, match="submit never waits"):
+            tasks.submit(tasks.swap_out, 0, [1], [1], wait=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert tasks.submit(tasks.swap_out, 0, [3], [3]).result(timeout=10).blocks == 1
+            assert tasks.swap_in(0, [3], [4]).blocks == 1
+    swaps = [r["swap"] for r in read_status(fp8_daemon.instance)["ranks"]]
+    assert swaps[0]["swap_out_tasks"] == 2 and swaps[0]["swap_in_tasks"] == 2
 
 
 def test_daemon_gone_during_tasks(daemons: DaemonFactory) -> None:

@@ -35,7 +35,7 @@ import posix_ipc
 from kvcached import logs
 from kvcached.access import Access, peer_of
 from kvcached.config import DaemonConfig
-from kvcached.daemon import signals as requests
+from kvcached.daemon import requests
 from kvcached.daemon.notify import Notifier
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import ControlBlock, Record, State

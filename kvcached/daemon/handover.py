@@ -40,8 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcached import logs
-from kvcached.daemon import channel
-from kvcached.daemon import signals as requests
+from kvcached.daemon import channel, requests
 from kvcached.protocol.control import ControlBlock, Record, State
 from kvcached.protocol.errors import KVCacheError, ProtocolError, TornRead
 from kvcached.protocol.proc import self_identity

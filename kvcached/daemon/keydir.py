@@ -29,7 +29,6 @@ import struct
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import posix_ipc
 
 from kvcached.memory.shm import create_arena, open_arena
 from kvcached.protocol.errors import ProtocolError
@@ -88,14 +87,6 @@ class KeyDirectory:
                 f"{name}: not a key directory of {slots} slots (magic {magic!r}, version {version}, {found} slots)"
             )
         return cls(name, mapping, slots)
-
-    @staticmethod
-    def exists(name: str) -> bool:
-        try:
-            posix_ipc.SharedMemory(name).close_fd()
-        except posix_ipc.ExistentialError:
-            return False
-        return True
 
     def __len__(self) -> int:
         """Valid slots."""

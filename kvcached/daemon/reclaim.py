@@ -19,7 +19,7 @@ import posix_ipc
 from kvcached import memory
 from kvcached.memory.shm import OUR_MODES
 from kvcached.protocol.errors import KVCacheError
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_lock_path, instance_shm_entries, posix_name
 from kvcached.protocol.spec import CacheSpec
 
@@ -58,15 +58,12 @@ def live_daemon(instance: str) -> int | None:
     daemon's, one that is not ours, or this very process's before it executed itself again for ``kvcached
     restart``: none of these is alive)."""
     try:
-        view = open_instance(instance)
+        found = read_instance(instance)
     except KVCacheError:
         return None
-    if view is None:
+    if found is None or found.header.daemon_pid == os.getpid():
         return None
-    with view:
-        if view.header is None or not view.alive or view.header.daemon_pid == os.getpid():
-            return None
-        return view.header.daemon_pid
+    return found.header.daemon_pid
 
 
 def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
@@ -88,27 +85,20 @@ def backend_files(instance: str) -> list[Path]:
     """Files the device backend of a dead run made outside the instance's names, as its records tell (the
     control block of a dead run stays until the next start reclaims it); only those owned by this user."""
     try:
-        view = open_instance(instance)
+        published = read_instance(instance, None, live=False)
+        spec = CacheSpec.from_dict(published.header.spec) if published is not None else None
     except KVCacheError:
         return []
-    if view is None:
+    if published is None or spec is None:
         return []
     found: list[Path] = []
-    with view:
-        if view.header is None:
-            return []
+    for record in published.records.values():
         try:
-            spec = CacheSpec.from_dict(view.header.spec)
+            backend = memory.get(record.backend) if record.backend else None
         except KVCacheError:
-            return []
-        for rank in range(view.header.num_ranks):
-            try:
-                record = view.block.read(rank)
-                backend = memory.get(record.backend) if record.backend else None
-            except KVCacheError:
-                continue
-            if backend is not None:
-                found += backend.leftovers(spec, record.descriptor)
+            continue
+        if backend is not None:
+            found += backend.leftovers(spec, record.descriptor)
     return [path for path in found if path.exists() and path.lstat().st_uid == os.geteuid()]
 
 

@@ -17,7 +17,7 @@ the others:
   ("capacity") and closed. Running out of descriptors (EMFILE) is met the same way, with a descriptor kept
   in reserve for it;
 * a malformed frame closes that connection only; an invalid task is answered INVALID with nothing
-  changed; store calls have a deadline (``kvcached.daemon.storecalls``): a slow store fails its task.
+  changed; store calls have a deadline (``kvcached.daemon.store_agent``): a slow store fails its task.
 
 Handing over (``kvcached restart``, ``stop --keep``): the worker stops accepting connections and answers
 every task that still arrives NOT_RUN, so its client sends it to the next daemon; it exits once its clients
@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from kvcached.access import Access, peer_of
+from kvcached.copy_engine import Array, SwapEngine
 from kvcached.daemon.keydir import KeyDirectory
-from kvcached.daemon.storecalls import StoreCalls
+from kvcached.daemon.store_agent import StoreCalls
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidTask, StoreUnavailable
 from kvcached.protocol.messages import (
@@ -60,7 +61,6 @@ from kvcached.protocol.messages import (
     unpack_keyed,
 )
 from kvcached.protocol.stats import StatsSlot
-from kvcached.transfer import Array, SwapEngine
 
 RECV_CHUNK = 1 << 20
 #: Reply bytes a connection may have queued before its requests stop being read.

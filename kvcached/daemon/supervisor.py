@@ -18,7 +18,7 @@ Start-up, in this order (each step is a fault-injection point, see ``kvcached.da
 
 The supervisor is the only writer of the header and the records (each worker writes its own stats slot).
 Signal handlers only enqueue (Python writes the signal number to a wake-up pipe); the main loop
-dispatches (the signals are listed in ``kvcached.daemon.signals``). On SIGTERM/SIGINT/SIGHUP every record
+dispatches (the signals are listed in ``kvcached.daemon.requests``). On SIGTERM/SIGINT/SIGHUP every record
 goes STOPPING (and its semaphore is posted), workers are stopped, and every object of the instance is
 unlinked, the lock file last. On the keep signal every record goes KEPT instead, workers stop after the
 requests clients already sent, and the memory and the control block stay for the next start to adopt.
@@ -64,8 +64,7 @@ import structlog
 from kvcached import logs, memory, native, store
 from kvcached.access import Access
 from kvcached.config import DaemonConfig
-from kvcached.daemon import channel, declare, faults, handover, lockfile
-from kvcached.daemon import signals as requests
+from kvcached.daemon import channel, declare, faults, handover, lockfile, requests
 from kvcached.daemon.adopt import Adoption, Refusal, adopted_fields, conform, judge, new_shm_need, start_note
 from kvcached.daemon.errors import (
     EXIT_ALREADY_RUNNING,
@@ -75,11 +74,11 @@ from kvcached.daemon.errors import (
     EXIT_RESOURCES,
     Fatal,
 )
-from kvcached.daemon.fdsignals import FastDeploySignals
 from kvcached.daemon.handover import Preflight, Worker
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.reclaim import inspect_instance, remove_leftovers, unlink_entries
 from kvcached.daemon.worker import DRAIN_S, WorkerPlan, worker_main
+from kvcached.fastdeploy.flags import ReadyFlags as FastDeploySignals
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock, Record, State
 from kvcached.protocol.errors import ProtocolError, ResourceError, SignalError

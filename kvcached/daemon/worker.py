@@ -9,7 +9,7 @@ end with) when it cannot go on:
    worker still serves the rank meanwhile: this one says Prepared and waits for Serve (``await_turn``);
    then the CPU pool's key directory (``kvcached.daemon.keydir``);
 2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), behind a
-   thread and a deadline per call (``kvcached.daemon.storecalls``);
+   thread and a deadline per call (``kvcached.daemon.store_agent``);
 3. ``serve``: listen on the rank's task socket and run tasks (``kvcached.daemon.server``) until told to
    stop; told to stop for a handover (``Stop(drain=True)``), it answers the tasks that still arrive
    NOT_RUN until its clients are quiet, then exits.
@@ -43,10 +43,11 @@ import structlog
 from kvcached import logs, memory, store
 from kvcached.access import Access
 from kvcached.config import StoreConfig
+from kvcached.copy_engine import DeviceBlocks, SwapEngine
 from kvcached.daemon import channel, faults, server
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
 from kvcached.daemon.keydir import KeyDirectory
-from kvcached.daemon.storecalls import StoreCalls
+from kvcached.daemon.store_agent import StoreCalls
 from kvcached.memory.base import DeviceTier, Piece, TierRequest
 from kvcached.memory.shm import create_arena, huge_pages, open_arena, pin, prefault
 from kvcached.protocol.errors import (
@@ -63,7 +64,6 @@ from kvcached.protocol.names import task_socket_path
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import StatsSlot
 from kvcached.store.base import ObjectIdentity, Store
-from kvcached.transfer import DeviceBlocks, SwapEngine
 
 #: The worker's loop turns (and marks progress) at least this often.
 LOOP_S = 0.5

@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcached.protocol.declare import DECLARED_FIELDS, first_difference
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.spec import CacheSpec
 
@@ -184,7 +183,7 @@ def check_against(published: Mapping[str, Any], args: argparse.Namespace, descri
     theirs = published.get("storage_backend")
     check_store(args, theirs)
     ours = declared_spec(args, theirs)
-    differs = first_difference(published, ours, DECLARED_FIELDS)
+    differs = ours.first_difference(published, CacheSpec.DECLARED_FIELDS)
     if differs is not None:
         field, daemon, engine = differs
         raise InvalidSpec(

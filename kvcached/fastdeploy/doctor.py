@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvcached.checks import FAIL, OK, WARN, Check
 from kvcached.fastdeploy import guard
 from kvcached.fastdeploy.condition import Unknown
 from kvcached.fastdeploy.lines import KNOWN_LINES, V1_VARIABLE, Tree, installed_root, patch_dir, read_tree
-from kvcached.health import FAIL, OK, WARN, Check
 from kvcached.protocol.spec import CacheSpec
 
 #: ``--fastdeploy`` values that are not paths.

@@ -60,7 +60,6 @@ class Handlers:
         self.m, self.mover = manager, mover
         self.status = manager.fd.CacheStatus
         self.key_prefix = key_prefix(manager.args.model_path)
-        self.sleeping = False
 
     def _put(self, item: tuple[Any, ...], copies: int = 1) -> None:
         with self.m.waits.on("the engine's cache queue (a task result)", self.m.queue_s):
@@ -167,7 +166,6 @@ class Handlers:
         self.key_prefix = key_prefix(self.m.args.model_path)
 
     def _sleep(self) -> str:
-        self.sleeping = True
         return (
             "Success: kvcached keeps this rank's KV cache (device blocks and CPU pool) for every process attached "
             "to it, so sleep frees no memory; the engine forgets its prefix tree, so nothing in the blocks is "
@@ -175,6 +173,5 @@ class Handlers:
         )
 
     def _wakeup(self) -> str:
-        self.sleeping = False
         self.refresh_key_prefix()
         return "Success: the KV cache was kept through sleep; nothing to restore"

@@ -39,9 +39,8 @@ from kvcached.protocol.errors import (
     TaskFailed,
     TaskLost,
     TaskTimeout,
-    TornRead,
 )
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import Published, read_instance
 
 log = logging.getLogger("kvcached.fastdeploy")
 
@@ -70,7 +69,7 @@ class Mover:
     def __init__(self, instance: str, ranks: Sequence[int], deadline_s: float) -> None:
         self.instance, self.ranks, self.deadline_s = instance, list(ranks), deadline_s
         self.tasks = rc.CacheTasks(instance, timeout=deadline_s)
-        self.memory = self._memory()
+        self.memory = self._memory(read_instance(instance, self.ranks, live=False))
 
     def close(self) -> None:
         self.tasks.close()
@@ -80,17 +79,17 @@ class Mover:
     def swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Done:
         """Device blocks to CPU pool blocks (``out``) or back, on every rank of the group."""
         if out:
-            return self._attempts(lambda r, t: self.tasks.swap_out(r, gpu_ids, cpu_ids, wait=False, timeout=t))
-        return self._attempts(lambda r, t: self.tasks.swap_in(r, cpu_ids, gpu_ids, wait=False, timeout=t))
+            return self._attempts(lambda r, t: self.tasks.submit(self.tasks.swap_out, r, gpu_ids, cpu_ids, timeout=t))
+        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.swap_in, r, cpu_ids, gpu_ids, timeout=t))
 
     def load(self, keys: list[bytes], gpu_ids: list[int], timeout: float) -> Done:
         """The longest prefix of ``keys`` every rank has stored into ``gpu_ids``; ``blocks``: how many (the
         fewest of any rank: the blocks past it are not reported, whatever a rank wrote there)."""
-        return self._attempts(lambda r, t: self.tasks.load(r, keys, gpu_ids, wait=False, timeout=t), timeout)
+        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.load, r, keys, gpu_ids, timeout=t), timeout)
 
     def store(self, keys: list[bytes], gpu_ids: list[int], timeout: float) -> Done:
         """``gpu_ids`` into the store under ``keys`` on every rank (a key stored already is left as it is)."""
-        return self._attempts(lambda r, t: self.tasks.store(r, gpu_ids, keys, wait=False, timeout=t), timeout)
+        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.store, r, gpu_ids, keys, timeout=t), timeout)
 
     def stored(self, keys: list[bytes], timeout: float) -> int:
         """How many leading ``keys`` every rank has stored (0 when the store cannot say)."""
@@ -128,29 +127,19 @@ class Mover:
                 return Done(Outcome.REFUSED, why=str(exc))
         return Done(Outcome.UNSERVABLE, why=f"not done within {self.deadline_s:g}s: {last or 'no daemon'}")
 
-    def _memory(self) -> dict[int, tuple[int, str, dict[str, Any]]]:
-        """The memory each rank of the group is READY on: (arena id, backend, descriptor)."""
-        found: dict[int, tuple[int, str, dict[str, Any]]] = {}
-        view = open_instance(self.instance)
-        if view is None or view.header is None:
-            return found
-        with view:
-            for rank in self.ranks:
-                try:
-                    record = view.block.read(rank)
-                except TornRead:
-                    continue
-                if record.state is State.READY:
-                    found[rank] = (view.header.arena_id, record.backend, dict(record.descriptor))
-        return found
+    @staticmethod
+    def _memory(found: Published | None) -> dict[int, tuple[int, str, dict[str, Any]]]:
+        """The memory each rank ``found`` read is READY on: (arena id, backend, descriptor)."""
+        if found is None:
+            return {}
+        arena = found.header.arena_id
+        return {
+            rank: (arena, record.backend, dict(record.descriptor))
+            for rank, record in found.records.items()
+            if record.state is State.READY
+        }
 
     def _made_anew(self) -> bool:
         """Whether a live daemon serves a rank of the group on other memory than the drop-in started on."""
-        view = open_instance(self.instance)
-        if view is None or not view.alive:
-            if view is not None:
-                view.close()
-            return False
-        view.close()
-        now = self._memory()
+        now = self._memory(read_instance(self.instance, self.ranks))
         return any(rank in now and now[rank] != known for rank, known in self.memory.items())

@@ -27,7 +27,7 @@ from typing import Any
 import runner_client as rc
 from kvcached.fastdeploy.arguments import group_ranks
 from kvcached.protocol.errors import InvalidSpec
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import read_instance
 from kvcached.protocol.spec import CacheSpec
 
 #: The caches attached in this process, by kvcached rank (their tensors alias kvcached's memory).
@@ -73,11 +73,10 @@ def messager_cache(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any],
     the messager's argument that disagrees with the daemon's cache."""
     rank = group_ranks(args)[args.rank]
     rc.wait_until_ready(_instance(), rank, timeout=_wait_s())
-    view = open_instance(_instance())
-    if view is None or view.header is None:
+    found = read_instance(_instance(), live=False)
+    if found is None:
         raise rc.DaemonGone(f"instance {_instance()!r}: no daemon")
-    with view:
-        spec = CacheSpec.from_dict(view.header.spec)
+    spec = CacheSpec.from_dict(found.header.spec)
     key = [int(i) for i in args.key_cache_shape.split(",")]
     if key != list(spec.cache_shape) or args.num_layers != spec.num_layers:
         raise InvalidSpec(

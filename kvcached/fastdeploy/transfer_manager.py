@@ -67,9 +67,8 @@ from kvcached.protocol.errors import (
     InvalidSpec,
     KVCacheError,
     OwnershipConflict,
-    TornRead,
 )
-from kvcached.protocol.instance import open_instance
+from kvcached.protocol.instance import read_instance
 from kvcached.protocol.spec import CacheSpec
 
 __all__ = ["EXIT_MISMATCH", "EXIT_UNAVAILABLE", "TransferManager", "build_parser", "main", "parse_args", "store_key"]
@@ -275,12 +274,10 @@ def _daemon_store(instance: str, rank: int, timeout: float) -> str | None:
     """The store backend of the instance's live daemon, waiting (bounded) for one to publish its block."""
     deadline = time.monotonic() + timeout
     while True:
-        view = open_instance(instance)
-        if view is not None:
-            with view:
-                if view.alive and view.header is not None:
-                    backend = view.header.spec.get("storage_backend")
-                    return str(backend) if backend else None
+        found = read_instance(instance)
+        if found is not None:
+            backend = found.header.spec.get("storage_backend")
+            return str(backend) if backend else None
         if time.monotonic() >= deadline:
             rc.wait_until_ready(instance, rank, timeout=0)  # raises the waiter's own error, naming the state
         time.sleep(0.05)
@@ -305,16 +302,12 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
             field = "local_data_parallel_id" if args.local_data_parallel_id else "mp_num"
             raise InvalidSpec(field, f"gives kvcached ranks {ranks}: {exc}") from None
         raise InvalidSpec(ARGUMENT_OF.get(exc.field, exc.field), str(exc)) from None
-    view = open_instance(instance)
-    if view is None or view.header is None:
+    found = read_instance(instance, [own], live=False)
+    if found is None:
         raise DaemonGone(f"instance {instance!r}: no daemon")
-    with view:
-        published = dict(view.header.spec)
-        try:
-            descriptor = dict(view.block.read(own).descriptor)
-        except TornRead:
-            descriptor = {}
-    check_against(published, args, descriptor)
+    published = dict(found.header.spec)
+    record = found.records.get(own)
+    check_against(published, args, dict(record.descriptor) if record is not None else {})
     return CacheSpec.from_dict(published), published.get("num_cpu_blocks", 0) > 0
 
 

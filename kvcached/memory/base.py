@@ -11,7 +11,7 @@ A backend is one module under ``kvcached/memory/`` holding one ``DeviceBackend``
 Between them travels a ``descriptor``: a small JSON object the worker returns with the tier and the
 supervisor publishes in the rank's record (``kvcached.protocol.control``); ``attach`` reads nothing else.
 
-A tier presents its tensors to the copy engine (``kvcached.transfer``) as ``Piece`` objects: one per
+A tier presents its tensors to the copy engine (``kvcached.copy_engine``) as ``Piece`` objects: one per
 tensor, in the layout's record order, each a sequence of block rows.
 """
 
@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from kvcached.protocol.layout import device_arena_bytes
+from kvcached.protocol.layout import RECORDS, device_arena_bytes
 from kvcached.protocol.names import arena_name
 from kvcached.protocol.spec import CacheSpec
 
 if TYPE_CHECKING:
-    from kvcached.health import Check
+    from kvcached.checks import Check
 
 Array = np.ndarray[Any, Any]
 Progress = Callable[[int], None]
@@ -128,14 +128,15 @@ class DeviceBackend(abc.ABC):
     """A device backend: see the module docstring. Instances are stateless and shared."""
 
     name: ClassVar[str]
-    #: Help text for ``--memory``.
-    summary: ClassVar[str]
     #: The CPU pool must be pinned (mlocked): the device copies to and from it by DMA.
     pins_pool: ClassVar[bool] = False
     #: A tier outlives the process that created it (``reopen`` works after that process died).
     outlives_worker: ClassVar[bool] = False
-    #: How the CPU pool is laid out for this backend (``kvcached.protocol.layout.POOL_LAYOUTS``).
-    pool_layout: ClassVar[str] = "records"
+    #: How the CPU pool is laid out for this backend (one of ``kvcached.protocol.layout.POOL_LAYOUTS``).
+    pool_layout: ClassVar[str] = RECORDS
+    #: The tier copies to and from the CPU pool with its own op (``DeviceTier.pool_swap``), not with the
+    #: copy engine's native routine.
+    swaps_itself: ClassVar[bool] = False
 
     def shm_bytes(self, spec: CacheSpec) -> int:
         """Bytes of /dev/shm one rank's device tier takes (0 when it lives on a device)."""

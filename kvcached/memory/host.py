@@ -20,7 +20,7 @@ import posix_ipc
 
 from kvcached.memory import register, shm
 from kvcached.memory.base import Array, Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest
-from kvcached.protocol.errors import AccessDenied, InvalidSpec, ProtocolError, ResourceError
+from kvcached.protocol.errors import AccessDenied, InvalidArgument, ProtocolError, ResourceError
 from kvcached.protocol.layout import device_arena_bytes, device_slots, device_views
 from kvcached.protocol.spec import CacheSpec
 
@@ -103,6 +103,12 @@ class HostAttached(Attached):
                 mapping.close()
 
 
+def private_attached(spec: CacheSpec, framework: str) -> HostAttached:
+    """Anonymous private memory of a device arena's size, viewed as ``framework`` tensors."""
+    mapping = mmap.mmap(-1, device_arena_bytes(spec), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return HostAttached(spec, mapping, framework)
+
+
 def to_paddle(array: Array, dtype: str) -> Any:
     """A paddle tensor aliasing numpy ``array`` (zero-copy through DLPack) with the cache's ``dtype``."""
     import paddle
@@ -117,7 +123,6 @@ class HostBackend(DeviceBackend):
     """See the module docstring."""
 
     name = "host"
-    summary = "POSIX shared memory (the embedded default)"
     outlives_worker = True
 
     def shm_bytes(self, spec: CacheSpec) -> int:
@@ -164,7 +169,7 @@ class HostBackend(DeviceBackend):
         if size != expected:
             raise ProtocolError(f"rank {local_rank}: arena {name} has {size} bytes, the runner's layout {expected}")
         if framework not in ("numpy", "paddle"):
-            raise InvalidSpec("framework", f"must be numpy or paddle, got {framework!r}")
+            raise InvalidArgument("framework", f"must be numpy or paddle, got {framework!r}")
         try:
             mapping = shm.open_arena(name, size, populate=False, owner=owner)
         except posix_ipc.ExistentialError:

@@ -8,8 +8,8 @@ and /dev/shm gives them only on request (mounted ``huge=advise``), by ``MADV_HUG
 
 Page tables are not filled here: a rank is READY as soon as its memory is reserved, and ``prefault`` maps
 every page on a background thread right after (a fresh shm mapping otherwise takes one page fault per
-page on first touch, which made a first swap of 1 GiB run at 0.5 GB/s instead of 12). The file
-descriptor is closed as soon as the mapping exists.
+page on first touch, which makes a first swap several times slower: ``scripts/bench_copy_choices.py``,
+docs/benchmarks.md). The file descriptor is closed as soon as the mapping exists.
 
 Huge pages (``huge_pages``): /dev/shm is a tmpfs whose ``huge=`` mount option decides whether its pages
 are 2 MiB (``always``, ``within_size``), 2 MiB when a mapping asks (``advise``: the arenas ask) or 4 KiB
@@ -223,15 +223,6 @@ def prefault_ranges(ranges: list[tuple[int, int]]) -> threading.Thread:
     thread = threading.Thread(target=run, name="prefault", daemon=True)
     thread.start()
     return thread
-
-
-def unlink(name: str) -> bool:
-    """Remove shm object ``name``; False if it did not exist."""
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        return False
-    return True
 
 
 def shm_free_bytes() -> int:

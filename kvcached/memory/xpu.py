@@ -2,8 +2,8 @@
 runner attaches it.
 
 Per rank the worker allocates, on its XPU device, one paddle tensor per layer and kind (key, value,
-scales), zero-filled, with FastDeploy's shapes and dtypes, and exports each under FastDeploy's name with
-FastDeploy's ``set_data_ipc`` (see ``kvcached.protocol.fastdeploy``). A runner attaches each by name with
+scales), zero-filled, with FastDeploy's shapes and dtypes, and exports each under FastDeploy's name
+(``kvcached.fastdeploy.names``) with FastDeploy's ``set_data_ipc``. A runner attaches each by name with
 ``share_external_data``. Swaps and store tasks move block rows between those tensors and the CPU pool.
 
 Swaps between the tensors and the CPU pool are one call of FastDeploy's ``swap_cache_all_layers`` per
@@ -17,12 +17,13 @@ The descriptor a runner attaches with: ``{"device": d, "local_rank": r, "pid": p
 from the device, the rank and the spec; ``pid`` is the worker that allocated the tensors, so a tier made
 anew never publishes the descriptor of the one before it).
 
-Everything that needs the hardware goes through ``XpuRuntime``. ``PaddleXpuRuntime`` is the real one; it
-checks that paddle has XPU support and that FastDeploy's XPU ops are importable, and otherwise fails with
-what to install. There is no fallback to host memory: ``--memory xpu`` without an XPU is an error.
-Device memory belongs to the worker process that allocated it: it does not outlive that process. A
-replaced worker, or a daemon that adopts an earlier one's memory, makes the device tier anew (zeroed);
-the CPU pool and the store, in host memory and on disk, are kept.
+Everything that needs the hardware goes through ``XpuRuntime``. The real one calls FastDeploy's XPU ops
+(``kvcached.fastdeploy.xpu_ops.PaddleXpuRuntime``); it checks that paddle has XPU support and that
+FastDeploy's XPU ops are importable, and otherwise fails with what to install. There is no fallback to
+host memory: ``--memory xpu`` without an XPU is an error. Device memory belongs to the worker process that
+allocated it: it does not outlive that process. A replaced worker, or a daemon that adopts an earlier
+one's memory, makes the device tier anew (zeroed); the CPU pool and the store, in host memory and on disk,
+are kept.
 """
 
 from __future__ import annotations
@@ -37,24 +38,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvcached.health import FAIL, OK, Check
+from kvcached.checks import FAIL, OK, Check
+from kvcached.fastdeploy.names import Export, exports
+from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime, ipc_record, ops_present
 from kvcached.memory import register
 from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest, TierSwap
-from kvcached.protocol.errors import BackendUnavailable, InvalidSpec, ProtocolError
-from kvcached.protocol.fastdeploy import Export, exports
-from kvcached.protocol.layout import cpu_planes
-from kvcached.protocol.names import SHM_DIR
+from kvcached.protocol.errors import BackendUnavailable, InvalidArgument, ProtocolError
+from kvcached.protocol.layout import PLANES, cpu_planes
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
-
-INSTALL_HINT = (
-    "install paddlepaddle-xpu (Kunlun's wheel index, matching the XPU runtime; IPC needs runtime major 5) "
-    "and fastdeploy-xpu, whose fastdeploy.model_executor.ops.xpu provides set_data_ipc"
-)
-
-
-#: Raised when this host cannot run the xpu backend; the message says what is missing and what to install.
-XpuUnavailable = BackendUnavailable
 
 
 class XpuRuntime(Protocol):
@@ -83,56 +75,6 @@ class XpuRuntime(Protocol):
         each tensor ``i``, block ``device_ids[k]`` and the host block at ``cpu_ptrs[i] + cpu_ids[k] * (the
         tensor's bytes per block)`` are copied, one ``xpu_memcpy`` per run of ids; mode 0 device to host,
         1 host to device. All tensors of one call have one dtype."""
-
-
-def _import_paddle_xpu() -> tuple[Any, Any]:
-    try:
-        paddle: Any = importlib.import_module("paddle")
-    except ImportError as exc:
-        raise XpuUnavailable(f"--memory xpu needs paddle with XPU support ({exc}): {INSTALL_HINT}") from None
-    if not paddle.is_compiled_with_xpu():
-        raise XpuUnavailable(f"--memory xpu: this paddle ({paddle.__version__}) has no XPU support: {INSTALL_HINT}")
-    try:
-        ops: Any = importlib.import_module("fastdeploy.model_executor.ops.xpu")
-    except ImportError as exc:
-        raise XpuUnavailable(f"--memory xpu: FastDeploy's XPU ops are missing ({exc}): {INSTALL_HINT}") from None
-    return paddle, ops
-
-
-class PaddleXpuRuntime:
-    """The real runtime: paddle on ``XPUPlace`` and FastDeploy's XPU ops."""
-
-    def __init__(self) -> None:
-        self.paddle, self.ops = _import_paddle_xpu()
-
-    def allocate(self, device_id: int, shape: tuple[int, ...], dtype: str) -> Any:
-        self.paddle.set_device(f"xpu:{device_id}")
-        return self.paddle.full(shape=list(shape), fill_value=0, dtype=dtype)
-
-    def export(self, tensor: Any, name: str) -> None:
-        self.ops.set_data_ipc(tensor, name)
-
-    def attach(self, device_id: int, name: str, shape: tuple[int, ...], dtype: str) -> Any:
-        self.paddle.set_device(f"xpu:{device_id}")
-        empty = self.paddle.empty(shape=[], dtype=dtype)
-        # use_ipc=False, as FastDeploy's XPU runner attaches (worker/xpu_model_runner.py:1280 at e53f5184):
-        # the op then wraps the exporter's raw device pointer from the shm record instead of opening an
-        # XPU IPC handle (custom_ops/xpu_ops/src/ops/share_external_data.cc:31-42).
-        return self.ops.share_external_data(empty, name, list(shape), False)
-
-    def swap_all_layers(  # noqa: PLR0917 - FastDeploy's op, argument for argument
-        self,
-        tensors: list[Any],
-        cpu_ptrs: list[int],
-        max_cpu_blocks: int,
-        device_ids: list[int],
-        cpu_ids: list[int],
-        device_id: int,
-        mode: int,
-    ) -> None:
-        # The op FastDeploy's transfer manager calls (cache_manager/cache_transfer_manager.py:1349 at
-        # e53f5184), with the same arguments: its PD_BUILD_OP(swap_cache_all_layers) in swap_cache_batch.cc.
-        self.ops.swap_cache_all_layers(tensors, cpu_ptrs, max_cpu_blocks, device_ids, cpu_ids, device_id, mode)
 
 
 class XpuPiece:
@@ -165,7 +107,7 @@ class XpuTier(DeviceTier):
         self.runtime = runtime
         self.device_id = device_id
         self.descriptor = {"device": device_id, "local_rank": local_rank, "pid": os.getpid()}
-        self.nbytes = spec.num_blocks * spec.block_bytes
+        self.nbytes = spec.device_bytes
         self.exports: list[Export] = exports(spec, local_rank, device_id)
         self.tensors: dict[str, Any] = {}
         self.pieces: list[Piece] = []
@@ -178,7 +120,7 @@ class XpuTier(DeviceTier):
             self.pieces.append(piece)
             column += piece.nbytes
         if column != spec.block_bytes:
-            raise XpuUnavailable(f"xpu tensors hold {column} bytes per block, the layout needs {spec.block_bytes}")
+            raise BackendUnavailable(f"xpu tensors hold {column} bytes per block, the layout needs {spec.block_bytes}")
 
     def pool_swap(self, pool: Any) -> TierSwap:
         """FastDeploy's ``swap_cache_all_layers`` between the tensors and the pool's planes: one call per
@@ -225,15 +167,16 @@ class XpuBackend(DeviceBackend):
     """See the module docstring. ``runtime`` makes the hardware adapter (a double in tests)."""
 
     name = "xpu"
-    summary = (
-        "Kunlun XPU memory, exported under FastDeploy's names (needs paddlepaddle-xpu and fastdeploy-xpu; "
-        "an error otherwise, never a fallback)"
-    )
     pins_pool = True
-    pool_layout = "planes"
+    pool_layout = PLANES
+    swaps_itself = True
 
     def __init__(self, runtime: Callable[[], XpuRuntime] = PaddleXpuRuntime) -> None:
         self.runtime = runtime
+
+    def arena_bytes(self, spec: CacheSpec) -> int:
+        """The tensors' bytes (device memory has no page padding to count)."""
+        return spec.device_bytes
 
     def create(self, request: TierRequest, progress: Progress) -> DeviceTier:
         tier = XpuTier(request.spec, request.rank, request.device_id, self.runtime())
@@ -241,32 +184,32 @@ class XpuBackend(DeviceBackend):
         return tier
 
     def leftovers(self, spec: CacheSpec, descriptor: Mapping[str, Any]) -> list[Path]:
-        """The records ``set_data_ipc`` writes, one /dev/shm file per exported tensor, named after it
-        (``custom_ops/xpu_ops/src/ops/xpu_multiprocess.h:50`` opens them with O_CREAT); they outlive the
-        process that exported, so the daemon removes them at stop, and a start reclaims a killed run's."""
+        """The records ``set_data_ipc`` writes, one /dev/shm file per exported tensor (``ipc_record``); they
+        outlive the process that exported, so the daemon removes them at stop, and a start reclaims a
+        killed run's."""
         device, local_rank = descriptor.get("device"), descriptor.get("local_rank")
         if not isinstance(device, int) or not isinstance(local_rank, int):
             return []
-        return [
-            SHM_DIR / export.name for export in exports(spec, local_rank, device) if (SHM_DIR / export.name).exists()
-        ]
+        records = [ipc_record(export.name) for export in exports(spec, local_rank, device)]
+        return [record for record in records if record.exists()]
 
     def attach(
         self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
     ) -> Attached:
         if framework != "paddle":
-            raise InvalidSpec("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
+            raise InvalidArgument("framework", "this daemon keeps the cache in XPU memory: use framework='paddle'")
         device = descriptor.get("device")
         if not isinstance(device, int):
             raise ProtocolError(f"rank {local_rank}: xpu descriptor {dict(descriptor)} lacks the device")
         try:
             runtime = self.runtime()
-        except XpuUnavailable as exc:
-            raise InvalidSpec("framework", f"attaching an xpu cache: {exc}") from None
+        except BackendUnavailable as exc:
+            raise InvalidArgument("framework", f"attaching an xpu cache: {exc}") from None
         tensors: dict[str, list[Any]] = {"key": [], "value": [], "key_scale": [], "value_scale": []}
         for export in exports(spec, local_rank, device):
+            record = ipc_record(export.name)
             with contextlib.suppress(FileNotFoundError):  # set_data_ipc's record of the handle; absent: attach fails
-                check_owner(f"IPC record /dev/shm/{export.name}", os.stat(SHM_DIR / export.name), owner=owner)
+                check_owner(f"IPC record {record}", os.stat(record), owner=owner)
             tensors[export.kind].append(runtime.attach(device, export.name, export.shape, export.dtype))
         return XpuAttached(tensors)
 
@@ -310,13 +253,11 @@ def check_xpu() -> list[Check]:
         checks.append(Check("xpu_runtime", FAIL, f"XPU runtime {version}", measured_rt, advice))
     else:
         checks.append(Check("xpu_runtime", OK, f"XPU runtime {version}", measured_rt))
-    try:
-        ops = importlib.import_module("fastdeploy.model_executor.ops.xpu")
-    except ImportError as exc:
-        figure = f"FastDeploy XPU ops missing ({exc})"
+    present = ops_present()
+    if isinstance(present, str):
+        figure = f"FastDeploy XPU ops missing ({present})"
         checks.append(Check("xpu_ops", FAIL, figure, {"ops": {}}, "pip install fastdeploy-xpu"))
         return checks
-    present = {name: hasattr(ops, name) for name in ("set_data_ipc", "share_external_data")}
     figure = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in present.items())
     checks.append(Check("xpu_ops", OK if all(present.values()) else FAIL, figure, {"ops": present}))
     return checks

@@ -61,6 +61,7 @@ import posix_ipc
 from kvcached.protocol.errors import AccessDenied, ProtocolError, TornRead
 from kvcached.protocol.layout import round_up
 from kvcached.protocol.names import SHM_DIR, control_name, staged_control_name
+from kvcached.protocol.packing import Table
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import STATS_SIZE, StatsSlot
 from kvcached.protocol.trust import check_owner
@@ -71,17 +72,55 @@ HEADER_SIZE = 4096
 RECORD_SIZE = 1024
 MAX_RANKS = 256
 MAX_RUN_DIR = 127
-MAX_DESCRIPTOR = 480
 
-_HEADER = struct.Struct("<8sIIIIQqQQ16sI128sQI")
+
+_HEADER = Table(
+    ("magic", "8s"),
+    ("version", "I"),
+    ("header_size", "I"),
+    ("record_size", "I"),
+    ("num_ranks", "I"),
+    ("generation", "Q"),
+    ("daemon_pid", "q"),
+    ("daemon_start", "Q"),
+    ("created_wall_ns", "Q"),
+    ("spec_digest", "16s"),
+    ("spec_length", "I"),
+    ("run_dir", "128s"),
+    ("adopted_from", "Q"),
+    ("stats_size", "I"),
+)
 _SPEC_OFFSET = _HEADER.size
 _EXTENSION_OFFSET = 3584
-_EXTENSION = struct.Struct("<QH")
+_EXTENSION = Table(("arena_id", "Q"), ("note_length", "H"))
 MAX_NOTE = HEADER_SIZE - _EXTENSION_OFFSET - _EXTENSION.size
 _SEQ = struct.Struct("<Q")
-_FIELDS = struct.Struct("<IIQQQQqIIQQQQ16s64s256sH480s")
+#: A record's body after ``seq``; every name but ``spare`` and ``descriptor_length`` is a ``Record`` field.
+_RECORD = Table(
+    ("state", "I"),
+    ("rank", "I"),
+    ("generation", "Q"),
+    ("heartbeat_ns", "Q"),
+    ("since_ns", "Q"),
+    ("since_wall_ns", "Q"),
+    ("worker_pid", "q"),
+    ("layout_version", "I"),
+    ("spare", "I"),
+    ("dev_bytes", "Q"),
+    ("cpu_bytes", "Q"),
+    ("reserved_bytes", "Q"),
+    ("total_bytes", "Q"),
+    ("backend", "16s"),
+    ("cpu_name", "64s"),
+    ("error", "256s"),
+    ("descriptor_length", "H"),
+    ("descriptor", "480s"),
+)
+MAX_DESCRIPTOR = _RECORD.widths["descriptor"]
+#: The text fields of a record: utf-8, cut to their width at a character boundary.
+_TEXT = ("backend", "cpu_name", "error")
 _CRC = struct.Struct("<I")
-_BODY_SIZE = _FIELDS.size + _CRC.size
+_BODY_SIZE = _RECORD.size + _CRC.size
 assert _SEQ.size + _BODY_SIZE <= RECORD_SIZE
 
 
@@ -157,82 +196,33 @@ class Record:
         descriptor = json.dumps(self.descriptor, separators=(",", ":"), sort_keys=True).encode()
         if len(descriptor) > MAX_DESCRIPTOR:
             raise ValueError(f"device descriptor of {len(descriptor)} bytes exceeds {MAX_DESCRIPTOR}")
-        fields = _FIELDS.pack(
-            int(self.state),
-            self.rank,
-            self.generation,
-            self.heartbeat_ns,
-            self.since_ns,
-            self.since_wall_ns,
-            self.worker_pid,
-            self.layout_version,
-            0,
-            self.dev_bytes,
-            self.cpu_bytes,
-            self.reserved_bytes,
-            self.total_bytes,
-            _fit(self.backend, 16),
-            _fit(self.cpu_name, 64),
-            _fit(self.error, 256),
-            len(descriptor),
-            descriptor,
-        )
-        return fields + _CRC.pack(zlib.crc32(fields))
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        values.update({name: _fit(values[name], _RECORD.widths[name]) for name in _TEXT})
+        values.update(state=int(self.state), spare=0, descriptor_length=len(descriptor), descriptor=descriptor)
+        body = _RECORD.pack(values)
+        return body + _CRC.pack(zlib.crc32(body))
 
     @classmethod
     def unpack(cls, body: bytes) -> Record:
         """Parse body bytes (whose crc32 the reader checked); an unknown state number or a bad descriptor
         raises ``ProtocolError``."""
-        (
-            state,
-            rank,
-            generation,
-            heartbeat,
-            since,
-            since_wall,
-            wpid,
-            lver,
-            _spare,
-            dev_bytes,
-            cpu_bytes,
-            reserved,
-            total,
-            backend,
-            cpu_name,
-            error,
-            descriptor_len,
-            descriptor,
-        ) = _FIELDS.unpack_from(body)
+        values = _RECORD.unpack(body)
+        rank, length, raw = values["rank"], values.pop("descriptor_length"), values.pop("descriptor")
+        del values["spare"]
         try:
-            parsed_state = State(state)
+            values["state"] = State(values["state"])
         except ValueError:
-            raise ProtocolError(f"record of rank {rank} has unknown state number {state}") from None
-        parsed: Any = {}
-        if descriptor_len:
+            raise ProtocolError(f"record of rank {rank} has unknown state number {values['state']}") from None
+        values.update({name: _unfit(values[name]) for name in _TEXT})
+        values["descriptor"] = {}
+        if length:
             try:
-                parsed = json.loads(descriptor[: min(descriptor_len, MAX_DESCRIPTOR)])
+                values["descriptor"] = json.loads(raw[: min(length, MAX_DESCRIPTOR)])
             except ValueError:
-                parsed = None
-            if not isinstance(parsed, dict):
+                values["descriptor"] = None
+            if not isinstance(values["descriptor"], dict):
                 raise ProtocolError(f"record of rank {rank} has a device descriptor that is not a JSON object")
-        return cls(
-            parsed_state,
-            rank,
-            generation,
-            heartbeat,
-            since,
-            since_wall,
-            wpid,
-            lver,
-            dev_bytes,
-            cpu_bytes,
-            reserved,
-            total,
-            _unfit(backend),
-            _unfit(cpu_name),
-            _unfit(error),
-            parsed,
-        )
+        return cls(**values)
 
 
 def _fit(text: str, size: int) -> bytes:
@@ -248,6 +238,23 @@ def _unfit(raw: bytes) -> str:
 def control_block_bytes(num_ranks: int) -> int:
     """Bytes of a control block with ``num_ranks`` records and stats slots."""
     return round_up(HEADER_SIZE + (RECORD_SIZE + STATS_SIZE) * num_ranks)
+
+
+def _map_new(name: str, size: int, mode: int, gid: int | None) -> tuple[mmap.mmap, int]:
+    """Create the shm object ``name`` (O_EXCL), give it ``mode`` and group ``gid``, reserve ``size`` bytes,
+    and map it: (the mapping, its inode). Nothing is left under ``name`` when it raises."""
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+    try:
+        os.fchmod(shm.fd, mode)
+        if gid is not None:
+            os.fchown(shm.fd, -1, gid)
+        os.posix_fallocate(shm.fd, 0, size)
+        return mmap.mmap(shm.fd, size), os.fstat(shm.fd).st_ino
+    except BaseException:
+        shm.unlink()
+        raise
+    finally:
+        shm.close_fd()
 
 
 class ControlBlock:
@@ -295,57 +302,45 @@ class ControlBlock:
         (``kvcached.protocol.declare``)."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
-        run_dir_bytes = run_dir.encode()
-        if len(run_dir_bytes) > MAX_RUN_DIR:
+        if len(run_dir.encode()) > MAX_RUN_DIR:
             raise ValueError(f"run directory path longer than {MAX_RUN_DIR} bytes: {run_dir}")
-        name = staged_control_name(instance, generation) if staged else control_name(instance)
-        size = control_block_bytes(num_ranks)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
-        try:
-            os.fchmod(shm.fd, mode)
-            if gid is not None:
-                os.fchown(shm.fd, -1, gid)
-            os.posix_fallocate(shm.fd, 0, size)
-            mm = mmap.mmap(shm.fd, size)
-            inode = os.fstat(shm.fd).st_ino
-        except BaseException:
-            shm.close_fd()
-            shm.unlink()
-            raise
-        shm.close_fd()
-        block = cls(name, mm, True, inode)
-        block.public_name = control_name(instance)
-        block._num_ranks = num_ranks
         spec_json = json.dumps(spec.to_dict() if spec is not None else dict(known or {}), sort_keys=True).encode()
         if _SPEC_OFFSET + len(spec_json) > _EXTENSION_OFFSET:
             raise ValueError("spec does not fit the control block header")
-        _HEADER.pack_into(
-            block._buf,
-            0,
-            b"\0" * 8,
-            VERSION,
-            HEADER_SIZE,
-            RECORD_SIZE,
-            num_ranks,
-            generation,
-            daemon_pid,
-            daemon_start,
-            time.time_ns(),
-            spec.geometry_digest if spec is not None else bytes(16),
-            len(spec_json),
-            run_dir_bytes,
-            adopted_from,
-            STATS_SIZE,
-        )
+        header = {
+            "magic": b"\0" * 8,  # written last (publish last)
+            "version": VERSION,
+            "header_size": HEADER_SIZE,
+            "record_size": RECORD_SIZE,
+            "num_ranks": num_ranks,
+            "generation": generation,
+            "daemon_pid": daemon_pid,
+            "daemon_start": daemon_start,
+            "created_wall_ns": time.time_ns(),
+            "spec_digest": spec.geometry_digest if spec is not None else bytes(16),
+            "spec_length": len(spec_json),
+            "run_dir": run_dir.encode(),
+            "adopted_from": adopted_from,
+            "stats_size": STATS_SIZE,
+        }
+        name = staged_control_name(instance, generation) if staged else control_name(instance)
+        mm, inode = _map_new(name, control_block_bytes(num_ranks), mode, gid)
+        block = cls(name, mm, True, inode)
+        block.public_name = control_name(instance)
+        block._num_ranks = num_ranks
+        _HEADER.pack_into(block._buf, 0, header)
         block._buf[_SPEC_OFFSET : _SPEC_OFFSET + len(spec_json)] = spec_json
-        note_bytes = _fit(note, MAX_NOTE)
-        _EXTENSION.pack_into(block._buf, _EXTENSION_OFFSET, arena_id or generation, len(note_bytes))
-        start = _EXTENSION_OFFSET + _EXTENSION.size
-        block._buf[start : start + len(note_bytes)] = note_bytes
+        block._write_extension(arena_id or generation, note)
         for rank in range(num_ranks):
             block.write(rank, Record(rank=rank, generation=generation))
         block._buf[0:8] = MAGIC
         return block
+
+    def _write_extension(self, arena_id: int, note: str) -> None:
+        note_bytes = _fit(note, MAX_NOTE)
+        _EXTENSION.pack_into(self._buf, _EXTENSION_OFFSET, {"arena_id": arena_id, "note_length": len(note_bytes)})
+        start = _EXTENSION_OFFSET + _EXTENSION.size
+        self._buf[start : start + len(note_bytes)] = note_bytes
 
     @classmethod
     def open(cls, instance: str) -> ControlBlock | None:
@@ -410,56 +405,32 @@ class ControlBlock:
             return self._header
         if len(self._buf) < HEADER_SIZE:
             raise ProtocolError(f"{self.name}: too small to be a kvcached control block")
-        (
-            magic,
-            version,
-            header_size,
-            record_size,
-            num_ranks,
-            generation,
-            pid,
-            start,
-            created,
-            digest,
-            spec_len,
-            run_dir,
-            adopted_from,
-            stats_size,
-        ) = _HEADER.unpack_from(self._buf, 0)
-        if magic != MAGIC:
-            raise ProtocolError(f"{self.name}: not a kvcached control block (magic {magic!r})")
-        if version != VERSION or (header_size, record_size, stats_size) != (HEADER_SIZE, RECORD_SIZE, STATS_SIZE):
+        raw = _HEADER.unpack(self._buf)
+        if raw["magic"] != MAGIC:
+            raise ProtocolError(f"{self.name}: not a kvcached control block (magic {raw['magic']!r})")
+        version, num_ranks, spec_length = raw["version"], raw["num_ranks"], raw["spec_length"]
+        sizes = (raw["header_size"], raw["record_size"], raw["stats_size"])
+        if version != VERSION or sizes != (HEADER_SIZE, RECORD_SIZE, STATS_SIZE):
             raise ProtocolError(
                 f"{self.name}: control block format version {version} "
-                f"(header {header_size}, record {record_size}); this client speaks version {VERSION}"
+                f"(header {sizes[0]}, record {sizes[1]}); this client speaks version {VERSION}"
             )
         if not 1 <= num_ranks <= MAX_RANKS or len(self._buf) < HEADER_SIZE + (RECORD_SIZE + STATS_SIZE) * num_ranks:
             raise ProtocolError(f"{self.name}: rank count {num_ranks} does not fit the block")
-        if spec_len > _EXTENSION_OFFSET - _SPEC_OFFSET:
-            raise ProtocolError(f"{self.name}: spec length {spec_len} does not fit the header")
+        if spec_length > _EXTENSION_OFFSET - _SPEC_OFFSET:
+            raise ProtocolError(f"{self.name}: spec length {spec_length} does not fit the header")
         try:
-            spec = json.loads(bytes(self._buf[_SPEC_OFFSET : _SPEC_OFFSET + spec_len]))
+            spec = json.loads(bytes(self._buf[_SPEC_OFFSET : _SPEC_OFFSET + spec_length]))
         except ValueError as exc:
             raise ProtocolError(f"{self.name}: spec in header is not JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise ProtocolError(f"{self.name}: spec in header is not an object")
-        arena_id, note_len = _EXTENSION.unpack_from(self._buf, _EXTENSION_OFFSET)
+        extension = _EXTENSION.unpack(self._buf, _EXTENSION_OFFSET)
         note_start = _EXTENSION_OFFSET + _EXTENSION.size
-        note = bytes(self._buf[note_start : note_start + min(note_len, MAX_NOTE)]).decode("utf-8", "replace")
-        self._header = Header(
-            version,
-            num_ranks,
-            generation,
-            pid,
-            start,
-            created,
-            digest,
-            spec,
-            _unfit(run_dir),
-            adopted_from,
-            arena_id or generation,
-            note,
-        )
+        note = bytes(self._buf[note_start : note_start + min(extension["note_length"], MAX_NOTE)])
+        fields = {name: raw[name] for name in _HEADER.names if name in Header.__dataclass_fields__}
+        fields.update(spec=spec, run_dir=_unfit(raw["run_dir"]), arena_id=extension["arena_id"] or raw["generation"])
+        self._header = Header(**fields, note=note.decode("utf-8", "replace"))
         self._num_ranks = num_ranks
         return self._header
 
@@ -489,7 +460,7 @@ class ControlBlock:
             if not before & 1:
                 body = bytes(buf[body_start:body_end])
                 (after,) = _SEQ.unpack_from(buf, off)
-                if before == after and zlib.crc32(body[: _FIELDS.size]) == _CRC.unpack_from(body, _FIELDS.size)[0]:
+                if before == after and zlib.crc32(body[: _RECORD.size]) == _CRC.unpack_from(body, _RECORD.size)[0]:
                     return Record.unpack(body)
             if attempt > 16:
                 os.sched_yield()

@@ -11,63 +11,29 @@ connection, JSON lines both ways::
     <- {"accepted": true}                                      the daemon allocates this spec
     <- {"accepted": false, "field": F, "daemon": D, "declared": V, "message": M}
 
-A declaration that arrives once the spec is published is judged here, against the header: equal (every
-field of ``MATCHED_FIELDS`` and the role) adopts; different is refused by name. The daemon's own store
-backend always wins over the declared one (the caller checks that separately).
+A declaration that arrives once the spec is published is judged against the header: equal (every field of
+``CacheSpec.DECLARED_FIELDS``, ``CacheSpec.first_difference``) adopts; different is refused by name. The
+daemon's own store backend always wins over the declared one (the caller checks that separately).
 """
 
 from __future__ import annotations
 
 import json
 import socket
-import struct
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec
 from kvcached.protocol.spec import CacheSpec
+from kvcached.protocol.trust import peer_credentials
 
-#: Spec fields a runner and its daemon must agree on, in the order they are compared.
-MATCHED_FIELDS = (
-    "num_layers",
-    "kv_heads",
-    "head_dim",
-    "block_size",
-    "dtype",
-    "num_blocks",
-    "block_wise_fp8",
-    "mla",
-    "scale_dtype",
-    "mtp_layers",
-    "mtp_num_blocks",
-    "num_cpu_blocks",
-)
-#: A declaration also fixes the role (it decides the owner with the store).
-DECLARED_FIELDS = (*MATCHED_FIELDS, "splitwise_role")
 #: Bytes of one message, at most (a spec is a few hundred).
 MAX_MESSAGE = 16384
-_ADDED_LATER = {"mtp_layers": 0, "mtp_num_blocks": 0}
 
 
 def declare_socket_path(run_dir: str | Path, instance: str) -> Path:
     """Where a daemon waiting for the engine's geometry listens."""
     return Path(run_dir) / f"{instance}.declare.sock"
-
-
-def first_difference(
-    published: Mapping[str, Any], spec: CacheSpec, fields: tuple[str, ...] = MATCHED_FIELDS
-) -> tuple[str, Any, Any] | None:
-    """``(field, published value, spec's value)`` of the first of ``fields`` that differs, else None. The
-    scale dtype counts only with scale tensors; fields added after the first release read 0 when absent."""
-    for field in fields:
-        if field == "scale_dtype" and not spec.block_wise_fp8:
-            continue  # no scale tensors: their dtype shapes nothing
-        ours = getattr(spec, field)
-        theirs = published.get(field, _ADDED_LATER.get(field))
-        if theirs != ours:
-            return field, theirs, ours
-    return None
 
 
 def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_uid: int, timeout: float = 5.0) -> bool:
@@ -86,7 +52,7 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
             return False
         except PermissionError:
             raise AccessDenied(f"{path}: permission denied: the daemon admits its own user and its --group") from None
-        peer_uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        peer_uid = peer_credentials(sock)[1]
         if peer_uid != owner_uid:
             raise InvalidSpec("declare", f"{path} is served by uid {peer_uid}, not the daemon's uid {owner_uid}")
         sock.sendall(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")

@@ -15,6 +15,7 @@
     ├── CacheLayoutMismatch             the published layout differs from the runner's spec; names the field
     ├── ProtocolError                   a shared object that does not speak this protocol (foreign, corrupt)
     │   └── TornRead                    no consistent copy of a record (its writer is mid-write or died so)
+    ├── InvalidArgument (ValueError)    an argument of a call is out of range (not the spec's, not a task's)
     ├── InvalidTask (ValueError)        a task refused before anything moved; names the field (ids, rank, ...)
     ├── TaskFailed                      the daemon accepted a task but could not complete it
     │   ├── TaskLost                    the rank's worker died during the task; names the blocks left undefined
@@ -122,6 +123,19 @@ class ProtocolError(KVCacheError):
 class TornRead(ProtocolError):
     """Raised when no consistent copy of a record was had within the retry budget: the writer is mid-write,
     or died mid-write."""
+
+
+class InvalidArgument(KVCacheError, ValueError):
+    """Raised when an argument of a call is out of range and it is neither the spec's nor a task's (a rank
+    number, a framework, a timeout, token ids to hash).
+
+    ``field`` is the argument's name; the message says what is allowed.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 class InvalidTask(KVCacheError, ValueError):

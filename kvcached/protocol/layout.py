@@ -118,7 +118,11 @@ def cpu_pool_bytes(spec: CacheSpec) -> int:
     return cpu_block_stride(spec) * spec.num_cpu_blocks
 
 
-POOL_LAYOUTS = ("records", "planes")
+#: How a CPU pool is laid out: ``RECORDS``, block-major (one block of every layer is one contiguous record,
+#: ``cpu_block_stride`` apart), or ``PLANES``, tensor-major (per tensor, every block contiguous:
+#: ``cpu_planes``), where a device backend's own swap op wants it so.
+RECORDS, PLANES = "records", "planes"
+POOL_LAYOUTS = (RECORDS, PLANES)
 
 
 def cpu_planes(spec: CacheSpec) -> list[tuple[int, int]]:
@@ -130,11 +134,6 @@ def cpu_planes(spec: CacheSpec) -> list[tuple[int, int]]:
         planes.append((offset, width))
         offset += width * spec.num_cpu_blocks
     return planes
-
-
-def rank_shm_bytes(spec: CacheSpec) -> int:
-    """Shared memory one rank reserves on the host backend: device arena plus CPU pool."""
-    return device_arena_bytes(spec) + cpu_pool_bytes(spec)
 
 
 def device_views(spec: CacheSpec, buffer: Any) -> dict[str, list[np.ndarray[Any, Any]]]:
@@ -149,3 +148,11 @@ def device_views(spec: CacheSpec, buffer: Any) -> dict[str, list[np.ndarray[Any,
         array = np.frombuffer(buffer, dtype=dtype, count=count, offset=slot.offset).reshape(slot.shape)
         views[slot.kind].append(array)
     return views
+
+
+def size_text(n: float) -> str:
+    """Bytes for people, with one decimal: GiB from 1 GiB up, MiB from 1 MiB up, else KiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"

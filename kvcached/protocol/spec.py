@@ -3,7 +3,9 @@
 A ``CacheSpec`` is validated when it is built, so every ``CacheSpec`` that exists is allocatable in
 principle: every size is a positive int, ``kv_heads`` is already divided by tensor parallelism and is at
 least 1, the dtype and role are known names, and the bytes of one rank fit a 64-bit host's address space.
-Sizes in bytes are computed here and nowhere else.
+Payload sizes in bytes (of a block, of one rank's device cache and CPU pool) are computed here;
+``kvcached.protocol.layout`` places the tensors and pads them to pages; everything else takes its sizes from
+these two.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from kvcached.protocol.errors import InvalidSpec
 
@@ -30,8 +32,6 @@ _BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 #: Largest arena one rank may ask for: the user address space of x86-64 (128 TiB).
 MAX_RANK_BYTES = 1 << 47
 
-#: Fields added after the first release, left out of the geometry digest while they are 0.
-_ADDED_FIELDS = ("mtp_layers", "mtp_num_blocks")
 _POSITIVE_FIELDS = ("num_layers", "kv_heads", "head_dim", "block_size", "num_blocks")
 
 
@@ -46,7 +46,30 @@ class CacheSpec:
     layer, and tasks move blocks ``0 .. num_blocks-1`` of all of them.
     ``num_cpu_blocks`` sizes the CPU swap pool (0: none); ``storage_backend`` names the attention store
     (None: none). With ``splitwise_role`` they decide the owner (see ``kvcached.protocol.ownership``).
+
+    Which fields matter where is said here once: ``GEOMETRY_FIELDS`` shape the memory (a runner and its
+    daemon agree on each, the geometry digest covers them), ``DECLARED_FIELDS`` are what an engine declares
+    (``--geometry engine``), ``ADDED_FIELDS`` came after the first release (a spec written before them reads
+    as their value here).
     """
+
+    GEOMETRY_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_layers",
+        "kv_heads",
+        "head_dim",
+        "block_size",
+        "dtype",
+        "num_blocks",
+        "block_wise_fp8",
+        "mla",
+        "scale_dtype",
+        "mtp_layers",
+        "mtp_num_blocks",
+        "num_cpu_blocks",
+    )
+    #: The role decides the owner with the store, so a declaration fixes it too.
+    DECLARED_FIELDS: ClassVar[tuple[str, ...]] = (*GEOMETRY_FIELDS, "splitwise_role")
+    ADDED_FIELDS: ClassVar[Mapping[str, object]] = {"mtp_layers": 0, "mtp_num_blocks": 0}
 
     num_layers: int
     kv_heads: int
@@ -94,7 +117,7 @@ class CacheSpec:
                 f"({MAX_RANK_BYTES} bytes); lower num_blocks, num_cpu_blocks or the geometry",
             )
 
-    # -- sizes: the only place they are computed -------------------------------------------------------
+    # -- payload sizes ----------------------------------------------------------------------------------
 
     @property
     def itemsize(self) -> int:
@@ -181,15 +204,31 @@ class CacheSpec:
 
     @property
     def geometry_digest(self) -> bytes:
-        """16 bytes that identify the memory geometry (everything that shapes the arenas). Fields added later
-        count only when set, so a geometry without them keeps its digest (and its stored objects)."""
+        """16 bytes that identify the memory geometry (``GEOMETRY_FIELDS``). Fields added later count only
+        when set, so a geometry without them keeps its digest (and its stored objects)."""
         fields = {
-            k: v
-            for k, v in self.to_dict().items()
-            if k not in ("storage_backend", "splitwise_role") and not (k in _ADDED_FIELDS and v == 0)
+            name: getattr(self, name)
+            for name in self.GEOMETRY_FIELDS
+            if not (name in self.ADDED_FIELDS and getattr(self, name) == self.ADDED_FIELDS[name])
         }
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()[:16]
+
+    def first_difference(
+        self, published: Mapping[str, Any], fields: tuple[str, ...] | None = None
+    ) -> tuple[str, Any, Any] | None:
+        """``(field, published value, this spec's value)`` of the first of ``fields`` (default
+        ``GEOMETRY_FIELDS``) where ``published`` (a spec as a control block carries it) differs, else None.
+        The scale dtype counts only with scale tensors; a field added later reads as its ``ADDED_FIELDS``
+        value when ``published`` lacks it."""
+        for name in self.GEOMETRY_FIELDS if fields is None else fields:
+            if name == "scale_dtype" and not self.block_wise_fp8:
+                continue  # no scale tensors: their dtype shapes nothing
+            ours = getattr(self, name)
+            theirs = published.get(name, self.ADDED_FIELDS.get(name))
+            if theirs != ours:
+                return name, theirs, ours
+        return None
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import os
 import pwd
+import socket
 import stat
+import struct
 
 from kvcached.protocol.errors import InvalidSpec, NotTrusted
 
 ENV = "KVCACHED_DAEMON_USER"
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of the Unix socket ``sock``, as the kernel
+    recorded them when the connection was made (``SO_PEERCRED``)."""
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid, gid
 
 
 def trusted_uids() -> frozenset[int]:

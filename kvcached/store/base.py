@@ -30,7 +30,7 @@ from kvcached.knobs import Knob
 from kvcached.protocol.spec import CacheSpec
 
 if TYPE_CHECKING:
-    from kvcached.health import Check
+    from kvcached.checks import Check
     from kvcached.logs import Logger
 
 MAGIC = b"KVCBLOCK"
@@ -120,7 +120,7 @@ class Store(abc.ABC):
     reached) and ``OSError``; a failed call leaves every object either absent or whole.
 
     A backend calls ``on_progress()`` after each object (or batch) it moves: the worker gives a call that
-    keeps moving all the time it needs, and fails one that stops moving (``kvcached.daemon.storecalls``)."""
+    keeps moving all the time it needs, and fails one that stops moving (``kvcached.daemon.store_agent``)."""
 
     counters: StoreCounters
     on_progress: Callable[[], None] = staticmethod(_no_progress)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import knobs
-from kvcached.health import FAIL, OK, WARN, Check, size_text
+from kvcached.checks import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec, StoreBusy
 from kvcached.protocol.spec import CacheSpec

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvcached import knobs
-from kvcached.health import FAIL, OK, WARN, Check, size_text
+from kvcached.checks import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec, StoreUnavailable
 from kvcached.protocol.layout import round_up

@@ -50,7 +50,6 @@ class FileTier(DeviceTier):
 
 class FileBackend(DeviceBackend):
     name = "testfile"
-    summary = "TEST ONLY: a regular file per rank"
     outlives_worker = True
 
     def create(self, request: TierRequest, progress: Progress) -> DeviceTier:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcached import knobs, store
-from kvcached.health import OK, Check
+from kvcached.checks import OK, Check
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.spec import CacheSpec

@@ -76,7 +76,6 @@ class XpuRuntimeDouble:
 
 class XpuDoubleBackend(XpuBackend):
     name = "xpu-double"
-    summary = "TEST ONLY: the xpu backend over XpuRuntimeDouble"
 
 
 memory.register(XpuDoubleBackend(runtime=XpuRuntimeDouble))

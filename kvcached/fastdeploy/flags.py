@@ -297,7 +297,7 @@ def _kind(mode: int) -> str:
     return kinds.get(stat.S_IFMT(mode), "not a plain file")
 
 
-class FastDeploySignals:
+class ReadyFlags:
     """The two flag arrays of one instance. Methods raise ``SignalError`` with a clear message.
     ``fileno()`` is an inotify descriptor on /dev/shm, readable when a name there changed (-1 without
     inotify: then only the supervisor's tick keeps the names right)."""
@@ -361,10 +361,6 @@ class FastDeploySignals:
             if segment.name in deleted:
                 segment.missing_since = now
             segment.follow()
-
-    def mappings(self) -> int:
-        """Segments mapped now, all names together."""
-        return sum(len(segment.views) for segment in self.segments)
 
     def close(self) -> None:
         for segment in self.segments:

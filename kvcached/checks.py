@@ -10,6 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# The store backends' checks format sizes with it; it lives with the other sizes, on the floor.
+from kvcached.protocol.layout import size_text
+
+__all__ = ["FAIL", "OK", "WARN", "Check", "size_text"]
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 
 
@@ -22,8 +27,3 @@ class Check:
     figure: str
     measured: dict[str, Any]
     advice: str = ""
-
-
-def size_text(n: float) -> str:
-    """Bytes for people: GiB from 1 GiB up, else MiB."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

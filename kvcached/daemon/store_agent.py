@@ -13,7 +13,7 @@ stuck past ``ABANDON_AFTER`` timeouts is killed and a new one started.
 
 Block records never cross the socket. Where the device tier lives in host memory and the backend allows
 it (``StoreBackend.direct``: the file store), the agent reads and writes the device blocks themselves,
-through the worker's mapping it inherits at the fork (``kvcached.transfer.DeviceBlocks``): a put writes
+through the worker's mapping it inherits at the fork (``kvcached.copy_engine.DeviceBlocks``): a put writes
 each block's pieces as they are, a load copies each verified record into its block, once, and the worker
 copies nothing. A direct call that times out has its agent killed, and waited for, before its task fails,
 so that no write it had under way lands in a block the task gave up. Otherwise records sit in
@@ -44,12 +44,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from kvcached.copy_engine import DeviceBlocks
 from kvcached.logs import Logger
 from kvcached.memory import shm
 from kvcached.protocol.errors import StoreBusy, StoreUnavailable
 from kvcached.protocol.layout import round_up
 from kvcached.store.base import Store, StoreCounters
-from kvcached.transfer import DeviceBlocks
 
 #: How often the waiting worker marks its own progress and looks at the agent's.
 SLICE_S = 0.1

@@ -7,7 +7,7 @@ refused task changes nothing. Both sides of a copy are seen as pieces (``kvcache
 side keeps them: a row of the device arena's tensor, a column range of a CPU pool record, a row of a CPU
 pool plane, a column range of a staging row. How a task moves, fastest first:
 
-1. the device tier's own whole-task copy with the pool (``DeviceTier.swap``: on XPU, FastDeploy's
+1. the device tier's own whole-task copy with the pool (``DeviceTier.pool_swap``: on XPU, FastDeploy's
    ``swap_cache_all_layers``, one call per tensor kind, device memory straight to the pinned pool);
 2. one native call (``kvcached.native``) for every piece of every block, when the device tier lives in
    host memory (its pieces have ``host()`` views) and the native copy was built: no Python per piece,
@@ -19,7 +19,7 @@ pool plane, a column range of a staging row. How a task moves, fastest first:
     per run, per piece p:   host_p[c0:c0+n] = device_p[d0:d0+n]      (one strided copy)
 
    A Python loop over runs beats numpy's fancy indexing here: that gathers into a temporary first, an
-   extra copy of every byte (measured: 1.6 vs 5.6 GB/s for scattered 16 KiB pieces).
+   extra copy of every byte (``scripts/bench_copy_choices.py``; figures in docs/benchmarks.md).
 
 Every path copies at most ``STEP_BYTES`` between two calls of ``on_step`` (the worker's progress mark).
 """
@@ -35,7 +35,7 @@ from kvcached import native
 from kvcached.memory.base import Piece, TierSwap
 from kvcached.native import Side
 from kvcached.protocol.errors import InvalidTask
-from kvcached.protocol.layout import cpu_block_stride, cpu_planes
+from kvcached.protocol.layout import PLANES, POOL_LAYOUTS, RECORDS, cpu_block_stride, cpu_planes
 from kvcached.protocol.spec import CacheSpec
 
 Array = np.ndarray[Any, Any]
@@ -103,7 +103,7 @@ class SwapEngine:
 
     ``pieces`` are the device tier's tensors in record order; ``pool`` is the CPU pool's buffer (or None),
     laid out as ``pool_layout`` (``kvcached.protocol.layout``). ``tier_swap``, when the device tier has
-    one, moves a whole task between the tier and the pool (``DeviceTier.swap``). ``on_step`` is called
+    one, moves a whole task between the tier and the pool (``DeviceTier.pool_swap``). ``on_step`` is called
     after each step of at most ``STEP_BYTES``: the worker marks its progress there, so a long task is
     never taken for a hung one."""
 
@@ -114,9 +114,11 @@ class SwapEngine:
         pool: Any | None,
         on_step: Callable[[], None] | None = None,
         *,
-        pool_layout: str = "records",
+        pool_layout: str = RECORDS,
         tier_swap: TierSwap | None = None,
     ) -> None:
+        if pool_layout not in POOL_LAYOUTS:
+            raise ValueError(f"pool layout {pool_layout!r} is none of {', '.join(POOL_LAYOUTS)}")
         self.spec = spec
         self.pieces = pieces
         assert sum(piece.nbytes for piece in self.pieces) == spec.block_bytes
@@ -128,7 +130,7 @@ class SwapEngine:
         self.pool: Side | None = None
         self._records: dict[tuple[int, int, int], Side] = {}
         if pool is not None and spec.num_cpu_blocks:
-            if pool_layout == "planes":
+            if pool_layout == PLANES:
                 buffer = np.frombuffer(pool, dtype=np.uint8)
                 count = spec.num_cpu_blocks
                 planes = [buffer[o : o + w * count].reshape(count, w) for o, w in cpu_planes(spec)]

@@ -31,7 +31,7 @@ import dataclasses
 import os
 from typing import Any
 
-from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.errors import InvalidArgument, InvalidSpec
 from kvcached.protocol.layout import device_slots
 from kvcached.protocol.spec import CacheSpec
 
@@ -96,29 +96,14 @@ def spec_from_fastdeploy(
     ``scheduler_config.splitwise_role``; ``quant_config.kv_cache_quant_type``;
     ``speculative_config.num_extra_cache_layer``, ``.num_gpu_block_expand_ratio``. MLA follows
     ``FD_ATTENTION_BACKEND == "MLA_ATTN"`` unless ``mla`` is given. Raises ``InvalidSpec`` naming FastDeploy's
-    option when a value is missing or unsupported.
+    option when a value is missing or unsupported, ``InvalidArgument`` for a bad ``platform`` or ``local_rank``.
     """
     if platform not in PLATFORMS:
-        raise InvalidSpec("platform", f"must be one of {', '.join(PLATFORMS)}; got {platform!r}")
+        raise InvalidArgument("platform", f"must be one of {', '.join(PLATFORMS)}; got {platform!r}")
     tp = int(_get(fd_config, "parallel_config.tensor_parallel_size", 1))
     if not 0 <= local_rank < max(tp, 1):
-        raise InvalidSpec("local_rank", f"must be 0..{tp - 1} for tensor_parallel_size {tp}, got {local_rank}")
-    heads = _get(fd_config, "model_config.num_key_value_heads")
-    if heads is None:
-        heads = _get(fd_config, "model_config.num_attention_heads")
-    layers = _get(fd_config, "model_config.num_hidden_layers")
-    head_dim = _get(fd_config, "model_config.head_dim")
-    block_size = _get(fd_config, "cache_config.block_size")
-    blocks = num_blocks if num_blocks is not None else _get(fd_config, "cache_config.total_block_num")
-    for option, value in (
-        ("model_config.num_hidden_layers", layers),
-        ("model_config.num_key_value_heads", heads),
-        ("model_config.head_dim", head_dim),
-        ("cache_config.block_size", block_size),
-        ("cache_config.total_block_num (or num_blocks=)", blocks),
-    ):
-        if value is None:
-            raise InvalidSpec(option.split(" ")[0], f"FastDeploy config has no {option}")
+        raise InvalidArgument("local_rank", f"must be 0..{tp - 1} for tensor_parallel_size {tp}, got {local_rank}")
+    layers, heads, head_dim, block_size, blocks = _required(fd_config, num_blocks)
     backend = _get(fd_config, "cache_config.kvcache_storage_backend") or None
     if backend == "attention_store":
         raise InvalidSpec(
@@ -129,34 +114,59 @@ def spec_from_fastdeploy(
     quant = _get(fd_config, "quant_config.kv_cache_quant_type")
     if mla is None:
         mla = os.environ.get("FD_ATTENTION_BACKEND") == "MLA_ATTN"
-    kv_heads, width = max(1, int(heads) // max(tp, 1)), int(head_dim)
-    if mla and platform == "gpu":
-        lora, rope = _get(fd_config, "model_config.kv_lora_rank"), _get(fd_config, "model_config.qk_rope_head_dim")
-        if lora is None or rope is None:
-            raise InvalidSpec(
-                "model_config.kv_lora_rank", "an MLA model's config has kv_lora_rank and qk_rope_head_dim"
-            )
-        kv_heads, width = 1, int(lora) + int(rope)
-    elif mla:
-        raise InvalidSpec("FD_ATTENTION_BACKEND", "MLA_ATTN: FastDeploy's XPU runner at e53f5184 has no MLA layout")
+    kv_heads, width = _heads_and_width(fd_config, max(1, heads // max(tp, 1)), head_dim, mla=mla, platform=platform)
     if quant and platform == "gpu" and quant == "int4_zp":
         width //= 2
-    blocks = int(blocks)
     extra = int(_get(fd_config, "speculative_config.num_extra_cache_layer", 0) or 0)
     ratio = float(_get(fd_config, "speculative_config.num_gpu_block_expand_ratio", 1.0) or 1.0)
+    fp8 = quant == "block_wise_fp8" and platform == "gpu"
     return CacheSpec(
-        num_layers=int(layers),
+        num_layers=layers,
         kv_heads=kv_heads,
         head_dim=width,
-        block_size=int(block_size),
+        block_size=block_size,
         dtype=("int8" if platform == "xpu" else "uint8") if quant else model_dtype,
         num_blocks=blocks,
         num_cpu_blocks=int(_get(fd_config, "cache_config.num_cpu_blocks", 0) or 0),
         storage_backend=backend,
         splitwise_role=str(_get(fd_config, "scheduler_config.splitwise_role", "mixed")),
-        block_wise_fp8=quant == "block_wise_fp8" and platform == "gpu",
+        block_wise_fp8=fp8,
         mla=bool(mla),
-        scale_dtype=model_dtype if quant == "block_wise_fp8" and platform == "gpu" else "float32",
+        scale_dtype=model_dtype if fp8 else "float32",
         mtp_layers=extra,
         mtp_num_blocks=int(blocks * ratio) if extra and ratio != 1.0 else 0,
     )
+
+
+def _required(fd_config: Any, num_blocks: int | None) -> tuple[int, int, int, int, int]:
+    """Layers, KV heads (all ranks'), head dim, block size and block count, each required."""
+    heads = _get(fd_config, "model_config.num_key_value_heads")
+    if heads is None:
+        heads = _get(fd_config, "model_config.num_attention_heads")
+    values = {
+        "model_config.num_hidden_layers": _get(fd_config, "model_config.num_hidden_layers"),
+        "model_config.num_key_value_heads": heads,
+        "model_config.head_dim": _get(fd_config, "model_config.head_dim"),
+        "cache_config.block_size": _get(fd_config, "cache_config.block_size"),
+        "cache_config.total_block_num (or num_blocks=)": (
+            num_blocks if num_blocks is not None else _get(fd_config, "cache_config.total_block_num")
+        ),
+    }
+    for option, value in values.items():
+        if value is None:
+            raise InvalidSpec(option.split(" ")[0], f"FastDeploy config has no {option}")
+    layers, kv_heads, head_dim, block_size, blocks = (int(value) for value in values.values())
+    return layers, kv_heads, head_dim, block_size, blocks
+
+
+def _heads_and_width(fd_config: Any, kv_heads: int, head_dim: int, *, mla: bool, platform: str) -> tuple[int, int]:
+    """The KV heads per rank and the width of one head as the runner of ``platform`` lays them out: MLA on
+    GPU keeps one latent head of ``kv_lora_rank + qk_rope_head_dim``."""
+    if not mla:
+        return kv_heads, head_dim
+    if platform != "gpu":
+        raise InvalidSpec("FD_ATTENTION_BACKEND", "MLA_ATTN: FastDeploy's XPU runner at e53f5184 has no MLA layout")
+    lora, rope = _get(fd_config, "model_config.kv_lora_rank"), _get(fd_config, "model_config.qk_rope_head_dim")
+    if lora is None or rope is None:
+        raise InvalidSpec("model_config.kv_lora_rank", "an MLA model's config has kv_lora_rank and qk_rope_head_dim")
+    return 1, int(lora) + int(rope)

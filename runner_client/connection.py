@@ -1,0 +1,173 @@
+"""One connection to one rank worker's task socket: frames out, replies in, every step under a deadline.
+
+A ``Connection`` is opened to the worker of one daemon (the control block it was found through stays
+with it), checks who serves the socket, says HELLO with the daemon's generation, and then carries task
+frames (``kvcached.protocol.messages``). Replies arrive in request order; a reply read while waiting for
+another task's is kept for its own waiter, so tasks can be pipelined. What a closed connection means (a
+daemon handing over, a worker replaced, a daemon gone) is the business of ``runner_client.link``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from kvcached.protocol.control import ControlBlock
+from kvcached.protocol.errors import AccessDenied, DaemonGone, NotTrusted, TaskFailed
+from kvcached.protocol.messages import REPLY, REPLY_MAGIC, Op, Status, parse_reply_body, request
+from kvcached.protocol.trust import check_owner, peer_credentials
+
+#: Tasks a connection may have in flight (sent, reply not read yet). At the bound, ``send`` reads
+#: replies (keeping them for their handles) before it sends more: any number of submitted tasks can be
+#: outstanding without the two sides' socket buffers filling up and deadlocking.
+MAX_IN_FLIGHT = 128
+
+
+class Closed(Exception):
+    """The rank's connection ended (EOF or reset), or its socket is not there."""
+
+
+class Connection:
+    """One connection to one rank worker; frames are sent and replies read under ``lock``.
+
+    Raises, when it opens: ``Closed`` (no socket, or closed at once), ``NotTrusted`` (the socket or the
+    process serving it is not the daemon's user's), ``AccessDenied`` (this user may not connect, or the
+    worker refused it), ``DaemonGone`` (the worker refused the HELLO: another generation), ``TaskFailed``
+    (the worker is at its connection cap)."""
+
+    def __init__(self, path: str, rank: int, block: ControlBlock, timeout: float) -> None:
+        self.rank = rank
+        self.block = block  # of the daemon it is opened to (kept mapped while this client lives)
+        generation, owner = block.header().generation, block.owner_uid
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.next_id = 1
+        self.unread = 0  # tasks sent whose reply has not been read from the socket yet
+        self.early: dict[int, tuple[int, dict[str, Any]]] = {}
+        self.buf = bytearray()
+        try:
+            check_owner(f"task socket {path}", os.stat(path), owner=owner)
+        except FileNotFoundError:
+            raise Closed() from None
+        self.sock = self._connect(path, owner)
+        self.rcvtimeo = 0.0
+        self._set_rcvtimeo(timeout)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+        hello = json.dumps({"generation": f"{generation:016x}"}).encode()
+        try:
+            task_id = self.send(Op.HELLO, hello)
+        except Closed:
+            # Closed at once: a refused peer gets one REFUSED frame first; wait() raises on it.
+            self.wait(0, time.monotonic() + min(timeout, 1.0))
+            raise
+        status, body = self.wait(task_id, time.monotonic() + timeout)
+        if status != Status.OK:
+            self.sock.close()
+            raise DaemonGone(f"rank {rank}: the daemon's worker refused this client: {body.get('message')}")
+
+    def _connect(self, path: str, owner: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(path)
+            peer_uid = peer_credentials(sock)[1]
+            if peer_uid != owner:
+                raise NotTrusted(f"the process serving {path} runs as uid {peer_uid}, not the daemon's uid {owner}")
+        except PermissionError:
+            sock.close()
+            raise AccessDenied(
+                f"rank {self.rank}: no permission to connect to {path}: the daemon admits its own user and the "
+                "members of its --group"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        # Blocking with SO_RCVTIMEO / SO_SNDTIMEO instead of Python's timeout mode, which would poll()
+        # before every recv(): one syscall less per reply on the latency path.
+        sock.setblocking(True)
+        return sock
+
+    def send(self, op: Op, payload: bytes, flags: int = 0) -> int:
+        """Send one task and return its id; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for
+        their waiters). Raises ``Closed`` (the worker is gone: it runs none of it) or ``TimeoutError`` (the
+        worker reads nothing any more: this connection is closed, part of a frame may be out)."""
+        with self.lock:
+            deadline = time.monotonic() + self.timeout
+            while self.unread >= MAX_IN_FLIGHT:
+                self._read_reply(deadline)
+            task_id = self.next_id
+            self.next_id += 1
+            try:
+                self.sock.sendall(request(op, task_id, payload, flags))
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise Closed() from exc
+            except (BlockingIOError, TimeoutError):  # SO_SNDTIMEO expired
+                self.sock.close()
+                raise TimeoutError from None
+            self.unread += 1
+            return task_id
+
+    def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
+        """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way. Raises
+        ``Closed``, ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``TaskFailed`` for a refusal."""
+        with self.lock:
+            while task_id not in self.early:
+                self._read_reply(deadline)
+            return self.early.pop(task_id)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _fill(self, deadline: float) -> None:
+        """Append at least one byte from the socket to ``self.buf``, or raise TimeoutError at ``deadline``."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            # Keep the socket's timeout unless it would overshoot the deadline, or is far shorter than
+            # it (then recv would wake up needlessly): on the hot path no setsockopt is made.
+            if not min(remaining, 1.0) / 2 <= self.rcvtimeo <= remaining + 0.05:
+                self._set_rcvtimeo(remaining)
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                continue  # SO_RCVTIMEO expired: look at the deadline again
+            except (ConnectionResetError, OSError) as exc:
+                raise Closed() from exc
+            if not chunk:
+                raise Closed()
+            self.buf += chunk
+            return
+
+    def _set_rcvtimeo(self, seconds: float) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        self.rcvtimeo = max(seconds, 0.001)
+
+    def _read_reply(self, deadline: float) -> None:
+        """Read one reply into ``early``. Caller holds the lock."""
+        while len(self.buf) < REPLY.size:
+            self._fill(deadline)
+        magic, op, status, got_id, length = REPLY.unpack_from(self.buf)
+        if magic != REPLY_MAGIC:
+            raise Closed()
+        while len(self.buf) < REPLY.size + length:
+            self._fill(deadline)
+        body = parse_reply_body(op, status, bytes(self.buf[REPLY.size : REPLY.size + length]))
+        del self.buf[: REPLY.size + length]
+        if status == Status.REFUSED:
+            if body.get("reason") == "capacity":
+                raise TaskFailed(f"rank {self.rank}: the worker refused the connection: {body.get('message')}")
+            raise AccessDenied(f"rank {self.rank}: the daemon refused this client: {body.get('message')}")
+        self.unread = max(0, self.unread - 1)
+        self.early[got_id] = (status, body)
+
+
+def _timeval(seconds: float) -> bytes:
+    seconds = max(seconds, 0.001)
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
