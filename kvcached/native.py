@@ -1,8 +1,11 @@
-"""The native block copy (``kvcached/_copy.c``), loaded with ctypes when the install built it.
+"""The native block copy (``kvcached/_copy.c``) and copy-and-checksum (``kvcached/_verify.c``), loaded
+with ctypes when the install built them.
 
 ``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes
-releases it around a foreign call). ``available()`` says whether it was built; without it the copy
-engine (``kvcached.transfer``) copies with numpy, one slice per piece and run of ids.
+releases it around a foreign call). ``hash_copy`` and ``read_hash`` move one store object's payload (from
+memory, or from a file) and take its XXH3-64 in the same pass. ``available()`` says whether it was built;
+without it the copy engine (``kvcached.transfer``) copies with numpy, one slice per piece and run of ids,
+and the store lands and hashes in steps of its own (``kvcached.store.landing``).
 ``KVCACHED_NATIVE_COPY=0`` turns it off (to compare, or to rule it out).
 """
 
@@ -60,6 +63,22 @@ class _Library:
         )
         self.lib.kv_streams.restype = ctypes.c_int
         self.streams = bool(self.lib.kv_streams())
+        self.lib.kv_hash_copy.restype = ctypes.c_uint64
+        self.lib.kv_hash_copy.argtypes = (
+            *(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p),
+            *(ctypes.c_int,) * 2,
+        )
+        self.lib.kv_read_hash.restype = ctypes.c_int64
+        self.lib.kv_read_hash.argtypes = (
+            ctypes.c_int,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            *(ctypes.c_void_p,) * 2,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+        )
+        self.lib.kv_hash_min_bytes.restype = ctypes.c_int64
+        self.hash_min_bytes = int(self.lib.kv_hash_min_bytes())
 
 
 def _load() -> _Library | None:
@@ -71,7 +90,7 @@ def _load() -> _Library | None:
         if path.is_file():
             try:
                 return _Library(path)
-            except OSError:
+            except (OSError, AttributeError):  # unloadable, or built from older sources: rebuild it
                 return None
     return None
 
@@ -113,3 +132,36 @@ def copy_blocks(src: Side, dst: Side, src_ids: Array, dst_ids: Array) -> int:
         1,
     )
     return moved
+
+
+#: ``hash_copy`` modes: the flat buffer into the pieces, the pieces into the flat buffer, the pieces hashed.
+SCATTER, GATHER, HASH = 0, 1, 2
+
+
+def hashes(nbytes: int) -> bool:
+    """Whether ``hash_copy`` and ``read_hash`` take a payload of ``nbytes`` (built, and long enough)."""
+    return _LIBRARY is not None and nbytes >= _LIBRARY.hash_min_bytes
+
+
+def hash_copy(addresses: Array, widths: Array, flat: int, mode: int) -> int:
+    """XXH3-64 of the concatenation of the pieces (piece ``p``: ``widths[p]`` bytes at ``addresses[p]``),
+    moved on the way as ``mode`` says (``SCATTER`` from ``flat``, ``GATHER`` into ``flat``, ``HASH``);
+    scattered pieces are written with non-temporal stores. Only where ``hashes(widths.sum())``."""
+    assert _LIBRARY is not None
+    digest: int = _LIBRARY.lib.kv_hash_copy(
+        len(widths), addresses.ctypes.data, widths.ctypes.data, flat or None, mode, mode == SCATTER
+    )
+    return digest
+
+
+def read_hash(fd: int, offset: int, addresses: Array, widths: Array, chunk: int) -> tuple[int, int | None]:
+    """Read the pieces' bytes from ``fd`` at ``offset`` in requests of ``chunk`` bytes, each hashed as soon as
+    it arrives: (bytes read, XXH3-64 when every byte was read). Raises ``OSError`` for a failed read."""
+    assert _LIBRARY is not None
+    digest = ctypes.c_uint64()
+    got: int = _LIBRARY.lib.kv_read_hash(
+        fd, offset, len(widths), addresses.ctypes.data, widths.ctypes.data, chunk, ctypes.byref(digest)
+    )
+    if got < 0:
+        raise OSError(-got, os.strerror(-got))
+    return got, digest.value if got == int(widths.sum()) else None

@@ -361,7 +361,7 @@ def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFac
 
 def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """Bytes of an object changed in place in its segment (memory gone bad, a stale index pointing at reused
-    memory): the load stops before that block, counts it corrupt, and no device block gets its bytes."""
+    memory): the load reports the blocks before it, each byte for byte, and counts it corrupt."""
     a, b = start_host(daemons, mooncake), start_host(daemons, mooncake)
     keys, expected = store_prefix(a, 8, salt=30)
     keeper = keeper_pid(a)

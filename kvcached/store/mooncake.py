@@ -11,10 +11,10 @@ A rank places its objects in its own segment first (measured 2.6x Mooncake's def
 ranks on one host); ``--mooncake-replicas N`` places N copies, each in a different segment, so that an
 object survives the loss of its host. A task's objects go a batch at a time: gathered into a buffer the
 keeper registered and written with one ``batch_put_from``; read back with one ``batch_get_replica_desc``
-(which also grants Mooncake's read lease), then taken where they lie when they are in this rank's
-segment (mapped read-only here), or fetched with one ``batch_get_into`` from other hosts' segments, and
-verified object by object before anything reaches a device block. A missing object is a miss, never an
-error: the load stops there.
+(which also grants Mooncake's read lease), then landed from where they lie when they are in this host's
+segment (mapped read-only here), or fetched with one ``batch_get_into`` from other hosts' segments, each
+verified in the pass that lands it in its target block (``kvcached.store.landing``); a load reports only
+the leading objects that verified. A missing object is a miss, never an error: the load stops there.
 
 Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
@@ -42,8 +42,9 @@ from kvcached.protocol.errors import InvalidSpec, StoreUnavailable
 from kvcached.protocol.layout import round_up
 from kvcached.protocol.names import run_dir
 from kvcached.protocol.spec import CacheSpec
-from kvcached.store import mooncake_link, register
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
+from kvcached.store import landing, mooncake_link, register
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters, header_checksum
+from kvcached.store.landing import Targets
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
 
 RETRY_S = 1.0
@@ -182,19 +183,17 @@ class MooncakeStore(Store):
         return written
 
     def _gather(self, base: int, key: bytes, parts: Sequence[memoryview]) -> int:
-        """Header and record of ``key`` into the batch buffer at ``base``; the object's size."""
-        header = self.identity.header(key, checksum(parts))
-        self.batch[base : base + len(header)] = np.frombuffer(header, dtype=np.uint8)
-        offset = base + len(header)
-        for part in parts:
-            self.batch[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
-            offset += len(part)
-        return offset - base
+        """Record (checksummed on the way) and header of ``key`` into the batch buffer at ``base``; the
+        object's size."""
+        digest = landing.gather(parts, self.batch.data[base + HEADER_SIZE : base + self.object_bytes])
+        self.batch[base : base + HEADER_SIZE] = np.frombuffer(self.identity.header(key, digest), dtype=np.uint8)
+        return self.object_bytes
 
-    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
-        """Locate every object (one call, which also takes Mooncake's read lease), read the ones in this
-        host's segment where they lie, fetch the others a batch at a time with batch_get_into (the next
-        batch fetched while this one is verified); verify each in order and stop at the first miss."""
+    def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
+        """Locate every object (one call, which also takes Mooncake's read lease), land the ones in this
+        host's segment from where they lie, fetch the others a batch at a time with batch_get_into (the next
+        batch fetched while this one lands); each is verified in the pass that lands it, and the load stops
+        at the first that is missing or not whole."""
         if not keys:
             return 0
         names = [self._name(key) for key in keys]
@@ -207,11 +206,9 @@ class MooncakeStore(Store):
             pending = self._fetch(names, where, windows, w + 1)
             for i in window:
                 slot = (w % 2) * self.count + i - window.start
-                payload = self._payload(keys[i], where[i], fetched.get(i, NOT_FOUND), slot)
-                if payload is None:
+                if not self._land(keys[i], self._source(where[i], fetched.get(i, NOT_FOUND), slot), targets, i):
                     self._fetched(pending)  # keep the replies in step
                     return i
-                sink(i, payload)
             self.on_progress()
         if present < len(keys):
             self.counters.misses += 1
@@ -249,31 +246,38 @@ class MooncakeStore(Store):
             raise self._failed("batch get", RPC_FAILED)
         return dict(zip(pending, codes, strict=True))
 
-    def _payload(self, key: bytes, place: list[Any], code: int, slot: int) -> memoryview | None:
-        """The verified payload of one located object (read in the segment, or fetched into ``slot``)."""
+    def _source(self, place: list[Any], code: int, slot: int) -> memoryview | int:
+        """A located object's bytes: where it lies in this host's segment, or where it was fetched into
+        ``slot``; or the error code of a fetch that failed."""
         if place[0] == "local":
             assert self.segment is not None
             _, offset, size = place
-            return self._verified(key, size, self.segment[offset : offset + size])
+            return self.segment[offset : offset + size]
+        if code < 0:
+            return code
         base = slot * self.slot
-        return self._verified(key, code, self.batch.data[base : base + max(code, 0)])
+        return self.batch.data[base : base + code]
 
-    def _verified(self, key: bytes, code: int, data: memoryview) -> memoryview | None:
-        """The payload of a fetched object, or None (counted as a miss; an invalid object is removed)."""
-        if code < 0:  # gone, or in a segment that no longer answers (its host died): a miss, not corrupt
+    def _land(self, key: bytes, source: memoryview | int, targets: Targets, i: int) -> bool:
+        """Land an object's payload in target ``i``, its checksum taken in the same pass; False (a miss; an
+        object that is not whole is removed) unless its header and checksum hold."""
+        if isinstance(source, int):  # gone, or in a segment that no longer answers (its host died)
             self.counters.misses += 1
-            if code != NOT_FOUND:
-                self.log.info("store object unreachable", key=key.hex(), code=code)
-            return None
-        why = self.identity.verify(key, data)
+            if source != NOT_FOUND:
+                self.log.info("store object unreachable", key=key.hex(), code=source)
+            return False
+        head = bytes(source[:HEADER_SIZE])
+        why = self.identity.verify_header(key, memoryview(head), len(source))
+        if why is None and landing.land(targets, i, source[HEADER_SIZE:]) != header_checksum(head):
+            why = "checksum mismatch"
         if why is not None:
             self.log.warning("store object unusable, removing", key=key.hex(), reason=why)
             self._call("remove", names=[self._name(key)])
             self.counters.corrupt += 1
             self.counters.misses += 1
-            return None
+            return False
         self.counters.hits += 1
-        return data[len(data) - self.identity.payload :]
+        return True
 
     def present(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -312,6 +316,7 @@ class MooncakeBackend(StoreBackend):
 
     name = "mooncake"
     summary = "Mooncake Store over TCP (pip install 'kvcached-xpu[mooncake]')"
+    direct = True  # the keeper holds the segment: an agent killed at a timeout loses nothing but that call
     options = (
         knobs.Knob("mooncake_master", knobs.optional_text, None, "mooncake backend: master address.", "HOST:PORT"),
         knobs.Knob(
