@@ -48,36 +48,22 @@ class Side:
         )
 
 
+def _declare(function: Any, restype: Any, *argtypes: Any) -> None:
+    function.restype = restype
+    function.argtypes = argtypes
+
+
 class _Library:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        self.lib.kv_copy_blocks.restype = ctypes.c_int64
-        self.lib.kv_copy_blocks.argtypes = (
-            ctypes.c_int64,
-            *(ctypes.c_void_p,) * 5,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        )
-        self.lib.kv_streams.restype = ctypes.c_int
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        _declare(self.lib.kv_copy_blocks, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32)
+        _declare(self.lib.kv_streams, i32)
+        _declare(self.lib.kv_hash_copy, ctypes.c_uint64, i64, ptr, ptr, ptr, i32, i32)
+        _declare(self.lib.kv_read_hash, i64, i32, i64, i64, ptr, ptr, i64, ptr)
+        _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
-        self.lib.kv_hash_copy.restype = ctypes.c_uint64
-        self.lib.kv_hash_copy.argtypes = (
-            *(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p),
-            *(ctypes.c_int,) * 2,
-        )
-        self.lib.kv_read_hash.restype = ctypes.c_int64
-        self.lib.kv_read_hash.argtypes = (
-            ctypes.c_int,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            *(ctypes.c_void_p,) * 2,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-        )
-        self.lib.kv_hash_min_bytes.restype = ctypes.c_int64
         self.hash_min_bytes = int(self.lib.kv_hash_min_bytes())
 
 
