@@ -250,11 +250,9 @@ static uint64_t digest(Hash *h) {
 /* Shortest payload handled here: XXH3 hashes shorter inputs another way. */
 int64_t kv_hash_min_bytes(void) { return 241; }
 
-/* XXH3-64 of the concatenation of `npieces` pieces (piece p: `width[p]` bytes at `pieces[p]`), moved on
- * the way: `mode` 0 copies `flat` (as long as the pieces together) into the pieces, 1 copies the pieces
- * into `flat`, 2 only hashes the pieces. The pieces together must be at least kv_hash_min_bytes long. */
-uint64_t kv_hash_copy(int64_t npieces, const uint64_t *pieces, const int64_t *width, char *flat, int mode,
-                      int streaming) {
+/* Copy the pieces one after the other into `flat` (piece p: `width[p]` bytes at `pieces[p]`); the XXH3-64
+ * of the bytes copied. The pieces together must be at least kv_hash_min_bytes long. */
+uint64_t kv_gather_hash(int64_t npieces, const uint64_t *pieces, const int64_t *width, char *flat) {
     uint64_t total = 0;
     for (int64_t p = 0; p < npieces; p++) {
         total += (uint64_t)width[p];
@@ -262,23 +260,9 @@ uint64_t kv_hash_copy(int64_t npieces, const uint64_t *pieces, const int64_t *wi
     Hash h;
     hash_init(&h, total);
     for (int64_t p = 0; p < npieces; p++) {
-        char *piece = (char *)(uintptr_t)pieces[p];
-        if (mode == 0) {
-            feed(&h, piece, flat, width[p], streaming);
-        } else if (mode == 1) {
-            feed(&h, flat, piece, width[p], streaming);
-        } else {
-            feed(&h, NULL, piece, width[p], 0);
-        }
-        if (flat != NULL) {
-            flat += width[p];
-        }
+        feed(&h, flat, (const char *)(uintptr_t)pieces[p], width[p], 0);
+        flat += width[p];
     }
-#if defined(__x86_64__)
-    if (streaming) {
-        _mm_sfence(); /* the streamed stores are visible before the caller reports the load */
-    }
-#endif
     return digest(&h);
 }
 
@@ -328,4 +312,28 @@ int64_t kv_read_hash(int fd, int64_t offset, int64_t npieces, const uint64_t *pi
     }
     *hash = digest(&h);
     return done;
+}
+
+/* Land `n` payloads, payload i (contiguous at `src[i]`) into block `ids[i]` of a side (piece p of block b:
+ * `width[p]` bytes at base[p] + b * stride[p]), with non-temporal stores; `digests[i]` is the XXH3-64 of
+ * the bytes written. The pieces together must be at least kv_hash_min_bytes long. */
+void kv_land_blocks(int64_t n, const uint64_t *src, int64_t npieces, const uint64_t *base, const int64_t *stride,
+                    const int64_t *width, const int64_t *ids, uint64_t *digests) {
+    uint64_t total = 0;
+    for (int64_t p = 0; p < npieces; p++) {
+        total += (uint64_t)width[p];
+    }
+    for (int64_t i = 0; i < n; i++) {
+        Hash h;
+        hash_init(&h, total);
+        const char *from = (const char *)(uintptr_t)src[i];
+        for (int64_t p = 0; p < npieces; p++) {
+            feed(&h, (char *)(uintptr_t)(base[p] + (uint64_t)(ids[i] * stride[p])), from, width[p], 1);
+            from += width[p];
+        }
+        digests[i] = digest(&h);
+    }
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
 }

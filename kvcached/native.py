@@ -2,8 +2,9 @@
 with ctypes when the install built them.
 
 ``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes
-releases it around a foreign call). ``hash_copy`` and ``read_hash`` move one store object's payload (from
-memory, or from a file) and take its XXH3-64 in the same pass. ``available()`` says whether it was built;
+releases it around a foreign call). ``land_blocks``, ``gather_hash`` and ``read_hash`` move store objects'
+payloads (from memory into blocks, from a block's pieces into a buffer, from a file into a block) and take
+each one's XXH3-64 in the same pass. ``available()`` says whether it was built;
 without it the copy engine (``kvcached.transfer``) copies with numpy, one slice per piece and run of ids,
 and the store lands and hashes in steps of its own (``kvcached.store.landing``).
 ``KVCACHED_NATIVE_COPY=0`` turns it off (to compare, or to rule it out).
@@ -60,8 +61,9 @@ class _Library:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         _declare(self.lib.kv_copy_blocks, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32)
         _declare(self.lib.kv_streams, i32)
-        _declare(self.lib.kv_hash_copy, ctypes.c_uint64, i64, ptr, ptr, ptr, i32, i32)
+        _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
         _declare(self.lib.kv_read_hash, i64, i32, i64, i64, ptr, ptr, i64, ptr)
+        _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
         _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
         self.hash_min_bytes = int(self.lib.kv_hash_min_bytes())
@@ -120,24 +122,39 @@ def copy_blocks(src: Side, dst: Side, src_ids: Array, dst_ids: Array) -> int:
     return moved
 
 
-#: ``hash_copy`` modes: the flat buffer into the pieces, the pieces into the flat buffer, the pieces hashed.
-SCATTER, GATHER, HASH = 0, 1, 2
-
-
 def hashes(nbytes: int) -> bool:
-    """Whether ``hash_copy`` and ``read_hash`` take a payload of ``nbytes`` (built, and long enough)."""
+    """Whether ``land_blocks``, ``gather_hash`` and ``read_hash`` take payloads of ``nbytes`` (built, and
+    long enough)."""
     return _LIBRARY is not None and nbytes >= _LIBRARY.hash_min_bytes
 
 
-def hash_copy(addresses: Array, widths: Array, flat: int, mode: int) -> int:
-    """XXH3-64 of the concatenation of the pieces (piece ``p``: ``widths[p]`` bytes at ``addresses[p]``),
-    moved on the way as ``mode`` says (``SCATTER`` from ``flat``, ``GATHER`` into ``flat``, ``HASH``);
-    scattered pieces are written with non-temporal stores. Only where ``hashes(widths.sum())``."""
+def gather_hash(addresses: Array, widths: Array, flat: int) -> int:
+    """Copy the pieces (piece ``p``: ``widths[p]`` bytes at ``addresses[p]``) one after the other to address
+    ``flat``; the XXH3-64 of the bytes copied. Only where ``hashes(widths.sum())``."""
     assert _LIBRARY is not None
-    digest: int = _LIBRARY.lib.kv_hash_copy(
-        len(widths), addresses.ctypes.data, widths.ctypes.data, flat or None, mode, mode == SCATTER
-    )
+    digest: int = _LIBRARY.lib.kv_gather_hash(len(widths), addresses.ctypes.data, widths.ctypes.data, flat)
     return digest
+
+
+def land_blocks(sources: Array, side: Side, ids: Array) -> Array:
+    """Copy payload ``i`` (contiguous at address ``sources[i]``) into block ``ids[i]`` of ``side`` with
+    non-temporal stores, in one call; the XXH3-64 of each payload written (uint64). Only where
+    ``hashes(side.widths.sum())``; ids checked by the caller."""
+    assert _LIBRARY is not None
+    sources = np.ascontiguousarray(sources, dtype=np.uint64)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    digests = np.zeros(len(ids), dtype=np.uint64)
+    _LIBRARY.lib.kv_land_blocks(
+        len(ids),
+        sources.ctypes.data,
+        len(side.widths),
+        side.bases.ctypes.data,
+        side.strides.ctypes.data,
+        side.widths.ctypes.data,
+        ids.ctypes.data,
+        digests.ctypes.data,
+    )
+    return digests
 
 
 def read_hash(fd: int, offset: int, addresses: Array, widths: Array, chunk: int) -> tuple[int, int | None]:

@@ -232,7 +232,7 @@ def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
                 before = [view.copy() for view in side.views]
                 how = data.draw(st.sampled_from(["land", "read"]))
                 if how == "land":
-                    digest = landing.land(targets, i, memoryview(record))
+                    (digest,) = landing.land(targets, [i], [memoryview(record)])
                 else:
                     assert landing.read_into(fd, 128 + i * total, targets, i, chunk) == (total, digest := xxh3(record))
                 assert digest == xxh3(record)

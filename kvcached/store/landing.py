@@ -4,7 +4,7 @@ A load is handed ``Targets``: record ``i`` goes to block ``ids[i]`` of a side (`
 the device tier's pieces, or rows of a staging buffer), piece by piece in record order. A backend lands
 an object's payload there and takes its XXH3-64 in the same pass, never in a pass of its own:
 
-* ``land`` copies a payload that is in memory (a Mooncake segment, a fetched batch) into the target's
+* ``land`` copies payloads that are in memory (a Mooncake segment, a fetched batch) into their targets'
   pieces, hashing each stripe from the registers it was stored from (``kvcached/_verify.c``), so the
   checksum is that of the bytes written even if the source changes meanwhile;
 * ``read_into`` reads a payload from a file straight into the target's pieces (``preadv``) in requests of
@@ -67,10 +67,18 @@ def _address(data: memoryview) -> int:
     return address
 
 
-def land(targets: Targets, i: int, payload: memoryview) -> int:
-    """Copy ``payload`` (a whole record) into target ``i``; the XXH3-64 of the bytes written."""
-    if native.hashes(len(payload)):
-        return native.hash_copy(targets.addresses(i), targets.widths, _address(payload), native.SCATTER)
+def land(targets: Targets, indices: Sequence[int], payloads: Sequence[memoryview]) -> list[int]:
+    """Copy payload ``k`` (a whole record) into target ``indices[k]``, for every ``k``; the XXH3-64 of the
+    bytes written into each (one native call for them all)."""
+    if payloads and native.hashes(len(payloads[0])):
+        sources = np.array([_address(payload) for payload in payloads], dtype=np.uint64)
+        ids = np.array([targets.ids[i] for i in indices], dtype=np.int64)
+        digests: list[int] = native.land_blocks(sources, targets.side, ids).tolist()
+        return digests
+    return [_land_slowly(targets, i, payload) for i, payload in zip(indices, payloads, strict=True)]
+
+
+def _land_slowly(targets: Targets, i: int, payload: memoryview) -> int:
     digest = xxhash.xxh3_64()
     offset = 0
     for view in targets.views(i):
@@ -86,7 +94,7 @@ def gather(pieces: Sequence[memoryview], into: memoryview) -> int:
     if native.hashes(len(into)):
         addresses = np.array([view.ctypes.data for view in views], dtype=np.uint64)
         widths = np.array([view.size for view in views], dtype=np.int64)
-        return native.hash_copy(addresses, widths, _address(into), native.GATHER)
+        return native.gather_hash(addresses, widths, _address(into))
     digest = xxhash.xxh3_64()
     offset = 0
     for piece, view in zip(pieces, views, strict=True):

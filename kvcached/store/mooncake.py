@@ -25,6 +25,7 @@ back by itself (the keeper's client mounts its segment again); what the master f
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -190,41 +191,72 @@ class MooncakeStore(Store):
         return self.object_bytes
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
-        """Locate every object (one call, which also takes Mooncake's read lease), land the ones in this
-        host's segment from where they lie, fetch the others a batch at a time with batch_get_into (the next
-        batch fetched while this one lands); each is verified in the pass that lands it, and the load stops
-        at the first that is missing or not whole."""
+        """Land the objects a window at a time, pipelined with the keeper (see ``_windows``); each is
+        verified in the pass that lands it (one native call per window), and the load stops at the first
+        that is missing or not whole."""
         if not keys:
             return 0
-        names = [self._name(key) for key in keys]
-        where = self._call("locate", names=names)
-        present = next((j for j, place in enumerate(where) if place[0] == "missing"), len(keys))
-        windows = [range(s, min(s + self.count, present)) for s in range(0, present, self.count)]
-        pending = self._fetch(names, where, windows, 0)
-        for w, window in enumerate(windows):
-            fetched = self._fetched(pending)
-            pending = self._fetch(names, where, windows, w + 1)
-            for i in window:
-                slot = (w % 2) * self.count + i - window.start
-                if not self._land(keys[i], self._source(where[i], fetched.get(i, NOT_FOUND), slot), targets, i):
-                    self._fetched(pending)  # keep the replies in step
-                    return i
-            self.on_progress()
-        if present < len(keys):
+        link = self._ensure()
+        damaged: list[bytes] = []
+        try:
+            loaded = self._windows(link, keys, targets, damaged)
+        finally:
+            while link.pending and not link.dead:  # a load that stopped early: keep the replies in step
+                with contextlib.suppress(StoreUnavailable):
+                    link.collect()
+            self._absorb(link.stats)
+        if damaged:
+            self._call("remove", names=[self._name(key) for key in damaged])
+        if loaded < len(keys):
             self.counters.misses += 1
-        return present
+        return loaded
 
-    def _fetch(self, names: list[str], where: list[Any], windows: list[range], w: int) -> list[int] | None:
-        """Send the get of window ``w``'s objects that are in other hosts' segments (into half ``w % 2``
-        of the batch buffer); the indexes sent, or None."""
-        if w >= len(windows):
-            return None
+    def _windows(self, link: KeeperLink, keys: Sequence[bytes], targets: Targets, damaged: list[bytes]) -> int:
+        """While window ``w`` lands, the keeper fetches window ``w + 1``'s objects that are on other hosts
+        (into the other half of the batch buffer) and then locates window ``w + 2``'s (which also takes
+        Mooncake's read lease); replies come in the order of the requests::
+
+            locate 0 | get 0, locate 1 | land 0  ... keeper: get 1, locate 2 | land 1 ...
+        """
+        names = [self._name(key) for key in keys]
+        windows = [range(s, min(s + self.count, len(keys))) for s in range(0, len(keys), self.count)]
+        link.submit("locate", names=names[: windows[0].stop])
+        places = self._located(link.collect(), windows[0])
+        fetching = self._get(link, names, windows, 0, places)
+        if len(windows) > 1:
+            link.submit("locate", names=names[windows[1].start : windows[1].stop])
+        loaded = 0
+        for w, window in enumerate(windows):
+            codes = self._fetched(link, fetching)
+            following: list[list[Any]] = []
+            if w + 1 < len(windows) and not any(place[0] == "missing" for place in places):
+                following = self._located(link.collect(), windows[w + 1])
+                fetching = self._get(link, names, windows, w + 1, following)
+                if w + 2 < len(windows):
+                    link.submit("locate", names=names[windows[w + 2].start : windows[w + 2].stop])
+            landed = self._land(keys, window, places, codes, targets, half=(w % 2) * self.count, damaged=damaged)
+            loaded += landed
+            if landed < len(window):
+                break
+            places = following
+            self.on_progress()
+        return loaded
+
+    def _located(self, where: list[list[Any]], window: range) -> list[list[Any]]:
+        """A locate reply for ``window``: per object ``["local", offset, size]``, ``["remote"]`` or
+        ``["missing"]``, cut after the first missing one."""
+        cut = next((k for k, place in enumerate(where) if place[0] == "missing"), len(where) - 1)
+        assert len(where) == len(window)
+        return where[: cut + 1]
+
+    def _get(self, link: KeeperLink, names: list[str], windows: list[range], w: int, places: list[list[Any]]) -> Any:
+        """Send the get of window ``w``'s objects that are on other hosts (into half ``w % 2`` of the batch
+        buffer); what ``_fetched`` needs to read the reply, or None when nothing was sent."""
         window = windows[w]
-        remote = [i for i in window if where[i][0] == "remote"]
+        remote = [window.start + k for k, place in enumerate(places) if place[0] == "remote"]
         if not remote:
             return None
         base = (w % 2) * self.count - window.start
-        link = self._ensure()
         link.submit(
             "get",
             names=[names[i] for i in remote],
@@ -233,51 +265,58 @@ class MooncakeStore(Store):
         )
         return remote
 
-    def _fetched(self, pending: list[int] | None) -> dict[int, int]:
-        """The outcome of a get ``_fetch`` sent: object index -> bytes read or error code."""
-        if pending is None:
+    def _fetched(self, link: KeeperLink, remote: list[int] | None) -> dict[int, int]:
+        """The reply to a get ``_get`` sent: object index -> bytes read or error code."""
+        if remote is None:
             return {}
-        assert self.link is not None
-        try:
-            codes = self.link.collect()
-        finally:
-            self._absorb(self.link.stats)
+        codes = link.collect()
         if RPC_FAILED in codes:
             raise self._failed("batch get", RPC_FAILED)
-        return dict(zip(pending, codes, strict=True))
+        return dict(zip(remote, codes, strict=True))
+
+    def _land(
+        self, keys: Sequence[bytes], window: range, places: list[list[Any]], codes: dict[int, int],
+        targets: Targets, *, half: int, damaged: list[bytes],
+    ) -> int:  # fmt: skip
+        """Land the leading objects of ``window`` whose headers hold, in one native call, and check their
+        checksums; how many leading ones landed whole. The first that fails is a miss; one that is not
+        whole (rather than merely gone) goes into ``damaged``, to be removed."""
+        payloads, expected, why = [], [], None
+        for k, place in enumerate(places):
+            i = window.start + k
+            source = self._source(place, codes.get(i, NOT_FOUND), half + k)
+            if isinstance(source, int):  # gone, or in a segment that no longer answers (its host died)
+                if source != NOT_FOUND:
+                    self.log.info("store object unreachable", key=keys[i].hex(), code=source)
+                break
+            head = bytes(source[:HEADER_SIZE])
+            why = self.identity.verify_header(keys[i], memoryview(head), len(source))
+            if why is not None:
+                break
+            payloads.append(source[HEADER_SIZE:])
+            expected.append(header_checksum(head))
+        digests = landing.land(targets, window[: len(payloads)], payloads)
+        landed = next((k for k, (a, b) in enumerate(zip(digests, expected, strict=True)) if a != b), len(digests))
+        if landed < len(digests):
+            why = "checksum mismatch"
+        self.counters.hits += landed
+        if why is not None:
+            damaged.append(keys[window.start + landed])
+            self.log.warning("store object unusable, removing", key=damaged[-1].hex(), reason=why)
+            self.counters.corrupt += 1
+        return landed
 
     def _source(self, place: list[Any], code: int, slot: int) -> memoryview | int:
         """A located object's bytes: where it lies in this host's segment, or where it was fetched into
-        ``slot``; or the error code of a fetch that failed."""
+        ``slot``; or the error code of a fetch that failed (``NOT_FOUND`` for a missing one)."""
         if place[0] == "local":
             assert self.segment is not None
             _, offset, size = place
             return self.segment[offset : offset + size]
-        if code < 0:
-            return code
+        if place[0] == "missing" or code < 0:
+            return code if place[0] != "missing" else NOT_FOUND
         base = slot * self.slot
         return self.batch.data[base : base + code]
-
-    def _land(self, key: bytes, source: memoryview | int, targets: Targets, i: int) -> bool:
-        """Land an object's payload in target ``i``, its checksum taken in the same pass; False (a miss; an
-        object that is not whole is removed) unless its header and checksum hold."""
-        if isinstance(source, int):  # gone, or in a segment that no longer answers (its host died)
-            self.counters.misses += 1
-            if source != NOT_FOUND:
-                self.log.info("store object unreachable", key=key.hex(), code=source)
-            return False
-        head = bytes(source[:HEADER_SIZE])
-        why = self.identity.verify_header(key, memoryview(head), len(source))
-        if why is None and landing.land(targets, i, source[HEADER_SIZE:]) != header_checksum(head):
-            why = "checksum mismatch"
-        if why is not None:
-            self.log.warning("store object unusable, removing", key=key.hex(), reason=why)
-            self._call("remove", names=[self._name(key)])
-            self.counters.corrupt += 1
-            self.counters.misses += 1
-            return False
-        self.counters.hits += 1
-        return True
 
     def present(self, keys: Sequence[bytes]) -> int:
         if not keys:

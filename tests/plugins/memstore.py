@@ -61,7 +61,7 @@ class MemStore(Store):
         for i, key in enumerate(keys):
             data = memoryview(self.objects.get(key, b""))
             whole = self.identity.verify_header(key, data[:HEADER_SIZE], len(data)) is None
-            if not whole or landing.land(targets, i, data[HEADER_SIZE:]) != header_checksum(data):
+            if not whole or landing.land(targets, [i], [data[HEADER_SIZE:]]) != [header_checksum(data)]:
                 self.counters.misses += 1
                 return i
             self.counters.hits += 1
