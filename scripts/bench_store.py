@@ -197,7 +197,9 @@ def start_daemon(
         num_blocks=blocks,
         num_cpu_blocks=0,
     )
-    return benchlib.start_daemon(instance, env, [*args, *store])
+    daemon = benchlib.start_daemon(instance, env, [*args, *store])
+    benchlib.wait_store(instance)
+    return daemon
 
 
 def run_kvcached(instance: str, blocks: int, batch: int) -> tuple[float, float]:
