@@ -5,8 +5,8 @@
  * checksum over exactly the bytes it lands, and must not pay a pass of its own for it: here each 64-byte
  * stripe is loaded into registers once, stored to the destination and folded into the hash from the same
  * registers, so the checksum covers what was written even if the source changes meanwhile. Reads from a
- * file go through the kernel (preadv straight into the pieces), and each request's bytes are hashed right
- * after it returns, while they are still in the CPU's cache.
+ * file go through the kernel into a small reused buffer, and each request's bytes are landed from there
+ * as soon as it returns, while they are still in the CPU's cache.
  *
  * Only payloads longer than 240 bytes (XXH3's long-input path) are handled here: every real block is; the
  * caller hashes shorter ones itself. The algorithm is XXH3's, written from its specification: accumulators
@@ -18,7 +18,6 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -28,7 +27,6 @@
 #define STRIPE 64
 #define STRIPES_PER_BLOCK 16
 #define SECRET_BYTES 192
-#define MAX_IOV 1024
 #define PREFETCH 384
 
 static const uint8_t SECRET[SECRET_BYTES] = {
@@ -266,54 +264,6 @@ uint64_t kv_gather_hash(int64_t npieces, const uint64_t *pieces, const int64_t *
     return digest(&h);
 }
 
-/* Read the pieces' bytes from `fd` at `offset` with preadv, in requests of at most `chunk` bytes, hashing
- * each request's bytes as soon as it returns; the bytes read (short at the end of the file) or -errno.
- * `*hash` is set when every byte was read. */
-int64_t kv_read_hash(int fd, int64_t offset, int64_t npieces, const uint64_t *pieces, const int64_t *width,
-                     int64_t chunk, uint64_t *hash) {
-    uint64_t total = 0;
-    for (int64_t p = 0; p < npieces; p++) {
-        total += (uint64_t)width[p];
-    }
-    Hash h;
-    hash_init(&h, total);
-    int64_t p = 0, in_piece = 0, done = 0;
-    while ((uint64_t)done < total) {
-        struct iovec iov[MAX_IOV];
-        int n = 0;
-        int64_t want = 0;
-        for (int64_t q = p, at = in_piece; q < npieces && want < chunk && n < MAX_IOV; q++, at = 0) {
-            int64_t take = width[q] - at < chunk - want ? width[q] - at : chunk - want;
-            iov[n].iov_base = (char *)(uintptr_t)pieces[q] + at;
-            iov[n++].iov_len = (size_t)take;
-            want += take;
-        }
-        ssize_t got = preadv(fd, iov, n, offset + done);
-        if (got < 0 && errno == EINTR) {
-            continue;
-        }
-        if (got < 0) {
-            return -errno;
-        }
-        if (got == 0) {
-            return done;
-        }
-        done += got;
-        for (int64_t left = got; left > 0;) { /* hash what arrived, piece by piece, while it is hot */
-            int64_t take = width[p] - in_piece < left ? width[p] - in_piece : left;
-            feed(&h, NULL, (const char *)(uintptr_t)pieces[p] + in_piece, take, 0);
-            left -= take;
-            in_piece += take;
-            if (in_piece == width[p]) {
-                p++;
-                in_piece = 0;
-            }
-        }
-    }
-    *hash = digest(&h);
-    return done;
-}
-
 /* Land `n` payloads, payload i (contiguous at `src[i]`) into block `ids[i]` of a side (piece p of block b:
  * `width[p]` bytes at base[p] + b * stride[p]), with non-temporal stores; `digests[i]` is the XXH3-64 of
  * the bytes written. The pieces together must be at least kv_hash_min_bytes long. */
@@ -336,4 +286,50 @@ void kv_land_blocks(int64_t n, const uint64_t *src, int64_t npieces, const uint6
 #if defined(__x86_64__)
     _mm_sfence();
 #endif
+}
+
+/* Read the pieces' bytes from `fd` at `offset`, a request of at most `chunk` bytes at a time into `bounce`
+ * (reused, so it stays in the CPU's cache: the kernel's copy into it is quicker than into memory that is
+ * not), and land each request in the pieces from there with non-temporal stores, hashed on the way; the
+ * bytes read (short at the end of the file) or -errno. `*hash` is set when every byte was read. */
+int64_t kv_read_land(int fd, int64_t offset, int64_t npieces, const uint64_t *pieces, const int64_t *width,
+                     char *bounce, int64_t chunk, uint64_t *hash) {
+    uint64_t total = 0;
+    for (int64_t p = 0; p < npieces; p++) {
+        total += (uint64_t)width[p];
+    }
+    Hash h;
+    hash_init(&h, total);
+    int64_t p = 0, in_piece = 0, done = 0;
+    while ((uint64_t)done < total) {
+        int64_t want = (int64_t)total - done < chunk ? (int64_t)total - done : chunk;
+        ssize_t got = pread(fd, bounce, (size_t)want, offset + done);
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got < 0) {
+            return -errno;
+        }
+        if (got == 0) {
+            return done;
+        }
+        done += got;
+        const char *from = bounce;
+        for (int64_t left = got; left > 0;) {
+            int64_t take = width[p] - in_piece < left ? width[p] - in_piece : left;
+            feed(&h, (char *)(uintptr_t)pieces[p] + in_piece, from, take, 1);
+            from += take;
+            left -= take;
+            in_piece += take;
+            if (in_piece == width[p]) {
+                p++;
+                in_piece = 0;
+            }
+        }
+    }
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+    *hash = digest(&h);
+    return done;
 }

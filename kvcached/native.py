@@ -2,7 +2,7 @@
 with ctypes when the install built them.
 
 ``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes
-releases it around a foreign call). ``land_blocks``, ``gather_hash`` and ``read_hash`` move store objects'
+releases it around a foreign call). ``land_blocks``, ``gather_hash`` and ``read_land`` move store objects'
 payloads (from memory into blocks, from a block's pieces into a buffer, from a file into a block) and take
 each one's XXH3-64 in the same pass. ``available()`` says whether it was built;
 without it the copy engine (``kvcached.transfer``) copies with numpy, one slice per piece and run of ids,
@@ -62,7 +62,7 @@ class _Library:
         _declare(self.lib.kv_copy_blocks, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32)
         _declare(self.lib.kv_streams, i32)
         _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
-        _declare(self.lib.kv_read_hash, i64, i32, i64, i64, ptr, ptr, i64, ptr)
+        _declare(self.lib.kv_read_land, i64, i32, i64, i64, ptr, ptr, ptr, i64, ptr)
         _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
         _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
@@ -123,7 +123,7 @@ def copy_blocks(src: Side, dst: Side, src_ids: Array, dst_ids: Array) -> int:
 
 
 def hashes(nbytes: int) -> bool:
-    """Whether ``land_blocks``, ``gather_hash`` and ``read_hash`` take payloads of ``nbytes`` (built, and
+    """Whether ``land_blocks``, ``gather_hash`` and ``read_land`` take payloads of ``nbytes`` (built, and
     long enough)."""
     return _LIBRARY is not None and nbytes >= _LIBRARY.hash_min_bytes
 
@@ -157,13 +157,17 @@ def land_blocks(sources: Array, side: Side, ids: Array) -> Array:
     return digests
 
 
-def read_hash(fd: int, offset: int, addresses: Array, widths: Array, chunk: int) -> tuple[int, int | None]:
-    """Read the pieces' bytes from ``fd`` at ``offset`` in requests of ``chunk`` bytes, each hashed as soon as
-    it arrives: (bytes read, XXH3-64 when every byte was read). Raises ``OSError`` for a failed read."""
+def read_land(
+    fd: int, offset: int, addresses: Array, widths: Array, *, bounce: int, chunk: int
+) -> tuple[int, int | None]:
+    """Read the pieces' bytes (piece ``p``: ``widths[p]`` bytes at ``addresses[p]``) from ``fd`` at ``offset``,
+    ``chunk`` bytes at a time into the buffer at address ``bounce``, each landed from there in the pieces
+    and hashed as soon as it arrives: (bytes read, XXH3-64 when every byte was read). Raises ``OSError``
+    for a failed read."""
     assert _LIBRARY is not None
     digest = ctypes.c_uint64()
-    got: int = _LIBRARY.lib.kv_read_hash(
-        fd, offset, len(widths), addresses.ctypes.data, widths.ctypes.data, chunk, ctypes.byref(digest)
+    got: int = _LIBRARY.lib.kv_read_land(
+        fd, offset, len(widths), addresses.ctypes.data, widths.ctypes.data, bounce, chunk, ctypes.byref(digest)
     )
     if got < 0:
         raise OSError(-got, os.strerror(-got))

@@ -210,7 +210,7 @@ def _layout(data: st.DataObject, blocks: int) -> tuple[Side, list[int]]:
 def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
     kind: str, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """land (memory into a target's pieces), read_into (a file into them, in requests of any size) and gather
+    """land (memory into a target's pieces), read_into (a file into them, through a buffer of any size) and gather
     (pieces into one buffer) move exactly the record's bytes, touch no byte outside the target, and return
     the XXH3-64 the object header records (xxhash's), natively and without the native routines."""
     if kind == "native" and not native.available():
@@ -225,7 +225,7 @@ def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
         records = [np.random.default_rng(i).integers(0, 256, total, dtype=np.uint8) for i in range(len(ids))]
         path = tmp_path_factory.mktemp("landing") / "objects"
         path.write_bytes(b"H" * 128 + b"".join(r.tobytes() for r in records))
-        chunk = data.draw(st.sampled_from([1, 100, 4096, 1 << 20]))
+        bounce = memoryview(bytearray(data.draw(st.sampled_from([1, 100, 4096, 1 << 20]))))
         fd = os.open(path, os.O_RDONLY)
         try:
             for i, record in enumerate(records):
@@ -234,7 +234,7 @@ def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
                 if how == "land":
                     (digest,) = landing.land(targets, [i], [memoryview(record)])
                 else:
-                    assert landing.read_into(fd, 128 + i * total, targets, i, chunk) == (total, digest := xxh3(record))
+                    assert landing.read_into(fd, 128 + i * total, targets, i, bounce) == (total, digest := xxh3(record))
                 assert digest == xxh3(record)
                 assert b"".join(bytes(v) for v in targets.views(i)) == record.tobytes()
                 for view, old in zip(side.views, before, strict=True):
@@ -243,7 +243,7 @@ def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
                 flat = np.zeros(total, dtype=np.uint8)
                 assert landing.gather(targets.views(i), memoryview(flat)) == digest
                 assert flat.tobytes() == record.tobytes()
-            short = landing.read_into(fd, 128 + (len(records) - 1) * total + 1, targets, 0, chunk)
+            short = landing.read_into(fd, 128 + (len(records) - 1) * total + 1, targets, 0, bounce)
             assert short == (total - 1, None), "a payload cut short has no checksum"
         finally:
             os.close(fd)

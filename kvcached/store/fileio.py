@@ -4,10 +4,10 @@ next objects are written.
 
 Loads (``Reader``)::
 
-    thread t (of up to READ_THREADS):
+    thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache):
       pick the next index i -> open, fstat, read and check the header
-      -> read the payload straight into target i's pieces (preadv) in READ_CHUNK-byte requests, hashing
-         each request's bytes as soon as it returns (still in the CPU's cache: ``kvcached.store.landing``)
+      -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
+         there in target i's pieces, hashed on the way (``kvcached.store.landing``)
       -> record i's verdict -> pick again
     the count reported: the leading indices that all verified; a failure at i stops the picking past i
 
@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import mmap
 import os
 import shutil
 import stat
@@ -46,8 +47,8 @@ from kvcached.store.landing import Targets, read_into
 
 #: Bytes per write request, each hashed just before it is written.
 CHUNK = 1 << 20
-#: Bytes per read request, hashed as soon as it arrives: well inside a core's L2 cache.
-READ_CHUNK = 256 << 10
+#: Bytes per read request, landed and hashed as soon as it arrives: well inside a core's L2 cache.
+READ_CHUNK = 128 << 10
 #: Objects read at once by one load (several requests in flight to the disk; both cores on a warm load).
 READ_THREADS = 4
 #: Why a read found no object at all (a miss, not a corrupt object).
@@ -61,9 +62,11 @@ if _sync_file_range is not None:
     _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
-def read_object(identity: ObjectIdentity, key: bytes, path: Path, targets: Targets, i: int) -> str | None:
-    """Read ``key``'s object at ``path``, its payload into target ``i``, and verify it; None if it is whole,
-    else why not (``MISSING`` when there is no file)."""
+def read_object(
+    identity: ObjectIdentity, key: bytes, path: Path, targets: Targets, i: int, *, bounce: memoryview
+) -> str | None:
+    """Read ``key``'s object at ``path``, its payload into target ``i`` (through ``bounce``), and verify it;
+    None if it is whole, else why not (``MISSING`` when there is no file)."""
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
@@ -81,7 +84,7 @@ def read_object(identity: ObjectIdentity, key: bytes, path: Path, targets: Targe
         why = identity.verify_header(key, memoryview(head), st.st_size)
         if why is not None:
             return why
-        done, digest = read_into(fd, HEADER_SIZE, targets, i, READ_CHUNK)
+        done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
         if digest is None:
             return f"truncated: {done} of {identity.payload} payload bytes"
         return None if digest == header_checksum(head) else "checksum mismatch"
@@ -136,6 +139,15 @@ class Reader:
     def __init__(self, identity: ObjectIdentity) -> None:
         self.identity = identity
         self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvcached-read")
+        self._local = threading.local()
+
+    def _bounce(self) -> memoryview:
+        """This thread's request buffer (page-aligned, mapped at once)."""
+        buffer: memoryview | None = getattr(self._local, "bounce", None)
+        if buffer is None:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            buffer = self._local.bounce = memoryview(mmap.mmap(-1, READ_CHUNK, flags=flags))
+        return buffer
 
     def load(
         self, keys: Sequence[bytes], paths: Sequence[Path], targets: Targets, on_progress: Callable[[], None]
@@ -146,8 +158,9 @@ class Reader:
 
         def run() -> None:
             try:
+                bounce = self._bounce()
                 while (i := verdicts.pick()) is not None:
-                    verdicts.record(i, read_object(self.identity, keys[i], paths[i], targets, i))
+                    verdicts.record(i, read_object(self.identity, keys[i], paths[i], targets, i, bounce=bounce))
                     on_progress()
             except BaseException as exc:
                 verdicts.abort(exc)

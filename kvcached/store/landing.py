@@ -7,8 +7,8 @@ an object's payload there and takes its XXH3-64 in the same pass, never in a pas
 * ``land`` copies payloads that are in memory (a Mooncake segment, a fetched batch) into their targets'
   pieces, hashing each stripe from the registers it was stored from (``kvcached/_verify.c``), so the
   checksum is that of the bytes written even if the source changes meanwhile;
-* ``read_into`` reads a payload from a file straight into the target's pieces (``preadv``) in requests of
-  ``chunk`` bytes, hashing each request's bytes as soon as it arrives, while they are in the CPU's cache;
+* ``read_into`` reads a payload from a file a request at a time into a small reused buffer (which stays in
+  the CPU's cache) and lands each request from there in the target's pieces, hashed on the way;
 * ``gather`` is the other way, for a store: a block's pieces into one buffer, checksum on the way.
 
 Without the native routines (not built, ``KVCACHED_NATIVE_COPY=0``, or a payload of 240 bytes or less)
@@ -104,18 +104,21 @@ def gather(pieces: Sequence[memoryview], into: memoryview) -> int:
     return digest.intdigest()
 
 
-def read_into(fd: int, offset: int, targets: Targets, i: int, chunk: int) -> tuple[int, int | None]:
-    """Read a payload from ``fd`` at ``offset`` into target ``i`` in requests of ``chunk`` bytes: (bytes read,
-    XXH3-64 of the payload when all of it was read). Raises ``OSError`` when a read fails."""
+def read_into(fd: int, offset: int, targets: Targets, i: int, bounce: memoryview) -> tuple[int, int | None]:
+    """Read a payload from ``fd`` at ``offset`` into target ``i``, ``len(bounce)`` bytes at a time through
+    ``bounce``: (bytes read, XXH3-64 of the payload when all of it was read). Raises ``OSError`` when a read
+    fails."""
     total = int(targets.widths.sum())
     if native.hashes(total):
-        return native.read_hash(fd, offset, targets.addresses(i), targets.widths, chunk)
+        return native.read_land(
+            fd, offset, targets.addresses(i), targets.widths, bounce=_address(bounce), chunk=len(bounce)
+        )
     digest = xxhash.xxh3_64()
     done = 0
     for view in targets.views(i):
         at = 0
         while at < len(view):
-            got = os.preadv(fd, [view[at : at + chunk]], offset + done)
+            got = os.preadv(fd, [view[at : at + len(bounce)]], offset + done)
             if got <= 0:
                 return done, None
             digest.update(view[at : at + got])
