@@ -93,7 +93,7 @@ class MooncakeStore(Store):
         self.endpoints = [host_port(keeper.master, 50051), host_port(keeper.metadata, 8080)]
         self.object_bytes = HEADER_SIZE + identity.payload
         self.slot = round_up(self.object_bytes)
-        self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while verifying
+        self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while landing
         self.log = log
         self.counters = StoreCounters()
         self.prefix = f"kvcached/{identity.digest.hex()}/"
