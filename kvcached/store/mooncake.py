@@ -205,8 +205,10 @@ class MooncakeStore(Store):
                 with contextlib.suppress(StoreUnavailable):
                     link.collect()
             self._absorb(link.stats)
-        if damaged:
-            self._call("remove", names=[self._name(key) for key in damaged])
+        if damaged:  # forced: the read lease this load took would keep it for seconds
+            codes = self._call("remove", names=[self._name(key) for key in damaged], force=True)
+            if any(code not in (0, NOT_FOUND) for code in codes):
+                self.log.warning("a damaged store object could not be removed", codes=codes)
         if loaded < len(keys):
             self.counters.misses += 1
         return loaded
