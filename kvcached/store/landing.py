@@ -67,11 +67,15 @@ def _address(data: memoryview) -> int:
     return address
 
 
-def land(targets: Targets, indices: Sequence[int], payloads: Sequence[memoryview]) -> list[int]:
-    """Copy payload ``k`` (a whole record) into target ``indices[k]``, for every ``k``; the XXH3-64 of the
-    bytes written into each (one native call for them all)."""
+def land(
+    targets: Targets, indices: Sequence[int], payloads: Sequence[memoryview], addresses: Sequence[int] | None = None
+) -> list[int]:
+    """Copy payload ``k`` (a whole record; at ``addresses[k]`` when the caller knows it) into target
+    ``indices[k]``, for every ``k``; the XXH3-64 of the bytes written into each (one native call for them
+    all)."""
     if payloads and native.hashes(len(payloads[0])):
-        sources = np.array([_address(payload) for payload in payloads], dtype=np.uint64)
+        found = addresses if addresses is not None else [_address(payload) for payload in payloads]
+        sources = np.array(found, dtype=np.uint64)
         ids = np.array([targets.ids[i] for i in indices], dtype=np.int64)
         digests: list[int] = native.land_blocks(sources, targets.side, ids).tolist()
         return digests

@@ -103,6 +103,7 @@ class MooncakeStore(Store):
         self.link: KeeperLink | None = None
         self.segment: memoryview | None = None  # the keeper's segment, mapped read-only
         self.segment_map: mmap.mmap
+        self.segment_address = 0
         self.retry_at = 0.0
         self.last_error = "not connected yet"
         try:
@@ -134,6 +135,7 @@ class MooncakeStore(Store):
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
         self.segment_map = mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ)
         self.segment = memoryview(self.segment_map)
+        self.segment_address = int(np.frombuffer(self.segment_map, dtype=np.uint8).ctypes.data)
         self.link = link
         self._absorb(link.stats)
         return link
@@ -283,7 +285,7 @@ class MooncakeStore(Store):
         """Land the leading objects of ``window`` whose headers hold, in one native call, and check their
         checksums; how many leading ones landed whole. The first that fails is a miss; one that is not
         whole (rather than merely gone) goes into ``damaged``, to be removed."""
-        payloads, expected, why = [], [], None
+        payloads, addresses, expected, why = [], [], [], None
         for k, place in enumerate(places):
             i = window.start + k
             source = self._source(place, codes.get(i, NOT_FOUND), half + k)
@@ -291,13 +293,15 @@ class MooncakeStore(Store):
                 if source != NOT_FOUND:
                     self.log.info("store object unreachable", key=keys[i].hex(), code=source)
                 break
-            head = bytes(source[:HEADER_SIZE])
-            why = self.identity.verify_header(keys[i], memoryview(head), len(source))
+            data, address = source
+            head = bytes(data[:HEADER_SIZE])
+            why = self.identity.verify_header(keys[i], memoryview(head), len(data))
             if why is not None:
                 break
-            payloads.append(source[HEADER_SIZE:])
+            payloads.append(data[HEADER_SIZE:])
+            addresses.append(address + HEADER_SIZE)
             expected.append(header_checksum(head))
-        digests = landing.land(targets, window[: len(payloads)], payloads)
+        digests = landing.land(targets, window[: len(payloads)], payloads, addresses)
         landed = next((k for k, (a, b) in enumerate(zip(digests, expected, strict=True)) if a != b), len(digests))
         if landed < len(digests):
             why = "checksum mismatch"
@@ -308,17 +312,17 @@ class MooncakeStore(Store):
             self.counters.corrupt += 1
         return landed
 
-    def _source(self, place: list[Any], code: int, slot: int) -> memoryview | int:
-        """A located object's bytes: where it lies in this host's segment, or where it was fetched into
-        ``slot``; or the error code of a fetch that failed (``NOT_FOUND`` for a missing one)."""
+    def _source(self, place: list[Any], code: int, slot: int) -> tuple[memoryview, int] | int:
+        """A located object's bytes and their address: where it lies in this host's segment, or where it was
+        fetched into ``slot``; or the error code of a fetch that failed (``NOT_FOUND`` for a missing one)."""
         if place[0] == "local":
             assert self.segment is not None
             _, offset, size = place
-            return self.segment[offset : offset + size]
+            return self.segment[offset : offset + size], self.segment_address + offset
         if place[0] == "missing" or code < 0:
             return code if place[0] != "missing" else NOT_FOUND
         base = slot * self.slot
-        return self.batch.data[base : base + code]
+        return self.batch.data[base : base + code], int(self.batch.ctypes.data) + base
 
     def present(self, keys: Sequence[bytes]) -> int:
         if not keys:
