@@ -216,11 +216,13 @@ class MooncakeStore(Store):
         return loaded
 
     def _windows(self, link: KeeperLink, keys: Sequence[bytes], targets: Targets, damaged: list[bytes]) -> int:
-        """While window ``w`` lands, the keeper fetches window ``w + 1``'s objects that are on other hosts
-        (into the other half of the batch buffer) and then locates window ``w + 2``'s (which also takes
-        Mooncake's read lease); replies come in the order of the requests::
+        """While window ``w`` lands, the keeper locates window ``w + 1`` (which also takes Mooncake's read
+        lease); where window ``w`` came from other hosts, the keeper also fetches window ``w + 1``'s remote
+        objects meanwhile (into the other half of the batch buffer), so window ``w + 1`` is located before
+        ``w`` lands. Replies come in the order of the requests::
 
-            locate 0 | get 0, locate 1 | land 0  ... keeper: get 1, locate 2 | land 1 ...
+            this host's objects:  locate 0 | locate 1 ~ land 0 | locate 2 ~ land 1 | ...
+            other hosts':         locate 0, get 0 | locate 1 | get 1, locate 2 ~ land 0 | ...
         """
         names = [self._name(key) for key in keys]
         windows = [range(s, min(s + self.count, len(keys))) for s in range(0, len(keys), self.count)]
@@ -232,19 +234,29 @@ class MooncakeStore(Store):
         loaded = 0
         for w, window in enumerate(windows):
             codes = self._fetched(link, fetching)
+            remote = any(place[0] == "remote" for place in places)
+            more = w + 1 < len(windows) and not any(place[0] == "missing" for place in places)
             following: list[list[Any]] = []
-            if w + 1 < len(windows) and not any(place[0] == "missing" for place in places):
-                following = self._located(link.collect(), windows[w + 1])
-                fetching = self._get(link, names, windows, w + 1, following)
-                if w + 2 < len(windows):
-                    link.submit("locate", names=names[windows[w + 2].start : windows[w + 2].stop])
+            if more and remote:
+                following, fetching = self._next(link, names, windows, w + 1)
             landed = self._land(keys, window, places, codes, targets, half=(w % 2) * self.count, damaged=damaged)
             loaded += landed
             if landed < len(window):
                 break
+            if more and not remote:
+                following, fetching = self._next(link, names, windows, w + 1)
             places = following
             self.on_progress()
         return loaded
+
+    def _next(self, link: KeeperLink, names: list[str], windows: list[range], w: int) -> tuple[list[list[Any]], Any]:
+        """Take window ``w``'s locate reply, send the get of its remote objects and the locate of window
+        ``w + 1``: (its places, what ``_fetched`` needs)."""
+        places = self._located(link.collect(), windows[w])
+        fetching = self._get(link, names, windows, w, places)
+        if w + 1 < len(windows):
+            link.submit("locate", names=names[windows[w + 1].start : windows[w + 1].stop])
+        return places, fetching
 
     def _located(self, where: list[list[Any]], window: range) -> list[list[Any]]:
         """A locate reply for ``window``: per object ``["local", offset, size]``, ``["remote"]`` or
