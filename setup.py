@@ -6,4 +6,10 @@ doctor`` says which one the daemon will use. Everything else is configured in py
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvcached._copy", ["kvcached/_copy.c"], extra_compile_args=["-O3"], optional=True)])
+setup(
+    ext_modules=[
+        Extension(
+            "kvcached._copy", ["kvcached/_copy.c", "kvcached/_verify.c"], extra_compile_args=["-O3"], optional=True
+        )
+    ]
+)

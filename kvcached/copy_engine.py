@@ -250,14 +250,13 @@ class SwapEngine:
 
 class DeviceBlocks:
     """A host device tier's blocks seen from the store agent, which inherits the worker's mapping of them
-    at its fork: a block's record as pieces (what a store writes, no gather) and the landing of a verified
-    record into a block (what a load copies, once). ``hosts`` are the tier's ``Piece.host()`` views in
-    record order."""
+    at its fork: a block's record as pieces (what a store writes, no gather) and the blocks as a side (where
+    a load lands records, ``kvcached.store.landing.Targets``). ``hosts`` are the tier's ``Piece.host()``
+    views in record order."""
 
     def __init__(self, hosts: list[Array]) -> None:
         self.hosts = hosts
-        self.side = Side.of(hosts) if native.available() else None
-        self._rows: dict[tuple[int, int], Side] = {}
+        self.side = Side.of(hosts)
 
     @classmethod
     def of(cls, pieces: list[Piece]) -> DeviceBlocks | None:
@@ -269,30 +268,6 @@ class DeviceBlocks:
         """Block ``block``'s record as pieces, in record order (views of the device memory)."""
         return [memoryview(host[block]) for host in self.hosts]
 
-    def land(self, record: memoryview, block: int) -> None:
-        """Copy a whole record into block ``block`` (one native call where built)."""
-        row = np.frombuffer(record, dtype=np.uint8).reshape(1, -1)
-        if self.side is None:
-            column = 0
-            for host in self.hosts:
-                host[block] = row[0, column : column + host.shape[1]]
-                column += host.shape[1]
-            return
-        key = (row.ctypes.data, row.shape[1])
-        side = self._rows.get(key)
-        if side is None:
-            if len(self._rows) > 64:  # buffers come and go: keep the ones in use
-                self._rows.clear()
-            views, column = [], 0
-            for host in self.hosts:
-                views.append(row[:, column : column + host.shape[1]])
-                column += host.shape[1]
-            side = self._rows[key] = Side.of(views)
-        native.copy_blocks(side, self.side, _ZERO, np.array([block], dtype=np.int64))
-
     def ranges(self) -> list[tuple[int, int]]:
         """The address ranges of the pieces (to map their pages ahead of the first copy)."""
         return [(host.ctypes.data, host.strides[0] * (host.shape[0] - 1) + host.shape[1]) for host in self.hosts]
-
-
-_ZERO = np.zeros(1, dtype=np.int64)

@@ -1,8 +1,12 @@
-"""The native block copy (``kvcached/_copy.c``), loaded with ctypes when the install built it.
+"""The native block copy (``kvcached/_copy.c``) and copy-and-checksum (``kvcached/_verify.c``), loaded
+with ctypes when the install built them.
 
 ``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes
-releases it around a foreign call). ``available()`` says whether it was built; without it the copy
-engine (``kvcached.copy_engine``) copies with numpy, one slice per piece and run of ids.
+releases it around a foreign call). ``land_blocks``, ``gather_hash`` and ``read_land`` move store objects'
+payloads (from memory into blocks, from a block's pieces into a buffer, from a file into a block) and take
+each one's XXH3-64 in the same pass. ``available()`` says whether it was built;
+without it the copy engine (``kvcached.copy_engine``) copies with numpy, one slice per piece and run of ids,
+and the store lands and hashes in steps of its own (``kvcached.store.landing``).
 ``KVCACHED_NATIVE_COPY=0`` turns it off (to compare, or to rule it out).
 """
 
@@ -45,21 +49,24 @@ class Side:
         )
 
 
+def _declare(function: Any, restype: Any, *argtypes: Any) -> None:
+    function.restype = restype
+    function.argtypes = argtypes
+
+
 class _Library:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        self.lib.kv_copy_blocks.restype = ctypes.c_int64
-        self.lib.kv_copy_blocks.argtypes = (
-            ctypes.c_int64,
-            *(ctypes.c_void_p,) * 5,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        )
-        self.lib.kv_streams.restype = ctypes.c_int
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        _declare(self.lib.kv_copy_blocks, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32)
+        _declare(self.lib.kv_streams, i32)
+        _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
+        _declare(self.lib.kv_read_land, i64, i32, i64, i64, ptr, ptr, ptr, i64, ptr)
+        _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
+        _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
+        self.hash_min_bytes = int(self.lib.kv_hash_min_bytes())
 
 
 def _load() -> _Library | None:
@@ -71,7 +78,7 @@ def _load() -> _Library | None:
         if path.is_file():
             try:
                 return _Library(path)
-            except OSError:
+            except (OSError, AttributeError):  # unloadable, or built from older sources: rebuild it
                 return None
     return None
 
@@ -113,3 +120,55 @@ def copy_blocks(src: Side, dst: Side, src_ids: Array, dst_ids: Array) -> int:
         1,
     )
     return moved
+
+
+def hashes(nbytes: int) -> bool:
+    """Whether ``land_blocks``, ``gather_hash`` and ``read_land`` take payloads of ``nbytes`` (built, and
+    long enough)."""
+    return _LIBRARY is not None and nbytes >= _LIBRARY.hash_min_bytes
+
+
+def gather_hash(addresses: Array, widths: Array, flat: int) -> int:
+    """Copy the pieces (piece ``p``: ``widths[p]`` bytes at ``addresses[p]``) one after the other to address
+    ``flat``; the XXH3-64 of the bytes copied. Only where ``hashes(widths.sum())``."""
+    assert _LIBRARY is not None
+    digest: int = _LIBRARY.lib.kv_gather_hash(len(widths), addresses.ctypes.data, widths.ctypes.data, flat)
+    return digest
+
+
+def land_blocks(sources: Array, side: Side, ids: Array) -> Array:
+    """Copy payload ``i`` (contiguous at address ``sources[i]``) into block ``ids[i]`` of ``side`` with
+    non-temporal stores, in one call; the XXH3-64 of each payload written (uint64). Only where
+    ``hashes(side.widths.sum())``; ids checked by the caller."""
+    assert _LIBRARY is not None
+    sources = np.ascontiguousarray(sources, dtype=np.uint64)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    digests = np.zeros(len(ids), dtype=np.uint64)
+    _LIBRARY.lib.kv_land_blocks(
+        len(ids),
+        sources.ctypes.data,
+        len(side.widths),
+        side.bases.ctypes.data,
+        side.strides.ctypes.data,
+        side.widths.ctypes.data,
+        ids.ctypes.data,
+        digests.ctypes.data,
+    )
+    return digests
+
+
+def read_land(
+    fd: int, offset: int, addresses: Array, widths: Array, *, bounce: int, chunk: int
+) -> tuple[int, int | None]:
+    """Read the pieces' bytes (piece ``p``: ``widths[p]`` bytes at ``addresses[p]``) from ``fd`` at ``offset``,
+    ``chunk`` bytes at a time into the buffer at address ``bounce``, each landed from there in the pieces
+    and hashed as soon as it arrives: (bytes read, XXH3-64 when every byte was read). Raises ``OSError``
+    for a failed read."""
+    assert _LIBRARY is not None
+    digest = ctypes.c_uint64()
+    got: int = _LIBRARY.lib.kv_read_land(
+        fd, offset, len(widths), addresses.ctypes.data, widths.ctypes.data, bounce, chunk, ctypes.byref(digest)
+    )
+    if got < 0:
+        raise OSError(-got, os.strerror(-got))
+    return got, digest.value if got == int(widths.sum()) else None

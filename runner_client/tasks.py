@@ -216,7 +216,9 @@ class CacheTasks:
         """Read the longest stored prefix of ``keys`` into ``device_block_ids`` (all layers).
 
         Stops at the first key that is absent or fails verification; ``TaskResult.blocks`` says how many
-        were loaded (with ``rank=None``, the fewest of any rank). Blocks past that are untouched.
+        leading blocks were loaded, each verified (with ``rank=None``, the fewest of any rank). Target
+        blocks past that may hold bytes of the load (they were handed over as receivers): use only the
+        first ``blocks``. No block outside ``device_block_ids`` changes.
         """
         return self._run(self._load(rank, keys, device_block_ids, timeout=timeout), wait)
 

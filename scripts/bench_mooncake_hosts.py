@@ -214,6 +214,7 @@ def report(figures: dict[str, Any]) -> list[str]:
     passes, total = figures["passes"], figures["bytes"]
 
     ratios = sorted(p["batched_get_s"] / p["load_s"] for p in passes)
+    verdict = "met" if statistics.median(ratios) >= 0.9 else "NOT met"
     single = sorted(p["single_get_s"] / p["load_s"] for p in passes)
     lines = [
         "cross-host: host A stores, host B loads (its keeper fetches from A's segment), GB/s aggregate;",
@@ -222,6 +223,7 @@ def report(figures: dict[str, Any]) -> list[str]:
         f"{gbps(figures, 'batched_get_s'):.2f}: "
         f"ratio {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}] | plain get_into "
         f"{gbps(figures, 'single_get_s'):.2f}: ratio {statistics.median(single):.2f}",
+        f"  target (>= 0.9 of the plain batch_get_into, median): {verdict}",
         f"  (A stored them at {total / figures['store_s'] / 1e9:.2f} GB/s)",
         "host A restarted while host B looks its prefix up every 5 ms:",
     ]

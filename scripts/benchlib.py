@@ -61,6 +61,23 @@ def start_daemon(
     return proc
 
 
+def wait_store(instance: str, timeout: float = 120) -> None:
+    """Return once every rank's attention store answers (a READY rank serves its other tiers while its store
+    is still connecting, e.g. a Mooncake keeper starting on a busy machine); exits after ``timeout``."""
+    import runner_client as rc
+
+    deadline = time.monotonic() + timeout
+    with rc.CacheTasks(instance, timeout=timeout) as tasks:
+        while True:
+            try:
+                tasks.lookup([bytes(32)])
+                return
+            except rc.StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{instance}: the store did not answer within {timeout:.0f} s") from None
+                time.sleep(0.2)
+
+
 PRIVATE_SHM = "KVCACHED_BENCH_PRIVATE_SHM"
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +24,7 @@ import runner_client as rc
 from kvcached import copy_engine, native
 from kvcached.copy_engine import SwapEngine
 from kvcached.memory.host import host_pieces
+from kvcached.native import Side
 from kvcached.protocol.layout import (
     PLANES,
     POOL_LAYOUTS,
@@ -32,6 +35,8 @@ from kvcached.protocol.layout import (
     device_arena_bytes,
     device_slots,
 )
+from kvcached.store import landing
+from kvcached.store.landing import Targets
 
 Array = np.ndarray[Any, Any]
 
@@ -194,6 +199,70 @@ def test_native_and_numpy_agree_on_any_task(data: st.DataObject) -> None:
         rank.engine.swap_out(dev, cpu)
         results.append(rank.pool.copy())
     assert np.array_equal(*results)
+
+
+def _layout(data: st.DataObject, blocks: int) -> tuple[Side, list[int]]:
+    """A side of random pieces (odd widths and strides, unaligned starts) and the blocks of a load."""
+    widths = data.draw(st.lists(st.integers(1, 3000), min_size=1, max_size=6))
+    arena = np.zeros(sum(w + 7 for w in widths) * blocks + 64, dtype=np.uint8)
+    views, offset = [], data.draw(st.integers(0, 31))
+    for width in widths:
+        views.append(np.lib.stride_tricks.as_strided(arena[offset:], (blocks, width), (width + 7, 1)))
+        offset += (width + 7) * blocks
+    ids = data.draw(st.permutations(range(blocks)))[: data.draw(st.integers(1, blocks))]
+    return Side.of(views), ids
+
+
+@pytest.mark.parametrize("kind", ["native", "numpy"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
+    kind: str, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """land (memory into a target's pieces), read_into (a file into them, through a buffer of any size) and gather
+    (pieces into one buffer) move exactly the record's bytes, touch no byte outside the target, and return
+    the XXH3-64 the object header records (xxhash's), natively and without the native routines."""
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    saved = native._LIBRARY
+    if kind == "numpy":
+        native._LIBRARY = None
+    try:
+        side, ids = _layout(data, 4)
+        targets = Targets(side, ids)
+        total = int(side.widths.sum())
+        records = [np.random.default_rng(i).integers(0, 256, total, dtype=np.uint8) for i in range(len(ids))]
+        path = tmp_path_factory.mktemp("landing") / "objects"
+        path.write_bytes(b"H" * 128 + b"".join(r.tobytes() for r in records))
+        bounce = memoryview(bytearray(data.draw(st.sampled_from([1, 100, 4096, 1 << 20]))))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for i, record in enumerate(records):
+                before = [view.copy() for view in side.views]
+                how = data.draw(st.sampled_from(["land", "read"]))
+                if how == "land":
+                    (digest,) = landing.land(targets, [i], [memoryview(record)])
+                else:
+                    assert landing.read_into(fd, 128 + i * total, targets, i, bounce) == (total, digest := xxh3(record))
+                assert digest == xxh3(record)
+                assert b"".join(bytes(v) for v in targets.views(i)) == record.tobytes()
+                for view, old in zip(side.views, before, strict=True):
+                    old[ids[i]] = view[ids[i]]
+                    assert np.array_equal(view, old), "a byte outside the target changed"
+                flat = np.zeros(total, dtype=np.uint8)
+                assert landing.gather(targets.views(i), memoryview(flat)) == digest
+                assert flat.tobytes() == record.tobytes()
+            short = landing.read_into(fd, 128 + (len(records) - 1) * total + 1, targets, 0, bounce)
+            assert short == (total - 1, None), "a payload cut short has no checksum"
+        finally:
+            os.close(fd)
+    finally:
+        native._LIBRARY = saved
+
+
+def xxh3(record: Array) -> int:
+    value: int = xxhash.xxh3_64_intdigest(record.tobytes())
+    return value
 
 
 def test_xpu_swap_is_fastdeploys_op_once_per_kind_over_the_pool_planes() -> None:

@@ -361,7 +361,7 @@ def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFac
 
 def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """Bytes of an object changed in place in its segment (memory gone bad, a stale index pointing at reused
-    memory): the load stops before that block, counts it corrupt, and no device block gets its bytes."""
+    memory): the load reports the blocks before it, each byte for byte, and counts it corrupt."""
     a, b = start_host(daemons, mooncake), start_host(daemons, mooncake)
     keys, expected = store_prefix(a, 8, salt=30)
     keeper = keeper_pid(a)
@@ -377,9 +377,42 @@ def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, moonc
         assert where > 0, "the fifth block's bytes are not in rank 0's segment"
         f.seek(where + 100)
         f.write(b"\x00" * 8 if data[where + 100 : where + 108] != b"\x00" * 8 else b"\x01" * 8)
+    with attached(b) as caches:
+        outside = block_bytes(caches, list(range(8, BLOCKS)))
     _, loaded, got = load_prefix(b, keys)
     assert loaded == 4 and got == [e[: len(g)] for e, g in zip(expected, got, strict=True)]
+    with attached(b) as caches:
+        assert block_bytes(caches, list(range(8, BLOCKS))) == outside, "a block outside the targets changed"
     assert read_status(b.instance)["ranks"][0]["store"]["corrupt"] == 1
+    assert load_prefix(b, keys)[:2] == (4, 4), "the damaged object was removed, the ones before it kept"
+
+
+def test_a_store_agent_stopped_in_a_load_costs_only_that_call(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """Loads land in the device blocks from the store agent itself (``direct``): an agent frozen (SIGSTOP) in
+    a load fails it with StoreUnavailable within the store timeout and is killed and reaped (nothing it had
+    under way lands later); the keeper holds the objects, so a new agent loads the whole prefix byte for
+    byte, and the keeper and the rank's worker are the same processes throughout."""
+    a = start_host(daemons, mooncake, extra=("--store-timeout", "2"))
+    keys, expected = store_prefix(a, 8, salt=50)
+    keeper, worker = keeper_pid(a), read_status(a.instance)["ranks"][0]["pid"]
+    (frozen,) = (int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split())
+    os.kill(frozen, signal.SIGSTOP)
+    with rc.CacheTasks(a.instance, timeout=60) as tasks:
+        started = time.monotonic()
+        with pytest.raises(rc.StoreUnavailable, match="agent was stopped"):
+            tasks.load(0, keys, list(range(8, 16)))
+        assert time.monotonic() - started < 10
+    assert not alive(frozen), "the frozen agent was killed and reaped"
+
+    def loads() -> bool:
+        try:
+            assert_loads(a, keys, expected)
+            return True
+        except rc.StoreUnavailable:  # the new agent is still opening the store
+            return False
+
+    until(loads, timeout=60, what="a load by a new store agent")
+    assert keeper_pid(a) == keeper and read_status(a.instance)["ranks"][0]["pid"] == worker
 
 
 # -- the keeper as the operator sees it -----------------------------------------------------------------------

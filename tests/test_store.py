@@ -239,8 +239,9 @@ def object_path(root: Path, rank: int, key: bytes) -> Path:
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])
 def test_damaged_object_reads_as_miss_and_is_removed(daemons: DaemonFactory, tmp_path: Path, damage: str) -> None:
-    """A truncated, bit-flipped or foreign object is a miss: removed, nothing reaches the device block, the
-    daemon serves on."""
+    """A truncated, bit-flipped or foreign object is a miss: the load reports only the block before it, that
+    block holds its bytes, the damaged object is removed, no block outside the load's targets changes (the
+    unreported targets were handed over as free receivers), and the daemon serves on."""
     path = tmp_path / "store"
     daemon = start_file_daemon(daemons, path)
     keys = keys_for(3)
@@ -258,12 +259,14 @@ def test_damaged_object_reads_as_miss_and_is_removed(daemons: DaemonFactory, tmp
         else:
             victim.write_bytes(np.random.default_rng(3).integers(0, 256, len(raw), dtype=np.uint8).tobytes())
         fill(caches[0], [8, 9, 10], seed=42)
-        sentinel = blocks(caches[0], [8, 9, 10])
         expected_first = blocks(caches[0], [1])
+        outside = [i for i in range(caches[0].spec.num_blocks) if i not in (8, 9, 10)]
+        before = blocks(caches[0], outside), blocks(caches[1], list(range(caches[1].spec.num_blocks)))
         result = tasks.load(0, keys, [8, 9, 10])
         assert result.blocks == 1, "loading stops at the damaged second block"
-        assert blocks(caches[0], [8]) == expected_first
-        assert blocks(caches[0], [9, 10]) == sentinel[12:], "nothing of the damaged object reached a device block"
+        assert blocks(caches[0], [8]) == expected_first, "the reported block holds its object's bytes"
+        after = blocks(caches[0], outside), blocks(caches[1], list(range(caches[1].spec.num_blocks)))
+        assert after == before, "no block outside the load's targets changed"
         assert not victim.exists()
         assert tasks.lookup(keys) == 1
         tasks.store(None, [2], keys[1:2])  # and it can be stored again

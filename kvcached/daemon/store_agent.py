@@ -12,15 +12,18 @@ store of 30,000 blocks) takes the time it needs, one that stops (a frozen master
 stuck past ``ABANDON_AFTER`` timeouts is killed and a new one started.
 
 Block records never cross the socket. Where the device tier lives in host memory and the backend allows
-it (``StoreBackend.direct``: the file store), the agent reads and writes the device blocks themselves,
-through the worker's mapping it inherits at the fork (``kvcached.copy_engine.DeviceBlocks``): a put writes
-each block's pieces as they are, a load copies each verified record into its block, once, and the worker
-copies nothing. A direct call that times out has its agent killed, and waited for, before its task fails,
-so that no write it had under way lands in a block the task gave up. Otherwise records sit in
-``staging``, rows of ``block_bytes`` in memory both processes share (created before the fork): a put reads
-rows the worker filled; a load writes rows the worker then copies into the device tier, and the agent
+it (``StoreBackend.direct``: the file store, Mooncake), the agent reads and writes the device blocks
+themselves, through the worker's mapping it inherits at the fork (``kvcached.copy_engine.DeviceBlocks``): a
+put writes each block's pieces as they are, a load lands each record in its block and verifies it in the
+same pass (``kvcached.store.landing``), and the worker copies nothing. A direct call that times out has
+its agent killed, and waited for, before its task fails, so that no write it had under way lands in a
+block the task gave up. Otherwise records sit in ``staging``, rows of ``block_bytes`` in memory both
+processes share (created before the fork): a put reads rows the worker filled; a load lands records in
+rows the worker then copies into the device tier (only the rows of the verified prefix), and the agent
 never touches device memory, so a call that finishes after its task was given up on cannot change a
 block another task has since reused.
+
+Calls and replies are pickled tuples in frames of a u64 length (``Frames``, the one codec of both ends).
 
 The agent also checks its store for trouble outside any call (``Store.check``) once a second when idle,
 and sends the store's counters with every reply.
@@ -29,7 +32,6 @@ and sends the store's counters with every reply.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import mmap
 import os
@@ -47,18 +49,49 @@ import numpy as np
 from kvcached.copy_engine import DeviceBlocks
 from kvcached.logs import Logger
 from kvcached.memory import shm
+from kvcached.native import Side
 from kvcached.protocol.errors import StoreBusy, StoreUnavailable
 from kvcached.protocol.layout import round_up
+from kvcached.protocol.proc import die_with_parent
 from kvcached.store.base import Store, StoreCounters
+from kvcached.store.landing import Targets
 
 #: How often the waiting worker marks its own progress and looks at the agent's.
 SLICE_S = 0.1
 #: An agent whose timed-out call has not returned after this many timeouts is killed and replaced.
 ABANDON_AFTER = 6
-_FRAME = struct.Struct("<Q")
-_PR_SET_PDEATHSIG = 1
 #: The calls that read or write device blocks (``direct``).
 DIRECT_CALLS = ("put_blocks", "load_blocks")
+
+
+class Frames:
+    """The store agent's wire codec, used by both ends: ``pack`` a message into a frame (a u64 length and a
+    pickle); ``feed`` received bytes and take whole messages with ``next``."""
+
+    HEAD = struct.Struct("<Q")
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    @classmethod
+    def pack(cls, message: Any) -> bytes:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return cls.HEAD.pack(len(data)) + data
+
+    def feed(self, data: bytes) -> None:
+        self.buffer += data
+
+    def next(self) -> Any | None:
+        """The next whole message received, or None."""
+        if len(self.buffer) < self.HEAD.size:
+            return None
+        (length,) = self.HEAD.unpack_from(self.buffer)
+        end = self.HEAD.size + length
+        if len(self.buffer) < end:
+            return None
+        message = pickle.loads(bytes(self.buffer[self.HEAD.size : end]))
+        del self.buffer[:end]
+        return message
 
 
 class StoreCalls:
@@ -95,7 +128,7 @@ class StoreCalls:
         self.opened = False
         self.pid = 0
         self.sock: socket.socket | None = None
-        self.inbuf = bytearray()
+        self.frames = Frames()
         self.next_seq = 1
         self.waiting_for: tuple[int, float, str] | None = None  # a call that timed out: (seq, since, method)
         self._spawn()
@@ -114,7 +147,7 @@ class StoreCalls:
                 os._exit(0)
         theirs.close()
         ours.setblocking(False)
-        self.pid, self.sock, self.inbuf = pid, ours, bytearray()
+        self.pid, self.sock, self.frames = pid, ours, Frames()
         self.opened, self.waiting_for = False, None
 
     def _kill_agent(self, why: str) -> None:
@@ -239,11 +272,10 @@ class StoreCalls:
 
     def _send(self, message: Any) -> None:
         assert self.sock is not None
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self.sock.setblocking(True)
         self.sock.settimeout(self.timeout_s)
         try:
-            self.sock.sendall(_FRAME.pack(len(data)) + data)
+            self.sock.sendall(Frames.pack(message))
         except OSError:
             self._kill_agent("cannot send it a call")
             raise StoreUnavailable(f"the {self.name} store agent did not take the call; it was restarted") from None
@@ -255,13 +287,10 @@ class StoreCalls:
         assert self.sock is not None
         deadline = time.monotonic() + seconds
         while True:
-            if len(self.inbuf) >= _FRAME.size:
-                (length,) = _FRAME.unpack_from(self.inbuf)
-                if len(self.inbuf) >= _FRAME.size + length:
-                    message = pickle.loads(bytes(self.inbuf[_FRAME.size : _FRAME.size + length]))
-                    del self.inbuf[: _FRAME.size + length]
-                    assert isinstance(message, tuple)
-                    return message
+            message = self.frames.next()
+            if message is not None:
+                assert isinstance(message, tuple)
+                return message
             if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 return None
             try:
@@ -271,7 +300,7 @@ class StoreCalls:
             if not chunk:  # the agent died: start another; this call fails
                 self._kill_agent("it exited")
                 raise StoreUnavailable(f"the {self.name} store agent died; a new one is starting")
-            self.inbuf += chunk
+            self.frames.feed(chunk)
 
 
 # -- the agent -----------------------------------------------------------------------------------------
@@ -280,12 +309,11 @@ class StoreCalls:
 def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn:
     """The store agent's whole life: open the store, then serve calls until the worker goes."""
     _become_agent(sock, parent)
-    staging, moves, device = calls.staging, calls._moves, calls.device
+    moves = calls._moves
 
     def send(message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            sock.sendall(_FRAME.pack(len(data)) + data)
+            sock.sendall(Frames.pack(message))
         except OSError:
             os._exit(0)  # the worker is gone
 
@@ -298,10 +326,30 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
         send(("opened", _describe(exc), dataclasses.asdict(StoreCounters())))
         os._exit(0)
     store.on_progress = moved
-    if device is not None:  # page tables of the inherited mapping, so the first loads take no faults
-        shm.prefault_ranges(device.ranges())
+    if calls.device is not None:  # page tables of the inherited mapping, so the first loads take no faults
+        shm.prefault_ranges(calls.device.ranges())
     send(("opened", None, dataclasses.asdict(store.counters)))
-    inbuf = bytearray()
+    _serve(sock, store, _Places(calls.staging, calls.device), send)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Places:
+    """Where the agent's calls find and put block records: staging rows, or the device blocks (``direct``)."""
+
+    staging: Any
+    device: DeviceBlocks | None
+
+    def staging_rows(self, count: int) -> Targets:
+        return Targets(Side.of([self.staging]), range(count))
+
+    def blocks(self, ids: list[int]) -> Targets:
+        assert self.device is not None
+        return Targets(self.device.side, ids)
+
+
+def _serve(sock: socket.socket, store: Store, places: _Places, send: Callable[[Any], None]) -> NoReturn:
+    """Serve calls until the worker closes its end; between calls, check the store once a second."""
+    frames = Frames()
     last = dataclasses.asdict(store.counters)
     while True:
         if not select.select([sock], [], [], 1.0)[0]:
@@ -320,13 +368,11 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
             with contextlib.suppress(Exception):
                 store.close()
             os._exit(0)
-        inbuf += chunk
-        while len(inbuf) >= _FRAME.size and len(inbuf) >= _FRAME.size + _FRAME.unpack_from(inbuf)[0]:
-            length = _FRAME.unpack_from(inbuf)[0]
-            seq, method, args = pickle.loads(bytes(inbuf[_FRAME.size : _FRAME.size + length]))
-            del inbuf[: _FRAME.size + length]
+        frames.feed(chunk)
+        while (message := frames.next()) is not None:
+            seq, method, args = message
             try:
-                reply: Any = ("reply", seq, True, _dispatch(store, staging, device, method, args))
+                reply: Any = ("reply", seq, True, _dispatch(store, places, method, args))
             except BaseException as exc:
                 reply = ("reply", seq, False, _describe(exc))
             last = dataclasses.asdict(store.counters)
@@ -335,9 +381,7 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
 
 def _become_agent(sock: socket.socket, parent: int) -> None:
     """Die with the worker, hold none of its descriptors but ``sock``, leave Ctrl-C to the supervisor."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
+    if not die_with_parent(parent):
         os._exit(1)
     keep = sock.fileno()
     os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
@@ -347,28 +391,23 @@ def _become_agent(sock: socket.socket, parent: int) -> None:
     sock.setblocking(True)
 
 
-def _dispatch(store: Store, staging: Any, device: DeviceBlocks | None, method: str, args: tuple[Any, ...]) -> Any:
+def _dispatch(store: Store, places: _Places, method: str, args: tuple[Any, ...]) -> Any:
     """The calls the worker sends: ``put_many(keys)`` (records in staging rows 0..n-1), ``load_prefix(keys)``
     (records into staging rows 0..), ``put_blocks(keys, ids)`` and ``load_blocks(keys, ids)`` (records in
     device blocks ``ids``, ``direct``), ``present(keys)``, ``protect(keys)``."""
     if method == "put_blocks":
-        assert device is not None
         keys, ids = args
-        return store.put_many(keys, [device.record(block) for block in ids])
+        assert places.device is not None
+        return store.put_many(keys, [places.device.record(block) for block in ids])
     if method == "load_blocks":
-        assert device is not None
         keys, ids = args
-        return store.load_prefix(keys, lambda i, record: device.land(record, ids[i]))
+        return store.load_prefix(keys, places.blocks(ids))
     if method == "put_many":
         (keys,) = args
-        return store.put_many(keys, [[memoryview(staging[i])] for i in range(len(keys))])
+        return store.put_many(keys, [[memoryview(places.staging[i])] for i in range(len(keys))])
     if method == "load_prefix":
         (keys,) = args
-
-        def sink(i: int, record: memoryview) -> None:
-            staging[i] = np.frombuffer(record, dtype=np.uint8)
-
-        return store.load_prefix(keys, sink)
+        return store.load_prefix(keys, places.staging_rows(len(keys)))
     if method == "present":
         return store.present(args[0])
     if method == "protect":

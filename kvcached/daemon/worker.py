@@ -26,7 +26,6 @@ the supervisor knows every name and removes them all, also after a worker was ki
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import mmap
 import os
@@ -61,6 +60,7 @@ from kvcached.protocol.errors import (
 )
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes
 from kvcached.protocol.names import task_socket_path
+from kvcached.protocol.proc import die_with_parent
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import StatsSlot
 from kvcached.store.base import ObjectIdentity, Store
@@ -70,7 +70,6 @@ LOOP_S = 0.5
 #: Handing over: done when no client sent anything for this long (or after ``DRAIN_S``).
 DRAIN_QUIET_S = 0.02
 DRAIN_S = 1.0
-_PR_SET_PDEATHSIG = 1
 
 
 class WorkerFailure(Exception):
@@ -152,9 +151,7 @@ class RankTiers:
 
 def _die_with_parent(parent: int) -> None:
     """Ask the kernel to SIGKILL us when the supervisor dies, then close the race with its death."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
+    if not die_with_parent(parent):
         os._exit(EXIT_FAILURE)
 
 

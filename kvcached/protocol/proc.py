@@ -1,12 +1,14 @@
 """Process identity: a pid alone can be reused, a (pid, start time) pair cannot.
 
 The start time is field 22 of ``/proc/<pid>/stat`` (clock ticks since boot). A zombie (state Z or X)
-counts as dead: it will never publish again, even though its pid is still taken.
+counts as dead: it will never publish again, even though its pid is still taken. Also here: a child's
+request to die with its parent.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 
 def start_time(pid: int) -> int | None:
@@ -37,3 +39,17 @@ def self_identity() -> tuple[int, int]:
     started = start_time(pid)
     assert started is not None, "a running process always has a start time"
     return pid, started
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``); False when
+    ``parent`` is already gone (this process was re-parented before the request took hold): the caller
+    exits then."""
+    import ctypes  # here: runner_client imports this module and needs none of it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    return os.getppid() == parent

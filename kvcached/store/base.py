@@ -13,7 +13,11 @@ scales of that block, as in the CPU pool; ``spec.block_bytes`` long)::
 
 An object is served only if every header field matches what this rank expects and the checksum holds;
 anything else (truncated, foreign, corrupted, written for another geometry or rank) is a miss, and the
-backend removes it when it can. Nothing that failed these checks is ever copied into a device block.
+backend removes it when it can. A load reports only a verified prefix: an object is checked in the pass
+that lands it (``kvcached.store.landing``), so the target block of an object that fails, and the targets
+after it, may hold bytes of the load that are not reported; those blocks were handed over as free
+receivers, and the engine uses only the blocks a load reports. Nothing outside a load's targets is
+written.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import xxhash
 
 from kvcached.knobs import Knob
 from kvcached.protocol.spec import CacheSpec
+from kvcached.store.landing import Targets
 
 if TYPE_CHECKING:
     from kvcached.checks import Check
@@ -69,13 +74,6 @@ class ObjectIdentity:
             return f"truncated: {size - HEADER_SIZE} of {payload} payload bytes"
         return None
 
-    def verify(self, key: bytes, data: memoryview) -> str | None:
-        """None if ``data`` (header + payload) is a valid object for ``key``, else why it is not."""
-        why = self.verify_header(key, data[:HEADER_SIZE], len(data))
-        if why is None and xxhash.xxh3_64_intdigest(data[HEADER_SIZE:]) != header_checksum(data):
-            why = "checksum mismatch"
-        return why
-
 
 def header_checksum(head: memoryview | bytes) -> int:
     """The payload checksum an object's header records."""
@@ -108,9 +106,6 @@ class StoreCounters:
     master_resets: int = 0
 
 
-Sink = Callable[[int, memoryview], None]
-
-
 def _no_progress() -> None:
     pass
 
@@ -131,12 +126,13 @@ class Store(abc.ABC):
         written. A key already stored is left as it is: a key names its content."""
 
     @abc.abstractmethod
-    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
-        """Hand the verified payload of each leading present key to ``sink(index, payload)`` in order,
-        stopping at the first miss; how many were handed over. A payload view is valid only during its
-        ``sink`` call. A backend may read several objects at once and call ``sink`` from several threads,
-        once per index; the call for index ``i`` starts only after every index below ``i`` was verified
-        (their calls may still be running), and no index after a miss is handed over."""
+    def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
+        """Land the payload of each leading present key in its target (record ``i`` in ``targets``' block
+        ``i``), verifying it in the same pass; how many leading keys were landed and verified. Stops at the
+        first key that is missing or fails its checks (a failed object is removed when it can be). A
+        backend may land several objects at once, from several threads; the count it returns is a prefix
+        of keys that all verified. Bytes may have been written into the targets at and past that count
+        (not reported: the caller uses only the first ``count`` blocks); nothing outside them is written."""
 
     @abc.abstractmethod
     def present(self, keys: Sequence[bytes]) -> int:
@@ -159,11 +155,11 @@ class StoreBackend(abc.ABC):
     #: One line for ``--storage-backend``'s help.
     summary: ClassVar[str]
     #: Whether its stores may be handed the device tier's memory itself (host tiers only): ``put_many``
-    #: reads block records straight from the device blocks and ``load_prefix``'s sink copies into them,
-    #: with no staging copy between the worker and its store agent. A call that times out then has its
-    #: agent killed before the task fails (so nothing it does later touches a block the task gave up),
-    #: which must cost nothing but that call: true of a store whose objects outlive its agent (files), not
-    #: of one that keeps them in the agent's own memory (a Mooncake segment).
+    #: reads block records straight from the device blocks and ``load_prefix`` lands them there, with no
+    #: staging copy between the worker and its store agent. A call that times out then has its agent
+    #: killed before the task fails (so nothing it does later touches a block the task gave up), which
+    #: must cost nothing but that call: true of a store whose objects outlive its agent (files, a Mooncake
+    #: segment held by the host's keeper), not of one that keeps them in the agent's own memory.
     direct: ClassVar[bool] = False
     #: This backend's configuration knobs (flags, environment, TOML keys).
     options: ClassVar[tuple[Knob, ...]] = ()

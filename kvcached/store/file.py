@@ -8,8 +8,9 @@
 
 Writes are atomic: each object is written to a temporary file, fsynced and renamed over its final name,
 so a crash leaves either no object or a whole one; the objects of a store call are made durable in groups
-while the next ones are written, and loads read several objects at once, each verified before a byte of it
-is handed over (``kvcached.store.fileio``). The index (key -> size, least recently used first) lives
+while the next ones are written, and loads read several objects at once, each straight into its target
+block and verified in the same pass; a load reports only the leading objects that verified
+(``kvcached.store.fileio``). The index (key -> size, least recently used first) lives
 in memory and is rebuilt at start-up from a directory scan ordered by mtime, reading each object's header
 (not its payload: the checksum is checked on every load); a hit refreshes the file's mtime so the order
 survives restarts. Capacity is per rank (the instance's capacity divided by its ranks); storing past it
@@ -46,8 +47,9 @@ from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec, StoreBusy
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import register
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters
 from kvcached.store.fileio import MISSING, READ_FLAGS, Pending, Reader, Writer, write_temporary
+from kvcached.store.landing import Targets
 
 SUFFIX = ".kvb"
 
@@ -240,13 +242,14 @@ class FileStore(Store):
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_for_disk():
                     raise
 
-    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
-        """Read the leading indexed keys' objects, several at once, each verified before it is handed over
-        (``kvcached.store.fileio.Reader``); the first that fails is a miss and is removed."""
+    def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
+        """Read the leading indexed keys' objects, several at once, each straight into its target and
+        verified as it is read (``kvcached.store.fileio.Reader``); the first that fails is a miss and is
+        removed."""
         self.check()
         indexed = next((i for i, key in enumerate(keys) if key not in self.index), len(keys))
         paths = [self._path(key) for key in keys[:indexed]]
-        outcome = self.reader.load(keys[:indexed], paths, sink, self.on_progress)
+        outcome = self.reader.load(keys[:indexed], paths, targets, self.on_progress)
         for key, path in zip(keys[: outcome.landed], paths, strict=False):
             self.index.move_to_end(key)
             with contextlib.suppress(OSError):

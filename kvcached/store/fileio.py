@@ -1,13 +1,18 @@
-"""The file store's object I/O: loads with several reads in flight, each object verified before a byte
-of it lands, and stores written in one pass and made durable in groups while the next objects are written.
+"""The file store's object I/O: loads with several objects in flight, each read straight into its target
+block and verified in the same pass, and stores written in one pass and made durable in groups while the
+next objects are written.
 
 Loads (``Reader``)::
 
-    thread t (of up to READ_THREADS, each with a buffer of one payload):
+    thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache):
       pick the next index i -> open, fstat, read and check the header
-      -> read the payload in CHUNK-byte requests, hashing each chunk as soon as it is read (still in cache)
-      -> checksum holds? wait until every index below i is verified -> land i (the sink) -> pick again
-    a failure at i: no index after i lands; threads holding one drop it
+      -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
+         there in target i's pieces, hashed on the way (``kvcached.store.landing``)
+      -> record i's verdict -> pick again
+    the count reported: the leading indices that all verified; a failure at i stops the picking past i
+
+A target at or past the first failure may hold bytes of this load: it is not reported, and the caller uses
+only the blocks reported (``kvcached.store.base``).
 
 Stores (``Writer``)::
 
@@ -37,15 +42,15 @@ from typing import Any
 
 import xxhash
 
-from kvcached.protocol.layout import round_up
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, header_checksum
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, header_checksum
+from kvcached.store.landing import Targets, read_into
 
-#: Bytes per read or write request, each hashed while it is in the CPU's cache.
+#: Bytes per write request, each hashed just before it is written.
 CHUNK = 1 << 20
+#: Bytes per read request, landed and hashed as soon as it arrives: well inside a core's L2 cache.
+READ_CHUNK = 128 << 10
 #: Objects read at once by one load (several requests in flight to the disk; both cores on a warm load).
 READ_THREADS = 4
-#: Memory for the readers' buffers (one payload each): fewer threads for very large blocks.
-READ_BUFFER_BYTES = 64 << 20
 #: Why a read found no object at all (a miss, not a corrupt object).
 MISSING = "missing"
 
@@ -57,9 +62,11 @@ if _sync_file_range is not None:
     _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
-def read_object(identity: ObjectIdentity, key: bytes, path: Path, into: memoryview) -> str | None:
-    """Read and verify ``key``'s object at ``path``, its payload into ``into``; None if it is whole, else
-    why not (``MISSING`` when there is no file)."""
+def read_object(
+    identity: ObjectIdentity, key: bytes, path: Path, targets: Targets, i: int, *, bounce: memoryview
+) -> str | None:
+    """Read ``key``'s object at ``path``, its payload into target ``i`` (through ``bounce``), and verify it;
+    None if it is whole, else why not (``MISSING`` when there is no file)."""
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
@@ -77,15 +84,10 @@ def read_object(identity: ObjectIdentity, key: bytes, path: Path, into: memoryvi
         why = identity.verify_header(key, memoryview(head), st.st_size)
         if why is not None:
             return why
-        digest = xxhash.xxh3_64()
-        done = 0
-        while done < identity.payload:
-            got = os.preadv(fd, [into[done : done + CHUNK]], HEADER_SIZE + done)
-            if got <= 0:
-                return f"truncated: {done} of {identity.payload} payload bytes"
-            digest.update(into[done : done + got])
-            done += got
-        return None if digest.intdigest() == header_checksum(head) else "checksum mismatch"
+        done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
+        if digest is None:
+            return f"truncated: {done} of {identity.payload} payload bytes"
+        return None if digest == header_checksum(head) else "checksum mismatch"
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
     finally:
@@ -102,84 +104,73 @@ class Outcome:
     why: str | None = None
 
 
-class _Turns:
-    """Hands out indices in order and admits index i to land once every index below it was verified."""
+class _Verdicts:
+    """Hands out indices in order and keeps the lowest that failed (nothing past it is picked)."""
 
     def __init__(self, count: int) -> None:
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.picked = 0
-        self.admitted = 0
         self.failed = count
         self.why: str | None = None
         self.error: BaseException | None = None
 
     def pick(self) -> int | None:
-        with self.cond:
+        with self.lock:
             if self.picked >= self.failed:
                 return None
             self.picked += 1
             return self.picked - 1
 
-    def verified(self, i: int, why: str | None) -> bool:
-        """Record index i's verdict; True when it may land now (waits for the indices below it)."""
-        with self.cond:
-            if why is not None:
+    def record(self, i: int, why: str | None) -> None:
+        if why is not None:
+            with self.lock:
                 if i < self.failed:
                     self.failed, self.why = i, why
-                self.cond.notify_all()
-                return False
-            while self.admitted < i and self.failed > self.admitted:
-                self.cond.wait()
-            if self.admitted < i:  # an index below failed
-                return False
-            self.admitted = i + 1
-            self.cond.notify_all()
-            return True
 
     def abort(self, exc: BaseException) -> None:
-        with self.cond:
+        with self.lock:
             self.error = self.error or exc
             self.failed = -1
-            self.cond.notify_all()
 
 
 class Reader:
-    """Loads objects with up to ``READ_THREADS`` in flight, landing them in order (see the module)."""
+    """Loads objects with up to ``READ_THREADS`` in flight, each straight into its target (see the module)."""
 
     def __init__(self, identity: ObjectIdentity) -> None:
         self.identity = identity
-        self.threads = max(1, min(READ_THREADS, READ_BUFFER_BYTES // max(1, identity.payload)))
-        size = round_up(identity.payload)  # page-aligned, and mapped now: a first load takes no page faults
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._buffers = [memoryview(mmap.mmap(-1, size, flags=flags))[: identity.payload] for _ in range(self.threads)]
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="kvcached-read")
+        self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvcached-read")
+        self._local = threading.local()
+
+    def _bounce(self) -> memoryview:
+        """This thread's request buffer (page-aligned, mapped at once)."""
+        buffer: memoryview | None = getattr(self._local, "bounce", None)
+        if buffer is None:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            buffer = self._local.bounce = memoryview(mmap.mmap(-1, READ_CHUNK, flags=flags))
+        return buffer
 
     def load(
-        self, keys: Sequence[bytes], paths: Sequence[Path], sink: Sink, on_progress: Callable[[], None]
+        self, keys: Sequence[bytes], paths: Sequence[Path], targets: Targets, on_progress: Callable[[], None]
     ) -> Outcome:
-        """Read ``keys``'s objects at ``paths`` and hand each verified payload to ``sink`` in order."""
+        """Read ``keys``'s objects at ``paths`` into ``targets``; the leading ones that all verified."""
         count = len(keys)
-        turns = _Turns(count)
-        threads = min(self.threads, count)
-        if threads == 0:
-            return Outcome(0, 0)
+        verdicts = _Verdicts(count)
 
-        def run(buffer: memoryview) -> None:
+        def run() -> None:
             try:
-                while (i := turns.pick()) is not None:
-                    why = read_object(self.identity, keys[i], paths[i], buffer)
-                    if turns.verified(i, why):
-                        sink(i, buffer)
-                        on_progress()
+                bounce = self._bounce()
+                while (i := verdicts.pick()) is not None:
+                    verdicts.record(i, read_object(self.identity, keys[i], paths[i], targets, i, bounce=bounce))
+                    on_progress()
             except BaseException as exc:
-                turns.abort(exc)
+                verdicts.abort(exc)
                 raise
 
-        futures = [self._pool.submit(run, self._buffers[t]) for t in range(threads)]
+        futures = [self._pool.submit(run) for _ in range(min(READ_THREADS, count))]
         concurrent.futures.wait(futures)
-        if turns.error is not None:
-            raise turns.error
-        return Outcome(turns.admitted, turns.failed, turns.why)
+        if verdicts.error is not None:
+            raise verdicts.error
+        return Outcome(verdicts.failed, verdicts.failed, verdicts.why)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

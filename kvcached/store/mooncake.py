@@ -11,10 +11,10 @@ A rank places its objects in its own segment first (measured 2.6x Mooncake's def
 ranks on one host); ``--mooncake-replicas N`` places N copies, each in a different segment, so that an
 object survives the loss of its host. A task's objects go a batch at a time: gathered into a buffer the
 keeper registered and written with one ``batch_put_from``; read back with one ``batch_get_replica_desc``
-(which also grants Mooncake's read lease), then taken where they lie when they are in this rank's
-segment (mapped read-only here), or fetched with one ``batch_get_into`` from other hosts' segments, and
-verified object by object before anything reaches a device block. A missing object is a miss, never an
-error: the load stops there.
+(which also grants Mooncake's read lease), then landed from where they lie when they are in this host's
+segment (mapped read-only here), or fetched with one ``batch_get_into`` from other hosts' segments, each
+verified in the pass that lands it in its target block (``kvcached.store.landing``); a load reports only
+the leading objects that verified. A missing object is a miss, never an error: the load stops there.
 
 Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
@@ -25,6 +25,7 @@ back by itself (the keeper's client mounts its segment again); what the master f
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -42,8 +43,9 @@ from kvcached.protocol.errors import InvalidSpec, StoreUnavailable
 from kvcached.protocol.layout import round_up
 from kvcached.protocol.names import run_dir
 from kvcached.protocol.spec import CacheSpec
-from kvcached.store import mooncake_link, register
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
+from kvcached.store import landing, mooncake_link, register
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters, header_checksum
+from kvcached.store.landing import Targets
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
 
 RETRY_S = 1.0
@@ -91,7 +93,7 @@ class MooncakeStore(Store):
         self.endpoints = [host_port(keeper.master, 50051), host_port(keeper.metadata, 8080)]
         self.object_bytes = HEADER_SIZE + identity.payload
         self.slot = round_up(self.object_bytes)
-        self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while verifying
+        self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while landing
         self.log = log
         self.counters = StoreCounters()
         self.prefix = f"kvcached/{identity.digest.hex()}/"
@@ -101,6 +103,7 @@ class MooncakeStore(Store):
         self.link: KeeperLink | None = None
         self.segment: memoryview | None = None  # the keeper's segment, mapped read-only
         self.segment_map: mmap.mmap
+        self.segment_address = 0
         self.retry_at = 0.0
         self.last_error = "not connected yet"
         try:
@@ -132,6 +135,7 @@ class MooncakeStore(Store):
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
         self.segment_map = mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ)
         self.segment = memoryview(self.segment_map)
+        self.segment_address = int(np.frombuffer(self.segment_map, dtype=np.uint8).ctypes.data)
         self.link = link
         self._absorb(link.stats)
         return link
@@ -182,52 +186,93 @@ class MooncakeStore(Store):
         return written
 
     def _gather(self, base: int, key: bytes, parts: Sequence[memoryview]) -> int:
-        """Header and record of ``key`` into the batch buffer at ``base``; the object's size."""
-        header = self.identity.header(key, checksum(parts))
-        self.batch[base : base + len(header)] = np.frombuffer(header, dtype=np.uint8)
-        offset = base + len(header)
-        for part in parts:
-            self.batch[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
-            offset += len(part)
-        return offset - base
+        """Record (checksummed on the way) and header of ``key`` into the batch buffer at ``base``; the
+        object's size."""
+        digest = landing.gather(parts, self.batch.data[base + HEADER_SIZE : base + self.object_bytes])
+        self.batch[base : base + HEADER_SIZE] = np.frombuffer(self.identity.header(key, digest), dtype=np.uint8)
+        return self.object_bytes
 
-    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
-        """Locate every object (one call, which also takes Mooncake's read lease), read the ones in this
-        host's segment where they lie, fetch the others a batch at a time with batch_get_into (the next
-        batch fetched while this one is verified); verify each in order and stop at the first miss."""
+    def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
+        """Land the objects a window at a time, pipelined with the keeper (see ``_windows``); each is
+        verified in the pass that lands it (one native call per window), and the load stops at the first
+        that is missing or not whole."""
         if not keys:
             return 0
-        names = [self._name(key) for key in keys]
-        where = self._call("locate", names=names)
-        present = next((j for j, place in enumerate(where) if place[0] == "missing"), len(keys))
-        windows = [range(s, min(s + self.count, present)) for s in range(0, present, self.count)]
-        pending = self._fetch(names, where, windows, 0)
-        for w, window in enumerate(windows):
-            fetched = self._fetched(pending)
-            pending = self._fetch(names, where, windows, w + 1)
-            for i in window:
-                slot = (w % 2) * self.count + i - window.start
-                payload = self._payload(keys[i], where[i], fetched.get(i, NOT_FOUND), slot)
-                if payload is None:
-                    self._fetched(pending)  # keep the replies in step
-                    return i
-                sink(i, payload)
-            self.on_progress()
-        if present < len(keys):
+        link = self._ensure()
+        damaged: list[bytes] = []
+        try:
+            loaded = self._windows(link, keys, targets, damaged)
+        finally:
+            while link.pending and not link.dead:  # a load that stopped early: keep the replies in step
+                with contextlib.suppress(StoreUnavailable):
+                    link.collect()
+            self._absorb(link.stats)
+        if damaged:  # forced: the read lease this load took would keep it for seconds
+            codes = self._call("remove", names=[self._name(key) for key in damaged], force=True)
+            if any(code not in (0, NOT_FOUND) for code in codes):
+                self.log.warning("a damaged store object could not be removed", codes=codes)
+        if loaded < len(keys):
             self.counters.misses += 1
-        return present
+        return loaded
 
-    def _fetch(self, names: list[str], where: list[Any], windows: list[range], w: int) -> list[int] | None:
-        """Send the get of window ``w``'s objects that are in other hosts' segments (into half ``w % 2``
-        of the batch buffer); the indexes sent, or None."""
-        if w >= len(windows):
-            return None
+    def _windows(self, link: KeeperLink, keys: Sequence[bytes], targets: Targets, damaged: list[bytes]) -> int:
+        """While window ``w`` lands, the keeper locates window ``w + 1`` (which also takes Mooncake's read
+        lease); where window ``w`` came from other hosts, the keeper also fetches window ``w + 1``'s remote
+        objects meanwhile (into the other half of the batch buffer), so window ``w + 1`` is located before
+        ``w`` lands. Replies come in the order of the requests::
+
+            this host's objects:  locate 0 | locate 1 ~ land 0 | locate 2 ~ land 1 | ...
+            other hosts':         locate 0, get 0 | locate 1 | get 1, locate 2 ~ land 0 | ...
+        """
+        names = [self._name(key) for key in keys]
+        windows = [range(s, min(s + self.count, len(keys))) for s in range(0, len(keys), self.count)]
+        link.submit("locate", names=names[: windows[0].stop])
+        places = self._located(link.collect(), windows[0])
+        fetching = self._get(link, names, windows, 0, places)
+        if len(windows) > 1:
+            link.submit("locate", names=names[windows[1].start : windows[1].stop])
+        loaded = 0
+        for w, window in enumerate(windows):
+            codes = self._fetched(link, fetching)
+            remote = any(place[0] == "remote" for place in places)
+            more = w + 1 < len(windows) and not any(place[0] == "missing" for place in places)
+            following: list[list[Any]] = []
+            if more and remote:
+                following, fetching = self._next(link, names, windows, w + 1)
+            landed = self._land(keys, window, places, codes, targets, half=(w % 2) * self.count, damaged=damaged)
+            loaded += landed
+            if landed < len(window):
+                break
+            if more and not remote:
+                following, fetching = self._next(link, names, windows, w + 1)
+            places = following
+            self.on_progress()
+        return loaded
+
+    def _next(self, link: KeeperLink, names: list[str], windows: list[range], w: int) -> tuple[list[list[Any]], Any]:
+        """Take window ``w``'s locate reply, send the get of its remote objects and the locate of window
+        ``w + 1``: (its places, what ``_fetched`` needs)."""
+        places = self._located(link.collect(), windows[w])
+        fetching = self._get(link, names, windows, w, places)
+        if w + 1 < len(windows):
+            link.submit("locate", names=names[windows[w + 1].start : windows[w + 1].stop])
+        return places, fetching
+
+    def _located(self, where: list[list[Any]], window: range) -> list[list[Any]]:
+        """A locate reply for ``window``: per object ``["local", offset, size]``, ``["remote"]`` or
+        ``["missing"]``, cut after the first missing one."""
+        cut = next((k for k, place in enumerate(where) if place[0] == "missing"), len(where) - 1)
+        assert len(where) == len(window)
+        return where[: cut + 1]
+
+    def _get(self, link: KeeperLink, names: list[str], windows: list[range], w: int, places: list[list[Any]]) -> Any:
+        """Send the get of window ``w``'s objects that are on other hosts (into half ``w % 2`` of the batch
+        buffer); what ``_fetched`` needs to read the reply, or None when nothing was sent."""
         window = windows[w]
-        remote = [i for i in window if where[i][0] == "remote"]
+        remote = [window.start + k for k, place in enumerate(places) if place[0] == "remote"]
         if not remote:
             return None
         base = (w % 2) * self.count - window.start
-        link = self._ensure()
         link.submit(
             "get",
             names=[names[i] for i in remote],
@@ -236,44 +281,60 @@ class MooncakeStore(Store):
         )
         return remote
 
-    def _fetched(self, pending: list[int] | None) -> dict[int, int]:
-        """The outcome of a get ``_fetch`` sent: object index -> bytes read or error code."""
-        if pending is None:
+    def _fetched(self, link: KeeperLink, remote: list[int] | None) -> dict[int, int]:
+        """The reply to a get ``_get`` sent: object index -> bytes read or error code."""
+        if remote is None:
             return {}
-        assert self.link is not None
-        try:
-            codes = self.link.collect()
-        finally:
-            self._absorb(self.link.stats)
+        codes = link.collect()
         if RPC_FAILED in codes:
             raise self._failed("batch get", RPC_FAILED)
-        return dict(zip(pending, codes, strict=True))
+        return dict(zip(remote, codes, strict=True))
 
-    def _payload(self, key: bytes, place: list[Any], code: int, slot: int) -> memoryview | None:
-        """The verified payload of one located object (read in the segment, or fetched into ``slot``)."""
+    def _land(
+        self, keys: Sequence[bytes], window: range, places: list[list[Any]], codes: dict[int, int],
+        targets: Targets, *, half: int, damaged: list[bytes],
+    ) -> int:  # fmt: skip
+        """Land the leading objects of ``window`` whose headers hold, in one native call, and check their
+        checksums; how many leading ones landed whole. The first that fails is a miss; one that is not
+        whole (rather than merely gone) goes into ``damaged``, to be removed."""
+        payloads, addresses, expected, why = [], [], [], None
+        for k, place in enumerate(places):
+            i = window.start + k
+            source = self._source(place, codes.get(i, NOT_FOUND), half + k)
+            if isinstance(source, int):  # gone, or in a segment that no longer answers (its host died)
+                if source != NOT_FOUND:
+                    self.log.info("store object unreachable", key=keys[i].hex(), code=source)
+                break
+            data, address = source
+            head = bytes(data[:HEADER_SIZE])
+            why = self.identity.verify_header(keys[i], memoryview(head), len(data))
+            if why is not None:
+                break
+            payloads.append(data[HEADER_SIZE:])
+            addresses.append(address + HEADER_SIZE)
+            expected.append(header_checksum(head))
+        digests = landing.land(targets, window[: len(payloads)], payloads, addresses)
+        landed = next((k for k, (a, b) in enumerate(zip(digests, expected, strict=True)) if a != b), len(digests))
+        if landed < len(digests):
+            why = "checksum mismatch"
+        self.counters.hits += landed
+        if why is not None:
+            damaged.append(keys[window.start + landed])
+            self.log.warning("store object unusable, removing", key=damaged[-1].hex(), reason=why)
+            self.counters.corrupt += 1
+        return landed
+
+    def _source(self, place: list[Any], code: int, slot: int) -> tuple[memoryview, int] | int:
+        """A located object's bytes and their address: where it lies in this host's segment, or where it was
+        fetched into ``slot``; or the error code of a fetch that failed (``NOT_FOUND`` for a missing one)."""
         if place[0] == "local":
             assert self.segment is not None
             _, offset, size = place
-            return self._verified(key, size, self.segment[offset : offset + size])
+            return self.segment[offset : offset + size], self.segment_address + offset
+        if place[0] == "missing" or code < 0:
+            return code if place[0] != "missing" else NOT_FOUND
         base = slot * self.slot
-        return self._verified(key, code, self.batch.data[base : base + max(code, 0)])
-
-    def _verified(self, key: bytes, code: int, data: memoryview) -> memoryview | None:
-        """The payload of a fetched object, or None (counted as a miss; an invalid object is removed)."""
-        if code < 0:  # gone, or in a segment that no longer answers (its host died): a miss, not corrupt
-            self.counters.misses += 1
-            if code != NOT_FOUND:
-                self.log.info("store object unreachable", key=key.hex(), code=code)
-            return None
-        why = self.identity.verify(key, data)
-        if why is not None:
-            self.log.warning("store object unusable, removing", key=key.hex(), reason=why)
-            self._call("remove", names=[self._name(key)])
-            self.counters.corrupt += 1
-            self.counters.misses += 1
-            return None
-        self.counters.hits += 1
-        return data[len(data) - self.identity.payload :]
+        return self.batch.data[base : base + code], int(self.batch.ctypes.data) + base
 
     def present(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -312,6 +373,7 @@ class MooncakeBackend(StoreBackend):
 
     name = "mooncake"
     summary = "Mooncake Store over TCP (pip install 'kvcached-xpu[mooncake]')"
+    direct = True  # the keeper holds the segment: an agent killed at a timeout loses nothing but that call
     options = (
         knobs.Knob("mooncake_master", knobs.optional_text, None, "mooncake backend: master address.", "HOST:PORT"),
         knobs.Knob(

@@ -205,8 +205,8 @@ class Keeper:
             return self.client.batch_is_exist(names)
         if op == "locate":
             return self._locate(names)
-        if op == "remove":
-            return [self.client.remove(name) for name in names]
+        if op == "remove":  # with force: at once, even while a read lease (ours, just taken) is still running
+            return [self.client.remove(name, bool(request.get("force"))) for name in names]
         if buffer is None:
             raise ValueError(f"{op} before hello")
         base = _address(buffer)

@@ -18,7 +18,17 @@ from kvcached.checks import OK, Check
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.spec import CacheSpec
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Sink, Store, StoreBackend, StoreCounters, checksum
+from kvcached.store import landing
+from kvcached.store.base import (
+    HEADER_SIZE,
+    ObjectIdentity,
+    Store,
+    StoreBackend,
+    StoreCounters,
+    checksum,
+    header_checksum,
+)
+from kvcached.store.landing import Targets
 
 
 class MemStore(Store):
@@ -47,14 +57,14 @@ class MemStore(Store):
         self.counters.bytes = sum(len(v) for v in self.objects.values())
         return new
 
-    def load_prefix(self, keys: Sequence[bytes], sink: Sink) -> int:
+    def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
         for i, key in enumerate(keys):
-            data = self.objects.get(key)
-            if data is None or self.identity.verify(key, memoryview(data)) is not None:
+            data = memoryview(self.objects.get(key, b""))
+            whole = self.identity.verify_header(key, data[:HEADER_SIZE], len(data)) is None
+            if not whole or landing.land(targets, [i], [data[HEADER_SIZE:]]) != [header_checksum(data)]:
                 self.counters.misses += 1
                 return i
             self.counters.hits += 1
-            sink(i, memoryview(data)[HEADER_SIZE:])
         return len(keys)
 
     def present(self, keys: Sequence[bytes]) -> int:
