@@ -56,9 +56,16 @@ class Peer:
     gids: frozenset[int]
 
 
+def credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, as the kernel saw it at connect()
+    (or, for a socket pair, of the process that made the pair)."""
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid, gid
+
+
 def peer_of(sock: socket.socket) -> Peer:
     """The peer credentials of a connected Unix socket: pid, uid, primary and supplementary gids."""
-    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    pid, uid, gid = credentials(sock)
     gids = {gid}
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GROUPS_BUFFER)

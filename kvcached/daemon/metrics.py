@@ -1,8 +1,9 @@
 """The opt-in Prometheus endpoint (``--metrics-port``): the same figures as ``kvcached status``.
 
-Served by ``prometheus_client``'s HTTP server on a thread of the supervisor, started after the rank
-workers are forked. Every scrape reads the control block (records under their seqlock, the workers'
-counters and histograms) and /proc/locks (waiting runners): no state of its own, nothing to keep in step.
+Served by ``prometheus_client``'s HTTP server on a thread of the supervisor, started once the first rank
+workers are forked (replacements are forked while it runs: a fork copies only the forking thread). Every
+scrape reads the control block (records under their seqlock, the workers' counters and histograms) and
+/proc/locks (waiting runners): no state of its own, nothing to keep in step.
 
 Metrics (labels in braces):
 
@@ -52,7 +53,18 @@ class ControlBlockCollector(Collector):
         backend = header.spec.get("storage_backend") or "none"
         info.add_metric([self.instance, f"{header.generation:016x}", self.memory, backend], 1)
         yield info
+        yield from self._records(ranks)
+        waiting = GaugeMetricFamily("kvcached_waiting_runners", "Runners waiting for the rank.", labels=["rank"])
+        for label, count in zip(ranks, count_waiters(self.instance, header.num_ranks), strict=True):
+            waiting.add_metric([label], count)
+        yield waiting
+        slots = [self.block.stats_slot(rank) for rank in range(header.num_ranks)]
+        stats = [slot.counters() for slot in slots]
+        yield from _tasks(ranks, stats, [slot.latency() for slot in slots])
+        yield from _counters(ranks, stats, with_store=bool(header.spec.get("storage_backend")))
 
+    def _records(self, ranks: list[str]) -> Iterator[Any]:
+        """Each rank's state, heartbeat age and tier sizes, from its record."""
         state = GaugeMetricFamily("kvcached_rank_state", "1 for the rank's current state.", labels=["rank", "state"])
         age = GaugeMetricFamily(
             "kvcached_rank_heartbeat_age_seconds", "Since the worker's last heartbeat.", labels=["rank"]
@@ -72,59 +84,58 @@ class ControlBlockCollector(Collector):
             tier.add_metric([label, "cpu"], record.cpu_bytes)
         yield from (state, age, tier)
 
-        waiting = GaugeMetricFamily("kvcached_waiting_runners", "Runners waiting for the rank.", labels=["rank"])
-        for label, count in zip(ranks, count_waiters(self.instance, header.num_ranks), strict=True):
-            waiting.add_metric([label], count)
-        yield waiting
 
-        slots = [self.block.stats_slot(rank) for rank in range(header.num_ranks)]
-        stats = [slot.counters() for slot in slots]
-        latency = [slot.latency() for slot in slots]
-        per_op = {
-            "tasks": CounterMetricFamily("kvcached_tasks", "Tasks completed.", labels=["rank", "op"]),
-            "blocks": CounterMetricFamily("kvcached_task_blocks", "Blocks moved by tasks.", labels=["rank", "op"]),
-            "bytes": CounterMetricFamily("kvcached_task_bytes", "Bytes moved by tasks.", labels=["rank", "op"]),
-        }
-        duration = HistogramMetricFamily(
-            "kvcached_task_duration_seconds", "Time a worker spent on a task.", labels=["rank", "op"]
-        )
-        for (rank, label), op in itertools.product(enumerate(ranks), LATENCY_OPS):
-            counters = stats[rank]
-            for kind, family in per_op.items():
-                family.add_metric([label, op], counters[f"{op}_{kind}"])
-            cumulative = list(itertools.accumulate(latency[rank][op]))
-            buckets = [(repr(bound), count) for bound, count in zip(LATENCY_BUCKETS_S, cumulative, strict=True)]
-            buckets.append(("+Inf", counters[f"{op}_tasks"]))
-            duration.add_metric([label, op], buckets, counters[f"{op}_ns"] / 1e9)
-        yield from per_op.values()
-        yield duration
+def _tasks(ranks: list[str], stats: list[dict[str, int]], latency: list[dict[str, list[int]]]) -> Iterator[Any]:
+    """Tasks, blocks and bytes per rank and op, and each op's duration histogram."""
+    per_op = {
+        "tasks": CounterMetricFamily("kvcached_tasks", "Tasks completed.", labels=["rank", "op"]),
+        "blocks": CounterMetricFamily("kvcached_task_blocks", "Blocks moved by tasks.", labels=["rank", "op"]),
+        "bytes": CounterMetricFamily("kvcached_task_bytes", "Bytes moved by tasks.", labels=["rank", "op"]),
+    }
+    duration = HistogramMetricFamily(
+        "kvcached_task_duration_seconds", "Time a worker spent on a task.", labels=["rank", "op"]
+    )
+    for (rank, label), op in itertools.product(enumerate(ranks), LATENCY_OPS):
+        counters = stats[rank]
+        for kind, family in per_op.items():
+            family.add_metric([label, op], counters[f"{op}_{kind}"])
+        cumulative = list(itertools.accumulate(latency[rank][op]))
+        buckets = [(repr(bound), count) for bound, count in zip(LATENCY_BUCKETS_S, cumulative, strict=True)]
+        buckets.append(("+Inf", counters[f"{op}_tasks"]))
+        duration.add_metric([label, op], buckets, counters[f"{op}_ns"] / 1e9)
+    yield from per_op.values()
+    yield duration
 
-        simple: list[tuple[type[CounterMetricFamily | GaugeMetricFamily], str, str, str]] = [
-            (CounterMetricFamily, "kvcached_lookup_tasks", "Lookup tasks.", "lookup_tasks"),
-            (CounterMetricFamily, "kvcached_tasks_refused", "Tasks and connections refused.", "tasks_refused"),
-            (CounterMetricFamily, "kvcached_connections", "Client connections accepted.", "connections"),
-        ]
-        if header.spec.get("storage_backend"):
-            simple += [
-                (GaugeMetricFamily, "kvcached_store_objects", "Objects in the attention store.", "store_objects"),
-                (GaugeMetricFamily, "kvcached_store_bytes", "Bytes in the attention store.", "store_bytes_used"),
-                (CounterMetricFamily, "kvcached_store_hits", "Store objects served.", "store_hits"),
-                (CounterMetricFamily, "kvcached_store_misses", "Store objects not found or unusable.", "store_misses"),
-                (CounterMetricFamily, "kvcached_store_evictions", "Store objects evicted.", "store_evictions"),
-                (CounterMetricFamily, "kvcached_store_corrupt", "Store objects failing checks.", "store_corrupt"),
-                (CounterMetricFamily, "kvcached_store_errors", "Store tasks failed.", "store_errors"),
-                (
-                    CounterMetricFamily,
-                    "kvcached_store_master_resets",
-                    "Times the store's master forgot this rank's objects (restarted without restoring).",
-                    "store_master_resets",
-                ),
-            ]
-        for family_type, name, doc, key in simple:
-            metric = family_type(name, doc, labels=["rank"])
-            for rank, label in enumerate(ranks):
-                metric.add_metric([label], stats[rank][key])
-            yield metric
+
+#: The other per-rank figures: (family, name, help, stats counter); the store's only with a store.
+_SIMPLE: list[tuple[type[CounterMetricFamily | GaugeMetricFamily], str, str, str]] = [
+    (CounterMetricFamily, "kvcached_lookup_tasks", "Lookup tasks.", "lookup_tasks"),
+    (CounterMetricFamily, "kvcached_tasks_refused", "Tasks and connections refused.", "tasks_refused"),
+    (CounterMetricFamily, "kvcached_connections", "Client connections accepted.", "connections"),
+]
+_STORE: list[tuple[type[CounterMetricFamily | GaugeMetricFamily], str, str, str]] = [
+    (GaugeMetricFamily, "kvcached_store_objects", "Objects in the attention store.", "store_objects"),
+    (GaugeMetricFamily, "kvcached_store_bytes", "Bytes in the attention store.", "store_bytes_used"),
+    (CounterMetricFamily, "kvcached_store_hits", "Store objects served.", "store_hits"),
+    (CounterMetricFamily, "kvcached_store_misses", "Store objects not found or unusable.", "store_misses"),
+    (CounterMetricFamily, "kvcached_store_evictions", "Store objects evicted.", "store_evictions"),
+    (CounterMetricFamily, "kvcached_store_corrupt", "Store objects failing checks.", "store_corrupt"),
+    (CounterMetricFamily, "kvcached_store_errors", "Store tasks failed.", "store_errors"),
+    (
+        CounterMetricFamily,
+        "kvcached_store_master_resets",
+        "Times the store's master forgot this rank's objects (restarted without restoring).",
+        "store_master_resets",
+    ),
+]
+
+
+def _counters(ranks: list[str], stats: list[dict[str, int]], *, with_store: bool) -> Iterator[Any]:
+    for family_type, name, doc, key in _SIMPLE + (_STORE if with_store else []):
+        metric = family_type(name, doc, labels=["rank"])
+        for rank, label in enumerate(ranks):
+            metric.add_metric([label], stats[rank][key])
+        yield metric
 
 
 def serve(instance: str, block: ControlBlock, memory: str, address: str, port: int) -> Any:
