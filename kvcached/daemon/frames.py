@@ -32,6 +32,7 @@ The budget's bookkeeping, over all connections::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import resource
@@ -59,6 +60,17 @@ IDLE_EVICT_S = 1.0
 FD_HEADROOM = 64
 #: Connections accepted per wake-up of the listener, so that tasks keep being served.
 ACCEPT_BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """What a frame server holds at most, and how long it waits (the constants above by default)."""
+
+    out_cap: int = OUT_CAP
+    input_budget: int = INPUT_BUDGET
+    recv_chunk: int = RECV_CHUNK
+    partial_idle_s: float = PARTIAL_IDLE_S
+    idle_evict_s: float = IDLE_EVICT_S
 
 
 class Request(NamedTuple):
@@ -125,8 +137,10 @@ class FrameServer:
         who: str,
         access: Access | None = None,
         max_connections: int | None = None,
+        limits: Limits = Limits(),
     ) -> None:
         self.listener = listener
+        self.limits = limits
         self.selector = selector
         self.execute = execute
         self.stats = stats
@@ -137,7 +151,7 @@ class FrameServer:
         self.buffered = 0  # bytes in every connection's inbuf
         self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
         self.starved: set[Client] = set()  # connections not read until the budget has room
-        self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
+        self.scratch = bytearray(self.limits.recv_chunk)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
         self.max_connections = max_connections or connection_limit()
         self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
@@ -174,11 +188,16 @@ class FrameServer:
                 self._refuse(sock, "capacity", f"{self.who} has {len(self.conns)} connections open")
                 continue
             if self._allowed(sock):
-                sock.setblocking(False)
-                client = Client(sock)
-                self.conns[sock.fileno()] = client
-                self._watch(client)
-                self.stats.count(connections=1)
+                self.serve(sock)
+
+    def serve(self, sock: socket.socket) -> Client:
+        """Serve ``sock``, a connected client (accepted here, its peer allowed; or one end of a socket pair)."""
+        sock.setblocking(False)
+        client = Client(sock)
+        self.conns[sock.fileno()] = client
+        self._watch(client)
+        self.stats.count(connections=1)
+        return client
 
     def _allowed(self, sock: socket.socket) -> bool:
         """Whether the peer may use the instance; if not, it is refused and logged."""
@@ -201,7 +220,7 @@ class FrameServer:
         """Close the connection idle the longest, if one has been idle for ``IDLE_EVICT_S``."""
         idle = [c for c in self.conns.values() if not c.inbuf and not c.outbuf]
         oldest = min(idle, key=lambda c: c.active, default=None)
-        if oldest is None or time.monotonic() - oldest.active < IDLE_EVICT_S:
+        if oldest is None or time.monotonic() - oldest.active < self.limits.idle_evict_s:
             return False
         self.close(oldest.sock)
         return True
@@ -232,7 +251,7 @@ class FrameServer:
     def _watch(self, client: Client) -> None:
         """Point the selector at what ``client`` waits for now."""
         events = 0
-        if len(client.outbuf) <= OUT_CAP and not client.starved:
+        if len(client.outbuf) <= self.limits.out_cap and not client.starved:
             events |= selectors.EVENT_READ
         if client.outbuf:
             events |= selectors.EVENT_WRITE
@@ -291,7 +310,8 @@ class FrameServer:
 
     def tick(self, now: float) -> None:
         """Close connections whose unfinished frame stalled for ``PARTIAL_IDLE_S``."""
-        stalled = [c for c in self.conns.values() if c.partial_since and now - c.partial_since > PARTIAL_IDLE_S]
+        limit = self.limits.partial_idle_s
+        stalled = [c for c in self.conns.values() if c.partial_since and now - c.partial_since > limit]
         for client in stalled:
             self.log.warning(
                 "closing a connection that left a frame unfinished", seconds=round(now - client.partial_since)
@@ -302,7 +322,7 @@ class FrameServer:
 
     def _on_readable(self, client: Client) -> bool:
         """Read what arrived and run every complete request; False when the connection should close."""
-        if not client.reserved and self.buffered >= INPUT_BUDGET:
+        if not client.reserved and self.buffered >= self.limits.input_budget:
             self._starve(client)  # others hold the budget: wait for it instead of growing without bound
             return True
         # A large frame is read straight into its own buffer, allocated once at its reserved length.
@@ -349,7 +369,7 @@ class FrameServer:
                 if not self._run(client, Request(op, flags, task_id, payload)):
                     return True
                 continue
-            if length > RECV_CHUNK:  # a large frame: reserve its whole length, or wait for room
+            if length > self.limits.recv_chunk:  # a large frame: reserve its whole length, or wait for room
                 self._reserve(client, Request(op, flags, task_id, b""), length)
             return True
 
@@ -367,7 +387,7 @@ class FrameServer:
     def _reserve(self, client: Client, header: Request, length: int) -> None:
         """Give a large frame its own buffer of ``length`` bytes from the budget, or starve its connection
         until the budget has room."""
-        if self.reserved + length > INPUT_BUDGET:
+        if self.reserved + length > self.limits.input_budget:
             client.need = length
             self._starve(client)
             return
@@ -396,7 +416,7 @@ class FrameServer:
         its requests are not taken until it does)."""
         client.partial_since = 0.0
         client.outbuf += self.execute(client, request)
-        return len(client.outbuf) <= OUT_CAP
+        return len(client.outbuf) <= self.limits.out_cap
 
     def _flush(self, client: Client) -> bool:
         """Send what the socket takes now; False when the client is gone."""
@@ -420,7 +440,8 @@ class FrameServer:
             if client.sock.fileno() < 0:  # closed meanwhile
                 self.starved.discard(client)
                 continue
-            room = self.reserved + client.need <= INPUT_BUDGET if client.need else self.buffered < INPUT_BUDGET
+            budget = self.limits.input_budget
+            room = self.reserved + client.need <= budget if client.need else self.buffered < budget
             if room:
                 client.starved = False
                 self.starved.discard(client)
