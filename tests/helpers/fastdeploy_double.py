@@ -1,7 +1,7 @@
 """TEST DOUBLES of FastDeploy's inter-process pieces, written from its code at e53f5184 (FastDeploy is not on
 the package index, and its code is not copied here). Each says which file and lines it follows; the tests
 use FastDeploy's own ``engine_cache_queue.py`` and ``ipc_signal.py`` instead when ``FASTDEPLOY_SRC`` names a
-checkout (``tests/fastdeploy_src.py``).
+checkout (``tests/helpers/fastdeploy_src.py``).
 """
 
 from __future__ import annotations
