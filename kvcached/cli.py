@@ -192,7 +192,7 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
     if not sys.stderr.isatty():
         return None
     from kvcached import memory
-    from kvcached.daemon.supervisor import progress_text
+    from kvcached.daemon.ranks import progress_text
     from kvcached.protocol.control import State
     from kvcached.protocol.layout import cpu_pool_bytes
 

@@ -158,6 +158,14 @@ CORE: tuple[Knob, ...] = (
         "SECONDS",
     ),
     Knob(
+        "stop_timeout",
+        knobs.seconds(0.1, 3600),
+        5.0,
+        "Seconds a stop gives each rank worker to exit (after the tasks clients already sent, when the memory "
+        "is kept) before it is killed; a restart gives the last image's workers as long to drain.",
+        "SECONDS",
+    ),
+    Knob(
         "store_timeout",
         knobs.seconds(0.1, 3600),
         10.0,
@@ -268,6 +276,7 @@ class DaemonConfig:
     ipc_suffix: int | None = None
     devices: tuple[int, ...] = ()
     worker_timeout: float = 10.0
+    stop_timeout: float = 5.0
     store_timeout: float = 10.0
     fresh: bool = False
     huge_pages: bool = True
@@ -330,6 +339,7 @@ class DaemonConfig:
             ipc_suffix=values["ipc_suffix"],
             devices=devices,
             worker_timeout=values["worker_timeout"],
+            stop_timeout=values["stop_timeout"],
             store_timeout=values["store_timeout"],
             fresh=values["fresh"],
             huge_pages=values["huge_pages"] == "auto",

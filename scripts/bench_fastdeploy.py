@@ -12,7 +12,7 @@ the CPU pool or back (alternately):
 * ``drop-in``: the engine's side of FastDeploy's protocol puts ``(SWAP2CPU|SWAP2GPU, id, nodes, gpu, cpu)``
   on the cache queue and takes the result off it (``issue_swap_task`` and ``recv_data_transfer_result``,
   e53f5184 ~555-592 and ~2140-2199: it polls the result queue every millisecond, as FastDeploy's result thread
-  does); ``--tp`` drop-ins (``tests/fd_dropin.py``) serve it. The queue
+  does); ``--tp`` drop-ins (``tests/helpers/fd_dropin.py``) serve it. The queue
   and the flags are FastDeploy's own files with ``FASTDEPLOY_SRC``, else the doubles of the tests;
 * ``plain``: ``--tp`` processes each copying one rank's share of a task's bytes at the same time.
 
@@ -71,7 +71,7 @@ class Engine:
 
     def __init__(self, instance: str, env: dict[str, str], tp: int, work: Path, layout: tuple[int, ...]) -> None:
         from tests.conftest import free_port
-        from tests.fastdeploy_src import pieces
+        from tests.helpers.fastdeploy_src import pieces
 
         self.fd = pieces()
         self.suffix, port = 20000 + free_port() % 40000, free_port()
@@ -99,7 +99,7 @@ class Engine:
     def _launch(
         self, instance: str, env: dict[str, str], tp: int, work: Path, port: int, layout: tuple[int, ...]
     ) -> list[subprocess.Popen[bytes]]:
-        """One drop-in per rank (``tests/fd_dropin.py``) with the launcher's arguments for ``layout``."""
+        """One drop-in per rank (``tests/helpers/fd_dropin.py``) with the launcher's arguments for ``layout``."""
         blocks, kv_heads, block_size, head_dim, layers, cpu = layout
         shape = f"{blocks},{kv_heads},{block_size},{head_dim}"
         control = work / "control"
@@ -120,7 +120,7 @@ class Engine:
             subprocess.Popen(
                 [
                     sys.executable,
-                    str(ROOT / "tests" / "fd_dropin.py"),
+                    str(ROOT / "tests" / "helpers" / "fd_dropin.py"),
                     *(
                         part
                         for key, value in {**common, "rank": r, "device_id": r}.items()

@@ -229,9 +229,9 @@ def instance(daemons: DaemonFactory) -> str:
 
 
 def run_runner(env: dict[str, str], **request: Any) -> subprocess.Popen[str]:
-    """Start ``tests/runner_proc.py`` (a real runner process); it prints one JSON line when done."""
+    """Start ``tests/helpers/runner_proc.py`` (a real runner process); it prints one JSON line when done."""
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "runner_proc.py"), json.dumps(request)],
+        [sys.executable, str(ROOT / "tests" / "helpers" / "runner_proc.py"), json.dumps(request)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

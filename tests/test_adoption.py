@@ -46,11 +46,11 @@ GIB_SPEC = rc.CacheSpec(num_layers=4, kv_heads=2, head_dim=128, block_size=64, n
 
 
 class RunnerProcess:
-    """``tests/adoption_runner.py``: a runner process answering one JSON line per command."""
+    """``tests/helpers/adoption_runner.py``: a runner process answering one JSON line per command."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "adoption_runner.py")],
+            [sys.executable, str(ROOT / "tests" / "helpers" / "adoption_runner.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -130,7 +130,7 @@ def test_daemon_created_flags_and_a_replaced_worker(daemons: DaemonFactory, suff
 
 def _reader(*args: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fd_reader.py"), *map(str, args)],
+        [sys.executable, str(ROOT / "tests" / "helpers" / "fd_reader.py"), *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

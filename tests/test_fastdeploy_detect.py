@@ -3,7 +3,7 @@ runner condition), and the drop-in refuses a rank whose runner makes its own cop
 
 The expectations per line are read from FastDeploy's source (``gongshaotian/FastDeploy``), each cited; the
 tests run ``kvcached doctor`` and the drop-in as processes against each line's own tree (``FASTDEPLOY_SRC``,
-see ``tests/fastdeploy_lines.py``), patched and unpatched. The evaluation of a condition, the hunk states
+see ``tests/helpers/fastdeploy_lines.py``), patched and unpatched. The evaluation of a condition, the hunk states
 and the transport rule are also checked on files the tests write, which needs no FastDeploy.
 """
 
@@ -24,9 +24,9 @@ import pytest
 from kvcached.fastdeploy import patchfile
 from kvcached.fastdeploy.condition import Config, read_condition
 from kvcached.fastdeploy.lines import QueueRule
-from tests import fastdeploy_lines
 from tests.conftest import ROOT, DaemonFactory
-from tests.fastdeploy_lines import apply_patch, tree_of
+from tests.helpers import fastdeploy_lines
+from tests.helpers.fastdeploy_lines import apply_patch, tree_of
 
 line_trees, patched_trees = fastdeploy_lines.line_trees, fastdeploy_lines.patched_trees  # session fixtures
 
@@ -78,8 +78,8 @@ def doctor(daemons: DaemonFactory, tree: Path | str, *args: str, **env: str) -> 
 
 
 def dropin(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """The drop-in with the test adapter (``tests/fd_dropin.py``), run to its end."""
-    command = [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *args]
+    """The drop-in with the test adapter (``tests/helpers/fd_dropin.py``), run to its end."""
+    command = [sys.executable, str(ROOT / "tests" / "helpers" / "fd_dropin.py"), *args]
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
 

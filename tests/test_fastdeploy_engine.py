@@ -7,7 +7,7 @@ per rank with ``cache_transfer_manager.py``'s arguments, waits for ``cache_trans
 SWAP2CPU and SWAP2GPU tasks, a storage write and read, and control requests, reading the results the way
 ``recv_data_transfer_result`` does (~2140-2199); the bytes in the device blocks are checked after each step
 through a runner's own views. With ``FASTDEPLOY_SRC`` set the queue, the flags, ``CacheStatus`` and the
-storage tasks are FastDeploy's own files; without it, the doubles of ``tests/fastdeploy_double.py``.
+storage tasks are FastDeploy's own files; without it, the doubles of ``tests/helpers/fastdeploy_double.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import pytest
 
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
-from tests.fastdeploy_double import FMQDouble
-from tests.fastdeploy_src import pieces
+from tests.helpers.fastdeploy_double import FMQDouble
+from tests.helpers.fastdeploy_src import pieces
 
 TP = 2
 SPEC = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
@@ -103,7 +103,7 @@ class Engine:
     def launch(self, rank: int, **changes: str) -> subprocess.Popen[str]:
         env = dict(os.environ, KVCACHED_INSTANCE=self.instance, FD_TEST_CONTROL_DIR=str(self.control))
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *self.arguments(rank, **changes)],
+            [sys.executable, str(ROOT / "tests" / "helpers" / "fd_dropin.py"), *self.arguments(rank, **changes)],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,

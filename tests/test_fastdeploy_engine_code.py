@@ -2,7 +2,7 @@
 geometry: 16 layers, 2 ranks, a file store, the daemon started with ``--geometry engine`` (no geometry
 given to kvcached: the engine's drop-ins and runners declare it).
 
-The engine side is ``tests/fd_engine.py`` (its STUBS are listed in ``tests/fastdeploy_shell.py``):
+The engine side is ``tests/helpers/fd_engine.py`` (its STUBS are listed in ``tests/helpers/fastdeploy_shell.py``):
 FastDeploy's ``PrefixCacheManager`` launches the drop-ins with its ``launch_cache_manager``, reads their
 results with its result thread, and its ``issue_swap_task``, ``request_match_blocks`` (with its own block
 hashing), ``write_cache_to_storage_decode`` and control waiter (over its FMQ) are the calls. The bytes are
@@ -22,7 +22,15 @@ import pytest
 from kvcached.fastdeploy.transfer_manager import TASK_S
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
-from tests.fastdeploy_engine_code import GEOMETRY, EngineEnded, blocks, configured, engine_and_daemon, fill, views
+from tests.helpers.fastdeploy_engine_code import (
+    GEOMETRY,
+    EngineEnded,
+    blocks,
+    configured,
+    engine_and_daemon,
+    fill,
+    views,
+)
 
 BLOCK = GEOMETRY["block_size"]
 

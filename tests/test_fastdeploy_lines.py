@@ -1,5 +1,5 @@
 """The drop-in served by every FastDeploy line's own cache queue, over that line's default transport and the
-other one (``FASTDEPLOY_SRC``: a git clone holding the lines; see ``tests/fastdeploy_lines.py``).
+other one (``FASTDEPLOY_SRC``: a git clone holding the lines; see ``tests/helpers/fastdeploy_lines.py``).
 
 For each line, the engine side is that line's ``engine_cache_queue.py`` and ``ipc_signal.py``, listening where
 that line's engine listens (its own ``envs.py`` reads ``FD_ENGINE_TASK_QUEUE_WITH_SHM``); the drop-ins read
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import runner_client as rc
-from tests import fastdeploy_lines
 from tests.conftest import DaemonFactory
-from tests.fastdeploy_lines import LineEngine, fastdeploy_modules, tree_of
+from tests.helpers import fastdeploy_lines
+from tests.helpers.fastdeploy_lines import LineEngine, fastdeploy_modules, tree_of
 
 line_trees, patched_trees = fastdeploy_lines.line_trees, fastdeploy_lines.patched_trees  # session fixtures
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvcached.fastdeploy.arguments import LATER_ARGUMENTS, build_parser
-from tests.fastdeploy_src import PATCH, checkout, patched_tree
+from tests.helpers.fastdeploy_src import PATCH, checkout, patched_tree
 
 
 def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> 
 def test_fastdeploys_own_parse_args_reads_the_launch_command_as_the_drop_in_does() -> None:
     """FastDeploy's ``parse_args`` (its source, from the checkout) and the drop-in's read the command line the
     engine's launcher builds to the same values."""
-    from tests.fastdeploy_shell import source_of
+    from tests.helpers.fastdeploy_shell import source_of
 
     root = checkout("the FastDeploy patch's tests")
     theirs = source_of(

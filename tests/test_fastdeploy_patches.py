@@ -1,6 +1,6 @@
 """One patch per FastDeploy line, against that line's own tree (``FASTDEPLOY_SRC``: see
-``tests/fastdeploy_lines.py``): each is named after its commit, applies cleanly to it and to no other line,
-and the files it patches pass that tree's own pre-commit hooks (``tests/fd_hooks.py``). Skipped, saying
+``tests/helpers/fastdeploy_lines.py``): each is named after its commit, applies cleanly to it and to no other line,
+and the files it patches pass that tree's own pre-commit hooks (``tests/helpers/fd_hooks.py``). Skipped, saying
 what they need, without FASTDEPLOY_SRC, except the naming."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 
 from kvcached.fastdeploy import patchfile
 from kvcached.fastdeploy.lines import KNOWN_LINES, read_tree
-from tests import fastdeploy_lines
 from tests.conftest import ROOT
-from tests.fastdeploy_lines import PATCHES, tree_of
-from tests.fd_hooks import run_hooks
+from tests.helpers import fastdeploy_lines
+from tests.helpers.fastdeploy_lines import PATCHES, tree_of
+from tests.helpers.fd_hooks import run_hooks
 
 line_trees, patched_trees = fastdeploy_lines.line_trees, fastdeploy_lines.patched_trees  # session fixtures
 COMMITS = [line.commit for line in KNOWN_LINES]

@@ -29,7 +29,7 @@ import runner_client as rc
 from kvcached.fastdeploy import runner as kvcached_runner
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory, free_port
-from tests.fastdeploy_src import source
+from tests.helpers.fastdeploy_src import source
 
 paddle = pytest.importorskip("paddle", reason="the paddle extra is not installed (pip install '.[paddle]')")
 pytestmark = pytest.mark.paddle
@@ -93,8 +93,8 @@ def runner_stub(suffix: int) -> SimpleNamespace:
 
 def patched_method(ops: XpuOpsDouble, tmp: Path) -> Any:
     """The patched ``XPUModelRunner.initialize_kv_cache``, from FastDeploy's own file, on the doubles."""
-    from tests.fastdeploy_engine_code import fastdeploy_checkout, patched
-    from tests.fastdeploy_shell import install, source_of
+    from tests.helpers.fastdeploy_engine_code import fastdeploy_checkout, patched
+    from tests.helpers.fastdeploy_shell import install, source_of
 
     root = fastdeploy_checkout()
     install(root)

@@ -1,6 +1,6 @@
 """The handshake end to end: one owner per rank, a ready flag the runner can trust.
 
-Real daemons (``kvcached start``), real runner processes (``tests/runner_proc.py``), real POSIX shm and
+Real daemons (``kvcached start``), real runner processes (``tests/helpers/runner_proc.py``), real POSIX shm and
 semaphores, real SIGKILL.
 """
 

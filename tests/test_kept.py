@@ -82,7 +82,7 @@ def test_a_cache_of_60_percent_of_dev_shm_is_adopted_after_kill9(tmp_path: Path)
     needs_root("mounts a private /dev/shm (unshare -m)")
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) is needed for a private /dev/shm")
-    script = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -m tests.private_shm_adoption"
+    script = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -m tests.helpers.private_shm_adoption"
     env = {**os.environ, "KVCACHED_RUN_DIR": str(tmp_path / "run")}
     env.pop("KVCACHED_FAULT", None)
     done = subprocess.run(

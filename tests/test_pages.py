@@ -3,7 +3,7 @@ before) where it does not; ``kvcached doctor`` says which.
 
 The host's /dev/shm is not touched: each case runs in a private mount namespace (``unshare --mount``,
 root only) with a fresh tmpfs over /dev/shm mounted with the ``huge=`` option under test; the daemon, the
-runner and the doctor all run inside it (``tests/pages_helper.py``), and the tmpfs goes with the namespace.
+runner and the doctor all run inside it (``tests/helpers/pages_helper.py``), and the tmpfs goes with the namespace.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def in_namespace(tmp_path: Path, huge: str, extra: list[str]) -> dict[str, objec
     request = {"instance": unique_instance(), "run_dir": str(tmp_path / "run"), "args": ARGS + extra, "spec": SPEC}
     script = (
         f"mount -t tmpfs -o size=512M,huge={huge} tmpfs /dev/shm && "
-        f"exec {sys.executable} {ROOT / 'tests' / 'pages_helper.py'} '{json.dumps(request)}'"
+        f"exec {sys.executable} {ROOT / 'tests' / 'helpers' / 'pages_helper.py'} '{json.dumps(request)}'"
     )
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],

@@ -16,8 +16,9 @@ An object of someone else under the instance's names is no reason to refuse: it 
 alone, never trusted (/dev/shm is writable by every user: refusing would let any of them make the next
 start throw the cache away).
 
-Nothing of the old run is trusted before that: the ready flag's rule (DESIGN principle 2) holds, since
-the new daemon publishes its own generation and marks each rank READY only after its worker reopened it.
+Nothing of the old run is trusted before that: a runner trusts a rank only when its record is READY in
+the generation of a live daemon (``runner_client.wait``), and the new daemon publishes its own generation
+and marks each rank READY only after its worker reopened it.
 An adopting start writes the adopted memory into its new records (RECOVERING) before its control block
 replaces the old one, so a kill at any step leaves a block that names the memory; and it gives every
 adopted object the mode and group this start was given (``conform``).

@@ -9,7 +9,8 @@
                            Ready(backend, descriptor, ...) the rank's tiers exist and the task socket listens
                            Failed(error, exit_status)      the worker cannot go on; it exits next
     supervisor -> worker   Stop(drain)                     (EOF means the same); with drain, the
-                                                           worker first answers what clients send NOT_RUN
+                                                           worker first answers what clients send NOT_RUN,
+                                                           for at most ``DRAIN_S``
                            Serve()                         after Prepared: the rank is yours, serve it
 
 On the wire a message is a JSON object whose ``"t"`` names its type; ``send`` and ``recv`` are the only
@@ -26,6 +27,8 @@ from typing import Any
 from kvcached.protocol.errors import ProtocolError
 
 MAX_PACKET = 1 << 16
+#: The longest a worker told ``Stop(drain=True)`` goes on answering its clients before it exits.
+DRAIN_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

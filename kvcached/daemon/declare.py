@@ -30,19 +30,17 @@ import select
 import socket
 from pathlib import Path
 
-import posix_ipc
-
 from kvcached import logs
 from kvcached.access import Access, peer_of
 from kvcached.config import DaemonConfig
 from kvcached.daemon import requests
 from kvcached.daemon.notify import Notifier
+from kvcached.daemon.ranks import create_semaphores, remove_semaphores
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import ControlBlock, Record, State
 from kvcached.protocol.declare import declare_socket_path, read_message
 from kvcached.protocol.errors import InvalidSpec, KVCacheError
 from kvcached.protocol.instance import open_instance
-from kvcached.protocol.names import SHM_DIR, semaphore_name
 from kvcached.protocol.ownership import cache_owner, explain_owner
 from kvcached.protocol.proc import self_identity
 from kvcached.protocol.spec import CacheSpec
@@ -99,11 +97,7 @@ class Pending:
     def __init__(self, config: DaemonConfig, run_dir: Path, access: Access) -> None:
         self.instance = config.instance
         self.generation = secrets.randbits(64) | 1
-        self.sems: list[posix_ipc.Semaphore] = []
-        for rank in range(config.ranks):
-            name = semaphore_name(self.instance, self.generation, rank)
-            self.sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
-            access.apply(SHM_DIR / f"sem.{name.lstrip('/')}")
+        self.sems = create_semaphores(self.instance, self.generation, config.ranks, access)
         pid, started = self_identity()
         self.block = ControlBlock.create(
             self.instance,
@@ -128,10 +122,7 @@ class Pending:
                 sem.release()
         self.block.unlink()
         self.block.close()
-        for sem in self.sems:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                sem.unlink()
-            sem.close()
+        remove_semaphores(self.sems)
 
 
 class Declarations:

@@ -38,3 +38,8 @@ class Fatal(Exception):
         super().__init__(reason)
         self.reason = reason
         self.exit_status = exit_status
+
+
+class WorkerFailure(Fatal):
+    """A rank worker cannot go on: ``reason`` goes to the supervisor (``Failed``), which ends the daemon
+    with ``exit_status``."""

@@ -23,27 +23,34 @@ still in progress, the restart is refused: the daemon serves on and writes why t
 ``kvcached restart`` reads it. Signals that ask something of the daemon are blocked from the moment a
 restart is accepted until the next image has its handlers: a second restart or a stop sent meanwhile
 waits for it instead of killing a process that has none yet.
+
+``Handover`` is a restart as one image lives it, its state in one object: the workers the image before
+handed over (``predecessors``: each serves its rank until this image's worker of the rank is prepared,
+then drains, and is killed if it has not closed its channel ``DRAIN_S`` plus the stop timeout later),
+and the workers this image leaves serving for the next one (``passing``, written into ``env``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
-import select
+import selectors
 import signal
 import socket
-import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kvcached import logs
-from kvcached.daemon import channel, requests
+from kvcached.daemon import channel, faults, requests
+from kvcached.daemon.ranks import Child, stop_children
 from kvcached.protocol.control import ControlBlock, Record, State
 from kvcached.protocol.errors import KVCacheError, ProtocolError, TornRead
 from kvcached.protocol.proc import self_identity
+from kvcached.protocol.trust import peer_credentials
 
 HANDOVER_ENV = "KVCACHED_HANDOVER"
 #: The signals a daemon takes requests by: blocked across a restart's ``execv``.
@@ -168,12 +175,126 @@ def _why_not_channel(sock: socket.socket) -> str:
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
         return "not a worker channel (a Unix SOCK_SEQPACKET socket)"
     try:
-        maker = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        maker, _uid, _gid = peer_credentials(sock)
     except OSError:
         return "its peer cannot be read"
     if maker != os.getpid():
         return f"made by pid {maker}, not by this process"
     return ""
+
+
+class Handover:
+    """A restart as this image lives it (see the module docstring). Each predecessor's channel is watched by
+    the supervisor's selector, its key's data the callback for it; ``on_gone(rank)`` is called when the
+    last image's worker of ``rank`` is done with it (the rank is the new worker's once that is prepared)."""
+
+    def __init__(self, selector: selectors.BaseSelector, log: logs.Logger, *, on_gone: Callable[[int], None]) -> None:
+        self.selector, self.log, self.on_gone = selector, log, on_gone
+        #: Children of an image of this process before ``kvcached restart`` executed it again: reaped here.
+        self.strays = children()
+        #: What the image before this one says it handed over (checked once the instance lock is held).
+        self.claim = claim_from_env(log)
+        if self.claim is not None:
+            faults.restarted_image()
+        self.restarted = False  # the claim checked out: this start was given by `kvcached restart`
+        self.predecessors: dict[int, Child] = {}
+        self.drain_by: dict[int, float] = {}  # rank -> when its predecessor, told to drain, is killed
+        self.passing: dict[int, Child] = {}
+
+    def take(self, instance: str) -> None:
+        """Take the workers the image before this one handed over, once its claim checks out: this image then
+        is a restart's."""
+        if self.claim is None:
+            return
+        self.restarted, taken = take(self.claim, instance, self.strays, self.log)
+        for rank, (pid, sock) in taken.items():
+            self.predecessors[rank] = Child(pid, sock, ready=True)
+            self.selector.register(sock, selectors.EVENT_READ, functools.partial(self._on_message, rank))
+
+    def serves(self, rank: int) -> bool:
+        """Whether the last image's worker of ``rank`` still serves it (and listens on its task socket)."""
+        return rank in self.predecessors
+
+    def relieve(self, rank: int, successor: int, *, grace_s: float) -> bool:
+        """``rank``'s new worker (pid ``successor``) has reopened the memory: tell the last image's worker to
+        drain (it answers what clients still send NOT_RUN, then closes its channel; killed if it has not
+        ``DRAIN_S + grace_s`` seconds later). True when there is none: the rank is the new worker's at once."""
+        old = self.predecessors.get(rank)
+        if old is None:
+            return True
+        if rank in self.drain_by:
+            return False
+        self.drain_by[rank] = time.monotonic() + channel.DRAIN_S + grace_s
+        self.log.info("handing the rank over", rank=rank, from_pid=old.pid, to_pid=successor)
+        try:
+            channel.send(old.channel, channel.Stop(drain=True))
+        except OSError:
+            self._gone(rank)
+        faults.fault("after-relieve")
+        return False
+
+    def _on_message(self, rank: int) -> None:
+        try:
+            message = channel.recv(self.predecessors[rank].channel)
+        except (ProtocolError, OSError):
+            message = None
+        if message is None:  # done with every task (or dead): the rank is the new worker's
+            self._gone(rank)
+
+    def _gone(self, rank: int) -> None:
+        old = self.predecessors.pop(rank)
+        self.drain_by.pop(rank, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(old.channel)
+        old.channel.close()
+        self.log.info("the last image's worker is done with the rank", rank=rank, worker_pid=old.pid)
+        self.on_gone(rank)
+
+    def kill_late(self) -> None:
+        """Kill a worker of the last image that did not drain in time (its channel's EOF follows)."""
+        now = time.monotonic()
+        for rank, deadline in list(self.drain_by.items()):
+            if now >= deadline:
+                old = self.predecessors[rank]
+                self.log.error("killing the last image's worker: it did not drain", rank=rank, worker_pid=old.pid)
+                old.kill()
+                self.drain_by[rank] = float("inf")
+
+    def reap_strays(self) -> None:
+        for pid in list(self.strays):
+            with contextlib.suppress(ChildProcessError):
+                if not os.waitpid(pid, os.WNOHANG)[0]:
+                    continue
+            self.strays.remove(pid)
+
+    def drop_predecessors(self) -> list[Child]:
+        """The last image's workers, forgotten here (their channels no longer watched) for the caller to stop."""
+        dropped = list(self.predecessors.values())
+        for old in dropped:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(old.channel)
+        self.predecessors.clear()
+        self.drain_by.clear()
+        return dropped
+
+    def stop_predecessors(self, *, grace_s: float) -> None:
+        """Stop the last image's workers (their memory is not adopted) and wait for them."""
+        stop_children(self.drop_predecessors(), grace_s=grace_s, drain=False)
+
+    def pass_on(self, workers: dict[int, Child]) -> None:
+        """Leave ``workers`` serving, each channel open across the exec for the next image to take."""
+        for rank, worker in workers.items():
+            worker.channel.set_inheritable(True)
+            self.passing[rank] = worker
+        self.log.info("handing the workers to the next image", workers=len(self.passing))
+
+    def env(self, generation: int) -> str:
+        """The value of ``HANDOVER_ENV`` for the next image."""
+        return env_for(generation, {rank: (child.pid, child.channel) for rank, child in self.passing.items()})
+
+    def why_not_now(self, records: list[Record], preflight: Preflight | None) -> str:
+        """Why a restart cannot be done now ("" when it can): see ``why_no_restart``."""
+        return why_no_restart(records, bool(self.predecessors), preflight)
 
 
 def block_requests() -> None:
@@ -214,9 +335,6 @@ def read_refusal(path: Path, since_ns: int) -> str | None:
     return None
 
 
-# -- the workers of an earlier image --------------------------------------------------------------------
-
-
 def children() -> list[int]:
     """Pids of this process's children: after ``kvcached restart`` executed the daemon again, the workers
     of the image before it, still serving or exiting."""
@@ -225,36 +343,3 @@ def children() -> list[int]:
     except OSError:
         return []
     return [int(pid) for pid in text.split()]
-
-
-def closed_by(sock: socket.socket, deadline: float) -> bool:
-    """Whether the worker at the other end of ``sock`` closes it before ``deadline`` (messages it sends
-    meanwhile are read and dropped)."""
-    while (left := deadline - time.monotonic()) > 0:
-        readable, _, _ = select.select([sock], [], [], left)
-        if not readable:
-            break
-        try:
-            if channel.recv(sock) is None:
-                return True
-        except ProtocolError:
-            return False
-    return False
-
-
-def wait_or_kill(pid: int, deadline: float) -> None:
-    """Reap child ``pid``, killing it at ``deadline``."""
-    while True:
-        try:
-            done, _status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
-            return
-        if time.monotonic() >= deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            return
-        time.sleep(0.01)

@@ -1,8 +1,9 @@
 """The opt-in Prometheus endpoint (``--metrics-port``): the same figures as ``kvcached status``.
 
-Served by ``prometheus_client``'s HTTP server on a thread of the supervisor, started after the rank
-workers are forked. Every scrape reads the control block (records under their seqlock, the workers'
-counters and histograms) and /proc/locks (waiting runners): no state of its own, nothing to keep in step.
+Served by ``prometheus_client``'s HTTP server on a thread of the supervisor, started once the first rank
+workers are forked (replacements are forked while it runs: a fork copies only the forking thread). Every
+scrape reads the control block (records under their seqlock, the workers' counters and histograms) and
+/proc/locks (waiting runners): no state of its own, nothing to keep in step.
 
 Metrics (labels in braces):
 

@@ -1,27 +1,12 @@
-"""A rank worker's task server: accepts runner connections on the rank's socket and executes their tasks.
+"""A rank worker's tasks: swap, store, load and lookup, executed for the requests its frame server reads.
 
-Single-threaded, driven by the worker's selector. Nothing a client does can end the worker or stall
-the others:
+``TaskServer.execute`` is the frame server's ``execute`` callback (``kvcached.daemon.frames``): it takes
+one whole request and returns its reply, and never raises for a bad task. A task is checked before
+anything moves: an invalid one is answered INVALID with nothing changed; store calls have a deadline
+(``kvcached.daemon.store_agent``): a slow store fails its task (FAILED, ``store_unavailable``).
 
-* every connection is non-blocking; replies queue in the connection's output buffer and go out as the
-  client reads them. A client that stops reading stalls only itself: past ``OUT_CAP`` queued bytes the
-  server stops reading its requests until it drains;
-* a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame. A
-  frame larger than a read must first reserve its length from ``INPUT_BUDGET``; while the budget is
-  spent, such connections, and connections with nothing reserved once ``INPUT_BUDGET`` bytes are
-  buffered, are not read (their clients wait): buffered requests stay near ``2 * INPUT_BUDGET`` whatever
-  clients do. A frame left half-sent for ``PARTIAL_IDLE_S`` closes its connection;
-* at most ``max_connections`` connections (below the process's open-file limit). At the cap, the
-  connection idle the longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room
-  (its client reconnects on its next task); with none idle, the newcomer is answered REFUSED
-  ("capacity") and closed. Running out of descriptors (EMFILE) is met the same way, with a descriptor kept
-  in reserve for it;
-* a malformed frame closes that connection only; an invalid task is answered INVALID with nothing
-  changed; store calls have a deadline (``kvcached.daemon.store_agent``): a slow store fails its task.
-
-Handing over (``kvcached restart``, ``stop --keep``): the worker stops accepting connections and answers
-every task that still arrives NOT_RUN, so its client sends it to the next daemon; it exits once its clients
-are quiet.
+Handing over (``kvcached restart``, ``stop --keep``): every task that still arrives is answered NOT_RUN,
+so its client sends it to the next daemon.
 
 Keys: a ``swap_out`` with keys enters its CPU blocks in the rank's key directory (``kvcached.daemon.keydir``)
 once copied, and writes them through to the store when there is one; ``lookup`` and ``load`` find each key
@@ -31,18 +16,13 @@ in the CPU pool first, then in the store.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import os
-import selectors
-import socket
 import time
-from typing import Any
 
 import numpy as np
 
-from kvcached.access import Access, peer_of
 from kvcached.copy_engine import Array, SwapEngine
+from kvcached.daemon.frames import Client, Request
 from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.store_agent import StoreCalls
 from kvcached.logs import Logger
@@ -50,9 +30,6 @@ from kvcached.protocol.errors import InvalidTask, StoreUnavailable
 from kvcached.protocol.messages import (
     FLAG_KEYS,
     KEY_BYTES,
-    MAX_PAYLOAD,
-    REQUEST,
-    REQUEST_MAGIC,
     TASK_RESULT,
     Op,
     Status,
@@ -62,53 +39,6 @@ from kvcached.protocol.messages import (
 )
 from kvcached.protocol.stats import StatsSlot
 
-RECV_CHUNK = 1 << 20
-#: Reply bytes a connection may have queued before its requests stop being read.
-OUT_CAP = 4 << 20
-#: Bytes of unfinished request frames held over all connections.
-INPUT_BUDGET = 2 * MAX_PAYLOAD
-#: A frame left unfinished this long closes its connection.
-PARTIAL_IDLE_S = 30.0
-#: A connection this long without a request may be closed to make room for a new one at the cap.
-IDLE_EVICT_S = 1.0
-#: Descriptors kept free below the open-file limit (the worker's own files, the reserve).
-FD_HEADROOM = 64
-
-
-class _Conn:
-    """One client connection: its socket, unparsed and unsent bytes, and what it waits for."""
-
-    __slots__ = (
-        "active",
-        "events",
-        "filled",
-        "frame",
-        "frame_header",
-        "greeted",
-        "inbuf",
-        "need",
-        "outbuf",
-        "partial_since",
-        "reserved",
-        "sock",
-        "starved",
-    )
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.inbuf = bytearray()
-        self.outbuf = bytearray()
-        self.greeted = False
-        self.starved = False  # waiting for the input budget
-        self.reserved = 0  # bytes of INPUT_BUDGET its unfinished large frame holds
-        self.frame: bytearray | None = None  # that frame's payload, filled in place
-        self.frame_header: tuple[Any, ...] = ()
-        self.filled = 0
-        self.need = 0  # the length of a large frame waiting for room in the budget
-        self.partial_since = 0.0  # when the unfinished frame in inbuf started (0: none)
-        self.events = 0  # what the selector watches now
-        self.active = time.monotonic()  # when it last sent a request
-
 
 class TaskServer:
     """Executes tasks for one rank. ``stats`` is the rank's slot in the control block."""
@@ -116,21 +46,14 @@ class TaskServer:
     def __init__(
         self,
         *,
-        listener: socket.socket,
-        selector: selectors.BaseSelector,
         engine: SwapEngine,
         stats: StatsSlot,
         rank: int,
         generation: int,
         log: Logger,
         store: StoreCalls | None = None,
-        access: Access | None = None,
-        max_connections: int | None = None,
         keys: KeyDirectory | None = None,
     ) -> None:
-        self.listener = listener
-        self.selector = selector
-        self.access = access or Access.for_daemon(None)
         self.engine = engine
         self.stats = stats
         self.rank = rank
@@ -139,275 +62,24 @@ class TaskServer:
         self.store = store
         #: The CPU pool's key directory (None without a pool): ``swap_out`` with keys enters blocks there.
         self.keys = keys
-        self.conns: dict[int, _Conn] = {}
-        self.buffered = 0  # bytes in every connection's inbuf
-        self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
-        self.starved: set[_Conn] = set()  # connections not read until the budget has room
-        self.scratch = bytearray(RECV_CHUNK)  # one receive buffer, reused: no allocation per message
-        self.scratch_view = memoryview(self.scratch)
-        self.max_connections = max_connections or connection_limit()
-        self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
         self.handing_over = False  # tasks are answered NOT_RUN: the next daemon runs them
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
 
-    # -- connections ----------------------------------------------------------------------------------
-
-    def accept(self) -> None:
-        """Accept what is waiting on the listener (at most 64 per call, so tasks keep being served)."""
-        for _ in range(64):
-            try:
-                sock, _ = self.listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE) or self.reserve_fd is None:
-                    return
-                self._refuse_with_reserve()
-                continue
-            if len(self.conns) >= self.max_connections and not self._evict_idle():
-                self._refuse(sock, "capacity", f"the worker of rank {self.rank} has {len(self.conns)} connections open")
-                continue
-            peer = peer_of(sock)
-            if not self.access.allows(peer):
-                self.log.warning(
-                    "refused connection: peer is neither the daemon's user nor in its group",
-                    peer_pid=peer.pid,
-                    peer_uid=peer.uid,
-                    peer_gids=sorted(peer.gids),
-                    allowed_uid=self.access.uid,
-                    allowed_gid=self.access.gid,
-                )
-                why = f"uid {peer.uid} is neither the daemon's user (uid {self.access.uid}) nor in its group"
-                self._refuse(sock, "access", why)
-                continue
-            sock.setblocking(False)
-            conn = _Conn(sock)
-            self.conns[sock.fileno()] = conn
-            self._watch(conn)
-            self.stats.count(connections=1)
-
-    def _evict_idle(self) -> bool:
-        """Close the connection idle the longest, if one has been idle for ``IDLE_EVICT_S``."""
-        idle = [c for c in self.conns.values() if not c.inbuf and not c.outbuf]
-        oldest = min(idle, key=lambda c: c.active, default=None)
-        if oldest is None or time.monotonic() - oldest.active < IDLE_EVICT_S:
-            return False
-        self.close(oldest.sock)
-        return True
-
-    def _refuse(self, sock: socket.socket, reason: str, why: str) -> None:
-        self.stats.count(tasks_refused=1)
-        with contextlib.suppress(OSError):
-            sock.send(reply(Op.HELLO, Status.REFUSED, 0, {"message": why, "reason": reason}), socket.MSG_DONTWAIT)
-        sock.close()
-
-    def _refuse_with_reserve(self) -> None:
-        """Out of descriptors: give up the reserve one to accept and refuse the waiting client, then take it
-        back (otherwise the client would sit in the backlog, and the listener would wake us forever)."""
-        assert self.reserve_fd is not None
-        os.close(self.reserve_fd)
-        self.reserve_fd = None
-        try:
-            sock, _ = self.listener.accept()
-        except OSError:
-            pass
-        else:
-            self._refuse(sock, "capacity", f"the worker of rank {self.rank} is out of file descriptors")
-        with contextlib.suppress(OSError):
-            self.reserve_fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-
-    def _watch(self, conn: _Conn) -> None:
-        """Point the selector at what ``conn`` waits for now."""
-        events = 0
-        if len(conn.outbuf) <= OUT_CAP and not conn.starved:
-            events |= selectors.EVENT_READ
-        if conn.outbuf:
-            events |= selectors.EVENT_WRITE
-        if events == conn.events:
-            return
-        if conn.events == 0:
-            self.selector.register(conn.sock, events, "client")
-        elif events == 0:
-            self.selector.unregister(conn.sock)
-        else:
-            self.selector.modify(conn.sock, events, "client")
-        conn.events = events
-
-    def close(self, sock: socket.socket) -> None:
-        """Forget and close a connection."""
-        conn = self.conns.pop(sock.fileno(), None)
-        if conn is not None:
-            if conn.events:
-                self.selector.unregister(sock)
-            self.buffered -= len(conn.inbuf) + conn.filled
-            self.reserved -= conn.reserved
-            self.starved.discard(conn)
-            self._feed_starved()
-        sock.close()
-
-    def on_event(self, sock: socket.socket, events: int) -> None:
-        """Handle the selector's news for a client connection."""
-        conn = self.conns.get(sock.fileno())
-        if conn is None:
-            return
-        if events & selectors.EVENT_WRITE and not self._flush(conn):
-            self.close(sock)
-            return
-        if events & selectors.EVENT_READ and not self._on_readable(conn):
-            self.close(sock)
-            return
-        self._watch(conn)
-
     def hand_over(self) -> None:
         """From now on, answer every task NOT_RUN (its client sends it to the daemon that adopts the rank)."""
         self.handing_over = True
 
-    def sending(self) -> bool:
-        """Whether a reply is still queued for a client."""
-        return any(conn.outbuf for conn in self.conns.values())
-
-    def flush_all(self, seconds: float) -> None:
-        """Send every queued reply, waiting at most ``seconds`` in all (before a handover's exit: a task that
-        ran is answered; one whose connection closes unanswered did not run)."""
-        deadline = time.monotonic() + seconds
-        for conn in list(self.conns.values()):
-            if not conn.outbuf:
-                continue
-            try:
-                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-                conn.sock.sendall(conn.outbuf)
-                conn.outbuf.clear()
-            except OSError:
-                continue
-
-    def tick(self, now: float) -> None:
-        """Close connections whose unfinished frame stalled for ``PARTIAL_IDLE_S``."""
-        for conn in [c for c in self.conns.values() if c.partial_since and now - c.partial_since > PARTIAL_IDLE_S]:
-            self.log.warning(
-                "closing a connection that left a frame unfinished", seconds=round(now - conn.partial_since)
-            )
-            self.close(conn.sock)
-
-    def _on_readable(self, conn: _Conn) -> bool:
-        """Read what arrived and run every complete task; False when the connection should close."""
-        if not conn.reserved and self.buffered >= INPUT_BUDGET:
-            self._starve(conn)  # others hold the budget: wait for it instead of growing without bound
-            return True
-        # A large frame is read straight into its own buffer, allocated once at its reserved length.
-        target = memoryview(conn.frame)[conn.filled :] if conn.frame is not None else self.scratch
-        try:
-            got = conn.sock.recv_into(target)
-        except BlockingIOError:
-            return True
-        except OSError:
-            got = 0
-        if not got:
-            return False
-        conn.active = time.monotonic()
-        self.buffered += got
-        if conn.frame is not None:
-            conn.filled += got
-        else:
-            conn.inbuf += self.scratch_view[:got]
-        ok = self._run_frames(conn)
-        pending = conn.inbuf or conn.frame is not None
-        conn.partial_since = (conn.partial_since or time.monotonic()) if pending else 0.0
-        self._feed_starved()
-        return ok and self._flush(conn)
-
-    def _run_frames(self, conn: _Conn) -> bool:
-        while True:
-            if conn.frame is not None:  # a large frame, filled in place
-                if conn.filled < len(conn.frame):
-                    return True
-                header, payload, conn.frame, conn.filled = conn.frame_header, bytes(conn.frame), None, 0
-                self.buffered -= len(payload)
-                self.reserved -= conn.reserved
-                conn.reserved = 0
-                if not self._run(conn, header, payload):
-                    return True
-                continue
-            if len(conn.inbuf) < REQUEST.size:
-                return True
-            header = REQUEST.unpack_from(conn.inbuf)
-            magic, op, _flags, task_id, length = header
-            if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
-                why = (
-                    "bad frame magic"
-                    if magic != REQUEST_MAGIC
-                    else f"payload of {length} bytes exceeds the limit of {MAX_PAYLOAD} bytes per task: split it"
-                )
-                conn.outbuf += reply(op, Status.INVALID, task_id, {"field": "frame", "message": why})
-                self.stats.count(tasks_refused=1)
-                self._flush(conn)
-                return False
-            if len(conn.inbuf) >= REQUEST.size + length:
-                payload = bytes(conn.inbuf[REQUEST.size : REQUEST.size + length])
-                del conn.inbuf[: REQUEST.size + length]
-                self.buffered -= REQUEST.size + length
-                if not self._run(conn, header, payload):
-                    return True
-                continue
-            if length > RECV_CHUNK:  # a large frame: reserve its whole length, or wait for room
-                if self.reserved + length > INPUT_BUDGET:
-                    conn.need = length
-                    self._starve(conn)
-                    return True
-                conn.need = 0
-                conn.reserved = length
-                self.reserved += length
-                conn.frame, conn.frame_header = bytearray(length), header
-                have = len(conn.inbuf) - REQUEST.size
-                conn.frame[:have] = conn.inbuf[REQUEST.size :]
-                conn.filled = have
-                self.buffered -= REQUEST.size
-                conn.inbuf.clear()
-            return True
-
-    def _run(self, conn: _Conn, header: tuple[Any, ...], payload: bytes) -> bool:
-        """Execute one request and queue its reply; False when the client stopped reading its replies (then
-        its requests are not taken until it does)."""
-        _, op, flags, task_id, _ = header
-        conn.partial_since = 0.0
-        conn.outbuf += self._execute(conn, op, flags, task_id, payload)
-        return len(conn.outbuf) <= OUT_CAP
-
-    def _flush(self, conn: _Conn) -> bool:
-        """Send what the socket takes now; False when the client is gone."""
-        while conn.outbuf:
-            try:
-                sent = conn.sock.send(conn.outbuf)
-            except BlockingIOError:
-                return True
-            except OSError:  # the client left: its replies are lost, the rank serves on
-                return False
-            del conn.outbuf[:sent]
-        return True
-
-    def _starve(self, conn: _Conn) -> None:
-        conn.starved = True
-        self.starved.add(conn)
-
-    def _feed_starved(self) -> None:
-        """Read again from starved connections once the budget has room for what each waits for."""
-        for conn in list(self.starved):
-            if conn.sock.fileno() < 0:  # closed meanwhile
-                self.starved.discard(conn)
-                continue
-            if self.reserved + conn.need <= INPUT_BUDGET if conn.need else self.buffered < INPUT_BUDGET:
-                conn.starved = False
-                self.starved.discard(conn)
-                self._watch(conn)
-
     # -- tasks ----------------------------------------------------------------------------------------
 
-    def _execute(self, conn: _Conn, op: int, flags: int, task_id: int, payload: bytes) -> bytes:
+    def execute(self, client: Client, request: Request) -> bytes:
+        """Run one request of ``client``; its reply."""
+        op, flags, task_id, payload = request
         try:
             if op == Op.HELLO:
-                return self._hello(conn, task_id, payload)
-            if not conn.greeted:
+                return self._hello(client, task_id, payload)
+            if not client.greeted:
                 raise InvalidTask("hello", "send HELLO with the daemon generation first")
             if self.handing_over:
                 message = "not run: this daemon is handing the rank over to the next one; send it there"
@@ -430,7 +102,7 @@ class TaskServer:
             self.log.exception("task failed", op=op, task_id=task_id)
             return reply(op, Status.FAILED, task_id, {"message": f"{type(exc).__name__}: {exc}"})
 
-    def _hello(self, conn: _Conn, task_id: int, payload: bytes) -> bytes:
+    def _hello(self, client: Client, task_id: int, payload: bytes) -> bytes:
         try:
             theirs = json.loads(payload).get("generation")
         except (ValueError, AttributeError):
@@ -438,7 +110,7 @@ class TaskServer:
         ours = f"{self.generation:016x}"
         if theirs != ours:
             raise InvalidTask("generation", f"client expects generation {theirs}, this daemon is {ours}")
-        conn.greeted = True
+        client.greeted = True
         spec = self.engine.spec
         body = {
             "rank": self.rank,
@@ -639,22 +311,3 @@ class TaskServer:
             store_corrupt=c.corrupt,
             store_master_resets=c.master_resets,
         )
-
-
-def connection_limit() -> int:
-    """Connections a worker accepts: what its open-file limit leaves after ``FD_HEADROOM``."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    limit = 1 << 16 if soft == resource.RLIM_INFINITY else soft
-    return max(8, min(1 << 16, limit - FD_HEADROOM))
-
-
-def raise_file_limit() -> None:
-    """Raise the soft open-file limit to the hard one (the usual 1024 is low for a busy rank)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -8,11 +8,11 @@ end with) when it cannot go on:
    run's memory, ``reopen`` them with their bytes untouched. After ``kvcached restart`` the last image's
    worker still serves the rank meanwhile: this one says Prepared and waits for Serve (``await_turn``);
    then the CPU pool's key directory (``kvcached.daemon.keydir``);
-2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), behind a
-   thread and a deadline per call (``kvcached.daemon.store_agent``);
-3. ``serve``: listen on the rank's task socket and run tasks (``kvcached.daemon.server``) until told to
-   stop; told to stop for a handover (``Stop(drain=True)``), it answers the tasks that still arrive
-   NOT_RUN until its clients are quiet, then exits.
+2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), run in a store
+   agent process forked by the worker, with a deadline per call (``kvcached.daemon.store_agent``);
+3. ``serve``: listen on the rank's task socket (``kvcached.daemon.frames``) and run tasks
+   (``kvcached.daemon.server``) until told to stop; told to stop for a handover (``Stop(drain=True)``),
+   it answers the tasks that still arrive NOT_RUN until its clients are quiet, then exits.
 
 Liveness: the worker adds to the ``progress`` counter of its stats slot each time its loop turns (at
 least once a second) and at every step of a long task; the supervisor replaces a worker whose counter
@@ -34,18 +34,19 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import posix_ipc
 import structlog
 
 from kvcached import logs, memory, store
-from kvcached.access import Access
-from kvcached.config import StoreConfig
 from kvcached.copy_engine import DeviceBlocks, SwapEngine
 from kvcached.daemon import channel, faults, server
-from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES
+from kvcached.daemon.channel import DRAIN_S
+from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES, WorkerFailure
+from kvcached.daemon.frames import FrameServer, raise_file_limit
 from kvcached.daemon.keydir import KeyDirectory
+from kvcached.daemon.plan import WorkerPlan
 from kvcached.daemon.store_agent import StoreCalls
 from kvcached.memory.base import DeviceTier, Piece, TierRequest
 from kvcached.memory.shm import create_arena, huge_pages, open_arena, pin, prefault
@@ -61,65 +62,13 @@ from kvcached.protocol.errors import (
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes
 from kvcached.protocol.names import task_socket_path
 from kvcached.protocol.proc import die_with_parent
-from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import StatsSlot
 from kvcached.store.base import ObjectIdentity, Store
 
 #: The worker's loop turns (and marks progress) at least this often.
 LOOP_S = 0.5
-#: Handing over: done when no client sent anything for this long (or after ``DRAIN_S``).
+#: Handing over: done when no client sent anything for this long (or after ``channel.DRAIN_S``).
 DRAIN_QUIET_S = 0.02
-DRAIN_S = 1.0
-
-
-class WorkerFailure(Exception):
-    """The worker cannot go on: ``reason`` goes to the supervisor, which ends with ``exit_status``."""
-
-    def __init__(self, reason: str, exit_status: int) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.exit_status = exit_status
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WorkerPlan:
-    """What a rank worker is told when it is forked: which rank of which run, how to allocate and serve it."""
-
-    instance: str
-    generation: int
-    rank: int
-    ranks: int
-    spec: CacheSpec
-    run_dir: str
-    store: StoreConfig
-    access: Access
-    memory: str = "host"
-    device_id: int = 0
-    #: A replacement worker, or one of a daemon that adopted an earlier one's memory, reopens what these
-    #: describe instead of allocating: the device tier (its record's descriptor; None: create it) and the
-    #: CPU pool with its key directory (True: they exist, keep their bytes).
-    device_descriptor: dict[str, Any] | None = None
-    reopen_pool: bool = False
-    store_timeout: float = 10.0
-    #: The generation that allocated the memory (names of arenas, pools, key directories); 0: this one.
-    arena_id: int = 0
-    huge_pages: bool = True
-    #: The rank is still served by the worker of the daemon image before ``kvcached restart``: after
-    #: reopening the memory, say Prepared and wait for Serve (that worker is done) before taking over the
-    #: key directory, the store and the task socket.
-    handover: bool = False
-
-    def tier_request(self) -> TierRequest:
-        return TierRequest(
-            instance=self.instance,
-            arena_id=self.arena_id or self.generation,
-            rank=self.rank,
-            spec=self.spec,
-            device_id=self.device_id,
-            mode=self.access.mode,
-            gid=self.access.gid,
-            huge_pages=self.huge_pages,
-        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -166,7 +115,7 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
     structlog.contextvars.bind_contextvars(rank=plan.rank)
     log = logs.get("kvcached.worker")
     status = EXIT_FAILURE
-    server.raise_file_limit()
+    raise_file_limit()
     try:
         tiers = allocate(sock, plan, log)
         if plan.handover:  # the last image's worker serves meanwhile: its time costs nothing
@@ -194,15 +143,9 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
         os._exit(status)
 
 
-def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTiers:
-    """Create the rank's device tier and CPU pool, reporting progress to the supervisor."""
-    backend = memory.get(plan.memory)
-    request = plan.tier_request()
-    spec = plan.spec
-    dev_bytes, cpu_bytes = backend.arena_bytes(spec), cpu_pool_bytes(spec)
-    total = dev_bytes + cpu_bytes
-    channel.send(sock, channel.Allocating(total))
-    faults.fault("worker-allocating")
+def _reporter(sock: socket.socket, total: int) -> Callable[[int], memory.base.Progress]:
+    """``progress(base)``: a callback that reports ``base`` plus the bytes it is given to the supervisor, at
+    most every 100 ms (and always the last byte)."""
     last_sent = 0.0
 
     def progress(base: int) -> memory.base.Progress:
@@ -215,6 +158,19 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
 
         return report
 
+    return progress
+
+
+def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTiers:
+    """Create the rank's device tier and CPU pool, reporting progress to the supervisor."""
+    backend = memory.get(plan.memory)
+    request = plan.tier_request()
+    spec = plan.spec
+    dev_bytes, cpu_bytes = backend.arena_bytes(spec), cpu_pool_bytes(spec)
+    total = dev_bytes + cpu_bytes
+    channel.send(sock, channel.Allocating(total))
+    faults.fault("worker-allocating")
+    progress = _reporter(sock, total)
     pool_name = request.shm_name("cpu")
     try:
         if plan.device_descriptor is not None:
@@ -354,13 +310,6 @@ def serve(
     log: logs.Logger,
 ) -> int:
     """Listen on the rank's task socket, report READY, and run tasks until the supervisor says stop."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socket_path = task_socket_path(plan.run_dir, plan.instance, plan.rank)
-    socket_path.unlink(missing_ok=True)  # a dead predecessor's (the supervisor made sure it is ours)
-    listener.bind(str(socket_path))
-    plan.access.apply_socket(socket_path)
-    listener.listen(1024)
-    listener.setblocking(False)
     slow = faults.hook("copy-step")
 
     def step() -> None:
@@ -368,73 +317,117 @@ def serve(
         if slow is not None:
             slow()
 
-    selector = selectors.DefaultSelector()
+    engine = SwapEngine(
+        plan.spec,
+        tiers.device.pieces,
+        tiers.pool,
+        on_step=step,
+        pool_layout=memory.get(plan.memory).pool_layout,
+        tier_swap=tiers.device.pool_swap(tiers.pool) if tiers.pool is not None else None,
+    )
     tasks = server.TaskServer(
-        listener=listener,
-        selector=selector,
-        engine=SwapEngine(
-            plan.spec,
-            tiers.device.pieces,
-            tiers.pool,
-            on_step=step,
-            pool_layout=memory.get(plan.memory).pool_layout,
-            tier_swap=tiers.device.pool_swap(tiers.pool) if tiers.pool is not None else None,
-        ),
+        engine=engine,
         stats=stats,
         rank=plan.rank,
         generation=plan.generation,
         log=log,
         store=rank_store,
-        access=plan.access,
         keys=tiers.keys,
     )
-    faults.fault("worker-before-ready")
-    channel.send(
-        sock,
-        channel.Ready(
-            backend=plan.memory,
-            descriptor=dict(tiers.device.descriptor),
-            dev_bytes=tiers.device.nbytes,
-            cpu_name=tiers.pool_name,
-            cpu_bytes=len(tiers.pool) if tiers.pool is not None else 0,
-            layout_version=LAYOUT_VERSION,
-        ),
+    selector = selectors.DefaultSelector()
+    frames = FrameServer(
+        listener=_listen(plan),
+        selector=selector,
+        execute=tasks.execute,
+        stats=stats,
+        log=log,
+        who=f"the worker of rank {plan.rank}",
+        access=plan.access,
     )
+    faults.fault("worker-before-ready")
+    channel.send(sock, _ready(plan, tiers))
     tiers.map_pages()  # the pages of memory reserved (or reopened) above are mapped from now on
-    selector.register(sock, selectors.EVENT_READ, "supervisor")
-    selector.register(listener, selectors.EVENT_READ, "listener")
-    next_chores = 0.0
-    draining_until = 0.0  # set by Stop(drain=True): answer what clients send NOT_RUN until they are quiet
     try:
-        while True:
-            stats.progressed()
-            events = selector.select(timeout=DRAIN_QUIET_S if draining_until else LOOP_S)
-            for key, mask in events:
-                if key.data == "supervisor":
-                    message = channel.recv(sock)
-                    if isinstance(message, channel.Stop) and message.drain and not draining_until:
-                        selector.unregister(listener)
-                        listener.close()  # clients that connect now are refused, and try the next daemon
-                        selector.unregister(sock)
-                        tasks.hand_over()
-                        draining_until = time.monotonic() + DRAIN_S
-                    elif message is None or isinstance(message, channel.Stop):
-                        return EXIT_OK
-                elif key.data == "listener":
-                    tasks.accept()
-                else:
-                    client = key.fileobj
-                    assert isinstance(client, socket.socket)
-                    tasks.on_event(client, mask)
-            now = time.monotonic()
-            if draining_until and ((not events and not tasks.sending()) or now >= draining_until):
-                tasks.flush_all(DRAIN_S)
-                log.info("drained: stopping for the next daemon", connections=len(tasks.conns))
-                return EXIT_OK
-            if now >= next_chores:  # once a second: stalled frames, the store's health and figures
-                next_chores = now + 1.0
-                tasks.tick(now)
-                tasks.maintain()
+        return Service(sock, selector=selector, frames=frames, tasks=tasks, stats=stats, log=log).run()
     finally:
         if rank_store is not None:
             rank_store.close()
+
+
+def _listen(plan: WorkerPlan) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socket_path = task_socket_path(plan.run_dir, plan.instance, plan.rank)
+    socket_path.unlink(missing_ok=True)  # a dead predecessor's (the supervisor made sure it is ours)
+    listener.bind(str(socket_path))
+    plan.access.apply_socket(socket_path)
+    listener.listen(1024)
+    listener.setblocking(False)
+    return listener
+
+
+def _ready(plan: WorkerPlan, tiers: RankTiers) -> channel.Ready:
+    return channel.Ready(
+        backend=plan.memory,
+        descriptor=dict(tiers.device.descriptor),
+        dev_bytes=tiers.device.nbytes,
+        cpu_name=tiers.pool_name,
+        cpu_bytes=len(tiers.pool) if tiers.pool is not None else 0,
+        layout_version=LAYOUT_VERSION,
+    )
+
+
+class Service:
+    """A serving worker's loop: its selector's every key carries the callback for its events (the frame
+    server's listener and connections, the supervisor's channel), and chores run once a second."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        selector: selectors.BaseSelector,
+        frames: FrameServer,
+        tasks: server.TaskServer,
+        stats: StatsSlot,
+        log: logs.Logger,
+    ) -> None:
+        self.sock, self.selector, self.frames, self.tasks, self.stats, self.log = (
+            sock,
+            selector,
+            frames,
+            tasks,
+            stats,
+            log,
+        )
+        self.draining_until = 0.0  # set by Stop(drain=True): answer what clients send NOT_RUN until they are quiet
+        self.status: int | None = None  # set when told to stop
+        selector.register(sock, selectors.EVENT_READ, self._on_supervisor)
+        frames.listen()
+
+    def run(self) -> int:
+        next_chores = 0.0
+        while True:
+            self.stats.progressed()
+            events = self.selector.select(timeout=DRAIN_QUIET_S if self.draining_until else LOOP_S)
+            for key, mask in events:
+                key.data(mask)
+                if self.status is not None:
+                    return self.status
+            now = time.monotonic()
+            if self.draining_until and ((not events and not self.frames.sending()) or now >= self.draining_until):
+                self.frames.flush_all(DRAIN_S)
+                self.log.info("drained: stopping for the next daemon", connections=len(self.frames.conns))
+                return EXIT_OK
+            if now >= next_chores:  # once a second: stalled frames, the store's health and figures
+                next_chores = now + 1.0
+                self.frames.tick(now)
+                self.tasks.maintain()
+
+    def _on_supervisor(self, _events: int) -> None:
+        message = channel.recv(self.sock)
+        if isinstance(message, channel.Stop) and message.drain and not self.draining_until:
+            self.frames.stop_listening()  # clients that connect now are refused, and try the next daemon
+            self.selector.unregister(self.sock)
+            self.tasks.hand_over()
+            self.draining_until = time.monotonic() + DRAIN_S
+        elif message is None or isinstance(message, channel.Stop):
+            self.status = EXIT_OK

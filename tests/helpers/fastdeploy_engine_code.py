@@ -1,4 +1,4 @@
-"""Machinery for the tests that drive FastDeploy's own engine code (``tests/fd_engine.py``) against the drop-in
+"""Machinery for the tests that drive FastDeploy's own engine code (``tests/helpers/fd_engine.py``) against the drop-in
 and a real daemon: the patched checkout, the engine process and its commands, the runner's views."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
-from tests.fastdeploy_shell import shell_dir
-from tests.fastdeploy_src import checkout, patched_tree
+from tests.helpers.fastdeploy_shell import shell_dir
+from tests.helpers.fastdeploy_src import checkout, patched_tree
 
 #: A realistic geometry: 16 layers, 2 ranks, a file store.
 GEOMETRY = {"tp": 2, "layers": 16, "kv_heads": 2, "head_dim": 64, "block_size": 16, "blocks": 64, "cpu_blocks": 32}
@@ -42,7 +42,7 @@ def patched(root: Path, into: Path) -> Path:
 
 
 class EngineProcess:
-    """``tests/fd_engine.py``: FastDeploy's engine code in a process of its own, one command at a time."""
+    """``tests/helpers/fd_engine.py``: FastDeploy's engine code in a process of its own, one command at a time."""
 
     def __init__(self, tmp: Path, instance: str, env: dict[str, str], **geometry: Any) -> None:
         root = fastdeploy_checkout()
@@ -63,7 +63,7 @@ class EngineProcess:
         self.err = tmp / "engine.err"
         with open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "fd_engine.py"), json.dumps(self.config)],
+                [sys.executable, str(ROOT / "tests" / "helpers" / "fd_engine.py"), json.dumps(self.config)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.fastdeploy_src import pieces
+from tests.helpers.fastdeploy_src import pieces
 
 if __name__ == "__main__":
     mode, name, suffix, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

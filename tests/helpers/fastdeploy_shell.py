@@ -171,7 +171,7 @@ def shell_dir(root: Path, patched: Path | None, into: Path, repository: Path) ->
         "import sys\n"
         f"sys.path.insert(1, {str(repository)!r})\n"
         "from pathlib import Path\n"
-        "from tests.fastdeploy_shell import install\n"
+        "from tests.helpers.fastdeploy_shell import install\n"
         f"install(Path({str(root)!r}), {None if patched is None else f'Path({str(patched)!r})'})\n"
     )
     return into

@@ -7,7 +7,7 @@ repository) into a temporary directory of the test session, removed at its end. 
 not a git directory counts as the one line it is. Nothing of FastDeploy is copied into this repository.
 
 ``fastdeploy_modules`` loads one tree's ``engine_cache_queue.py``, ``ipc_signal.py``, ``cache_data.py``,
-``cache_tasks.py`` and ``envs.py`` under FastDeploy's own module names (through ``tests/fastdeploy_src``),
+``cache_tasks.py`` and ``envs.py`` under FastDeploy's own module names (through ``tests/helpers/fastdeploy_src``),
 for a test's duration, and puts back whatever tree was loaded before. ``LineEngine`` is that line's engine
 side of the cache queue: its flags, its queue server where that line's engine listens, its client, and
 one drop-in process per rank run against the same tree.
@@ -35,7 +35,7 @@ import pytest
 
 from kvcached.fastdeploy.lines import KNOWN_LINES, Line, read_tree
 from tests.conftest import ROOT, free_port
-from tests.fastdeploy_src import pieces, source
+from tests.helpers.fastdeploy_src import pieces, source
 
 #: What is exported of each commit: the package and what its pre-commit hooks read.
 EXPORTED = ("fastdeploy", ".pre-commit-config.yaml", "pyproject.toml", ".flake8")
@@ -209,7 +209,7 @@ class LineEngine:
         env = dict(os.environ, KVCACHED_INSTANCE=self.instance, FD_TEST_CONTROL_DIR=str(control))
         env["FASTDEPLOY_SRC"] = str(self.tree)
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "fd_dropin.py"), *full],
+            [sys.executable, str(ROOT / "tests" / "helpers" / "fd_dropin.py"), *full],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,

@@ -1,7 +1,7 @@
 """TEST DOUBLES of FastDeploy's inter-process pieces, written from its code at e53f5184 (FastDeploy is not on
 the package index, and its code is not copied here). Each says which file and lines it follows; the tests
 use FastDeploy's own ``engine_cache_queue.py`` and ``ipc_signal.py`` instead when ``FASTDEPLOY_SRC`` names a
-checkout (``tests/fastdeploy_src.py``).
+checkout (``tests/helpers/fastdeploy_src.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import dataclasses
 import enum
 import json
 import os
+import socket
 import threading
 import time
 import uuid
+from multiprocessing import connection
 from multiprocessing.managers import AcquirerProxy, BaseManager, ListProxy, Value, ValueProxy
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -112,6 +114,26 @@ _BARRIERS = (
 )
 
 
+def _without_nagle() -> None:
+    """Every manager call opens a connection and writes twice before it reads (the authentication's welcome,
+    then the request): with Nagle's algorithm the second write waits for the peer's delayed ACK, 40 ms on
+    loopback, some fifty times per queue made. FastDeploy's own queue pays that; the double sets TCP_NODELAY
+    on the manager connections this process opens, which changes no message (applied once per process)."""
+    plain = connection.SocketClient
+    if getattr(plain, "without_nagle", False):
+        return
+
+    def client(address: Any) -> connection.Connection:
+        conn = plain(address)
+        if connection.address_type(address) == "AF_INET":
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    client.without_nagle = True  # type: ignore[attr-defined]
+    connection.SocketClient = client  # type: ignore[assignment]
+
+
 class EngineCacheQueue:
     """DOUBLE of ``fastdeploy/inter_communicator/engine_cache_queue.py`` ``EngineCacheQueue`` (lines 35-368),
     one data-parallel group: a ``BaseManager`` (authkey ``b"cache_queue_service"``) serving the transfer
@@ -132,6 +154,7 @@ class EngineCacheQueue:
         class QueueManager(BaseManager):
             pass
 
+        _without_nagle()
         self.num_client, self.client_id = num_client, client_id
         if is_server:
             tasks: list[Any] = []

@@ -1,9 +1,9 @@
 """FastDeploy's pieces for the tests: its own files from the checkout ``FASTDEPLOY_SRC`` names (the cache
-queue, ``IPCSignal``, ``CacheStatus`` and the storage tasks), or ``tests/fastdeploy_double.py`` without one;
+queue, ``IPCSignal``, ``CacheStatus`` and the storage tasks), or ``tests/helpers/fastdeploy_double.py`` without one;
 and the adapter the drop-in gets in the tests, built on them.
 
 FastDeploy's files are imported under their own module names through the package shell of
-``tests/fastdeploy_shell.py`` (its STUBS are listed there). Control requests and responses and their queue
+``tests/helpers/fastdeploy_shell.py`` (its STUBS are listed there). Control requests and responses and their queue
 are the doubles here (``tests/test_fastdeploy_engine_code.py`` uses FastDeploy's own, over its FMQ).
 """
 
@@ -25,8 +25,8 @@ import pytest
 
 from kvcached.fastdeploy.adapter import queue_address
 from kvcached.fastdeploy.lines import read_tree
-from tests import fastdeploy_double as double
-from tests.fastdeploy_shell import install
+from tests.helpers import fastdeploy_double as double
+from tests.helpers.fastdeploy_shell import install
 
 _QUEUE = "fastdeploy/inter_communicator/engine_cache_queue.py"
 FILES = {
@@ -43,7 +43,7 @@ def source() -> Path | None:
     return Path(path) if path else None
 
 
-PATCH = Path(__file__).resolve().parent.parent / "patches" / "fastdeploy-e53f5184-kvcached.patch"
+PATCH = Path(__file__).resolve().parents[2] / "patches" / "fastdeploy-e53f5184-kvcached.patch"
 COMMIT = "e53f5184"
 #: FastDeploy's configuration files its hooks read (black and isort: pyproject.toml; flake8: .flake8).
 HOOK_CONFIG = ("pyproject.toml", ".flake8", ".pre-commit-config.yaml")
@@ -89,7 +89,7 @@ def pieces() -> types.SimpleNamespace:
             origin[name] = f"{root / relative}"
         else:
             found[name] = getattr(double, name)
-            origin[name] = "tests/fastdeploy_double.py (a double)"
+            origin[name] = "tests/helpers/fastdeploy_double.py (a double)"
     found.update(ControlRequest=double.ControlRequest, ControlResponse=double.ControlResponse, origin=origin)
     return types.SimpleNamespace(**found)
 

@@ -22,7 +22,7 @@ import numpy as np
 import runner_client as rc
 from kvcached.status import is_ready, read_status
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pmd_mapped(pid: int, instance: str) -> dict[str, int]:

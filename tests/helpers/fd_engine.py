@@ -1,8 +1,8 @@
 """FastDeploy's engine, as far as it meets the cache transfer manager, run from its own code: a test process.
 
-    python tests/fd_engine.py CONFIG_JSON        (stdin: one JSON command a line; stdout: one JSON reply a line)
+    python tests/helpers/fd_engine.py CONFIG_JSON        (stdin: one JSON command a line; stdout: one JSON reply a line)
 
-It loads FastDeploy's files from ``FASTDEPLOY_SRC`` (``tests/fastdeploy_shell.py``: its STUBS are listed
+It loads FastDeploy's files from ``FASTDEPLOY_SRC`` (``tests/helpers/fastdeploy_shell.py``: its STUBS are listed
 there), the patched ``prefix_cache_manager.py`` from ``KVCACHED_TEST_FD_PATCHED``, creates the flags and the
 cache queue server as ``engine/common_engine.py`` does (~392-486), builds FastDeploy's ``PrefixCacheManager``
 and runs its ``launch_cache_manager``, which launches kvcached's drop-in (``sys.executable -m
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.fastdeploy_shell import install, source_of
+from tests.helpers.fastdeploy_shell import install, source_of
 
 
 def configs(c: dict[str, Any]) -> SimpleNamespace:
@@ -172,7 +172,7 @@ class Engine:
         zeroed before the swap in, so only bytes that really moved both ways compare equal. The pairs done
         so far are written to ``progress``."""
         import runner_client as rc
-        from tests.fastdeploy_engine_code import GEOMETRY, spec_of
+        from tests.helpers.fastdeploy_engine_code import GEOMETRY, spec_of
 
         c = self.c
         spec = spec_of(**{key: c[key] for key in GEOMETRY}, storage=c.get("storage"))

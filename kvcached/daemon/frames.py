@@ -1,0 +1,463 @@
+"""A rank worker's frame server: the connections of the rank's task socket, apart from the tasks they carry.
+
+It reads request frames (``kvcached.protocol.messages``), hands each whole one to an ``execute`` callback
+and queues the reply that callback returns; it knows nothing of what a task does. Single-threaded,
+driven by the worker's selector. Nothing a client does can end the worker or stall the others:
+
+* every connection is non-blocking; replies queue in the connection's output buffer and go out as the
+  client reads them. A client that stops reading stalls only itself: past ``OUT_CAP`` queued bytes the
+  server stops reading its requests until it drains;
+* a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame. A
+  frame larger than a read must first reserve its length from ``INPUT_BUDGET``; while the budget is
+  spent, such connections, and connections with nothing reserved once ``INPUT_BUDGET`` bytes are
+  buffered, are not read (their clients wait): buffered requests stay near ``2 * INPUT_BUDGET`` whatever
+  clients do. A frame left half-sent for ``PARTIAL_IDLE_S`` closes its connection;
+* at most ``max_connections`` connections (below the process's open-file limit). At the cap, the
+  connection idle the longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room
+  (its client reconnects on its next task); with none idle, the newcomer is answered REFUSED
+  ("capacity") and closed. Running out of descriptors (EMFILE) is met the same way, with a descriptor kept
+  in reserve for it; a peer that is neither the daemon's user nor in its group is answered REFUSED
+  ("access") before a byte of it is read;
+* a malformed frame (bad magic, a payload over ``MAX_PAYLOAD``) is answered INVALID and closes that
+  connection only.
+
+The budget's bookkeeping, over all connections::
+
+    buffered   bytes held in every connection's ``inbuf`` and large-frame buffer
+    reserved   the lengths of the large frames being filled in place (each reserved whole, or waited for)
+    starved    connections not read until the budget has room for what each waits for (``need``: the
+               length of its large frame; 0: any room below ``INPUT_BUDGET``)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import resource
+import selectors
+import socket
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvcached.access import Access, peer_of
+from kvcached.logs import Logger
+from kvcached.protocol.messages import MAX_PAYLOAD, REQUEST, REQUEST_MAGIC, Op, Status, reply
+from kvcached.protocol.stats import StatsSlot
+
+RECV_CHUNK = 1 << 20
+#: Reply bytes a connection may have queued before its requests stop being read.
+OUT_CAP = 4 << 20
+#: Bytes of unfinished request frames held over all connections.
+INPUT_BUDGET = 2 * MAX_PAYLOAD
+#: A frame left unfinished this long closes its connection.
+PARTIAL_IDLE_S = 30.0
+#: A connection this long without a request may be closed to make room for a new one at the cap.
+IDLE_EVICT_S = 1.0
+#: Descriptors kept free below the open-file limit (the worker's own files, the reserve).
+FD_HEADROOM = 64
+#: Connections accepted per wake-up of the listener, so that tasks keep being served.
+ACCEPT_BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """What a frame server holds at most, and how long it waits (the constants above by default)."""
+
+    out_cap: int = OUT_CAP
+    input_budget: int = INPUT_BUDGET
+    recv_chunk: int = RECV_CHUNK
+    partial_idle_s: float = PARTIAL_IDLE_S
+    idle_evict_s: float = IDLE_EVICT_S
+
+
+class Request(NamedTuple):
+    """One whole request frame."""
+
+    op: int
+    flags: int
+    task_id: int
+    payload: bytes
+
+
+class Client:
+    """One client connection: its socket, unparsed and unsent bytes, and what it waits for. ``greeted`` is
+    the executor's: set once the client's HELLO was accepted."""
+
+    __slots__ = (
+        "active",
+        "events",
+        "filled",
+        "frame",
+        "frame_header",
+        "greeted",
+        "inbuf",
+        "need",
+        "outbuf",
+        "partial_since",
+        "reserved",
+        "sock",
+        "starved",
+    )
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.greeted = False
+        self.starved = False  # waiting for the input budget
+        self.reserved = 0  # bytes of INPUT_BUDGET its unfinished large frame holds
+        self.frame: bytearray | None = None  # that frame's payload, filled in place
+        self.frame_header = Request(0, 0, 0, b"")  # that frame's header (payload empty)
+        self.filled = 0
+        self.need = 0  # the length of a large frame waiting for room in the budget
+        self.partial_since = 0.0  # when the unfinished frame in inbuf started (0: none)
+        self.events = 0  # what the selector watches now
+        self.active = time.monotonic()  # when it last sent a request
+
+
+#: Runs one request of ``client`` and returns its reply frame (never raises for a bad task: it answers).
+Execute = Callable[[Client, Request], bytes]
+
+
+class FrameServer:
+    """Serves the connections of one listening socket. The selector's data for each socket it registers is
+    a callable taking the ready events: the worker's loop calls it."""
+
+    def __init__(
+        self,
+        *,
+        listener: socket.socket,
+        selector: selectors.BaseSelector,
+        execute: Execute,
+        stats: StatsSlot,
+        log: Logger,
+        who: str,
+        access: Access | None = None,
+        max_connections: int | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
+        self.listener = listener
+        self.limits = limits
+        self.selector = selector
+        self.execute = execute
+        self.stats = stats
+        self.log = log
+        self.who = who  # names this server in refusals: "the worker of rank 3"
+        self.access = access or Access.for_daemon(None)
+        self.conns: dict[int, Client] = {}
+        self.buffered = 0  # bytes in every connection's inbuf
+        self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
+        self.starved: set[Client] = set()  # connections not read until the budget has room
+        self.scratch = bytearray(self.limits.recv_chunk)  # one receive buffer, reused: no allocation per message
+        self.scratch_view = memoryview(self.scratch)
+        self.max_connections = max_connections or connection_limit()
+        self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        self.listening = False
+
+    # -- the listener ---------------------------------------------------------------------------------
+
+    def listen(self) -> None:
+        """Start accepting connections."""
+        self.selector.register(self.listener, selectors.EVENT_READ, lambda _events: self.accept())
+        self.listening = True
+
+    def stop_listening(self) -> None:
+        """Close the listener: clients that connect from now on are refused by the kernel (and try the next
+        daemon); connections open now are served on."""
+        if self.listening:
+            self.selector.unregister(self.listener)
+            self.listening = False
+        self.listener.close()
+
+    def accept(self) -> None:
+        """Accept what is waiting on the listener (at most ``ACCEPT_BATCH`` per call)."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE) or self.reserve_fd is None:
+                    return
+                self._refuse_with_reserve()
+                continue
+            if len(self.conns) >= self.max_connections and not self._evict_idle():
+                self._refuse(sock, "capacity", f"{self.who} has {len(self.conns)} connections open")
+                continue
+            if self._allowed(sock):
+                self.serve(sock)
+
+    def serve(self, sock: socket.socket) -> Client:
+        """Serve ``sock``, a connected client (accepted here, its peer allowed; or one end of a socket pair)."""
+        sock.setblocking(False)
+        client = Client(sock)
+        self.conns[sock.fileno()] = client
+        self._watch(client)
+        self.stats.count(connections=1)
+        return client
+
+    def _allowed(self, sock: socket.socket) -> bool:
+        """Whether the peer may use the instance; if not, it is refused and logged."""
+        peer = peer_of(sock)
+        if self.access.allows(peer):
+            return True
+        self.log.warning(
+            "refused connection: peer is neither the daemon's user nor in its group",
+            peer_pid=peer.pid,
+            peer_uid=peer.uid,
+            peer_gids=sorted(peer.gids),
+            allowed_uid=self.access.uid,
+            allowed_gid=self.access.gid,
+        )
+        why = f"uid {peer.uid} is neither the daemon's user (uid {self.access.uid}) nor in its group"
+        self._refuse(sock, "access", why)
+        return False
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle the longest, if one has been idle for ``IDLE_EVICT_S``."""
+        idle = [c for c in self.conns.values() if not c.inbuf and not c.outbuf]
+        oldest = min(idle, key=lambda c: c.active, default=None)
+        if oldest is None or time.monotonic() - oldest.active < self.limits.idle_evict_s:
+            return False
+        self.close(oldest.sock)
+        return True
+
+    def _refuse(self, sock: socket.socket, reason: str, why: str) -> None:
+        self.stats.count(tasks_refused=1)
+        with contextlib.suppress(OSError):
+            sock.send(reply(Op.HELLO, Status.REFUSED, 0, {"message": why, "reason": reason}), socket.MSG_DONTWAIT)
+        sock.close()
+
+    def _refuse_with_reserve(self) -> None:
+        """Out of descriptors: give up the reserve one to accept and refuse the waiting client, then take it
+        back (otherwise the client would sit in the backlog, and the listener would wake us forever)."""
+        assert self.reserve_fd is not None
+        os.close(self.reserve_fd)
+        self.reserve_fd = None
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            pass
+        else:
+            self._refuse(sock, "capacity", f"{self.who} is out of file descriptors")
+        with contextlib.suppress(OSError):
+            self.reserve_fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+
+    # -- connections ----------------------------------------------------------------------------------
+
+    def _watch(self, client: Client) -> None:
+        """Point the selector at what ``client`` waits for now."""
+        events = 0
+        if len(client.outbuf) <= self.limits.out_cap and not client.starved:
+            events |= selectors.EVENT_READ
+        if client.outbuf:
+            events |= selectors.EVENT_WRITE
+        if events == client.events:
+            return
+        if client.events == 0:
+            self.selector.register(client.sock, events, lambda ready: self.on_event(client.sock, ready))
+        elif events == 0:
+            self.selector.unregister(client.sock)
+        else:
+            self.selector.modify(client.sock, events, lambda ready: self.on_event(client.sock, ready))
+        client.events = events
+
+    def close(self, sock: socket.socket) -> None:
+        """Forget and close a connection."""
+        client = self.conns.pop(sock.fileno(), None)
+        if client is not None:
+            if client.events:
+                self.selector.unregister(sock)
+            self.buffered -= len(client.inbuf) + client.filled
+            self.reserved -= client.reserved
+            self.starved.discard(client)
+            self._feed_starved()
+        sock.close()
+
+    def on_event(self, sock: socket.socket, events: int) -> None:
+        """Handle the selector's news for a client connection."""
+        client = self.conns.get(sock.fileno())
+        if client is None:
+            return
+        if events & selectors.EVENT_WRITE and not self._flush(client):
+            self.close(sock)
+            return
+        if events & selectors.EVENT_READ and not self._on_readable(client):
+            self.close(sock)
+            return
+        self._watch(client)
+
+    def sending(self) -> bool:
+        """Whether a reply is still queued for a client."""
+        return any(client.outbuf for client in self.conns.values())
+
+    def flush_all(self, seconds: float) -> None:
+        """Send every queued reply, waiting at most ``seconds`` in all (before a handover's exit: a task that
+        ran is answered; one whose connection closes unanswered did not run)."""
+        deadline = time.monotonic() + seconds
+        for client in list(self.conns.values()):
+            if not client.outbuf:
+                continue
+            try:
+                client.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                client.sock.sendall(client.outbuf)
+                client.outbuf.clear()
+            except OSError:
+                continue
+
+    def tick(self, now: float) -> None:
+        """Close connections whose unfinished frame stalled for ``PARTIAL_IDLE_S``."""
+        limit = self.limits.partial_idle_s
+        stalled = [c for c in self.conns.values() if c.partial_since and now - c.partial_since > limit]
+        for client in stalled:
+            self.log.warning(
+                "closing a connection that left a frame unfinished", seconds=round(now - client.partial_since)
+            )
+            self.close(client.sock)
+
+    # -- reading, under the input budget --------------------------------------------------------------
+
+    def _on_readable(self, client: Client) -> bool:
+        """Read what arrived and run every complete request; False when the connection should close."""
+        if not client.reserved and self.buffered >= self.limits.input_budget:
+            self._starve(client)  # others hold the budget: wait for it instead of growing without bound
+            return True
+        # A large frame is read straight into its own buffer, allocated once at its reserved length.
+        target = memoryview(client.frame)[client.filled :] if client.frame is not None else self.scratch
+        try:
+            got = client.sock.recv_into(target)
+        except BlockingIOError:
+            return True
+        except OSError:
+            got = 0
+        if not got:
+            return False
+        client.active = time.monotonic()
+        self.buffered += got
+        if client.frame is not None:
+            client.filled += got
+        else:
+            client.inbuf += self.scratch_view[:got]
+        ok = self._run_frames(client)
+        pending = client.inbuf or client.frame is not None
+        client.partial_since = (client.partial_since or time.monotonic()) if pending else 0.0
+        self._feed_starved()
+        return ok and self._flush(client)
+
+    def _run_frames(self, client: Client) -> bool:
+        """Run every whole frame buffered; False when the connection should close (a malformed frame)."""
+        while True:
+            if client.frame is not None:  # a large frame, filled in place
+                if client.filled < len(client.frame):
+                    return True
+                if not self._run(client, self._take_large(client)):
+                    return True
+                continue
+            if len(client.inbuf) < REQUEST.size:
+                return True
+            magic, op, flags, task_id, length = REQUEST.unpack_from(client.inbuf)
+            if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
+                self._malformed(client, op, task_id, magic, length)
+                return False
+            if len(client.inbuf) >= REQUEST.size + length:
+                payload = bytes(client.inbuf[REQUEST.size : REQUEST.size + length])
+                del client.inbuf[: REQUEST.size + length]
+                self.buffered -= REQUEST.size + length
+                if not self._run(client, Request(op, flags, task_id, payload)):
+                    return True
+                continue
+            if length > self.limits.recv_chunk:  # a large frame: reserve its whole length, or wait for room
+                self._reserve(client, Request(op, flags, task_id, b""), length)
+            return True
+
+    def _malformed(self, client: Client, op: int, task_id: int, magic: bytes, length: int) -> None:
+        """Answer a frame that is not one of ours INVALID (its connection closes next)."""
+        why = (
+            "bad frame magic"
+            if magic != REQUEST_MAGIC
+            else f"payload of {length} bytes exceeds the limit of {MAX_PAYLOAD} bytes per task: split it"
+        )
+        client.outbuf += reply(op, Status.INVALID, task_id, {"field": "frame", "message": why})
+        self.stats.count(tasks_refused=1)
+        self._flush(client)
+
+    def _reserve(self, client: Client, header: Request, length: int) -> None:
+        """Give a large frame its own buffer of ``length`` bytes from the budget, or starve its connection
+        until the budget has room."""
+        if self.reserved + length > self.limits.input_budget:
+            client.need = length
+            self._starve(client)
+            return
+        client.need = 0
+        client.reserved = length
+        self.reserved += length
+        client.frame, client.frame_header = bytearray(length), header
+        have = len(client.inbuf) - REQUEST.size
+        client.frame[:have] = client.inbuf[REQUEST.size :]
+        client.filled = have
+        self.buffered -= REQUEST.size
+        client.inbuf.clear()
+
+    def _take_large(self, client: Client) -> Request:
+        """The filled large frame of ``client``, its reservation returned to the budget."""
+        assert client.frame is not None
+        payload = bytes(client.frame)
+        client.frame, client.filled = None, 0
+        self.buffered -= len(payload)
+        self.reserved -= client.reserved
+        client.reserved = 0
+        return client.frame_header._replace(payload=payload)
+
+    def _run(self, client: Client, request: Request) -> bool:
+        """Execute one request and queue its reply; False when the client stopped reading its replies (then
+        its requests are not taken until it does)."""
+        client.partial_since = 0.0
+        client.outbuf += self.execute(client, request)
+        return len(client.outbuf) <= self.limits.out_cap
+
+    def _flush(self, client: Client) -> bool:
+        """Send what the socket takes now; False when the client is gone."""
+        while client.outbuf:
+            try:
+                sent = client.sock.send(client.outbuf)
+            except BlockingIOError:
+                return True
+            except OSError:  # the client left: its replies are lost, the rank serves on
+                return False
+            del client.outbuf[:sent]
+        return True
+
+    def _starve(self, client: Client) -> None:
+        client.starved = True
+        self.starved.add(client)
+
+    def _feed_starved(self) -> None:
+        """Read again from starved connections once the budget has room for what each waits for."""
+        for client in list(self.starved):
+            if client.sock.fileno() < 0:  # closed meanwhile
+                self.starved.discard(client)
+                continue
+            budget = self.limits.input_budget
+            room = self.reserved + client.need <= budget if client.need else self.buffered < budget
+            if room:
+                client.starved = False
+                self.starved.discard(client)
+                self._watch(client)
+
+
+def connection_limit() -> int:
+    """Connections a worker accepts: what its open-file limit leaves after ``FD_HEADROOM``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = 1 << 16 if soft == resource.RLIM_INFINITY else soft
+    return max(8, min(1 << 16, limit - FD_HEADROOM))
+
+
+def raise_file_limit() -> None:
+    """Raise the soft open-file limit to the hard one (the usual 1024 is low for a busy rank)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -1,0 +1,276 @@
+"""The steps of a daemon's start, each raising ``Fatal`` with the exit status its failure deserves
+(``kvcached.daemon.errors``). The supervisor takes them in this order (between them are the fault-injection
+points of ``kvcached.daemon.faults``):
+
+1. refuse a spec for which the runner owns the cache (``refuse_runner_owned``: the fixed condition, cited
+   in the message);
+2. take ``<run_dir>/<instance>.lock`` (``Locks``, ``kvcached.daemon.lockfile``), or exit 3 and touch
+   nothing;
+3. adopt the memory an earlier run of this instance left (killed, or stopped with ``--keep``) when
+   ``kvcached.daemon.adopt`` finds it ours, of the same spec and consistent, giving it this start's mode
+   and group; reclaim the rest of what it left (``reclaim``, ``kvcached.daemon.reclaim``; ours only: an
+   object under our names owned by someone else is reported and never used or deleted, and at the
+   control block's name it is refused); with ``--geometry engine`` and nothing adopted, wait for the
+   engine to declare the geometry (``kvcached.daemon.declare``);
+4. check /dev/shm has room for every rank and tier it does not adopt, before anything is reserved
+   (``check_space``), and what the store's options name (``check_store``);
+5. create the per-rank semaphores, then the control block under a staging name, with its records (an
+   adopted rank's name its memory), then give it the public name (over the adopted run's block: a kill
+   at any step leaves a block that names the memory);
+6. fork one worker per rank (``kvcached.daemon.worker``); each record goes ALLOCATING, then READY when its
+   worker has reserved (adopted ranks: RECOVERING, then READY when its worker has reopened them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import posix_ipc
+
+from kvcached import logs, native, store
+from kvcached.access import Access
+from kvcached.config import DaemonConfig
+from kvcached.daemon import faults, lockfile
+from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_need, start_note
+from kvcached.daemon.errors import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
+from kvcached.daemon.handover import Handover
+from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
+from kvcached.fastdeploy.flags import ReadyFlags
+from kvcached.memory.shm import shm_free_bytes
+from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock
+from kvcached.protocol.errors import ResourceError, SignalError
+from kvcached.protocol.names import (
+    MAX_SOCKET_PATH,
+    SHM_DIR,
+    control_name,
+    instance_lock_path,
+    lock_path,
+    task_socket_path,
+)
+from kvcached.protocol.ownership import cache_owner, explain_owner
+from kvcached.protocol.proc import self_identity
+from kvcached.protocol.spec import CacheSpec
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def refuse_runner_owned(spec: CacheSpec) -> None:
+    """A spec for which the runner owns the cache has nothing for a daemon to hold."""
+    if cache_owner(spec) == "runner":
+        raise Fatal(
+            f"refusing to allocate: {explain_owner(spec)}. A daemon-owned copy would be a second "
+            "cache on the device. Enable CPU swap (--num-cpu-blocks > 0), a storage backend, or a "
+            "prefill/decode role for the daemon to own it.",
+            EXIT_CONFIG,
+        )
+
+
+def check_fault_plan() -> None:
+    try:
+        faults.check_env()
+    except ValueError as exc:
+        raise Fatal(str(exc), EXIT_CONFIG) from None
+
+
+class Locks:
+    """The lock files a supervisor holds for its whole life: ``<run_dir>/<instance>.lock``, then the
+    instance's own (one daemon per instance on the host, whatever run directory each was given: a second
+    one's reclaim must never see the first one's fresh objects as leftovers). ``held`` once the first is."""
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+        self.fds: dict[Path, int] = {}
+
+    @property
+    def held(self) -> bool:
+        return bool(self.fds)
+
+    def take(self, ranks: int, access: Access) -> None:
+        path = lock_path(self.instance)
+        directory = path.parent
+        longest = task_socket_path(directory, self.instance, ranks - 1)
+        if len(str(directory).encode()) > MAX_RUN_DIR or len(str(longest).encode()) > MAX_SOCKET_PATH:
+            raise Fatal(
+                f"run directory {directory} is too long for Unix socket paths ({longest} needs at most "
+                f"{MAX_SOCKET_PATH} bytes); set KVCACHED_RUN_DIR to a shorter directory",
+                EXIT_CONFIG,
+            )
+        try:
+            lockfile.prepare_run_dir(directory, access.gid)
+            self._take(path)
+            self._take(instance_lock_path(self.instance), mode=access.mode, gid=access.group)
+        except ResourceError as exc:
+            raise Fatal(str(exc), EXIT_RESOURCES) from None
+
+    def _take(self, where: Path, *, mode: int = 0o600, gid: int | None = None) -> None:
+        try:
+            self.fds[where] = lockfile.acquire(where, mode=mode, gid=gid)
+        except lockfile.Locked as locked:
+            who = f"pid {locked.holder.pid}" if locked.holder else "another process"
+            raise Fatal(
+                f"instance {self.instance!r} is already running ({who} holds {where}); "
+                f"use another --instance name, or `kvcached stop --instance {self.instance}`",
+                EXIT_ALREADY_RUNNING,
+            ) from None
+
+    def release(self) -> None:
+        """Let go of them, the run directory's last."""
+        for path, fd in reversed(self.fds.items()):
+            lockfile.release(path, fd)
+        self.fds.clear()
+
+
+def reclaim(
+    config: DaemonConfig, run_dir: Path, access: Access, handover: Handover, log: logs.Logger, *, grace_s: float
+) -> tuple[Adoption | None, str]:
+    """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows; remove the rest
+    of it. A live instance, and an object someone else owns at the control block's name, are refused;
+    objects someone else owns under other names are reported and left untouched. The workers the image
+    before handed over are taken first (``handover``), and stopped when their memory is not adopted.
+    (the adoption, if any; the start's note for ``kvcached status``)."""
+    found = inspect_instance(config.instance, run_dir)
+    control = _refuse_the_unusable(found, config.instance, log)
+    handover.take(config.instance)
+    fresh = config.fresh and not handover.restarted
+    if config.fresh and handover.restarted:
+        log.info("--fresh applies to the start it was given to, not to a restart: adopting the memory")
+    verdict = None if fresh else judge(config)
+    adoption = verdict if isinstance(verdict, Adoption) else None
+    keep: set[Path] = set()
+    if adoption is not None:
+        ours = f".{adoption.arena_id:016x}."
+        keep = {entry for entry in found.entries if ours in entry.name and not entry.name.startswith("sem.")}
+        keep |= {control} | {task_socket_path(run_dir, config.instance, rank) for rank in handover.predecessors}
+        log.info("adopting the memory of an earlier run", note=adoption.note)
+    elif isinstance(verdict, Refusal):
+        log.warning("not adopting the memory of an earlier run; reclaiming it", reason=verdict.reason)
+    elif fresh and found.entries:
+        verdict = Refusal(0, "--fresh")
+    handed = bool(handover.predecessors) and adoption is not None
+    note = start_note(verdict, [path for path, _ in found.squatters], handed_over=handed)
+    if handover.predecessors and adoption is None:
+        log.warning("stopping the last image's workers: their memory is not adopted")
+        handover.stop_predecessors(grace_s=grace_s)
+    count = remove_leftovers(found, keep=keep)
+    if count:
+        log.info("reclaimed objects of an earlier run", count=count)
+    if adoption is not None:
+        try:
+            conform(config, adoption, access)
+        except OSError as exc:
+            raise Fatal(f"cannot give the adopted memory this start's mode and group: {exc}", EXIT_RESOURCES) from None
+    return adoption, note
+
+
+def _refuse_the_unusable(found: Leftovers, instance: str, log: logs.Logger) -> Path:
+    """Refuse a live instance under another run directory, and someone else's object at the control block's
+    name; report the others' objects under other names. The control block's path."""
+    if found.live_pid is not None:
+        raise Fatal(
+            f"instance {instance!r} is live (daemon pid {found.live_pid}) under another run directory "
+            f"than {lock_path(instance).parent}",
+            EXIT_ALREADY_RUNNING,
+        )
+    control = SHM_DIR / control_name(instance).lstrip("/")
+    for path, why in found.squatters:
+        if path == control:
+            raise Fatal(why, EXIT_RESOURCES)
+        log.warning("left untouched: an object under this instance's names is not ours", reason=why)
+    return control
+
+
+def check_space(config: DaemonConfig, adoption: Adoption | None) -> None:
+    need = new_shm_need(config, adoption)
+    free = shm_free_bytes()
+    if need > free:
+        adopted = " besides the memory it adopts" if adoption is not None else ""
+        raise Fatal(
+            f"/dev/shm has {mib(free)} free, this configuration needs {mib(need)}{adopted} "
+            f"({config.ranks} ranks x {mib(config.shm_need()[1])}); enlarge /dev/shm (docker "
+            "--shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks / --ranks",
+            EXIT_RESOURCES,
+        )
+
+
+def check_store(config: DaemonConfig, log: logs.Logger) -> None:
+    chosen = config.store
+    if chosen.backend is None:
+        return
+    try:
+        warnings = store.get(chosen.backend).start_warnings(chosen.options, config.ranks)
+    except OSError as exc:  # a path its options name cannot even be looked at (too long, ...)
+        raise Fatal(f"attention store {chosen.backend}: {exc.strerror}: {exc.filename}", EXIT_CONFIG) from None
+    for warning in warnings:
+        log.warning("attention store", warning=warning)
+
+
+def open_fastdeploy_flags(config: DaemonConfig, access: Access, log: logs.Logger) -> ReadyFlags | None:
+    """FastDeploy's ready flags (``--ipc-suffix``), every rank 0 before anything can be READY; None without."""
+    if config.ipc_suffix is None:
+        return None
+    flags = ReadyFlags(config.instance, config.ipc_suffix, config.ranks, access, config.engine_uid)
+    try:
+        flags.open()
+    except (SignalError, posix_ipc.Error, OSError) as exc:
+        flags.close()
+        raise Fatal(f"--ipc-suffix: {exc}", EXIT_RESOURCES) from None
+    for warning in flags.take_warnings():
+        log.warning("FastDeploy's ready flags", reason=warning)
+    return flags
+
+
+def log_start(config: DaemonConfig, note: str, log: logs.Logger) -> None:
+    log.info(
+        "starting",
+        ranks=config.ranks,
+        memory=config.memory,
+        owner=explain_owner(config.spec),
+        per_rank=mib(config.shm_need()[1]),
+        glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
+        copy_engine=native.describe(),
+        **({"note": note} if note else {}),
+    )
+
+
+def stage_block(
+    config: DaemonConfig, generation: int, arena_id: int, adoption: Adoption | None, note: str
+) -> ControlBlock:
+    """The control block of the run ``generation``, under its staging name: the supervisor writes every
+    record, then ``install``s it under the public name (over the adopted run's block)."""
+    pid, started = self_identity()
+    access = Access.for_daemon(config.gid)
+    return ControlBlock.create(
+        config.instance,
+        generation=generation,
+        spec=config.spec,
+        num_ranks=config.ranks,
+        daemon_pid=pid,
+        daemon_start=started,
+        run_dir=str(lock_path(config.instance).parent),
+        mode=access.mode,
+        gid=access.group,
+        adopted_from=adoption.generation if adoption is not None else 0,
+        arena_id=arena_id,
+        note=note,
+        staged=True,
+    )
+
+
+def serve_metrics(config: DaemonConfig, block: ControlBlock, log: logs.Logger) -> Any:
+    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor."""
+    from kvcached.daemon import metrics
+
+    address, port = config.metrics_address, config.metrics_port
+    try:
+        server = metrics.serve(config.instance, block, config.memory, address, port)
+    except OSError as exc:
+        raise Fatal(
+            f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}; pick a free port or 0 for none",
+            EXIT_CONFIG,
+        ) from None
+    log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
+    return server

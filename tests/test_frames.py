@@ -1,0 +1,326 @@
+"""The frame server in-process, over socket pairs: frames in, the ``execute`` callback's replies out, and
+the input budget and caps that keep one client from costing the others (``kvcached.daemon.frames``).
+
+No daemon: a real ``FrameServer`` on a real selector, real Unix sockets, an ``execute`` that echoes. The
+limits are small (``Limits``) so that a frame "larger than a read" is kilobytes, not megabytes; the
+arithmetic is the same at the worker's sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcached import logs
+from kvcached.access import Access
+from kvcached.daemon.frames import Client, FrameServer, Limits, Request
+from kvcached.protocol.messages import MAX_PAYLOAD, REPLY, REQUEST, REQUEST_MAGIC, Op, Status, reply, request
+from kvcached.protocol.stats import STATS_SIZE, StatsSlot
+
+LIMITS = Limits(out_cap=64 << 10, input_budget=256 << 10, recv_chunk=16 << 10, partial_idle_s=30.0, idle_evict_s=0.2)
+
+
+class Harness:
+    """A frame server whose ``execute`` records each request and answers OK with its payload."""
+
+    def __init__(self, listener: socket.socket | None = None, **options: object) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.stats = StatsSlot(memoryview(bytearray(STATS_SIZE)).cast("Q"))
+        self.seen: list[Request] = []
+        self.server = FrameServer(
+            listener=listener or socket.socket(socket.AF_UNIX, socket.SOCK_STREAM),
+            selector=self.selector,
+            execute=self.execute,
+            stats=self.stats,
+            log=logs.get("test.frames"),
+            who="the test server",
+            **{"limits": LIMITS, **options},  # type: ignore[arg-type]
+        )
+
+    def execute(self, client: Client, req: Request) -> bytes:
+        self.seen.append(req)
+        return reply(req.op, Status.OK, req.task_id, req.payload)
+
+    def connect(self) -> socket.socket:
+        """A client socket whose other end the server serves."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.serve(ours)
+        theirs.settimeout(5)
+        return theirs
+
+    def pump(self, rounds: int = 200) -> None:
+        """Let the server handle what is ready, until nothing is."""
+        for _ in range(rounds):
+            events = self.selector.select(timeout=0)
+            if not events:
+                return
+            for key, mask in events:
+                key.data(mask)
+
+    def counters(self) -> dict[str, int]:
+        return self.stats.counters()
+
+
+def read_reply(sock: socket.socket) -> tuple[int, int, int, bytes]:
+    """(op, status, task id, payload) of the next reply on ``sock``."""
+    head = _exactly(sock, REPLY.size)
+    _magic, op, status, task_id, length = REPLY.unpack(head)
+    return op, status, task_id, _exactly(sock, length)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return data
+
+
+def closed(sock: socket.socket) -> bool:
+    sock.settimeout(1)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    yield h
+    for client in list(h.server.conns.values()):
+        h.server.close(client.sock)
+
+
+def test_a_whole_frame_is_executed_and_answered(harness: Harness) -> None:
+    """A request frame reaches ``execute`` whole (op, flags, task id, payload); its reply goes back."""
+    client = harness.connect()
+    client.sendall(request(Op.SWAP_OUT, 7, b"ids", flags=1))
+    harness.pump()
+    assert harness.seen == [Request(Op.SWAP_OUT, 1, 7, b"ids")]
+    assert read_reply(client) == (Op.SWAP_OUT, Status.OK, 7, b"ids")
+    assert harness.counters()["connections"] == 1
+
+
+def test_frames_sent_byte_by_byte_or_pipelined_run_in_order(harness: Harness) -> None:
+    """A frame that arrives a byte at a time runs once it is whole; frames sent back to back run in
+    order, each answered in order."""
+    client = harness.connect()
+    frame = request(Op.LOOKUP, 1, b"k" * 40)
+    for byte in frame:
+        assert not harness.seen
+        client.send(bytes([byte]))
+        harness.pump()
+    assert [r.task_id for r in harness.seen] == [1]
+    client.sendall(b"".join(request(Op.SWAP_IN, n, n.to_bytes(4, "little")) for n in range(2, 50)))
+    harness.pump()
+    assert [r.task_id for r in harness.seen] == list(range(1, 50))
+    assert [read_reply(client)[2] for _ in range(49)] == list(range(1, 50))
+
+
+@pytest.mark.parametrize("bad", ["magic", "length"])
+def test_a_malformed_frame_is_answered_invalid_and_closes_only_its_connection(harness: Harness, bad: str) -> None:
+    """A bad magic, or a payload over MAX_PAYLOAD: INVALID naming the frame, that connection closed, the
+    other served; nothing executed."""
+    client, other = harness.connect(), harness.connect()
+    magic, length = (b"XXXX", 4) if bad == "magic" else (REQUEST_MAGIC, MAX_PAYLOAD + 1)
+    client.sendall(REQUEST.pack(magic, Op.SWAP_OUT, 0, 3, length) + b"abcd")
+    harness.pump()
+    _op, status, task_id, body = read_reply(client)
+    assert (status, task_id, json.loads(body)["field"]) == (Status.INVALID, 3, "frame")
+    assert closed(client) and len(harness.server.conns) == 1
+    assert harness.seen == [] and harness.counters()["tasks_refused"] == 1
+    other.sendall(request(Op.HELLO, 9, b"{}"))
+    harness.pump()
+    assert read_reply(other)[2] == 9
+
+
+def test_a_client_that_never_reads_stops_being_read_and_stalls_only_itself(harness: Harness) -> None:
+    """Past ``out_cap`` queued reply bytes the server stops reading a client's requests (they wait in its
+    socket), serves another client meanwhile, and reads again once the first drains its replies."""
+    hog, other = harness.connect(), harness.connect()
+    hog.setblocking(False)
+    payload = b"p" * 4096
+    count = 300  # replies of 1.2 MiB: far past out_cap and what the socket holds
+    stream = b"".join(request(Op.SWAP_OUT, task_id, payload) for task_id in range(count))
+    sent = 0
+    for _ in range(count):  # the hog sends all it can and reads nothing
+        with contextlib.suppress(BlockingIOError):
+            sent += hog.send(stream[sent:])
+        harness.pump()
+    assert len(harness.seen) < count, "every request was taken although the client reads nothing"
+    queued = next(c for c in harness.server.conns.values() if c.outbuf)
+    assert len(queued.outbuf) > LIMITS.out_cap and not queued.events & selectors.EVENT_READ
+    other.sendall(request(Op.SWAP_IN, 10**6, b"x"))
+    harness.pump()
+    assert harness.seen[-1].task_id == 10**6 and read_reply(other)[2] == 10**6
+    received = bytearray()  # now the hog reads: every request it sends is taken and answered, in order
+    size = REPLY.size + len(payload)
+    deadline = time.monotonic() + 30
+    while len(received) < count * size and time.monotonic() < deadline:
+        with contextlib.suppress(BlockingIOError):
+            sent += hog.send(stream[sent:]) if sent < len(stream) else 0
+        with contextlib.suppress(BlockingIOError):
+            received += hog.recv(1 << 20)
+        harness.pump()
+    ids = [REPLY.unpack_from(received, n * size)[3] for n in range(count)]
+    assert ids == list(range(count)) and len(harness.seen) == count + 1
+
+
+def test_large_frames_reserve_the_input_budget_and_wait_for_room(harness: Harness) -> None:
+    """A frame larger than a read reserves its whole length; one that does not fit in what is left waits
+    (its connection is not read) until the first completes; afterwards nothing stays reserved."""
+    first, second = harness.connect(), harness.connect()
+    big = 200 << 10  # more than a read, less than the budget; two of them exceed it
+    first.sendall(REQUEST.pack(REQUEST_MAGIC, Op.STORE, 0, 1, big) + b"a" * (16 << 10))
+    harness.pump()
+    assert harness.server.reserved == big
+    second.sendall(REQUEST.pack(REQUEST_MAGIC, Op.STORE, 0, 2, big) + b"b" * 1024)
+    harness.pump()
+    waiting = [c for c in harness.server.conns.values() if c.starved]
+    assert len(waiting) == 1 and waiting[0].need == big and harness.server.reserved == big
+    first.sendall(b"a" * (big - (16 << 10)))
+    harness.pump()
+    assert [r.task_id for r in harness.seen] == [1] and len(harness.seen[0].payload) == big
+    assert harness.server.reserved == 0 and not harness.server.starved  # the second is read again
+    second.sendall(b"b" * (big - 1024))
+    harness.pump()
+    assert [r.task_id for r in harness.seen] == [1, 2] and harness.seen[1].payload == b"b" * big
+    assert (harness.server.reserved, harness.server.buffered) == (0, 0)
+
+
+def test_closing_a_connection_mid_frame_returns_its_share_of_the_budget(harness: Harness) -> None:
+    """A client that leaves halfway through a large frame gives back what it reserved and buffered."""
+    client = harness.connect()
+    client.sendall(REQUEST.pack(REQUEST_MAGIC, Op.STORE, 0, 1, 100 << 10) + b"a" * (30 << 10))
+    harness.pump()
+    assert harness.server.reserved == 100 << 10 and harness.server.buffered > 0
+    client.close()
+    harness.pump()
+    assert (harness.server.reserved, harness.server.buffered, len(harness.server.conns)) == (0, 0, 0)
+    assert harness.seen == []
+
+
+def test_a_frame_left_unfinished_closes_its_connection_after_the_idle_limit(harness: Harness) -> None:
+    """A connection whose frame stalls half-sent is closed at the first tick past ``partial_idle_s``;
+    a quiet connection with nothing half-sent is not."""
+    stalled, quiet = harness.connect(), harness.connect()
+    stalled.sendall(request(Op.SWAP_OUT, 1, b"12345678")[:-3])
+    harness.pump()
+    harness.server.tick(time.monotonic() + LIMITS.partial_idle_s / 2)
+    assert len(harness.server.conns) == 2
+    harness.server.tick(time.monotonic() + LIMITS.partial_idle_s + 1)
+    assert len(harness.server.conns) == 1 and closed(stalled)
+    quiet.sendall(request(Op.HELLO, 2, b"{}"))
+    harness.pump()
+    assert read_reply(quiet)[2] == 2
+
+
+def test_flush_all_sends_every_queued_reply() -> None:
+    """Before a handover's exit, ``flush_all`` sends what is still queued for a client (``sending`` says
+    whether anything is), waiting for it to read."""
+    h = Harness(limits=Limits(out_cap=4 << 20))
+    client = h.connect()
+    client.setblocking(False)
+    pending = b"".join(request(Op.SWAP_OUT, task_id, b"x" * 100_000) for task_id in range(8))
+    while pending:  # the replies outgrow what the socket holds: the rest queues in the server
+        with contextlib.suppress(BlockingIOError):
+            pending = pending[client.send(pending) :]
+        h.pump()
+    assert len(h.seen) == 8 and h.server.sending()
+    client.setblocking(True)
+    client.settimeout(5)
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.extend(read_reply(client)[2] for _ in range(8)))
+    reader.start()
+    h.server.flush_all(5.0)
+    reader.join(5)
+    assert got == list(range(8)) and not h.server.sending()
+
+
+def _listening(tmp_path: Path) -> tuple[socket.socket, str]:
+    path = str(tmp_path / "frames.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    listener.setblocking(False)
+    return listener, path
+
+
+def _dial(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    return sock
+
+
+def test_at_the_connection_cap_an_idle_connection_makes_room_else_the_newcomer_is_refused(tmp_path: Path) -> None:
+    """At ``max_connections`` the connection idle the longest (past ``idle_evict_s``) is closed for a
+    newcomer; with none idle that long, the newcomer is answered REFUSED ("capacity") and closed."""
+    listener, path = _listening(tmp_path)
+    h = Harness(listener, max_connections=2)
+    h.server.listen()
+    try:
+        first, second = _dial(path), _dial(path)
+        h.pump()
+        assert len(h.server.conns) == 2
+        refused = _dial(path)
+        h.pump()
+        op, status, _, body = read_reply(refused)
+        assert (op, status, json.loads(body)["reason"]) == (Op.HELLO, Status.REFUSED, "capacity")
+        time.sleep(LIMITS.idle_evict_s + 0.05)
+        second.sendall(request(Op.HELLO, 1, b"{}"))  # busy again: the first is now the idlest
+        h.pump()
+        newcomer = _dial(path)
+        h.pump()
+        assert len(h.server.conns) == 2 and closed(first)
+        newcomer.sendall(request(Op.HELLO, 5, b"{}"))
+        h.pump()
+        assert read_reply(newcomer)[2] == 5 and h.counters()["tasks_refused"] == 1
+    finally:
+        h.server.stop_listening()
+
+
+def test_a_peer_outside_the_daemons_user_and_group_is_refused_before_a_byte_is_read(tmp_path: Path) -> None:
+    """A connection from a uid the access policy does not admit is answered REFUSED ("access") and closed;
+    nothing it sent is executed."""
+    listener, path = _listening(tmp_path)
+    stranger_policy = Access(uid=65_000, gid=65_000)  # neither this process's uid nor a group of it
+    h = Harness(listener, access=stranger_policy)
+    h.server.listen()
+    try:
+        client = _dial(path)
+        client.sendall(request(Op.HELLO, 1, b"{}"))
+        h.pump()
+        _, status, _, body = read_reply(client)
+        assert (status, json.loads(body)["reason"]) == (Status.REFUSED, "access")
+        assert closed(client) and h.seen == [] and not h.server.conns
+    finally:
+        h.server.stop_listening()
+
+
+def test_stop_listening_refuses_newcomers_and_serves_those_connected(tmp_path: Path) -> None:
+    """A handover's drain: once the listener is closed a new connection is refused by the kernel, and a
+    connection already open is still answered."""
+    listener, path = _listening(tmp_path)
+    h = Harness(listener)
+    h.server.listen()
+    connected = _dial(path)
+    h.pump()
+    h.server.stop_listening()
+    with pytest.raises((ConnectionRefusedError, FileNotFoundError)):
+        _dial(path)
+    connected.sendall(request(Op.SWAP_OUT, 4, b"x"))
+    h.pump()
+    assert read_reply(connected)[2] == 4
