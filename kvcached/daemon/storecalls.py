@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from kvcached.daemon import faults
 from kvcached.logs import Logger
 from kvcached.memory import shm
 from kvcached.protocol.errors import StoreBusy, StoreUnavailable
@@ -289,8 +290,12 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
         except OSError:
             os._exit(0)  # the worker is gone
 
+    slow = faults.hook("store-step")
+
     def moved() -> None:
         moves[0] += 1
+        if slow is not None:
+            slow()
 
     try:
         store = calls.opener()
