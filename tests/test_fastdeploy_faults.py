@@ -159,15 +159,15 @@ def test_a_write_is_reported_only_once_every_ranks_part_has_ended(daemons: Daemo
 
 
 def test_a_slow_read_is_cut_off_at_its_deadline_and_the_rank_serves_on(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """A store that keeps moving but slowly (1 s more per object) and a read whose deadline is 2 s
+    """A store that keeps moving but slowly (1 s more per object loaded) and a read whose deadline is 2 s
     (``ReadStorageTask.timeout``): the read is cut off there, reporting the blocks every rank loaded by then
     (a prefix, byte for byte), the log names the deadline, and the drop-in serves the next task."""
     keys = [f"slow-{i}" for i in range(8)]
     ids, target = list(range(8)), list(range(8, 16))
-    with served(daemons, tmp_path, "--store-timeout", "10", fault="store-step:sleep=1") as (engine, daemon):
+    with served(daemons, tmp_path, "--store-timeout", "10", fault="load-step:sleep=1") as (engine, daemon):
         caches = views(daemon.instance)
         fill(caches, ids, seed=3)
-        assert write(engine, "w", keys, ids, timeout=60.0) == ids
+        assert write(engine, "w", keys, ids) == ids
         fill(caches, target, value=0)
         loaded = read(engine, "r", keys, target, timeout=2.0)
         assert 0 < len(loaded) < len(keys) and loaded == target[: len(loaded)], loaded
@@ -208,3 +208,35 @@ def test_a_paused_engine_is_waited_for(daemons: DaemonFactory, tmp_path: Path) -
         said = logs(engine)
         assert "the engine (pid" in said and "is alive, so the drop-in waits on" in said, said[-2000:]
         assert "cannot be served" not in said
+
+
+def test_what_the_drop_in_cannot_serve_is_refused_by_name_before_it_joins(
+    daemons: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 4, naming the cause, before the drop-in joins the queue or sets a flag: MTP in a second
+    data-parallel group (FastDeploy's MTP proposer attaches by names kvcached's ranks do not have there),
+    a platform other than XPU (kvcached has no device backend for it; the test adapter's platform is a
+    DOUBLE), a version.yaml FastDeploy could not read either."""
+    store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+    daemon = daemons.start(ranks=TP, small=False, args=[*GEOMETRY, *store])
+    daemon.wait_ready()
+    engine = Engine(tmp_path, daemon.instance)
+    try:
+        mtp = '{"method": "mtp", "num_extra_cache_layer": 1}'
+        proc = engine.launch(0, mp_num="1", local_data_parallel_id="1", speculative_config=mtp)
+        assert proc.wait(60) == 4
+        assert "--local_data_parallel_id: data-parallel group 1 with MTP" in (proc.stdout.read() if proc.stdout else "")
+        monkeypatch.setenv("KVCACHED_TEST_FD_PLATFORM", "gpu")
+        proc = engine.launch(0)
+        assert proc.wait(60) == 4
+        assert "FastDeploy runs on gpu here: kvcached has no gpu device backend" in (proc.stdout.read() or "")
+        monkeypatch.delenv("KVCACHED_TEST_FD_PLATFORM")
+        (tmp_path / "version.yaml").write_text("version: [RL-STEP1\n")
+        proc = engine.launch(0)
+        assert proc.wait(60) == 4
+        assert "--model_path: " in (proc.stdout.read() or "")
+        assert (
+            engine.value("cache_transfer_inited_signal") == [0] * TP and engine.value("cache_ready_signal") == [0] * TP
+        )
+    finally:
+        engine.close()

@@ -290,12 +290,14 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
         except OSError:
             os._exit(0)  # the worker is gone
 
-    slow = faults.hook("store-step")
+    slow, slow_load, calling = faults.hook("store-step"), faults.hook("load-step"), [""]
 
     def moved() -> None:
         moves[0] += 1
         if slow is not None:
             slow()
+        if slow_load is not None and calling[0].startswith("load"):
+            slow_load()
 
     try:
         store = calls.opener()
@@ -330,6 +332,7 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
             length = _FRAME.unpack_from(inbuf)[0]
             seq, method, args = pickle.loads(bytes(inbuf[_FRAME.size : _FRAME.size + length]))
             del inbuf[: _FRAME.size + length]
+            calling[0] = method
             try:
                 reply: Any = ("reply", seq, True, _dispatch(store, staging, device, method, args))
             except BaseException as exc:
