@@ -290,14 +290,7 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
         except OSError:
             os._exit(0)  # the worker is gone
 
-    slow, slow_load, calling = faults.hook("store-step"), faults.hook("load-step"), [""]
-
-    def moved() -> None:
-        moves[0] += 1
-        if slow is not None:
-            slow()
-        if slow_load is not None and calling[0].startswith("load"):
-            slow_load()
+    moved, calling = _progress(moves)
 
     try:
         store = calls.opener()
@@ -339,6 +332,21 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
                 reply = ("reply", seq, False, _describe(exc))
             last = dataclasses.asdict(store.counters)
             send((*reply, last))
+
+
+def _progress(moves: Any) -> tuple[Callable[[], None], list[str]]:
+    """The agent's mark of an object moved (with the ``store-step`` and ``load-step`` faults, when planned),
+    and where the agent notes the method it runs (``load-step`` slows loads only)."""
+    slow, slow_load, calling = faults.hook("store-step"), faults.hook("load-step"), [""]
+
+    def moved() -> None:
+        moves[0] += 1
+        if slow is not None:
+            slow()
+        if slow_load is not None and calling[0].startswith("load"):
+            slow_load()
+
+    return moved, calling
 
 
 def _become_agent(sock: socket.socket, parent: int) -> None:

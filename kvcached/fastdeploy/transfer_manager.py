@@ -89,10 +89,13 @@ TASK_S = 60.0
 SLACK_S = 30.0
 #: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often).
 POLL_S = 0.001
-#: Within ``BUSY_S`` of a task, and with none in flight (polling takes CPU from the copies), rank 0 looks
-#: every ``FAST_POLL_S``: the engine often sends the next task at once.
+#: Within ``BUSY_S`` of a task's pick-up or end, with none in flight, rank 0 looks every ``FAST_POLL_S``: the
+#: engine often sends the next task as soon as it has the last one's result.
 FAST_POLL_S = 0.0002
 BUSY_S = 0.05
+#: While a task is in flight rank 0 looks every ``IN_FLIGHT_POLL_S`` (each look is a call of the engine's
+#: queue server, CPU taken from the copies under way), and at once when a task ends.
+IN_FLIGHT_POLL_S = 0.005
 #: Seconds between two looks of a standing-by rank at the engine (is it still there?).
 STANDBY_S = 1.0
 #: Consecutive broken-connection errors after which the engine is taken to be gone.
@@ -126,6 +129,7 @@ class TransferManager:
         )
         mover = Mover(instance, group_ranks(args), task_s) if self.serving else None
         self.handlers = Handlers(self, mover, key_prefix)
+        self.kinds = self._kinds()
         self.pools = {
             name: concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
             for name in ("to_cpu", "to_gpu", "read", "write", "control")
@@ -134,6 +138,7 @@ class TransferManager:
         self.last_task = 0.0
         self.inflight = 0
         self.inflight_lock = threading.Lock()
+        self.task_ended = threading.Event()
 
     def announce(self, has_pool: bool) -> None:
         """The rank's cache exists (kvcached's), its swap space too, and this manager is ready."""
@@ -199,8 +204,7 @@ class TransferManager:
         paused = self._mark_inflight()
         data = self._call(lambda: take_for_group(self.queue))
         if data is None:
-            busy = self.inflight == 0 and time.monotonic() - self.last_task < BUSY_S
-            time.sleep(FAST_POLL_S if busy else POLL_S)
+            self._idle()
             return
         self.last_task = time.monotonic()
         try:
@@ -238,19 +242,23 @@ class TransferManager:
         self.inflight_signal[:] = 1
         return False
 
-    def _dispatch(self, event: Any, rest: tuple[Any, ...]) -> None:
-        """Hand a task to its pool; raise ``ValueError`` for an item that is no cache task."""
-        status, value = self.fd.CacheStatus, event.value
-        kinds: dict[Any, tuple[str, Callable[..., None], int]] = {
+    def _kinds(self) -> dict[Any, tuple[str, Callable[..., None], int]]:
+        """Each task type's value: its pool, its handler, the fields after its type."""
+        status = self.fd.CacheStatus
+        return {
             status.CTRL.value: ("control", self.handlers.control, 1),  # type: ignore[attr-defined]
             status.SWAP2CPU.value: ("to_cpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
             status.SWAP2GPU.value: ("to_gpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
             status.STORAGE2GPU.value: ("read", self.handlers.read, 1),  # type: ignore[attr-defined]
             status.GPU2STORAGE.value: ("write", self.handlers.write, 1),  # type: ignore[attr-defined]
         }
-        if value not in kinds:
+
+    def _dispatch(self, event: Any, rest: tuple[Any, ...]) -> None:
+        """Hand a task to its pool; raise ``ValueError`` for an item that is no cache task."""
+        found = self.kinds.get(event.value)
+        if found is None:
             raise ValueError(f"unknown cache task type {event!r}")
-        pool, handler, fields = kinds[value]
+        pool, handler, fields = found
         if len(rest) != fields:
             raise ValueError(f"a {event!r} task has {fields} fields after its type, this one {len(rest)}")
         args = (event, rest) if handler == self.handlers.swap else (rest[0],)
@@ -261,12 +269,22 @@ class TransferManager:
             self.inflight += 1
         self.pools[pool].submit(self._counted, handler, *args)
 
+    def _idle(self) -> None:
+        """Until the next look at the queue (see ``POLL_S`` and the constants after it)."""
+        if self.inflight:
+            if self.task_ended.wait(IN_FLIGHT_POLL_S):
+                self.task_ended.clear()
+        else:
+            time.sleep(FAST_POLL_S if time.monotonic() - self.last_task < BUSY_S else POLL_S)
+
     def _counted(self, fn: Callable[..., None], *args: Any) -> None:
         try:
             self._guarded(fn, *args)
         finally:
             with self.inflight_lock:
                 self.inflight -= 1
+            self.last_task = time.monotonic()
+            self.task_ended.set()
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         try:
