@@ -245,6 +245,7 @@ def test_mtp_in_a_second_data_parallel_group_is_refused_by_name(monkeypatch: pyt
     """FastDeploy's MTP proposer attaches its layers by FastDeploy's names (tensor-parallel rank), kvcached
     exports them by its own rank: in data-parallel group 1 they differ, so the runner refuses, naming why."""
     monkeypatch.setenv("KVCACHED_INSTANCE", "kvt-none")
+    monkeypatch.setenv("KVCACHED_WAIT_S", "5")  # were it not refused, it would wait for a daemon that is not there
     runner = runner_stub(1)
     runner.parallel_config.local_data_parallel_id = 1
     runner.fd_config.speculative_config = SimpleNamespace(num_extra_cache_layer=1, num_gpu_block_expand_ratio=1.0)

@@ -201,7 +201,7 @@ class Mover:
             verdict, last = self._verdict(turn)
             if verdict is not None:
                 return verdict
-        why = f"not done within its deadline ({deadlines.seconds:g}s): {last or 'no daemon'}"
+        why = f"not done within {deadlines.seconds:g}s (its deadline): {last or 'no daemon'}"
         return Done(exhausted, why=why)
 
     def _round(self, submit: Submit, left: float, deadlines: _Deadlines) -> _Round:
