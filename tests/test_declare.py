@@ -3,10 +3,17 @@ allocates exactly that, refuses a different one by name, keeps it across a resta
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
 import runner_client as rc
 from kvcached.config import DaemonConfig
+from kvcached.daemon.declare import READ_S
+from kvcached.protocol.declare import declare_socket_path
 from kvcached.protocol.errors import InvalidConfig
 from kvcached.status import awaits_geometry, read_status
 from tests.conftest import Daemon, DaemonFactory, shm_entries
@@ -95,3 +102,63 @@ def test_geometry_options_with_geometry_engine_are_refused_by_name() -> None:
     assert refused.value.source == "--num-blocks" and "declared by the engine" in refused.value.message
     config = DaemonConfig.build({"geometry": "engine", "storage_backend": "file"}, environ={})
     assert config.geometry == "engine" and config.store.backend == "file"
+
+
+class Dribbler:
+    """A declaring connection of the daemon's own user that sends one byte every 0.5 s: each byte well within
+    any per-read timeout, the whole message never."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._dribble, daemon=True)
+        self.thread.start()
+
+    def _dribble(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                self.sock.send(b" ")
+            except OSError:
+                return
+
+    def answer(self, timeout: float) -> bytes:
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(4096)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_a_declarer_that_dribbles_costs_only_itself(daemons: DaemonFactory) -> None:
+    """A connection that sends its declaration a byte at a time never holds the waiting daemon: it has
+    READ_S for its whole message, then is refused and closed; meanwhile a runner's declaration is accepted
+    and attaches, and ``kvcached stop`` stops a daemon that still has such a connection."""
+    daemon = waiting(daemons)
+    path = declare_socket_path(daemons.run_dir, daemon.instance)
+    dribbler = Dribbler(path)
+    try:
+        assert b"no whole declaration within 2s" in dribbler.answer(READ_S + 10)
+    finally:
+        dribbler.close()
+    assert read_status(daemon.instance)["ranks"][0]["state"] == "EMPTY"
+    dribbler = Dribbler(path)
+    try:
+        time.sleep(0.2)
+        with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=20) as cache:
+            assert cache.key_caches[0].shape == (20, 2, 4, 16)
+    finally:
+        dribbler.close()
+    other = waiting(daemons)
+    dribbler = Dribbler(declare_socket_path(daemons.run_dir, other.instance))
+    try:
+        time.sleep(0.2)
+        assert daemons.cli("stop", "--instance", other.instance, timeout=30).returncode == 0
+        assert other.exit_code(30) == 0
+    finally:
+        dribbler.close()

@@ -373,3 +373,145 @@ def test_drop_in_refuses_a_queue_switch_fastdeploy_cannot_read(patched_trees: di
     env.update(KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path), KVCACHED_WAIT_S="1")
     done = dropin(["--rank", "0", "--mp_num", "2"], env)
     assert done.returncode == 4 and "FD_ENGINE_TASK_QUEUE_WITH_SHM='yes'" in done.stderr, done.stderr
+
+
+# -- the line from the tree, the splitwise messager, the platform ---------------------------------------
+
+
+def checkout(src: Path, commit: str, into: Path) -> Path:
+    """A git checkout of ``commit`` (its ``fastdeploy/`` only) at ``into``, sharing ``src``'s objects and
+    writing nothing into ``src``."""
+    for command in (
+        ["git", "clone", "-q", "--shared", "--no-checkout", str(src), str(into)],
+        ["git", "-C", str(into), "sparse-checkout", "set", "fastdeploy"],
+        ["git", "-c", "advice.detachedHead=false", "-C", str(into), "checkout", "-q", "--detach", commit],
+    ):
+        subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return into
+
+
+@pytest.mark.parametrize("how", ["files", "commit"])
+def test_a_tree_carrying_another_lines_patch_is_told_its_own_line_and_the_patch_is_wrong(
+    daemons: DaemonFactory, instance: str, line_trees: dict[str, Path], tmp_path: Path, how: str
+) -> None:
+    """A 2.6 tree with the patch of develop 2026-05-20 applied (it applies, at offsets): doctor names the line
+    from the tree (its git commit when it is a checkout, else its files) and fails the patch, naming the other
+    line's; the drop-in would say the same in its log."""
+    tree = tree_of(line_trees, "41677b9a6")
+    if how == "commit":
+        src = fastdeploy_lines.source()
+        assert src is not None
+        git = subprocess.run(["git", "-C", str(src), "rev-parse", "--git-dir"], capture_output=True, check=False)
+        if git.returncode:
+            pytest.skip("FASTDEPLOY_SRC is not a git directory: no commit to tell the line by")
+        tree = checkout(src, "41677b9a6", tmp_path / "checkout")
+    else:
+        tree = shutil.copytree(tree, tmp_path / "copy")
+    applied = subprocess.run(
+        ["git", "apply", str(fastdeploy_lines.PATCHES["564c78d78"])], cwd=tree, capture_output=True, check=False
+    )
+    assert applied.returncode == 0, applied.stderr
+    checks = doctor(daemons, tree, "--instance", instance, *SMALL)
+    line = checks["fastdeploy_line"]
+    assert line["verdict"] == "ok" and line["measured"]["line"] == "2.6" and line["measured"]["told_by"] == how
+    patch = checks["fastdeploy_patch"]
+    assert patch["verdict"] == "fail" and "fastdeploy-564c78d78-kvcached.patch" in patch["figure"], patch
+    assert "2.6 (41677b9a6) tree" in patch["figure"] and "fastdeploy-41677b9a6-kvcached.patch" in patch["advice"]
+
+
+def test_a_patch_left_out_of_the_cache_messager_is_named_before_two_copies(
+    daemons: DaemonFactory, instance: str, line_trees: dict[str, Path], tmp_path: Path
+) -> None:
+    """2.6 with kvcached's patch applied except its cache_messager.py part: in a prefill or decode role the
+    launcher starts FastDeploy's messager, which allocates the whole cache (cache_messager.py:996 on 2.6).
+    The drop-in refuses by name (exit 4) before it waits or joins the queue, and doctor fails it."""
+    tree = shutil.copytree(tree_of(line_trees, "41677b9a6"), tmp_path / "fd")
+    messager = "fastdeploy/cache_manager/cache_messager.py"
+    patch = str(fastdeploy_lines.PATCHES["41677b9a6"])
+    applied = subprocess.run(
+        ["git", "apply", f"--exclude={messager}", patch], cwd=tree, capture_output=True, check=False
+    )
+    assert applied.returncode == 0, applied.stderr
+    env = dict(os.environ, FASTDEPLOY_SRC=str(tree), KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path))
+    for role in ("prefill", "decode"):
+        done = dropin(["--rank", "0", "--mp_num", "2", "--splitwise_role", role, "--num_cpu_blocks", "8"], env)
+        assert done.returncode == 4, done.stdout + done.stderr
+        assert f"{messager}:996" in done.stderr and "double allocation" in done.stderr and role in done.stderr
+    checks = doctor(daemons, tree, "--instance", instance, *SMALL, "--role", "prefill")
+    assert (
+        checks["fastdeploy_messager"]["verdict"] == "fail"
+        and f"{messager}:996" in checks["fastdeploy_messager"]["figure"]
+    )
+    mixed = doctor(daemons, tree, "--instance", instance, *SMALL)["fastdeploy_messager"]
+    assert mixed["verdict"] == "warn" and "prefill or decode" in mixed["figure"]
+
+
+#: Read from each line's GPU runner: e53f5184 worker/gpu_model_runner.py:1439 (the fixed condition already);
+#: 41677b9a6 :1537 and 564c78d78 :1599 (after #7471: the runner creates its own cache with CPU swap only).
+GPU_RUNNER = {"e53f5184": (1439, False), "41677b9a6": (1537, True), "564c78d78": (1599, True)}
+
+
+@pytest.mark.parametrize("commit", COMMITS)
+def test_a_gpu_host_is_refused_by_name(
+    daemons: DaemonFactory, instance: str, patched_trees: dict[str, Path], tmp_path: Path, commit: str
+) -> None:
+    """kvcached has no GPU device backend, and its patches leave FastDeploy's GPU runner as it is: on a host
+    where FastDeploy runs on GPUs (its ``current_platform``: the STUB of the test adapter says gpu) the drop-in
+    refuses, naming the GPU runner's condition; doctor fails when paddlepaddle-gpu is what is installed (a
+    DOUBLE of its distribution's metadata)."""
+    tree = tree_of(patched_trees, commit)
+    line, creates = GPU_RUNNER[commit]
+    env = dict(os.environ, FASTDEPLOY_SRC=str(tree), KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path))
+    env["KVCACHED_TEST_FD_PLATFORM"] = "gpu"
+    done = dropin(["--rank", "0", "--mp_num", "2", "--num_cpu_blocks", "8"], env)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "FastDeploy runs on gpu here" in done.stderr and f"gpu_model_runner.py:{line}" in done.stderr
+    assert ("creates its own KV cache" in done.stderr) == creates
+    site = tmp_path / "site" / "paddlepaddle_gpu-3.0.0.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: paddlepaddle-gpu\nVersion: 3.0.0\n")
+    checks = doctor(daemons, tree, "--instance", instance, *SMALL, PYTHONPATH=str(site.parent))
+    platform = checks["fastdeploy_platform"]
+    assert platform["verdict"] == "fail" and f"gpu_model_runner.py:{line}" in platform["figure"], platform
+    assert platform["measured"] == {"platform": "gpu", "distribution": "paddlepaddle-gpu"}
+
+
+def test_messager_and_platform_refusals_without_fastdeploy(tmp_path: Path) -> None:
+    """On a tree the test writes (a launcher with kvcached's call, a messager and a GPU runner without): a
+    prefill role is refused naming the messager's loop, a gpu platform naming the GPU runner's condition,
+    and the drop-in serves (no refusal) on xpu in the mixed role."""
+    from kvcached.fastdeploy import guard
+    from kvcached.fastdeploy.arguments import parse_args
+    from kvcached.fastdeploy.lines import read_tree
+    from kvcached.protocol.errors import OwnershipConflict
+
+    files = {
+        "fastdeploy/cache_manager/cache_transfer_manager.py": "",
+        "fastdeploy/cache_manager/prefix_cache_manager.py": (
+            'KVCACHED_INSTANCE = 1\nentry = " -m kvcached.fastdeploy.transfer_manager"\n'
+        ),
+        "fastdeploy/cache_manager/cache_messager.py": "def main():\n    for i in range(args.num_layers):\n        i\n",
+        "fastdeploy/worker/xpu_model_runner.py": (
+            "import os\nclass R:\n    def initialize_kv_cache(self, profile=False):\n"
+            '        if os.environ.get("KVCACHED_INSTANCE"):\n            import runner_client\n'
+            '        create_cache_tensor = profile or self.s.splitwise_role == "mixed"\n'
+        ),
+        "fastdeploy/worker/gpu_model_runner.py": (
+            "class G:\n    def initialize_kv_cache(self, profile=False):\n"
+            "        create_cache_tensor = profile or not (\n"
+            '            self.c.kvcache_storage_backend or self.s.splitwise_role != "mixed"\n        )\n'
+        ),
+    }
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    tree = read_tree(tmp_path)
+    assert tree.launcher_patched and tree.runner_patched and not tree.messager_patched
+    with pytest.raises(OwnershipConflict, match=r"cache_messager\.py:2: its loop over the layers"):
+        guard.refuse(parse_args(["--splitwise_role", "prefill", "--num_cpu_blocks", "8"]), tree, "xpu", {})
+    with pytest.raises(OwnershipConflict, match=r"gpu_model_runner\.py:3: create_cache_tensor") as refused:
+        guard.refuse(parse_args(["--num_cpu_blocks", "8"]), tree, "gpu", {})
+    assert "creates its own KV cache with no profile, CPU swap (8 blocks)" in str(refused.value)
+    with pytest.raises(OwnershipConflict, match="FastDeploy runs on gpu here"):
+        guard.refuse(parse_args(["--num_cpu_blocks", "8"]), None, "gpu", {})
+    guard.refuse(parse_args(["--num_cpu_blocks", "8"]), tree, "xpu", {})

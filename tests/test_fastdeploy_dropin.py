@@ -1,11 +1,27 @@
 """The drop-in's own pieces: what it reads from FastDeploy's command line (the spec it declares, each refusal
-naming FastDeploy's argument) and the watchdog of its waits."""
+naming FastDeploy's argument), the key prefix it reads as FastDeploy does, and the watchdog of its waits."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from kvcached.fastdeploy.arguments import check_against, check_store, declared_spec, group_ranks, parse_args
+from kvcached.fastdeploy.arguments import (
+    check_against,
+    check_store,
+    declared_spec,
+    group_ranks,
+    key_prefix,
+    parse_args,
+)
 from kvcached.protocol.errors import InvalidSpec
 
 LAUNCH = [
@@ -94,3 +110,110 @@ def test_a_wait_past_its_deadline_ends_the_rank_naming_it(caplog: pytest.LogCapt
             waits.LOG_AFTER_S = saved
     assert [what for what, _ in expired] == ["barrier7 of the cache queue"] and expired[0][1] >= 0.6
     assert "rank 3 waiting" in caplog.text and "barrier7" in caplog.text
+
+
+#: version.yaml spelled as YAML allows (FastDeploy reads it with ``yaml.safe_load``, e53f5184
+#: ``cache_transfer_manager.py`` ~136-143: the first two ``-`` parts of ``version``).
+SPELLINGS = (
+    "version: RL-STEP5-1700-uuid\n",
+    "{version: RL-STEP5-1700-uuid}\n",
+    "meta:\n  a: 1\nversion: >-\n  RL-STEP7-1900-uuid\n",
+    'version: "RL-STEP8-2000-uuid" # c\n',
+    "version: RL-STEP9-2100-uuid\r\n",
+    "---\nversion: 'RL-STEP10-2200-uuid'\nother: x\n",
+    "version:\n  RL-STEP11-2300\n",
+)
+
+
+def fastdeploys_key_prefix() -> object:
+    """FastDeploy's own ``get_key_prefix_from_version`` from ``FASTDEPLOY_SRC``, or None without it."""
+    from tests.helpers.fastdeploy_shell import source_of
+    from tests.helpers.fastdeploy_src import source
+
+    root = source()
+    if root is None:
+        return None
+    yaml = pytest.importorskip("yaml")
+    found = source_of(root, "fastdeploy/cache_manager/cache_transfer_manager.py", ("get_key_prefix_from_version",), {})
+    found["yaml"] = yaml
+    return found["get_key_prefix_from_version"]
+
+
+@pytest.mark.parametrize("text", SPELLINGS)
+def test_the_key_prefix_is_read_as_fastdeploy_reads_it(tmp_path: Path, text: str) -> None:
+    """Every spelling gives FastDeploy's own prefix (its function with ``FASTDEPLOY_SRC``; else its expression,
+    ``"-".join(yaml.safe_load(f)["version"].split("-", 2)[:2])``): the same keys, so KV stored by FastDeploy's
+    manager and by the drop-in are one store."""
+    yaml = pytest.importorskip("yaml", reason="FastDeploy reads version.yaml with PyYAML (the test extra has it)")
+    (tmp_path / "version.yaml").write_bytes(text.encode())
+    theirs: Any = fastdeploys_key_prefix()
+    expected = (
+        theirs(str(tmp_path / "version.yaml"))
+        if theirs
+        else "-".join(yaml.safe_load(text)["version"].split("-", 2)[:2])
+    )
+    assert key_prefix(str(tmp_path)) == expected
+
+
+def test_a_version_file_fastdeploy_could_not_read_is_refused_naming_model_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No model path or no version.yaml: no prefix (FastDeploy keeps the one it has). Not YAML, or no string
+    version: ``InvalidSpec`` naming ``model_path``; so too without PyYAML (never a guess at FastDeploy's keys)."""
+    assert key_prefix(None) is None and key_prefix(str(tmp_path)) is None
+    for text in ("version: [a, b\n", "version: 3\n", "- RL-STEP1-1\n"):
+        (tmp_path / "version.yaml").write_text(text)
+        with pytest.raises(InvalidSpec) as refused:
+            key_prefix(str(tmp_path))
+        assert refused.value.field == "model_path" and "version.yaml" in str(refused.value)
+    (tmp_path / "version.yaml").write_text(SPELLINGS[0])
+    monkeypatch.setitem(sys.modules, "yaml", None)  # PyYAML not installed
+    with pytest.raises(InvalidSpec, match="install PyYAML"):
+        key_prefix(str(tmp_path))
+
+
+def test_a_wait_on_a_live_engine_goes_on_past_its_deadline(caplog: pytest.LogCaptureFixture) -> None:
+    """A wait on the engine past its deadline ends the rank only once the engine's process is gone: while it
+    lives (here stopped, as a paused engine is), the watchdog logs its state and waits on."""
+    import threading
+
+    from kvcached.fastdeploy import waits
+
+    engine = subprocess.Popen(["sleep", "60"])
+    launcher = waits.Launcher.find(engine.pid)
+    assert launcher is not None and launcher.pid == os.getpid(), "the launcher is the process that started it"
+    launcher = waits.Launcher(engine.pid, waits.start_time(engine.pid) or 0)
+    expired = threading.Event()
+    watch = waits.Waits(0, lambda what, waited: expired.set(), launcher)
+    try:
+        os.kill(engine.pid, signal.SIGSTOP)
+        with (
+            caplog.at_level("WARNING", logger="kvcached.fastdeploy"),
+            watch.on("the engine's cache queue", 0.5, engine=True),
+        ):
+            assert not expired.wait(2.0), "a wait on a live engine ended the rank"
+            assert f"the engine (pid {engine.pid} stopped) is alive" in caplog.text
+            engine.kill()
+            engine.wait(10)
+            assert expired.wait(waits.LOG_EVERY_S + 5), "a wait on a dead engine did not end the rank"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            engine.kill()
+        engine.wait(10)
+
+
+def test_a_launcher_through_a_shell_is_the_shells_parent() -> None:
+    """FastDeploy starts the drop-in through ``sh -c`` (``subprocess.Popen(cmd, shell=True)``): its engine is
+    the shell's parent."""
+    from kvcached.fastdeploy import waits
+
+    shell = subprocess.Popen("sleep 30; exit 0", shell=True)
+    time.sleep(0.3)
+    child = int(Path(f"/proc/{shell.pid}/task/{shell.pid}/children").read_text().split()[0])
+    try:
+        found = waits.Launcher.find(child)
+        assert found is not None and found.pid == os.getpid() and found.state() is not None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        shell.wait(10)

@@ -11,6 +11,7 @@ checked through the runners' views. Skipped without ``FASTDEPLOY_SRC`` (a checko
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -186,3 +187,126 @@ def test_a_thousand_swaps_ride_through_a_restart_and_a_kill(daemons: DaemonFacto
     assert len(done) == 4 and done[0].startswith("restart 0") and "adopted" in done[0], done
     assert got["wrong"] == [], f"pairs whose bytes did not move: {got['wrong']}"
     assert got["slowest"] < TASK_S, got
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_killed_drop_in_stops_the_engine_naming_it(daemons: DaemonFactory, tmp_path: Path, rank: int) -> None:
+    """``kill -9`` of a drop-in, rank 0's (which serves the group) or the stand-by's: the patched launcher's
+    watcher stops the engine (SIGTERM), naming the rank and the signal, instead of leaving its swaps
+    unanswered or going on unwatched."""
+    with engine_and_daemon(daemons, tmp_path) as (engine, _):
+        engine.call("launch")
+        words = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in engine.dropins()}
+        pids = {int(w[w.index(b"--rank") + 1]): p for p, w in words.items()}
+        os.kill(pids[rank], signal.SIGKILL)
+        with pytest.raises(EngineEnded) as ended:
+            for i in range(30):
+                engine.call("swap", event="SWAP2CPU", task_id=f"after-{i}", gpu=[5], cpu=[1], nodes=None, timeout=45)
+                time.sleep(1)
+        assert ended.value.status == -15
+        said = engine.err.read_text()
+        assert f"cache transfer manager of rank {rank} ended (killed by signal 9)" in said, said[-2000:]
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def test_a_read_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Through ``request_match_blocks``: rank 0's load fails (its store agent stopped, the store timeout 2 s)
+    while rank 1's worker is stopped for 4 s. The engine is told nothing loaded only once rank 1's load has
+    ended: the GPU blocks it recycles and computes into keep what it writes there."""
+    prompt = list(range(5000, 5000 + 8 * BLOCK))
+    args = ["--geometry", "engine", "--store-timeout", "2"]
+    with engine_and_daemon(daemons, tmp_path, daemon_args=args) as (engine, daemon):
+        engine.call("launch")
+        caches = views(daemon.instance)
+        fill(caches, list(range(40, 48)), seed=7)
+        engine.call("write_decode", request_id="w", prompt=prompt, block_tables=list(range(40, 48)))
+        ranks = read_status(daemon.instance)["ranks"]
+        stopped = [*children(ranks[0]["pid"]), ranks[1]["pid"]]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        threading.Timer(4.0, os.kill, (ranks[1]["pid"], signal.SIGCONT)).start()
+        try:
+            got = engine.call("match", request_id="r", prompt=prompt)
+            assert got["storage_blocks"] == [] and got["tokens"] == 0
+            for tensor in caches[1].key_caches + caches[1].value_caches:
+                tensor[:].view("uint8")[...] = 0x77  # a new request computes into the recycled blocks
+            time.sleep(3.0)
+            assert all((t[:].view("uint8") == 0x77).all() for t in caches[1].key_caches + caches[1].value_caches)
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+
+def test_a_write_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Through ``write_cache_to_storage_decode``: rank 0's put fails at once (its object directories are
+    files), rank 1's is slow (0.5 s more per object). The engine gets the write back only once rank 1's put
+    has ended, so the blocks it then reuses never reach the store; the prompt written again and matched
+    loads its own KV on every rank."""
+    from kvcached.fastdeploy.arguments import store_key
+
+    prompt = list(range(7000, 7000 + 4 * BLOCK))
+    ids, store = [40, 41, 42, 43], tmp_path / "store"
+    fault = {"KVCACHED_FAULT": "store-step:sleep=0.5"}
+    args = ["--geometry", "engine", "--store-timeout", "10"]
+    with engine_and_daemon(daemons, tmp_path, daemon_args=args, daemon_env=fault) as (engine, daemon):
+        engine.call("launch")
+        caches = views(daemon.instance)
+        fill(caches, ids, seed=7)
+        truth = blocks(caches, ids)
+        keys = engine.call("keys", prompt=prompt)["keys"]
+        planted = [store / "r0" / store_key(k, "").hex()[:2] for k in keys]
+        planted = [p for p in dict.fromkeys(planted) if not p.exists()]
+        for where in planted:
+            where.write_text("not a directory")
+        engine.call("write_decode", request_id="w1", prompt=prompt, block_tables=ids)
+        fill(caches, ids, seed=99)  # the request is done: its blocks are reused
+        time.sleep(3.0)
+        for where in planted:
+            where.unlink()
+        fill(caches, ids, seed=7)
+        engine.call("write_decode", request_id="w2", prompt=prompt, block_tables=ids)
+        got = engine.call("match", request_id="r", prompt=prompt)
+        assert got["storage_blocks"] and blocks(caches, got["storage_blocks"]) == truth
+
+
+def test_a_slow_read_is_cut_off_at_its_deadline_and_the_engine_goes_on(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A store that moves, slowly (1 s more per object loaded, 4 reading threads: 40 s for 160 blocks), past
+    ``ReadStorageTask.timeout`` (30 s, FastDeploy's default): the read is cut off there, the engine gets the
+    blocks loaded by then (a prefix, byte for byte) and goes on; the drop-in's log names the real deadline."""
+    prompt = list(range(9000, 9000 + 160 * BLOCK))
+    ids = list(range(160))
+    args = ["--geometry", "engine", "--store-timeout", "20"]
+    slow = {"KVCACHED_FAULT": "load-step:sleep=1"}
+    with engine_and_daemon(daemons, tmp_path, daemon_args=args, daemon_env=slow, blocks=256) as (engine, daemon):
+        engine.call("launch")
+        caches = views(daemon.instance, blocks=256)
+        fill(caches, ids, seed=7)
+        engine.call("write_decode", request_id="w", prompt=prompt, block_tables=ids)
+        got = engine.call("match", request_id="r", prompt=prompt, timeout=200)
+        loaded = got["storage_blocks"]
+        assert 0 < len(loaded) < len(ids) and got["tokens"] == len(loaded) * BLOCK
+        assert blocks(caches, loaded) == blocks(caches, ids[: len(loaded)])
+        engine.call("swap", event="SWAP2CPU", task_id="after", gpu=[200], cpu=[1], nodes=None)
+        log = engine.dropin_log()
+        assert "cut off at its deadline (30s)" in log and "cannot be served" not in log
+
+
+@pytest.mark.slow
+def test_a_paused_engine_is_waited_for_and_served_after(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The engine and its queue server stopped (SIGSTOP to its process group) for 40 s, past every deadline of
+    the drop-ins on it (``KVCACHED_TASK_DEADLINE_S`` 5: 35 s): the engine lives, so the drop-ins wait on,
+    logging it, and serve it once it continues."""
+    with engine_and_daemon(daemons, tmp_path, env={"KVCACHED_TASK_DEADLINE_S": "5"}) as (engine, _):
+        engine.call("launch")
+        os.killpg(engine.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(40)
+        finally:
+            os.killpg(engine.proc.pid, signal.SIGCONT)
+        engine.call("swap", event="SWAP2CPU", task_id="after-pause", gpu=[5], cpu=[1], nodes=None, timeout=60)
+        log = engine.dropin_log()
+        assert "is alive, so the drop-in waits on" in log and "cannot be served" not in log

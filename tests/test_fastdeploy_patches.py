@@ -1,13 +1,23 @@
 """One patch per FastDeploy line, against that line's own tree (``FASTDEPLOY_SRC``: see
 ``tests/helpers/fastdeploy_lines.py``): each is named after its commit, applies cleanly to it and to no other line,
 and the files it patches pass that tree's own pre-commit hooks (``tests/helpers/fd_hooks.py``). Skipped, saying
-what they need, without FASTDEPLOY_SRC, except the naming."""
+what they need, without FASTDEPLOY_SRC, except the naming and the launcher's watcher (the patch's own code,
+run from the patch)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import py_compile
+import signal
 import subprocess
+import textwrap
+import threading
+import time
+import types
+from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,3 +101,74 @@ def test_the_patched_tree_launches_the_drop_in_and_its_runner_asks_kvcached(
     found = read_tree(tree)
     assert found.patch is not None and found.patch.verdict == "applied"
     assert found.launcher_patched and found.runner_patched
+
+
+class _Recorded:
+    """DOUBLES of what the patched watcher calls outside itself: FastDeploy's ``console_logger`` (records the
+    lines) and ``os`` (``kill`` records the signal the engine would get; everything else is ``os``'s)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.kills: list[tuple[int, int]] = []
+
+    def error(self, line: str) -> None:
+        self.lines.append(line)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def kill(self, pid: int, signum: int) -> None:
+        self.kills.append((pid, signum))
+
+
+def patched_watcher(commit: str, recorded: _Recorded) -> object:
+    """The patch's own ``_kvcached_watch``, executed from its added lines (in this repository: no FastDeploy
+    needed), with ``recorded`` for FastDeploy's logger and ``os``."""
+    hunk = next(h for h in patchfile.parse(PATCHES[commit].read_text()) if "def _kvcached_watch" in "".join(h.after))
+    start = next(i for i, line in enumerate(hunk.after) if "def _kvcached_watch" in line)
+    end = next(i for i, line in enumerate(hunk.after) if i > start and line.startswith("    def "))
+    namespace: dict[str, object] = {"time": time, "signal": signal, "os": recorded, "console_logger": recorded}
+    namespace["envs"] = types.SimpleNamespace(FD_LOG_DIR="/fdlog")
+    exec(textwrap.dedent("\n".join(hunk.after[start:end])), namespace)
+    return namespace["_kvcached_watch"]
+
+
+@pytest.mark.parametrize("commit", COMMITS)
+def test_the_watcher_stops_the_engine_at_any_drop_in_exit_naming_it_and_watches_on(commit: str) -> None:
+    """The launcher's watcher (each line's patch, its own code) against real processes started as FastDeploy
+    starts the drop-ins (a shell, a session of its own): the stand-by rank's killed (``kill -9``), then rank
+    0 fails: each stops the engine (SIGTERM to itself), naming the rank and how it ended; once the engine
+    clears its task flag (it stops the drop-ins itself), their ends are not reported."""
+    recorded = _Recorded()
+    watch: Any = patched_watcher(commit, recorded)
+    flag = shared_memory.SharedMemory(create=True, size=4)  # cache_task_broadcast_signal, as IPCSignal holds it
+    launcher = types.SimpleNamespace(shm_cache_task_flag_broadcast=types.SimpleNamespace(shm=flag))
+    shell = {"shell": True, "preexec_fn": os.setsid}
+    processes = [subprocess.Popen("sleep 3; exit 1", **shell), subprocess.Popen("sleep 60; exit $?", **shell)]
+    try:
+        watcher = threading.Thread(target=watch, args=(launcher, processes), daemon=True)
+        watcher.start()
+        time.sleep(0.5)
+        sleeper = int(Path(f"/proc/{processes[1].pid}/task/{processes[1].pid}/children").read_text().split()[0])
+        os.kill(sleeper, signal.SIGKILL)  # the drop-in under its shell: the shell exits 128 + 9
+        watcher.join(30)
+        assert not watcher.is_alive()
+        assert recorded.kills == [(os.getpid(), signal.SIGTERM)] * 2
+        assert "rank 1 ended (killed by signal 9)" in recorded.lines[0] and "/fdlog/" in recorded.lines[0]
+        assert "rank 0 ended (exit status 1)" in recorded.lines[1]
+        # the engine stopping: it clears the flag, then stops the drop-ins' process groups
+        recorded.kills.clear()
+        processes = [subprocess.Popen("sleep 60", **shell)]
+        watcher = threading.Thread(target=watch, args=(launcher, processes), daemon=True)
+        watcher.start()
+        flag.close()  # IPCSignal.clear
+        os.killpg(processes[0].pid, signal.SIGTERM)
+        watcher.join(30)
+        assert not watcher.is_alive() and recorded.kills == []
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        flag.close()
+        flag.unlink()

@@ -186,3 +186,85 @@ def test_profile_then_attach_makes_one_cache_of_fastdeploys_block_count(
         if signal is not None:
             signal.shm.close()
             signal.shm.unlink()
+
+
+@pytest.mark.parametrize("code", ["fastdeploy", "kvcached"])
+def test_a_data_parallel_groups_runner_attaches_the_rank_its_drop_in_serves(
+    daemons: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str
+) -> None:
+    """Two data-parallel groups of one tensor-parallel rank on one host: the runner of group 1 (its local
+    rank 1, tensor-parallel rank 0: what the patched method passes) attaches kvcached rank 1, the rank
+    group 1's drop-in serves (``--local_data_parallel_id 1 --mp_num 1 --rank 0``), never group 0's."""
+    if code == "fastdeploy" and source() is None:
+        pytest.skip("runs the patched xpu_model_runner.py: set FASTDEPLOY_SRC to a FastDeploy checkout of e53f5184")
+    from kvcached.fastdeploy.arguments import group_ranks, parse_args
+
+    daemon = daemons.start(ranks=2, small=False, args=["--geometry", "engine"])
+    daemon.wait_state("EMPTY")
+    monkeypatch.setenv("KVCACHED_INSTANCE", daemon.instance)
+    monkeypatch.setenv("KVCACHED_WAIT_S", "30")
+    initialize = (patched_method if code == "fastdeploy" else direct_call)(XpuOpsDouble(), tmp_path)
+    runners, signals = [], []
+    try:
+        for group in (0, 1):
+            suffix = 20000 + free_port() % 40000  # each data-parallel group has its engine's own ports
+            signals.append(engine_signal(suffix) if code == "fastdeploy" else None)
+            runner = runner_stub(suffix)
+            runner.local_rank, runner.device_id = group, group  # worker_process: the worker's index on the host
+            runner.parallel_config.local_data_parallel_id = group
+            runner.parallel_config.data_parallel_size = 2
+            runner.num_gpu_blocks = FASTDEPLOYS_BLOCKS
+            initialize(runner)
+            runners.append(runner)
+        assert group_ranks(parse_args(["--mp_num", "1", "--local_data_parallel_id", "1", "--rank", "0"])) == [1]
+        spec = rc.CacheSpec(
+            num_layers=LAYERS,
+            kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK,
+            num_blocks=FASTDEPLOYS_BLOCKS,
+            num_cpu_blocks=8,
+        )
+        with (
+            rc.initialize_kv_cache(spec, 0, instance=daemon.instance) as rank0,
+            rc.initialize_kv_cache(spec, 1, instance=daemon.instance) as rank1,
+        ):
+            runners[1].share_inputs["caches"][0][5, 0, 0, 0] = 3.0  # group 1 computes into its block 5
+            runners[0].share_inputs["caches"][0][6, 0, 0, 0] = 5.0  # group 0 into its block 6
+            assert int(rank1.key_caches[0][5, 0, 0, 0]) == 0x4040 and int(rank0.key_caches[0][5, 0, 0, 0]) == 0
+            assert int(rank0.key_caches[0][6, 0, 0, 0]) == 0x40A0 and int(rank1.key_caches[0][6, 0, 0, 0]) == 0
+    finally:
+        kvcached_runner.ATTACHED.clear()
+        for signal in signals:
+            if signal is not None:
+                signal.shm.close()
+                signal.shm.unlink()
+
+
+def test_mtp_in_a_second_data_parallel_group_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FastDeploy's MTP proposer attaches its layers by FastDeploy's names (tensor-parallel rank), kvcached
+    exports them by its own rank: in data-parallel group 1 they differ, so the runner refuses, naming why."""
+    monkeypatch.setenv("KVCACHED_INSTANCE", "kvt-none")
+    monkeypatch.setenv("KVCACHED_WAIT_S", "5")  # were it not refused, it would wait for a daemon that is not there
+    runner = runner_stub(1)
+    runner.parallel_config.local_data_parallel_id = 1
+    runner.fd_config.speculative_config = SimpleNamespace(num_extra_cache_layer=1, num_gpu_block_expand_ratio=1.0)
+    shapes = runner.attn_backends[0].get_kv_cache_shape(max_num_blocks=FASTDEPLOYS_BLOCKS)
+    with pytest.raises(rc.InvalidSpec, match="data-parallel group 1 with MTP") as refused:
+        kvcached_runner.xpu_kv_cache(runner.fd_config, 0, FASTDEPLOYS_BLOCKS, "bfloat16", shapes, profile=False)
+    assert refused.value.field == "data_parallel_size"
+    assert "key_caches_<layer>_rank0.device<d>" in str(refused.value) and "_rank1.device<d>" in str(refused.value)
+
+
+def test_a_wait_that_is_no_number_of_seconds_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KVCACHED_WAIT_S=10m`` in the runner: an ``InvalidSpec`` naming the variable, as the drop-in says it."""
+    monkeypatch.setenv("KVCACHED_INSTANCE", "kvt-none")
+    runner = runner_stub(1)
+    shapes = runner.attn_backends[0].get_kv_cache_shape(max_num_blocks=FASTDEPLOYS_BLOCKS)
+    for value, said in (("10m", "must be a number of seconds, got '10m'"), ("0", "must be > 0 seconds")):
+        monkeypatch.setenv("KVCACHED_WAIT_S", value)
+        with pytest.raises(rc.InvalidSpec, match=said) as refused:
+            kvcached_runner.xpu_kv_cache(runner.fd_config, 0, FASTDEPLOYS_BLOCKS, "bfloat16", shapes, profile=False)
+        assert refused.value.field == "KVCACHED_WAIT_S"

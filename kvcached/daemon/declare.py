@@ -23,22 +23,24 @@ signal while waiting ends the wait (a restart executes the daemon again, which w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
 import select
 import socket
+import time
 from pathlib import Path
 
 from kvcached import logs
-from kvcached.access import Access, peer_of
+from kvcached.access import Access, Peer, peer_of
 from kvcached.config import DaemonConfig
 from kvcached.daemon import requests
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.ranks import create_semaphores, remove_semaphores
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import ControlBlock, Record, State
-from kvcached.protocol.declare import declare_socket_path, read_message
+from kvcached.protocol.declare import MAX_MESSAGE, declare_socket_path, parse_message
 from kvcached.protocol.errors import InvalidSpec, KVCacheError
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.ownership import cache_owner, explain_owner
@@ -47,7 +49,7 @@ from kvcached.protocol.spec import CacheSpec
 
 #: What the waiting daemon's header note and `kvcached status` say.
 WAITING_NOTE = "waiting for the engine to declare the geometry (--geometry engine)"
-#: Seconds one declaring connection may take to send its spec.
+#: Seconds one declaring connection may take to send its whole spec.
 READ_S = 2.0
 
 Refusal = tuple[str, object, object, str]  # field, the daemon's value, the declared value, why
@@ -125,8 +127,20 @@ class Pending:
         remove_semaphores(self.sems)
 
 
+@dataclasses.dataclass(slots=True)
+class _Declaring:
+    """One declaring connection: who it is, until when it may send, what it sent so far."""
+
+    conn: socket.socket
+    peer: Peer
+    deadline: float
+    data: bytearray = dataclasses.field(default_factory=bytearray)
+
+
 class Declarations:
-    """The declaration socket: one spec per connection, answered at once."""
+    """The declaration socket: one spec per connection, answered as soon as it is whole. Connections are
+    served side by side, never blocking: each has ``READ_S`` seconds for its whole message, so one that sends
+    slowly (or nothing) costs only itself, never the daemon's other declarations or its signals."""
 
     def __init__(self, run_dir: Path, instance: str, access: Access, log: logs.Logger) -> None:
         self.path = declare_socket_path(run_dir, instance)
@@ -137,44 +151,100 @@ class Declarations:
         access.apply_socket(self.path)
         self.sock.listen(64)
         self.sock.setblocking(False)
+        self.open: dict[int, _Declaring] = {}
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def fds(self) -> list[int]:
+        """What to wait on: the listening socket and every open connection."""
+        return [self.sock.fileno(), *self.open]
+
+    def timeout(self, longest: float) -> float:
+        """Seconds to wait at most: ``longest``, or less when a connection's time runs out before."""
+        now = time.monotonic()
+        return max(0.0, min([longest, *(d.deadline - now for d in self.open.values())]))
+
+    def serve(self, readable: list[int], config: DaemonConfig) -> DaemonConfig | None:
+        """Accept new connections, read what the others sent, answer each whole message, close connections
+        past their time: the configuration of an accepted declaration, if one was."""
+        if self.sock.fileno() in readable:
+            self._accept()
+        accepted = None
+        for fd in [fd for fd in readable if fd in self.open]:
+            found = self._receive(self.open[fd], config)
+            accepted = accepted or found
+        now = time.monotonic()
+        for fd, late in list(self.open.items()):
+            if now >= late.deadline:
+                why = f"no whole declaration within {READ_S:g}s"
+                self.log.warning("declaration refused", pid=late.peer.pid, reason=why)
+                self._close(fd, {"accepted": False, "field": "spec", "message": why})
+        return accepted
+
     def take(self, config: DaemonConfig) -> DaemonConfig | None:
-        """Answer one waiting connection; the configuration for its spec when it was accepted."""
-        try:
-            conn, _ = self.sock.accept()
-        except BlockingIOError:
-            return None
-        with conn:
-            conn.settimeout(READ_S)
+        """Serve whatever is ready now (see ``serve``)."""
+        readable, _, _ = select.select(self.fds(), [], [], 0)
+        return self.serve(readable, config)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             peer = peer_of(conn)
             if not self.access.allows(peer):
                 self.log.warning("declaration refused: not the daemon's user or group", pid=peer.pid, uid=peer.uid)
-                return None
-            try:
-                message = read_message(conn)
-                spec = CacheSpec.from_dict((message or {}).get("spec") or {})
-            except (OSError, InvalidSpec, TypeError) as exc:
-                self._reply(conn, {"accepted": False, "field": getattr(exc, "field", "spec"), "message": str(exc)})
-                return None
-            verdict = judge(config, spec)
-            if isinstance(verdict, DaemonConfig):
-                self._reply(conn, {"accepted": True})
-                self.log.info("geometry declared", pid=peer.pid, spec=json.dumps(verdict.spec.to_dict()))
-                return verdict
-            field, ours, theirs, why = verdict
-            self.log.warning("declaration refused", pid=peer.pid, field=field, reason=why)
-            self._reply(conn, {"accepted": False, "field": field, "daemon": ours, "declared": theirs, "message": why})
-            return None
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self.open[conn.fileno()] = _Declaring(conn, peer, time.monotonic() + READ_S)
 
-    @staticmethod
-    def _reply(conn: socket.socket, message: dict[str, object]) -> None:
+    def _receive(self, declaring: _Declaring, config: DaemonConfig) -> DaemonConfig | None:
+        """Read what is there; once the message is whole (or cannot be), judge and answer it."""
+        fd = declaring.conn.fileno()
+        try:
+            chunk = declaring.conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            chunk = b""
+        declaring.data += chunk
+        if chunk and b"\n" not in declaring.data and len(declaring.data) <= MAX_MESSAGE:
+            return None
+        try:
+            message = parse_message(bytes(declaring.data))
+            spec = CacheSpec.from_dict((message or {}).get("spec") or {})
+        except (InvalidSpec, TypeError) as exc:
+            self._close(fd, {"accepted": False, "field": getattr(exc, "field", "spec"), "message": str(exc)})
+            return None
+        return self._judge(fd, declaring.peer, spec, config)
+
+    def _judge(self, fd: int, peer: Peer, spec: CacheSpec, config: DaemonConfig) -> DaemonConfig | None:
+        verdict = judge(config, spec)
+        if isinstance(verdict, DaemonConfig):
+            self._close(fd, {"accepted": True})
+            self.log.info("geometry declared", pid=peer.pid, spec=json.dumps(verdict.spec.to_dict()))
+            return verdict
+        field, ours, theirs, why = verdict
+        self.log.warning("declaration refused", pid=peer.pid, field=field, reason=why)
+        self._close(fd, {"accepted": False, "field": field, "daemon": ours, "declared": theirs, "message": why})
+        return None
+
+    def _close(self, fd: int, reply: dict[str, object]) -> None:
+        """Answer (as far as the socket takes it at once: a reply is small) and close."""
+        declaring = self.open.pop(fd)
         with contextlib.suppress(OSError):
-            conn.sendall(json.dumps(message, default=str).encode() + b"\n")
+            declaring.conn.send(json.dumps(reply, default=str).encode() + b"\n")
+        declaring.conn.close()
 
     def close(self) -> None:
+        """Stop listening. Connections still open are closed unanswered: their declarers look for the block
+        that follows (``kvcached.protocol.declare.declare`` returns False) and judge against it."""
+        for declaring in self.open.values():
+            declaring.conn.close()
+        self.open.clear()
         self.sock.close()
         self.path.unlink(missing_ok=True)
 
@@ -193,9 +263,9 @@ def await_declaration(
             notify.send(READY=1, STATUS=WAITING_NOTE)
             while accepted is None:
                 notify.ping_if_due()
-                readable, _, _ = select.select([point.fileno(), wake_fd], [], [], notify.ping_interval() or 1.0)
-                if point.fileno() in readable:
-                    accepted = point.take(config)
+                wait = point.timeout(notify.ping_interval() or 1.0)
+                readable, _, _ = select.select([*point.fds(), wake_fd], [], [], wait)
+                accepted = point.serve(readable, config)
                 if wake_fd in readable and accepted is None:
                     accepted = _stop_signal(wake_fd, log)
         finally:

@@ -9,9 +9,11 @@ control block is written, its records too, not yet under its public name), ``aft
 in each worker ``worker-allocating`` (allocating or reopening), ``worker-prepared`` (a restart's worker
 has reopened the memory and waits for its turn), ``worker-before-ready``; ``after-relieve`` (a restart's
 supervisor told the last image's worker to drain), ``after-ready``; ``copy-step`` (in a worker, after
-each step of a copy: ``sleep`` makes a legitimately slow task). Of a restart, in the image that restarts:
-``restart-accepted`` (before anything stops) and ``before-exec`` (every rank KEPT, the workers handed
-over). Unset in production: ``fault()`` then costs one dict lookup; ``hook()`` returns None once at start.
+each step of a copy: ``sleep`` makes a legitimately slow task); ``store-step`` (in a store agent, after each
+object it moves: ``sleep`` makes a slow store that keeps moving; ``load-step`` the same, in loads only).
+Of a restart, in the image that restarts: ``restart-accepted`` (before anything stops) and ``before-exec``
+(every rank KEPT, the workers handed over). Unset in production: ``fault()`` then costs one dict lookup;
+``hook()`` returns None once at start.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ STEPS = (
     "after-relieve",
     "after-ready",
     "copy-step",
+    "store-step",
+    "load-step",
     "restart-accepted",
     "before-exec",
 )

@@ -47,6 +47,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from kvcached.copy_engine import DeviceBlocks
+from kvcached.daemon import faults
 from kvcached.logs import Logger
 from kvcached.memory import shm
 from kvcached.native import Side
@@ -317,8 +318,7 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
         except OSError:
             os._exit(0)  # the worker is gone
 
-    def moved() -> None:
-        moves[0] += 1
+    moved, calling = _progress(moves)
 
     try:
         store = calls.opener()
@@ -329,7 +329,7 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
     if calls.device is not None:  # page tables of the inherited mapping, so the first loads take no faults
         shm.prefault_ranges(calls.device.ranges())
     send(("opened", None, dataclasses.asdict(store.counters)))
-    _serve(sock, store, _Places(calls.staging, calls.device), send)
+    _serve(sock, store, _Places(calls.staging, calls.device), send, calling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,8 +347,11 @@ class _Places:
         return Targets(self.device.side, ids)
 
 
-def _serve(sock: socket.socket, store: Store, places: _Places, send: Callable[[Any], None]) -> NoReturn:
-    """Serve calls until the worker closes its end; between calls, check the store once a second."""
+def _serve(
+    sock: socket.socket, store: Store, places: _Places, send: Callable[[Any], None], calling: list[str]
+) -> NoReturn:
+    """Serve calls until the worker closes its end; between calls, check the store once a second.
+    ``calling[0]`` names the method under way (for the ``load-step`` fault)."""
     frames = Frames()
     last = dataclasses.asdict(store.counters)
     while True:
@@ -371,12 +374,28 @@ def _serve(sock: socket.socket, store: Store, places: _Places, send: Callable[[A
         frames.feed(chunk)
         while (message := frames.next()) is not None:
             seq, method, args = message
+            calling[0] = method
             try:
                 reply: Any = ("reply", seq, True, _dispatch(store, places, method, args))
             except BaseException as exc:
                 reply = ("reply", seq, False, _describe(exc))
             last = dataclasses.asdict(store.counters)
             send((*reply, last))
+
+
+def _progress(moves: Any) -> tuple[Callable[[], None], list[str]]:
+    """The agent's mark of an object moved (with the ``store-step`` and ``load-step`` faults, when planned),
+    and where the agent notes the method it runs (``load-step`` slows loads only)."""
+    slow, slow_load, calling = faults.hook("store-step"), faults.hook("load-step"), [""]
+
+    def moved() -> None:
+        moves[0] += 1
+        if slow is not None:
+            slow()
+        if slow_load is not None and calling[0].startswith("load"):
+            slow_load()
+
+    return moved, calling
 
 
 def _become_agent(sock: socket.socket, parent: int) -> None:

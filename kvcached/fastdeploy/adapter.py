@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import logging
 import os
 from collections.abc import Callable, Mapping
 from enum import Enum
@@ -28,6 +29,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvcached.fastdeploy.lines import TCP_ONLY, Tree, installed_root, read_tree
+
+log = logging.getLogger("kvcached.fastdeploy")
 
 
 class Barrier(Protocol):
@@ -69,6 +72,8 @@ class FastDeploy(Protocol):
     CacheStatus: type[Enum]
     #: The FastDeploy tree in use (None: none to read; the drop-in then behaves as with e53f5184).
     tree: Tree | None
+    #: FastDeploy's platform, as it tells it (``current_platform.device_name``: "xpu", "gpu", ...; None: unknown).
+    platform: str | None
 
     def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> CacheQueue:
         """Join the engine's cache queue as client ``client_id`` of ``num_client``. ``address`` is
@@ -95,6 +100,17 @@ def queue_address(
     return rule.address(address[0], address[1], environ)
 
 
+def fastdeploy_platform() -> str | None:
+    """The platform FastDeploy runs on here, as its own ``fastdeploy.platforms.current_platform`` tells it
+    (it asks paddle what it was compiled for: ``platforms/__init__.py``); None when that cannot be read."""
+    try:
+        platforms: Any = importlib.import_module("fastdeploy.platforms")
+        return str(platforms.current_platform.device_name)
+    except Exception as exc:  # FastDeploy's own import failing: say so, decide nothing on it
+        log.warning("cannot tell FastDeploy's platform (fastdeploy.platforms): %s", exc)
+        return None
+
+
 class RealFastDeploy:
     """The adapter on a FastDeploy host: FastDeploy's own modules (``pip install fastdeploy-xpu``)."""
 
@@ -110,6 +126,7 @@ class RealFastDeploy:
         root = installed_root()
         with contextlib.suppress(FileNotFoundError):  # a package without the transfer manager: e53f5184's rule
             self.tree = read_tree(root) if root is not None else None
+        self.platform = fastdeploy_platform()
         self._keep: list[Any] = []
 
     def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> CacheQueue:

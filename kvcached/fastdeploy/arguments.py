@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,28 @@ def group_ranks(args: argparse.Namespace) -> list[int]:
     return list(range(first, first + args.mp_num))
 
 
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable ``name`` (``default`` when unset). Raises ``InvalidSpec`` naming
+    the variable for anything but a number > 0."""
+    raw = os.environ.get(name)
+    try:
+        value = float(raw) if raw is not None else default
+    except ValueError:
+        raise InvalidSpec(name, f"must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise InvalidSpec(name, f"must be > 0 seconds, got {value:g}")
+    return value
+
+
+def mtp_names_differ(dp_id: int, tp_rank: int, rank: int) -> str:
+    """Why MTP cannot run in data-parallel group ``dp_id`` > 0: its proposer attaches by FastDeploy's names."""
+    return (
+        f"data-parallel group {dp_id} with MTP: FastDeploy's MTP proposer attaches its layers by name, "
+        f"key_caches_<layer>_rank{tp_rank}.device<d> (spec_decode/mtp.py), while kvcached exports rank {rank}'s as "
+        f"key_caches_<layer>_rank{rank}.device<d>; run MTP with one data-parallel group, or without kvcached"
+    )
+
+
 def store_key(fd_key: str, key_prefix: str) -> bytes:
     """The kvcached store key of a FastDeploy block hash (a ``ReadStorageTask`` / ``WriteStorageTask``
     key): BLAKE2b-256 of ``b"fastdeploy\\0" + key_prefix + b"\\0" + key``. FastDeploy names the per-rank
@@ -100,17 +122,38 @@ def store_key(fd_key: str, key_prefix: str) -> bytes:
     return hashlib.blake2b(b"fastdeploy\0" + key_prefix.encode() + b"\0" + fd_key.encode(), digest_size=32).digest()
 
 
-def key_prefix(model_path: str | None) -> str:
-    """FastDeploy's key prefix: the first two ``-`` parts of ``version`` in ``<model_path>/version.yaml``
-    (``get_key_prefix_from_version``), or "" without one."""
+def key_prefix(model_path: str | None) -> str | None:
+    """FastDeploy's key prefix: the first two ``-`` parts of ``version`` in ``<model_path>/version.yaml``, read
+    as FastDeploy reads it (``get_key_prefix_from_version``: ``yaml.safe_load``, e53f5184
+    ``cache_transfer_manager.py`` ~136-143); None without a model path or that file (FastDeploy then keeps
+    the prefix it has, "" at start: ``_update_key_prefix`` ~378-385). Raises ``InvalidSpec`` naming
+    ``model_path`` where FastDeploy's own reading would fail, and when PyYAML is missing (any other reading
+    could name the weights' KV differently from FastDeploy's)."""
     if not model_path:
-        return ""
+        return None
+    path = Path(model_path) / "version.yaml"
     try:
-        text = (Path(model_path) / "version.yaml").read_text()
-    except OSError:
-        return ""
-    match = re.search(r"^version:\s*['\"]?([^'\"\n]+)", text, re.MULTILINE)
-    return "-".join(match.group(1).strip().split("-", 2)[:2]) if match else ""
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidSpec("model_path", f"{path}: cannot be read: {exc}") from None
+    try:
+        import yaml
+    except ImportError:
+        raise InvalidSpec(
+            "model_path",
+            f"{path} exists, and FastDeploy reads it with yaml.safe_load: install PyYAML (pip install pyyaml) "
+            "where the drop-in runs, as FastDeploy needs it too",
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidSpec("model_path", f"{path} is not YAML FastDeploy can read: {exc}") from None
+    version = data.get("version") if isinstance(data, dict) else None
+    if not isinstance(version, str):
+        raise InvalidSpec("model_path", f"{path}: 'version' must be a string, got {version!r:.80}")
+    return "-".join(version.split("-", 2)[:2])
 
 
 def _shape(name: str, text: str) -> list[int]:

@@ -12,6 +12,11 @@ this order:
 - ``fastdeploy_runner``: the XPU runner's condition (file, line, expression), whether it equals the fixed
   one, and a failure naming the double allocation when, for this daemon's configuration, an unpatched
   runner would create its own cache.
+- ``fastdeploy_messager`` (only when the launcher is patched and the splitwise cache messager is not): a
+  failure naming the double allocation for a daemon in a prefill or decode role, else a warning.
+- ``fastdeploy_platform`` (only when the installed paddle or FastDeploy distribution names it): ok on
+  XPU; a failure elsewhere, naming what FastDeploy's GPU runner does (kvcached has no GPU device backend,
+  and the drop-in refuses to serve there).
 - ``fastdeploy_v1_cache_manager`` (only with ``ENABLE_V1_KVCACHE_MANAGER`` set, on a line that has it): a
   warning: FastDeploy then starts no transfer manager, so kvcached's CPU pool and store serve nothing.
 
@@ -20,6 +25,8 @@ Nothing of FastDeploy is imported: its files are read (``kvcached.fastdeploy.lin
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +35,16 @@ from typing import Any
 from kvcached.checks import FAIL, OK, WARN, Check
 from kvcached.fastdeploy import guard
 from kvcached.fastdeploy.condition import Unknown
-from kvcached.fastdeploy.lines import KNOWN_LINES, V1_VARIABLE, Tree, installed_root, patch_dir, read_tree
+from kvcached.fastdeploy.lines import (
+    KNOWN_LINES,
+    MESSAGER,
+    V1_VARIABLE,
+    Line,
+    Tree,
+    installed_root,
+    patch_dir,
+    read_tree,
+)
 from kvcached.protocol.spec import CacheSpec
 
 #: ``--fastdeploy`` values that are not paths.
@@ -52,8 +68,8 @@ def checks(spec: CacheSpec, where: str | None = AUTO, environ: Mapping[str, str]
         advice = "give --fastdeploy a FastDeploy checkout (the directory holding fastdeploy/) or its installed package"
         return [Check("fastdeploy_line", FAIL, str(exc), {"path": str(root)}, advice)]
     found = [check_line(tree), check_patch(tree), check_queue(tree, environ), check_runner(tree, spec)]
-    v1 = check_v1(tree, environ)
-    return found + ([v1] if v1 is not None else [])
+    more = (check_messager(tree, spec), check_platform(tree, spec, installed_platform()), check_v1(tree, environ))
+    return found + [check for check in more if check is not None]
 
 
 def check_line(tree: Tree) -> Check:
@@ -63,8 +79,11 @@ def check_line(tree: Tree) -> Check:
         "line_commit": tree.line.commit if tree.line else None,
         "version": tree.version,
         "commit": tree.commit,
+        "told_by": tree.told_by,
     }
-    extra = ", ".join(x for x in (tree.version, f"at commit {tree.commit[:9]}" if tree.commit else None) if x)
+    told = "told by its git commit" if tree.told_by == "commit" else "told by its files"
+    at = f"at commit {tree.commit[:9]}" if tree.commit else None
+    extra = ", ".join(x for x in (tree.version, at, told if tree.line else None) if x)
     figure = f"FastDeploy {tree.line_name} at {tree.root}" + (f" ({extra})" if extra else "")
     if tree.line is not None:
         return Check("fastdeploy_line", OK, figure, measured)
@@ -80,6 +99,8 @@ def check_line(tree: Tree) -> Check:
 
 
 def check_patch(tree: Tree) -> Check:
+    if tree.foreign is not None:
+        return _foreign_patch(tree, tree.foreign)
     if tree.line is None or tree.patch is None:
         measured: dict[str, Any] = {"patch": None}
         measured.update(launcher_patched=tree.launcher_patched, runner_patched=tree.runner_patched)
@@ -107,6 +128,16 @@ def check_patch(tree: Tree) -> Check:
         "without it the engine starts its own cache_transfer_manager.py, which allocates the whole cache beside "
         "kvcached's"
     )
+    return Check("fastdeploy_patch", FAIL, figure, measured, advice)
+
+
+def _foreign_patch(tree: Tree, foreign: Line) -> Check:
+    """Another line's patch applied to this tree: a failure, whatever it changes (each line's patch is made,
+    and its hooks run, against that line's files)."""
+    own = tree.line.patch if tree.line is not None else "the patch of its line"
+    figure = f"{foreign.patch} (for FastDeploy {foreign.name}) is applied to this {tree.line_name} tree"
+    measured = {"patch": foreign.patch, "state": "another line's patch", "line": foreign.name}
+    advice = f"apply {own} to a clean checkout of this tree (git checkout -- fastdeploy, then git apply)"
     return Check("fastdeploy_patch", FAIL, figure, measured, advice)
 
 
@@ -161,6 +192,50 @@ def check_runner(tree: Tree, spec: CacheSpec) -> Check:
         advice = "not for this daemon's configuration; apply the patch before changing it"
         return Check("fastdeploy_runner", WARN, figure, measured, advice)
     return Check("fastdeploy_runner", OK, f"{own}: equals the fixed condition", measured)
+
+
+def check_messager(tree: Tree, spec: CacheSpec) -> Check | None:
+    """The splitwise cache messager, when the launcher starts the drop-in but the messager is not patched."""
+    if tree.messager_patched or not tree.launcher_patched:
+        return None
+    measured = {"path": MESSAGER, "patched": False, "role": spec.splitwise_role}
+    double = guard.messager_double(tree, spec.splitwise_role)
+    if double is not None:
+        return Check("fastdeploy_messager", FAIL, double, measured, "apply the patch whole (fastdeploy_patch above)")
+    figure = f"{MESSAGER} is not patched: in a prefill or decode role it allocates the whole cache beside kvcached's"
+    return Check("fastdeploy_messager", WARN, figure, measured, "apply the patch whole before using a splitwise role")
+
+
+#: The distributions that tell FastDeploy's platform without importing paddle (first found wins).
+PLATFORM_DISTRIBUTIONS = (
+    ("paddlepaddle-xpu", "xpu"),
+    ("fastdeploy-xpu", "xpu"),
+    ("paddlepaddle-gpu", "gpu"),
+    ("fastdeploy-gpu", "gpu"),
+)
+
+
+def installed_platform() -> tuple[str, str] | None:
+    """(platform, the distribution that says so), from the installed paddle or FastDeploy build; None."""
+    for distribution, platform in PLATFORM_DISTRIBUTIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.version(distribution)
+            return platform, distribution
+    return None
+
+
+def check_platform(tree: Tree, spec: CacheSpec, found: tuple[str, str] | None) -> Check | None:
+    """FastDeploy's platform here (``found``), and what its runner for it does with kvcached's cache."""
+    if found is None:
+        return None
+    platform, distribution = found
+    measured = {"platform": platform, "distribution": distribution}
+    config = guard.engine_config(spec.num_cpu_blocks, spec.storage_backend, spec.splitwise_role)
+    refusal = guard.platform_refusal(tree, platform, config)
+    if refusal is None:
+        return Check("fastdeploy_platform", OK, f"FastDeploy runs on {platform} ({distribution} installed)", measured)
+    advice = "run FastDeploy on a Kunlun XPU host to use kvcached; the drop-in refuses to serve on this one"
+    return Check("fastdeploy_platform", FAIL, f"{refusal} ({distribution} installed)", measured, advice)
 
 
 def check_v1(tree: Tree, environ: Mapping[str, str]) -> Check | None:

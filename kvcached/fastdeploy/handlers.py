@@ -28,6 +28,7 @@ stores the blocks past the prefix already stored.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,13 +57,14 @@ def block_ids(value: object, what: str) -> list[int]:
 class Handlers:
     """Rank 0's execution of the group's tasks and its answers to control requests."""
 
-    def __init__(self, manager: TransferManager, mover: Mover | None) -> None:
+    def __init__(self, manager: TransferManager, mover: Mover | None, prefix: str = "") -> None:
         self.m, self.mover = manager, mover
         self.status = manager.fd.CacheStatus
-        self.key_prefix = key_prefix(manager.args.model_path)
+        self.key_prefix = prefix
+        self.sleeping = False
 
     def _put(self, item: tuple[Any, ...], copies: int = 1) -> None:
-        with self.m.waits.on("the engine's cache queue (a task result)", self.m.queue_s):
+        with self.m.waits.on("the engine's cache queue (a task result)", self.m.queue_s, engine=True):
             put_results(self.m.queue, [item] * copies)
 
     # -- swaps ----------------------------------------------------------------------------------------
@@ -89,34 +91,43 @@ class Handlers:
     # -- storage --------------------------------------------------------------------------------------
 
     def read(self, task: Any) -> None:
-        """``read_storage_task``: the stored prefix of the task's keys into its first GPU blocks."""
+        """``read_storage_task``: the stored prefix of the task's keys into its first GPU blocks, reported
+        once no rank's part of it can still write (``kvcached.fastdeploy.mover``)."""
         assert self.mover is not None
         keys, gpu_ids = self._task(task)
         gpu_ids = gpu_ids[: len(keys)]  # a key per full block; the last GPU block may hold a partial one
-        done = self.mover.load([store_key(k, self.key_prefix) for k in keys], gpu_ids, self._timeout(task))
-        loaded = gpu_ids[: done.blocks] if done.outcome is Outcome.MOVED else []
-        self._storage_failed("read", task, done)
+        store_keys = [store_key(k, self.key_prefix) for k in keys]
+        done = self.mover.load(store_keys, gpu_ids, self._timeout(task), f"storage read {task.task_id!r}")
+        if self._end_if_unservable(done):
+            return
+        loaded = gpu_ids[: done.blocks]
+        self._storage_failed("read", task, done, len(loaded))
         result = (self.status.STORAGE2GPU, task.task_id, task.keys, loaded)  # type: ignore[attr-defined]
         self._put(result, copies=self.m.n_ranks)  # the engine waits for one per rank and takes the shortest
-        self._end_if_unservable(done)
 
     def write(self, task: Any) -> None:
-        """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store."""
+        """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store;
+        reported once no rank's part of it still runs (a late put would store whatever the engine has since
+        put in those blocks under the task's keys)."""
         assert self.mover is not None
         keys, gpu_ids = self._task(task)
         if len(keys) != len(gpu_ids):
             raise Malformed(f"{len(keys)} keys for {len(gpu_ids)} GPU blocks")
         store_keys = [store_key(k, self.key_prefix) for k in keys]
-        stored = self.mover.stored(store_keys, self._timeout(task))
+        seconds, started = self._timeout(task), time.monotonic()
+        stored = self.mover.stored(store_keys, seconds)
         done = Done(Outcome.MOVED)
         if stored < len(keys):
-            done = self.mover.store(store_keys[stored:], gpu_ids[stored:], self._timeout(task))
-        self._storage_failed("write", task, done)
-        written = gpu_ids[stored:] if done.outcome is Outcome.MOVED else []
+            left = max(seconds - (time.monotonic() - started), 0.001)
+            what = f"storage write {task.task_id!r}"
+            done = self.mover.store(store_keys[stored:], gpu_ids[stored:], left, what)
+        if self._end_if_unservable(done):
+            return
+        written = gpu_ids[stored : stored + done.blocks]
+        self._storage_failed("write", task, done, len(written))
         held = gpu_ids[: stored + len(written)]  # 2.6: every rank reports what the store holds
         for report in storage_write_reports(self.m.fd.tree, self.m.n_ranks, held, written):
             self._put((self.status.GPU2STORAGE, task.task_id, task.keys, report))  # type: ignore[attr-defined]
-        self._end_if_unservable(done)
 
     @staticmethod
     def _task(task: Any) -> tuple[list[str], list[int]]:
@@ -129,13 +140,16 @@ class Handlers:
         timeout = getattr(task, "timeout", None)
         return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else self.m.task_s
 
-    def _storage_failed(self, what: str, task: Any, done: Done) -> None:
+    def _storage_failed(self, what: str, task: Any, done: Done, blocks: int) -> None:
         if done.outcome is not Outcome.MOVED:
-            log.error("storage %s %r not done: %s; reported with no block", what, task.task_id, done.why)
+            log.error("storage %s %r not done: %s; reported with %d block(s)", what, task.task_id, done.why, blocks)
 
-    def _end_if_unservable(self, done: Done) -> None:
+    def _end_if_unservable(self, done: Done) -> bool:
+        """End the rank, reporting nothing, when a part may still write (or the rank cannot be served)."""
         if done.outcome is Outcome.UNSERVABLE:
             self.m.end(done.why)
+            return True
+        return False
 
     # -- control --------------------------------------------------------------------------------------
 
@@ -162,8 +176,11 @@ class Handlers:
         self.m.respond(self.m.fd.control_response(request.request_id, code, message))
 
     def refresh_key_prefix(self) -> None:
-        """The weights' version may have changed (``update_weights``, ``resume``): new weights, new keys."""
-        self.key_prefix = key_prefix(self.m.args.model_path)
+        """The weights' version may have changed (``update_weights``, ``resume``): new weights, new keys. As
+        FastDeploy's ``_update_key_prefix``, the prefix stays as it is while there is no version.yaml."""
+        found = key_prefix(self.m.args.model_path)
+        if found is not None:
+            self.key_prefix = found
 
     def _sleep(self) -> str:
         return (

@@ -34,6 +34,9 @@ from kvcached.fastdeploy.condition import RUNNER, RunnerCondition, read_conditio
 
 MANAGER = "fastdeploy/cache_manager/cache_transfer_manager.py"
 LAUNCHER = "fastdeploy/cache_manager/prefix_cache_manager.py"
+#: The splitwise cache messager: it allocates the whole cache unless kvcached's hunk is in it.
+MESSAGER = "fastdeploy/cache_manager/cache_messager.py"
+GPU_RUNNER = "fastdeploy/worker/gpu_model_runner.py"
 ENVS = "fastdeploy/envs.py"
 SHM_VARIABLE = "FD_ENGINE_TASK_QUEUE_WITH_SHM"
 V1_VARIABLE = "ENABLE_V1_KVCACHE_MANAGER"
@@ -115,7 +118,7 @@ class Tree:
 
     root: Path
     line: Line | None
-    #: The state of ``line``'s patch in this tree (None when no patch fits or none was found).
+    #: The state of ``line``'s patch in this tree (None when no line was told or no patch was found).
     patch: patchfile.PatchState | None
     queue: QueueRule
     runner: RunnerCondition
@@ -129,6 +132,14 @@ class Tree:
     has_v1_cache_manager: bool
     version: str | None = None
     commit: str | None = None
+    #: The splitwise cache messager attaches kvcached's cache when KVCACHED_INSTANCE is set (else it allocates).
+    messager_patched: bool = False
+    #: The GPU runner's own condition (kvcached's patches leave it as it is: no GPU device backend).
+    gpu_runner: RunnerCondition | None = None
+    #: How ``line`` was told: "commit" (the checkout's git commit) or "files" (its patch fits them best).
+    told_by: str = "files"
+    #: Another line's kvcached patch, applied to this tree (a patch of the wrong line).
+    foreign: Line | None = None
 
     @property
     def line_name(self) -> str:
@@ -198,21 +209,38 @@ def _guarded_by_rank0(function: ast.FunctionDef) -> bool:
     return bool(visit(function, False))
 
 
-def _identify(root: Path) -> tuple[Line | None, patchfile.PatchState | None]:
-    """The known line whose patch fits the tree, hunk for hunk, nearest to where the patch puts its hunks
-    (two lines may share hunks; only at its own commit are a patch's offsets all 0), and that patch's state."""
+def _states(root: Path) -> dict[Line, patchfile.PatchState]:
+    """Each known line's patch read against the tree (lines whose patch file is not found are left out)."""
     directory = patch_dir()
     if directory is None:
-        return None, None
-    fitting = []
-    for line in KNOWN_LINES:
-        path = directory / line.patch
-        if path.is_file() and (found := patchfile.state(root, path)).fits:
-            fitting.append((found.distance, line, found))
-    if not fitting:
-        return None, None
-    _, line, found = min(fitting, key=lambda item: item[0])
-    return line, found
+        return {}
+    return {
+        line: patchfile.state(root, directory / line.patch)
+        for line in KNOWN_LINES
+        if (directory / line.patch).is_file()
+    }
+
+
+def _by_files(states: dict[Line, patchfile.PatchState]) -> Line | None:
+    """The line whose patch sits nearest where it was made to sit (two lines share hunks; only at its own
+    commit are a patch's offsets all 0), among those whose hunks are mostly found, applied or applicable
+    (a tree carrying another line's patch still has its own line's context around it)."""
+    candidates = []
+    for line, found in states.items():
+        hunks = [state for states in found.files.values() for state in states]
+        placed = sum(state in (patchfile.APPLIED, patchfile.APPLICABLE) for state in hunks)
+        if hunks and 2 * placed >= len(hunks):
+            candidates.append((found.distance, -placed, line.commit, line))
+    return min(candidates)[-1] if candidates else None
+
+
+def _identify(states: dict[Line, patchfile.PatchState], commit: str | None) -> tuple[Line | None, str, Line | None]:
+    """The tree's line (by its git commit when it is one of the known lines', else by its files), how it was
+    told, and another line whose patch is applied to it."""
+    by_commit = next((line for line in KNOWN_LINES if commit and commit.startswith(line.commit)), None)
+    line = by_commit or _by_files(states)
+    foreign = next((other for other, found in states.items() if other != line and found.verdict == "applied"), None)
+    return line, "commit" if by_commit else "files", foreign
 
 
 def _git_commit(root: Path) -> str | None:
@@ -245,18 +273,23 @@ def installed_root() -> Path | None:
     return None
 
 
+def _patched(root: Path, states: list[patchfile.PatchState], relative: str, markers: tuple[str, ...]) -> bool:
+    """Whether kvcached's calls are in ``relative``: a known patch's hunks of it are all applied there, or,
+    with no known patch to read it by, kvcached's markers are in it."""
+    if states:
+        return any(found.file_applied(relative) for found in states)
+    text = _read(root, relative)
+    return "KVCACHED_INSTANCE" in text and any(marker in text for marker in markers)
+
+
 def read_tree(path: Path) -> Tree:
     """Describe the FastDeploy tree at ``path`` (see ``find_root``)."""
     root = find_root(path)
-    line, patch = _identify(root)
-    runner_text = _read(root, RUNNER)
-    if patch is not None:
-        runner_patched, launcher_patched = patch.file_applied(RUNNER), patch.file_applied(LAUNCHER)
-    else:  # no known patch fits: kvcached's markers, whatever put them there
-        runner_patched = "KVCACHED_INSTANCE" in runner_text and (
-            "runner_client" in runner_text or "kvcached." in runner_text
-        )
-        launcher_patched = "kvcached.fastdeploy.transfer_manager" in _read(root, LAUNCHER)
+    commit = _git_commit(root)
+    states = _states(root)
+    line, told_by, foreign = _identify(states, commit)
+    patch = states.get(line) if line is not None else None
+    known = [states[found] for found in (line, foreign) if found is not None and found in states]
     version = _read(root, "fastdeploy/version.txt").strip().splitlines()
     return Tree(
         root=root,
@@ -264,12 +297,16 @@ def read_tree(path: Path) -> Tree:
         patch=patch,
         queue=read_queue_rule(root),
         runner=read_condition(root),
-        runner_patched=runner_patched,
-        launcher_patched=launcher_patched,
+        runner_patched=_patched(root, known, RUNNER, ("runner_client", "kvcached.")),
+        launcher_patched=_patched(root, known, LAUNCHER, ("kvcached.fastdeploy.transfer_manager",)),
+        messager_patched=_patched(root, known, MESSAGER, ("kvcached.fastdeploy.runner",)),
         writes_reported_by_every_rank=_every_rank_reports_writes(root),
         has_v1_cache_manager=f'"{V1_VARIABLE}"' in _read(root, ENVS),
         version=version[0] if version else None,
-        commit=_git_commit(root),
+        commit=commit,
+        gpu_runner=read_condition(root, GPU_RUNNER),
+        told_by=told_by,
+        foreign=foreign,
     )
 
 

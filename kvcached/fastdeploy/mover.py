@@ -6,17 +6,34 @@ FastDeploy's engine reads one result per swap, put by the manager of rank 0 for 
 the other ranks' copies happened. Here rank 0's drop-in moves the blocks of every rank of its group
 (one ``CacheTasks`` task per rank, all in flight at once), so what it reports is what happened.
 
+**Nothing is reported while a rank's part may still write.** A task is reported only once every rank's
+part of it has ended: its worker answered (a worker answers a store call only once the call can no longer
+write: ``kvcached.daemon.store_agent`` kills a timed-out agent before it fails the task), or its worker died
+(``TaskLost``). FastDeploy's own managers meet at a barrier before rank 0 reports (``read_storage_task``
+~820-824, ``write_back_storage_task`` ~1003-1009); the drop-in waits for every part likewise, whatever
+the first to end said. A part that has not ended ``deadline_s`` after the task's own deadline makes the
+rank unservable: the drop-in ends without reporting it, and the patched engine stops, so that no block it
+may still write is used or reused.
+
+**Storage tasks are moved in chunks and cut off at their deadline** (``ReadStorageTask.timeout`` /
+``WriteStorageTask.timeout``, 30 s by default; FastDeploy's own manager does not bound them: "TODO:
+support timeout with actual block count", ~795). The first chunk is ``FIRST_CHUNK`` blocks, each next one at
+most twice the last and small enough to end, at the pace of the last, within half the time left; past
+the deadline no chunk is sent, the one in flight ends, and the blocks every rank moved so far are what the
+task did (a read reports them loaded, the rest not). A slow store costs the task its blocks, never the rank.
+
 A task is tried until it moves or its deadline passes. A swap is idempotent as FastDeploy issues it: the
 engine recycles neither the source nor the target blocks before it has read the result
 (``prefix_cache_manager.py`` ``_handle_swap_result`` ~2090-2138), so a copy cut off by a daemon restart,
 an adoption or a worker's replacement (``TaskLost``), or sent while no daemon ran (``DaemonGone`` with
-the memory still the one the drop-in started on), is simply sent again. ``Done.outcome`` says how it ended:
+the memory still the one the drop-in started on), is simply sent again; so is a chunk of a load or a store
+(the same keys, the same blocks). ``Done.outcome`` says how it ended:
 
-* ``MOVED``: every rank of the group moved it;
-* ``REFUSED``: kvcached refused it before anything moved (``InvalidTask``), or the store failed it: the
-  task is not done, the rank serves on;
-* ``UNSERVABLE``: the rank cannot be served (its memory was made anew, the rank FAILED, or the deadline
-  passed while the daemon was away): the drop-in ends after reporting what it safely can.
+* ``MOVED``: every rank of the group moved it (a storage task: ``Done.blocks`` leading blocks of it);
+* ``REFUSED``: kvcached refused it (``InvalidTask``), or the store failed it: the task (or the rest of a
+  storage task past ``Done.blocks``) is not done, the rank serves on;
+* ``UNSERVABLE``: the rank cannot be served (its memory was made anew, the rank FAILED, the deadline passed
+  while the daemon was away, or a part did not end): the drop-in ends after reporting what it safely can.
 """
 
 from __future__ import annotations
@@ -36,7 +53,6 @@ from kvcached.protocol.errors import (
     KVCacheError,
     RankFailed,
     StoreUnavailable,
-    TaskFailed,
     TaskLost,
     TaskTimeout,
 )
@@ -46,6 +62,13 @@ log = logging.getLogger("kvcached.fastdeploy")
 
 #: Pause between two tries while the daemon is away.
 RETRY_S = 0.05
+#: Blocks of a storage task's first chunk (each next chunk: at most twice the last).
+FIRST_CHUNK = 2
+#: Seconds between two log lines while a part past its task's deadline is waited for.
+LOG_EVERY_S = 5.0
+
+#: Sends one rank's part of a task: ``submit(rank, timeout)``.
+Submit = Callable[[int, float], rc.TaskHandle]
 
 
 class Outcome(enum.Enum):
@@ -56,15 +79,37 @@ class Outcome(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Done:
-    """How a task ended: the outcome, the blocks every rank moved (loads: the fewest), and why not."""
+    """How a task ended: the outcome, the blocks every rank moved (loads: the fewest; storage tasks: the
+    leading blocks moved whatever the outcome), and why not."""
 
     outcome: Outcome
     blocks: int = 0
     why: str = ""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Deadlines:
+    """``soft``: no try (chunk) starts after it; ``hard``: a part still running then makes the rank
+    unservable. ``seconds``: the task's own deadline, as the log names it."""
+
+    soft: float
+    hard: float
+    seconds: float
+    what: str
+
+
+@dataclasses.dataclass(slots=True)
+class _Round:
+    """One try of a task on the group's ranks, once each part ended (or ``running``: did not by ``hard``)."""
+
+    results: dict[int, rc.TaskResult] = dataclasses.field(default_factory=dict)
+    errors: dict[int, KVCacheError] = dataclasses.field(default_factory=dict)
+    running: list[int] = dataclasses.field(default_factory=list)
+
+
 class Mover:
-    """The group's kvcached client (rank 0's drop-in). ``ranks``: the kvcached ranks of the group."""
+    """The group's kvcached client (rank 0's drop-in). ``ranks``: the kvcached ranks of the group;
+    ``deadline_s``: a swap's deadline, and how long a part may run past a storage task's own."""
 
     def __init__(self, instance: str, ranks: Sequence[int], deadline_s: float) -> None:
         self.instance, self.ranks, self.deadline_s = instance, list(ranks), deadline_s
@@ -78,54 +123,152 @@ class Mover:
 
     def swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Done:
         """Device blocks to CPU pool blocks (``out``) or back, on every rank of the group."""
+        end = time.monotonic() + self.deadline_s
+        deadlines = _Deadlines(end, end, self.deadline_s, f"swap {'out' if out else 'in'}")
         if out:
-            return self._attempts(lambda r, t: self.tasks.submit(self.tasks.swap_out, r, gpu_ids, cpu_ids, timeout=t))
-        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.swap_in, r, cpu_ids, gpu_ids, timeout=t))
+            return self._attempts(
+                lambda r, t: self.tasks.submit(self.tasks.swap_out, r, gpu_ids, cpu_ids, timeout=t), deadlines
+            )
+        return self._attempts(
+            lambda r, t: self.tasks.submit(self.tasks.swap_in, r, cpu_ids, gpu_ids, timeout=t), deadlines
+        )
 
-    def load(self, keys: list[bytes], gpu_ids: list[int], timeout: float) -> Done:
-        """The longest prefix of ``keys`` every rank has stored into ``gpu_ids``; ``blocks``: how many (the
-        fewest of any rank: the blocks past it are not reported, whatever a rank wrote there)."""
-        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.load, r, keys, gpu_ids, timeout=t), timeout)
+    def load(self, keys: list[bytes], gpu_ids: list[int], seconds: float, what: str = "storage read") -> Done:
+        """The longest prefix of ``keys`` every rank has stored, into ``gpu_ids``, within ``seconds``;
+        ``blocks``: how many (the fewest of any rank: the blocks past it are not reported, whatever a rank
+        wrote there before every part ended)."""
 
-    def store(self, keys: list[bytes], gpu_ids: list[int], timeout: float) -> Done:
-        """``gpu_ids`` into the store under ``keys`` on every rank (a key stored already is left as it is)."""
-        return self._attempts(lambda r, t: self.tasks.submit(self.tasks.store, r, gpu_ids, keys, timeout=t), timeout)
+        def submit(start: int, end: int) -> Submit:
+            return lambda r, t: self.tasks.submit(self.tasks.load, r, keys[start:end], gpu_ids[start:end], timeout=t)
+
+        return self._chunked(submit, len(keys), seconds, what)
+
+    def store(self, keys: list[bytes], gpu_ids: list[int], seconds: float, what: str = "storage write") -> Done:
+        """``gpu_ids`` into the store under ``keys`` on every rank (a key stored already is left as it is),
+        within ``seconds``; ``blocks``: the leading blocks every rank stored."""
+
+        def submit(start: int, end: int) -> Submit:
+            return lambda r, t: self.tasks.submit(self.tasks.store, r, gpu_ids[start:end], keys[start:end], timeout=t)
+
+        return self._chunked(submit, len(keys), seconds, what)
 
     def stored(self, keys: list[bytes], timeout: float) -> int:
-        """How many leading ``keys`` every rank has stored (0 when the store cannot say)."""
+        """How many leading ``keys`` every rank has stored (0 when the store cannot say). A lookup writes
+        nothing, so one that does not answer in time is simply not waited for."""
         try:
             return self.tasks.lookup(keys, timeout=timeout)
         except KVCacheError as exc:
             log.warning("storage lookup failed: %s", exc)
             return 0
 
-    # -- tries ------------------------------------------------------------------------------------------
+    # -- chunks and tries -------------------------------------------------------------------------------
 
-    def _attempts(self, submit: Callable[[int, float], rc.TaskHandle], seconds: float | None = None) -> Done:
-        deadline = time.monotonic() + (self.deadline_s if seconds is None else min(seconds, self.deadline_s))
+    def _chunked(self, submit: Callable[[int, int], Submit], total: int, seconds: float, what: str) -> Done:
+        """A storage task in chunks (see the module docstring): the leading blocks every rank moved."""
+        now = time.monotonic()
+        deadlines = _Deadlines(now + seconds, now + seconds + self.deadline_s, seconds, what)
+        moved, size, why = 0, FIRST_CHUNK, ""
+        while moved < total:
+            left = deadlines.soft - time.monotonic()
+            if left <= 0:
+                why = f"cut off at its deadline ({seconds:g}s): {moved} of {total} blocks moved on every rank"
+                log.warning("%s: %s; the rest is reported not done", what, why)
+                break
+            start, end = moved, min(total, moved + size)
+            started = time.monotonic()
+            done = self._attempts(submit(start, end), deadlines, exhausted=Outcome.REFUSED)
+            if done.outcome is not Outcome.MOVED:
+                return Done(done.outcome, moved, done.why)
+            moved += done.blocks
+            if done.blocks < end - start:
+                break  # a rank's stored prefix ends here: nothing past it can be moved
+            pace = (time.monotonic() - started) / done.blocks
+            fits = int((deadlines.soft - time.monotonic()) / (2 * pace)) if pace > 0 else 2 * size
+            size = max(1, min(2 * size, fits))
+        return Done(Outcome.MOVED, moved, why)
+
+    def _attempts(self, submit: Submit, deadlines: _Deadlines, exhausted: Outcome = Outcome.UNSERVABLE) -> Done:
+        """Try the task on every rank until it ends (see ``_verdict``) or ``deadlines.soft`` passes: then
+        ``exhausted`` (a swap's rank is unservable; a storage task is not done)."""
         last = ""
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadlines.soft - time.monotonic()) > 0:
+            turn = self._round(submit, left, deadlines)
+            if turn.running:
+                why = (
+                    f"rank(s) {turn.running}' part of a {deadlines.what} has not ended {self.deadline_s:g}s past the "
+                    f"task's deadline ({deadlines.seconds:g}s): it may still write into its blocks"
+                )
+                return Done(Outcome.UNSERVABLE, why=why)
+            verdict, last = self._verdict(turn)
+            if verdict is not None:
+                return verdict
+        why = f"not done within {deadlines.seconds:g}s (its deadline): {last or 'no daemon'}"
+        return Done(exhausted, why=why)
+
+    def _round(self, submit: Submit, left: float, deadlines: _Deadlines) -> _Round:
+        """Send the task to every rank (stopping at the first that cannot be sent to) and wait until every
+        part sent has ended, however the first to end did."""
+        turn = _Round()
+        handles: dict[int, rc.TaskHandle] = {}
+        for rank in self.ranks:
             try:
-                handles = [submit(rank, left) for rank in self.ranks]
-                blocks = min(handle.result(timeout=left).blocks for handle in handles)
-                return Done(Outcome.MOVED, blocks)
-            except InvalidTask as exc:
-                return Done(Outcome.REFUSED, why=f"refused by kvcached: {exc}")
-            except StoreUnavailable as exc:
-                return Done(Outcome.REFUSED, why=f"the store did not answer: {exc}")
-            except RankFailed as exc:
-                return Done(Outcome.UNSERVABLE, why=str(exc))
-            except (TaskLost, TaskTimeout) as exc:
-                last = str(exc)  # cut off by a restart or a replaced worker: sent again
-                log.info("task cut off, sending it again: %s", exc)
-            except DaemonGone as exc:
-                if self._made_anew():
-                    return Done(Outcome.UNSERVABLE, why=f"the daemon made the rank's memory anew: {exc}")
-                last = str(exc)
-                time.sleep(RETRY_S)
-            except TaskFailed as exc:
-                return Done(Outcome.REFUSED, why=str(exc))
-        return Done(Outcome.UNSERVABLE, why=f"not done within {self.deadline_s:g}s: {last or 'no daemon'}")
+                handles[rank] = submit(rank, left)
+            except KVCacheError as exc:
+                turn.errors[rank] = exc
+                break
+        for rank, handle in handles.items():
+            self._settle(rank, handle, deadlines, turn)
+        return turn
+
+    def _settle(self, rank: int, handle: rc.TaskHandle, deadlines: _Deadlines, turn: _Round) -> None:
+        """Wait for ``rank``'s part to end, at most until ``deadlines.hard``, logging while past ``soft``."""
+        while True:
+            now = time.monotonic()
+            until = deadlines.hard if now < deadlines.soft else min(deadlines.hard, now + LOG_EVERY_S)
+            try:
+                turn.results[rank] = handle.result(timeout=max(until - now, 0.001))
+                return
+            except TaskTimeout:
+                now = time.monotonic()
+                if now >= deadlines.hard:
+                    turn.running.append(rank)
+                    return
+                log.warning(
+                    "%s: rank %d's part is %.0fs past the task's deadline (%gs) and has not ended; waiting (at "
+                    "most %.0fs more) before reporting, since it may still write into its blocks",
+                    deadlines.what,
+                    rank,
+                    now - deadlines.soft,
+                    deadlines.seconds,
+                    deadlines.hard - now,
+                )
+            except KVCacheError as exc:  # its worker answered, or died: it writes nothing more
+                turn.errors[rank] = exc
+                return
+
+    def _verdict(self, turn: _Round) -> tuple[Done | None, str]:
+        """What an ended round means: a ``Done``, or None and why to try again."""
+        if not turn.errors:
+            return Done(Outcome.MOVED, min(result.blocks for result in turn.results.values())), ""
+        errors = list(turn.errors.values())
+        for exc in errors:
+            if isinstance(exc, RankFailed):
+                return Done(Outcome.UNSERVABLE, why=str(exc)), ""
+        gone = [exc for exc in errors if isinstance(exc, DaemonGone)]
+        if gone and self._made_anew():
+            return Done(Outcome.UNSERVABLE, why=f"the daemon made the rank's memory anew: {gone[0]}"), ""
+        for exc in errors:
+            if isinstance(exc, InvalidTask):
+                return Done(Outcome.REFUSED, why=f"refused by kvcached: {exc}"), ""
+            if isinstance(exc, StoreUnavailable):
+                return Done(Outcome.REFUSED, why=f"the store did not answer: {exc}"), ""
+            if not isinstance(exc, (TaskLost, DaemonGone)):
+                return Done(Outcome.REFUSED, why=str(exc)), ""
+        # cut off by a restart or a replaced worker, or sent while no daemon ran: sent again
+        log.info("task cut off, sending it again: %s", errors[0])
+        if gone:
+            time.sleep(RETRY_S)
+        return None, str(errors[0])
 
     @staticmethod
     def _memory(found: Published | None) -> dict[int, tuple[int, str, dict[str, Any]]]:

@@ -14,22 +14,18 @@ from typing import Any
 
 
 def take_for_group(queue: Any) -> Any:
-    """The next task, taken for every client at once (None: the queue is empty).
+    """The next task, taken for every client at once (None: the queue is empty), in one proxy call.
 
     ``get_transfer_task`` (~292-315) marks one client's read in ``task_sync_value`` and pops the task once
     every client has read it; ``put_transfer_task`` (~272-290) waits while some but not all have. With rank
-    0 serving the group no other client reads, so taking the head under ``task_lock`` and leaving the mark
-    at 0 is what the last of the clients' reads would do: the engine can put the next task at once."""
-    queue.task_lock.acquire()
+    0 serving the group no client reads with ``get_transfer_task``, so the mark stays 0 and popping the
+    head is what the last of the clients' reads would do: the engine can put the next task at once. The
+    pop runs whole in the queue's server (a proxied list call), so it needs no ``task_lock`` against the
+    engine's append."""
     try:
-        try:
-            data = queue.transfer_task_queue.pop(0)
-        except IndexError:
-            return None
-        queue.task_sync_value.set(0)
-        return data
-    finally:
-        queue.task_lock.release()
+        return queue.transfer_task_queue.pop(0)
+    except IndexError:
+        return None
 
 
 def put_results(queue: Any, items: list[Any]) -> None:

@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 import runner_client as rc
-from kvcached.fastdeploy.arguments import group_ranks
+from kvcached.fastdeploy.arguments import env_seconds, group_ranks, mtp_names_differ
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.instance import read_instance
 from kvcached.protocol.spec import CacheSpec
@@ -39,7 +39,30 @@ def _instance() -> str:
 
 
 def _wait_s() -> float:
-    return float(os.environ.get("KVCACHED_WAIT_S", "600"))
+    """``KVCACHED_WAIT_S`` (600 s), or ``InvalidSpec`` naming it."""
+    return env_seconds("KVCACHED_WAIT_S", 600.0)
+
+
+def kvcached_rank(fd_config: Any, local_rank: int) -> int:
+    """The kvcached rank of the runner of tensor-parallel rank ``local_rank`` (``self.local_rank %
+    tensor_parallel_size``, as the runner passes it): ``local_data_parallel_id * tensor_parallel_size +
+    local_rank``, the rank its drop-in serves (``kvcached.fastdeploy.arguments.group_ranks``: the launcher
+    gives the drop-ins ``--local_data_parallel_id`` and ``--mp_num``; ``postprocess_devices_and_ports``
+    gives the group the devices ``device_ids[dp * tp : (dp + 1) * tp]``, kvcached ranks' devices likewise).
+
+    FastDeploy names a rank's tensors by its tensor-parallel rank (``key_caches_{i}_rank{local_rank}
+    .device{d}``), kvcached's XPU tier by its own rank: the same names with one data-parallel group. The
+    runner attaches through runner_client, which follows kvcached's names; FastDeploy's MTP proposer
+    attaches its layers by FastDeploy's names (``spec_decode/mtp.py`` ~236-290), so MTP with more than one
+    data-parallel group is refused here (``InvalidSpec`` naming ``data_parallel_size``)."""
+    parallel = getattr(fd_config, "parallel_config", None)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    dp_id = int(getattr(parallel, "local_data_parallel_id", 0) or 0)
+    speculative = getattr(fd_config, "speculative_config", None)
+    mtp = int(getattr(speculative, "num_extra_cache_layer", 0) or 0)
+    if dp_id and mtp:
+        raise InvalidSpec("data_parallel_size", mtp_names_differ(dp_id, local_rank, dp_id * tp + local_rank))
+    return dp_id * tp + local_rank
 
 
 def xpu_kv_cache(
@@ -62,8 +85,9 @@ def xpu_kv_cache(
     spec = rc.spec_from_fastdeploy(fd_config, local_rank, num_blocks=num_blocks, platform="xpu")
     if rc.cache_owner(spec) != "daemon":
         return None
-    cache = rc.initialize_kv_cache(spec, local_rank, instance=_instance(), timeout=_wait_s(), framework="paddle")
-    ATTACHED[local_rank] = cache
+    rank = kvcached_rank(fd_config, local_rank)
+    cache = rc.initialize_kv_cache(spec, rank, instance=_instance(), timeout=_wait_s(), framework="paddle")
+    ATTACHED[rank] = cache
     return [t for pair in zip(cache.key_caches, cache.value_caches, strict=True) for t in pair]
 
 

@@ -52,14 +52,17 @@ from kvcached.fastdeploy.arguments import (
     check_against,
     check_store,
     declared_spec,
+    env_seconds,
     group_ranks,
+    key_prefix,
+    mtp_names_differ,
     parse_args,
     store_key,
 )
 from kvcached.fastdeploy.handlers import Handlers, Malformed
 from kvcached.fastdeploy.mover import Mover
 from kvcached.fastdeploy.queue import take_for_group
-from kvcached.fastdeploy.waits import Waits
+from kvcached.fastdeploy.waits import Launcher, Waits
 from kvcached.protocol.errors import (
     CacheLayoutMismatch,
     DaemonGone,
@@ -85,10 +88,13 @@ TASK_S = 60.0
 SLACK_S = 30.0
 #: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often).
 POLL_S = 0.001
-#: Within ``BUSY_S`` of a task, and with none in flight (polling takes CPU from the copies), rank 0 looks
-#: every ``FAST_POLL_S``: the engine often sends the next task at once.
+#: Within ``BUSY_S`` of a task's pick-up or end, with none in flight, rank 0 looks every ``FAST_POLL_S``: the
+#: engine often sends the next task as soon as it has the last one's result.
 FAST_POLL_S = 0.0002
 BUSY_S = 0.05
+#: While a task is in flight rank 0 looks every ``IN_FLIGHT_POLL_S`` (each look is a call of the engine's
+#: queue server, CPU taken from the copies under way), and at once when a task ends.
+IN_FLIGHT_POLL_S = 0.005
 #: Seconds between two looks of a standing-by rank at the engine (is it still there?).
 STANDBY_S = 1.0
 #: Consecutive broken-connection errors after which the engine is taken to be gone.
@@ -99,12 +105,14 @@ _BROKEN = (BrokenPipeError, EOFError, ConnectionResetError, ConnectionRefusedErr
 class TransferManager:
     """One rank's drop-in: see the module docstring."""
 
-    def __init__(self, args: argparse.Namespace, fd: FastDeploy, instance: str, task_s: float = TASK_S) -> None:
+    def __init__(
+        self, args: argparse.Namespace, fd: FastDeploy, instance: str, task_s: float = TASK_S, key_prefix: str = ""
+    ) -> None:
         self.args, self.fd, self.instance = args, fd, instance
         self.rank, self.n_ranks = args.rank, args.mp_num
         self.task_s, self.queue_s = task_s, task_s + SLACK_S
-        self.waits = Waits(self.rank, lambda what, waited: self.end(f"waited {waited:.0f}s for {what}"))
-        with self.waits.on("the engine's cache queue (connecting)", self.queue_s):
+        self.waits = Waits(self.rank, self._expire, Launcher.find())
+        with self.waits.on("the engine's cache queue (connecting)", self.queue_s, engine=True):
             self.queue = fd.cache_queue((args.pod_ip, args.cache_queue_port), self.n_ranks, self.rank)
         suffix, ranks = args.engine_worker_queue_port, args.mp_num
         self.cache_ready = fd.signal("cache_ready_signal", ranks, suffix)
@@ -119,7 +127,8 @@ class TransferManager:
             else []
         )
         mover = Mover(instance, group_ranks(args), task_s) if self.serving else None
-        self.handlers = Handlers(self, mover)
+        self.handlers = Handlers(self, mover, key_prefix)
+        self.kinds = self._kinds()
         self.pools = {
             name: concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
             for name in ("to_cpu", "to_gpu", "read", "write", "control")
@@ -128,6 +137,7 @@ class TransferManager:
         self.last_task = 0.0
         self.inflight = 0
         self.inflight_lock = threading.Lock()
+        self.task_ended = threading.Event()
 
     def announce(self, has_pool: bool) -> None:
         """The rank's cache exists (kvcached's), its swap space too, and this manager is ready."""
@@ -136,6 +146,9 @@ class TransferManager:
             self.swap_space_ready[self.rank] = 1
         self.inited[self.rank] = 1
         log.info("serving FastDeploy's cache tasks of rank %d through kvcached instance %s", self.rank, self.instance)
+
+    def _expire(self, what: str, waited: float) -> None:
+        self.end(f"waited {waited:.0f}s for {what}")
 
     def end(self, why: str) -> None:
         """The rank cannot be served: say why, take back ``cache_transfer_inited_signal`` and exit at once
@@ -155,7 +168,7 @@ class TransferManager:
             put(response)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        with self.waits.on("the engine's cache queue", self.queue_s):
+        with self.waits.on("the engine's cache queue", self.queue_s, engine=True):
             return fn()
 
     def run(self) -> int:
@@ -188,26 +201,39 @@ class TransferManager:
         (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU
         is taken from the copies. The engine sees the same queue, results, flags and control answers."""
         paused = self._mark_inflight()
-        data = None if self._call(self.queue.empty) else self._call(lambda: take_for_group(self.queue))
+        data = self._call(lambda: take_for_group(self.queue))
         if data is None:
-            busy = self.inflight == 0 and time.monotonic() - self.last_task < BUSY_S
-            time.sleep(FAST_POLL_S if busy else POLL_S)
+            self._idle()
             return
         self.last_task = time.monotonic()
         try:
             event, rest = data[0], tuple(data[1:])
             if paused and event.value != self.fd.CacheStatus.CTRL.value:  # type: ignore[attr-defined]
-                return  # as FastDeploy: tasks taken while paused are dropped, only control tasks run
+                self._dropped(event, rest)
+                return
             self._dispatch(event, rest)
         except (TypeError, IndexError, AttributeError, KeyError, ValueError) as exc:
             log.error("ignoring a cache queue item that is not a task (%s): %.200r", exc, data)
+
+    @staticmethod
+    def _dropped(event: Any, rest: tuple[Any, ...]) -> None:
+        """A task taken while paused is dropped, as FastDeploy's own transfer loop drops it (``continue``,
+        ``do_data_transfer`` ~1262-1266), but never silently: the engine waits for its result."""
+        first = rest[0] if rest else None
+        task_id = getattr(first, "task_id", first)
+        log.error(
+            "%s task %r taken while the transfer loop is paused: dropped, as FastDeploy's own manager drops it; "
+            "the engine gets no result for it",
+            getattr(event, "name", event),
+            task_id,
+        )
 
     def _mark_inflight(self) -> bool:
         """The group either finishes what it took before the pause and says so, or says it runs
         (``cache_task_is_paused``, ``cache_task_inflight``: each rank's entry)."""
         self.is_paused_signal[0] = 1 if self.is_paused else 0
         if self.is_paused:
-            with self.waits.on("the tasks in flight (pausing)", self.queue_s):
+            with self.waits.on("the tasks in flight (pausing)", self.queue_s, engine=True):
                 while self.inflight != 0:
                     time.sleep(0.01)
             self.inflight_signal[:] = 0
@@ -215,19 +241,23 @@ class TransferManager:
         self.inflight_signal[:] = 1
         return False
 
-    def _dispatch(self, event: Any, rest: tuple[Any, ...]) -> None:
-        """Hand a task to its pool; raise ``ValueError`` for an item that is no cache task."""
-        status, value = self.fd.CacheStatus, event.value
-        kinds: dict[Any, tuple[str, Callable[..., None], int]] = {
+    def _kinds(self) -> dict[Any, tuple[str, Callable[..., None], int]]:
+        """Each task type's value: its pool, its handler, the fields after its type."""
+        status = self.fd.CacheStatus
+        return {
             status.CTRL.value: ("control", self.handlers.control, 1),  # type: ignore[attr-defined]
             status.SWAP2CPU.value: ("to_cpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
             status.SWAP2GPU.value: ("to_gpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
             status.STORAGE2GPU.value: ("read", self.handlers.read, 1),  # type: ignore[attr-defined]
             status.GPU2STORAGE.value: ("write", self.handlers.write, 1),  # type: ignore[attr-defined]
         }
-        if value not in kinds:
+
+    def _dispatch(self, event: Any, rest: tuple[Any, ...]) -> None:
+        """Hand a task to its pool; raise ``ValueError`` for an item that is no cache task."""
+        found = self.kinds.get(event.value)
+        if found is None:
             raise ValueError(f"unknown cache task type {event!r}")
-        pool, handler, fields = kinds[value]
+        pool, handler, fields = found
         if len(rest) != fields:
             raise ValueError(f"a {event!r} task has {fields} fields after its type, this one {len(rest)}")
         args = (event, rest) if handler == self.handlers.swap else (rest[0],)
@@ -238,12 +268,22 @@ class TransferManager:
             self.inflight += 1
         self.pools[pool].submit(self._counted, handler, *args)
 
+    def _idle(self) -> None:
+        """Until the next look at the queue (see ``POLL_S`` and the constants after it)."""
+        if self.inflight:
+            if self.task_ended.wait(IN_FLIGHT_POLL_S):
+                self.task_ended.clear()
+        else:
+            time.sleep(FAST_POLL_S if time.monotonic() - self.last_task < BUSY_S else POLL_S)
+
     def _counted(self, fn: Callable[..., None], *args: Any) -> None:
         try:
             self._guarded(fn, *args)
         finally:
             with self.inflight_lock:
                 self.inflight -= 1
+            self.last_task = time.monotonic()
+            self.task_ended.set()
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -265,7 +305,7 @@ class TransferManager:
         self.handlers.refresh_key_prefix()
 
     def _wait_inflight(self, target: int) -> None:
-        with self.waits.on(f"cache_task_inflight to reach {target} (the transfer loop)", self.queue_s):
+        with self.waits.on(f"cache_task_inflight to reach {target} (the transfer loop)", self.queue_s, engine=True):
             while int(np.sum(self.inflight_signal)) != target:
                 time.sleep(0.01)
 
@@ -294,6 +334,8 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
     store = _daemon_store(instance, own, wait_s)
     check_store(args, store)  # the store first: a wrong one declares nothing
     declared = declared_spec(args, store)
+    if args.local_data_parallel_id and declared.mtp_layers:
+        raise InvalidSpec("local_data_parallel_id", mtp_names_differ(args.local_data_parallel_id, args.rank, own))
     try:
         for rank in [own] + ([r for r in ranks if r != own] if args.rank == 0 else []):
             rc.wait_until_ready(instance, rank, timeout=wait_s, declare=declared)
@@ -311,14 +353,15 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
     return CacheSpec.from_dict(published), published.get("num_cpu_blocks", 0) > 0
 
 
-def _seconds(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, default))
-    except ValueError:
-        raise InvalidSpec(name, f"must be a number of seconds, got {os.environ.get(name)!r}") from None
-    if not value > 0:
-        raise InvalidSpec(name, f"must be > 0 seconds, got {value:g}")
-    return value
+def _prepare(args: argparse.Namespace, fd: FastDeploy, instance: str) -> tuple[float, bool, str]:
+    """Everything checked before the drop-in joins the queue: the FastDeploy it runs with (``guard``), its
+    settings, the key prefix, kvcached's rank. The task deadline, whether the rank has a CPU pool, the key
+    prefix. Raises what ``main`` turns into an exit status."""
+    guard.refuse(args, fd.tree, fd.platform)  # first: nothing declared to or waited on from the daemon before
+    wait_s, task_s = env_seconds("KVCACHED_WAIT_S", WAIT_S), env_seconds("KVCACHED_TASK_DEADLINE_S", TASK_S)
+    prefix = key_prefix(args.model_path) or ""
+    _, has_pool = attach(args, instance, wait_s)
+    return task_s, has_pool, prefix
 
 
 def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -> int:
@@ -330,22 +373,21 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
     fd = adapter or RealFastDeploy()
     try:
-        guard.refuse(args, fd.tree)  # first: nothing declared to or waited on from the daemon before
-        wait_s, task_s = _seconds("KVCACHED_WAIT_S", WAIT_S), _seconds("KVCACHED_TASK_DEADLINE_S", TASK_S)
-        _, has_pool = attach(args, instance, wait_s)
+        task_s, has_pool, prefix = _prepare(args, fd, instance)
     except (OwnershipConflict, InvalidConfig) as exc:
         log.error("refusing to serve rank %d: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_MISMATCH
     except InvalidSpec as exc:
-        log.error("refusing to serve rank %d: --%s", args.rank, exc)
-        print(f"Error: --{exc}", file=sys.stderr)
+        named = f"{exc}" if exc.field.isupper() else f"--{exc}"  # an environment variable, or an argument
+        log.error("refusing to serve rank %d: %s", args.rank, named)
+        print(f"Error: {named}", file=sys.stderr)
         return EXIT_MISMATCH
     except KVCacheError as exc:
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(args, fd, instance, task_s)
+    manager = TransferManager(args, fd, instance, task_s, prefix)
     manager.announce(has_pool)
     return manager.run()
 

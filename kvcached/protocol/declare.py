@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         if peer_uid != owner_uid:
             raise InvalidSpec("declare", f"{path} is served by uid {peer_uid}, not the daemon's uid {owner_uid}")
         sock.sendall(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")
-        reply = read_message(sock)
+        reply = read_message(sock, timeout)
     except (TimeoutError, ConnectionResetError, BrokenPipeError):
         return False
     finally:
@@ -75,14 +76,25 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
     )
 
 
-def read_message(sock: socket.socket) -> dict[str, Any] | None:
-    """One JSON object ending in a newline (at most ``MAX_MESSAGE`` bytes), or None for anything else."""
+def read_message(sock: socket.socket, seconds: float) -> dict[str, Any] | None:
+    """One JSON object ending in a newline (at most ``MAX_MESSAGE`` bytes), whole within ``seconds`` (else
+    ``TimeoutError``, however the bytes trickle in), or None for anything else."""
+    deadline = time.monotonic() + seconds
     data = b""
     while b"\n" not in data and len(data) <= MAX_MESSAGE:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
         chunk = sock.recv(4096)
         if not chunk:
             break
         data += chunk
+    return parse_message(data)
+
+
+def parse_message(data: bytes) -> dict[str, Any] | None:
+    """The JSON object of ``data``'s first line, or None when it is not one."""
     try:
         message = json.loads(data.split(b"\n", 1)[0])
     except ValueError:

@@ -198,14 +198,16 @@ def engine_and_daemon(
     *,
     daemon_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    daemon_env: dict[str, str] | None = None,
     **geometry: Any,
 ) -> Iterator[tuple[EngineProcess, Any]]:
-    """A 2-rank daemon (by default ``--geometry engine`` with a file store) and FastDeploy's engine code (its
-    environment, and so the drop-ins', with ``env`` added)."""
+    """A 2-rank daemon (by default ``--geometry engine`` with a file store; its environment with
+    ``daemon_env`` added) and FastDeploy's engine code (its environment, and so the drop-ins', with ``env``
+    added)."""
     fastdeploy_checkout()
     args = daemon_args if daemon_args is not None else ["--geometry", "engine"]
     args = [*args, "--storage-backend", "file", "--storage-path", str(tmp / "store")]
-    daemon = daemons.start(ranks=2, small=False, args=args)
+    daemon = daemons.start(ranks=2, small=False, args=args, env=daemons.env(**(daemon_env or {})))
     engine = EngineProcess(tmp, daemon.instance, daemons.env(**(env or {})), **geometry)
     try:
         yield engine, daemon

@@ -140,7 +140,7 @@ def tree_of(line_trees: dict[str, Path], commit: str) -> Path:
 
 @contextlib.contextmanager
 def fastdeploy_modules(root: Path) -> Iterator[types.SimpleNamespace]:
-    """FastDeploy's pieces (``tests.fastdeploy_src.pieces``) and its ``envs`` module from ``root``, under
+    """FastDeploy's pieces (``tests.helpers.fastdeploy_src.pieces``) and its ``envs`` module from ``root``, under
     FastDeploy's module names, while the block runs; the modules loaded before are put back after."""
     saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "fastdeploy"}
     for name in saved:

@@ -18,7 +18,9 @@ packages are shells: ``fastdeploy``, ``fastdeploy.cache_manager``, ``fastdeploy.
 * ``fastdeploy.config``: STUB ``FDConfig`` (an annotation); tests build the config objects it reads;
 * ``fastdeploy.cache_manager.ops``: STUB ``get_all_visible_devices`` (device enumeration, paddle ops);
 * ``fastdeploy.model_executor.layers.attention``: STUB ``get_attention_backend``, an attention backend whose
-  ``get_kv_cache_shape`` gives FastDeploy's layout ``[blocks, kv_heads, block_size, head_dim]``.
+  ``get_kv_cache_shape`` gives FastDeploy's layout ``[blocks, kv_heads, block_size, head_dim]``;
+* ``fastdeploy.platforms``: STUB ``current_platform`` with ``device_name`` "xpu" (FastDeploy's asks paddle
+  what it was compiled for, and XPU hardware cannot exist here), or ``KVCACHED_TEST_FD_PLATFORM``'s value.
 
 ``install(root, patched)`` makes them importable in this process (idempotent); ``shell_dir`` writes a
 ``fastdeploy`` package that does the same in a subprocess put on ``PYTHONPATH`` (the drop-in, launched by
@@ -31,6 +33,7 @@ from __future__ import annotations
 import ast
 import importlib
 import logging
+import os
 import sys
 import types
 from pathlib import Path
@@ -44,6 +47,7 @@ STUBS = (
     "fastdeploy.config",
     "fastdeploy.cache_manager.ops",
     "fastdeploy.model_executor.layers.attention",
+    "fastdeploy.platforms",
 )
 _SHELLS = (
     "fastdeploy",
@@ -146,6 +150,8 @@ def _stubs(root: Path) -> None:
     _module("fastdeploy.config", FDConfig=type("FDConfig", (), {"__doc__": "STUB"}))
     _module("fastdeploy.cache_manager.ops", get_all_visible_devices=lambda: "CUDA_VISIBLE_DEVICES=0,1")
     _module("fastdeploy.model_executor.layers.attention", get_attention_backend=lambda: AttentionBackendStub)
+    platform = types.SimpleNamespace(device_name=os.environ.get("KVCACHED_TEST_FD_PLATFORM", "xpu"))
+    _module("fastdeploy.platforms", current_platform=platform)
     package = _module("fastdeploy.inter_communicator", __path__=[str(root / "fastdeploy/inter_communicator")])
     for name in ("engine_cache_queue", "ipc_signal", "ipc_signal_const"):
         module = importlib.import_module(f"fastdeploy.inter_communicator.{name}")

@@ -103,6 +103,8 @@ class AdapterForTests:
         self.CacheStatus = self.fd.CacheStatus
         root = source()
         self.tree = read_tree(root) if root is not None else None  # the line, as the real adapter reads it
+        # DOUBLE of FastDeploy's platform (``current_platform.device_name``): XPU hardware cannot exist here.
+        self.platform: str | None = os.environ.get("KVCACHED_TEST_FD_PLATFORM", "xpu")
         self.directory = directory
         self._keep: list[Any] = []
 

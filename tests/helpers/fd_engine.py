@@ -162,6 +162,17 @@ class Engine:
             "gpu_free": sorted(self.manager.gpu_free_block_list),
         }
 
+    def keys(self, prompt: list[int]) -> dict[str, Any]:
+        """The storage keys of ``prompt``'s full blocks as ``write_cache_to_storage_decode`` forms them
+        (~1158-1200, text only): FastDeploy's own ``get_hash_str``, each block's chained to the one before."""
+        from fastdeploy.utils import get_hash_str
+
+        keys: list[str] = []
+        size = self.c["block_size"]
+        for start in range(0, len(prompt) - size + 1, size):
+            keys.append(get_hash_str(prompt[start : start + size], keys[-1:]))
+        return {"keys": keys}
+
     def write_decode(self, request_id: str, prompt: list[int], block_tables: list[int]) -> dict[str, Any]:
         self.manager.write_cache_to_storage_decode(self.request(request_id, prompt, block_tables))
         return {}
