@@ -203,7 +203,7 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
         daemon.wait_ready()
         before = pids(daemon.instance)
         with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
-            assert tasks.store(None, [1], keys(1)).blocks == 1
+            until(lambda: _stores(tasks, 1), timeout=60, what="the store connected (the keeper starts meanwhile)")
             assert master.proc is not None
             master.proc.send_signal(signal.SIGSTOP)
             frozen = time.monotonic()
@@ -218,7 +218,7 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
                 assert states(daemon.instance) == ["READY", "READY"] and pids(daemon.instance) == before
                 time.sleep(0.5)
             master.proc.send_signal(signal.SIGCONT)
-            until(lambda: _stores(tasks), timeout=60, what="store tasks after the master thawed")
+            until(lambda: _stores(tasks, 4), timeout=60, what="store tasks after the master thawed")
         assert pids(daemon.instance) == before
         assert "has not returned for" in daemon.log()  # a stuck agent was given up and replaced
     finally:
@@ -227,9 +227,10 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
         master.stop()
 
 
-def _stores(tasks: rc.CacheTasks) -> bool:
+def _stores(tasks: rc.CacheTasks, block: int) -> bool:
+    """Whether block ``block`` is stored under the last of ``keys(block)`` (False while the store does not answer)."""
     try:
-        return tasks.store(None, [4], keys(4)[3:]).blocks == 1
+        return tasks.store(None, [block], keys(block)[block - 1 :]).blocks == 1
     except rc.StoreUnavailable:
         return False
 
@@ -250,7 +251,7 @@ def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(daemons: Daem
                 tasks.store(None, [1], keys(1))
             assert tasks.swap_out(None, [1], [1]).blocks == 1
             master.proc.send_signal(signal.SIGCONT)
-            until(lambda: _stores(tasks), timeout=90, what="store tasks once the master answers")
+            until(lambda: _stores(tasks, 1), timeout=90, what="store tasks once the master answers")
     finally:
         master.proc.send_signal(signal.SIGCONT)
         master.stop()

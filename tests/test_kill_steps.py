@@ -33,7 +33,7 @@ RESTART_STEPS = ("restart-accepted", "before-exec", *(f"{step}@restart" for step
 
 def test_every_step_but_a_copys_is_killed_at() -> None:
     covered = {step.removesuffix("@restart") for step in (*ADOPTING_STEPS, *RESTART_STEPS)}
-    assert covered == set(faults.STEPS) - {"copy-step"}
+    assert covered == set(faults.STEPS) - set(faults.WORK_STEPS)
 
 
 def fill(instance: str, seed: int) -> None:

@@ -41,6 +41,9 @@ STEPS = (
     "restart-accepted",
     "before-exec",
 )
+#: Steps inside work under way (a copy, a store agent's objects), not steps of a start or a restart: their
+#: ``sleep`` paces a task; a kill there is a task's fault, which the task tests cover.
+WORK_STEPS = ("copy-step", "store-step", "load-step")
 RESTART_ONLY = "@restart"
 _restarted = False
 
