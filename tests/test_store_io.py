@@ -107,3 +107,37 @@ def test_a_store_agent_stopped_in_a_load_is_replaced(daemons: DaemonFactory, tmp
         assert blocks(cache, [8, 9, 10, 11]) == expected
         assert store_agent(instance) != frozen
     assert read_status(instance)["ranks"][0]["pid"] == worker
+
+
+def test_a_store_agent_killed_while_idle_is_replaced(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The store agent killed (kill -9) while no task runs: the worker sees it gone between tasks, starts a
+    new one and keeps serving; the daemon and the rank's worker are the same throughout, and the next loads
+    land every stored block byte for byte."""
+    path = tmp_path / "store"
+    daemon = daemons.start(ranks=1, args=[*FLAGS, "--storage-backend", "file", "--storage-path", str(path)])
+    daemon.wait_ready()
+    instance = daemon.instance
+    keys = rc.block_keys(list(range(4 * 64)), 64)
+    worker = read_status(instance)["ranks"][0]["pid"]
+    with rc.initialize_kv_cache(spec(), 0, instance=instance) as cache, rc.CacheTasks(instance, timeout=60) as tasks:
+        fill(cache, [0, 1, 2, 3], seed=4)
+        expected = blocks(cache, [0, 1, 2, 3])
+        assert tasks.store(0, [0, 1, 2, 3], keys).blocks == 4
+        killed = store_agent(instance)
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{killed}").exists():  # reaped by the worker's check between tasks
+            assert daemon.proc.poll() is None, f"the daemon ended:\n{daemon.log()[-3000:]}"
+            assert time.monotonic() < deadline, "the dead agent was never reaped"
+            time.sleep(0.1)
+        while True:
+            try:
+                assert tasks.load(0, keys, [4, 5, 6, 7]).blocks == 4
+                break
+            except rc.StoreUnavailable:  # the new agent is still opening the store
+                assert time.monotonic() < deadline, "no new store agent within 30 s"
+                time.sleep(0.2)
+        assert blocks(cache, [4, 5, 6, 7]) == expected
+        assert store_agent(instance) != killed
+    assert daemon.proc.poll() is None, f"the daemon ended:\n{daemon.log()[-3000:]}"
+    assert read_status(instance)["ranks"][0]["pid"] == worker

@@ -265,9 +265,15 @@ class StoreCalls:
                 self.waiting_for = None  # the stuck call finished: the store takes calls again
 
     def _drain(self) -> None:
-        while (message := self._receive(0.0)) is not None:
-            with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
-                self._absorb(message)
+        """Take in every message already received, without waiting. An agent found dead here (killed while
+        idle) has already been replaced by ``_receive``: that costs nothing more, and the next call finds
+        the new agent opened or still opening."""
+        try:
+            while (message := self._receive(0.0)) is not None:
+                with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
+                    self._absorb(message)
+        except StoreUnavailable:
+            pass
 
     # -- framing --------------------------------------------------------------------------------------
 
@@ -298,6 +304,8 @@ class StoreCalls:
                 chunk = self.sock.recv(1 << 20)
             except BlockingIOError:
                 continue
+            except OSError:  # a reset: the agent died with our call unread
+                chunk = b""
             if not chunk:  # the agent died: start another; this call fails
                 self._kill_agent("it exited")
                 raise StoreUnavailable(f"the {self.name} store agent died; a new one is starting")
