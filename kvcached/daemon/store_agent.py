@@ -242,6 +242,8 @@ class StoreCalls:
             raise StoreUnavailable(text)
         if kind == "StoreBusy":
             raise StoreBusy(text)
+        if kind in ("InvalidSpec", "InvalidConfig"):  # its text names the field and the fix
+            raise RuntimeError(text)
         if code is not None:
             raise OSError(code, text)
         raise RuntimeError(f"{kind}: {text}")
