@@ -336,7 +336,7 @@ def _spans(base: int, length: int, count: int, offsets: Any, sizes: Any) -> tupl
     for field, values in (("offsets", offsets), ("sizes", sizes)):
         if not isinstance(values, list) or len(values) != count or not all(map(_is_int, values)):
             raise ValueError(f"{field}: must be a list of {count} whole numbers, one per name")
-    for i, (offset, size) in enumerate(zip(offsets, sizes)):
+    for i, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
         if offset < 0 or size <= 0 or offset + size > length:
             raise ValueError(f"object {i}: {size} bytes at offset {offset} do not lie in the {length}-byte buffer")
     return [base + offset for offset in offsets], list(sizes)
