@@ -116,8 +116,8 @@ class FileStore(Store):
         found = []
         uid = os.geteuid()
         subs = [sub.path for sub in os.scandir(self.dir) if sub.is_dir(follow_symlinks=False)]
-        for why in filter(None, map(unsafe_directory, map(Path, subs))):  # refused before anything is removed
-            raise InvalidSpec("storage_path", why)
+        for refusal in filter(None, map(unsafe_directory, map(Path, subs))):  # before anything is removed
+            raise InvalidSpec("storage_path", refusal)
         for sub in subs:
             for entry in os.scandir(sub):
                 if entry.name.startswith(".tmp-"):
