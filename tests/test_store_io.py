@@ -3,6 +3,7 @@ store agent, which reads and writes the device blocks itself, is replaced when i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -14,6 +15,9 @@ import pytest
 import runner_client as rc
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.test_faults import small_disk
+
+__all__ = ["small_disk"]  # a fixture: a 4 MiB tmpfs
 
 BLOCKS = 16
 FLAGS = ["--num-layers", "3", "--kv-heads", "2", "--head-dim", "64", "--block-size", "64", "--num-blocks", str(BLOCKS)]
@@ -141,3 +145,24 @@ def test_a_store_agent_killed_while_idle_is_replaced(daemons: DaemonFactory, tmp
         assert store_agent(instance) != killed
     assert daemon.proc.poll() is None, f"the daemon ended:\n{daemon.log()[-3000:]}"
     assert read_status(instance)["ranks"][0]["pid"] == worker
+
+
+def test_a_store_on_a_full_disk_fails_saying_so_once_and_where(daemons: DaemonFactory, small_disk: Path) -> None:
+    """A store whose disk is full with nothing of the store's own to evict fails its task with one
+    message that says what happened once (no doubled ``[Errno 28]``) and which file it was writing; the
+    rank serves on."""
+    path = small_disk / "s"
+    instance = start(daemons, path, "--storage-capacity", "1GiB")
+    with open(small_disk / "ballast", "wb") as ballast, contextlib.suppress(OSError):
+        while True:
+            ballast.write(b"\1" * 65536)
+            ballast.flush()
+    keys = rc.block_keys(list(range(2 * 64)), 64)
+    with rc.CacheTasks(instance) as tasks:
+        with pytest.raises(rc.TaskFailed) as failed:
+            tasks.store(0, [0, 1], keys)
+        message = str(failed.value)
+        assert message.count("No space left on device") == 1 and message.count("Errno") <= 1, message
+        assert f"cannot write store object {path / 'r0'}" in message and "nothing left to evict" in message, message
+        (small_disk / "ballast").unlink()
+        assert tasks.store(0, [0, 1], keys).blocks == 2

@@ -446,5 +446,10 @@ def _dispatch(store: Store, places: _Places, method: str, args: tuple[Any, ...])
 
 
 def _describe(exc: BaseException) -> tuple[str, str, int | None]:
-    code = exc.errno if isinstance(exc, OSError) and exc.errno else None
-    return type(exc).__name__, str(exc) or repr(exc), code
+    """(kind, text, errno) of an exception, for the worker to raise again: an ``OSError``'s text is its
+    reason and file names without the ``[Errno N]`` its ``str`` begins with (the worker's ``OSError`` adds
+    that once)."""
+    if isinstance(exc, OSError) and exc.errno:
+        names = "".join(f": {name}" for name in (exc.filename, exc.filename2) if name is not None)
+        return type(exc).__name__, f"{exc.strerror or os.strerror(exc.errno)}{names}", exc.errno
+    return type(exc).__name__, str(exc) or repr(exc), None

@@ -248,8 +248,11 @@ class FileStore(Store):
             try:
                 return Pending(key, tmp, path, write_temporary(self.identity, tmp, key, pieces))
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_for_disk():
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
+                if not self._evict_for_disk():
+                    why = f"{exc.strerror}; the store has nothing left to evict: other files fill the disk"
+                    raise type(exc)(exc.errno, why) from None
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
         """Read the leading indexed keys' objects, several at once, each straight into its target and
