@@ -320,7 +320,6 @@ class FileBackend(StoreBackend):
     """The ``file`` backend (see the module docstring)."""
 
     name = "file"
-    summary = "one file per object under a directory (embedded)"
     direct = True  # its objects are files: an agent killed at a timeout loses nothing but that call
     options = (
         knobs.Knob(

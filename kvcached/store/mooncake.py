@@ -7,14 +7,15 @@ with the master and outlives the daemon: a restart, a crash or a rolling upgrade
 object (the choice, measured against the other options, is in ``docs/mooncake.md``). The store agent
 talks to the keeper (``kvcached.store.mooncake_link``) and holds no Mooncake client itself.
 
-A rank places its objects in its own segment first (measured 2.6x Mooncake's default placement for two
-ranks on one host); ``--mooncake-replicas N`` places N copies, each in a different segment, so that an
-object survives the loss of its host. A task's objects go a batch at a time: gathered into a buffer the
-keeper registered and written with one ``batch_put_from``; read back with one ``batch_get_replica_desc``
-(which also grants Mooncake's read lease), then landed from where they lie when they are in this host's
-segment (mapped read-only here), or fetched with one ``batch_get_into`` from other hosts' segments, each
-verified in the pass that lands it in its target block (``kvcached.store.landing``); a load reports only
-the leading objects that verified. A missing object is a miss, never an error: the load stops there.
+A rank places its objects in its own segment first (a write into this host's memory, where Mooncake's
+default placement may pick another host's); ``--mooncake-replicas N`` places N copies, each in a
+different segment, so that an object survives the loss of its host. A task's objects go a batch at a
+time: gathered into a buffer the keeper registered and written with one ``batch_put_from``; read back
+with one ``batch_get_replica_desc`` (which also grants Mooncake's read lease), then landed from where
+they lie when they are in this host's segment (mapped read-only here), or fetched with one
+``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target
+block (``kvcached.store.landing``); a load reports only the leading objects that verified. A missing
+object is a miss, never an error: the load stops there.
 
 Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
@@ -160,7 +161,7 @@ class MooncakeStore(Store):
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
         """Gather up to a batch of objects into the registered batch buffer and have the keeper write them
-        with one batch_put_from (measured 1.4x a loop of single puts). Objects already stored are skipped
+        with one batch_put_from. Objects already stored are skipped
         (one batch_is_exist per batch), so the count is of objects newly written."""
         written = 0
         for start in range(0, len(keys), self.count):
@@ -372,7 +373,6 @@ class MooncakeBackend(StoreBackend):
     """The ``mooncake`` backend (see the module docstring)."""
 
     name = "mooncake"
-    summary = "Mooncake Store over TCP (pip install 'kvcached-xpu[mooncake]')"
     direct = True  # the keeper holds the segment: an agent killed at a timeout loses nothing but that call
     options = (
         knobs.Knob("mooncake_master", knobs.optional_text, None, "mooncake backend: master address.", "HOST:PORT"),

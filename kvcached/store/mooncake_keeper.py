@@ -40,7 +40,8 @@ from typing import Any
 
 from kvcached import logs
 from kvcached.protocol.names import SHM_DIR, control_name
-from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, peer, send
+from kvcached.protocol.trust import peer_credentials
+from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, send
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
@@ -126,7 +127,7 @@ class Keeper:
                 if self.quitting.is_set():
                     break
                 raise
-            if peer(sock)[1] != os.geteuid():
+            if peer_credentials(sock)[1] != os.geteuid():
                 sock.close()
                 continue
             sock.settimeout(None)
