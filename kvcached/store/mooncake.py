@@ -27,6 +27,7 @@ back by itself (the keeper's client mounts its segment again); what the master f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import socket
@@ -48,8 +49,11 @@ from kvcached.store import landing, mooncake_link, register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters, header_checksum
 from kvcached.store.landing import Targets
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
+from kvcached.store.secret import read_secret, secret_file
 
 RETRY_S = 1.0
+#: The option naming the secret file of the headers' tags.
+SECRET = "mooncake_secret_file"
 #: A batch call moves at most this many objects, and at most half this many bytes (the batch buffer).
 BATCH_OBJECTS = 32
 BATCH_BYTES = 64 << 20
@@ -399,6 +403,14 @@ class MooncakeBackend(StoreBackend):
             "N",
         ),
         knobs.Knob(
+            "mooncake_secret_file",
+            knobs.optional_text,
+            None,
+            "mooncake backend: a file (mode 0600) holding a secret every host shares; objects without its tag "
+            "are misses, so a writer without it cannot plant one (docs/mooncake.md). [default: none, untagged]",
+            "FILE",
+        ),
+        knobs.Knob(
             "mooncake_host",
             knobs.optional_text,
             None,
@@ -424,6 +436,7 @@ class MooncakeBackend(StoreBackend):
             "mooncake_segment": knobs.size(values.get("mooncake_segment", "256MiB")),
             "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
             "mooncake_host": values.get("mooncake_host") or None,
+            "mooncake_secret_file": secret_file(SECRET, values.get("mooncake_secret_file")),
             "instance": instance,
         }
 
@@ -439,6 +452,8 @@ class MooncakeBackend(StoreBackend):
             segment_bytes=ranks * options["mooncake_segment"],
             host=options.get("mooncake_host") or local_address(*host_port(master, 50051)),
         )
+        if options.get("mooncake_secret_file"):
+            identity = dataclasses.replace(identity, secret=read_secret(SECRET, options["mooncake_secret_file"]))
         return MooncakeStore(identity=identity, keeper=keeper, replicas=options.get("mooncake_replicas", 1), log=log)
 
     def release(self, options: Mapping[str, Any], *, instance: str) -> None:
