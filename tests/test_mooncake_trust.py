@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 import runner_client as rc
-
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store.mooncake_link import Receiver, send
 from tests.conftest import DaemonFactory, MooncakeMaster
