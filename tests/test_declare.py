@@ -162,3 +162,37 @@ def test_a_declarer_that_dribbles_costs_only_itself(daemons: DaemonFactory) -> N
         assert other.exit_code(30) == 0
     finally:
         dribbler.close()
+
+
+def exchange(path: Path, raw: bytes) -> bytes:
+    """Send ``raw`` on a declaring connection and read the reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(READ_S + 10)
+        sock.connect(str(path))
+        sock.sendall(raw)
+        return sock.recv(4096)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"[" * 10000 + b"\n", b"nested too deep"),
+        (b"[" * 100000 + b"\n", b"at most 16384 bytes"),
+        (b'{"spec": 5}\n', b"must be a JSON object of CacheSpec fields; got int"),
+        (b"\xff\xfe\n", b"not JSON"),
+    ],
+)
+def test_a_malformed_declaration_is_refused_and_costs_only_itself(
+    daemons: DaemonFactory, raw: bytes, message: bytes
+) -> None:
+    """A declaration nested deeper than the parser goes, longer than a message may be, or not a spec at all
+    is refused to its sender, naming ``spec`` and what a declaration is; the daemon goes on waiting and
+    takes the next declaration."""
+    daemon = waiting(daemons)
+    path = declare_socket_path(daemons.run_dir, daemon.instance)
+    reply = exchange(path, raw)
+    assert b'"accepted": false, "field": "spec"' in reply and message in reply, reply
+    assert daemon.proc.poll() is None, daemon.log()[-3000:]
+    assert read_status(daemon.instance)["ranks"][0]["state"] == "EMPTY"
+    with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=20) as cache:
+        assert cache.key_caches[0].shape == (20, 2, 4, 16)

@@ -487,3 +487,41 @@ def test_status_shows_store_figures(daemons: DaemonFactory, tmp_path: Path) -> N
     assert store["bytes"] == 2 * (128 + spec().block_bytes)
     table = daemons.cli("status", "--instance", daemon.instance).stdout
     assert "file: 2 obj" in table and "hit 2 miss 1 evict 0" in table
+
+
+OTHER_UID = 65534
+
+
+@pytest.mark.parametrize("made", ["by another user", "group-writable"])
+def test_a_store_directory_others_can_write_is_refused(daemons: DaemonFactory, tmp_path: Path, made: str) -> None:
+    """A store directory made beforehand by another user (in a shared, sticky directory), or the daemon's
+    own but writable by its group: the start fails (exit 4) naming the path, its owner and mode and the fix,
+    and ``doctor`` says the same; nothing in it changes. After the fix the daemon starts on it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    path = shared / "kvstore"
+    if made == "by another user":
+        for directory in (path, path / "r0"):  # as that user's mkdir leaves them (its umask aside)
+            directory.mkdir()
+            directory.chmod(0o777)
+            os.chown(directory, OTHER_UID, OTHER_UID)
+        owner, mode = f"uid {OTHER_UID}", "0777"
+    else:
+        path.mkdir(mode=0o770)
+        path.chmod(0o770)
+        owner, mode = "uid 0", "0770"
+    before = sorted(str(p) for p in path.rglob("*"))
+    daemon = daemons.start(ranks=1, args=[*FLAGS, "--storage-backend", "file", "--storage-path", str(path)])
+    assert daemon.exit_code() == 4
+    refusal = f"{path} is owned by {owner}"
+    assert refusal in daemon.log() and f"with mode {mode}" in daemon.log() and "chmod go-w" in daemon.log()
+    assert sorted(str(p) for p in path.rglob("*")) == before, "the refused directory was changed"
+    doctor = daemons.cli("doctor", "--ranks", "1", "--storage-backend", "file", "--storage-path", str(path))
+    assert refusal in doctor.stdout + doctor.stderr
+    os.chown(path, 0, 0)
+    path.chmod(0o700)
+    for sub in path.iterdir():
+        os.chown(sub, 0, 0)
+        sub.chmod(0o700)
+    start_file_daemon(daemons, path)

@@ -3,6 +3,7 @@ store agent, which reads and writes the device blocks itself, is replaced when i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -14,6 +15,9 @@ import pytest
 import runner_client as rc
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.test_faults import small_disk
+
+__all__ = ["small_disk"]  # a fixture: a 4 MiB tmpfs
 
 BLOCKS = 16
 FLAGS = ["--num-layers", "3", "--kv-heads", "2", "--head-dim", "64", "--block-size", "64", "--num-blocks", str(BLOCKS)]
@@ -107,3 +111,58 @@ def test_a_store_agent_stopped_in_a_load_is_replaced(daemons: DaemonFactory, tmp
         assert blocks(cache, [8, 9, 10, 11]) == expected
         assert store_agent(instance) != frozen
     assert read_status(instance)["ranks"][0]["pid"] == worker
+
+
+def test_a_store_agent_killed_while_idle_is_replaced(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The store agent killed (kill -9) while no task runs: the worker sees it gone between tasks, starts a
+    new one and keeps serving; the daemon and the rank's worker are the same throughout, and the next loads
+    land every stored block byte for byte."""
+    path = tmp_path / "store"
+    daemon = daemons.start(ranks=1, args=[*FLAGS, "--storage-backend", "file", "--storage-path", str(path)])
+    daemon.wait_ready()
+    instance = daemon.instance
+    keys = rc.block_keys(list(range(4 * 64)), 64)
+    worker = read_status(instance)["ranks"][0]["pid"]
+    with rc.initialize_kv_cache(spec(), 0, instance=instance) as cache, rc.CacheTasks(instance, timeout=60) as tasks:
+        fill(cache, [0, 1, 2, 3], seed=4)
+        expected = blocks(cache, [0, 1, 2, 3])
+        assert tasks.store(0, [0, 1, 2, 3], keys).blocks == 4
+        killed = store_agent(instance)
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{killed}").exists():  # reaped by the worker's check between tasks
+            assert daemon.proc.poll() is None, f"the daemon ended:\n{daemon.log()[-3000:]}"
+            assert time.monotonic() < deadline, "the dead agent was never reaped"
+            time.sleep(0.1)
+        while True:
+            try:
+                assert tasks.load(0, keys, [4, 5, 6, 7]).blocks == 4
+                break
+            except rc.StoreUnavailable:  # the new agent is still opening the store
+                assert time.monotonic() < deadline, "no new store agent within 30 s"
+                time.sleep(0.2)
+        assert blocks(cache, [4, 5, 6, 7]) == expected
+        assert store_agent(instance) != killed
+    assert daemon.proc.poll() is None, f"the daemon ended:\n{daemon.log()[-3000:]}"
+    assert read_status(instance)["ranks"][0]["pid"] == worker
+
+
+def test_a_store_on_a_full_disk_fails_saying_so_once_and_where(daemons: DaemonFactory, small_disk: Path) -> None:
+    """A store whose disk is full with nothing of the store's own to evict fails its task with one
+    message that says what happened once (no doubled ``[Errno 28]``) and which file it was writing; the
+    rank serves on."""
+    path = small_disk / "s"
+    instance = start(daemons, path, "--storage-capacity", "1GiB")
+    with open(small_disk / "ballast", "wb") as ballast, contextlib.suppress(OSError):
+        while True:
+            ballast.write(b"\1" * 65536)
+            ballast.flush()
+    keys = rc.block_keys(list(range(2 * 64)), 64)
+    with rc.CacheTasks(instance) as tasks:
+        with pytest.raises(rc.TaskFailed) as failed:
+            tasks.store(0, [0, 1], keys)
+        message = str(failed.value)
+        assert message.count("No space left on device") == 1 and message.count("Errno") <= 1, message
+        assert f"cannot write store object {path / 'r0'}" in message and "nothing left to evict" in message, message
+        (small_disk / "ballast").unlink()
+        assert tasks.store(0, [0, 1], keys).blocks == 2

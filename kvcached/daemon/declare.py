@@ -40,7 +40,7 @@ from kvcached.daemon.notify import Notifier
 from kvcached.daemon.ranks import create_semaphores, remove_semaphores
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import ControlBlock, Record, State
-from kvcached.protocol.declare import MAX_MESSAGE, declare_socket_path, parse_message
+from kvcached.protocol.declare import MAX_MESSAGE, declare_socket_path, parse_declaration
 from kvcached.protocol.errors import InvalidSpec, KVCacheError
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.ownership import cache_owner, explain_owner
@@ -214,10 +214,10 @@ class Declarations:
         if chunk and b"\n" not in declaring.data and len(declaring.data) <= MAX_MESSAGE:
             return None
         try:
-            message = parse_message(bytes(declaring.data))
-            spec = CacheSpec.from_dict((message or {}).get("spec") or {})
-        except (InvalidSpec, TypeError) as exc:
-            self._close(fd, {"accepted": False, "field": getattr(exc, "field", "spec"), "message": str(exc)})
+            spec = parse_declaration(bytes(declaring.data))
+        except InvalidSpec as exc:
+            self.log.warning("declaration refused", pid=declaring.peer.pid, field=exc.field, reason=exc.message)
+            self._close(fd, {"accepted": False, "field": exc.field, "message": str(exc)})
             return None
         return self._judge(fd, declaring.peer, spec, config)
 

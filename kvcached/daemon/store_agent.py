@@ -242,6 +242,8 @@ class StoreCalls:
             raise StoreUnavailable(text)
         if kind == "StoreBusy":
             raise StoreBusy(text)
+        if kind in ("InvalidSpec", "InvalidConfig"):  # its text names the field and the fix
+            raise RuntimeError(text)
         if code is not None:
             raise OSError(code, text)
         raise RuntimeError(f"{kind}: {text}")
@@ -265,9 +267,15 @@ class StoreCalls:
                 self.waiting_for = None  # the stuck call finished: the store takes calls again
 
     def _drain(self) -> None:
-        while (message := self._receive(0.0)) is not None:
-            with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
-                self._absorb(message)
+        """Take in every message already received, without waiting. An agent found dead here (killed while
+        idle) has already been replaced by ``_receive``: that costs nothing more, and the next call finds
+        the new agent opened or still opening."""
+        try:
+            while (message := self._receive(0.0)) is not None:
+                with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
+                    self._absorb(message)
+        except StoreUnavailable:
+            pass
 
     # -- framing --------------------------------------------------------------------------------------
 
@@ -298,6 +306,8 @@ class StoreCalls:
                 chunk = self.sock.recv(1 << 20)
             except BlockingIOError:
                 continue
+            except OSError:  # a reset: the agent died with our call unread
+                chunk = b""
             if not chunk:  # the agent died: start another; this call fails
                 self._kill_agent("it exited")
                 raise StoreUnavailable(f"the {self.name} store agent died; a new one is starting")
@@ -436,5 +446,10 @@ def _dispatch(store: Store, places: _Places, method: str, args: tuple[Any, ...])
 
 
 def _describe(exc: BaseException) -> tuple[str, str, int | None]:
-    code = exc.errno if isinstance(exc, OSError) and exc.errno else None
-    return type(exc).__name__, str(exc) or repr(exc), code
+    """(kind, text, errno) of an exception, for the worker to raise again: an ``OSError``'s text is its
+    reason and file names without the ``[Errno N]`` its ``str`` begins with (the worker's ``OSError`` adds
+    that once)."""
+    if isinstance(exc, OSError) and exc.errno:
+        names = "".join(f": {name}" for name in (exc.filename, exc.filename2) if name is not None)
+        return type(exc).__name__, f"{exc.strerror or os.strerror(exc.errno)}{names}", exc.errno
+    return type(exc).__name__, str(exc) or repr(exc), None

@@ -94,9 +94,35 @@ def read_message(sock: socket.socket, seconds: float) -> dict[str, Any] | None:
 
 
 def parse_message(data: bytes) -> dict[str, Any] | None:
-    """The JSON object of ``data``'s first line, or None when it is not one."""
+    """The JSON object of ``data``'s first line, or None when it is not one (not JSON, not an object,
+    nested deeper than the parser goes)."""
     try:
         message = json.loads(data.split(b"\n", 1)[0])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return message if isinstance(message, dict) else None
+
+
+def parse_declaration(data: bytes) -> CacheSpec:
+    """The spec a declaring connection sent in ``data`` (everything it sent, its first line the message).
+    Raises ``InvalidSpec`` naming the field and what is allowed: ``spec`` for a message that is too long,
+    not JSON, nested too deep, or whose ``spec`` is not an object; a spec field otherwise."""
+    line = data.split(b"\n", 1)[0]
+    if len(line) > MAX_MESSAGE:
+        raise InvalidSpec("spec", f"a declaration is one line of at most {MAX_MESSAGE} bytes; got more")
+    form = 'one line of JSON, {"spec": {...CacheSpec fields...}}'
+    try:
+        message = json.loads(line)
+    except RecursionError:
+        raise InvalidSpec("spec", f"nested too deep; a declaration is {form}") from None
+    except ValueError as exc:
+        raise InvalidSpec("spec", f"not JSON ({exc}); a declaration is {form}") from None
+    if not isinstance(message, dict):
+        raise InvalidSpec("spec", f"a declaration is {form}; got a JSON {type(message).__name__}")
+    spec = message.get("spec")
+    if not isinstance(spec, dict):
+        raise InvalidSpec("spec", f"must be a JSON object of CacheSpec fields; got {type(spec).__name__}")
+    try:
+        return CacheSpec.from_dict(spec)
+    except TypeError as exc:  # a field of the wrong type the spec's own checks did not name
+        raise InvalidSpec("spec", str(exc)) from None

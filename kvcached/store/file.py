@@ -35,6 +35,7 @@ import errno
 import fcntl
 import itertools
 import os
+import pwd
 import shutil
 import stat
 from collections.abc import Mapping, Sequence
@@ -75,8 +76,12 @@ class FileStore(Store):
     # -- the directory --------------------------------------------------------------------------------
 
     def _take_directory(self) -> None:
-        """Make the rank directory if needed and hold its lock; ``StoreBusy`` if another daemon does."""
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Make the rank directory if needed and hold its lock; ``StoreBusy`` if another daemon does, and
+        ``InvalidSpec`` (changing nothing) if another user could plant objects in it (``unsafe_directory``)."""
+        for path in (self.dir.parent, self.dir):
+            path.mkdir(exist_ok=True, mode=0o700, parents=True)
+            if (why := unsafe_directory(path)) is not None:
+                raise InvalidSpec("storage_path", why)
         fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -109,10 +114,12 @@ class FileStore(Store):
     def _rebuild(self) -> None:
         """Index every object by mtime; remove writes a crash left half-done."""
         found = []
-        for sub in os.scandir(self.dir):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
+        uid = os.geteuid()
+        subs = [sub.path for sub in os.scandir(self.dir) if sub.is_dir(follow_symlinks=False)]
+        for refusal in filter(None, map(unsafe_directory, map(Path, subs))):  # before anything is removed
+            raise InvalidSpec("storage_path", refusal)
+        for sub in subs:
+            for entry in os.scandir(sub):
                 if entry.name.startswith(".tmp-"):
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
@@ -127,6 +134,8 @@ class FileStore(Store):
                     head = b""
                     st = None
                 why = self.identity.verify_header(key, memoryview(head), st.st_size) if st and head else "unreadable"
+                if st and (st.st_uid != uid or st.st_mode & 0o022):
+                    why = f"written by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}, not by this daemon"
                 if why is not None:
                     self.log.warning("store object unusable, removed", path=entry.path, reason=why)
                     _remove(Path(entry.path))
@@ -239,8 +248,11 @@ class FileStore(Store):
             try:
                 return Pending(key, tmp, path, write_temporary(self.identity, tmp, key, pieces))
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_for_disk():
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
+                if not self._evict_for_disk():
+                    why = f"{exc.strerror}; the store has nothing left to evict: other files fill the disk"
+                    raise type(exc)(exc.errno, why) from None
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
         """Read the leading indexed keys' objects, several at once, each straight into its target and
@@ -308,7 +320,6 @@ class FileBackend(StoreBackend):
     """The ``file`` backend (see the module docstring)."""
 
     name = "file"
-    summary = "one file per object under a directory (embedded)"
     direct = True  # its objects are files: an agent killed at a timeout loses nothing but that call
     options = (
         knobs.Knob(
@@ -357,6 +368,9 @@ class FileBackend(StoreBackend):
         figure = f"{path}: {size_text(free)} free for a capacity of {size_text(capacity)}"
         if not os.access(existing, os.W_OK):
             return [Check("file_store", FAIL, figure, measured, f"{existing} is not writable by this user")]
+        for directory in [path, *(path / f"r{rank}" for rank in range(ranks))]:
+            if directory.is_dir() and (why := unsafe_directory(directory)) is not None:
+                return [Check("file_store", FAIL, f"{figure}; not safe", measured, why)]
         if holders:
             advice = (
                 f"another daemon holds the directories of ranks {holders} (one daemon per store directory): "
@@ -376,6 +390,43 @@ class FileBackend(StoreBackend):
             f"--storage-capacity {size_text(capacity)} exceeds the {size_text(free)} free on the disk of {path}: "
             "the disk fills before the store evicts (stores then fail with ENOSPC, the rank serves on)"
         ]
+
+
+def unsafe_directory(path: Path) -> str | None:
+    """Why ``path`` (a store or rank directory) may not hold this daemon's objects, or None. Every load
+    serves what the directory holds, so nobody but the daemon's user may write it: it must be this user's
+    own and closed to group and others (the store never shares it: runners read blocks from the cache,
+    not from the store), and each directory above it must be root's or this user's, writable by others
+    only with the sticky bit (else another user could move it away and put their own in its place)."""
+    uid = os.geteuid()
+    resolved = path.resolve()
+    st = os.stat(resolved)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != uid or st.st_mode & 0o022:
+        return (
+            f"{path} is owned by {_user(st.st_uid)} with mode {stat.S_IMODE(st.st_mode):04o}; a store directory "
+            f"must be owned by the daemon's user, {_user(uid)}, and writable by nobody else (whoever can write it "
+            f"can plant objects that loads serve): `chown {uid} {path} && chmod go-w {path}`, or give another "
+            "--storage-path"
+        )
+    for above in resolved.parents:
+        st = os.stat(above)
+        if st.st_uid not in (0, uid) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            return (
+                f"{above}, above the store directory {path}, is owned by {_user(st.st_uid)} with mode "
+                f"{stat.S_IMODE(st.st_mode):04o}: another user could put a directory of their own in the store's "
+                f"place; make it root's or {_user(uid)}'s and closed to others (or sticky, as /tmp is), or give "
+                "another --storage-path"
+            )
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _nearest_existing(path: Path) -> Path:

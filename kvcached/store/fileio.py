@@ -211,7 +211,10 @@ def write_temporary(identity: ObjectIdentity, tmp: Path, key: bytes, pieces: Seq
     start its writeback; its open descriptor. The checksum is taken chunk by chunk just before each write."""
     if sum(len(piece) for piece in pieces) != identity.payload:
         raise ValueError(f"a block record has {identity.payload} bytes, not {sum(len(p) for p in pieces)}")
-    fd = os.open(tmp, _WRITE, 0o600)
+    try:
+        fd = os.open(tmp, _WRITE, 0o600)
+    except OSError as exc:
+        raise _failed(exc, f"cannot write store object {tmp}") from None
     try:
         digest = xxhash.xxh3_64()
         offset = HEADER_SIZE
@@ -222,12 +225,19 @@ def write_temporary(identity: ObjectIdentity, tmp: Path, key: bytes, pieces: Seq
         _pwrite_all(fd, [memoryview(identity.header(key, digest.intdigest()))], 0)
         if _sync_file_range is not None:
             _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-    except BaseException:
+    except BaseException as exc:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _failed(exc, f"cannot write store object {tmp}") from None
         raise
     return fd
+
+
+def _failed(exc: OSError, what: str) -> OSError:
+    """``exc`` (same class and errno: a full disk stays ENOSPC) saying what failed on which path."""
+    return type(exc)(exc.errno, f"{exc.strerror or os.strerror(exc.errno or 0)}: {what}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -284,7 +294,10 @@ class Writer:
                     continue
             try:
                 for pending in group:
-                    os.fsync(pending.fd)
+                    try:
+                        os.fsync(pending.fd)
+                    except OSError as exc:
+                        raise _failed(exc, f"cannot make store object {pending.tmp} durable (fsync)") from None
                 for pending in group:
                     os.close(pending.fd)
                     pending.fd = -1

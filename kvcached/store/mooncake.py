@@ -7,14 +7,15 @@ with the master and outlives the daemon: a restart, a crash or a rolling upgrade
 object (the choice, measured against the other options, is in ``docs/mooncake.md``). The store agent
 talks to the keeper (``kvcached.store.mooncake_link``) and holds no Mooncake client itself.
 
-A rank places its objects in its own segment first (measured 2.6x Mooncake's default placement for two
-ranks on one host); ``--mooncake-replicas N`` places N copies, each in a different segment, so that an
-object survives the loss of its host. A task's objects go a batch at a time: gathered into a buffer the
-keeper registered and written with one ``batch_put_from``; read back with one ``batch_get_replica_desc``
-(which also grants Mooncake's read lease), then landed from where they lie when they are in this host's
-segment (mapped read-only here), or fetched with one ``batch_get_into`` from other hosts' segments, each
-verified in the pass that lands it in its target block (``kvcached.store.landing``); a load reports only
-the leading objects that verified. A missing object is a miss, never an error: the load stops there.
+A rank places its objects in its own segment first (a write into this host's memory, where Mooncake's
+default placement may pick another host's); ``--mooncake-replicas N`` places N copies, each in a
+different segment, so that an object survives the loss of its host. A task's objects go a batch at a
+time: gathered into a buffer the keeper registered and written with one ``batch_put_from``; read back
+with one ``batch_get_replica_desc`` (which also grants Mooncake's read lease), then landed from where
+they lie when they are in this host's segment (mapped read-only here), or fetched with one
+``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target
+block (``kvcached.store.landing``); a load reports only the leading objects that verified. A missing
+object is a miss, never an error: the load stops there.
 
 Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
@@ -26,6 +27,7 @@ back by itself (the keeper's client mounts its segment again); what the master f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import socket
@@ -47,8 +49,11 @@ from kvcached.store import landing, mooncake_link, register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters, header_checksum
 from kvcached.store.landing import Targets
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
+from kvcached.store.secret import read_secret, secret_file
 
 RETRY_S = 1.0
+#: The option naming the secret file of the headers' tags.
+SECRET = "mooncake_secret_file"
 #: A batch call moves at most this many objects, and at most half this many bytes (the batch buffer).
 BATCH_OBJECTS = 32
 BATCH_BYTES = 64 << 20
@@ -160,7 +165,7 @@ class MooncakeStore(Store):
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
         """Gather up to a batch of objects into the registered batch buffer and have the keeper write them
-        with one batch_put_from (measured 1.4x a loop of single puts). Objects already stored are skipped
+        with one batch_put_from. Objects already stored are skipped
         (one batch_is_exist per batch), so the count is of objects newly written."""
         written = 0
         for start in range(0, len(keys), self.count):
@@ -372,7 +377,6 @@ class MooncakeBackend(StoreBackend):
     """The ``mooncake`` backend (see the module docstring)."""
 
     name = "mooncake"
-    summary = "Mooncake Store over TCP (pip install 'kvcached-xpu[mooncake]')"
     direct = True  # the keeper holds the segment: an agent killed at a timeout loses nothing but that call
     options = (
         knobs.Knob("mooncake_master", knobs.optional_text, None, "mooncake backend: master address.", "HOST:PORT"),
@@ -397,6 +401,14 @@ class MooncakeBackend(StoreBackend):
             "mooncake backend: copies of each object, each in another segment (2+: a host lost for good costs "
             "no prefix, for that much more memory and a network write per object).",
             "N",
+        ),
+        knobs.Knob(
+            "mooncake_secret_file",
+            knobs.optional_text,
+            None,
+            "mooncake backend: a file (mode 0600) holding a secret every host shares; objects without its tag "
+            "are misses, so a writer without it cannot plant one (docs/mooncake.md). [default: none, untagged]",
+            "FILE",
         ),
         knobs.Knob(
             "mooncake_host",
@@ -424,6 +436,7 @@ class MooncakeBackend(StoreBackend):
             "mooncake_segment": knobs.size(values.get("mooncake_segment", "256MiB")),
             "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
             "mooncake_host": values.get("mooncake_host") or None,
+            "mooncake_secret_file": secret_file(SECRET, values.get("mooncake_secret_file")),
             "instance": instance,
         }
 
@@ -439,6 +452,8 @@ class MooncakeBackend(StoreBackend):
             segment_bytes=ranks * options["mooncake_segment"],
             host=options.get("mooncake_host") or local_address(*host_port(master, 50051)),
         )
+        if options.get("mooncake_secret_file"):
+            identity = dataclasses.replace(identity, secret=read_secret(SECRET, options["mooncake_secret_file"]))
         return MooncakeStore(identity=identity, keeper=keeper, replicas=options.get("mooncake_replicas", 1), log=log)
 
     def release(self, options: Mapping[str, Any], *, instance: str) -> None:

@@ -40,13 +40,16 @@ from typing import Any
 
 from kvcached import logs
 from kvcached.protocol.names import SHM_DIR, control_name
-from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, peer, send
+from kvcached.protocol.trust import peer_credentials
+from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, send
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
 #: Seconds between the keeper's checks (marker object, instance), made by a thread of their own.
 TICK_S = 1.0
 MARKER_BYTES = 4096
+#: Replicas a put may ask for, at most (Mooncake places each on a distinct segment).
+MAX_REPLICAS = 64
 
 
 class Keeper:
@@ -124,7 +127,7 @@ class Keeper:
                 if self.quitting.is_set():
                     break
                 raise
-            if peer(sock)[1] != os.geteuid():
+            if peer_credentials(sock)[1] != os.geteuid():
                 sock.close()
                 continue
             sock.settimeout(None)
@@ -198,7 +201,12 @@ class Keeper:
         }
 
     def _dispatch(self, buffer: mmap.mmap | None, op: str, request: dict[str, Any]) -> Any:
-        names: list[str] = request["names"]
+        """One request's result. Nothing a request says is trusted: names, offsets and sizes are checked
+        (``_spans``) before a pointer is made of them, so a wrong request is refused, never a write outside
+        the agent's buffer or a read of the keeper's memory."""
+        names = request.get("names")
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise ValueError("names: must be a list of strings")
         if op == "ping":
             return None
         if op == "exists":
@@ -207,22 +215,23 @@ class Keeper:
             return self._locate(names)
         if op == "remove":  # with force: at once, even while a read lease (ours, just taken) is still running
             return [self.client.remove(name, bool(request.get("force"))) for name in names]
+        if op not in ("put", "get"):
+            raise ValueError(f"unknown request {op!r}")
         if buffer is None:
             raise ValueError(f"{op} before hello")
-        base = _address(buffer)
-        ptrs = [base + offset for offset in request["offsets"]]
+        ptrs, sizes = _spans(_address(buffer), len(buffer), len(names), request.get("offsets"), request.get("sizes"))
         if op == "put":
-            return self.client.batch_put_from(names, ptrs, request["sizes"], self._placement(request["replicas"]))
-        if op == "get":
-            return self.client.batch_get_into(names, ptrs, request["sizes"])
-        raise ValueError(f"unknown request {op!r}")
+            return self.client.batch_put_from(names, ptrs, sizes, self._placement(request.get("replicas")))
+        return self.client.batch_get_into(names, ptrs, sizes)
 
-    def _placement(self, replicas: int) -> Any:
+    def _placement(self, replicas: Any) -> Any:
         from mooncake.store import ReplicateConfig
 
+        if not _is_int(replicas) or not 1 <= replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas: must be a whole number from 1 to {MAX_REPLICAS}; got {replicas!r}")
         config = ReplicateConfig()
         config.preferred_segment = self.hostname
-        config.replica_num = max(1, int(replicas))
+        config.replica_num = replicas
         return config
 
     def _locate(self, names: list[str]) -> list[list[Any]]:
@@ -316,6 +325,22 @@ class Keeper:
             self.listener.close()
         if self.client is not None and self.client.health_check() == 0:
             self.client.close()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _spans(base: int, length: int, count: int, offsets: Any, sizes: Any) -> tuple[list[int], list[int]]:
+    """Pointers and sizes of ``count`` objects at ``offsets`` in a buffer of ``length`` bytes at ``base``:
+    each span must lie whole inside the buffer. Raises ``ValueError`` naming the first that does not."""
+    for field, values in (("offsets", offsets), ("sizes", sizes)):
+        if not isinstance(values, list) or len(values) != count or not all(map(_is_int, values)):
+            raise ValueError(f"{field}: must be a list of {count} whole numbers, one per name")
+    for i, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+        if offset < 0 or size <= 0 or offset + size > length:
+            raise ValueError(f"object {i}: {size} bytes at offset {offset} do not lie in the {length}-byte buffer")
+    return [base + offset for offset in offsets], list(sizes)
 
 
 def _address(buffer: mmap.mmap) -> int:

@@ -36,6 +36,7 @@ from typing import Any
 
 from kvcached.protocol.errors import StoreUnavailable
 from kvcached.protocol.names import check_instance
+from kvcached.protocol.trust import peer_credentials
 
 #: Bumped when a request or reply changes meaning: a keeper of another version is replaced.
 PROTOCOL = 1
@@ -136,12 +137,6 @@ class Receiver:
         return fds
 
 
-def peer(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process at the other end of a Unix socket."""
-    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return pid, uid
-
-
 # -- the agent's side ---------------------------------------------------------------------------------
 
 
@@ -154,7 +149,7 @@ class KeeperLink:
         self.receiver = Receiver(sock)
         self.hello = hello
         self.segment_fd = segment_fd
-        self.pid = peer(sock)[0]
+        self.pid = peer_credentials(sock)[0]
         self.stats: dict[str, Any] = dict(hello.get("stats", {}))
         self.pending = 0
         self.dead = False
@@ -222,7 +217,7 @@ def _connect(path: Path, timeout: float) -> socket.socket | None:
     except OSError:
         sock.close()
         return None
-    if peer(sock)[1] != os.geteuid():
+    if peer_credentials(sock)[1] != os.geteuid():
         sock.close()
         raise StoreUnavailable(f"{path}: the process listening there is not ours; remove it or pick another --instance")
     return sock
@@ -255,7 +250,7 @@ def open_link(config: KeeperConfig, buffer_fd: int, log: Any) -> KeeperLink:
                 sock.close()
                 raise StoreUnavailable(f"Mooncake keeper at {config.path('sock')} did not greet: {exc}") from None
             if hello.get("version") == PROTOCOL and hello.get("config") == config.identity():
-                log.info("mooncake keeper found", keeper_pid=peer(sock)[0], segment=hello.get("hostname"))
+                log.info("mooncake keeper found", keeper_pid=peer_credentials(sock)[0], segment=hello.get("hostname"))
                 return KeeperLink(sock, hello, segment_fd)
             log.warning(
                 "mooncake keeper runs another configuration; replacing it (its objects are dropped)",
@@ -269,7 +264,7 @@ def open_link(config: KeeperConfig, buffer_fd: int, log: Any) -> KeeperLink:
         if sock is None:
             raise StoreUnavailable(f"the Mooncake keeper started but does not answer at {config.path('sock')}")
         hello, segment_fd = _hello(sock, config, buffer_fd)
-        log.info("mooncake keeper started", keeper_pid=peer(sock)[0], segment=hello.get("hostname"))
+        log.info("mooncake keeper started", keeper_pid=peer_credentials(sock)[0], segment=hello.get("hostname"))
         return KeeperLink(sock, hello, segment_fd)
 
 
@@ -303,7 +298,7 @@ def spawn(config: KeeperConfig) -> None:
 
 def _quit(sock: socket.socket) -> int:
     """Tell the keeper at ``sock`` to let go of its segment and exit; its pid (to wait for)."""
-    pid = peer(sock)[0]
+    pid = peer_credentials(sock)[0]
     with contextlib.suppress(OSError, ConnectionError, ValueError):
         sock.settimeout(QUIT_TIMEOUT_S)
         send(sock, {"op": "quit"})
@@ -357,7 +352,7 @@ def release(run_dir: Path, instance: str) -> int:
             if sock is not None:
                 sock.settimeout(QUIT_TIMEOUT_S)
                 send(sock, {"op": "quit"})
-                pids.append((peer(sock)[0], sock))
+                pids.append((peer_credentials(sock)[0], sock))
         path.unlink(missing_ok=True)
     for _, sock in pids:
         with contextlib.suppress(OSError, ConnectionError, ValueError):

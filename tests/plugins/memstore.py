@@ -81,7 +81,6 @@ class MemStore(Store):
 
 class MemBackend(StoreBackend):
     name = "testmem"
-    summary = "TEST ONLY: objects in the worker's memory"
     options = (
         knobs.Knob("testmem_objects", knobs.integer(1), 1000, "testmem backend: objects per rank.", "N"),
         knobs.Knob("testmem_delay", knobs.seconds(0, 60), 0.0, "testmem backend: seconds per object stored.", "S"),

@@ -1,0 +1,52 @@
+"""The secret a store's writers and readers share (``--mooncake-secret-file``): read from a file that only
+the daemon's user may read, so that nobody else can tag an object the store serves
+(``kvcached.store.base.ObjectIdentity.secret``)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+from kvcached.protocol.errors import InvalidSpec
+
+#: Bytes of secret the file must hold at least (whitespace at its ends aside).
+MIN_SECRET_BYTES = 16
+
+
+def read_secret(field: str, path: str | Path) -> bytes:
+    """The tag key made of the secret in ``path``. Raises ``InvalidSpec`` naming ``field`` when the file is
+    missing, not a regular file, not the daemon's user's own, readable or writable by anyone else, or
+    holds fewer than ``MIN_SECRET_BYTES`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise InvalidSpec(field, f"cannot read {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        st = os.fstat(file.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidSpec(field, f"{path} is not a regular file")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise InvalidSpec(
+                field,
+                f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; a secret must be "
+                f"the daemon's user's (uid {os.geteuid()}) and closed to everyone else: `chmod 600 {path}`",
+            )
+        secret = file.read(1 << 16).strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise InvalidSpec(
+            field,
+            f"{path} holds {len(secret)} bytes; a secret needs {MIN_SECRET_BYTES} or more (`head -c 32 "
+            "/dev/urandom | base64`)",
+        )
+    return hashlib.blake2b(secret, digest_size=32, person=b"kvcached-secret").digest()
+
+
+def secret_file(field: str, value: object) -> str | None:
+    """The configured secret file as an absolute path, checked now (``read_secret``); None when not set."""
+    if not value:
+        return None
+    path = Path(str(value)).expanduser().absolute()
+    read_secret(field, path)
+    return str(path)
