@@ -6,7 +6,7 @@ condition says the runner owns it), print what it got and how long it waited.
     python scripts/demo_runner.py --rank 0 --timeout 30 --num-blocks 256
 
 Geometry flags mirror `kvcached start` and default to its defaults; the runner's spec must match the
-daemon's, or attaching fails with CacheLayoutMismatch naming the field. It prints the lines above and
+daemon's, or attaching fails with CacheLayoutMismatch naming the field. It prints what it attached and
 warnings; --verbose adds runner_client's INFO log lines.
 """
 
