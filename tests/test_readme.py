@@ -429,3 +429,14 @@ def test_architecture_names_every_module() -> None:
     drawn = set(re.findall(r"[\w]+\.(?:py|c)\b", drawing))
     assert not names - drawn, f"docs/architecture.md does not draw: {sorted(names - drawn)}"
     assert not drawn - names, f"docs/architecture.md draws what is not there: {sorted(drawn - names)}"
+
+
+def test_every_test_file_the_docs_name_exists() -> None:
+    """A doc that says which test proves something names a file that is there (tests move: tests/helpers/)."""
+    missing = [
+        f"{doc.relative_to(ROOT)}: {name}"
+        for doc in DOCS
+        for name in sorted(set(re.findall(r"\btests/[\w/]+\.py\b", doc.read_text())))
+        if not (ROOT / name).is_file()
+    ]
+    assert not missing, missing
