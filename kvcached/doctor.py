@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import memory, native, store
-from kvcached.checks import FAIL, OK, WARN, Check
+from kvcached.checks import FAIL, OK, WARN, Check, counted
 from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
@@ -118,7 +118,8 @@ def check_dev_shm(config: DaemonConfig) -> Check:
         return Check("dev_shm", OK, figure, {"free_bytes": free, "geometry": "engine"})
     need, per_rank = config.shm_need()
     measured = {"free_bytes": free, "need_bytes": need, "per_rank_bytes": per_rank}
-    figure = f"{size_text(free)} free, {size_text(need)} needed ({config.ranks} ranks x {size_text(per_rank)})"
+    ranks = counted(config.ranks, "rank")
+    figure = f"{size_text(free)} free, {size_text(need)} needed ({ranks} x {size_text(per_rank)})"
     if need > free:
         advice = (
             "enlarge /dev/shm (docker --shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks"
@@ -293,7 +294,7 @@ def check_hidden_instance(config: DaemonConfig, owner: int) -> list[Check]:
     else:
         figure = f"instance {config.instance!r} belongs to uid {owner}; this user cannot read its control block"
         live = Check("live_instance", WARN, figure, measured, advice)
-    figure = f"{len(entries)} objects of uid {owner}'s instance: not this user's to judge or remove"
+    figure = f"{counted(len(entries), 'object')} of uid {owner}'s instance: not this user's to judge or remove"
     names = {"objects": [str(p) for p in entries], "squatters": [], "removed": 0}
     return [live, Check("leftovers", WARN if pid is None else OK, figure, names, advice)]
 
@@ -324,30 +325,33 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     squatters = [why for _, why in found.squatters]
     measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
     if live_pid is not None:
-        checks.append(Check("leftovers", OK, f"{len(names)} objects, all of the live daemon", measured))
+        checks.append(Check("leftovers", OK, f"{counted(len(names), 'object')}, all of the live daemon", measured))
     elif squatters:  # a start leaves them alone; only one at the control block's name stops it
         control = SHM_DIR / control_name(config.instance).lstrip("/")
         blocking = any(path == control for path, _ in found.squatters)
-        figure = f"{len(squatters)} objects under our names are not ours" + ("" if blocking else ": left alone")
+        figure = f"{counted(len(squatters), 'object')} under our names, not ours" + ("" if blocking else ": left alone")
         checks.append(Check("leftovers", FAIL if blocking else WARN, figure, measured, "; ".join(squatters)))
     elif not names:
         checks.append(Check("leftovers", OK, "none", measured))
     elif clean:
         measured["removed"] = _clean(config.instance, found)
-        checks.append(Check("leftovers", OK, f"removed {measured['removed']} objects of a dead run", measured))
+        removed = counted(measured["removed"], "object")
+        checks.append(Check("leftovers", OK, f"removed {removed} of a dead run", measured))
     else:
         verdict = None if config.fresh else judge(config)
         if isinstance(verdict, Adoption):
             measured["adoptable"] = f"{verdict.generation:016x}"
             generation = f"generation {verdict.generation:016x}"
-            figure = f"{len(names)} objects of an earlier run; the next start adopts its memory ({generation})"
+            objects = counted(len(names), "object")
+            figure = f"{objects} of an earlier run; the next start adopts its memory ({generation})"
             advice = "`kvcached start --fresh` or `kvcached doctor --clean` would discard it instead"
             checks.append(Check("leftovers", OK, figure, measured, advice))
         else:
             measured["adoptable"] = None
             why = f" ({verdict.note})" if verdict is not None else ""
             advice = "the next start reclaims them, or run `kvcached doctor --clean`"
-            checks.append(Check("leftovers", WARN, f"{len(names)} objects of a dead run{why}", measured, advice))
+            objects = counted(len(names), "object")
+            checks.append(Check("leftovers", WARN, f"{objects} of a dead run{why}", measured, advice))
     return checks
 
 

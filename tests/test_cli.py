@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -306,3 +307,22 @@ def test_an_instance_name_is_host_wide(daemons: DaemonFactory, tmp_path: Path) -
         shutil.rmtree(nobody)
     assert foreign.returncode != 0 and lock in foreign.stderr, foreign.stderr
     assert is_ready(read_status(daemon.instance))
+
+
+@pytest.mark.parametrize("command", ["", "start", "status", "stop", "restart", "doctor"])
+def test_help_reads_as_written(daemons: DaemonFactory, command: str) -> None:
+    """No doubled spaces inside a sentence (the option column aside), and the store's default says none, as
+    its choices do."""
+    shown = daemons.cli(*filter(None, [command]), "--help")
+    assert shown.returncode == 0, shown.stderr
+    for line in shown.stdout.splitlines():
+        text = re.sub(r"^\s*(?:-\S.*?|\w+)\s{2,}", "", line).strip()
+        assert "  " not in text, line
+    if command in ("start", "doctor"):
+        backend = " ".join(shown.stdout[shown.stdout.index("--storage-backend") :].split("\n  -")[0].split())
+        assert "mooncake, none" in backend and "default: none]" in backend and "default: off" not in backend
+
+
+def test_check_config_counts_one_rank_as_one(daemons: DaemonFactory) -> None:
+    done = daemons.cli("start", "--instance", unique_instance(), "--ranks", "1", "--check-config")
+    assert done.returncode == 0 and "(1 rank, host)" in done.stdout, done.stdout
