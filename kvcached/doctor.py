@@ -112,22 +112,57 @@ def check_metrics_port(config: DaemonConfig) -> Check | None:
 
 
 def check_dev_shm(config: DaemonConfig) -> Check:
+    """/dev/shm's free space against what a start of ``config`` needs there anew: the memory a dead run of
+    the instance left is not counted twice, whether the start adopts it (a kept cache: its pages are there
+    already) or reclaims it first (its pages come free). A live daemon's is its own (``live_instance``)."""
     free = shm_free_bytes()
     if config.geometry == "engine":  # the need is known once the engine declares its geometry
         figure = f"{size_text(free)} free; the engine's declared geometry is checked against it when it arrives"
         return Check("dev_shm", OK, figure, {"free_bytes": free, "geometry": "engine"})
     need, per_rank = config.shm_need()
-    measured = {"free_bytes": free, "need_bytes": need, "per_rank_bytes": per_rank}
+    held, held_by = _held_by_a_dead_run(config)
+    anew = max(0, need - held)
+    measured = {
+        "free_bytes": free,
+        "need_bytes": need,
+        "per_rank_bytes": per_rank,
+        "held_bytes": held,
+        "held_by": held_by,
+        "need_anew_bytes": anew,
+    }
     ranks = counted(config.ranks, "rank")
     figure = f"{size_text(free)} free, {size_text(need)} needed ({ranks} x {size_text(per_rank)})"
-    if need > free:
+    if held_by == "kept":
+        figure += f", {size_text(held)} of it held by the cache the next start adopts: {size_text(anew)} anew"
+    elif held_by == "dead run":
+        figure += f"; a dead run holds {size_text(held)}, reclaimed first: {size_text(anew)} anew"
+    if anew > free:
         advice = (
             "enlarge /dev/shm (docker --shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks"
         )
         return Check("dev_shm", FAIL, figure, measured, advice)
-    if need > 0.9 * free:
+    if anew > 0.9 * free:
         return Check("dev_shm", WARN, figure, measured, "less than 10 % would be left for anything else")
     return Check("dev_shm", OK, figure, measured)
+
+
+def _held_by_a_dead_run(config: DaemonConfig) -> tuple[int, str | None]:
+    """Bytes of /dev/shm the instance's own objects occupy when no daemon of it lives, and whether the next
+    start adopts them (``kept``: judged as a start judges) or reclaims them (``dead run``); (0, None) else."""
+    try:
+        found = inspect_instance(config.instance, run_dir_of(config))
+    except (OSError, KVCacheError):
+        return 0, None
+    foreign = {path for path, _ in found.squatters}
+    ours = [path for path in found.entries if path not in foreign]
+    if found.live_pid is not None or not ours:
+        return 0, None
+    held = 0
+    for path in ours:
+        with contextlib.suppress(OSError):
+            held += path.stat().st_blocks * 512  # pages in use: an arena is sparse until touched
+    verdict = None if config.fresh else judge(config)
+    return held, "kept" if isinstance(verdict, Adoption) else "dead run"
 
 
 def check_memlock(config: DaemonConfig) -> Check:
