@@ -13,9 +13,14 @@ from typing import Any
 # The store backends' checks format sizes with it; it lives with the other sizes, on the floor.
 from kvcached.protocol.layout import size_text
 
-__all__ = ["FAIL", "OK", "WARN", "Check", "size_text"]
+__all__ = ["FAIL", "OK", "WARN", "Check", "counted", "size_text"]
 
 OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless one: ``1 object``, ``2 objects``, ``0 ranks``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 @dataclasses.dataclass(slots=True)

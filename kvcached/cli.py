@@ -8,6 +8,7 @@ whether it is valid and names where a bad one came from. User errors exit with t
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import click
 from click.core import ParameterSource
 
 from kvcached import plugins
+from kvcached.checks import counted
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
 from kvcached.knobs import Knob
 from kvcached.logs import LEVELS
@@ -56,12 +58,21 @@ def main(ctx: click.Context) -> None:
         click.echo(f"warning: {PLUGINS_PROBLEM}; this command goes on with the built-in backends", err=True)
 
 
-main.help = (main.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
+main.help = inspect.cleandoc(main.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
+
+
+def _at_least(value: float, least: float, flag: str) -> float:
+    """``value``, or a usage error naming ``flag`` and the bound (click's own ranges print a second column)."""
+    if value < least:
+        raise click.BadParameter(f"{value} is less than {least}", param_hint=flag)
+    return value
 
 
 def _knob_option(knob: Knob) -> Callable[[Any], Any]:
     """A click option for ``knob`` that passes the value through as written (the config parses it)."""
-    default = "off" if knob.default is None else str(knob.default).lower() if knob.switch else knob.default
+    default = str(knob.default).lower() if knob.switch else knob.default
+    if knob.default is None:
+        default = "none" if "none" in (knob.choices or ()) else "off"
     choices = f" One of: {', '.join(knob.choices)}." if knob.choices else ""
     text = f"{knob.help}{choices} [env: {knob.env}; default: {default}]"
     if "[default:" in knob.help:
@@ -158,7 +169,8 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     log_format = _choice(log_format, formats, "log_format", "--log-format", "KVCACHED_LOG_FORMAT")
     config = _build_config(values, config_file)
     if check_config:
-        click.echo(f"instance {config.instance}: the configuration loads ({config.ranks} ranks, {config.memory})")
+        loads = f"({counted(config.ranks, 'rank')}, {config.memory})"
+        click.echo(f"instance {config.instance}: the configuration loads {loads}")
         return
     _use_streaming_stores()
     logs.configure(level, json=None if log_format == "auto" else log_format == "json")
@@ -176,7 +188,7 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     sys.exit(status)
 
 
-start.help = (start.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
+start.help = inspect.cleandoc(start.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
 
 
 def _choice(value: str, allowed: tuple[str, ...], param: str, flag: str, variable: str) -> str:
@@ -223,11 +235,10 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
 @click.option(
     "--fastdeploy",
     default="auto",
-    show_default=True,
     metavar="PATH|auto|none",
     help="The FastDeploy to check against: a checkout or an installed package's directory; auto: the "
     "installed fastdeploy package, if any. Names its line, whether kvcached's patch is applied, the cache "
-    "queue's transport, and whether its runner would allocate a second copy.",
+    "queue's transport, and whether its runner would allocate a second copy. [default: auto]",
 )
 def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str, **values: Any) -> None:
     """Check this host for the configuration `start` would use, before it fails.
@@ -320,7 +331,13 @@ def _instance_option(fn: Any) -> Any:
 @_instance_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (see kvcached.status) instead of a table.")
 @click.option("--watch", is_flag=True, help="Refresh the table (with swap/store rates) until interrupted.")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True, help="--watch: seconds.")
+@click.option(
+    "--interval",
+    type=float,
+    default=1.0,
+    callback=lambda _ctx, _param, value: _at_least(value, 0.05, "--interval"),
+    help="--watch: seconds, at least 0.05. [default: 1.0]",
+)
 def status(instance: str | None, as_json: bool, watch: bool, interval: float) -> None:
     """Show each rank's state, waiting runners, generation, pid, heartbeat age, bytes and task counts.
 
@@ -365,7 +382,7 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
 
 @main.command(context_settings=_CONTEXT)
 @_instance_option
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon to exit.")
+@click.option("--timeout", type=float, default=30.0, help="Seconds to wait for the daemon to exit. [default: 30]")
 @click.option(
     "--keep",
     is_flag=True,
@@ -401,7 +418,7 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
 @main.command(context_settings=_CONTEXT)
 @_instance_option
 @click.option(
-    "--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for every rank to be READY again."
+    "--timeout", type=float, default=60.0, help="Seconds to wait for every rank to be READY again. [default: 60]"
 )
 def restart(instance: str | None, timeout: float) -> None:
     """Restart a running daemon without losing its cache (SIGUSR2): it stops keeping its memory, executes

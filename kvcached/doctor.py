@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import memory, native, store
-from kvcached.checks import FAIL, OK, WARN, Check
+from kvcached.checks import FAIL, OK, WARN, Check, counted
 from kvcached.config import DaemonConfig
 from kvcached.daemon import lockfile
 from kvcached.daemon.adopt import Adoption, judge
@@ -112,21 +112,57 @@ def check_metrics_port(config: DaemonConfig) -> Check | None:
 
 
 def check_dev_shm(config: DaemonConfig) -> Check:
+    """/dev/shm's free space against what a start of ``config`` needs there anew: the memory a dead run of
+    the instance left is not counted twice, whether the start adopts it (a kept cache: its pages are there
+    already) or reclaims it first (its pages come free). A live daemon's is its own (``live_instance``)."""
     free = shm_free_bytes()
     if config.geometry == "engine":  # the need is known once the engine declares its geometry
         figure = f"{size_text(free)} free; the engine's declared geometry is checked against it when it arrives"
         return Check("dev_shm", OK, figure, {"free_bytes": free, "geometry": "engine"})
     need, per_rank = config.shm_need()
-    measured = {"free_bytes": free, "need_bytes": need, "per_rank_bytes": per_rank}
-    figure = f"{size_text(free)} free, {size_text(need)} needed ({config.ranks} ranks x {size_text(per_rank)})"
-    if need > free:
+    held, held_by = _held_by_a_dead_run(config)
+    anew = max(0, need - held)
+    measured = {
+        "free_bytes": free,
+        "need_bytes": need,
+        "per_rank_bytes": per_rank,
+        "held_bytes": held,
+        "held_by": held_by,
+        "need_anew_bytes": anew,
+    }
+    ranks = counted(config.ranks, "rank")
+    figure = f"{size_text(free)} free, {size_text(need)} needed ({ranks} x {size_text(per_rank)})"
+    if held_by == "kept":
+        figure += f", {size_text(held)} of it held by the cache the next start adopts: {size_text(anew)} anew"
+    elif held_by == "dead run":
+        figure += f"; a dead run holds {size_text(held)}, reclaimed first: {size_text(anew)} anew"
+    if anew > free:
         advice = (
             "enlarge /dev/shm (docker --shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks"
         )
         return Check("dev_shm", FAIL, figure, measured, advice)
-    if need > 0.9 * free:
+    if anew > 0.9 * free:
         return Check("dev_shm", WARN, figure, measured, "less than 10 % would be left for anything else")
     return Check("dev_shm", OK, figure, measured)
+
+
+def _held_by_a_dead_run(config: DaemonConfig) -> tuple[int, str | None]:
+    """Bytes of /dev/shm the instance's own objects occupy when no daemon of it lives, and whether the next
+    start adopts them (``kept``: judged as a start judges) or reclaims them (``dead run``); (0, None) else."""
+    try:
+        found = inspect_instance(config.instance, run_dir_of(config))
+    except (OSError, KVCacheError):
+        return 0, None
+    foreign = {path for path, _ in found.squatters}
+    ours = [path for path in found.entries if path not in foreign]
+    if found.live_pid is not None or not ours:
+        return 0, None
+    held = 0
+    for path in ours:
+        with contextlib.suppress(OSError):
+            held += path.stat().st_blocks * 512  # pages in use: an arena is sparse until touched
+    verdict = None if config.fresh else judge(config)
+    return held, "kept" if isinstance(verdict, Adoption) else "dead run"
 
 
 def check_memlock(config: DaemonConfig) -> Check:
@@ -293,7 +329,7 @@ def check_hidden_instance(config: DaemonConfig, owner: int) -> list[Check]:
     else:
         figure = f"instance {config.instance!r} belongs to uid {owner}; this user cannot read its control block"
         live = Check("live_instance", WARN, figure, measured, advice)
-    figure = f"{len(entries)} objects of uid {owner}'s instance: not this user's to judge or remove"
+    figure = f"{counted(len(entries), 'object')} of uid {owner}'s instance: not this user's to judge or remove"
     names = {"objects": [str(p) for p in entries], "squatters": [], "removed": 0}
     return [live, Check("leftovers", WARN if pid is None else OK, figure, names, advice)]
 
@@ -324,30 +360,33 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     squatters = [why for _, why in found.squatters]
     measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
     if live_pid is not None:
-        checks.append(Check("leftovers", OK, f"{len(names)} objects, all of the live daemon", measured))
+        checks.append(Check("leftovers", OK, f"{counted(len(names), 'object')}, all of the live daemon", measured))
     elif squatters:  # a start leaves them alone; only one at the control block's name stops it
         control = SHM_DIR / control_name(config.instance).lstrip("/")
         blocking = any(path == control for path, _ in found.squatters)
-        figure = f"{len(squatters)} objects under our names are not ours" + ("" if blocking else ": left alone")
+        figure = f"{counted(len(squatters), 'object')} under our names, not ours" + ("" if blocking else ": left alone")
         checks.append(Check("leftovers", FAIL if blocking else WARN, figure, measured, "; ".join(squatters)))
     elif not names:
         checks.append(Check("leftovers", OK, "none", measured))
     elif clean:
         measured["removed"] = _clean(config.instance, found)
-        checks.append(Check("leftovers", OK, f"removed {measured['removed']} objects of a dead run", measured))
+        removed = counted(measured["removed"], "object")
+        checks.append(Check("leftovers", OK, f"removed {removed} of a dead run", measured))
     else:
         verdict = None if config.fresh else judge(config)
         if isinstance(verdict, Adoption):
             measured["adoptable"] = f"{verdict.generation:016x}"
             generation = f"generation {verdict.generation:016x}"
-            figure = f"{len(names)} objects of an earlier run; the next start adopts its memory ({generation})"
+            objects = counted(len(names), "object")
+            figure = f"{objects} of an earlier run; the next start adopts its memory ({generation})"
             advice = "`kvcached start --fresh` or `kvcached doctor --clean` would discard it instead"
             checks.append(Check("leftovers", OK, figure, measured, advice))
         else:
             measured["adoptable"] = None
             why = f" ({verdict.note})" if verdict is not None else ""
             advice = "the next start reclaims them, or run `kvcached doctor --clean`"
-            checks.append(Check("leftovers", WARN, f"{len(names)} objects of a dead run{why}", measured, advice))
+            objects = counted(len(names), "object")
+            checks.append(Check("leftovers", WARN, f"{objects} of a dead run{why}", measured, advice))
     return checks
 
 

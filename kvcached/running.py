@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
+from kvcached.checks import counted
 from kvcached.daemon import faults
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
@@ -86,9 +87,9 @@ def left_behind(name: str) -> str:
     if not count:
         return ""
     return (
-        f"; an earlier run left {count} objects in /dev/shm (its memory: the next `kvcached start --instance "
-        f"{name}` adopts it when it can, else reclaims it; `kvcached doctor --clean --instance {name}` removes "
-        "it now)"
+        f"; an earlier run left {counted(count, 'object')} in /dev/shm (its memory: the next `kvcached start "
+        f"--instance {name}` adopts it when it can, else reclaims it; `kvcached doctor --clean --instance "
+        f"{name}` removes it now)"
     )
 
 

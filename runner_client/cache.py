@@ -242,9 +242,11 @@ def _create_here(spec: CacheSpec, local_rank: int, profile: bool, instance: str,
             f"{header.daemon_pid} already holds this rank's cache (state {record.state.name}); "
             "allocating here would be a second copy. "
             + (
-                "Profile before starting kvcached, or give kvcached the block count directly."
+                "To profile first, start the daemon with `kvcached start --geometry engine`: it allocates "
+                "nothing until the engine declares the block count its profile run arrived at."
                 if profile
-                else "Give the runner the same spec as the daemon."
+                else "Give the runner the daemon's spec (its num_cpu_blocks, storage backend or role make the "
+                "daemon the owner), or stop the daemon."
             )
         )
     own = memory.private_cache(spec, framework)

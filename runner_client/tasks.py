@@ -200,7 +200,8 @@ class CacheTasks:
         """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``).
 
         A key already stored is left as it is (a key names its content). ``TaskResult.bytes`` counts the
-        bytes newly written.
+        bytes newly written. Raises ``StoreUnavailable`` (a ``TaskFailed``) when the store's backend cannot
+        be reached or did not answer within ``--store-timeout``.
         """
         return self._run(self._store(rank, device_block_ids, keys, timeout=timeout), wait)
 
@@ -218,14 +219,17 @@ class CacheTasks:
         Stops at the first key that is absent or fails verification; ``TaskResult.blocks`` says how many
         leading blocks were loaded, each verified (with ``rank=None``, the fewest of any rank). Target
         blocks past that may hold bytes of the load (they were handed over as receivers): use only the
-        first ``blocks``. No block outside ``device_block_ids`` changes.
+        first ``blocks``. No block outside ``device_block_ids`` changes. Raises ``StoreUnavailable`` (a
+        ``TaskFailed``) when the store's backend cannot be reached or did not answer in time.
         """
         return self._run(self._load(rank, keys, device_block_ids, timeout=timeout), wait)
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading ``keys`` the store holds for every rank of the instance.
 
-        A prefix that only some ranks have is not a hit: the answer is the minimum over ranks.
+        A prefix that only some ranks have is not a hit: the answer is the minimum over ranks. Raises
+        ``StoreUnavailable`` (a ``TaskFailed``) when a rank's store cannot be reached or did not answer in
+        time, as ``store`` and ``load`` do.
         """
         return self._send(_Task(Op.LOOKUP, None, _keys(keys, None), timeout=timeout)).result().blocks
 

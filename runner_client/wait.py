@@ -213,7 +213,11 @@ class _Waiter:
                 ours,
                 instance=self.instance,
                 rank=self.rank,
-                why=f"the daemon holds another geometry: {field} is {theirs!r} there, {ours!r} declared here",
+                why=(
+                    f"the daemon holds another geometry: {field} is {theirs!r} in the daemon's (its "
+                    f"configuration, or the declaration it took first), {ours!r} in the spec this process "
+                    f"(pid {os.getpid()}) declares"
+                ),
             )
         self.declared_to = header.generation
 

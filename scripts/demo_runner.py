@@ -6,7 +6,8 @@ condition says the runner owns it), print what it got and how long it waited.
     python scripts/demo_runner.py --rank 0 --timeout 30 --num-blocks 256
 
 Geometry flags mirror `kvcached start` and default to its defaults; the runner's spec must match the
-daemon's, or attaching fails with CacheLayoutMismatch naming the field.
+daemon's, or attaching fails with CacheLayoutMismatch naming the field. It prints what it attached and
+warnings; --verbose adds runner_client's INFO log lines.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def main() -> int:
     parser.add_argument("--dtype", default=default["dtype"])
     parser.add_argument("--storage-backend", default=None)
     parser.add_argument("--role", default=default["role"])
+    parser.add_argument("--verbose", action="store_true", help="also print runner_client's INFO log lines")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
 
     try:
         spec = rc.CacheSpec(

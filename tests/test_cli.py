@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 import runner_client as rc
+from kvcached.status import is_ready, read_status
 from tests.conftest import (
     ROOT,
     DaemonFactory,
@@ -281,3 +285,44 @@ def test_exit_statuses_are_documented_in_help_and_readme(daemons: DaemonFactory)
     assert "0 stopped cleanly, 1 a rank failed at run time, 2 usage error, 3 instance already running" in readme
     assert daemons.cli("start", "--ranks", "two").returncode == errors.EXIT_CONFIG
     assert daemons.cli("start", "--no-such-flag").returncode == errors.EXIT_USAGE
+
+
+def test_an_instance_name_is_host_wide(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """README: one daemon per instance name on the host. A second start of the name with another run
+    directory is refused (exit 3, naming the holder), and so is one by another user (it cannot take the
+    host-wide lock in /dev/shm); the first daemon serves on."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    lock = f"/dev/shm/kvcached.{daemon.instance}.lock"
+    other_dir = daemons.env(KVCACHED_RUN_DIR=str(tmp_path / "other"))
+    again = daemons.cli("start", "--instance", daemon.instance, "--ranks", "1", env=other_dir)
+    assert again.returncode == 3 and "already running" in again.stderr and lock in again.stderr, again.stderr
+    nobody = Path(tempfile.mkdtemp(prefix=f"{daemon.instance}-"))  # the test's own tmp_path is root's only
+    try:
+        nobody.chmod(0o777)
+        as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+        env = daemons.env(KVCACHED_RUN_DIR=str(nobody / "run"))
+        foreign = daemons.cli("start", "--instance", daemon.instance, "--ranks", "1", env=env, prefix=as_nobody)
+    finally:
+        shutil.rmtree(nobody)
+    assert foreign.returncode != 0 and lock in foreign.stderr, foreign.stderr
+    assert is_ready(read_status(daemon.instance))
+
+
+@pytest.mark.parametrize("command", ["", "start", "status", "stop", "restart", "doctor"])
+def test_help_reads_as_written(daemons: DaemonFactory, command: str) -> None:
+    """No doubled spaces inside a sentence (the option column aside), and the store's default says none, as
+    its choices do."""
+    shown = daemons.cli(*filter(None, [command]), "--help")
+    assert shown.returncode == 0, shown.stderr
+    for line in shown.stdout.splitlines():
+        text = re.sub(r"^\s*(?:-\S.*?|\w+)\s{2,}", "", line).strip()
+        assert "  " not in text, line
+    if command in ("start", "doctor"):
+        backend = " ".join(shown.stdout[shown.stdout.index("--storage-backend") :].split("\n  -")[0].split())
+        assert "mooncake, none" in backend and "default: none]" in backend and "default: off" not in backend
+
+
+def test_check_config_counts_one_rank_as_one(daemons: DaemonFactory) -> None:
+    done = daemons.cli("start", "--instance", unique_instance(), "--ranks", "1", "--check-config")
+    assert done.returncode == 0 and "(1 rank, host)" in done.stdout, done.stdout

@@ -3,6 +3,7 @@ allocates exactly that, refuses a different one by name, keeps it across a resta
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -52,6 +53,8 @@ def test_a_different_declaration_is_refused_by_name_and_an_equal_one_adopts(daem
     with pytest.raises(rc.CacheLayoutMismatch) as refused:
         rc.initialize_kv_cache(spec(num_blocks=21), 1, instance=instance, timeout=30)
     assert refused.value.field == "num_blocks" and "21" in str(refused.value)
+    said = str(refused.value)  # which process holds which value
+    assert "20 in the daemon's" in said and f"21 in the spec this process (pid {os.getpid()}) declares" in said
     rc.initialize_kv_cache(spec(), 1, instance=instance, timeout=30).close()
 
 

@@ -266,3 +266,24 @@ def test_a_live_instance_is_found_in_its_own_run_directory(daemons: DaemonFactor
     checks = by_name(document)
     assert code == 1 and checks["live_instance"]["verdict"] == "fail"
     assert checks["run_dir"]["measured"]["path"] == str(daemons.run_dir), checks["run_dir"]
+
+
+def test_dev_shm_counts_a_kept_cache_once(daemons: DaemonFactory) -> None:
+    """The memory a kept cache holds is not needed again by the start that adopts it, and a dead run's that
+    a start reclaims comes free first: dev_shm needs only the rest anew, and says whose memory it is."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    assert daemons.cli("stop", "--keep", "--instance", daemon.instance).returncode == 0
+    daemon.exit_code()
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL)
+    measured = by_name(document)["dev_shm"]["measured"]
+    assert measured["held_by"] == "kept" and measured["held_bytes"] > 0, measured
+    assert measured["need_anew_bytes"] == max(0, measured["need_bytes"] - measured["held_bytes"])
+    assert "held by the cache the next start adopts" in by_name(document)["dev_shm"]["figure"]
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--num-blocks", "9")
+    measured = by_name(document)["dev_shm"]["measured"]
+    assert measured["held_by"] == "dead run" and "reclaimed first" in by_name(document)["dev_shm"]["figure"]
+    assert daemons.cli("doctor", "--clean", "--instance", daemon.instance, *SMALL).returncode == 0
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL)
+    measured = by_name(document)["dev_shm"]["measured"]
+    assert measured["held_by"] is None and measured["need_anew_bytes"] == measured["need_bytes"]

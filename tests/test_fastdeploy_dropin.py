@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from kvcached.fastdeploy.arguments import (
     parse_args,
 )
 from kvcached.protocol.errors import InvalidSpec
+from tests.conftest import ROOT
 
 LAUNCH = [
     "--rank",
@@ -217,3 +219,27 @@ def test_a_launcher_through_a_shell_is_the_shells_parent() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
         shell.wait(10)
+
+
+def test_the_drop_ins_help_says_what_it_is_what_it_reads_and_how_it_exits() -> None:
+    """``--help`` describes the drop-in, names every variable of the environment it reads (with the defaults
+    it uses) and its exit statuses; the options stay FastDeploy's."""
+    from kvcached.fastdeploy import transfer_manager
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvcached.fastdeploy.transfer_manager", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    assert shown.startswith("usage: python -m kvcached.fastdeploy.transfer_manager")
+    assert "allocates nothing" in shown and "docs/fastdeploy.md" in shown
+    sources = [ROOT / "kvcached" / "fastdeploy" / name for name in ("transfer_manager.py", "arguments.py")]
+    read = {name for path in sources for name in re.findall(r'"(KVCACHED_[A-Z_]+)"', path.read_text())}
+    assert read and all(name in shown for name in read), read
+    assert f"at start (default: {transfer_manager.WAIT_S:.0f})" in shown
+    assert f"as unservable (default: {transfer_manager.TASK_S:.0f})" in shown
+    statuses = {0, 2, transfer_manager.EXIT_UNAVAILABLE, transfer_manager.EXIT_MISMATCH}
+    listed = shown[shown.index("exit status:") :]
+    assert {int(n) for n in re.findall(r"^  (\d) ", listed, flags=re.MULTILINE)} == statuses

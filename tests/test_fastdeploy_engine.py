@@ -190,7 +190,8 @@ def blocks(cache: rc.KVCache, ids: list[int]) -> bytes:
 
 def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
     """Acceptance: the drop-in for 2 ranks allocates nothing, sets the flags, and serves SWAP2CPU, SWAP2GPU, a
-    storage write and read, pause and resume (and refuses sleep with a reason), the bytes right at each step."""
+    storage write and read, pause and resume, sleep (200, saying it frees no memory), the bytes right at each
+    step."""
     fd, status = engine.fd, engine.fd.CacheStatus
     for rank in range(TP):
         engine.launch(rank)

@@ -101,6 +101,7 @@ def test_exactly_one_device_cache_per_rank(daemons: DaemonFactory, cpu: int, sto
         # Profiling makes the runner allocate a temporary cache: refused while the daemon holds the rank.
         profiled = runner_result(run_runner(env, spec=spec.to_dict(), rank=rank, instance=instance, profile=True))
         assert not profiled["ok"] and profiled["error_type"] == "OwnershipConflict"
+        assert "kvcached start --geometry engine" in profiled["error"], profiled  # the way to profile first
         assert dev_arenas(instance, rank) == arenas
 
     assert daemon.stop() == 0
@@ -114,8 +115,9 @@ def test_runner_with_drifted_spec_refuses_second_copy(daemons: DaemonFactory) ->
     """A runner whose spec says it owns the cache, while the daemon holds the rank, raises OwnershipConflict."""
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
-    with pytest.raises(rc.OwnershipConflict, match="second copy"):
+    with pytest.raises(rc.OwnershipConflict, match="second copy") as refused:
         rc.initialize_kv_cache(small_spec(num_cpu_blocks=0), 0, instance=daemon.instance, timeout=5)
+    assert "the daemon's spec" in str(refused.value) and "--geometry engine" not in str(refused.value)
 
 
 # -- 2. before and after -------------------------------------------------------------------------------

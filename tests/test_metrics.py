@@ -6,6 +6,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -148,3 +149,28 @@ def test_metrics_port_in_use_is_a_configuration_error(daemons: DaemonFactory) ->
 def test_bad_metrics_port_is_refused(daemons: DaemonFactory, port: str) -> None:
     result = daemons.cli("start", "--instance", "kvt-never", "--metrics-port", port)
     assert result.returncode == 4 and "--metrics-port" in result.stderr
+
+
+def test_only_metrics_is_served_and_misses_count_loads_not_lookups(daemons: DaemonFactory, tmp_path: Any) -> None:
+    """``/metrics`` answers, any other path is 404; a store miss is a load that stopped before its last key
+    (one per such load, per rank): a lookup that finds fewer keys counts none."""
+    port = free_port()
+    args = ["--metrics-port", str(port), "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+    daemon = daemons.start(ranks=1, args=args)
+    daemon.wait_ready()
+    for path in ("/foo", "/", "/metrics/extra"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+        assert refused.value.code == 404 and b"/metrics" in refused.value.read(), path
+
+    keys = rc.block_keys(list(range(16)), block_size=4)
+    with rc.CacheTasks(instance=daemon.instance) as tasks:
+        tasks.store(0, [0, 1], keys[:2])
+        assert tasks.lookup(keys) == 2
+        assert tasks.lookup(keys[2:]) == 0
+        assert value(scrape(port), "kvcached_store_misses_total", rank="0") == 0
+        assert read_status(daemon.instance)["ranks"][0]["store"]["misses"] == 0
+        assert tasks.load(0, keys, [4, 5, 6, 7]).blocks == 2
+    assert value(scrape(port), "kvcached_store_misses_total", rank="0") == 1
+    assert value(scrape(port), "kvcached_store_hits_total", rank="0") == 2
+    assert read_status(daemon.instance)["ranks"][0]["store"]["misses"] == 1

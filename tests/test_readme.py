@@ -3,7 +3,10 @@
 The text is the test. Each fenced block's info string says how it runs:
 
 ``sh``
-    ``bash -euo pipefail`` in a scratch checkout (the project's files, nothing built); must exit 0.
+    ``bash -euo pipefail`` in a scratch checkout of the project's files; must exit 0. README runs in a
+    checkout where nothing is built (its quickstart builds ``.venv``); every other document runs in one
+    where the quickstart's setup steps (line 1 up to ``kvcached start``) have built ``.venv`` already, so
+    each document's case passes alone and in any order.
 ``sh quickstart``
     README's first block. Line 1 sets up and runs the daemon in the foreground: run in the background
     until every rank is READY (as ``sh daemon``). Line 2 is the test command: it must be the very command
@@ -95,12 +98,12 @@ class Block:
         return f"{self.path.name}:{self.line}"
 
 
-def blocks(path: Path) -> list[Block]:
-    """The fenced blocks of ``path``, in order."""
+def blocks(path: Path, text: str | None = None) -> list[Block]:
+    """The fenced blocks of ``path`` (or of ``text``, a part of it), in order."""
     found: list[Block] = []
     info: str | None = None
     start, body = 0, list[str]()
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate((path.read_text() if text is None else text).splitlines(), 1):
         fence = FENCE.match(line)
         if fence and info is None:
             info, start, body = " ".join(fence.group(1).split()), number, []
@@ -288,9 +291,45 @@ def scratch_checkout(into: Path) -> Path:
     return into
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without what would leak the test's own interpreter into the checkout's."""
+    env = {**os.environ, **extra}
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "KVCACHED_FAULT"):
+        env.pop(name, None)
+    return env
+
+
+def setup_steps(readme: Path) -> str:
+    """The steps of README's quickstart line 1 before it starts the daemon (building ``.venv``)."""
+    quickstart = next(block for block in blocks(readme) if block.info == "sh quickstart")
+    line = quickstart.text.splitlines()[0].split("#")[0]
+    steps = [step.strip() for step in line.split("&&") if "kvcached start" not in step]
+    assert steps and len(steps) < len(line.split("&&")), f"README's quickstart line 1 changed: {line!r}"
+    return " && ".join(steps)
+
+
 @pytest.fixture(scope="module")
-def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fresh_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Nothing built: README's quickstart builds its ``.venv`` as a newcomer's shell would."""
     return scratch_checkout(tmp_path_factory.mktemp("readme") / "kvcached")
+
+
+@pytest.fixture(scope="module")
+def built_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``.venv`` built by README's own setup steps: what the other documents assume the reader did first."""
+    checkout = scratch_checkout(tmp_path_factory.mktemp("docs") / "kvcached")
+    steps = setup_steps(checkout / "README.md")
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", steps],
+        cwd=checkout,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, f"{steps}: exit {result.returncode}\n{result.stdout}{result.stderr}"
+    return checkout
 
 
 @contextlib.contextmanager
@@ -298,10 +337,7 @@ def session_for(checkout: Path) -> Iterator[Session]:
     instance = unique_instance()
     run_dir = checkout.parent / "run"
     run_dir.mkdir(exist_ok=True)
-    env = {**os.environ, "KVCACHED_INSTANCE": instance, "KVCACHED_RUN_DIR": str(run_dir)}
-    for name in ("VIRTUAL_ENV", "PYTHONPATH", "KVCACHED_FAULT"):
-        env.pop(name, None)
-    session = Session(checkout, env)
+    session = Session(checkout, clean_env(KVCACHED_INSTANCE=instance, KVCACHED_RUN_DIR=str(run_dir)))
     try:
         yield session
     finally:
@@ -312,16 +348,18 @@ def session_for(checkout: Path) -> Iterator[Session]:
 
 
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
-def test_every_block_runs_as_written(path: Path, checkout: Path) -> None:
+def test_every_block_runs_as_written(path: Path, request: pytest.FixtureRequest) -> None:
+    checkout: Path = request.getfixturevalue("fresh_checkout" if path == ROOT / "README.md" else "built_checkout")
     with session_for(checkout) as session:
         skipped = run_document(checkout / path.relative_to(ROOT), session)
     for reason in skipped:
         print(f"skipped {reason}")
 
 
-def test_a_broken_block_fails_the_readme_test(checkout: Path) -> None:
+def test_a_broken_block_fails_the_readme_test(built_checkout: Path) -> None:
     """The README test is not a formality: one changed value in the runner snippet fails it, naming the
     block and the field."""
+    checkout = built_checkout
     broken = checkout.parent / "broken" / "README.md"
     broken.parent.mkdir(exist_ok=True)
     text = (checkout / "README.md").read_text()
@@ -332,8 +370,73 @@ def test_a_broken_block_fails_the_readme_test(checkout: Path) -> None:
     assert "README.md:" in str(failure.value) and "num_layers" in str(failure.value), failure.value
 
 
-def test_an_unknown_info_string_fails(tmp_path: Path, checkout: Path) -> None:
+def test_an_unknown_info_string_fails(tmp_path: Path, fresh_checkout: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text("```bash\necho hi\n```\n")
-    with session_for(checkout) as session, pytest.raises(AssertionError, match="unknown info string 'bash'"):
+    with session_for(fresh_checkout) as session, pytest.raises(AssertionError, match="unknown info string 'bash'"):
         run_document(doc, session)
+
+
+def test_scripts_test_passes_its_arguments_to_pytest() -> None:
+    """README: any arguments after ``--install-system-packages`` go to pytest as they are."""
+    script = (ROOT / "scripts" / "test").read_text()
+    assert re.search(r'^exec \.venv/bin/pytest .*"\$@"$', script, flags=re.MULTILINE), "the pytest line changed"
+    assert 'if [ "${1:-}" = "--install-system-packages" ]; then' in script and "    shift\n" in script
+    assert "`scripts/test -k readme`" in (ROOT / "README.md").read_text()
+
+
+def layout_tree(readme: Path) -> set[str]:
+    """The paths README's layout block names: an indented tree, two spaces a level, folders ending in /."""
+    text = readme.read_text()
+    section = text[text.index("## Layout\n") :]
+    block = next(b for b in blocks(readme, section) if b.info == "")
+    named: set[str] = set()
+    folders: list[str] = []
+    for line in block.text.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        del folders[depth:]
+        path = "".join(folders) + name
+        named.add(path)
+        if name.endswith("/"):
+            folders.append(name)
+    return named
+
+
+def test_readme_layout_names_every_module() -> None:
+    """Every Python and C file of kvcached/ and runner_client/ is in README's layout, and nothing that is
+    not there: the list stays true as modules come and go."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "kvcached", "runner_client"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    modules = {name for name in tracked if name.endswith((".py", ".c")) and (ROOT / name).is_file()}
+    named = {path for path in layout_tree(ROOT / "README.md") if path.endswith((".py", ".c"))}
+    assert not modules - named, f"README's layout does not name: {sorted(modules - named)}"
+    assert not named - modules, f"README's layout names what is not there: {sorted(named - modules)}"
+
+
+def test_architecture_names_every_module() -> None:
+    """docs/architecture.md's drawing names every module by its file name, and only files that exist."""
+    drawing = blocks(ROOT / "docs" / "architecture.md")[0].text
+    files = [p for p in (*ROOT.glob("kvcached/**/*"), *ROOT.glob("runner_client/**/*")) if p.suffix in (".py", ".c")]
+    names = {p.name for p in files if "__pycache__" not in p.parts}
+    drawn = set(re.findall(r"[\w]+\.(?:py|c)\b", drawing))
+    assert not names - drawn, f"docs/architecture.md does not draw: {sorted(names - drawn)}"
+    assert not drawn - names, f"docs/architecture.md draws what is not there: {sorted(drawn - names)}"
+
+
+def test_every_test_file_the_docs_name_exists() -> None:
+    """A doc that says which test proves something names a file that is there (tests move: tests/helpers/)."""
+    missing = [
+        f"{doc.relative_to(ROOT)}: {name}"
+        for doc in DOCS
+        for name in sorted(set(re.findall(r"\btests/[\w/]+\.py\b", doc.read_text())))
+        if not (ROOT / name).is_file()
+    ]
+    assert not missing, missing

@@ -1,6 +1,7 @@
 """The opt-in Prometheus endpoint (``--metrics-port``): the same figures as ``kvcached status``.
 
-Served by ``prometheus_client``'s HTTP server on a thread of the supervisor, started once the first rank
+Served by ``prometheus_client``'s WSGI application on a thread of the supervisor, on ``/metrics`` only (any
+other path is 404, naming the one that is served), started once the first rank
 workers are forked (replacements are forked while it runs: a fork copies only the forking thread). Every
 scrape reads the control block (records under their seqlock, the workers' counters and histograms) and
 /proc/locks (waiting runners): no state of its own, nothing to keep in step.
@@ -14,20 +15,25 @@ Metrics (labels in braces):
 - ``kvcached_tasks_total{rank,op}``, ``kvcached_task_blocks_total{rank,op}``, ``kvcached_task_bytes_total{rank,op}``
   with op ``swap_out``, ``swap_in``, ``store``, ``load``; ``kvcached_task_duration_seconds{rank,op}`` histogram
 - ``kvcached_lookup_tasks_total{rank}``, ``kvcached_tasks_refused_total{rank}``, ``kvcached_connections_total{rank}``
-- ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}``,
-  ``..._misses_total``, ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``,
+- ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}`` (objects
+  loaded and verified), ``..._misses_total`` (loads that stopped before their last key: one per such load;
+  a lookup counts nothing), ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``,
   ``..._master_resets_total``
 """
 
 from __future__ import annotations
 
 import itertools
+import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvcached.protocol.control import ControlBlock, State
@@ -46,8 +52,13 @@ _TASK_FIGURES: list[Simple] = [
 _STORE_FIGURES: list[Simple] = [
     (GaugeMetricFamily, "kvcached_store_objects", "Objects in the attention store.", "store_objects"),
     (GaugeMetricFamily, "kvcached_store_bytes", "Bytes in the attention store.", "store_bytes_used"),
-    (CounterMetricFamily, "kvcached_store_hits", "Store objects served.", "store_hits"),
-    (CounterMetricFamily, "kvcached_store_misses", "Store objects not found or unusable.", "store_misses"),
+    (CounterMetricFamily, "kvcached_store_hits", "Store objects loaded and verified.", "store_hits"),
+    (
+        CounterMetricFamily,
+        "kvcached_store_misses",
+        "Loads that stopped before their last key (one not stored, or unusable); lookups count none.",
+        "store_misses",
+    ),
     (CounterMetricFamily, "kvcached_store_evictions", "Store objects evicted.", "store_evictions"),
     (CounterMetricFamily, "kvcached_store_corrupt", "Store objects failing checks.", "store_corrupt"),
     (CounterMetricFamily, "kvcached_store_errors", "Store tasks failed.", "store_errors"),
@@ -136,9 +147,36 @@ def _tasks(ranks: list[str], stats: list[dict[str, int]], latency: list[dict[str
     yield duration
 
 
+PATH = "/metrics"
+_NOT_FOUND = f"not found: this endpoint serves {PATH} only\n".encode()
+
+
+def only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """``app`` on ``PATH``; 404 on any other path (a scrape configured with a wrong path fails loudly)."""
+
+    def routed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") == PATH:
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [_NOT_FOUND]
+
+    return routed
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr (the daemon's log is structured)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 def serve(instance: str, block: ControlBlock, memory: str, address: str, port: int) -> Any:
-    """Start the endpoint on ``address:port`` (path /metrics); the server, for ``shutdown()``."""
+    """Start the endpoint on ``address:port`` (path ``/metrics``) on a daemon thread; the server, for
+    ``shutdown()``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlBlockCollector(instance, block, memory))
-    server, _thread = start_http_server(port, addr=address, registry=registry)
+    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    server: Any = make_server(address, port, only_metrics(make_wsgi_app(registry)), server_class, _QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

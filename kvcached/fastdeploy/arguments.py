@@ -44,10 +44,43 @@ ARGUMENT_OF = {
 LATER_ARGUMENTS = ("--routing_replay_config",)
 
 
+DESCRIPTION = """\
+kvcached's drop-in for FastDeploy's cache transfer manager (cache_transfer_manager.py): the patched
+engine launches it with the same arguments, one per rank. It allocates nothing: it checks FastDeploy's
+arguments against the kvcached daemon (declaring the geometry to a daemon started with --geometry
+engine), waits for its rank, sets FastDeploy's ready flags, and serves the engine's cache queue, rank 0
+for the whole group, moving blocks through kvcached. The options are FastDeploy's, read as it reads them.
+See docs/fastdeploy.md."""
+
+EPILOG = """\
+environment:
+  KVCACHED_INSTANCE              the kvcached instance to serve (default: default); the patched engine
+                                 launches the drop-in only when it is set
+  KVCACHED_WAIT_S                seconds to wait for kvcached's rank at start (default: 600)
+  KVCACHED_TASK_DEADLINE_S       seconds a task may take, across daemon restarts, before the rank counts
+                                 as unservable (default: 60)
+  FD_ENGINE_TASK_QUEUE_WITH_SHM  the cache queue's transport, as this FastDeploy line reads it
+  KVCACHED_DAEMON_USER           a user (name or uid) trusted besides this one and root
+
+exit status:
+  0  the engine went away (its queue is gone): nothing left to serve
+  1  the rank cannot be served: kvcached's rank not ready in time, a daemon that made the memory anew,
+     a FAILED rank, a task past its deadline (the patched engine stops)
+  2  usage: an argument FastDeploy's own parser would refuse too
+  4  refused before anything moved: a store backend, geometry, device or platform that differs from
+     the daemon's (named by FastDeploy's argument), a FastDeploy runner that would allocate its own
+     copy, a setting that is no number, an unreadable version.yaml"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names,
     types, defaults and choices, so that the engine can launch this module in its place."""
-    parser = argparse.ArgumentParser("Cache transfer manager (kvcached drop-in)")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcached.fastdeploy.transfer_manager",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--splitwise_role", type=str, default="mixed")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--device_id", type=int, default=0)
