@@ -89,7 +89,7 @@ def _reachable(host: str, port: int) -> bool:
 
 
 class MooncakeStore(Store):
-    """One rank's client of a Mooncake Store, through the rank's keeper."""
+    """One rank's client of a Mooncake Store, through the instance's keeper on this host."""
 
     def __init__(self, *, identity: ObjectIdentity, keeper: KeeperConfig, replicas: int, log: Logger) -> None:
         self.identity = identity
@@ -391,7 +391,7 @@ class MooncakeBackend(StoreBackend):
             "mooncake_segment",
             knobs.size,
             "256MiB",
-            "mooncake backend: memory each rank contributes to the store's pool (held by the rank's keeper).",
+            "mooncake backend: memory each rank contributes to the store's pool (its keeper holds ranks x this).",
             "BYTES",
         ),
         knobs.Knob(
@@ -487,9 +487,11 @@ class MooncakeBackend(StoreBackend):
             f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
             f"{found.get('hostname')}; the master forgot it {measured['master_resets']} times"
         )
-        if found.get("segment_bytes") != wanted or found.get("config", {}).get("master") != options["mooncake_master"]:
+        held = {"segment": size_text(found.get("segment_bytes", 0)), "master": found.get("config", {}).get("master")}
+        wants = {"segment": size_text(wanted), "master": options["mooncake_master"]}
+        if differs := [f"{k} {held[k]} (this configuration: {wants[k]})" for k in held if held[k] != wants[k]]:
             advice = "the next start replaces it (its objects leave the store): start with the options it has"
-            return Check("mooncake_keeper", WARN, f"{figure}; this configuration differs", measured, advice)
+            return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
         return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
 
 

@@ -141,7 +141,7 @@ class Receiver:
 
 
 class KeeperLink:
-    """An open connection to a rank's keeper. Calls raise ``StoreUnavailable`` when the keeper is gone
+    """An open connection to the instance's keeper. Calls raise ``StoreUnavailable`` when the keeper is gone
     (then this link is dead: open another) or answers with an error."""
 
     def __init__(self, sock: socket.socket, hello: dict[str, Any], segment_fd: int) -> None:
