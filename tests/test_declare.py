@@ -4,6 +4,7 @@ allocates exactly that, refuses a different one by name, keeps it across a resta
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.config import DaemonConfig
-from kvcached.daemon.declare import READ_S
+from kvcached.daemon.declare import MAX_OPEN, READ_S
 from kvcached.protocol.declare import declare_socket_path
 from kvcached.protocol.errors import InvalidConfig
 from kvcached.status import awaits_geometry, read_status
@@ -165,6 +166,34 @@ def test_a_declarer_that_dribbles_costs_only_itself(daemons: DaemonFactory) -> N
         assert other.exit_code(30) == 0
     finally:
         dribbler.close()
+
+
+def test_a_flood_of_silent_declarers_costs_only_their_connections(daemons: DaemonFactory) -> None:
+    """1,500 connections that send nothing (past 1,024 descriptors, where select() gives up): the daemon
+    serves MAX_OPEN of them side by side, answers the rest "busy", and then accepts a runner's declaration."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1600:
+        pytest.skip(f"needs 1,600 descriptors, the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1600), hard))
+    daemon = waiting(daemons)
+    path = declare_socket_path(daemons.run_dir, daemon.instance)
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(1500):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            flood.append(sock)
+            sock.connect(str(path))  # blocking: waits while the daemon's backlog is full
+            sock.settimeout(5)
+        time.sleep(0.5)
+        assert daemon.proc.poll() is None, daemon.log()[-2000:]
+        busy = [sock for sock in flood[MAX_OPEN * 2 :: 50] if b"declarations under way" in sock.recv(4096)]
+        assert busy, "connections past MAX_OPEN are answered busy"
+    finally:
+        for sock in flood:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=30) as cache:
+        assert cache.key_caches[0].shape == (20, 2, 4, 16)
 
 
 def exchange(path: Path, raw: bytes) -> bytes:

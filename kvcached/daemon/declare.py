@@ -51,6 +51,8 @@ from kvcached.protocol.spec import CacheSpec
 WAITING_NOTE = "waiting for the engine to declare the geometry (--geometry engine)"
 #: Seconds one declaring connection may take to send its whole spec.
 READ_S = 2.0
+#: Declaring connections served at once; one past it is answered "busy" and closed at once.
+MAX_OPEN = 32
 
 Refusal = tuple[str, object, object, str]  # field, the daemon's value, the declared value, why
 
@@ -182,20 +184,24 @@ class Declarations:
                 self._close(fd, {"accepted": False, "field": "spec", "message": why})
         return accepted
 
-    def take(self, config: DaemonConfig) -> DaemonConfig | None:
-        """Serve whatever is ready now (see ``serve``)."""
-        readable, _, _ = select.select(self.fds(), [], [], 0)
-        return self.serve(readable, config)
-
     def _accept(self) -> None:
         while True:
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:  # out of descriptors: the open connections end within READ_S
+                self.log.warning("declaration not accepted", reason=os.strerror(exc.errno or 0))
+                return
             peer = peer_of(conn)
             if not self.access.allows(peer):
                 self.log.warning("declaration refused: not the daemon's user or group", pid=peer.pid, uid=peer.uid)
+                conn.close()
+                continue
+            if len(self.open) >= MAX_OPEN:
+                with contextlib.suppress(OSError):
+                    busy = {"accepted": False, "field": "spec", "message": f"{MAX_OPEN} declarations under way; retry"}
+                    conn.send(json.dumps(busy).encode() + b"\n", socket.MSG_DONTWAIT)
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -264,7 +270,7 @@ def await_declaration(
             while accepted is None:
                 notify.ping_if_due()
                 wait = point.timeout(notify.ping_interval() or 1.0)
-                readable, _, _ = select.select([*point.fds(), wake_fd], [], [], wait)
+                readable = _readable([*point.fds(), wake_fd], wait)
                 accepted = point.serve(readable, config)
                 if wake_fd in readable and accepted is None:
                     accepted = _stop_signal(wake_fd, log)
@@ -273,6 +279,14 @@ def await_declaration(
     finally:
         point.close()
     return accepted
+
+
+def _readable(fds: list[int], timeout: float) -> list[int]:
+    """Which of ``fds`` can be read within ``timeout`` seconds (poll: no limit on descriptor numbers)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(timeout * 1000)]
 
 
 def _stop_signal(wake_fd: int, log: logs.Logger) -> int | None:
