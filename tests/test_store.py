@@ -492,6 +492,37 @@ def test_status_shows_store_figures(daemons: DaemonFactory, tmp_path: Path) -> N
 OTHER_UID = 65534
 
 
+@pytest.mark.parametrize("via", ["a link in another user's directory", "a link another user owns, further on"])
+def test_a_store_path_through_a_link_another_user_can_turn_is_refused(
+    daemons: DaemonFactory, tmp_path: Path, via: str
+) -> None:
+    """The store directory is the daemon's own and closed, but the path as given goes through a symbolic
+    link another user could point at a directory of their own (planted objects would then load as
+    verified): the start fails (exit 4) naming the link; the resolved path starts."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    if via == "a link in another user's directory":
+        link = theirs / "store"
+        link.symlink_to(real)
+        given = link
+    else:
+        link = theirs / "hop"
+        link.symlink_to(real)
+        os.lchown(link, OTHER_UID, OTHER_UID)
+        ours = tmp_path / "ours"
+        ours.mkdir(mode=0o700)
+        (ours / "store").symlink_to(link)
+        given = ours / "store"
+    daemon = daemons.start(ranks=1, args=[*FLAGS, "--storage-backend", "file", "--storage-path", str(given)])
+    assert daemon.exit_code() == 4
+    assert f"{link}, a symbolic link on the way to the store directory" in daemon.log(), daemon.log()[-1500:]
+    assert list(real.iterdir()) == [], "the refused store was changed"
+    start_file_daemon(daemons, real)
+
+
 @pytest.mark.parametrize("made", ["by another user", "group-writable"])
 def test_a_store_directory_others_can_write_is_refused(daemons: DaemonFactory, tmp_path: Path, made: str) -> None:
     """A store directory made beforehand by another user (in a shared, sticky directory), or the daemon's

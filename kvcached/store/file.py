@@ -399,6 +399,8 @@ def unsafe_directory(path: Path) -> str | None:
     not from the store), and each directory above it must be root's or this user's, writable by others
     only with the sticky bit (else another user could move it away and put their own in its place)."""
     uid = os.geteuid()
+    if (why := _unsafe_link(path, uid)) is not None:
+        return why
     resolved = path.resolve()
     st = os.stat(resolved)
     if not stat.S_ISDIR(st.st_mode):
@@ -412,7 +414,7 @@ def unsafe_directory(path: Path) -> str | None:
         )
     for above in resolved.parents:
         st = os.stat(above)
-        if st.st_uid not in (0, uid) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        if st.st_uid not in (0, uid) or _open_to_others(st):
             return (
                 f"{above}, above the store directory {path}, is owned by {_user(st.st_uid)} with mode "
                 f"{stat.S_IMODE(st.st_mode):04o}: another user could put a directory of their own in the store's "
@@ -420,6 +422,36 @@ def unsafe_directory(path: Path) -> str | None:
                 "another --storage-path"
             )
     return None
+
+
+def _unsafe_link(path: Path, uid: int) -> str | None:
+    """Why a symbolic link on the way to ``path`` (followed as the kernel does, link by link) could be turned
+    elsewhere by another user, or None: each link must be root's or this user's, in a directory another user
+    cannot change (root's or this user's, writable by others only with the sticky bit)."""
+    parts, here, hops = list(Path(os.path.abspath(path)).parts), Path("/"), 0
+    while parts:
+        name = parts.pop(0)
+        step = Path(name) if name == "/" else here.parent if name == ".." else here / name
+        if not step.is_symlink():
+            here = step
+            continue
+        hops += 1
+        link, holder = os.lstat(step), os.stat(here)
+        if hops > 40:
+            return f"{path}: too many symbolic links on the way"
+        if link.st_uid not in (0, uid) or holder.st_uid not in (0, uid) or _open_to_others(holder):
+            return (
+                f"{step}, a symbolic link on the way to the store directory {path}, is owned by "
+                f"{_user(link.st_uid)} in {here}, owned by {_user(holder.st_uid)} with mode "
+                f"{stat.S_IMODE(holder.st_mode):04o}: another user could point it elsewhere; give the resolved "
+                "--storage-path, or make the link and its directory root's or the daemon's user's"
+            )
+        parts = [*Path(os.readlink(step)).parts, *parts]  # a relative target goes on from ``here``
+    return None
+
+
+def _open_to_others(st: os.stat_result) -> bool:
+    return bool(st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX)
 
 
 def _user(uid: int) -> str:
