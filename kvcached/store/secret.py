@@ -31,7 +31,12 @@ def read_secret(field: str, path: str | Path) -> bytes:
             raise InvalidSpec(
                 field,
                 f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; a secret must be "
-                f"the daemon's user's (uid {os.geteuid()}) and closed to everyone else: `chmod 600 {path}`",
+                f"the daemon's user's (uid {os.geteuid()}) and closed to everyone else: "
+                + (
+                    f"`chmod 600 {path}`"
+                    if st.st_uid == os.geteuid()
+                    else f"`chown {os.geteuid()} {path}`, then check it"
+                ),
             )
         secret = file.read(1 << 16).strip()
     if len(secret) < MIN_SECRET_BYTES:
