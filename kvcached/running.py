@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 
 import click
 
-from kvcached.daemon import faults
+from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
 from kvcached.daemon.lockfile import holder
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
-from kvcached.protocol.names import instance_shm_entries, lock_path
+from kvcached.protocol.names import instance_lock_path, instance_shm_entries, lock_path
 from kvcached.protocol.proc import is_alive
 from kvcached.status import awaits_geometry, is_ready, read_status
 
@@ -42,12 +42,40 @@ def guarded(read: Callable[..., T], instance: str, **options: Any) -> T:
 
 
 def daemon_of(name: str) -> tuple[int, int] | None:
-    """(pid, start time) of the live daemon of instance ``name``, or None."""
-    found = holder(lock_path(name))
+    """(pid, start time) of the live daemon of instance ``name``, or None. A pid is believed only when the
+    files that name it can be (a run directory and lock file, or a control block, that only one uid may
+    write) and the process runs as that uid, is ``kvcached start`` and holds the instance's lock
+    (``lockfile.why_not_daemon``); otherwise an error saying why: the CLI signals nothing it was steered to."""
+    path = lock_path(name)
+    found = holder(path)
+    doubt = ""
     if found is not None and found.alive:
-        return found.pid, found.started
+        doubt = _doubt_lock_file(path, found.pid)
+        if not doubt:
+            return found.pid, found.started
     published = guarded(read_instance, name)
-    return (published.header.daemon_pid, published.header.daemon_start) if published is not None else None
+    if published is not None:
+        pid = published.header.daemon_pid
+        why = lockfile.why_not_daemon(pid, published.owner_uid, instance_lock_path(name))
+        if not why:
+            return pid, published.header.daemon_start
+        doubt = doubt or f"its control block names {why}"
+    if doubt:
+        raise click.ClickException(
+            f"instance {name}: refusing to signal anything: {doubt}. Remove what is not a daemon's, or run "
+            "the command with the daemon's KVCACHED_RUN_DIR"
+        )
+    return None
+
+
+def _doubt_lock_file(path: Path, pid: int) -> str:
+    """Why the lock file at ``path``, naming ``pid``, is not a daemon's ("" when it is)."""
+    owner = path.parent.lstat().st_uid if path.parent.exists() else None
+    why = lockfile.why_untrusted_file(path.parent, owner) or lockfile.why_untrusted_file(path, owner)
+    if why or owner is None:
+        return why or f"{path.parent} is gone"
+    why = lockfile.why_not_daemon(pid, owner, path)
+    return f"{path} names {why}" if why else ""
 
 
 def send(name: str, pid: int, signum: int) -> None:
