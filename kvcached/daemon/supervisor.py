@@ -420,6 +420,7 @@ class Supervisor:
         again for ``kvcached restart``; None when it is not restarting."""
         if not self.requests.restart:
             return None
+        self.requests.pass_on_pending()
         return self.handover.env(self.generation)
 
     # -- how it ends ----------------------------------------------------------------------------------

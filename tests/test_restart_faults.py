@@ -1,0 +1,46 @@
+"""`kvcached restart` against what an operator or a neighbour does meanwhile: a stop sent while the next image
+is checked, the metrics port taken, a configuration file whose geometry changed, a garbled handover."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvcached.status import read_status
+from tests.conftest import ROOT, DaemonFactory, shm_entries
+
+
+def restart_cli(daemons: DaemonFactory, instance: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvcached.cli", "restart", "--instance", instance, "--timeout", "30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=daemons.env(),
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_stop_sent_while_the_restart_is_checked_is_honoured(daemons: DaemonFactory, keep: bool) -> None:
+    """`stop` (or `stop --keep`) sent while the restarting daemon checks its next image is not dropped: the
+    daemon ends as the stop asks, keeping the memory for the next start with --keep, releasing it without."""
+    daemon = daemons.start()
+    daemon.wait_ready()
+    restarting = restart_cli(daemons, daemon.instance)
+    time.sleep(0.15)  # the restart signal is in; the next image's check runs for longer than this
+    stop = daemons.cli("stop", "--instance", daemon.instance, "--timeout", "20", *(["--keep"] if keep else []))
+    restarting.communicate(timeout=40)
+    assert stop.returncode == 0, stop.stdout + stop.stderr + daemon.log()
+    assert daemon.exit_code(5) == 0
+    assert "a stop came while the restart was checked" in daemon.log()
+    if keep:
+        assert {rank["state"] for rank in read_status(daemon.instance)["ranks"]} == {"KEPT"}
+        again = daemons.start(daemon.instance)
+        assert again.wait_ready()["note"].startswith("adopted"), again.log()
+        again.stop()
+    else:
+        assert shm_entries(daemon.instance) == []
