@@ -3,14 +3,16 @@ is checked, the metrics port taken, a configuration file whose geometry changed,
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 from kvcached.status import read_status
-from tests.conftest import ROOT, DaemonFactory, shm_entries
+from tests.conftest import ROOT, DaemonFactory, free_port, shm_entries
 
 
 def restart_cli(daemons: DaemonFactory, instance: str) -> subprocess.Popen[str]:
@@ -44,3 +46,39 @@ def test_a_stop_sent_while_the_restart_is_checked_is_honoured(daemons: DaemonFac
         again.stop()
     else:
         assert shm_entries(daemon.instance) == []
+
+
+def test_a_restart_whose_metrics_port_was_taken_meanwhile_serves_on(daemons: DaemonFactory) -> None:
+    """Someone takes the metrics port while the restart executes the next image: the restart completes, the
+    memory adopted, the daemon warns and serves without metrics, then listens again once the port is free."""
+    port = free_port()
+    env = daemons.env(KVCACHED_FAULT="before-exec:sleep=1.5")
+    daemon = daemons.start(args=["--metrics-port", str(port)], env=env)
+    daemon.wait_ready()
+    restarting = restart_cli(daemons, daemon.instance)
+    squatter = socket.socket()
+    deadline = time.monotonic() + 20
+    while True:  # the old image lets go of the port before its exec
+        try:
+            squatter.bind(("127.0.0.1", port))
+            break
+        except OSError:
+            assert time.monotonic() < deadline, daemon.log()
+            time.sleep(0.01)
+    squatter.listen()
+    try:
+        out, _ = restarting.communicate(timeout=40)
+        assert restarting.returncode == 0 and "adopted" in out, out + daemon.log()
+        assert daemon.proc.poll() is None
+        assert "serving without metrics" in daemon.log()
+    finally:
+        squatter.close()
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                assert b"kvcached_rank_state" in response.read()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, daemon.log()
+            time.sleep(0.2)

@@ -53,6 +53,9 @@ from kvcached.protocol.ownership import cache_owner, explain_owner
 from kvcached.protocol.proc import self_identity
 from kvcached.protocol.spec import CacheSpec
 
+#: Seconds between tries of a metrics port that was taken when a restart's image started.
+METRICS_RETRY_S = 2.0
+
 
 def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
@@ -260,17 +263,25 @@ def stage_block(
     )
 
 
-def serve_metrics(config: DaemonConfig, block: ControlBlock, log: logs.Logger) -> Any:
-    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor."""
+def serve_metrics(
+    config: DaemonConfig, block: ControlBlock, log: logs.Logger, *, restarted: bool = False, retry: bool = False
+) -> Any:
+    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor. A port someone else
+        holds is a configuration error at a start; a restart's image never ends the cache over it: it serves
+        on without the endpoint (None), saying so, and the supervisor tries the port again (``METRICS_RETRY_S``,
+    ``retry``: quietly)."""
     from kvcached.daemon import metrics
 
     address, port = config.metrics_address, config.metrics_port
     try:
         server = metrics.serve(config.instance, block, config.memory, address, port)
     except OSError as exc:
-        raise Fatal(
-            f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}; pick a free port or 0 for none",
-            EXIT_CONFIG,
-        ) from None
+        why = f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}"
+        if retry:
+            return None
+        if restarted:
+            log.warning(f"{why}; serving without metrics, trying the port again every {METRICS_RETRY_S:.0f}s")
+            return None
+        raise Fatal(f"{why}; pick a free port or 0 for none", EXIT_CONFIG) from None
     log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
     return server

@@ -99,6 +99,7 @@ class Supervisor:
         self.on_progress = on_progress
         self.access = Access.for_daemon(config.gid)
         self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
+        self.metrics_tried = 0.0  # when the metrics port was last tried
         self.ready_flags: ReadyFlags | None = None  # FastDeploy's flags, when --ipc-suffix is set
         self.arena_id = 0  # the generation that allocated the memory (ours, or the adopted one's)
         self.adoption: Adoption | None = None
@@ -191,9 +192,15 @@ class Supervisor:
         if self.config.metrics_port:
             # After the first forks, which so copy no thread of it. Replacements are forked while it runs: a
             # fork copies only the forking thread, and a worker takes none of the locks that thread holds.
-            assert self.block is not None
-            self.metrics = startup.serve_metrics(self.config, self.block, self.log)
+            self._serve_metrics()
         return True
+
+    def _serve_metrics(self, *, retry: bool = False) -> None:
+        """Open the metrics endpoint; a restart's image that finds the port taken tries again later."""
+        assert self.block is not None
+        self.metrics_tried = time.monotonic()
+        restarted = self.handover.restarted
+        self.metrics = startup.serve_metrics(self.config, self.block, self.log, restarted=restarted, retry=retry)
 
     def _create_objects(self) -> None:
         """The per-rank semaphores, then the control block: written whole under its staging name (an adopted
@@ -330,6 +337,9 @@ class Supervisor:
                 if status is not None:
                     return int(status)
             self.handover.kill_late()
+            if self.config.metrics_port and self.metrics is None:
+                if time.monotonic() - self.metrics_tried >= startup.METRICS_RETRY_S:
+                    self._serve_metrics(retry=True)
             self._reap()
             self._check_progress(tick)
             self._keep_fastdeploy_flags()
