@@ -337,9 +337,9 @@ class Supervisor:
                 if status is not None:
                     return int(status)
             self.handover.kill_late()
-            if self.config.metrics_port and self.metrics is None:
-                if time.monotonic() - self.metrics_tried >= startup.METRICS_RETRY_S:
-                    self._serve_metrics(retry=True)
+            late = time.monotonic() - self.metrics_tried >= startup.METRICS_RETRY_S
+            if self.config.metrics_port and self.metrics is None and late:
+                self._serve_metrics(retry=True)
             self._reap()
             self._check_progress(tick)
             self._keep_fastdeploy_flags()
