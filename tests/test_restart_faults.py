@@ -3,11 +3,13 @@ is checked, the metrics port taken, a configuration file whose geometry changed,
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,18 @@ def restart_cli(daemons: DaemonFactory, instance: str) -> subprocess.Popen[str]:
     )
 
 
+def wait_for_preflight(pid: int) -> None:
+    """Until daemon ``pid`` runs its next image's check (`start --check-config`, a child of it)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            with contextlib.suppress(OSError):
+                if b"--check-config" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return
+        time.sleep(0.002)
+    raise AssertionError("the restart's check of the next image never ran")
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_stop_sent_while_the_restart_is_checked_is_honoured(daemons: DaemonFactory, keep: bool) -> None:
     """`stop` (or `stop --keep`) sent while the restarting daemon checks its next image is not dropped: the
@@ -33,7 +47,7 @@ def test_a_stop_sent_while_the_restart_is_checked_is_honoured(daemons: DaemonFac
     daemon = daemons.start()
     daemon.wait_ready()
     restarting = restart_cli(daemons, daemon.instance)
-    time.sleep(0.15)  # the restart signal is in; the next image's check runs for longer than this
+    wait_for_preflight(daemon.pid)
     stop = daemons.cli("stop", "--instance", daemon.instance, "--timeout", "20", *(["--keep"] if keep else []))
     restarting.communicate(timeout=40)
     assert stop.returncode == 0, stop.stdout + stop.stderr + daemon.log()

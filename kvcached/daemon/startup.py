@@ -24,6 +24,7 @@ points of ``kvcached.daemon.faults``):
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -263,25 +264,52 @@ def stage_block(
     )
 
 
-def serve_metrics(
-    config: DaemonConfig, block: ControlBlock, log: logs.Logger, *, restarted: bool = False, retry: bool = False
-) -> Any:
-    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor. A port someone else
-        holds is a configuration error at a start; a restart's image never ends the cache over it: it serves
-        on without the endpoint (None), saying so, and the supervisor tries the port again (``METRICS_RETRY_S``,
-    ``retry``: quietly)."""
-    from kvcached.daemon import metrics
+class MetricsEndpoint:
+    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor once ``open``. A port
+    someone else holds is a configuration error at a start; a restart's image never ends the cache over it:
+    it serves on without the endpoint, saying so, and tries the port again every ``METRICS_RETRY_S``
+    (``retry_if_due``, quietly)."""
 
-    address, port = config.metrics_address, config.metrics_port
-    try:
-        server = metrics.serve(config.instance, block, config.memory, address, port)
-    except OSError as exc:
-        why = f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}"
-        if retry:
-            return None
-        if restarted:
-            log.warning(f"{why}; serving without metrics, trying the port again every {METRICS_RETRY_S:.0f}s")
-            return None
-        raise Fatal(f"{why}; pick a free port or 0 for none", EXIT_CONFIG) from None
-    log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
-    return server
+    def __init__(self, config: DaemonConfig, log: logs.Logger) -> None:
+        self.config, self.log = config, log
+        self.server: Any = None
+        self.block: ControlBlock | None = None
+        self.tried = 0.0
+        self.why = ""  # why the port could not be listened on
+
+    def open(self, block: ControlBlock, *, restarted: bool) -> None:
+        """Listen, after the first workers are forked (which so copy no thread of it; replacements are forked
+        while it runs: a fork copies only the forking thread, and a worker takes none of its locks)."""
+        if not self.config.metrics_port:
+            return
+        self.block = block
+        if self._try():
+            return
+        if not restarted:
+            raise Fatal(f"{self.why}; pick a free port or 0 for none", EXIT_CONFIG)
+        self.log.warning(f"{self.why}; serving without metrics, trying the port again every {METRICS_RETRY_S:.0f}s")
+
+    def retry_if_due(self) -> None:
+        if self.block is not None and self.server is None and time.monotonic() - self.tried >= METRICS_RETRY_S:
+            self._try()
+
+    def _try(self) -> bool:
+        from kvcached.daemon import metrics
+
+        assert self.block is not None
+        address, port = self.config.metrics_address, self.config.metrics_port
+        self.tried = time.monotonic()
+        try:
+            self.server = metrics.serve(self.config.instance, self.block, self.config.memory, address, port)
+        except OSError as exc:
+            self.why = f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}"
+            return False
+        self.log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
+        return True
+
+    def close(self) -> None:
+        self.block = None
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None

@@ -98,8 +98,7 @@ class Supervisor:
         self.notify = Notifier()
         self.on_progress = on_progress
         self.access = Access.for_daemon(config.gid)
-        self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
-        self.metrics_tried = 0.0  # when the metrics port was last tried
+        self.metrics = startup.MetricsEndpoint(config, self.log)  # --metrics-port
         self.ready_flags: ReadyFlags | None = None  # FastDeploy's flags, when --ipc-suffix is set
         self.arena_id = 0  # the generation that allocated the memory (ours, or the adopted one's)
         self.adoption: Adoption | None = None
@@ -189,18 +188,9 @@ class Supervisor:
                 self._spawn(slot)
             else:
                 self._spawn(slot, State.RECOVERING, reopen=self.adoption.records[slot.rank])
-        if self.config.metrics_port:
-            # After the first forks, which so copy no thread of it. Replacements are forked while it runs: a
-            # fork copies only the forking thread, and a worker takes none of the locks that thread holds.
-            self._serve_metrics()
-        return True
-
-    def _serve_metrics(self, *, retry: bool = False) -> None:
-        """Open the metrics endpoint; a restart's image that finds the port taken tries again later."""
         assert self.block is not None
-        self.metrics_tried = time.monotonic()
-        restarted = self.handover.restarted
-        self.metrics = startup.serve_metrics(self.config, self.block, self.log, restarted=restarted, retry=retry)
+        self.metrics.open(self.block, restarted=self.handover.restarted)
+        return True
 
     def _create_objects(self) -> None:
         """The per-rank semaphores, then the control block: written whole under its staging name (an adopted
@@ -337,9 +327,7 @@ class Supervisor:
                 if status is not None:
                     return int(status)
             self.handover.kill_late()
-            late = time.monotonic() - self.metrics_tried >= startup.METRICS_RETRY_S
-            if self.config.metrics_port and self.metrics is None and late:
-                self._serve_metrics(retry=True)
+            self.metrics.retry_if_due()
             self._reap()
             self._check_progress(tick)
             self._keep_fastdeploy_flags()
@@ -439,10 +427,7 @@ class Supervisor:
         """Idempotent. Every record STOPPING, or KEPT when the memory is kept (``shutdown.keeps``); the
         workers stopped, or left serving for the next image; then the instance's objects released or kept
         (``kvcached.daemon.shutdown``), the lock last."""
-        if self.metrics is not None:
-            self.metrics.shutdown()
-            self.metrics.server_close()
-            self.metrics = None
+        self.metrics.close()
         adopted = self.adoption is not None
         asked = self.requests
         keep = shutdown.keeps(
