@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import memory
-from kvcached.access import Access
+from kvcached.access import PRIVATE_MODE, Access
 from kvcached.config import DaemonConfig
 from kvcached.memory.base import TierRequest
 from kvcached.memory.shm import why_not_ours
@@ -182,7 +182,8 @@ def new_shm_need(config: DaemonConfig, adoption: Adoption | None) -> int:
 
 def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
     """Give every adopted object (device arenas where they are reopened, CPU pools, key directories) the
-    mode and group this start was given: access follows the configuration, not the one before."""
+    group this start was given, and its kind's mode (``kvcached.access``): access follows the
+    configuration, not the one before."""
     backend = memory.get(config.memory)
     for rank in range(config.ranks):
         request = TierRequest(config.instance, adoption.arena_id, rank, config.spec)
@@ -190,7 +191,7 @@ def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
         for tier in tiers:
             name = request.shm_name(tier)
             if why_not_ours(name, 0) is None:  # absent or someone else's: left as it is
-                access.apply(SHM_DIR / name.lstrip("/"))
+                access.apply(SHM_DIR / name.lstrip("/"), None if tier == "dev" else PRIVATE_MODE)
 
 
 def start_note(verdict: Adoption | Refusal | None, squatters: list[Path], *, handed_over: bool) -> str:

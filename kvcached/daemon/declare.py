@@ -110,7 +110,7 @@ class Pending:
             daemon_pid=pid,
             daemon_start=started,
             run_dir=str(run_dir),
-            mode=access.mode,
+            mode=access.read_mode,
             gid=access.gid,
             note=WAITING_NOTE,
         )

@@ -106,7 +106,7 @@ class Locks:
         try:
             lockfile.prepare_run_dir(directory, access.gid)
             self._take(path)
-            self._take(instance_lock_path(self.instance), mode=access.mode, gid=access.group)
+            self._take(instance_lock_path(self.instance), mode=access.read_mode, gid=access.group)
         except ResourceError as exc:
             raise Fatal(str(exc), EXIT_RESOURCES) from None
 
@@ -255,7 +255,7 @@ def stage_block(
         daemon_pid=pid,
         daemon_start=started,
         run_dir=str(lock_path(config.instance).parent),
-        mode=access.mode,
+        mode=access.read_mode,
         gid=access.group,
         adopted_from=adoption.generation if adoption is not None else 0,
         arena_id=arena_id,
