@@ -3,14 +3,18 @@ someone else's process, an object squatting the instance lock's name, group memb
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvcached.protocol.names import instance_lock_path
 from kvcached.protocol.proc import start_time
 from tests.conftest import DaemonFactory, unique_instance
 from tests.test_faults import needs_root
@@ -74,3 +78,51 @@ def test_stop_still_stops_the_daemon_whose_lock_it_reads(daemons: DaemonFactory)
     done = daemons.cli("stop", "--instance", daemon.instance)
     assert done.returncode == 0, done.stderr
     assert daemon.exit_code(10) == 0
+
+
+def doctor_leftovers(daemons: DaemonFactory, instance: str, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """`kvcached doctor --json` for ``instance``: the run, and its ``leftovers`` check."""
+    done = daemons.cli("doctor", "--json", "--instance", instance, *args)
+    assert "Traceback" not in done.stderr, done.stderr
+    (check,) = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "leftovers"]
+    return done, check
+
+
+def test_a_file_squatting_the_instance_lock_is_named_by_start_and_doctor(daemons: DaemonFactory) -> None:
+    """Another uid's file at the instance lock's name in /dev/shm: `start` exits 5 saying whose file holds the
+    name, that it is no kvcached lock, and how to remove it; `doctor` fails the leftovers check naming it;
+    `doctor --clean` leaves it (not ours to remove) and says what to do, without a traceback."""
+    needs_root("the squatter is another uid")
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    squat = instance_lock_path(instance)
+    squat.touch()
+    os.chown(squat, NEIGHBOUR, NEIGHBOUR)
+    try:
+        daemon = daemons.start(instance, ranks=1)
+        assert daemon.exit_code(30) == 5
+        said = daemon.log()
+        assert f"uid {NEIGHBOUR}" in said and "not a kvcached lock" in said and f"rm {squat}" in said, said
+        for args in ((), ("--clean",)):
+            done, check = doctor_leftovers(daemons, instance, *args)
+            assert done.returncode == 1 and check["verdict"] == "fail", check
+            assert str(squat) in check["advice"], check
+            assert squat.exists() and squat.stat().st_uid == NEIGHBOUR
+    finally:
+        squat.unlink()
+
+
+def test_doctor_clean_removes_what_a_dead_instances_mooncake_keeper_left(daemons: DaemonFactory) -> None:
+    """A dead instance's keeper socket and lock file in its run directory (the keeper gone too) are removed by
+    `doctor --clean`, and counted."""
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    daemons.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sock_path = daemons.run_dir / f"{instance}.mooncake.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))  # closed unlistened: a dead keeper's socket file
+    lock = daemons.run_dir / f"{instance}.mooncake.lock"
+    lock.touch(mode=0o600)
+    _, check = doctor_leftovers(daemons, instance, "--clean")
+    assert not sock_path.exists() and not lock.exists(), check
+    assert check["verdict"] == "ok" and sorted(check["measured"]["store_files"]) == sorted([lock.name, sock_path.name])

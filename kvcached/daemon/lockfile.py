@@ -75,6 +75,9 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
     into it; the descriptor (keep it open for as long as the lock must hold). Raises ``Locked`` if another
     process holds it, ``ResourceError`` if ``path`` is not a plain file of ours (a symlink, a directory)."""
     while True:
+        squatted = why_not_a_lock(path)
+        if squatted:
+            raise ResourceError(squatted)
         try:
             fd = os.open(path, _OPEN_FLAGS, mode)
         except OSError as exc:
@@ -105,6 +108,25 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
     pid, started = self_identity()
     os.write(fd, f"{pid} {started}\n".encode())
     return fd
+
+
+def why_not_a_lock(path: Path) -> str:
+    """Why what is at ``path`` cannot be taken as this user's lock file, with what to do ("" when nothing is
+    there or it is a plain file of this user): another uid's file, a symlink, a directory, ... planted there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        return f"cannot look at lock file {path}: {exc.strerror}"
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        return ""
+    kind = "a plain file" if stat.S_ISREG(st.st_mode) else "a symlink" if stat.S_ISLNK(st.st_mode) else "not a file"
+    return (
+        f"{path} is {kind} of uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}), not a kvcached lock of this "
+        f"user (uid {os.geteuid()}): it holds the instance's name. Remove it (`rm {path}`, as root or uid "
+        f"{st.st_uid}) once you know whose it is, or pick another --instance name"
+    )
 
 
 def release(path: Path, fd: int) -> None:

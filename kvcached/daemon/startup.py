@@ -33,7 +33,7 @@ import posix_ipc
 from kvcached import logs, native, store
 from kvcached.access import Access
 from kvcached.config import DaemonConfig
-from kvcached.daemon import faults, lockfile
+from kvcached.daemon import faults, lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_need, start_note
 from kvcached.daemon.errors import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
 from kvcached.daemon.handover import Handover
@@ -162,6 +162,14 @@ def reclaim(
     count = remove_leftovers(found, keep=keep)
     if count:
         log.info("reclaimed objects of an earlier run", count=count)
+    gone, problems = shutdown.release_stores(config.instance, run_dir, but=config.store.backend)
+    if gone or problems:
+        log.warning(
+            "let go of what another storage backend kept for an earlier run (this one uses "
+            f"{config.store.backend or 'none'})",
+            files=gone,
+            problems=problems,
+        )
     if adoption is not None:
         try:
             conform(config, adoption, access)
