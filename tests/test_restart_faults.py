@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvcached.status import read_status
-from tests.conftest import ROOT, DaemonFactory, free_port, shm_entries
+from tests.conftest import ROOT, DaemonFactory, MooncakeMaster, free_port, shm_entries
+from tests.test_mooncake_hosts import FLAGS, alive, keeper_pid, restart_daemon, start_host, store_prefix, until
 
 
 def restart_cli(daemons: DaemonFactory, instance: str) -> subprocess.Popen[str]:
@@ -96,3 +97,18 @@ def test_a_restart_whose_metrics_port_was_taken_meanwhile_serves_on(daemons: Dae
         except OSError:
             assert time.monotonic() < deadline, daemon.log()
             time.sleep(0.2)
+
+
+def test_a_keeper_of_a_store_no_longer_configured_is_let_go(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """A daemon that stored on Mooncake is killed -9 (its keeper lives on, as it should for the next run) and
+    the instance is started again without a store: that start lets the keeper go, says so, and leaves no
+    socket of it behind."""
+    host = start_host(daemons, mooncake)
+    store_prefix(host, 4, salt=7)
+    keeper = keeper_pid(host)
+    host.daemon.kill9()
+    host.args = list(FLAGS)
+    restart_daemon(daemons, host)
+    until(lambda: not alive(keeper), timeout=30, what="the keeper of the store no longer configured ends")
+    assert not list(host.run_dir().glob("*.mooncake.sock"))
+    assert "let go of what another storage backend kept" in host.daemon.log()
