@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
+from kvcached.config import DaemonConfig
 from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
@@ -28,6 +29,8 @@ from kvcached.status import awaits_geometry, is_ready, read_status
 #: Seconds the check of the image a restart executes next may take (the supervisor waits for it: well
 #: within the unit's WatchdogSec).
 PREFLIGHT_S = 20.0
+#: Set for the check of the image a restart executes next: it also judges whether it could adopt the memory.
+RESTART_CHECK_ENV = "KVCACHED_RESTART_CHECK"
 
 T = TypeVar("T")
 
@@ -153,9 +156,10 @@ def next_image_problem() -> str:
     """Why the image `kvcached restart` would execute next cannot start with this one's arguments (the
     code installed now loads the configuration as it reads now); "" when it can."""
     command = [sys.executable, "-m", "kvcached.cli", *sys.argv[1:], "--check-config"]
+    env = {**os.environ, RESTART_CHECK_ENV: "1"}
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=PREFLIGHT_S, check=False, stdin=subprocess.DEVNULL
+            command, capture_output=True, text=True, timeout=PREFLIGHT_S, check=False, stdin=subprocess.DEVNULL, env=env
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`kvcached start --check-config` did not finish: {exc}"
@@ -163,6 +167,33 @@ def next_image_problem() -> str:
         return ""
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     return lines[-1].removeprefix("Error: ") if lines else f"`kvcached start --check-config` exited {done.returncode}"
+
+
+def adoption_problem(config: DaemonConfig) -> str:
+    """Run by the image a restart would execute next (``start --check-config`` with ``RESTART_CHECK_ENV``):
+    why it could not adopt the memory the instance's live daemon holds with ``config`` as it reads now (ranks,
+    spec, device backend changed in the configuration file), with what to do; "" when it could. A restart
+    refused for it stops nothing."""
+    from kvcached.daemon import declare
+    from kvcached.daemon.adopt import spec_difference
+
+    published = guarded(read_instance, config.instance, ranks=None)
+    if published is None or "num_blocks" not in published.header.spec:
+        return ""  # nothing running, or a daemon still waiting for the engine's geometry: nothing to lose
+    header = published.header
+    backends = {record.backend for record in published.records.values()} - {"", config.memory}
+    if header.num_ranks != config.ranks:
+        why = f"ranks was {header.num_ranks}, this configuration has {config.ranks}"
+    elif backends:
+        why = f"the device backend was {', '.join(sorted(backends))}, this configuration has {config.memory}"
+    else:
+        why = spec_difference(header.spec, declare.held(config).spec)
+    if not why:
+        return ""
+    return (
+        f"{why}: the next image could not adopt the cache. Put the configuration back to restart, or stop the "
+        f"daemon without --keep (`kvcached stop --instance {config.instance}`) and start it again to rebuild it"
+    )
 
 
 def execute_again(handover: str) -> None:

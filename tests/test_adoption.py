@@ -424,3 +424,26 @@ def test_leftover_objects_are_reclaimed_by_a_fresh_stop(daemons: DaemonFactory) 
     assert last.stop() == 0
     assert shm_entries(instance) == []
     assert not Path(daemons.run_dir, f"{instance}.r0.sock").exists()
+
+
+def test_the_spec_difference_adoption_reads_names_mtp_fields_and_reads_an_older_spec_as_without_them() -> None:
+    """Adoption's spec comparison (the spec's own ``first_difference`` over every field): a change of the MTP
+    fields, the role or the store is named with both values; a spec an earlier release wrote without the
+    MTP fields reads as without MTP layers, so it is the same spec."""
+    from kvcached.daemon.adopt import spec_difference
+    from kvcached.protocol.spec import CacheSpec
+
+    spec = CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
+    published = spec.to_dict()
+    assert spec_difference(published, spec) == ""
+    older = {k: v for k, v in published.items() if k not in ("mtp_layers", "mtp_num_blocks")}
+    assert spec_difference(older, spec) == ""
+    with_mtp = CacheSpec(**{**published, "mtp_layers": 1})
+    assert spec_difference(published, with_mtp) == "the spec differs: mtp_layers was 0, this configuration has 1"
+    assert "mtp_num_blocks was 0" in spec_difference(published, CacheSpec(**{**published, "mtp_num_blocks": 16}))
+    assert "splitwise_role was 'mixed'" in spec_difference(
+        published, CacheSpec(**{**published, "splitwise_role": "decode"})
+    )
+    assert "storage_backend was None" in spec_difference(
+        published, CacheSpec(**{**published, "storage_backend": "file"})
+    )

@@ -112,3 +112,30 @@ def test_a_keeper_of_a_store_no_longer_configured_is_let_go(daemons: DaemonFacto
     until(lambda: not alive(keeper), timeout=30, what="the keeper of the store no longer configured ends")
     assert not list(host.run_dir().glob("*.mooncake.sock"))
     assert "let go of what another storage backend kept" in host.daemon.log()
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        ({"num_blocks": 16}, "num_blocks was 8, this configuration has 16"),
+        ({"num_cpu_blocks": 2}, "num_cpu_blocks was 4"),
+    ],
+)
+def test_a_restart_whose_configuration_changed_the_geometry_is_refused_up_front(
+    daemons: DaemonFactory, tmp_path: Path, changed: dict[str, int], said: str
+) -> None:
+    """The configuration file edited to another geometry, then `kvcached restart`: refused before anything
+    stops, naming the field, its old and new values and what to do; the daemon serves on, the same
+    generation."""
+    config = tmp_path / "kv.toml"
+    values = {"num_layers": 2, "kv_heads": 2, "head_dim": 16, "block_size": 4, "num_blocks": 8, "num_cpu_blocks": 4}
+    config.write_text("".join(f"{key} = {value}\n" for key, value in values.items()))
+    daemon = daemons.start(ranks=2, small=False, args=["--config", str(config)])
+    before = daemon.wait_ready()
+    config.write_text("".join(f"{key} = {value}\n" for key, value in {**values, **changed}.items()))
+    done = daemons.cli("restart", "--instance", daemon.instance, "--timeout", "30")
+    assert done.returncode == 1 and "restart refused, the daemon serves on" in done.stderr, done.stdout + done.stderr
+    assert said in done.stderr and "stop the daemon without --keep" in done.stderr, done.stderr
+    after = read_status(daemon.instance)
+    assert after["generation"] == before["generation"] and all(r["state"] == "READY" for r in after["ranks"])
+    assert daemon.proc.poll() is None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from kvcached.protocol.errors import KVCacheError, TornRead
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes
 from kvcached.protocol.names import SHM_DIR
 from kvcached.protocol.proc import is_alive
+from kvcached.protocol.spec import CacheSpec
 
 #: States a rank's record may be in for its memory to be adopted.
 ADOPTABLE = (State.READY, State.RECOVERING, State.KEPT)
@@ -108,7 +110,7 @@ def _judge(config: DaemonConfig, block: ControlBlock) -> Adoption | Refusal:
         return refuse(f"its daemon pid {header.daemon_pid} is running")
     if header.num_ranks != config.ranks:
         return refuse(f"it has {header.num_ranks} ranks, this configuration {config.ranks}")
-    differs = _spec_difference(header.spec, config.spec.to_dict())
+    differs = spec_difference(header.spec, config.spec)
     if differs:
         return refuse(differs)
     backend = memory.get(config.memory)
@@ -144,12 +146,19 @@ def _judge(config: DaemonConfig, block: ControlBlock) -> Adoption | Refusal:
     return Adoption(generation, header.arena_id, tuple(records), kept)
 
 
-def _spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """The first spec field that differs, said for an operator; "" when none does."""
-    for field in sorted(set(old) | set(new)):
-        if old.get(field) != new.get(field):
-            return f"the spec differs: {field} was {old.get(field)!r}, this configuration has {new.get(field)!r}"
-    return ""
+#: Every spec field counts for adoption (the geometry, and what decides the owner: role, store).
+SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(CacheSpec))
+
+
+def spec_difference(published: Mapping[str, Any], spec: CacheSpec) -> str:
+    """The first spec field where ``published`` (an earlier run's) differs from ``spec``, said for an
+    operator; "" when none does (``CacheSpec.first_difference``: a field added later, such as the MTP
+    fields, reads as its value before when the earlier run did not write it)."""
+    found = spec.first_difference(published, SPEC_FIELDS)
+    if found is None:
+        return ""
+    field, old, new = found
+    return f"the spec differs: {field} was {old!r}, this configuration has {new!r}"
 
 
 def adopted_fields(old: Record, *, reopen_device: bool) -> dict[str, Any]:
