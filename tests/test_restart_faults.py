@@ -139,3 +139,13 @@ def test_a_restart_whose_configuration_changed_the_geometry_is_refused_up_front(
     after = read_status(daemon.instance)
     assert after["generation"] == before["generation"] and all(r["state"] == "READY" for r in after["ranks"])
     assert daemon.proc.poll() is None
+
+
+@pytest.mark.parametrize("value", ["[" * 100_000, '{"workers": ' * 5_000, "x" * 100_000, '{"generation": "zz"}'])
+def test_a_garbled_handover_value_is_refused_and_the_start_goes_on(daemons: DaemonFactory, value: str) -> None:
+    """KVCACHED_HANDOVER that no image writes (nested deeper than Python's stack, too long, garbage) is ignored,
+    said in the log, and the daemon starts as any start does."""
+    daemon = daemons.start(ranks=1, env=daemons.env(KVCACHED_HANDOVER=value))
+    daemon.wait_ready()
+    assert "ignoring KVCACHED_HANDOVER: not what an earlier image writes" in daemon.log()
+    assert "Traceback" not in daemon.log()
