@@ -42,6 +42,7 @@ from kvcached.fastdeploy.flags import ReadyFlags
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock
 from kvcached.protocol.errors import ResourceError, SignalError
+from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
@@ -56,10 +57,6 @@ from kvcached.protocol.spec import CacheSpec
 
 #: Seconds between tries of a metrics port that was taken when a restart's image started.
 METRICS_RETRY_S = 2.0
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def refuse_runner_owned(spec: CacheSpec) -> None:
@@ -201,8 +198,8 @@ def check_space(config: DaemonConfig, adoption: Adoption | None) -> None:
     if need > free:
         adopted = " besides the memory it adopts" if adoption is not None else ""
         raise Fatal(
-            f"/dev/shm has {mib(free)} free, this configuration needs {mib(need)}{adopted} "
-            f"({config.ranks} ranks x {mib(config.shm_need()[1])}); enlarge /dev/shm (docker "
+            f"/dev/shm has {size_text(free)} free, this configuration needs {size_text(need)}{adopted} "
+            f"({config.ranks} ranks x {size_text(config.shm_need()[1])}); enlarge /dev/shm (docker "
             "--shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks / --ranks",
             EXIT_RESOURCES,
         )
@@ -241,7 +238,7 @@ def log_start(config: DaemonConfig, note: str, log: logs.Logger) -> None:
         ranks=config.ranks,
         memory=config.memory,
         owner=explain_owner(config.spec),
-        per_rank=mib(config.shm_need()[1]),
+        per_rank=size_text(config.shm_need()[1]),
         glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
         copy_engine=native.describe(),
         **({"note": note} if note else {}),
