@@ -235,19 +235,27 @@ def test_restart_past_a_frozen_worker_of_the_last_image(daemons: DaemonFactory) 
 def test_restart_into_a_changed_configuration_stops_the_last_images_workers(
     daemons: DaemonFactory, tmp_path: Path
 ) -> None:
-    """The configuration file changed before `kvcached restart`: the new image refuses the memory (the
-    spec differs), stops the workers still serving it, then allocates anew; nothing of the old generation
-    stays in /dev/shm, and runners of the old spec are told the daemon is gone."""
+    """The configuration file changed after `kvcached restart` checked the next image (which refuses a
+    changed geometry up front) and before the exec: the new image refuses the memory (the spec differs),
+    stops the workers still serving it, then allocates anew; nothing of the old generation stays in
+    /dev/shm, and runners of the old spec are told the daemon is gone."""
+    from tests.test_restart_faults import restart_cli, wait_for_preflight
+
     config = tmp_path / "kv.toml"
     config.write_text("num_layers = 4\nkv_heads = 2\nhead_dim = 32\nblock_size = 16\nnum_blocks = 64\n")
-    daemon = daemons.start(ranks=2, args=["--config", str(config), "--num-cpu-blocks", "64"], small=False)
+    args = ["--config", str(config), "--num-cpu-blocks", "64"]
+    env = daemons.env(KVCACHED_FAULT="restart-accepted:sleep=2")
+    daemon = daemons.start(ranks=2, args=args, small=False, env=env)
     old = daemon.wait_ready()
     cache = rc.initialize_kv_cache(SPEC, 0, instance=daemon.instance, timeout=10)
     old_names = {name for name in shm_entries(daemon.instance) if name.endswith((".dev", ".cpu", ".keys"))}
     pids = worker_pids(daemon.instance)
+    restarting = restart_cli(daemons, daemon.instance)
+    wait_for_preflight(daemon.pid)
+    wait_for_preflight(daemon.pid, gone=True)  # checked: the restart is accepted, the exec 2 s away
     config.write_text(config.read_text().replace("num_blocks = 64", "num_blocks = 32"))
-    result = daemons.cli("restart", "--instance", daemon.instance)
-    assert result.returncode == 1 and "did not adopt the memory" in result.stdout, result.stdout + result.stderr
+    out, _ = restarting.communicate(timeout=60)
+    assert restarting.returncode == 1 and "did not adopt the memory" in out, out
     assert "stopping the last image's workers" in daemon.log()
     new = read_status(daemon.instance)
     assert new["spec"]["num_blocks"] == 32 and new["generation"] != old["generation"]

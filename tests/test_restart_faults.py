@@ -29,16 +29,19 @@ def restart_cli(daemons: DaemonFactory, instance: str) -> subprocess.Popen[str]:
     )
 
 
-def wait_for_preflight(pid: int) -> None:
-    """Until daemon ``pid`` runs its next image's check (`start --check-config`, a child of it)."""
+def wait_for_preflight(pid: int, *, gone: bool = False) -> None:
+    """Until daemon ``pid`` runs its next image's check (`start --check-config`, a child of it); with
+    ``gone``, until it runs none."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
+        running = False
         for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
             with contextlib.suppress(OSError):
-                if b"--check-config" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    return
+                running |= b"--check-config" in Path(f"/proc/{child}/cmdline").read_bytes()
+        if running != gone:
+            return
         time.sleep(0.002)
-    raise AssertionError("the restart's check of the next image never ran")
+    raise AssertionError(f"the restart's check of the next image {'never ended' if gone else 'never ran'}")
 
 
 @pytest.mark.parametrize("keep", [True, False])
