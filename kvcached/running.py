@@ -11,11 +11,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from kvcached.config import DaemonConfig
 from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
@@ -25,6 +24,9 @@ from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_lock_path, instance_shm_entries, lock_path
 from kvcached.protocol.proc import is_alive
 from kvcached.status import awaits_geometry, is_ready, read_status
+
+if TYPE_CHECKING:
+    from kvcached.config import DaemonConfig
 
 #: Seconds the check of the image a restart executes next may take (the supervisor waits for it: well
 #: within the unit's WatchdogSec).
