@@ -64,7 +64,7 @@ def daemon_of(name: str) -> tuple[int, int] | None:
         why = lockfile.why_not_daemon(pid, published.owner_uid, instance_lock_path(name))
         if not why:
             return pid, published.header.daemon_start
-        doubt = doubt or f"its control block names {why}"
+        doubt = doubt or f"its control block names a process that is not its daemon: {why}"
     if doubt:
         raise click.ClickException(
             f"instance {name}: refusing to signal anything: {doubt}. Remove what is not a daemon's, or run "
@@ -80,7 +80,7 @@ def _doubt_lock_file(path: Path, pid: int) -> str:
     if why or owner is None:
         return why or f"{path.parent} is gone"
     why = lockfile.why_not_daemon(pid, owner, path)
-    return f"{path} names {why}" if why else ""
+    return f"{path} names a process that is not its daemon: {why}" if why else ""
 
 
 def send(name: str, pid: int, signum: int) -> None:
