@@ -2,7 +2,10 @@
 
 Without ``--group`` every object the daemon creates (shared memory, semaphores) is mode 0600 and only
 the daemon's user may use the instance. With ``--group G`` (e.g. ``kvcached`` under systemd) those
-objects are mode 0660 with group G, so runners of another user in G can attach. Task sockets are mode
+objects carry group G, each with the least a runner of another user in G needs to attach: the device
+arenas (its KV cache, which it writes) and the semaphores (``sem_open`` needs both) 0660; the control
+block and the instance lock 0640 (runners read them: a member can neither forge a record nor block a
+start); CPU pools and key directories 0600 (only the daemon's workers map them). Task sockets are mode
 0660 either way (group G, or the daemon's group); the file mode is the first gate, and each connection
 is then checked by the kernel's peer credentials (``SO_PEERCRED`` / ``SO_PEERGROUPS``): a peer that is
 neither the daemon's user nor in G is refused and logged before any byte of a task is read. Root gets
@@ -26,6 +29,8 @@ SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 #: Python's getsockopt() takes at most 1024 bytes: 256 groups; a peer in more is read from /proc.
 _GROUPS_BUFFER = 1024
 SOCKET_MODE = 0o660
+#: Objects only the daemon's own processes map (CPU pools, key directories), whatever the group.
+PRIVATE_MODE = 0o600
 
 
 def resolve_group(value: str | int) -> int:
@@ -96,6 +101,11 @@ class Access:
         return 0o600 if self.gid is None else 0o660
 
     @property
+    def read_mode(self) -> int:
+        """Mode of what the group's runners only read (the control block, the instance lock)."""
+        return 0o600 if self.gid is None else 0o640
+
+    @property
     def group(self) -> int:
         """The group the instance's objects carry: ``gid``, or without one the daemon's own group."""
         return os.getegid() if self.gid is None else self.gid
@@ -103,16 +113,18 @@ class Access:
     def allows(self, peer: Peer) -> bool:
         return peer.uid == self.uid or (self.gid is not None and self.gid in peer.gids)
 
-    def apply(self, target: int | Path) -> None:
-        """Give a file descriptor or path our object mode and group: what this start was given, whatever
-        an earlier start gave it (an object adopted across a change of ``--group`` follows the change)."""
+    def apply(self, target: int | Path, mode: int | None = None) -> None:
+        """Give a file descriptor or path our group and ``mode`` (the shared ``mode`` by default): what this
+        start was given, whatever an earlier start gave it (an object adopted across a change of ``--group``
+        follows the change)."""
+        mode = self.mode if mode is None else mode
         if isinstance(target, int):
             os.fchown(target, -1, self.group)
-            os.fchmod(target, self.mode)
+            os.fchmod(target, mode)
         else:  # owner only while the group changes: neither group has more than it is given
             os.chmod(target, 0o600)
             os.chown(target, -1, self.group)
-            os.chmod(target, self.mode)
+            os.chmod(target, mode)
 
     def apply_socket(self, path: Path) -> None:
         """Task sockets: 0660, group ``gid`` (or the daemon's own group)."""

@@ -169,6 +169,9 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     log_format = _choice(log_format, formats, "log_format", "--log-format", "KVCACHED_LOG_FORMAT")
     config = _build_config(values, config_file)
     if check_config:
+        problem = running.adoption_problem(config) if os.environ.get(running.RESTART_CHECK_ENV) else ""
+        if problem:
+            raise click.ClickException(problem)
         loads = f"({counted(config.ranks, 'rank')}, {config.memory})"
         click.echo(f"instance {config.instance}: the configuration loads {loads}")
         return

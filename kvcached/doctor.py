@@ -37,12 +37,12 @@ from typing import Any
 from kvcached import memory, native, store
 from kvcached.checks import FAIL, OK, WARN, Check, counted
 from kvcached.config import DaemonConfig
-from kvcached.daemon import lockfile
+from kvcached.daemon import lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
 from kvcached.memory import shm
 from kvcached.memory.shm import shm_free_bytes
-from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted
+from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted, ResourceError
 from kvcached.protocol.instance import open_instance, read_instance
 from kvcached.protocol.layout import cpu_pool_bytes, size_text
 from kvcached.protocol.names import (
@@ -341,6 +341,10 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
         return check_hidden_instance(config, owner)
     run_dir = run_dir_of(config)
     found = inspect_instance(config.instance, run_dir)
+    lock = instance_lock_path(config.instance)
+    squatted = lockfile.why_not_a_lock(lock)
+    if squatted:  # a start cannot take the instance's lock: it exits 5 until that file goes
+        found.squatters.append((lock, squatted))
     starting = lockfile.held_by(run_dir / lock_path(config.instance).name)
     live_pid = found.live_pid or (starting.pid if starting is not None else None)
     checks = []
@@ -363,15 +367,13 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
         checks.append(Check("leftovers", OK, f"{counted(len(names), 'object')}, all of the live daemon", measured))
     elif squatters:  # a start leaves them alone; only one at the control block's name stops it
         control = SHM_DIR / control_name(config.instance).lstrip("/")
-        blocking = any(path == control for path, _ in found.squatters)
+        blocking = any(path in (control, lock) for path, _ in found.squatters)
         figure = f"{counted(len(squatters), 'object')} under our names, not ours" + ("" if blocking else ": left alone")
         checks.append(Check("leftovers", FAIL if blocking else WARN, figure, measured, "; ".join(squatters)))
+    elif clean:
+        checks.append(_clean(config.instance, found, run_dir, measured))
     elif not names:
         checks.append(Check("leftovers", OK, "none", measured))
-    elif clean:
-        measured["removed"] = _clean(config.instance, found)
-        removed = counted(measured["removed"], "object")
-        checks.append(Check("leftovers", OK, f"removed {removed} of a dead run", measured))
     else:
         verdict = None if config.fresh else judge(config)
         if isinstance(verdict, Adoption):
@@ -390,24 +392,35 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     return checks
 
 
-def _clean(instance: str, found: Leftovers) -> int:
-    """Remove a dead run's objects while holding the instance lock, as a start would; then drop the lock."""
+def _clean(instance: str, found: Leftovers, run_dir: Path, measured: dict[str, Any]) -> Check:
+    """Remove a dead run's objects while holding the instance lock, as a start would, and what any storage
+    backend keeps for it (a Mooncake keeper, its socket and lock file); then drop the lock."""
     path, shared = lock_path(instance), instance_lock_path(instance)
+    left_lock = shared.exists()  # the instance lock a dead daemon left
     try:
         lockfile.prepare_run_dir(path.parent)
         fd = lockfile.acquire(path)
     except lockfile.Locked:
-        return 0  # a daemon is starting right now: it reclaims them itself
+        return Check("leftovers", OK, "a daemon is starting right now: it reclaims them itself", measured)
+    except ResourceError as exc:
+        return Check("leftovers", FAIL, "cannot take the instance's lock to clean", measured, str(exc))
     try:
         shared_fd = lockfile.acquire(shared)
-    except lockfile.Locked:
+    except (lockfile.Locked, ResourceError) as exc:
         lockfile.release(path, fd)
-        return 0
+        why = str(exc) if isinstance(exc, ResourceError) else "a daemon is starting right now"
+        return Check("leftovers", FAIL, "cannot take the instance's lock to clean", measured, why)
     try:
-        return remove_leftovers(found) + 1  # and the instance lock the dead daemon left
+        count = remove_leftovers(found) + left_lock
+        gone, problems = shutdown.release_stores(instance, run_dir)
     finally:
         lockfile.release(shared, shared_fd)
         lockfile.release(path, fd)
+    measured.update(removed=count + len(gone), store_files=gone)
+    figure = f"removed {counted(measured['removed'], 'object')} of a dead run" if measured["removed"] else "none"
+    if problems:
+        return Check("leftovers", WARN, figure, measured, "; ".join(problems))
+    return Check("leftovers", OK, figure, measured)
 
 
 def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:

@@ -11,24 +11,29 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from kvcached.checks import counted
-from kvcached.daemon import faults
+from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
 from kvcached.daemon.lockfile import holder
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
-from kvcached.protocol.names import instance_shm_entries, lock_path
+from kvcached.protocol.names import instance_lock_path, instance_shm_entries, lock_path
 from kvcached.protocol.proc import is_alive
 from kvcached.status import awaits_geometry, is_ready, read_status
+
+if TYPE_CHECKING:
+    from kvcached.config import DaemonConfig
 
 #: Seconds the check of the image a restart executes next may take (the supervisor waits for it: well
 #: within the unit's WatchdogSec).
 PREFLIGHT_S = 20.0
+#: Set for the check of the image a restart executes next: it also judges whether it could adopt the memory.
+RESTART_CHECK_ENV = "KVCACHED_RESTART_CHECK"
 
 T = TypeVar("T")
 
@@ -43,12 +48,40 @@ def guarded(read: Callable[..., T], instance: str, **options: Any) -> T:
 
 
 def daemon_of(name: str) -> tuple[int, int] | None:
-    """(pid, start time) of the live daemon of instance ``name``, or None."""
-    found = holder(lock_path(name))
+    """(pid, start time) of the live daemon of instance ``name``, or None. A pid is believed only when the
+    files that name it can be (a run directory and lock file, or a control block, that only one uid may
+    write) and the process runs as that uid, is ``kvcached start`` and holds the instance's lock
+    (``lockfile.why_not_daemon``); otherwise an error saying why: the CLI signals nothing it was steered to."""
+    path = lock_path(name)
+    found = holder(path)
+    doubt = ""
     if found is not None and found.alive:
-        return found.pid, found.started
+        doubt = _doubt_lock_file(path, found.pid)
+        if not doubt:
+            return found.pid, found.started
     published = guarded(read_instance, name)
-    return (published.header.daemon_pid, published.header.daemon_start) if published is not None else None
+    if published is not None:
+        pid = published.header.daemon_pid
+        why = lockfile.why_not_daemon(pid, published.owner_uid, instance_lock_path(name))
+        if not why:
+            return pid, published.header.daemon_start
+        doubt = doubt or f"its control block names a process that is not its daemon: {why}"
+    if doubt:
+        raise click.ClickException(
+            f"instance {name}: refusing to signal anything: {doubt}. Remove what is not a daemon's, or run "
+            "the command with the daemon's KVCACHED_RUN_DIR"
+        )
+    return None
+
+
+def _doubt_lock_file(path: Path, pid: int) -> str:
+    """Why the lock file at ``path``, naming ``pid``, is not a daemon's ("" when it is)."""
+    owner = path.parent.lstat().st_uid if path.parent.exists() else None
+    why = lockfile.why_untrusted_file(path.parent, owner) or lockfile.why_untrusted_file(path, owner)
+    if why or owner is None:
+        return why or f"{path.parent} is gone"
+    why = lockfile.why_not_daemon(pid, owner, path)
+    return f"{path} names a process that is not its daemon: {why}" if why else ""
 
 
 def send(name: str, pid: int, signum: int) -> None:
@@ -126,9 +159,10 @@ def next_image_problem() -> str:
     """Why the image `kvcached restart` would execute next cannot start with this one's arguments (the
     code installed now loads the configuration as it reads now); "" when it can."""
     command = [sys.executable, "-m", "kvcached.cli", *sys.argv[1:], "--check-config"]
+    env = {**os.environ, RESTART_CHECK_ENV: "1"}
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=PREFLIGHT_S, check=False, stdin=subprocess.DEVNULL
+            command, capture_output=True, text=True, timeout=PREFLIGHT_S, check=False, stdin=subprocess.DEVNULL, env=env
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`kvcached start --check-config` did not finish: {exc}"
@@ -136,6 +170,33 @@ def next_image_problem() -> str:
         return ""
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     return lines[-1].removeprefix("Error: ") if lines else f"`kvcached start --check-config` exited {done.returncode}"
+
+
+def adoption_problem(config: DaemonConfig) -> str:
+    """Run by the image a restart would execute next (``start --check-config`` with ``RESTART_CHECK_ENV``):
+    why it could not adopt the memory the instance's live daemon holds with ``config`` as it reads now (ranks,
+    spec, device backend changed in the configuration file), with what to do; "" when it could. A restart
+    refused for it stops nothing."""
+    from kvcached.daemon import declare
+    from kvcached.daemon.adopt import spec_difference
+
+    published = guarded(read_instance, config.instance, ranks=None)
+    if published is None or "num_blocks" not in published.header.spec:
+        return ""  # nothing running, or a daemon still waiting for the engine's geometry: nothing to lose
+    header = published.header
+    backends = {record.backend for record in published.records.values()} - {"", config.memory}
+    if header.num_ranks != config.ranks:
+        why = f"ranks was {header.num_ranks}, this configuration has {config.ranks}"
+    elif backends:
+        why = f"the device backend was {', '.join(sorted(backends))}, this configuration has {config.memory}"
+    else:
+        why = spec_difference(header.spec, declare.held(config).spec)
+    if not why:
+        return ""
+    return (
+        f"{why}: the next image could not adopt the cache. Put the configuration back to restart, or stop the "
+        f"daemon without --keep (`kvcached stop --instance {config.instance}`) and start it again to rebuild it"
+    )
 
 
 def execute_again(handover: str) -> None:

@@ -29,6 +29,8 @@ from kvcached.status import is_ready, read_status
 ROOT = Path(__file__).resolve().parent.parent
 _counter = itertools.count()
 TEST_PREFIX = "kvt-"
+#: The grace test daemons give their workers at a stop (``--stop-timeout``), when a test names none.
+STOP_TIMEOUT_ENV = "KVCACHED_TEST_STOP_TIMEOUT"
 
 
 def unique_instance() -> str:
@@ -140,9 +142,12 @@ class DaemonFactory:
         env: dict[str, str] | None = None,
         small: bool = True,
         popen: dict[str, Any] | None = None,
+        stop_timeout: float | None = None,
     ) -> Daemon:
         """Start ``kvcached start``; ``small`` adds a tiny geometry so tests stay fast; ``popen`` passes
-        extra ``subprocess.Popen`` arguments (e.g. ``user=`` to run the daemon as another user)."""
+        extra ``subprocess.Popen`` arguments (e.g. ``user=`` to run the daemon as another user);
+        ``stop_timeout`` (else ``$KVCACHED_TEST_STOP_TIMEOUT``, else the daemon's default) is the grace its
+        workers get at the stop the teardown sends: short for a test that leaves a worker busy or frozen."""
         instance = instance or unique_instance()
         self.instances.add(instance)
         geometry = (
@@ -163,7 +168,14 @@ class DaemonFactory:
             if small
             else []
         )
-        full_args = ["--ranks", str(ranks), *geometry, *(args or [])]
+        grace = stop_timeout if stop_timeout is not None else os.environ.get(STOP_TIMEOUT_ENV)
+        full_args = [
+            "--ranks",
+            str(ranks),
+            *geometry,
+            *(["--stop-timeout", str(grace)] if grace else []),
+            *(args or []),
+        ]
         log = self.tmp_path / f"daemon-{len(self.daemons)}.log"
         daemon = Daemon(instance, full_args, env or self.env(), log, popen)
         self.daemons.append(daemon)

@@ -65,10 +65,23 @@ def objects(instance: str, run_dir: Path, ranks: int) -> list[Path]:
     return [*instance_shm_entries(instance), instance_lock_path(instance), *sockets]
 
 
+def group_mode(path: Path, shared: int) -> int:
+    """The mode kvcached gives ``path`` when objects runners write get ``shared`` (0600, or 0660 with a
+    group): runners only read the control block and the lock (0640 with a group); CPU pools and key
+    directories are the daemon's alone (0600); task sockets are 0660 either way."""
+    if path.is_socket():
+        return 0o660
+    if path.name.endswith((".cpu", ".keys")):
+        return 0o600
+    if path.name.endswith(".lock") or path.name.count(".") == 1:  # the lock; kvcached.<instance>
+        return 0o640 if shared == 0o660 else 0o600
+    return shared
+
+
 def owned_by(instance: str, run_dir: Path, gid: int, mode: int) -> None:
     for path in objects(instance, run_dir, 2):
         st = path.stat()
-        want = 0o660 if stat.S_ISSOCK(st.st_mode) else mode
+        want = group_mode(path, mode)
         assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (gid, want), (path, st.st_gid, oct(st.st_mode))
 
 

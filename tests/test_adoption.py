@@ -235,19 +235,27 @@ def test_restart_past_a_frozen_worker_of_the_last_image(daemons: DaemonFactory) 
 def test_restart_into_a_changed_configuration_stops_the_last_images_workers(
     daemons: DaemonFactory, tmp_path: Path
 ) -> None:
-    """The configuration file changed before `kvcached restart`: the new image refuses the memory (the
-    spec differs), stops the workers still serving it, then allocates anew; nothing of the old generation
-    stays in /dev/shm, and runners of the old spec are told the daemon is gone."""
+    """The configuration file changed after `kvcached restart` checked the next image (which refuses a
+    changed geometry up front) and before the exec: the new image refuses the memory (the spec differs),
+    stops the workers still serving it, then allocates anew; nothing of the old generation stays in
+    /dev/shm, and runners of the old spec are told the daemon is gone."""
+    from tests.test_restart_faults import restart_cli, wait_for_preflight
+
     config = tmp_path / "kv.toml"
     config.write_text("num_layers = 4\nkv_heads = 2\nhead_dim = 32\nblock_size = 16\nnum_blocks = 64\n")
-    daemon = daemons.start(ranks=2, args=["--config", str(config), "--num-cpu-blocks", "64"], small=False)
+    args = ["--config", str(config), "--num-cpu-blocks", "64"]
+    env = daemons.env(KVCACHED_FAULT="restart-accepted:sleep=2")
+    daemon = daemons.start(ranks=2, args=args, small=False, env=env)
     old = daemon.wait_ready()
     cache = rc.initialize_kv_cache(SPEC, 0, instance=daemon.instance, timeout=10)
     old_names = {name for name in shm_entries(daemon.instance) if name.endswith((".dev", ".cpu", ".keys"))}
     pids = worker_pids(daemon.instance)
+    restarting = restart_cli(daemons, daemon.instance)
+    wait_for_preflight(daemon.pid)
+    wait_for_preflight(daemon.pid, gone=True)  # checked: the restart is accepted, the exec 2 s away
     config.write_text(config.read_text().replace("num_blocks = 64", "num_blocks = 32"))
-    result = daemons.cli("restart", "--instance", daemon.instance)
-    assert result.returncode == 1 and "did not adopt the memory" in result.stdout, result.stdout + result.stderr
+    out, _ = restarting.communicate(timeout=60)
+    assert restarting.returncode == 1 and "did not adopt the memory" in out, out
     assert "stopping the last image's workers" in daemon.log()
     new = read_status(daemon.instance)
     assert new["spec"]["num_blocks"] == 32 and new["generation"] != old["generation"]
@@ -424,3 +432,26 @@ def test_leftover_objects_are_reclaimed_by_a_fresh_stop(daemons: DaemonFactory) 
     assert last.stop() == 0
     assert shm_entries(instance) == []
     assert not Path(daemons.run_dir, f"{instance}.r0.sock").exists()
+
+
+def test_the_spec_difference_adoption_reads_names_mtp_fields_and_reads_an_older_spec_as_without_them() -> None:
+    """Adoption's spec comparison (the spec's own ``first_difference`` over every field): a change of the MTP
+    fields, the role or the store is named with both values; a spec an earlier release wrote without the
+    MTP fields reads as without MTP layers, so it is the same spec."""
+    from kvcached.daemon.adopt import spec_difference
+    from kvcached.protocol.spec import CacheSpec
+
+    spec = CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
+    published = spec.to_dict()
+    assert spec_difference(published, spec) == ""
+    older = {k: v for k, v in published.items() if k not in ("mtp_layers", "mtp_num_blocks")}
+    assert spec_difference(older, spec) == ""
+    with_mtp = CacheSpec(**{**published, "mtp_layers": 1})
+    assert spec_difference(published, with_mtp) == "the spec differs: mtp_layers was 0, this configuration has 1"
+    assert "mtp_num_blocks was 0" in spec_difference(published, CacheSpec(**{**published, "mtp_num_blocks": 16}))
+    assert "splitwise_role was 'mixed'" in spec_difference(
+        published, CacheSpec(**{**published, "splitwise_role": "decode"})
+    )
+    assert "storage_backend was None" in spec_difference(
+        published, CacheSpec(**{**published, "storage_backend": "file"})
+    )

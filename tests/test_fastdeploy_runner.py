@@ -268,3 +268,22 @@ def test_a_wait_that_is_no_number_of_seconds_is_refused_naming_the_variable(
         with pytest.raises(rc.InvalidSpec, match=said) as refused:
             kvcached_runner.xpu_kv_cache(runner.fd_config, 0, FASTDEPLOYS_BLOCKS, "bfloat16", shapes, profile=False)
         assert refused.value.field == "KVCACHED_WAIT_S"
+
+
+def test_the_default_instance_is_worked_out_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner patch, the drop-in and runner_client read KVCACHED_INSTANCE alike: unset or empty is
+    ``default`` (as the CLI reads it), a name is checked, a bad one refused naming the variable."""
+    from kvcached.protocol.errors import InvalidSpec
+    from kvcached.protocol.names import instance_or_default
+
+    for value in (None, ""):
+        if value is None:
+            monkeypatch.delenv("KVCACHED_INSTANCE", raising=False)
+        else:
+            monkeypatch.setenv("KVCACHED_INSTANCE", value)
+        assert kvcached_runner._instance() == instance_or_default() == "default"
+    monkeypatch.setenv("KVCACHED_INSTANCE", "fd-1")
+    assert kvcached_runner._instance() == "fd-1"
+    monkeypatch.setenv("KVCACHED_INSTANCE", "no/such")
+    with pytest.raises(InvalidSpec, match="KVCACHED_INSTANCE"):
+        kvcached_runner._instance()

@@ -21,7 +21,7 @@ import pytest
 import runner_client as rc
 from kvcached.config import DaemonConfig
 from kvcached.protocol.messages import Op, request
-from kvcached.protocol.names import instance_shm_entries, task_socket_path
+from kvcached.protocol.names import instance_lock_path, instance_shm_entries, task_socket_path
 from kvcached.status import read_status
 from tests.conftest import ROOT, DaemonFactory
 
@@ -220,9 +220,14 @@ def test_only_the_daemon_user_and_its_group_may_use_an_instance(daemons: DaemonF
 def check_access(daemons: DaemonFactory, run_dir: Path, gid: int, member_uid: int, outsider_uid: int) -> None:
     daemon = daemons.start(ranks=1, args=["--group", str(gid)], env=daemons.env(KVCACHED_RUN_DIR=str(run_dir)))
     daemon.wait_ready()
-    for entry in instance_shm_entries(daemon.instance):
+    from tests.test_access_change import group_mode, open_for_writing
+
+    for entry in [*instance_shm_entries(daemon.instance), instance_lock_path(daemon.instance)]:
         st = entry.stat()
-        assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (gid, 0o660), entry
+        assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (gid, group_mode(entry, 0o660)), entry
+        if group_mode(entry, 0o660) != 0o660:  # a member may neither forge a record nor hold the lock
+            refused = as_user(member_uid, member_uid, [gid], open_for_writing(entry))
+            assert refused.startswith("refused PermissionError"), (entry, refused)
     sock = task_socket_path(run_dir, daemon.instance, 0)
     st = sock.stat()
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (gid, 0o660)

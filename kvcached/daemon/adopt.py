@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvcached import memory
-from kvcached.access import Access
+from kvcached.access import PRIVATE_MODE, Access
 from kvcached.config import DaemonConfig
 from kvcached.memory.base import TierRequest
 from kvcached.memory.shm import why_not_ours
@@ -41,6 +42,7 @@ from kvcached.protocol.errors import KVCacheError, TornRead
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes
 from kvcached.protocol.names import SHM_DIR
 from kvcached.protocol.proc import is_alive
+from kvcached.protocol.spec import CacheSpec
 
 #: States a rank's record may be in for its memory to be adopted.
 ADOPTABLE = (State.READY, State.RECOVERING, State.KEPT)
@@ -108,7 +110,7 @@ def _judge(config: DaemonConfig, block: ControlBlock) -> Adoption | Refusal:
         return refuse(f"its daemon pid {header.daemon_pid} is running")
     if header.num_ranks != config.ranks:
         return refuse(f"it has {header.num_ranks} ranks, this configuration {config.ranks}")
-    differs = _spec_difference(header.spec, config.spec.to_dict())
+    differs = spec_difference(header.spec, config.spec)
     if differs:
         return refuse(differs)
     backend = memory.get(config.memory)
@@ -144,12 +146,19 @@ def _judge(config: DaemonConfig, block: ControlBlock) -> Adoption | Refusal:
     return Adoption(generation, header.arena_id, tuple(records), kept)
 
 
-def _spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """The first spec field that differs, said for an operator; "" when none does."""
-    for field in sorted(set(old) | set(new)):
-        if old.get(field) != new.get(field):
-            return f"the spec differs: {field} was {old.get(field)!r}, this configuration has {new.get(field)!r}"
-    return ""
+#: Every spec field counts for adoption (the geometry, and what decides the owner: role, store).
+SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(CacheSpec))
+
+
+def spec_difference(published: Mapping[str, Any], spec: CacheSpec) -> str:
+    """The first spec field where ``published`` (an earlier run's) differs from ``spec``, said for an
+    operator; "" when none does (``CacheSpec.first_difference``: a field added later, such as the MTP
+    fields, reads as its value before when the earlier run did not write it)."""
+    found = spec.first_difference(published, SPEC_FIELDS)
+    if found is None:
+        return ""
+    field, old, new = found
+    return f"the spec differs: {field} was {old!r}, this configuration has {new!r}"
 
 
 def adopted_fields(old: Record, *, reopen_device: bool) -> dict[str, Any]:
@@ -182,7 +191,8 @@ def new_shm_need(config: DaemonConfig, adoption: Adoption | None) -> int:
 
 def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
     """Give every adopted object (device arenas where they are reopened, CPU pools, key directories) the
-    mode and group this start was given: access follows the configuration, not the one before."""
+    group this start was given, and its kind's mode (``kvcached.access``): access follows the
+    configuration, not the one before."""
     backend = memory.get(config.memory)
     for rank in range(config.ranks):
         request = TierRequest(config.instance, adoption.arena_id, rank, config.spec)
@@ -190,7 +200,7 @@ def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
         for tier in tiers:
             name = request.shm_name(tier)
             if why_not_ours(name, 0) is None:  # absent or someone else's: left as it is
-                access.apply(SHM_DIR / name.lstrip("/"))
+                access.apply(SHM_DIR / name.lstrip("/"), None if tier == "dev" else PRIVATE_MODE)
 
 
 def start_note(verdict: Adoption | Refusal | None, squatters: list[Path], *, handed_over: bool) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kvcached import logs
 from kvcached.access import Access, Peer, peer_of
+from kvcached.checks import counted
 from kvcached.config import DaemonConfig
 from kvcached.daemon import requests
 from kvcached.daemon.notify import Notifier
@@ -90,7 +91,8 @@ def judge(config: DaemonConfig, spec: CacheSpec) -> DaemonConfig | Refusal:
     need, per_rank = declared.shm_need()
     free = shm_free_bytes()
     if need > free:
-        why = f"/dev/shm has {free} bytes free, this geometry needs {need} ({declared.ranks} ranks x {per_rank})"
+        ranks = counted(declared.ranks, "rank")
+        why = f"/dev/shm has {free} bytes free, this geometry needs {need} ({ranks} x {per_rank})"
         return "num_blocks", free, spec.num_blocks, why
     return declared
 
@@ -112,7 +114,7 @@ class Pending:
             daemon_pid=pid,
             daemon_start=started,
             run_dir=str(run_dir),
-            mode=access.mode,
+            mode=access.read_mode,
             gid=access.gid,
             note=WAITING_NOTE,
         )

@@ -53,6 +53,8 @@ from kvcached.protocol.proc import self_identity
 from kvcached.protocol.trust import peer_credentials
 
 HANDOVER_ENV = "KVCACHED_HANDOVER"
+#: Longest value an image writes (a few dozen characters a rank, at most ``MAX_RANKS`` ranks), with room.
+MAX_HANDOVER = 64 * 1024
 #: The signals a daemon takes requests by: blocked across a restart's ``execv``.
 REQUEST_SIGNALS = frozenset({*requests.STOP_SIGNALS, requests.KEEP_SIGNAL, requests.RESTART_SIGNAL})
 
@@ -77,11 +79,13 @@ def claim_from_env(log: logs.Logger) -> Claim | None:
     if not text:
         return None
     try:
+        if len(text) > MAX_HANDOVER:
+            raise ValueError(f"{len(text)} characters")
         data = json.loads(text)
         generation = int(data["generation"], 16) if "workers" in data else None
         listed = data.get("workers", data)
         workers = {int(rank): (int(pid), int(fd)) for rank, (pid, fd) in listed.items()}
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # nested past Python's stack too
         log.warning(f"ignoring {HANDOVER_ENV}: not what an earlier image writes", value=text[:200])
         return None
     return Claim(generation, workers)

@@ -75,6 +75,9 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
     into it; the descriptor (keep it open for as long as the lock must hold). Raises ``Locked`` if another
     process holds it, ``ResourceError`` if ``path`` is not a plain file of ours (a symlink, a directory)."""
     while True:
+        squatted = why_not_a_lock(path)
+        if squatted:
+            raise ResourceError(squatted)
         try:
             fd = os.open(path, _OPEN_FLAGS, mode)
         except OSError as exc:
@@ -105,6 +108,25 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
     pid, started = self_identity()
     os.write(fd, f"{pid} {started}\n".encode())
     return fd
+
+
+def why_not_a_lock(path: Path) -> str:
+    """Why what is at ``path`` cannot be taken as this user's lock file, with what to do ("" when nothing is
+    there or it is a plain file of this user): another uid's file, a symlink, a directory, ... planted there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        return f"cannot look at lock file {path}: {exc.strerror}"
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        return ""
+    kind = "a plain file" if stat.S_ISREG(st.st_mode) else "a symlink" if stat.S_ISLNK(st.st_mode) else "not a file"
+    return (
+        f"{path} is {kind} of uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}), not a kvcached lock of this "
+        f"user (uid {os.geteuid()}): it holds the instance's name. Remove it (`rm {path}`, as root or uid "
+        f"{st.st_uid}) once you know whose it is, or pick another --instance name"
+    )
 
 
 def release(path: Path, fd: int) -> None:
@@ -164,3 +186,61 @@ def flock_holder(path: Path, locks: str = "/proc/locks") -> int | None:
         if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
             return int(fields[4])
     return None
+
+
+def why_not_daemon(pid: int, owner: int, lock: Path) -> str:
+    """Why process ``pid`` is not to be trusted as the daemon whose lock is ``lock`` and whose files ``owner``
+    (a uid) owns ("" when it is): it must run as ``owner``, be ``kvcached start`` (or the image a restart
+    executed), and hold the flock on ``lock`` as the kernel lists it; between a restart's two images nobody
+    holds it, and the first two checks suffice. A file anyone else could write names no pid worth a
+    signal: the callers check the files first (``why_untrusted_file``)."""
+    uid = process_uid(pid)
+    if uid is None:
+        return f"pid {pid} is gone"
+    if uid != owner:
+        return f"pid {pid} runs as uid {uid}, not as uid {owner} that owns the instance's files"
+    if not is_kvcached_daemon(pid):
+        return f"pid {pid} is not a kvcached daemon"
+    locker = flock_holder(lock)
+    if locker is not None and locker != pid:
+        return f"pid {locker}, not pid {pid}, holds {lock}"
+    return ""
+
+
+def why_untrusted_file(path: Path, owner: int | None = None) -> str:
+    """Why the file (or directory) at ``path`` cannot be believed ("" when it can): a symlink, writable by
+    its group or by others, or owned by another uid than ``owner`` (when given)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symlink"
+    if owner is not None and st.st_uid != owner:
+        return f"{path} belongs to uid {st.st_uid}, not to uid {owner}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def process_uid(pid: int) -> int | None:
+    """The effective uid of process ``pid``, or None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def is_kvcached_daemon(pid: int) -> bool:
+    """Whether process ``pid`` runs ``kvcached start`` (``kvcached`` or ``python -m kvcached.cli``)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    for at, arg in enumerate(argv):
+        if arg == "kvcached.cli" or os.path.basename(arg) == "kvcached":
+            return "start" in argv[at + 1 :]
+    return False

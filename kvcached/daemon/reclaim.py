@@ -49,7 +49,8 @@ def squatter(path: Path, st: os.stat_result) -> str | None:
         return None
     return (
         f"{path} is not ours (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; kvcached makes uid {me}, "
-        "mode 600 or 660): refusing to use or delete it. Remove it if it is stale, or pick another --instance name."
+        "mode 600, 640 or 660): refusing to use or delete it. Remove it if it is stale, or pick another --instance "
+        "name."
     )
 
 

@@ -16,6 +16,8 @@ rank's memory is whole (adopted, or published READY once). Memory not yet whole 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvcached import logs, store
 from kvcached.config import DaemonConfig
 from kvcached.daemon.ranks import RankSlot, remove_semaphores
@@ -91,3 +93,20 @@ def release_store(config: DaemonConfig, log: logs.Logger) -> None:
             store.get(chosen.backend).release(chosen.options, instance=config.instance)
         except Exception as exc:  # a stop goes on: the keepers quit by themselves once the instance is gone
             log.warning("attention store: could not let go of what it keeps", reason=str(exc))
+
+
+def release_stores(instance: str, run_dir: Path, *, but: str | None = None) -> tuple[list[str], list[str]]:
+    """Every storage backend but ``but`` lets go of what it keeps across daemon runs of ``instance`` (a
+    Mooncake keeper left by a run that stored there, its socket and lock file): at a start whose
+    configuration names another store, and at ``kvcached doctor --clean``. (The files of the run directory
+    that went with it, what failed.)"""
+    before = {path.name for path in run_dir.glob(f"{instance}.*")} if run_dir.is_dir() else set()
+    problems = []
+    for name in store.names():
+        if name != but:
+            try:
+                store.get(name).release({}, instance=instance)
+            except Exception as exc:  # a backend that cannot: said, and the rest goes on
+                problems.append(f"{name}: {exc}")
+    after = {path.name for path in run_dir.glob(f"{instance}.*")} if run_dir.is_dir() else set()
+    return sorted(before - after), problems

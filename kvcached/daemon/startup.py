@@ -24,6 +24,7 @@ points of ``kvcached.daemon.faults``):
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ import posix_ipc
 
 from kvcached import logs, native, store
 from kvcached.access import Access
+from kvcached.checks import counted
 from kvcached.config import DaemonConfig
-from kvcached.daemon import faults, lockfile
+from kvcached.daemon import faults, lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_need, start_note
 from kvcached.daemon.errors import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
 from kvcached.daemon.handover import Handover
@@ -41,6 +43,7 @@ from kvcached.fastdeploy.flags import ReadyFlags
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock
 from kvcached.protocol.errors import ResourceError, SignalError
+from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
     SHM_DIR,
@@ -53,9 +56,8 @@ from kvcached.protocol.ownership import cache_owner, explain_owner
 from kvcached.protocol.proc import self_identity
 from kvcached.protocol.spec import CacheSpec
 
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+#: Seconds between tries of a metrics port that was taken when a restart's image started.
+METRICS_RETRY_S = 2.0
 
 
 def refuse_runner_owned(spec: CacheSpec) -> None:
@@ -102,7 +104,7 @@ class Locks:
         try:
             lockfile.prepare_run_dir(directory, access.gid)
             self._take(path)
-            self._take(instance_lock_path(self.instance), mode=access.mode, gid=access.group)
+            self._take(instance_lock_path(self.instance), mode=access.read_mode, gid=access.group)
         except ResourceError as exc:
             raise Fatal(str(exc), EXIT_RESOURCES) from None
 
@@ -158,6 +160,14 @@ def reclaim(
     count = remove_leftovers(found, keep=keep)
     if count:
         log.info("reclaimed objects of an earlier run", count=count)
+    gone, problems = shutdown.release_stores(config.instance, run_dir, but=config.store.backend)
+    if gone or problems:
+        log.warning(
+            "let go of what another storage backend kept for an earlier run (this one uses "
+            f"{config.store.backend or 'none'})",
+            files=gone,
+            problems=problems,
+        )
     if adoption is not None:
         try:
             conform(config, adoption, access)
@@ -189,8 +199,8 @@ def check_space(config: DaemonConfig, adoption: Adoption | None) -> None:
     if need > free:
         adopted = " besides the memory it adopts" if adoption is not None else ""
         raise Fatal(
-            f"/dev/shm has {mib(free)} free, this configuration needs {mib(need)}{adopted} "
-            f"({config.ranks} ranks x {mib(config.shm_need()[1])}); enlarge /dev/shm (docker "
+            f"/dev/shm has {size_text(free)} free, this configuration needs {size_text(need)}{adopted} "
+            f"({counted(config.ranks, 'rank')} x {size_text(config.shm_need()[1])}); enlarge /dev/shm (docker "
             "--shm-size, mount -o remount,size=...) or lower --num-blocks / --num-cpu-blocks / --ranks",
             EXIT_RESOURCES,
         )
@@ -229,7 +239,7 @@ def log_start(config: DaemonConfig, note: str, log: logs.Logger) -> None:
         ranks=config.ranks,
         memory=config.memory,
         owner=explain_owner(config.spec),
-        per_rank=mib(config.shm_need()[1]),
+        per_rank=size_text(config.shm_need()[1]),
         glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
         copy_engine=native.describe(),
         **({"note": note} if note else {}),
@@ -251,7 +261,7 @@ def stage_block(
         daemon_pid=pid,
         daemon_start=started,
         run_dir=str(lock_path(config.instance).parent),
-        mode=access.mode,
+        mode=access.read_mode,
         gid=access.group,
         adopted_from=adoption.generation if adoption is not None else 0,
         arena_id=arena_id,
@@ -260,17 +270,52 @@ def stage_block(
     )
 
 
-def serve_metrics(config: DaemonConfig, block: ControlBlock, log: logs.Logger) -> Any:
-    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor."""
-    from kvcached.daemon import metrics
+class MetricsEndpoint:
+    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor once ``open``. A port
+    someone else holds is a configuration error at a start; a restart's image never ends the cache over it:
+    it serves on without the endpoint, saying so, and tries the port again every ``METRICS_RETRY_S``
+    (``retry_if_due``, quietly)."""
 
-    address, port = config.metrics_address, config.metrics_port
-    try:
-        server = metrics.serve(config.instance, block, config.memory, address, port)
-    except OSError as exc:
-        raise Fatal(
-            f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}; pick a free port or 0 for none",
-            EXIT_CONFIG,
-        ) from None
-    log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
-    return server
+    def __init__(self, config: DaemonConfig, log: logs.Logger) -> None:
+        self.config, self.log = config, log
+        self.server: Any = None
+        self.block: ControlBlock | None = None
+        self.tried = 0.0
+        self.why = ""  # why the port could not be listened on
+
+    def open(self, block: ControlBlock, *, restarted: bool) -> None:
+        """Listen, after the first workers are forked (which so copy no thread of it; replacements are forked
+        while it runs: a fork copies only the forking thread, and a worker takes none of its locks)."""
+        if not self.config.metrics_port:
+            return
+        self.block = block
+        if self._try():
+            return
+        if not restarted:
+            raise Fatal(f"{self.why}; pick a free port or 0 for none", EXIT_CONFIG)
+        self.log.warning(f"{self.why}; serving without metrics, trying the port again every {METRICS_RETRY_S:.0f}s")
+
+    def retry_if_due(self) -> None:
+        if self.block is not None and self.server is None and time.monotonic() - self.tried >= METRICS_RETRY_S:
+            self._try()
+
+    def _try(self) -> bool:
+        from kvcached.daemon import metrics
+
+        assert self.block is not None
+        address, port = self.config.metrics_address, self.config.metrics_port
+        self.tried = time.monotonic()
+        try:
+            self.server = metrics.serve(self.config.instance, self.block, self.config.memory, address, port)
+        except OSError as exc:
+            self.why = f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror}"
+            return False
+        self.log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
+        return True
+
+    def close(self) -> None:
+        self.block = None
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None

@@ -40,6 +40,7 @@ import structlog
 
 from kvcached import logs, memory
 from kvcached.access import Access
+from kvcached.checks import counted
 from kvcached.config import DaemonConfig
 from kvcached.daemon import channel, declare, faults, handover, shutdown, startup
 from kvcached.daemon.adopt import Adoption, adopted_fields
@@ -98,7 +99,7 @@ class Supervisor:
         self.notify = Notifier()
         self.on_progress = on_progress
         self.access = Access.for_daemon(config.gid)
-        self.metrics: Any = None  # the metrics HTTP server, when --metrics-port is set
+        self.metrics = startup.MetricsEndpoint(config, self.log)  # --metrics-port
         self.ready_flags: ReadyFlags | None = None  # FastDeploy's flags, when --ipc-suffix is set
         self.arena_id = 0  # the generation that allocated the memory (ours, or the adopted one's)
         self.adoption: Adoption | None = None
@@ -188,11 +189,8 @@ class Supervisor:
                 self._spawn(slot)
             else:
                 self._spawn(slot, State.RECOVERING, reopen=self.adoption.records[slot.rank])
-        if self.config.metrics_port:
-            # After the first forks, which so copy no thread of it. Replacements are forked while it runs: a
-            # fork copies only the forking thread, and a worker takes none of the locks that thread holds.
-            assert self.block is not None
-            self.metrics = startup.serve_metrics(self.config, self.block, self.log)
+        assert self.block is not None
+        self.metrics.open(self.block, restarted=self.handover.restarted)
         return True
 
     def _create_objects(self) -> None:
@@ -330,6 +328,7 @@ class Supervisor:
                 if status is not None:
                     return int(status)
             self.handover.kill_late()
+            self.metrics.retry_if_due()
             self._reap()
             self._check_progress(tick)
             self._keep_fastdeploy_flags()
@@ -402,7 +401,7 @@ class Supervisor:
             self.all_ready_logged = True
             self.log.info("all ranks ready", ranks=len(self.slots), note=self.note)
             total = sum(r.total_bytes for r in self.records)
-            self.notify.send(READY=1, STATUS=f"serving {len(self.slots)} ranks, {total / 2**30:.1f} GiB")
+            self.notify.send(READY=1, STATUS=f"serving {counted(len(self.slots), 'rank')}, {total / 2**30:.1f} GiB")
             faults.fault("after-ready")
 
     def _give_turn(self, rank: int) -> None:
@@ -420,6 +419,7 @@ class Supervisor:
         again for ``kvcached restart``; None when it is not restarting."""
         if not self.requests.restart:
             return None
+        self.requests.pass_on_pending()
         return self.handover.env(self.generation)
 
     # -- how it ends ----------------------------------------------------------------------------------
@@ -428,10 +428,7 @@ class Supervisor:
         """Idempotent. Every record STOPPING, or KEPT when the memory is kept (``shutdown.keeps``); the
         workers stopped, or left serving for the next image; then the instance's objects released or kept
         (``kvcached.daemon.shutdown``), the lock last."""
-        if self.metrics is not None:
-            self.metrics.shutdown()
-            self.metrics.server_close()
-            self.metrics = None
+        self.metrics.close()
         adopted = self.adoption is not None
         asked = self.requests
         keep = shutdown.keeps(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,20 +55,55 @@ class Requests:
             data = os.read(self.read_fd, 512)
         except BlockingIOError:
             return False
-        for signum in data:
-            if signum in STOP_SIGNALS:
-                self.stop = True
-                self.log.info("stopping", signal=signal_name(signum))
-                return True
-            if signum == KEEP_SIGNAL:
-                self.keep = True
-                self.log.info("stopping, keeping the memory for the next start", signal=signal_name(signum))
+        for at, signum in enumerate(data):
+            if signum in STOP_SIGNALS or signum == KEEP_SIGNAL:
+                self._end(signum)
                 return True
             if signum == RESTART_SIGNAL and self._accept_restart():
+                self._overrule_restart(data[at + 1 :])
                 return True
             if signum == LOG_SIGNAL:
                 log_ranks(signal_name(signum))
         return False
+
+    def _end(self, signum: int) -> None:
+        """A stop (``STOP_SIGNALS``: the memory released) or a stop keeping it (``KEEP_SIGNAL``)."""
+        if signum == KEEP_SIGNAL:
+            self.keep = True
+            self.log.info("stopping, keeping the memory for the next start", signal=signal_name(signum))
+        else:
+            self.stop = True
+            self.log.info("stopping", signal=signal_name(signum))
+
+    def _overrule_restart(self, rest: bytes) -> None:
+        """A restart was accepted (the request signals are blocked from now on): a stop that came while the
+        next image was checked, or after the restart signal in the same read, is never dropped: the later
+        word wins, the daemon ends as that stop asks instead of executing itself again."""
+        while True:
+            try:
+                rest += os.read(self.read_fd, 512)
+            except BlockingIOError:
+                break
+        ends = [signum for signum in rest if signum in STOP_SIGNALS or signum == KEEP_SIGNAL]
+        if not ends:
+            return
+        signum = next((s for s in ends if s in STOP_SIGNALS), ends[0])  # a stop outranks a stop keeping
+        self.log.warning("a stop came while the restart was checked: stopping instead of restarting")
+        self.restart = self.keep = False
+        self._end(signum)
+
+    def pass_on_pending(self) -> None:
+        """Just before the restart's ``execv``: a request that reached the pipe after the restart was accepted
+        (through a thread that did not block it) is raised again on this thread, where it stays pending
+        across the exec for the next image to act on."""
+        while True:
+            try:
+                data = os.read(self.read_fd, 512)
+            except BlockingIOError:
+                return
+            for signum in data:
+                if signum in handover.REQUEST_SIGNALS:
+                    signal.pthread_kill(threading.get_ident(), signum)
 
     def _accept_restart(self) -> bool:
         """Whether to end now for ``kvcached restart``; when not, say why where the CLI reads it."""

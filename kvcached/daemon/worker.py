@@ -40,6 +40,7 @@ import posix_ipc
 import structlog
 
 from kvcached import logs, memory, store
+from kvcached.access import PRIVATE_MODE
 from kvcached.copy_engine import DeviceBlocks, SwapEngine
 from kvcached.daemon import channel, faults, server
 from kvcached.daemon.channel import DRAIN_S
@@ -185,7 +186,7 @@ def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTie
             progress(dev_bytes)(cpu_bytes)
         else:
             pool = create_arena(
-                pool_name, cpu_bytes, progress(dev_bytes), mode=request.mode, gid=request.gid, huge=plan.huge_pages
+                pool_name, cpu_bytes, progress(dev_bytes), mode=PRIVATE_MODE, gid=request.gid, huge=plan.huge_pages
             )
     except BackendUnavailable as exc:
         raise WorkerFailure(str(exc), EXIT_CONFIG) from None
@@ -252,7 +253,7 @@ def _key_directory(plan: WorkerPlan, request: TierRequest, log: logs.Logger) -> 
             except ProtocolError as exc:
                 log.warning("key directory unreadable: starting an empty one", reason=str(exc))
                 posix_ipc.unlink_shared_memory(name)
-        return KeyDirectory.create(name, slots, mode=request.mode, gid=request.gid)
+        return KeyDirectory.create(name, slots, mode=PRIVATE_MODE, gid=request.gid)
     except ShmFull as exc:
         raise WorkerFailure(str(exc.strerror), EXIT_RESOURCES) from None
     except posix_ipc.Error as exc:

@@ -21,13 +21,13 @@ their tensors.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import runner_client as rc
 from kvcached.fastdeploy.arguments import env_seconds, group_ranks, mtp_names_differ
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.instance import read_instance
+from kvcached.protocol.names import instance_or_default
 from kvcached.protocol.spec import CacheSpec
 
 #: The caches attached in this process, by kvcached rank (their tensors alias kvcached's memory).
@@ -35,7 +35,7 @@ ATTACHED: dict[int, rc.KVCache] = {}
 
 
 def _instance() -> str:
-    return os.environ.get("KVCACHED_INSTANCE") or "default"
+    return instance_or_default()
 
 
 def _wait_s() -> float:

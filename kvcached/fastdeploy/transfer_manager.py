@@ -72,6 +72,7 @@ from kvcached.protocol.errors import (
     OwnershipConflict,
 )
 from kvcached.protocol.instance import read_instance
+from kvcached.protocol.names import instance_or_default
 from kvcached.protocol.spec import CacheSpec
 
 __all__ = ["EXIT_MISMATCH", "EXIT_UNAVAILABLE", "TransferManager", "build_parser", "main", "parse_args", "store_key"]
@@ -368,11 +369,11 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
     """Entry point: parse FastDeploy's arguments, check and wait for kvcached's rank, serve."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s kvcached.fastdeploy: %(message)s")
-    instance = os.environ.get("KVCACHED_INSTANCE", "default")
     if args.create_cache_tensor:
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
     fd = adapter or RealFastDeploy()
     try:
+        instance = instance_or_default()
         task_s, has_pool, prefix = _prepare(args, fd, instance)
     except (OwnershipConflict, InvalidConfig) as exc:
         log.error("refusing to serve rank %d: %s", args.rank, exc)

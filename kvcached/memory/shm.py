@@ -128,8 +128,8 @@ def open_arena(name: str, size: int, *, populate: bool = True, owner: int | None
         shm.close_fd()
 
 
-#: Modes kvcached gives its objects (0600 alone, 0660 with --group).
-OUR_MODES = (0o600, 0o660)
+#: Modes kvcached gives its objects (0600 alone; with --group 0660, 0640 what runners only read).
+OUR_MODES = (0o600, 0o640, 0o660)
 
 
 def why_not_ours(name: str, size: int) -> str | None:
@@ -145,7 +145,7 @@ def why_not_ours(name: str, size: int) -> str | None:
     if st.st_uid != os.geteuid():
         return f"{path} is owned by uid {st.st_uid}, not by this daemon's uid {os.geteuid()}"
     if stat.S_IMODE(st.st_mode) not in OUR_MODES:
-        return f"{path} has mode {stat.S_IMODE(st.st_mode):o}; kvcached makes 600 or 660"
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):o}; kvcached makes 600, 640 or 660"
     if st.st_size < size:
         return f"{path} has {st.st_size} bytes, the layout needs {size}"
     return None

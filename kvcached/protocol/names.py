@@ -39,12 +39,14 @@ _INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,48}")
 INSTANCE_ENV = "KVCACHED_INSTANCE"
 
 
-def instance_or_default(instance: str | None) -> str:
-    """``instance``, or ``$KVCACHED_INSTANCE``, or ``default``; checked (``InvalidSpec`` naming the source)."""
+def instance_or_default(instance: str | None = None) -> str:
+    """``instance``, or ``$KVCACHED_INSTANCE``, or ``default``; checked (``InvalidSpec`` naming the source).
+    The one place the default is worked out: ``KVCACHED_INSTANCE`` set empty counts as unset, as the CLI reads
+    it (click ignores an empty variable)."""
     if instance is not None:
         return check_instance(instance)
     named = os.environ.get(INSTANCE_ENV)
-    return DEFAULT_INSTANCE if named is None else check_instance(named, field=INSTANCE_ENV)
+    return check_instance(named, field=INSTANCE_ENV) if named else DEFAULT_INSTANCE
 
 
 def check_instance(instance: str, *, field: str = "instance") -> str:

@@ -1,0 +1,128 @@
+"""What a neighbour (another uid on the host) can plant, and what kvcached does about it: a lock file naming
+someone else's process, an object squatting the instance lock's name, group members of an instance."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcached.protocol.names import instance_lock_path
+from kvcached.protocol.proc import start_time
+from tests.conftest import DaemonFactory, unique_instance
+from tests.test_faults import needs_root
+
+NEIGHBOUR = 64012  # a uid with no account: owning files is all it needs
+
+
+@pytest.fixture
+def victim() -> Iterator[subprocess.Popen[bytes]]:
+    """A process of this user that no kvcached command may signal."""
+    proc = subprocess.Popen(["sleep", "600"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def plant_lock(directory: Path, instance: str, pid: int, owner: int) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = directory / f"{instance}.lock"
+    lock.write_text(f"{pid} {start_time(pid)}\n")
+    os.chown(directory, owner, owner)
+    os.chown(lock, owner, owner)
+
+
+@pytest.mark.parametrize("command", ["stop", "restart"])
+def test_stop_and_restart_signal_no_pid_a_neighbours_lock_file_names(
+    daemons: DaemonFactory, tmp_path: Path, victim: subprocess.Popen[bytes], command: str
+) -> None:
+    """A neighbour owning the run directory (as it may own /tmp/kvcached-0 before root's first start) writes a
+    lock file naming a process of root: `stop` and `restart` refuse, naming why, and signal nothing."""
+    needs_root("the neighbour is another uid")
+    instance = unique_instance()
+    directory = tmp_path / "neighbours"
+    plant_lock(directory, instance, victim.pid, NEIGHBOUR)
+    env = daemons.env(KVCACHED_RUN_DIR=str(directory))
+    done = daemons.cli(command, "--instance", instance, "--timeout", "3", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "refusing to signal" in done.stderr and f"uid {NEIGHBOUR}" in done.stderr, done.stderr
+    time.sleep(0.2)
+    assert victim.poll() is None
+
+
+def test_stop_signals_no_process_of_its_own_user_that_is_not_a_daemon(
+    daemons: DaemonFactory, tmp_path: Path, victim: subprocess.Popen[bytes]
+) -> None:
+    """A lock file of the right owner that names a process which is no kvcached daemon (and holds no lock):
+    refused, the reason named."""
+    instance = unique_instance()
+    directory = tmp_path / "mine"
+    plant_lock(directory, instance, victim.pid, os.geteuid())
+    env = daemons.env(KVCACHED_RUN_DIR=str(directory))
+    done = daemons.cli("stop", "--instance", instance, "--timeout", "3", env=env)
+    assert done.returncode == 1 and "is not a kvcached daemon" in done.stderr, done.stdout + done.stderr
+    assert victim.poll() is None
+
+
+def test_stop_still_stops_the_daemon_whose_lock_it_reads(daemons: DaemonFactory) -> None:
+    """The checks let the real daemon through: its lock file, its uid, its flock."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    done = daemons.cli("stop", "--instance", daemon.instance)
+    assert done.returncode == 0, done.stderr
+    assert daemon.exit_code(10) == 0
+
+
+def doctor_leftovers(daemons: DaemonFactory, instance: str, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """`kvcached doctor --json` for ``instance``: the run, and its ``leftovers`` check."""
+    done = daemons.cli("doctor", "--json", "--instance", instance, *args)
+    assert "Traceback" not in done.stderr, done.stderr
+    (check,) = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "leftovers"]
+    return done, check
+
+
+def test_a_file_squatting_the_instance_lock_is_named_by_start_and_doctor(daemons: DaemonFactory) -> None:
+    """Another uid's file at the instance lock's name in /dev/shm: `start` exits 5 saying whose file holds the
+    name, that it is no kvcached lock, and how to remove it; `doctor` fails the leftovers check naming it;
+    `doctor --clean` leaves it (not ours to remove) and says what to do, without a traceback."""
+    needs_root("the squatter is another uid")
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    squat = instance_lock_path(instance)
+    squat.touch()
+    os.chown(squat, NEIGHBOUR, NEIGHBOUR)
+    try:
+        daemon = daemons.start(instance, ranks=1)
+        assert daemon.exit_code(30) == 5
+        said = daemon.log()
+        assert f"uid {NEIGHBOUR}" in said and "not a kvcached lock" in said and f"rm {squat}" in said, said
+        for args in ((), ("--clean",)):
+            done, check = doctor_leftovers(daemons, instance, *args)
+            assert done.returncode == 1 and check["verdict"] == "fail", check
+            assert str(squat) in check["advice"], check
+            assert squat.exists() and squat.stat().st_uid == NEIGHBOUR
+    finally:
+        squat.unlink()
+
+
+def test_doctor_clean_removes_what_a_dead_instances_mooncake_keeper_left(daemons: DaemonFactory) -> None:
+    """A dead instance's keeper socket and lock file in its run directory (the keeper gone too) are removed by
+    `doctor --clean`, and counted."""
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    daemons.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sock_path = daemons.run_dir / f"{instance}.mooncake.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))  # closed unlistened: a dead keeper's socket file
+    lock = daemons.run_dir / f"{instance}.mooncake.lock"
+    lock.touch(mode=0o600)
+    _, check = doctor_leftovers(daemons, instance, "--clean")
+    assert not sock_path.exists() and not lock.exists(), check
+    assert check["verdict"] == "ok" and sorted(check["measured"]["store_files"]) == sorted([lock.name, sock_path.name])
