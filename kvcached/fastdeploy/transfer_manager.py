@@ -201,7 +201,13 @@ class TransferManager:
         (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU
         is taken from the copies. The engine sees the same queue, results, flags and control answers."""
         paused = self._mark_inflight()
-        data = self._call(lambda: take_for_group(self.queue))
+        try:
+            data = self._call(lambda: take_for_group(self.queue))
+        except (OSError, EOFError):  # the connection (``run`` counts the broken ones)
+            raise
+        except Exception as exc:  # taken off the queue, but not readable here (a class this process lacks)
+            log.error("ignoring a cache queue item that is not a task (it cannot be read: %r)", exc)
+            return
         if data is None:
             self._idle()
             return
