@@ -266,7 +266,9 @@ class TransferManager:
         pool, handler, fields = found
         if len(rest) != fields:
             raise ValueError(f"a {event!r} task has {fields} fields after its type, this one {len(rest)}")
-        args = (event, rest) if handler == self.handlers.swap else (rest[0],)
+        args: tuple[Any, ...] = (event, rest) if handler == self.handlers.swap else (rest[0],)
+        if handler == self.handlers.write:
+            args = (rest[0], time.monotonic())  # the engine's wait counts from its put, not the pool's turn
         if pool == "control":
             self.pools[pool].submit(self._guarded, handler, *args)
             return
