@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,19 @@ import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
 from tests.helpers.fastdeploy_double import FMQDouble
 from tests.helpers.fastdeploy_src import pieces
+
+#: A module this process (and so the engine's queue server, forked from it) has and the drop-in lacks: an
+#: engine whose FastDeploy has a task class the drop-in's does not.
+ENGINE_ONLY = types.ModuleType("kvcached_test_engine_only")
+sys.modules.setdefault(ENGINE_ONLY.__name__, ENGINE_ONLY)
+
+
+class EngineOnlyTask:
+    """An item the queue server holds and the drop-in cannot unpickle."""
+
+
+EngineOnlyTask.__module__ = ENGINE_ONLY.__name__
+ENGINE_ONLY.EngineOnlyTask = EngineOnlyTask  # type: ignore[attr-defined]
 
 TP = 2
 SPEC = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
@@ -282,6 +296,23 @@ def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engin
     engine.close()
     logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
     assert logs.count("that is not a task") >= 3 and "ignoring a malformed cache task" in logs
+
+
+def test_a_queue_item_the_drop_in_cannot_read_is_logged_and_the_next_task_served(engine: Engine) -> None:
+    """An item taken off the queue that the drop-in cannot even unpickle (its class is the engine's only) costs
+    that item: rank 0's drop-in logs it and serves the next task (it used to die of it, and the engine with it)."""
+    status = engine.fd.CacheStatus
+    for rank in range(TP):
+        engine.launch(rank)
+    engine.until(lambda: engine.value("cache_transfer_inited_signal") == [1, 1], "cache_transfer_inited_signal")
+    engine.queue.put_transfer_task((status.SWAP2CPU, EngineOnlyTask()))
+    engine.until(engine.queue.empty, "the item taken")
+    done = engine.task((status.SWAP2CPU, "t1", [11], [1], [0]))
+    assert done[0][1:] == ("t1", [11], [1], [0])
+    assert all(proc.poll() is None for proc in engine.dropins), "a drop-in died of an item it cannot read"
+    engine.close()
+    logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
+    assert "not a task (it cannot be read" in logs and "kvcached_test_engine_only" in logs, logs[-2000:]
 
 
 def test_a_device_id_other_than_the_ranks_device_is_refused(daemons: DaemonFactory, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.fastdeploy.arguments import store_key
+from kvcached.fastdeploy.mover import Mover, Outcome
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
 from tests.test_fastdeploy_engine import GEOMETRY, SPEC, TP, Engine, blocks
@@ -239,4 +240,26 @@ def test_what_the_drop_in_cannot_serve_is_refused_by_name_before_it_joins(
             engine.value("cache_transfer_inited_signal") == [0] * TP and engine.value("cache_ready_signal") == [0] * TP
         )
     finally:
+        engine.close()
+
+
+def test_a_write_still_running_when_the_engine_stops_waiting_ends_the_rank_first(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """An engine that stops waiting for a write (2.6: 60 s) reuses its blocks: a part still running then would
+    store the reused blocks under the task's keys (stored KV that is not the prompt's: wrong answers later). A
+    write whose parts are slow (each object its agent moves takes 8 s more) ends as unservable by the time
+    the engine's wait gives (``by``, 3 s here), though its own deadline plus the slack a part is otherwise
+    given runs far longer; nothing of it is reported stored."""
+    with served(daemons, tmp_path, "--store-timeout", "60", fault="store-step:sleep=8") as (engine, daemon):
+        mover = Mover(daemon.instance, list(range(TP)), 60.0)
+        try:
+            started = time.monotonic()
+            keys = [store_key(f"late-{i}", "") for i in range(2)]
+            done = mover.store(keys, SOURCE[:2], 1.0, "storage write 'w'", by=started + 3.0)
+            took = time.monotonic() - started
+        finally:
+            mover.close()
+        assert done.outcome is Outcome.UNSERVABLE and done.blocks == 0, done
+        assert "may still write" in done.why and took < 8, (took, done)
         engine.close()

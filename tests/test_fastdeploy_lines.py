@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import runner_client as rc
+from kvcached.fastdeploy.lines import read_tree
 from tests.conftest import DaemonFactory
 from tests.helpers import fastdeploy_lines
 from tests.helpers.fastdeploy_lines import LineEngine, fastdeploy_modules, tree_of
@@ -150,3 +151,12 @@ def test_each_line_drives_the_drop_in_over_its_transport(
     finally:
         for cache in caches:
             cache.close()
+
+
+def test_each_lines_wait_for_a_storage_write_is_read_from_its_tree(line_trees: dict[str, Path]) -> None:
+    """2.6's engine stops waiting for a storage write after 60 s and reuses the blocks
+    (``wait_write_storage_task(timeout=60.0)``); the other lines wait until it is reported. The drop-in
+    bounds a write by what the tree says (``kvcached.fastdeploy.handlers.Handlers.write``)."""
+    expected = {"e53f5184": None, "41677b9a6": 60.0, "564c78d78": None}
+    for commit, tree in line_trees.items():
+        assert read_tree(tree).write_wait_s == expected.get(commit), commit

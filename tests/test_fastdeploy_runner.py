@@ -259,11 +259,14 @@ def test_mtp_in_a_second_data_parallel_group_is_refused_by_name(monkeypatch: pyt
 def test_a_wait_that_is_no_number_of_seconds_is_refused_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``KVCACHED_WAIT_S=10m`` in the runner: an ``InvalidSpec`` naming the variable, as the drop-in says it."""
+    """``KVCACHED_WAIT_S=10m`` in the runner: an ``InvalidSpec`` naming the variable, as the drop-in says it; so
+    is ``inf`` (or a number no timed wait can take), which would make the wait one without deadline."""
     monkeypatch.setenv("KVCACHED_INSTANCE", "kvt-none")
     runner = runner_stub(1)
     shapes = runner.attn_backends[0].get_kv_cache_shape(max_num_blocks=FASTDEPLOYS_BLOCKS)
-    for value, said in (("10m", "must be a number of seconds, got '10m'"), ("0", "must be > 0 seconds")):
+    refusals = [("10m", "must be a number of seconds, got '10m'"), ("0", "must be > 0 seconds"), ("nan", "> 0")]
+    refusals += [(big, f"must be at most 604800 seconds \\(a week\\), got {big}") for big in ("inf", "1e400", "1e300")]
+    for value, said in refusals:
         monkeypatch.setenv("KVCACHED_WAIT_S", value)
         with pytest.raises(rc.InvalidSpec, match=said) as refused:
             kvcached_runner.xpu_kv_cache(runner.fd_config, 0, FASTDEPLOYS_BLOCKS, "bfloat16", shapes, profile=False)

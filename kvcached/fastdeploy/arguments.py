@@ -124,9 +124,13 @@ def group_ranks(args: argparse.Namespace) -> list[int]:
     return list(range(first, first + args.mp_num))
 
 
+#: The longest wait a seconds setting may ask for: every wait keeps a deadline.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
 def env_seconds(name: str, default: float) -> float:
     """Seconds from the environment variable ``name`` (``default`` when unset). Raises ``InvalidSpec`` naming
-    the variable for anything but a number > 0."""
+    the variable for anything but a number > 0 and at most ``MAX_SECONDS``."""
     raw = os.environ.get(name)
     try:
         value = float(raw) if raw is not None else default
@@ -134,6 +138,8 @@ def env_seconds(name: str, default: float) -> float:
         raise InvalidSpec(name, f"must be a number of seconds, got {raw!r}") from None
     if not value > 0:
         raise InvalidSpec(name, f"must be > 0 seconds, got {value:g}")
+    if not value <= MAX_SECONDS:  # inf, or past what a timed wait can take: a wait without deadline
+        raise InvalidSpec(name, f"must be at most {MAX_SECONDS:g} seconds (a week), got {raw}")
     return value
 
 

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcached.fastdeploy")
 
+#: Seconds before the engine stops waiting for a write by which every part of it has ended (or the rank
+#: ends): the patched launcher looks at its drop-ins every second.
+ENGINE_MARGIN_S = 5.0
+
 
 class Malformed(ValueError):
     """A queue item that is not a FastDeploy cache task: logged and skipped, nothing answered."""
@@ -105,22 +109,32 @@ class Handlers:
         result = (self.status.STORAGE2GPU, task.task_id, task.keys, loaded)  # type: ignore[attr-defined]
         self._put(result, copies=self.m.n_ranks)  # the engine waits for one per rank and takes the shortest
 
-    def write(self, task: Any) -> None:
+    def write(self, task: Any, taken: float | None = None) -> None:
         """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store;
         reported once no rank's part of it still runs (a late put would store whatever the engine has since
-        put in those blocks under the task's keys)."""
+        put in those blocks under the task's keys). ``taken``: when the task came off the queue (monotonic).
+
+        An engine that stops waiting for a write (2.6: ``wait_write_storage_task(timeout=60.0)``,
+        ``prefix_cache_manager.py`` ~1489-1514 there) goes on and reuses the blocks: the task's deadline
+        counts from when it was taken, and a part still running ``ENGINE_MARGIN_S`` before the engine stops
+        waiting ends the rank (the patched launcher then stops the engine before it reuses them)."""
         assert self.mover is not None
         keys, gpu_ids = self._task(task)
         if len(keys) != len(gpu_ids):
             raise Malformed(f"{len(keys)} keys for {len(gpu_ids)} GPU blocks")
         store_keys = [store_key(k, self.key_prefix) for k in keys]
-        seconds, started = self._timeout(task), time.monotonic()
-        stored = self.mover.stored(store_keys, seconds)
+        started = taken if taken is not None else time.monotonic()
+        seconds, by = self._timeout(task), None
+        engine_wait = self.m.fd.tree.write_wait_s if self.m.fd.tree is not None else None
+        if engine_wait is not None:
+            by = started + engine_wait - ENGINE_MARGIN_S
+            seconds = min(seconds, engine_wait - 2 * ENGINE_MARGIN_S)
+        stored = self.mover.stored(store_keys, max(seconds - (time.monotonic() - started), 0.001))
         done = Done(Outcome.MOVED)
         if stored < len(keys):
             left = max(seconds - (time.monotonic() - started), 0.001)
             what = f"storage write {task.task_id!r}"
-            done = self.mover.store(store_keys[stored:], gpu_ids[stored:], left, what)
+            done = self.mover.store(store_keys[stored:], gpu_ids[stored:], left, what, by)
         if self._end_if_unservable(done):
             return
         written = gpu_ids[stored : stored + done.blocks]

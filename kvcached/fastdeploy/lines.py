@@ -140,6 +140,9 @@ class Tree:
     told_by: str = "files"
     #: Another line's kvcached patch, applied to this tree (a patch of the wrong line).
     foreign: Line | None = None
+    #: Seconds the engine waits for a storage write before it goes on and reuses the blocks (2.6: 60); None:
+    #: it waits until the write is reported.
+    write_wait_s: float | None = None
 
     @property
     def line_name(self) -> str:
@@ -186,6 +189,18 @@ def _every_rank_reports_writes(root: Path) -> bool:
             if isinstance(function, ast.FunctionDef) and function.name == "write_back_storage_task":
                 return not _guarded_by_rank0(function)
     return False
+
+
+def _write_wait(root: Path) -> float | None:
+    """The default ``timeout`` of the launcher's ``wait_write_storage_task`` (None: it has none)."""
+    with contextlib.suppress(SyntaxError):
+        for function in ast.walk(ast.parse(_read(root, LAUNCHER))):
+            if isinstance(function, ast.FunctionDef) and function.name == "wait_write_storage_task":
+                named = function.args.args[len(function.args.args) - len(function.args.defaults) :]
+                for arg, default in zip(named, function.args.defaults, strict=True):
+                    if arg.arg == "timeout" and isinstance(default, ast.Constant):
+                        return float(default.value) if isinstance(default.value, (int, float)) else None
+    return None
 
 
 def _guarded_by_rank0(function: ast.FunctionDef) -> bool:
@@ -301,6 +316,7 @@ def read_tree(path: Path) -> Tree:
         launcher_patched=_patched(root, known, LAUNCHER, ("kvcached.fastdeploy.transfer_manager",)),
         messager_patched=_patched(root, known, MESSAGER, ("kvcached.fastdeploy.runner",)),
         writes_reported_by_every_rank=_every_rank_reports_writes(root),
+        write_wait_s=_write_wait(root),
         has_v1_cache_manager=f'"{V1_VARIABLE}"' in _read(root, ENVS),
         version=version[0] if version else None,
         commit=commit,

@@ -143,14 +143,22 @@ class Mover:
 
         return self._chunked(submit, len(keys), seconds, what)
 
-    def store(self, keys: list[bytes], gpu_ids: list[int], seconds: float, what: str = "storage write") -> Done:
+    def store(
+        self,
+        keys: list[bytes],
+        gpu_ids: list[int],
+        seconds: float,
+        what: str = "storage write",
+        by: float | None = None,
+    ) -> Done:
         """``gpu_ids`` into the store under ``keys`` on every rank (a key stored already is left as it is),
-        within ``seconds``; ``blocks``: the leading blocks every rank stored."""
+        within ``seconds``; ``blocks``: the leading blocks every rank stored. ``by`` (monotonic): when the
+        engine stops waiting and reuses the blocks; a part still running then makes the rank unservable."""
 
         def submit(start: int, end: int) -> Submit:
             return lambda r, t: self.tasks.submit(self.tasks.store, r, gpu_ids[start:end], keys[start:end], timeout=t)
 
-        return self._chunked(submit, len(keys), seconds, what)
+        return self._chunked(submit, len(keys), seconds, what, by)
 
     def stored(self, keys: list[bytes], timeout: float) -> int:
         """How many leading ``keys`` every rank has stored (0 when the store cannot say). A lookup writes
@@ -163,10 +171,14 @@ class Mover:
 
     # -- chunks and tries -------------------------------------------------------------------------------
 
-    def _chunked(self, submit: Callable[[int, int], Submit], total: int, seconds: float, what: str) -> Done:
-        """A storage task in chunks (see the module docstring): the leading blocks every rank moved."""
+    def _chunked(
+        self, submit: Callable[[int, int], Submit], total: int, seconds: float, what: str, by: float | None = None
+    ) -> Done:
+        """A storage task in chunks (see the module docstring): the leading blocks every rank moved. A part
+        may run past ``seconds`` for ``deadline_s`` more, but never past ``by``."""
         now = time.monotonic()
-        deadlines = _Deadlines(now + seconds, now + seconds + self.deadline_s, seconds, what)
+        hard = min(now + seconds + self.deadline_s, by if by is not None else float("inf"))
+        deadlines = _Deadlines(min(now + seconds, hard), hard, seconds, what)
         moved, size, why = 0, FIRST_CHUNK, ""
         while moved < total:
             left = deadlines.soft - time.monotonic()

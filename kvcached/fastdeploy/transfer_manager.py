@@ -202,7 +202,13 @@ class TransferManager:
         (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU
         is taken from the copies. The engine sees the same queue, results, flags and control answers."""
         paused = self._mark_inflight()
-        data = self._call(lambda: take_for_group(self.queue))
+        try:
+            data = self._call(lambda: take_for_group(self.queue))
+        except (OSError, EOFError):  # the connection (``run`` counts the broken ones)
+            raise
+        except Exception as exc:  # taken off the queue, but not readable here (a class this process lacks)
+            log.error("ignoring a cache queue item that is not a task (it cannot be read: %r)", exc)
+            return
         if data is None:
             self._idle()
             return
@@ -261,7 +267,9 @@ class TransferManager:
         pool, handler, fields = found
         if len(rest) != fields:
             raise ValueError(f"a {event!r} task has {fields} fields after its type, this one {len(rest)}")
-        args = (event, rest) if handler == self.handlers.swap else (rest[0],)
+        args: tuple[Any, ...] = (event, rest) if handler == self.handlers.swap else (rest[0],)
+        if handler == self.handlers.write:
+            args = (rest[0], time.monotonic())  # the engine's wait counts from its put, not the pool's turn
         if pool == "control":
             self.pools[pool].submit(self._guarded, handler, *args)
             return
