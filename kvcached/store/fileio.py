@@ -154,6 +154,15 @@ class Reader:
         self.identity = identity
         self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvcached-read")
         self._local = threading.local()
+        started = threading.Barrier(READ_THREADS)  # every thread up, its buffer mapped, before the first load
+
+        def start() -> None:
+            self._bounce()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                started.wait(timeout=5)
+
+        for _ in range(READ_THREADS):
+            self._pool.submit(start)
 
     def _bounce(self) -> memoryview:
         """This thread's request buffer (page-aligned, mapped at once)."""
