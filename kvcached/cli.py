@@ -172,6 +172,12 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
         problem = running.adoption_problem(config) if os.environ.get(running.RESTART_CHECK_ENV) else ""
         if problem:
             raise click.ClickException(problem)
+        from kvcached.daemon.startup import refuse_runner_owned
+
+        try:
+            refuse_runner_owned(config.spec)  # what the start refuses before anything else
+        except Fatal as fatal:
+            raise ConfigError(fatal.reason) from None
         loads = f"({counted(config.ranks, 'rank')}, {config.memory})"
         click.echo(f"instance {config.instance}: the configuration loads {loads}")
         return

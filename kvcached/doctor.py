@@ -54,6 +54,7 @@ from kvcached.protocol.names import (
     lock_path,
     task_socket_path,
 )
+from kvcached.protocol.ownership import cache_owner, explain_owner
 
 #: linux/capability.h
 CAP_IPC_LOCK = 14
@@ -109,6 +110,17 @@ def check_metrics_port(config: DaemonConfig) -> Check | None:
         advice = "pick a free --metrics-port (0 for none), or stop what listens there (ss -ltnp)"
         return Check("metrics_port", FAIL, f"{address}:{port}: {exc.strerror}", measured, advice)
     return Check("metrics_port", OK, f"{address}:{port} is free", measured)
+
+
+def check_owner(config: DaemonConfig) -> Check:
+    """Whether the daemon owns the cache by the fixed condition (a start refuses a configuration for which
+    the runner does: that copy would be a second cache)."""
+    owner = cache_owner(config.spec)
+    measured = {"owner": owner}
+    if owner == "runner":
+        advice = "enable CPU swap (--num-cpu-blocks > 0), a storage backend, or a prefill/decode role"
+        return Check("owner", FAIL, f"the runner owns the cache: {explain_owner(config.spec)}", measured, advice)
+    return Check("owner", OK, f"the daemon owns the cache: {explain_owner(config.spec)}", measured)
 
 
 def check_dev_shm(config: DaemonConfig) -> Check:
@@ -426,7 +438,8 @@ def _clean(instance: str, found: Leftovers, run_dir: Path, measured: dict[str, A
 def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
     """Every check for ``config``, in the documented order (the FastDeploy checks, which the CLI adds after
     these, excepted)."""
-    checks = [check_dev_shm(config), check_memlock(config), check_huge_pages(config), check_copy_engine(config)]
+    checks = [check_owner(config), check_dev_shm(config), check_memlock(config), check_huge_pages(config)]
+    checks.append(check_copy_engine(config))
     checks += [check_remove_ipc(), check_run_dir(config)]
     checks += check_instance(config, clean)
     metrics = check_metrics_port(config)

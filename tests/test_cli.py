@@ -326,3 +326,15 @@ def test_help_reads_as_written(daemons: DaemonFactory, command: str) -> None:
 def test_check_config_counts_one_rank_as_one(daemons: DaemonFactory) -> None:
     done = daemons.cli("start", "--instance", unique_instance(), "--ranks", "1", "--check-config")
     assert done.returncode == 0 and "(1 rank, host)" in done.stdout, done.stdout
+
+
+def test_a_configuration_start_refuses_fails_its_checks_too(daemons: DaemonFactory) -> None:
+    """No CPU pool, no store, a mixed role: the runner owns the cache by the fixed condition, so `start`
+    refuses it; `start --check-config` (which `restart` runs) and `doctor` say so too, naming why."""
+    args = ["--instance", unique_instance(), "--ranks", "1", "--num-cpu-blocks", "0"]
+    checked = daemons.cli("start", *args, "--check-config")
+    assert checked.returncode == 4 and "refusing to allocate" in checked.stderr, checked.stdout + checked.stderr
+    doctor = daemons.cli("doctor", *args, "--json")
+    owner = next(check for check in json.loads(doctor.stdout)["checks"] if check["name"] == "owner")
+    assert doctor.returncode == 1 and owner["verdict"] == "fail" and owner["measured"] == {"owner": "runner"}, owner
+    assert daemons.cli("start", *args).returncode == 4
