@@ -410,10 +410,14 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
         click.echo(f"instance {name}: not running{running.left_behind(name)}")
         return
     pid, started = target
+    waiting = keep and running.awaits_geometry_now(name)
     running.send(name, pid, KEEP_SIGNAL if keep else signal.SIGTERM)
     running.wait_exit(name, pid, started, timeout)
     if not keep:
         click.echo(f"instance {name}: stopped (pid {pid})")
+        return
+    if waiting:
+        click.echo(f"instance {name}: stopped (pid {pid}); it was waiting for the engine's geometry and held no cache")
         return
     why = running.not_kept(name)
     if why:

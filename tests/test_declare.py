@@ -228,3 +228,13 @@ def test_a_malformed_declaration_is_refused_and_costs_only_itself(
     assert read_status(daemon.instance)["ranks"][0]["state"] == "EMPTY"
     with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=20) as cache:
         assert cache.key_caches[0].shape == (20, 2, 4, 16)
+
+
+def test_stop_keep_of_a_daemon_waiting_for_the_geometry_says_there_was_nothing_to_keep(daemons: DaemonFactory) -> None:
+    """A daemon still waiting for the engine's declaration holds no cache: `stop --keep` stops it and says
+    so, exit 0 (a script's `stop --keep && ...` goes on), and leaves nothing in /dev/shm."""
+    daemon = waiting(daemons)
+    done = daemons.cli("stop", "--keep", "--instance", daemon.instance, timeout=30)
+    assert done.returncode == 0 and "waiting for the engine's geometry and held no cache" in done.stdout, done
+    assert daemon.exit_code(30) == 0
+    assert shm_entries(daemon.instance) == []
