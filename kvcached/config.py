@@ -18,7 +18,7 @@ A TOML file uses the knob names (the flag names with underscores), all at top le
     role = "mixed"        # or "prefill", "decode"
     block_wise_fp8 = false
     mla = false
-    group = "kvcached"    # runners of this group may use the instance (objects 0660); default: owner only
+    group = "kvcached"    # runners of this group may use the instance; default: owner only
     metrics_port = 9464   # Prometheus metrics on http://metrics_address:metrics_port/metrics; 0: off
     metrics_address = "127.0.0.1"
     ipc_suffix = 8021     # keep FastDeploy's cache_ready_signal.<N> / swap_space_ready_signal.<N> in step
@@ -136,8 +136,9 @@ CORE: tuple[Knob, ...] = (
         "group",
         knobs.name_or_id,
         None,
-        "Group (name or gid) whose members may use this instance: its shared memory and semaphores become 0660 "
-        "with this group, and its task sockets admit them. [default: the daemon's user only]",
+        "Group (name or gid) whose members may use this instance: its device arenas and semaphores become 0660 "
+        "with this group (control block and lock 0640), and its task sockets admit them. [default: the daemon's "
+        "user only]",
         "GROUP",
     ),
     Knob("metrics_port", knobs.port, 0, "Serve Prometheus metrics on this TCP port (path /metrics); 0: off.", "PORT"),

@@ -19,7 +19,17 @@ from tests.conftest import DaemonFactory, MooncakeMaster, shm_entries
 
 SMALL = ["--ranks", "2", "--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
 SMALL += ["--num-blocks", "8", "--num-cpu-blocks", "4"]
-ORDER = ["dev_shm", "memlock", "huge_pages", "copy_engine", "remove_ipc", "run_dir", "live_instance", "leftovers"]
+ORDER = [
+    "owner",
+    "dev_shm",
+    "memlock",
+    "huge_pages",
+    "copy_engine",
+    "remove_ipc",
+    "run_dir",
+    "live_instance",
+    "leftovers",
+]
 
 
 def doctor(daemons: DaemonFactory, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
