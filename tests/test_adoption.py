@@ -232,13 +232,14 @@ def test_restart_past_a_frozen_worker_of_the_last_image(daemons: DaemonFactory) 
     assert shm_entries(daemon.instance) == []
 
 
-def test_restart_into_a_changed_configuration_stops_the_last_images_workers(
+def test_a_configuration_changed_after_the_restarts_check_keeps_the_memory(
     daemons: DaemonFactory, tmp_path: Path
 ) -> None:
     """The configuration file changed after `kvcached restart` checked the next image (which refuses a
-    changed geometry up front) and before the exec: the new image refuses the memory (the spec differs),
-    stops the workers still serving it, then allocates anew; nothing of the old generation stays in
-    /dev/shm, and runners of the old spec are told the daemon is gone."""
+    changed geometry up front) and before the exec: the new image would not adopt the memory, so it ends
+    (exit 4, which the systemd unit does not restart) keeping it, as a crash leaves it, saying why; a start
+    with the configuration the memory was made with adopts it, every byte as it was."""
+    from tests.test_kill_steps import digests, fill
     from tests.test_restart_faults import restart_cli, wait_for_preflight
 
     config = tmp_path / "kv.toml"
@@ -247,23 +248,24 @@ def test_restart_into_a_changed_configuration_stops_the_last_images_workers(
     env = daemons.env(KVCACHED_FAULT="restart-accepted:sleep=2")
     daemon = daemons.start(ranks=2, args=args, small=False, env=env)
     old = daemon.wait_ready()
-    cache = rc.initialize_kv_cache(SPEC, 0, instance=daemon.instance, timeout=10)
-    old_names = {name for name in shm_entries(daemon.instance) if name.endswith((".dev", ".cpu", ".keys"))}
-    pids = worker_pids(daemon.instance)
+    fill(daemon.instance, seed=7)
+    before = digests(daemon.instance)
     restarting = restart_cli(daemons, daemon.instance)
     wait_for_preflight(daemon.pid)
     wait_for_preflight(daemon.pid, gone=True)  # checked: the restart is accepted, the exec 2 s away
     config.write_text(config.read_text().replace("num_blocks = 64", "num_blocks = 32"))
     out, _ = restarting.communicate(timeout=60)
-    assert restarting.returncode == 1 and "did not adopt the memory" in out, out
-    assert "stopping the last image's workers" in daemon.log()
-    new = read_status(daemon.instance)
-    assert new["spec"]["num_blocks"] == 32 and new["generation"] != old["generation"]
-    assert all(gone(pid) for pid in pids), "a worker of the refused memory still runs"
-    assert old_names.isdisjoint(shm_entries(daemon.instance)), "an object of the refused memory is left"
-    assert not cache.still_valid()
-    cache.close()
-    assert daemon.stop() == 0
+    assert restarting.returncode != 0, out
+    assert daemon.exit_code(30) == 4
+    assert "restart refused: the memory would not be adopted" in daemon.log() and "The memory is kept" in daemon.log()
+    assert "reclaim" not in daemon.log().split("restart-accepted")[-1], "the refused memory was reclaimed"
+    assert digests(daemon.instance) == before, "the memory changed"
+    config.write_text(config.read_text().replace("num_blocks = 32", "num_blocks = 64"))
+    again = daemons.start(daemon.instance, ranks=2, args=args, small=False)
+    status = again.wait_ready()
+    assert status["adopted_from"] == old["generation"], status["note"]
+    assert digests(daemon.instance) == before
+    assert again.stop() == 0
     assert shm_entries(daemon.instance) == []
 
 

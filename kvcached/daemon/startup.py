@@ -141,6 +141,13 @@ def reclaim(
     if config.fresh and handover.restarted:
         log.info("--fresh applies to the start it was given to, not to a restart: adopting the memory")
     verdict = None if fresh else judge(config)
+    if handover.restarted and isinstance(verdict, Refusal):
+        raise Fatal(
+            f"restart refused: the memory would not be adopted ({verdict.reason}); the configuration changed "
+            "after the restart checked it. The memory is kept, as a crash leaves it: `kvcached start` with the "
+            "configuration it ran with adopts it; `kvcached stop`, then a start, rebuilds it",
+            EXIT_CONFIG,
+        )
     adoption = verdict if isinstance(verdict, Adoption) else None
     keep: set[Path] = set()
     if adoption is not None:
