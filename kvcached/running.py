@@ -56,7 +56,7 @@ def daemon_of(name: str) -> tuple[int, int] | None:
     found = holder(path)
     doubt = ""
     if found is not None and found.alive:
-        doubt = _doubt_lock_file(path, found.pid)
+        doubt = _doubt_lock_file(path, found.pid, instance_lock_path(name))
         if not doubt:
             return found.pid, found.started
     published = guarded(read_instance, name)
@@ -74,13 +74,17 @@ def daemon_of(name: str) -> tuple[int, int] | None:
     return None
 
 
-def _doubt_lock_file(path: Path, pid: int) -> str:
-    """Why the lock file at ``path``, naming ``pid``, is not a daemon's ("" when it is)."""
+def _doubt_lock_file(path: Path, pid: int, shared: Path) -> str:
+    """Why the lock file at ``path``, naming ``pid``, is not a daemon's ("" when it is): its directory or
+    itself could be another user's, or ``pid`` is not a daemon holding it and the host-wide lock ``shared``
+    (a run directory someone else made first is no proof; the lock in /dev/shm is one per instance)."""
     owner = path.parent.lstat().st_uid if path.parent.exists() else None
     why = lockfile.why_untrusted_file(path.parent, owner) or lockfile.why_untrusted_file(path, owner)
     if why or owner is None:
         return why or f"{path.parent} is gone"
     why = lockfile.why_not_daemon(pid, owner, path)
+    if not why and (holding := lockfile.flock_holder(shared)) is not None and holding != pid:
+        why = f"pid {holding}, not pid {pid}, holds {shared}"  # nobody holds it between a restart's images
     return f"{path} names a process that is not its daemon: {why}" if why else ""
 
 

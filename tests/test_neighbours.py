@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,11 @@ import pytest
 from kvcached.protocol.names import instance_lock_path
 from kvcached.protocol.proc import start_time
 from tests.conftest import DaemonFactory, unique_instance
-from tests.test_faults import needs_root
+from tests.test_faults import needs_root, until
 
 NEIGHBOUR = 64012  # a uid with no account: owning files is all it needs
+#: An interpreter any uid may run (the test's own may sit in a directory only root reaches).
+PYTHON = shutil.which("python3", path="/usr/bin:/usr/local/bin:/bin") or "python3"
 
 
 @pytest.fixture
@@ -78,6 +82,41 @@ def test_stop_still_stops_the_daemon_whose_lock_it_reads(daemons: DaemonFactory)
     done = daemons.cli("stop", "--instance", daemon.instance)
     assert done.returncode == 0, done.stderr
     assert daemon.exit_code(10) == 0
+
+
+def test_stop_believes_no_lock_file_whose_process_does_not_hold_the_instance_lock(
+    daemons: DaemonFactory,
+) -> None:
+    """A neighbour made the run directory root's command reads first (as /tmp/kvcached-0 may be) and runs a
+    process named `kvcached start` of its own there, holding the lock file it wrote: the real daemon (another
+    run directory) holds the host-wide lock in /dev/shm, so `stop` believes the lock file not, and stops the
+    daemon the instance's control block names."""
+    needs_root("the neighbour is another uid")
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    theirs = Path(tempfile.mkdtemp(prefix="kvt-neighbour-", dir="/tmp"))  # where that uid can reach it
+    os.chown(theirs, NEIGHBOUR, NEIGHBOUR)
+    lock = theirs / f"{daemon.instance}.lock"
+    holds = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT, 0o600); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'%d %s\\n' % (os.getpid(), open(f'/proc/{os.getpid()}/stat')"
+        ".read().rsplit(')', 1)[1].split()[19].encode())); time.sleep(600)"
+    )
+    fake = subprocess.Popen(
+        ["setpriv", f"--reuid={NEIGHBOUR}", f"--regid={NEIGHBOUR}", "--clear-groups", "bash", "-c",
+         f'exec -a kvcached {PYTHON} -c "$0" start "$1"', holds, str(lock)]
+    )  # fmt: skip
+    try:
+        until(lambda: lock.exists() and lock.stat().st_size > 0, timeout=10, what="the neighbour's lock file")
+        env = daemons.env(KVCACHED_RUN_DIR=str(theirs))
+        done = daemons.cli("stop", "--instance", daemon.instance, "--timeout", "3", env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert daemon.exit_code(10) == 0, "the daemon the control block names was stopped"
+        assert fake.poll() is None, "the neighbour's process was signalled"
+    finally:
+        fake.kill()
+        fake.wait()
+        shutil.rmtree(theirs, ignore_errors=True)
 
 
 def doctor_leftovers(daemons: DaemonFactory, instance: str, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
