@@ -230,7 +230,7 @@ def test_a_host_stopped_for_good_without_replicas_is_a_miss_not_an_error(
     keeper = keeper_pid(a)
     assert a.daemon.stop() == 0
     assert not alive(keeper), "the keeper outlived the final stop"
-    assert not list(a.run_dir().glob("*.mooncake.sock"))
+    assert not list(a.run_dir().glob(f"{a.instance}.mooncake.*")), "a keeper's file (socket, lock, log) was left"
     assert load_prefix(b, keys)[:2] == (0, 0)
     assert read_status(b.instance)["ranks"][0]["store"]["errors"] == 0
 
@@ -444,6 +444,7 @@ def test_doctor_shows_the_keeper_and_clean_lets_a_dead_hosts_keeper_go(
     assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
     until(lambda: not alive(keeper), timeout=15, what="the keeper of a cleaned instance quitting")
     assert keeper_check(daemons, a)["mooncake_keeper"]["measured"]["running"] is False
+    assert not list(a.run_dir().glob(f"{a.instance}.mooncake.*")), "a keeper's file (socket, lock, log) was left"
 
 
 def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:

@@ -113,7 +113,7 @@ def test_a_keeper_of_a_store_no_longer_configured_is_let_go(daemons: DaemonFacto
     host.args = list(FLAGS)
     restart_daemon(daemons, host)
     until(lambda: not alive(keeper), timeout=30, what="the keeper of the store no longer configured ends")
-    assert not list(host.run_dir().glob("*.mooncake.sock"))
+    assert not list(host.run_dir().glob(f"{host.instance}.mooncake.*")), "a keeper's file (socket, lock, log) was left"
     assert "let go of what another storage backend kept" in host.daemon.log()
 
 
