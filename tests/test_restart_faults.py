@@ -66,6 +66,29 @@ def test_a_stop_sent_while_the_restart_is_checked_is_honoured(daemons: DaemonFac
         assert shm_entries(daemon.instance) == []
 
 
+def test_a_restart_sent_after_another_was_accepted_says_it_was_refused(daemons: DaemonFactory) -> None:
+    """Two `kvcached restart` at once, the second sent after the daemon accepted the first: the image the
+    first started refuses the second (its ranks are not READY yet); the first reports the restart, exit 0,
+    the second that its own was refused, exit 1, though the generation changed meanwhile."""
+    env = daemons.env(KVCACHED_FAULT="restart-accepted:sleep=5")
+    daemon = daemons.start(env=env)
+    before = daemon.wait_ready()["generation"]
+    first = restart_cli(daemons, daemon.instance)
+    wait_for_preflight(daemon.pid)
+    wait_for_preflight(daemon.pid, gone=True)  # the check passed: the restart is accepted at once
+    time.sleep(0.3)
+    second = restart_cli(daemons, daemon.instance)
+    said_first, _ = first.communicate(timeout=60)
+    said_second, _ = second.communicate(timeout=60)
+    assert first.returncode == 0 and "restarted" in said_first, said_first + daemon.log()
+    assert second.returncode == 1, said_second + daemon.log()
+    assert "restart refused, the daemon serves on" in said_second, said_second
+    assert "an earlier restart was under way" in said_second, said_second
+    after = read_status(daemon.instance)
+    assert after["generation"] != before and all(r["state"] == "READY" for r in after["ranks"]), after
+    assert daemon.proc.poll() is None
+
+
 def test_a_restart_whose_metrics_port_was_taken_meanwhile_serves_on(daemons: DaemonFactory) -> None:
     """Someone takes the metrics port while the restart executes the next image: the restart completes, the
     memory adopted, the daemon warns and serves without metrics, then listens again once the port is free."""
