@@ -45,7 +45,7 @@ from typing import Any
 from kvcached import knobs
 from kvcached.checks import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
-from kvcached.protocol.errors import InvalidSpec, StoreBusy
+from kvcached.protocol.errors import InvalidSpec, StoreBusy, StoreUnavailable
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters
@@ -70,6 +70,7 @@ class FileStore(Store):
         self.reader = Reader(identity)
         self._lock_fd = -1
         self._dir_ino = 0
+        self._refused = ""  # why the directory in the rank's place is refused, once said
         self._take_directory()
         self._rebuild()
 
@@ -94,7 +95,9 @@ class FileStore(Store):
         self._dir_ino = os.stat(self.dir).st_ino
 
     def check(self) -> None:
-        """Notice the rank directory gone or replaced; make it again, take its lock again, start empty."""
+        """Notice the rank directory gone or replaced; make it again, take its lock again, start empty. One
+        put in its place that this daemon may not use (``unsafe_directory``) is refused: ``StoreUnavailable``
+        naming it and the fix, said once in the log, every call failing until it is fixed."""
         try:
             same = os.stat(self.dir).st_ino == self._dir_ino and os.path.exists(self.dir / ".lock")
         except FileNotFoundError:
@@ -102,8 +105,15 @@ class FileStore(Store):
         if same:
             return
         self.counters.errors += 1
+        try:
+            self._take_directory()  # StoreBusy if another daemon took it meanwhile: every store call says so
+        except InvalidSpec as exc:
+            if str(exc) != self._refused:
+                self.log.warning("store directory replaced; store tasks fail until it is fixed", reason=str(exc))
+            self._refused = str(exc)
+            raise StoreUnavailable(str(exc)) from None
+        self._refused = ""
         self.log.error("store directory removed while the daemon runs; making it again", path=str(self.dir))
-        self._take_directory()  # StoreBusy if another daemon took it meanwhile: every store call says so
         self.index.clear()
         self.counters.objects = self.counters.bytes = 0
 
