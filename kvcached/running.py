@@ -20,9 +20,10 @@ from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, Outcome, read_outcomes, refusal_path
 from kvcached.daemon.lockfile import holder
+from kvcached.daemon.reclaim import inspect_instance
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
-from kvcached.protocol.names import instance_lock_path, instance_shm_entries, lock_path
+from kvcached.protocol.names import instance_lock_path, lock_path
 from kvcached.protocol.proc import is_alive
 from kvcached.status import awaits_geometry, is_ready, read_status
 
@@ -125,14 +126,16 @@ def not_kept(name: str) -> str:
 
 
 def left_behind(name: str) -> str:
-    """What an instance that is not running left in /dev/shm, as the end of a sentence ("" for nothing)."""
-    count = len(instance_shm_entries(name))
+    """What an instance that is not running left in /dev/shm and its run directory, as the end of a sentence
+    ("" for nothing); counted as `kvcached doctor` counts them (``Leftovers.left``)."""
+    run_dir = run_dir_of(name)
+    count = len(inspect_instance(name, run_dir).left)
     if not count:
         return ""
     return (
-        f"; an earlier run left {counted(count, 'object')} in /dev/shm (its memory: the next `kvcached start "
-        f"--instance {name}` adopts it when it can, else reclaims it; `kvcached doctor --clean --instance "
-        f"{name}` removes it now)"
+        f"; an earlier run left {counted(count, 'object')} in /dev/shm and {run_dir} (its memory: the next "
+        f"`kvcached start --instance {name}` adopts it when it can, else reclaims it; `kvcached doctor --clean "
+        f"--instance {name}` removes it now)"
     )
 
 
