@@ -559,6 +559,7 @@ def test_the_store_directory_removed_while_running(daemons: DaemonFactory, tmp_p
         assert (store / "r0" / ".lock").exists()
         second = daemons.start(ranks=1, args=args)
         assert second.exit_code() == 5 and "used by another kvcached daemon" in second.log()
+        assert "stop the other one, or give this instance another --storage-path" in second.log()
         assert tasks.store(0, [1], keys(1)).blocks == 1 and tasks.lookup(keys(1)) == 1
     assert "store directory removed while the daemon runs" in daemon.log()
 

@@ -53,6 +53,7 @@ from kvcached.store.fileio import MISSING, READ_FLAGS, Pending, Reader, Writer, 
 from kvcached.store.landing import Targets
 
 SUFFIX = ".kvb"
+BUSY = "one daemon per store directory: stop the other one, or give this instance another --storage-path"
 
 
 class FileStore(Store):
@@ -88,7 +89,7 @@ class FileStore(Store):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StoreBusy(f"{self.dir} is used by another kvcached daemon") from None
+            raise StoreBusy(f"{self.dir} is used by another kvcached daemon; {BUSY}") from None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
         self._lock_fd = fd
@@ -382,10 +383,7 @@ class FileBackend(StoreBackend):
             if directory.is_dir() and (why := unsafe_directory(directory)) is not None:
                 return [Check("file_store", FAIL, f"{figure}; not safe", measured, why)]
         if holders:
-            advice = (
-                f"another daemon holds the directories of ranks {holders} (one daemon per store directory): "
-                "stop it, or give this instance another --storage-path"
-            )
+            advice = f"another daemon holds the directories of ranks {holders}; {BUSY}"
             return [Check("file_store", FAIL, f"{figure}; in use", measured, advice)]
         if free < capacity:
             return [Check("file_store", WARN, figure, measured, "the disk fills before the store reaches its capacity")]
