@@ -354,9 +354,12 @@ def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFac
         metrics = response.read().decode()
     counted = re.search(r'kvcached_store_master_resets_total\{rank="0"\} ([0-9.]+)', metrics)
     assert counted and float(counted.group(1)) >= 1, metrics
+    ranks = read_status(a.instance)["ranks"]
+    assert [(r["store"]["objects"], r["store"]["bytes"]) for r in ranks] == [(0, 0)] * 2, "forgotten objects counted"
     assert load_prefix(a, keys)[:2] == (0, 0)
     again, expected = store_prefix(a, 4, salt=21)
     assert_loads(a, again, expected)
+    until(lambda: written(a) == 2 * 4, timeout=10, what="the objects written since the reset, counted")
 
 
 def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
