@@ -87,6 +87,9 @@ def test_a_restart_sent_after_another_was_accepted_says_it_was_refused(daemons: 
     after = read_status(daemon.instance)
     assert after["generation"] != before and all(r["state"] == "READY" for r in after["ranks"]), after
     assert daemon.proc.poll() is None
+    daemon.kill9()  # what the daemon recorded of the restarts is a leftover like its sockets
+    assert daemons.cli("doctor", "--clean", "--instance", daemon.instance).returncode in (0, 1)
+    assert not list(daemons.run_dir.glob(f"{daemon.instance}.*")), "a file of the killed daemon was left"
 
 
 def test_a_restart_whose_metrics_port_was_taken_meanwhile_serves_on(daemons: DaemonFactory) -> None:

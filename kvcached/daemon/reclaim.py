@@ -82,8 +82,9 @@ def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
     every = instance_shm_entries(instance)
     entries = [entry for entry in every if entry != lock]
     squatters = [(entry, why) for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
-    try:
+    try:  # its task sockets, and what it did with restart signals (``handover.refusal_path``)
         sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
+        sockets += [path for path in [run_dir / f"{instance}.restart"] if path.exists()]
     except PermissionError:  # another user's run directory (doctor run by someone else): none seen
         sockets = []
     live = live_daemon(instance)
