@@ -20,7 +20,6 @@ from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, Outcome, read_outcomes, refusal_path
 from kvcached.daemon.lockfile import holder
-from kvcached.daemon.reclaim import inspect_instance
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_lock_path, lock_path
@@ -128,6 +127,8 @@ def not_kept(name: str) -> str:
 def left_behind(name: str) -> str:
     """What an instance that is not running left in /dev/shm and its run directory, as the end of a sentence
     ("" for nothing); counted as `kvcached doctor` counts them (``Leftovers.left``)."""
+    from kvcached.daemon.reclaim import inspect_instance  # the device backends: only for a dead instance
+
     run_dir = run_dir_of(name)
     count = len(inspect_instance(name, run_dir).left)
     if not count:
