@@ -34,7 +34,7 @@ import numpy as np
 from kvcached import native
 from kvcached.memory.base import Piece, TierSwap
 from kvcached.native import Side
-from kvcached.protocol.errors import InvalidTask
+from kvcached.protocol.errors import InvalidTask, different_lengths
 from kvcached.protocol.layout import PLANES, POOL_LAYOUTS, RECORDS, cpu_block_stride, cpu_planes
 from kvcached.protocol.spec import CacheSpec
 
@@ -164,7 +164,8 @@ class SwapEngine:
         if self.pool is None:
             raise InvalidTask("num_cpu_blocks", "this instance has no CPU swap pool (num_cpu_blocks = 0)")
         if len(src) != len(dst):
-            raise InvalidTask("block_ids", f"lists of different lengths: {len(src)} and {len(dst)}")
+            fields = f"{src_tier}_block_ids", f"{dst_tier}_block_ids"
+            raise InvalidTask(fields[1], different_lengths(fields[0], len(src), fields[1], len(dst)))
         for ids, tier, role in ((src, src_tier, "source"), (dst, dst_tier, "target")):
             limit = self.spec.num_blocks if tier == "device" else self.spec.num_cpu_blocks
             bad = _out_of_range(ids, limit)

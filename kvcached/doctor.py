@@ -372,7 +372,7 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
         )
     else:
         checks.append(Check("live_instance", OK, f"no daemon runs instance {config.instance!r}", {"pid": None}))
-    names = [str(p) for p in found.paths]
+    names = [str(p) for p in found.left]
     squatters = [why for _, why in found.squatters]
     measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
     if live_pid is not None:
@@ -428,8 +428,10 @@ def _clean(instance: str, found: Leftovers, run_dir: Path, measured: dict[str, A
     finally:
         lockfile.release(shared, shared_fd)
         lockfile.release(path, fd)
-    measured.update(removed=count + len(gone), store_files=gone)
-    figure = f"removed {counted(measured['removed'], 'object')} of a dead run" if measured["removed"] else "none"
+    measured.update(removed=count, store_files=gone)  # as many as `doctor` and `stop` counted
+    said = [f"removed {counted(count, 'object')} of a dead run"] if count else []
+    said += [f"removed {counted(len(gone), 'file')} its storage backend kept ({', '.join(gone)})"] if gone else []
+    figure = "; ".join(said) or "none"
     if problems:
         return Check("leftovers", WARN, figure, measured, "; ".join(problems))
     return Check("leftovers", OK, figure, measured)

@@ -18,11 +18,11 @@ import click
 from kvcached.checks import counted
 from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
-from kvcached.daemon.handover import HANDOVER_ENV, read_refusal, refusal_path
+from kvcached.daemon.handover import HANDOVER_ENV, Outcome, read_outcomes, refusal_path
 from kvcached.daemon.lockfile import holder
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
-from kvcached.protocol.names import instance_lock_path, instance_shm_entries, lock_path
+from kvcached.protocol.names import instance_lock_path, lock_path
 from kvcached.protocol.proc import is_alive
 from kvcached.status import awaits_geometry, is_ready, read_status
 
@@ -125,14 +125,18 @@ def not_kept(name: str) -> str:
 
 
 def left_behind(name: str) -> str:
-    """What an instance that is not running left in /dev/shm, as the end of a sentence ("" for nothing)."""
-    count = len(instance_shm_entries(name))
+    """What an instance that is not running left in /dev/shm and its run directory, as the end of a sentence
+    ("" for nothing); counted as `kvcached doctor` counts them (``Leftovers.left``)."""
+    from kvcached.daemon.reclaim import inspect_instance  # the device backends: only for a dead instance
+
+    run_dir = run_dir_of(name)
+    count = len(inspect_instance(name, run_dir).left)
     if not count:
         return ""
     return (
-        f"; an earlier run left {counted(count, 'object')} in /dev/shm (its memory: the next `kvcached start "
-        f"--instance {name}` adopts it when it can, else reclaims it; `kvcached doctor --clean --instance "
-        f"{name}` removes it now)"
+        f"; an earlier run left {counted(count, 'object')} in /dev/shm and {run_dir} (its memory: the next "
+        f"`kvcached start --instance {name}` adopts it when it can, else reclaims it; `kvcached doctor --clean "
+        f"--instance {name}` removes it now)"
     )
 
 
@@ -145,24 +149,52 @@ def run_dir_of(name: str) -> Path:
 def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: float) -> tuple[dict[str, Any], float]:
     """Send ``signum`` (the restart signal) to daemon ``pid`` and wait until a new generation has every rank
     READY, or waits for the engine's geometry again (``--geometry engine``): (its status, seconds taken).
-    A refusal the daemon writes meanwhile, its exit, or ``timeout`` is an error saying so."""
+    The daemon's decision on this signal (the first it records after the signal was sent: see
+    ``handover.record_outcome``) says which: a signal that came after the daemon had accepted another
+    restart is decided by the image that restart starts, and only a generation after that image's counts.
+    A refusal, the daemon's exit, or ``timeout`` is an error saying so."""
     before = guarded(read_status, name)["generation"]
-    refusal = refusal_path(run_dir_of(name), name)
+    decisions = refusal_path(run_dir_of(name), name)
     sent_ns = time.time_ns()
     began = time.monotonic()
     send(name, pid, signum)
     while True:
         snapshot = guarded(read_status, name)
-        if snapshot["generation"] not in (None, before) and (is_ready(snapshot) or awaits_geometry(snapshot)):
+        ours, queued = _decision(read_outcomes(decisions), sent_ns, before)
+        if ours is not None and ours.refused is not None and (ours.generation or snapshot["generation"] == before):
+            raise click.ClickException(_refused(name, ours, before))
+        replaced = {None, before, ours.generation if ours is not None else None}
+        done = is_ready(snapshot) or awaits_geometry(snapshot)
+        if (ours is not None or not queued) and snapshot["generation"] not in replaced and done:
             return snapshot, time.monotonic() - began
-        refused = read_refusal(refusal, sent_ns)
-        if refused is not None and snapshot["generation"] == before:
-            raise click.ClickException(f"instance {name}: restart refused, the daemon serves on: {refused}")
         if not is_alive(pid, started):
             raise click.ClickException(f"instance {name}: daemon pid {pid} exited while restarting (see its log)")
         if time.monotonic() >= began + timeout:
             raise click.ClickException(f"instance {name}: not READY again within {timeout:.0f}s (see its log)")
         time.sleep(0.02)
+
+
+def _decision(outcomes: list[Outcome], sent_ns: int, before: str | None) -> tuple[Outcome | None, bool]:
+    """The daemon's decision on a restart signal sent at ``sent_ns`` to generation ``before`` (None while
+    not made), and whether that generation had accepted another restart already (``queued``: the next
+    image decides). A release before records refusals alone, without the generation."""
+    queued = any(o.refused is None and o.generation == before and o.at_ns < sent_ns for o in outcomes)
+    for outcome in outcomes:
+        by_before = outcome.generation in (None, before)
+        if outcome.at_ns >= sent_ns and by_before != queued:
+            return outcome, queued
+    return None, queued
+
+
+def _refused(name: str, refusal: Outcome, before: str | None) -> str:
+    """The error of a ``kvcached restart`` whose signal ``refusal`` refused."""
+    if refusal.generation not in (None, before):
+        return (
+            f"instance {name}: restart refused, the daemon serves on: it came while an earlier restart was under "
+            f"way, and the daemon that one started (generation {refusal.generation}) refused it: {refusal.refused}. "
+            "That restart has run; run `kvcached restart` again if this one is still needed"
+        )
+    return f"instance {name}: restart refused, the daemon serves on: {refusal.refused}"
 
 
 def next_image_problem() -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from kvcached.protocol.control import ControlBlock
 from kvcached.protocol.errors import AccessDenied, DaemonGone, NotTrusted, TaskFailed
 from kvcached.protocol.messages import REPLY, REPLY_MAGIC, Op, Status, parse_reply_body, request
-from kvcached.protocol.trust import check_owner, peer_credentials
+from kvcached.protocol.trust import admitted, check_owner, peer_credentials
 
 #: Tasks a connection may have in flight (sent, reply not read yet). At the bound, ``send`` reads
 #: replies (keeping them for their handles) before it sends more: any number of submitted tasks can be
@@ -80,10 +80,7 @@ class Connection:
                 raise NotTrusted(f"the process serving {path} runs as uid {peer_uid}, not the daemon's uid {owner}")
         except PermissionError:
             sock.close()
-            raise AccessDenied(
-                f"rank {self.rank}: no permission to connect to {path}: the daemon admits its own user and the "
-                "members of its --group"
-            ) from None
+            raise AccessDenied(f"rank {self.rank}: no permission to connect to {path}: {admitted(path)}") from None
         except BaseException:
             sock.close()
             raise

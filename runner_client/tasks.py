@@ -42,6 +42,7 @@ from kvcached.protocol.errors import (
     InvalidTask,
     StoreUnavailable,
     TaskFailed,
+    different_lengths,
 )
 from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.messages import FLAG_KEYS, KEY_BYTES, Op, Status, pack_ids, too_large
@@ -294,7 +295,7 @@ class CacheTasks:
     ) -> _Task:
         src = self._ids(device_block_ids, "device_block_ids")
         dst = self._ids(cpu_block_ids, "cpu_block_ids")
-        _same_length(src, dst)
+        _same_length(src, dst, "device_block_ids", "cpu_block_ids")
         payload, flags = pack_ids(src, dst), 0
         if keys is not None:
             payload += _keys(keys, len(src))
@@ -311,7 +312,7 @@ class CacheTasks:
     ) -> _Task:
         src = self._ids(cpu_block_ids, "cpu_block_ids")
         dst = self._ids(device_block_ids, "device_block_ids")
-        _same_length(src, dst)
+        _same_length(src, dst, "cpu_block_ids", "device_block_ids")
         return _Task(Op.SWAP_IN, rank, pack_ids(src, dst), 0, _targets(dst), timeout)
 
     def _store(
@@ -374,9 +375,10 @@ def _targets(ids: np.ndarray[Any, Any]) -> tuple[int, ...]:
     return tuple(ids.tolist())
 
 
-def _same_length(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
+def _same_length(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], src_field: str, dst_field: str) -> None:
+    """``InvalidTask`` naming the target list (``dst_field``) unless it has one id per source id."""
     if len(src) != len(dst):
-        raise InvalidTask("block_ids", f"lists of different lengths: {len(src)} and {len(dst)}")
+        raise InvalidTask(dst_field, different_lengths(src_field, len(src), dst_field, len(dst)))
 
 
 def _keys(keys: Sequence[bytes], count: int | None) -> bytes:

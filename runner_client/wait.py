@@ -39,7 +39,7 @@ from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import SHM_DIR, semaphore_name
 from kvcached.protocol.spec import CacheSpec
-from kvcached.protocol.trust import check_owner
+from kvcached.protocol.trust import admitted, check_owner
 from kvcached.protocol.waiters import mark_waiting
 
 log = logging.getLogger("runner_client")
@@ -175,14 +175,15 @@ class _Waiter:
             return False
         try:
             name = semaphore_name(self.instance, header.generation, self.rank)
-            check_owner(f"semaphore {name}", os.stat(SHM_DIR / f"sem.{name.lstrip('/')}"), owner=view.block.owner_uid)
+            path = SHM_DIR / f"sem.{name.lstrip('/')}"
+            check_owner(f"semaphore {name}", os.stat(path), owner=view.block.owner_uid)
             self.sem = posix_ipc.Semaphore(name)
         except FileNotFoundError:
             self._drop_block()  # the daemon already unlinked its semaphores: it is stopping
             self._sleep(POLL_ABSENT_S)
             return False
         except posix_ipc.PermissionsError:
-            raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
+            raise AccessDenied(f"{name}: permission denied: {admitted(path)}") from None
         except posix_ipc.ExistentialError:
             # The daemon already unlinked its semaphores: it is stopping. Look again shortly.
             self._drop_block()

@@ -7,7 +7,8 @@ condition says the runner owns it), print what it got and how long it waited.
 
 Geometry flags mirror `kvcached start` and default to its defaults; the runner's spec must match the
 daemon's, or attaching fails with CacheLayoutMismatch naming the field. It prints what it attached and
-warnings; --verbose adds runner_client's INFO log lines.
+warnings; --verbose adds runner_client's INFO log lines. Started before the daemon, it says once (on
+stderr) which instance it waits for, then waits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,20 @@ import time
 
 import runner_client as rc
 from kvcached.config import defaults
+from kvcached.protocol.names import instance_or_default
+from kvcached.status import read_status
+
+
+def say_if_no_daemon(instance: str | None, timeout: float) -> None:
+    """One line on stderr when no daemon runs ``instance`` (the wait would otherwise be silent)."""
+    name = instance_or_default(instance)
+    if not read_status(name)["alive"]:
+        print(
+            f"waiting up to {timeout:g}s for instance {name!r}: no daemon runs it yet "
+            f"(start one: kvcached start --instance {name})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -50,7 +65,10 @@ def main() -> int:
             storage_backend=args.storage_backend,
             splitwise_role=args.role,
         )
-        print(f"owner by the fixed condition: {rc.cache_owner(spec, args.profile)}")
+        owner = rc.cache_owner(spec, args.profile)
+        print(f"owner by the fixed condition: {owner}", flush=True)
+        if owner == "daemon":
+            say_if_no_daemon(args.instance, args.timeout)
         started = time.monotonic()
         cache = rc.initialize_kv_cache(
             spec, args.rank, profile=args.profile, instance=args.instance, timeout=args.timeout

@@ -177,6 +177,25 @@ def test_leftovers_of_a_killed_daemon_are_reported_then_cleaned(daemons: DaemonF
     assert by_name(document)["leftovers"]["figure"] == "none"
 
 
+def test_stop_doctor_and_clean_count_a_killed_daemons_leftovers_alike(daemons: DaemonFactory) -> None:
+    """After a kill -9, `kvcached stop`, `kvcached doctor` and `doctor --clean` give one count for what the
+    run left (its /dev/shm entries, the instance lock among them, and its task sockets), and --clean
+    removes every one of them."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    daemon.kill9()
+    left = len(shm_entries(daemon.instance)) + len(list(daemons.run_dir.glob(f"{daemon.instance}.r*.sock")))
+    stopped = daemons.cli("stop", "--instance", daemon.instance)
+    assert stopped.returncode == 0 and f"an earlier run left {left} objects" in stopped.stdout, stopped.stdout
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL)
+    check = by_name(document)["leftovers"]
+    assert len(check["measured"]["objects"]) == left and check["figure"].startswith(f"{left} objects"), check
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--clean")
+    check = by_name(document)["leftovers"]
+    assert check["measured"]["removed"] == left and check["figure"] == f"removed {left} objects of a dead run", check
+    assert shm_entries(daemon.instance) == [] and not list(daemons.run_dir.glob(f"{daemon.instance}.*"))
+
+
 def test_xpu_stack_missing_here_fails_naming_what_to_install(daemons: DaemonFactory, instance: str) -> None:
     code, document = doctor(daemons, "--instance", instance, *SMALL, "--memory", "xpu")
     checks = by_name(document)

@@ -559,8 +559,46 @@ def test_the_store_directory_removed_while_running(daemons: DaemonFactory, tmp_p
         assert (store / "r0" / ".lock").exists()
         second = daemons.start(ranks=1, args=args)
         assert second.exit_code() == 5 and "used by another kvcached daemon" in second.log()
+        assert "stop the other one, or give this instance another --storage-path" in second.log()
         assert tasks.store(0, [1], keys(1)).blocks == 1 and tasks.lookup(keys(1)) == 1
     assert "store directory removed while the daemon runs" in daemon.log()
+
+
+def test_the_store_directory_replaced_by_another_users_is_refused_as_unavailable(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """The rank's store directory swapped at run time for a symlink to a copy another user owns: store,
+    lookup and load fail as StoreUnavailable naming the directory and the fix, as a start would refuse it;
+    the daemon says so in one warning line, without a traceback; put back, the store works again."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    import shutil
+
+    store = tmp_path / "store"
+    args = [*geometry(), "--storage-backend", "file", "--storage-path", str(store)]
+    daemon = daemons.start(ranks=1, args=args)
+    daemon.wait_ready()
+    theirs, ours = tmp_path / "theirs", tmp_path / "ours"
+    with rc.CacheTasks(daemon.instance) as tasks:
+        tasks.store(0, [1], keys(1))
+        shutil.copytree(store / "r0", theirs)
+        for path in (theirs, *theirs.rglob("*")):
+            os.chown(path, 64012, 64012, follow_symlinks=False)
+        (store / "r0").rename(ours)
+        (store / "r0").symlink_to(theirs)
+        calls = {"store": lambda: tasks.store(0, [1], keys(1)), "lookup": lambda: tasks.lookup(keys(1))}
+        calls["load"] = lambda: tasks.load(0, keys(1), [2])
+        for name, call in calls.items():
+            with pytest.raises(rc.StoreUnavailable) as refused:
+                call()
+            said = str(refused.value)
+            assert f"{store / 'r0'} is owned by uid 64012" in said and "--storage-path" in said, (name, said)
+        (store / "r0").unlink()
+        ours.rename(store / "r0")
+        assert tasks.store(0, [1], keys(1)).blocks == 1 and tasks.lookup(keys(1)) == 1
+    log = daemon.log()
+    assert log.count("store directory replaced; store tasks fail until it is fixed") == 1, log
+    assert "Traceback" not in log and "task failed" not in log, log
 
 
 # -- why 5 and 6: the run directory, and no traceback for an operator --------------------------------------

@@ -230,7 +230,7 @@ def test_a_host_stopped_for_good_without_replicas_is_a_miss_not_an_error(
     keeper = keeper_pid(a)
     assert a.daemon.stop() == 0
     assert not alive(keeper), "the keeper outlived the final stop"
-    assert not list(a.run_dir().glob("*.mooncake.sock"))
+    assert not list(a.run_dir().glob(f"{a.instance}.mooncake.*")), "a keeper's file (socket, lock, log) was left"
     assert load_prefix(b, keys)[:2] == (0, 0)
     assert read_status(b.instance)["ranks"][0]["store"]["errors"] == 0
 
@@ -354,9 +354,12 @@ def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFac
         metrics = response.read().decode()
     counted = re.search(r'kvcached_store_master_resets_total\{rank="0"\} ([0-9.]+)', metrics)
     assert counted and float(counted.group(1)) >= 1, metrics
+    ranks = read_status(a.instance)["ranks"]
+    assert [(r["store"]["objects"], r["store"]["bytes"]) for r in ranks] == [(0, 0)] * 2, "forgotten objects counted"
     assert load_prefix(a, keys)[:2] == (0, 0)
     again, expected = store_prefix(a, 4, salt=21)
     assert_loads(a, again, expected)
+    until(lambda: written(a) == 2 * 4, timeout=10, what="the objects written since the reset, counted")
 
 
 def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
@@ -444,6 +447,7 @@ def test_doctor_shows_the_keeper_and_clean_lets_a_dead_hosts_keeper_go(
     assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
     until(lambda: not alive(keeper), timeout=15, what="the keeper of a cleaned instance quitting")
     assert keeper_check(daemons, a)["mooncake_keeper"]["measured"]["running"] is False
+    assert not list(a.run_dir().glob(f"{a.instance}.mooncake.*")), "a keeper's file (socket, lock, log) was left"
 
 
 def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:

@@ -162,6 +162,9 @@ def test_doctor_clean_removes_what_a_dead_instances_mooncake_keeper_left(daemons
         sock.bind(str(sock_path))  # closed unlistened: a dead keeper's socket file
     lock = daemons.run_dir / f"{instance}.mooncake.lock"
     lock.touch(mode=0o600)
+    log = daemons.run_dir / f"{instance}.mooncake.log"
+    log.write_text("the keeper's log\n")
     _, check = doctor_leftovers(daemons, instance, "--clean")
-    assert not sock_path.exists() and not lock.exists(), check
-    assert check["verdict"] == "ok" and sorted(check["measured"]["store_files"]) == sorted([lock.name, sock_path.name])
+    assert not sock_path.exists() and not lock.exists() and not log.exists(), check
+    files = sorted([lock.name, log.name, sock_path.name])
+    assert check["verdict"] == "ok" and sorted(check["measured"]["store_files"]) == files

@@ -103,6 +103,33 @@ def test_stop_of_a_killed_instance_says_what_it_left(daemons: DaemonFactory) -> 
     assert again.stdout.strip() == f"instance {daemon.instance}: not running", again.stdout
 
 
+def test_the_demo_runner_started_before_the_daemon_says_what_it_waits_for(daemons: DaemonFactory) -> None:
+    """The README's demo runner started first: one line on stderr names the instance it waits for and that no
+    daemon runs it; once the daemon is started, it attaches, exit 0, without saying it again."""
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    geometry = ["--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
+    geometry += ["--num-blocks", "8", "--num-cpu-blocks", "4"]
+    runner = subprocess.Popen(
+        [sys.executable, "scripts/demo_runner.py", "--instance", instance, "--rank", "1", "--timeout", "60", *geometry],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=daemons.env(),
+        cwd=ROOT,
+    )
+    try:
+        assert runner.stderr is not None
+        said = runner.stderr.readline()
+        assert f"waiting up to 60s for instance '{instance}': no daemon runs it" in said, said
+        daemons.start(instance, ranks=2, args=geometry, small=False).wait_ready()
+        out, rest = runner.communicate(timeout=60)
+    finally:
+        runner.kill()
+    assert runner.returncode == 0 and "attached KVCache(owner='daemon'" in out, out + rest
+    assert "no daemon runs it" not in rest, rest
+
+
 def test_a_store_larger_than_the_disk_is_warned_about_at_start(daemons: DaemonFactory, tmp_path: Path) -> None:
     args = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--storage-capacity", "900TiB"]
     daemon = daemons.start(args=args)

@@ -66,6 +66,32 @@ def test_a_stop_sent_while_the_restart_is_checked_is_honoured(daemons: DaemonFac
         assert shm_entries(daemon.instance) == []
 
 
+def test_a_restart_sent_after_another_was_accepted_says_it_was_refused(daemons: DaemonFactory) -> None:
+    """Two `kvcached restart` at once, the second sent after the daemon accepted the first: the image the
+    first started refuses the second (its ranks are not READY yet); the first reports the restart, exit 0,
+    the second that its own was refused, exit 1, though the generation changed meanwhile."""
+    env = daemons.env(KVCACHED_FAULT="restart-accepted:sleep=5")
+    daemon = daemons.start(env=env)
+    before = daemon.wait_ready()["generation"]
+    first = restart_cli(daemons, daemon.instance)
+    wait_for_preflight(daemon.pid)
+    wait_for_preflight(daemon.pid, gone=True)  # the check passed: the restart is accepted at once
+    time.sleep(0.3)
+    second = restart_cli(daemons, daemon.instance)
+    said_first, _ = first.communicate(timeout=60)
+    said_second, _ = second.communicate(timeout=60)
+    assert first.returncode == 0 and "restarted" in said_first, said_first + daemon.log()
+    assert second.returncode == 1, said_second + daemon.log()
+    assert "restart refused, the daemon serves on" in said_second, said_second
+    assert "an earlier restart was under way" in said_second, said_second
+    after = read_status(daemon.instance)
+    assert after["generation"] != before and all(r["state"] == "READY" for r in after["ranks"]), after
+    assert daemon.proc.poll() is None
+    daemon.kill9()  # what the daemon recorded of the restarts is a leftover like its sockets
+    assert daemons.cli("doctor", "--clean", "--instance", daemon.instance).returncode in (0, 1)
+    assert not list(daemons.run_dir.glob(f"{daemon.instance}.*")), "a file of the killed daemon was left"
+
+
 def test_a_restart_whose_metrics_port_was_taken_meanwhile_serves_on(daemons: DaemonFactory) -> None:
     """Someone takes the metrics port while the restart executes the next image: the restart completes, the
     memory adopted, the daemon warns and serves without metrics, then listens again once the port is free."""
@@ -113,7 +139,7 @@ def test_a_keeper_of_a_store_no_longer_configured_is_let_go(daemons: DaemonFacto
     host.args = list(FLAGS)
     restart_daemon(daemons, host)
     until(lambda: not alive(keeper), timeout=30, what="the keeper of the store no longer configured ends")
-    assert not list(host.run_dir().glob("*.mooncake.sock"))
+    assert not list(host.run_dir().glob(f"{host.instance}.mooncake.*")), "a keeper's file (socket, lock, log) was left"
     assert "let go of what another storage backend kept" in host.daemon.log()
 
 

@@ -237,6 +237,8 @@ def check_access(daemons: DaemonFactory, run_dir: Path, gid: int, member_uid: in
     assert as_user(member_uid, member_uid, [gid], swap_one(daemon.instance)) == "ok 1"
     outsider = as_user(outsider_uid, outsider_uid, [], swap_one(daemon.instance))
     assert outsider.startswith("refused AccessDenied"), outsider
+    named = f"the members of its --group, gid {gid} ({grp.getgrgid(gid).gr_name})"
+    assert named in outsider and f"this process runs as uid {outsider_uid}" in outsider, outsider
     assert as_user(outsider_uid, outsider_uid, [], raw_hello(sock)).startswith("refused")
 
     os.chmod(run_dir, 0o711)

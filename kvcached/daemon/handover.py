@@ -43,6 +43,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvcached import logs
 from kvcached.daemon import channel, faults, requests
@@ -310,33 +311,62 @@ def unblock_requests() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, REQUEST_SIGNALS)
 
 
-# -- a refused restart ----------------------------------------------------------------------------------
+# -- what became of a restart signal ----------------------------------------------------------------------
+
+#: How many decisions on restart signals the file at ``refusal_path`` remembers (the newest last).
+OUTCOMES_KEPT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """A daemon image's decision on a restart signal: accepted (``refused`` is None) or refused, and why."""
+
+    at_ns: int  # wall clock, when it was decided
+    generation: str | None  # the deciding image's generation (16 hex digits); None from a release before
+    refused: str | None
 
 
 def refusal_path(run_dir: str | Path, instance: str) -> Path:
-    """Where a daemon says why it refused a restart (``kvcached restart`` reads it)."""
+    """Where a daemon says what it did with each restart signal (``kvcached restart`` reads it)."""
     return Path(run_dir) / f"{instance}.restart"
 
 
-def record_refusal(path: Path, reason: str) -> None:
-    """Write ``reason`` (with the time) to ``path`` atomically, mode 0600."""
+def record_outcome(path: Path, generation: int, refused: str | None = None) -> None:
+    """Add a decision of the image of ``generation`` to ``path`` (the last ``OUTCOMES_KEPT``), atomically,
+    mode 0600. ``at_ns`` and ``reason`` at the top name the last refusal, as a release before wrote it."""
+    now = time.time_ns()
+    try:
+        data = json.loads(path.read_text())
+        outcomes = list(data.get("outcomes", []))[-(OUTCOMES_KEPT - 1) :]
+    except (OSError, ValueError, TypeError, AttributeError):
+        data, outcomes = {}, []
+    outcomes.append({"at_ns": now, "generation": f"{generation:016x}", "reason": refused})
+    record: dict[str, Any] = {"outcomes": outcomes}
+    if refused is not None:
+        record.update(at_ns=now, reason=refused)
+    elif "reason" in data:
+        record.update(at_ns=data.get("at_ns"), reason=data["reason"])
     temporary = path.with_name(path.name + ".new")
     with contextlib.suppress(OSError):
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"at_ns": time.time_ns(), "reason": reason}, f)
+            json.dump(record, f)
         os.replace(temporary, path)
 
 
-def read_refusal(path: Path, since_ns: int) -> str | None:
-    """The reason of a refusal written at or after ``since_ns`` (wall clock), or None."""
+def read_outcomes(path: Path) -> list[Outcome]:
+    """The decisions recorded at ``path``, oldest first; a release before's lone refusal is one of unknown
+    generation."""
     try:
         data = json.loads(path.read_text())
-        if int(data["at_ns"]) >= since_ns:
-            return str(data["reason"])
-    except (OSError, ValueError, TypeError, KeyError):
-        pass
-    return None
+        if "outcomes" not in data:
+            return [Outcome(int(data["at_ns"]), None, str(data["reason"]))]
+        return [
+            Outcome(int(o["at_ns"]), o.get("generation"), None if o.get("reason") is None else str(o["reason"]))
+            for o in data["outcomes"]
+        ]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return []
 
 
 def children() -> list[int]:

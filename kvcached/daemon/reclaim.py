@@ -36,10 +36,18 @@ class Leftovers:
     squatters: list[tuple[Path, str]]
     #: The daemon of a published control block, if it is alive (then nothing here is a leftover).
     live_pid: int | None
+    #: The host-wide instance lock in /dev/shm, when it exists (taken, and removed, by whoever cleans).
+    lock: Path | None = None
 
     @property
     def paths(self) -> list[Path]:
         return self.entries + self.sockets + self.files
+
+    @property
+    def left(self) -> list[Path]:
+        """Everything of the instance found, as `kvcached stop`, `doctor` and `doctor --clean` count a dead
+        run's leftovers alike: ``paths`` and the instance lock."""
+        return self.paths + ([self.lock] if self.lock is not None else [])
 
 
 def squatter(path: Path, st: os.stat_result) -> str | None:
@@ -71,15 +79,17 @@ def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
     """The objects of ``instance`` (any generation) and whether a live daemon owns them. The host-wide
     instance lock is not among them: it is taken, and removed, by whoever holds it."""
     lock = instance_lock_path(instance)
-    entries = [entry for entry in instance_shm_entries(instance) if entry != lock]
+    every = instance_shm_entries(instance)
+    entries = [entry for entry in every if entry != lock]
     squatters = [(entry, why) for entry in entries if (why := squatter(entry, entry.lstat())) is not None]
-    try:
+    try:  # its task sockets, and what it did with restart signals (``handover.refusal_path``)
         sockets = sorted(run_dir.glob(f"{instance}.r*.sock")) if run_dir.is_dir() else []
+        sockets += [path for path in [run_dir / f"{instance}.restart"] if path.exists()]
     except PermissionError:  # another user's run directory (doctor run by someone else): none seen
         sockets = []
     live = live_daemon(instance)
     files = [] if live is not None else backend_files(instance)
-    return Leftovers(entries, sockets, files, squatters, live)
+    return Leftovers(entries, sockets, files, squatters, live, lock if lock in every else None)
 
 
 def backend_files(instance: str) -> list[Path]:

@@ -37,7 +37,7 @@ from kvcached.config import DaemonConfig
 from kvcached.daemon import faults, lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_need, start_note
 from kvcached.daemon.errors import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
-from kvcached.daemon.handover import Handover
+from kvcached.daemon.handover import Handover, refusal_path
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
 from kvcached.fastdeploy.flags import ReadyFlags
 from kvcached.memory.shm import shm_free_bytes
@@ -149,10 +149,10 @@ def reclaim(
             EXIT_CONFIG,
         )
     adoption = verdict if isinstance(verdict, Adoption) else None
-    keep: set[Path] = set()
+    keep: set[Path] = {refusal_path(run_dir, config.instance)} if handover.restarted else set()
     if adoption is not None:
         ours = f".{adoption.arena_id:016x}."
-        keep = {entry for entry in found.entries if ours in entry.name and not entry.name.startswith("sem.")}
+        keep |= {entry for entry in found.entries if ours in entry.name and not entry.name.startswith("sem.")}
         keep |= {control} | {task_socket_path(run_dir, config.instance, rank) for rank in handover.predecessors}
         log.info("adopting the memory of an earlier run", note=adoption.note)
     elif isinstance(verdict, Refusal):

@@ -238,12 +238,10 @@ class StoreCalls:
         if ok:
             return value
         kind, text, code = value
-        if kind == "StoreUnavailable":
+        if kind in ("StoreUnavailable", "InvalidSpec", "InvalidConfig"):  # a refusal's text names the field and fix
             raise StoreUnavailable(text)
         if kind == "StoreBusy":
             raise StoreBusy(text)
-        if kind in ("InvalidSpec", "InvalidConfig"):  # its text names the field and the fix
-            raise RuntimeError(text)
         if code is not None:
             raise OSError(code, text)
         raise RuntimeError(f"{kind}: {text}")

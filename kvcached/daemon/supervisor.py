@@ -110,6 +110,7 @@ class Supervisor:
             self.log,
             refusals=handover.refusal_path(self.run_dir, self.instance),
             why_not_restart=lambda: self.handover.why_not_now(self.records, self.preflight),
+            generation=lambda: self.generation,
         )
 
     @property
@@ -452,7 +453,8 @@ class Supervisor:
         if not self.handover.passing:  # else the workers still listen there
             for path in self.run_dir.glob(f"{self.instance}.r*.sock"):
                 path.unlink(missing_ok=True)
-        handover.refusal_path(self.run_dir, self.instance).unlink(missing_ok=True)
+        if not asked.restart:  # else the next image's restart signals are decided after this one's
+            handover.refusal_path(self.run_dir, self.instance).unlink(missing_ok=True)
         self.locks.release()
 
     def _keep_or_release(self, keep: bool) -> None:

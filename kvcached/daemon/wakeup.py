@@ -5,8 +5,9 @@ the supervisor's loop reads them here, in order (``Requests.read``), and each is
 honour (``kvcached.daemon.requests`` lists them): a stop that releases the memory (``stop``), a stop that
 keeps it (``keep``), a restart (``restart``, which keeps it too). A restart is accepted only when the
 supervisor's ``why_not_restart`` has nothing against it; a refused one is written where ``kvcached
-restart`` reads it (``kvcached.daemon.handover``), and the daemon serves on. SIGUSR1 logs each rank;
-SIGCHLD only wakes the loop (it reaps every turn).
+restart`` reads it (``kvcached.daemon.handover``), and the daemon serves on; an accepted one is written
+there too (a ``kvcached restart`` whose signal comes later waits for the next image's decision on it).
+SIGUSR1 logs each rank; SIGCHLD only wakes the loop (it reaps every turn).
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from kvcached.daemon.requests import name as signal_name
 class Requests:
     """The wake-up pipe (``fileno`` is its read end) and what the operator asked so far."""
 
-    def __init__(self, log: logs.Logger, *, refusals: Path, why_not_restart: Callable[[], str]) -> None:
+    def __init__(
+        self, log: logs.Logger, *, refusals: Path, why_not_restart: Callable[[], str], generation: Callable[[], int]
+    ) -> None:
         self.log = log
         self.refusals = refusals
         self.why_not_restart = why_not_restart
+        self.generation = generation  # this image's (0 before it has one)
         self.read_fd, self.write_fd = -1, -1
         self.stop = False  # a stop that releases the memory
         self.keep = False  # ending keeps the memory for the next start
@@ -110,9 +114,10 @@ class Requests:
         why = self.why_not_restart()
         if why:
             self.log.error("restart refused; serving on", reason=why)
-            handover.record_refusal(self.refusals, why)
+            handover.record_outcome(self.refusals, self.generation(), why)
             return False
         handover.block_requests()  # a stop or restart sent from now on waits for the next image
+        handover.record_outcome(self.refusals, self.generation())  # one sent from now on is the next image's
         self.keep = self.restart = True
         faults.fault("restart-accepted")
         self.log.info("restarting, keeping the memory for the next image", signal="SIGUSR2")

@@ -64,7 +64,7 @@ from kvcached.protocol.names import SHM_DIR, control_name, staged_control_name
 from kvcached.protocol.packing import Table
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import STATS_SIZE, StatsSlot
-from kvcached.protocol.trust import check_owner
+from kvcached.protocol.trust import admitted, check_owner
 
 MAGIC = b"KVCACHED"
 VERSION = 3
@@ -353,7 +353,7 @@ class ControlBlock:
         except posix_ipc.ExistentialError:
             return None
         except posix_ipc.PermissionsError:
-            raise AccessDenied(f"{name}: permission denied: the daemon admits its own user and its --group") from None
+            raise AccessDenied(f"{name}: permission denied: {admitted(SHM_DIR / name.lstrip('/'))}") from None
         try:
             stat = os.fstat(shm.fd)
             check_owner(f"control block /dev/shm{name}", stat)

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec
 from kvcached.protocol.spec import CacheSpec
-from kvcached.protocol.trust import peer_credentials
+from kvcached.protocol.trust import admitted, peer_credentials
 
 #: Bytes of one message, at most (a spec is a few hundred).
 MAX_MESSAGE = 16384
@@ -52,7 +52,7 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         except (FileNotFoundError, ConnectionRefusedError):
             return False
         except PermissionError:
-            raise AccessDenied(f"{path}: permission denied: the daemon admits its own user and its --group") from None
+            raise AccessDenied(f"{path}: permission denied: {admitted(path)}") from None
         peer_uid = peer_credentials(sock)[1]
         if peer_uid != owner_uid:
             raise InvalidSpec("declare", f"{path} is served by uid {peer_uid}, not the daemon's uid {owner_uid}")

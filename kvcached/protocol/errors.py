@@ -141,13 +141,22 @@ class InvalidArgument(KVCacheError, ValueError):
 class InvalidTask(KVCacheError, ValueError):
     """Raised when a task is refused before anything was copied: no block changed.
 
-    ``field`` names what was wrong (``device_block_ids``, ``cpu_block_ids``, ``block_ids``, ``rank``...).
+    ``field`` names what was wrong, as the call's parameter (``device_block_ids``, ``cpu_block_ids``,
+    ``keys``, ``rank``...).
     """
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+def different_lengths(src_field: str, src_count: int, dst_field: str, dst_count: int) -> str:
+    """What ``InvalidTask`` says of a target list (``dst_field``) that has not one id per source id."""
+    return (
+        f"{dst_count} ids for the {src_count} of {src_field}: {src_field} and {dst_field} pair source and target "
+        "blocks one to one, so they must be of equal length"
+    )
 
 
 class TaskFailed(KVCacheError):

@@ -9,11 +9,14 @@ refused with ``NotTrusted`` naming the object, its owner and mode, before a byte
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import socket
 import stat
 import struct
+from collections.abc import Callable
+from typing import Any
 
 from kvcached.protocol.errors import InvalidSpec, NotTrusted
 
@@ -56,3 +59,29 @@ def check_owner(what: str, st: os.stat_result, *, owner: int | None = None) -> N
             f"{what} is writable by anyone (mode {stat.S_IMODE(st.st_mode):o}): refusing to use it; kvcached makes "
             "its objects 0600 or 0660"
         )
+
+
+def admitted(path: object) -> str:
+    """Whom the daemon admits to ``path`` (one of its /dev/shm objects or sockets), as its owner and mode
+    say, and who this process is: the end of an ``AccessDenied`` message."""
+    try:
+        st = os.stat(str(path))
+    except OSError:
+        return "the daemon admits its own user and its --group"
+    if st.st_mode & 0o060:
+        group = f"the members of its --group, gid {st.st_gid}{_name(grp.getgrgid, st.st_gid, 'gr_name')}"
+    else:
+        group = "no group (it was started without --group)"
+    groups = ", ".join(map(str, sorted({os.getegid(), *os.getgroups()})))
+    return (
+        f"the daemon admits its own user, uid {st.st_uid}{_name(pwd.getpwuid, st.st_uid, 'pw_name')}, and {group}; "
+        f"this process runs as uid {os.geteuid()} in groups {groups}"
+    )
+
+
+def _name(lookup: Callable[[int], Any], number: int, field: str) -> str:
+    """`` (name)`` of a uid or gid, or "" where it has none on this host."""
+    try:
+        return f" ({getattr(lookup(number), field)})"
+    except KeyError:
+        return ""

@@ -45,7 +45,7 @@ from typing import Any
 from kvcached import knobs
 from kvcached.checks import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
-from kvcached.protocol.errors import InvalidSpec, StoreBusy
+from kvcached.protocol.errors import InvalidSpec, StoreBusy, StoreUnavailable
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters
@@ -53,6 +53,7 @@ from kvcached.store.fileio import MISSING, READ_FLAGS, Pending, Reader, Writer, 
 from kvcached.store.landing import Targets
 
 SUFFIX = ".kvb"
+BUSY = "one daemon per store directory: stop the other one, or give this instance another --storage-path"
 
 
 class FileStore(Store):
@@ -70,6 +71,7 @@ class FileStore(Store):
         self.reader = Reader(identity)
         self._lock_fd = -1
         self._dir_ino = 0
+        self._refused = ""  # why the directory in the rank's place is refused, once said
         self._take_directory()
         self._rebuild()
 
@@ -87,14 +89,16 @@ class FileStore(Store):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StoreBusy(f"{self.dir} is used by another kvcached daemon") from None
+            raise StoreBusy(f"{self.dir} is used by another kvcached daemon; {BUSY}") from None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
         self._lock_fd = fd
         self._dir_ino = os.stat(self.dir).st_ino
 
     def check(self) -> None:
-        """Notice the rank directory gone or replaced; make it again, take its lock again, start empty."""
+        """Notice the rank directory gone or replaced; make it again, take its lock again, start empty. One
+        put in its place that this daemon may not use (``unsafe_directory``) is refused: ``StoreUnavailable``
+        naming it and the fix, said once in the log, every call failing until it is fixed."""
         try:
             same = os.stat(self.dir).st_ino == self._dir_ino and os.path.exists(self.dir / ".lock")
         except FileNotFoundError:
@@ -102,8 +106,15 @@ class FileStore(Store):
         if same:
             return
         self.counters.errors += 1
+        try:
+            self._take_directory()  # StoreBusy if another daemon took it meanwhile: every store call says so
+        except InvalidSpec as exc:
+            if str(exc) != self._refused:
+                self.log.warning("store directory replaced; store tasks fail until it is fixed", reason=str(exc))
+            self._refused = str(exc)
+            raise StoreUnavailable(str(exc)) from None
+        self._refused = ""
         self.log.error("store directory removed while the daemon runs; making it again", path=str(self.dir))
-        self._take_directory()  # StoreBusy if another daemon took it meanwhile: every store call says so
         self.index.clear()
         self.counters.objects = self.counters.bytes = 0
 
@@ -372,10 +383,7 @@ class FileBackend(StoreBackend):
             if directory.is_dir() and (why := unsafe_directory(directory)) is not None:
                 return [Check("file_store", FAIL, f"{figure}; not safe", measured, why)]
         if holders:
-            advice = (
-                f"another daemon holds the directories of ranks {holders} (one daemon per store directory): "
-                "stop it, or give this instance another --storage-path"
-            )
+            advice = f"another daemon holds the directories of ranks {holders}; {BUSY}"
             return [Check("file_store", FAIL, f"{figure}; in use", measured, advice)]
         if free < capacity:
             return [Check("file_store", WARN, figure, measured, "the disk fills before the store reaches its capacity")]

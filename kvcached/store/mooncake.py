@@ -21,7 +21,7 @@ Availability: a quick TCP probe of master and metadata server comes first; while
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
 once per ``RETRY_S``) and the rank keeps serving its device and CPU tiers. A master that restarts comes
 back by itself (the keeper's client mounts its segment again); what the master forgot is counted in
-``master_resets``.
+``master_resets`` and leaves ``objects`` and ``bytes`` (they count again from 0).
 """
 
 from __future__ import annotations
@@ -154,7 +154,10 @@ class MooncakeStore(Store):
         return result
 
     def _absorb(self, stats: Mapping[str, Any]) -> None:
-        self.counters.master_resets = int(stats.get("master_resets", self.counters.master_resets))
+        resets = int(stats.get("master_resets", self.counters.master_resets))
+        if resets > self.counters.master_resets:  # the master forgot every object, in any segment
+            self.counters.objects = self.counters.bytes = 0
+        self.counters.master_resets = resets
 
     def _name(self, key: bytes) -> str:
         return f"{self.prefix}{key.hex()}/r{self.identity.rank}"
@@ -164,9 +167,8 @@ class MooncakeStore(Store):
         return StoreUnavailable(self.last_error)
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
-        """Gather up to a batch of objects into the registered batch buffer and have the keeper write them
-        with one batch_put_from. Objects already stored are skipped
-        (one batch_is_exist per batch), so the count is of objects newly written."""
+        """Gather up to a batch of objects into the registered batch buffer and have the keeper write them with
+        one batch_put_from. Objects already stored are skipped (one batch_is_exist per batch): newly written."""
         written = 0
         for start in range(0, len(keys), self.count):
             chunk = list(zip(keys[start : start + self.count], pieces[start : start + self.count], strict=True))

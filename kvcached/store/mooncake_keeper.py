@@ -68,6 +68,7 @@ class Keeper:
         self.listener: socket.socket | None = None
         self.quitting = threading.Event()
         self.gone_since: float | None = None
+        self.for_good = False  # quitting because the instance is gone for good: its log goes too
         self.socket_inode = 0
         self.marked = False  # the master knows the marker object
 
@@ -292,6 +293,7 @@ class Keeper:
             self.gone_since = time.monotonic()
         elif time.monotonic() - self.gone_since >= GONE_AFTER_S:
             self.log.info("the instance is gone for good (no control block); letting go of the segment")
+            self.for_good = True
             self.stop()
         if self.listener is not None and not self._socket_is_ours():
             self.log.info("the keeper's socket was removed; nobody can reach it any more: quitting")
@@ -318,10 +320,13 @@ class Keeper:
 
     def close(self) -> None:
         """Let go of the segment: unmount it (its objects leave the store at once) when the master answers;
-        else just exit, and the master drops the segment after its client_ttl."""
+        else just exit, and the master drops the segment after its client_ttl. The socket goes (and, when
+        the instance is gone for good, the log) unless a newer keeper has taken its path."""
         if self.listener is not None:
             if self._socket_is_ours():
                 self.config.path("sock").unlink(missing_ok=True)
+                if self.for_good:
+                    self.config.path("log").unlink(missing_ok=True)
             self.listener.close()
         if self.client is not None and self.client.health_check() == 0:
             self.client.close()

@@ -344,7 +344,8 @@ def info(run_dir: Path, instance: str) -> dict[str, Any] | None:
 
 def release(run_dir: Path, instance: str) -> int:
     """The instance stops for good: tell its keeper to let go of its segment (its objects leave the
-    store) and wait for it (``QUIT_TIMEOUT_S`` at most, then it is killed); how many there were (0, 1)."""
+    store) and wait for it (``QUIT_TIMEOUT_S`` at most, then it is killed), then remove its files (socket,
+    lock, log); how many keepers there were (0, 1)."""
     pids = []
     for path in [run_dir / f"{check_instance(instance)}.mooncake.sock"]:
         with contextlib.suppress(StoreUnavailable, OSError):
@@ -359,5 +360,6 @@ def release(run_dir: Path, instance: str) -> int:
             Receiver(sock).receive()
         sock.close()
     _wait_gone([pid for pid, _ in pids], QUIT_TIMEOUT_S)
-    (run_dir / f"{instance}.mooncake.lock").unlink(missing_ok=True)
+    for suffix in ("lock", "log"):
+        (run_dir / f"{instance}.mooncake.{suffix}").unlink(missing_ok=True)
     return len(pids)
