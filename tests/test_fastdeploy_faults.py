@@ -195,13 +195,14 @@ def test_a_task_taken_while_paused_is_logged_by_name(daemons: DaemonFactory, tmp
 @pytest.mark.slow
 def test_a_paused_engine_is_waited_for(daemons: DaemonFactory, tmp_path: Path) -> None:
     """The engine's queue server stopped (``SIGSTOP``) for longer than every deadline of the drop-ins on it
-    (``KVCACHED_TASK_DEADLINE_S`` 2: 32 s): the engine process is alive, so both drop-ins wait on, logging
-    why, and serve once it continues. (A dead engine ends them: ``tests/test_fastdeploy_engine_code.py``.)"""
-    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2") as (engine, _):
+    (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 2: 4 s): the engine process is alive, so
+    both drop-ins wait on, logging why, and serve once it continues. (A dead engine ends them:
+    ``tests/test_fastdeploy_engine_code.py``.)"""
+    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2", KVCACHED_QUEUE_SLACK_S="2") as (engine, _):
         server = engine.server.manager._process.pid
         os.kill(server, signal.SIGSTOP)
         try:
-            time.sleep(36)
+            time.sleep(8)
         finally:
             os.kill(server, signal.SIGCONT)
         done = engine.task((engine.fd.CacheStatus.SWAP2CPU, "after-pause", [1], [1], [0]))
