@@ -278,15 +278,20 @@ def main() -> int:
     started = time.monotonic()
     # --smoke measures nothing: the handshake benchmark, which mostly sleeps, runs beside the others.
     handshake_run = start_benchmark("handshake", size, args.out, [])
-    if not args.smoke:
-        handshake, hs_text, hs_s = finish_benchmark(handshake_run)
-    swap, swap_text, swap_s = run_benchmark("swap", size, args.out, [])
-    store_extra = ["--backends", args.store_backends] if args.store_backends else []
-    store, store_text, store_s = run_benchmark("store", size, args.out, store_extra)
-    geometry, geometry_text, geometry_s = run_benchmark("geometry", size, args.out, [])
-    start, start_text, start_s = run_benchmark("start", size, args.out, [])
-    if args.smoke:
-        handshake, hs_text, hs_s = finish_benchmark(handshake_run)
+    try:
+        if not args.smoke:
+            handshake, hs_text, hs_s = finish_benchmark(handshake_run)
+        swap, swap_text, swap_s = run_benchmark("swap", size, args.out, [])
+        store_extra = ["--backends", args.store_backends] if args.store_backends else []
+        store, store_text, store_s = run_benchmark("store", size, args.out, store_extra)
+        geometry, geometry_text, geometry_s = run_benchmark("geometry", size, args.out, [])
+        start, start_text, start_s = run_benchmark("start", size, args.out, [])
+        if args.smoke:
+            handshake, hs_text, hs_s = finish_benchmark(handshake_run)
+    finally:
+        if handshake_run.proc.poll() is None:  # another benchmark failed: the one beside it goes too
+            handshake_run.proc.kill()
+            handshake_run.proc.wait()
     plot_swap(swap, args.out / "swap_throughput.png")
     plot_wakeup(handshake, args.out / "wakeup_latency.png")
     plot_store(store, args.out / "store_throughput.png")
