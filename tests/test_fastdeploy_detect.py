@@ -327,10 +327,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         check=False,
     )
     assert wheel.returncode == 0, wheel.stderr
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    venv = tmp_path / "venv"  # without pip of its own: this pip installs into it (--python)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     built = next((tmp_path / "dist").glob("*.whl"))
-    install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(built)]
+    install = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet"]
+    install += ["--no-deps", str(built)]
     assert subprocess.run(install, capture_output=True, text=True, timeout=600, check=False).returncode == 0
     return built, venv
 

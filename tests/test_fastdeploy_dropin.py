@@ -174,13 +174,17 @@ def test_a_version_file_fastdeploy_could_not_read_is_refused_naming_model_path(
         key_prefix(str(tmp_path))
 
 
-def test_a_wait_on_a_live_engine_goes_on_past_its_deadline(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_wait_on_a_live_engine_goes_on_past_its_deadline(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A wait on the engine past its deadline ends the rank only once the engine's process is gone: while it
-    lives (here stopped, as a paused engine is), the watchdog logs its state and waits on."""
+    lives (here stopped, as a paused engine is), the watchdog logs its state and waits on (here looking
+    again every 1 s, not every ``LOG_EVERY_S``)."""
     import threading
 
     from kvcached.fastdeploy import waits
 
+    monkeypatch.setattr(waits, "LOG_EVERY_S", 1.0)
     engine = subprocess.Popen(["sleep", "60"])
     launcher = waits.Launcher.find(engine.pid)
     assert launcher is not None and launcher.pid == os.getpid(), "the launcher is the process that started it"

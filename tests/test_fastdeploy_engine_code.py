@@ -297,14 +297,15 @@ def test_a_slow_read_is_cut_off_at_its_deadline_and_the_engine_goes_on(daemons: 
 
 @pytest.mark.slow
 def test_a_paused_engine_is_waited_for_and_served_after(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """The engine and its queue server stopped (SIGSTOP to its process group) for 40 s, past every deadline of
-    the drop-ins on it (``KVCACHED_TASK_DEADLINE_S`` 5: 35 s): the engine lives, so the drop-ins wait on,
-    logging it, and serve it once it continues."""
-    with engine_and_daemon(daemons, tmp_path, env={"KVCACHED_TASK_DEADLINE_S": "5"}) as (engine, _):
+    """The engine and its queue server stopped (SIGSTOP to its process group) for 8 s, past every deadline of
+    the drop-ins on it (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 2: 4 s): the engine
+    lives, so the drop-ins wait on, logging it, and serve it once it continues."""
+    deadlines = {"KVCACHED_TASK_DEADLINE_S": "2", "KVCACHED_QUEUE_SLACK_S": "2"}
+    with engine_and_daemon(daemons, tmp_path, env=deadlines) as (engine, _):
         engine.call("launch")
         os.killpg(engine.proc.pid, signal.SIGSTOP)
         try:
-            time.sleep(40)
+            time.sleep(8)
         finally:
             os.killpg(engine.proc.pid, signal.SIGCONT)
         engine.call("swap", event="SWAP2CPU", task_id="after-pause", gpu=[5], cpu=[1], nodes=None, timeout=60)

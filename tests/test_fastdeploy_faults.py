@@ -35,13 +35,16 @@ SOURCE, TARGET = [4, 5, 6, 7], [8, 9, 10, 11]
 
 @contextlib.contextmanager
 def served(
-    daemons: DaemonFactory, tmp_path: Path, *args: str, fault: str = "", **env: str
+    daemons: DaemonFactory, tmp_path: Path, *args: str, fault: str = "", stop_timeout: float | None = None, **env: str
 ) -> Iterator[tuple[Engine, Any]]:
-    """A daemon with a file store (``args`` added; ``fault``: its ``KVCACHED_FAULT``), and both ranks'
-    drop-ins serving the engine (their environment with ``env``)."""
+    """A daemon with a file store (``args`` added; ``fault``: its ``KVCACHED_FAULT``; ``stop_timeout``: its
+    workers' grace at the teardown's stop), and both ranks' drop-ins serving the engine (their environment
+    with ``env``)."""
     store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
     extra = {"KVCACHED_FAULT": fault} if fault else {}
-    daemon = daemons.start(ranks=TP, small=False, args=[*GEOMETRY, *store, *args], env=daemons.env(**extra))
+    daemon = daemons.start(
+        ranks=TP, small=False, args=[*GEOMETRY, *store, *args], env=daemons.env(**extra), stop_timeout=stop_timeout
+    )
     daemon.wait_ready()
     engine = Engine(tmp_path, daemon.instance)
     saved = {name: os.environ.get(name) for name in env}
@@ -195,13 +198,14 @@ def test_a_task_taken_while_paused_is_logged_by_name(daemons: DaemonFactory, tmp
 @pytest.mark.slow
 def test_a_paused_engine_is_waited_for(daemons: DaemonFactory, tmp_path: Path) -> None:
     """The engine's queue server stopped (``SIGSTOP``) for longer than every deadline of the drop-ins on it
-    (``KVCACHED_TASK_DEADLINE_S`` 2: 32 s): the engine process is alive, so both drop-ins wait on, logging
-    why, and serve once it continues. (A dead engine ends them: ``tests/test_fastdeploy_engine_code.py``.)"""
-    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2") as (engine, _):
+    (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 2: 4 s): the engine process is alive, so
+    both drop-ins wait on, logging why, and serve once it continues. (A dead engine ends them:
+    ``tests/test_fastdeploy_engine_code.py``.)"""
+    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2", KVCACHED_QUEUE_SLACK_S="2") as (engine, _):
         server = engine.server.manager._process.pid
         os.kill(server, signal.SIGSTOP)
         try:
-            time.sleep(36)
+            time.sleep(8)
         finally:
             os.kill(server, signal.SIGCONT)
         done = engine.task((engine.fd.CacheStatus.SWAP2CPU, "after-pause", [1], [1], [0]))
@@ -251,7 +255,8 @@ def test_a_write_still_running_when_the_engine_stops_waiting_ends_the_rank_first
     write whose parts are slow (each object its agent moves takes 8 s more) ends as unservable by the time
     the engine's wait gives (``by``, 3 s here), though its own deadline plus the slack a part is otherwise
     given runs far longer; nothing of it is reported stored."""
-    with served(daemons, tmp_path, "--store-timeout", "60", fault="store-step:sleep=8") as (engine, daemon):
+    slow = "store-step:sleep=8"  # the stop at the end gives the part still writing 1 s, not the default 5
+    with served(daemons, tmp_path, "--store-timeout", "60", fault=slow, stop_timeout=1.0) as (engine, daemon):
         mover = Mover(daemon.instance, list(range(TP)), 60.0)
         try:
             started = time.monotonic()

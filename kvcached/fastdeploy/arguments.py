@@ -59,6 +59,8 @@ environment:
   KVCACHED_WAIT_S                seconds to wait for kvcached's rank at start (default: 600)
   KVCACHED_TASK_DEADLINE_S       seconds a task may take, across daemon restarts, before the rank counts
                                  as unservable (default: 60)
+  KVCACHED_QUEUE_SLACK_S         seconds a wait on the engine (a queue call, the pause handshake) may
+                                 take beyond that before it counts as past its deadline (default: 30)
   FD_ENGINE_TASK_QUEUE_WITH_SHM  the cache queue's transport, as this FastDeploy line reads it
   KVCACHED_DAEMON_USER           a user (name or uid) trusted besides this one and root
 

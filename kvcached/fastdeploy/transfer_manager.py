@@ -84,7 +84,8 @@ EXIT_UNAVAILABLE = 1
 #: Seconds the drop-in waits for kvcached's rank (``KVCACHED_WAIT_S``); FastDeploy's own wait has none.
 WAIT_S = 600.0
 #: Seconds a task may take, through daemon restarts, before the rank counts as unservable
-#: (``KVCACHED_TASK_DEADLINE_S``). Barriers and queue calls get this plus ``SLACK_S``.
+#: (``KVCACHED_TASK_DEADLINE_S``). Barriers and queue calls get this plus ``SLACK_S``
+#: (``KVCACHED_QUEUE_SLACK_S``).
 TASK_S = 60.0
 SLACK_S = 30.0
 #: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often).
@@ -107,11 +108,18 @@ class TransferManager:
     """One rank's drop-in: see the module docstring."""
 
     def __init__(
-        self, args: argparse.Namespace, fd: FastDeploy, instance: str, task_s: float = TASK_S, key_prefix: str = ""
+        self,
+        args: argparse.Namespace,
+        fd: FastDeploy,
+        instance: str,
+        task_s: float = TASK_S,
+        key_prefix: str = "",
+        *,
+        slack_s: float = SLACK_S,
     ) -> None:
         self.args, self.fd, self.instance = args, fd, instance
         self.rank, self.n_ranks = args.rank, args.mp_num
-        self.task_s, self.queue_s = task_s, task_s + SLACK_S
+        self.task_s, self.queue_s = task_s, task_s + slack_s
         self.waits = Waits(self.rank, self._expire, Launcher.find())
         with self.waits.on("the engine's cache queue (connecting)", self.queue_s, engine=True):
             self.queue = fd.cache_queue((args.pod_ip, args.cache_queue_port), self.n_ranks, self.rank)
@@ -362,15 +370,16 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
     return CacheSpec.from_dict(published), published.get("num_cpu_blocks", 0) > 0
 
 
-def _prepare(args: argparse.Namespace, fd: FastDeploy, instance: str) -> tuple[float, bool, str]:
+def _prepare(args: argparse.Namespace, fd: FastDeploy, instance: str) -> tuple[float, float, bool, str]:
     """Everything checked before the drop-in joins the queue: the FastDeploy it runs with (``guard``), its
-    settings, the key prefix, kvcached's rank. The task deadline, whether the rank has a CPU pool, the key
-    prefix. Raises what ``main`` turns into an exit status."""
+    settings, the key prefix, kvcached's rank. The task deadline, the queue's slack beyond it, whether the
+    rank has a CPU pool, the key prefix. Raises what ``main`` turns into an exit status."""
     guard.refuse(args, fd.tree, fd.platform)  # first: nothing declared to or waited on from the daemon before
     wait_s, task_s = env_seconds("KVCACHED_WAIT_S", WAIT_S), env_seconds("KVCACHED_TASK_DEADLINE_S", TASK_S)
+    slack_s = env_seconds("KVCACHED_QUEUE_SLACK_S", SLACK_S)
     prefix = key_prefix(args.model_path) or ""
     _, has_pool = attach(args, instance, wait_s)
-    return task_s, has_pool, prefix
+    return task_s, slack_s, has_pool, prefix
 
 
 def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -> int:
@@ -382,7 +391,7 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
     fd = adapter or RealFastDeploy()
     try:
         instance = instance_or_default()
-        task_s, has_pool, prefix = _prepare(args, fd, instance)
+        task_s, slack_s, has_pool, prefix = _prepare(args, fd, instance)
     except (OwnershipConflict, InvalidConfig) as exc:
         log.error("refusing to serve rank %d: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
@@ -396,7 +405,7 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(args, fd, instance, task_s, prefix)
+    manager = TransferManager(args, fd, instance, task_s, prefix, slack_s=slack_s)
     manager.announce(has_pool)
     return manager.run()
 

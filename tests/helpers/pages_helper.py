@@ -25,17 +25,26 @@ from kvcached.status import is_ready, read_status
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def pmd_mapped(pid: int, instance: str) -> dict[str, int]:
-    """Bytes mapped with huge pages in ``pid``, per /dev/shm object of ``instance``."""
-    found: dict[str, int] = {}
+def mapped(pid: int, instance: str) -> dict[str, dict[str, int]]:
+    """Per /dev/shm object of ``instance`` mapped in ``pid``: its bytes mapped (``Size``), those in the page
+    tables (``Rss``) and those mapped with huge pages (``Pmd``)."""
+    found: dict[str, dict[str, int]] = {}
     current = None
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and len(fields) >= 6:
-            current = fields[5] if f"kvcached.{instance}." in fields[5] else None
-        elif current and fields[0] in ("ShmemPmdMapped:", "FilePmdMapped:"):
-            found[Path(current).name] = found.get(Path(current).name, 0) + int(fields[1]) * 1024
+            current = Path(fields[5]).name if f"kvcached.{instance}." in fields[5] else None
+            if current:
+                found.setdefault(current, {"Size": 0, "Rss": 0, "Pmd": 0})
+        elif current and fields[0] in ("Size:", "Rss:", "ShmemPmdMapped:", "FilePmdMapped:"):
+            key = fields[0].rstrip(":") if fields[0] in ("Size:", "Rss:") else "Pmd"
+            found[current][key] += int(fields[1]) * 1024
     return found
+
+
+def file_bytes(name: str) -> int:
+    """The size of /dev/shm object ``name`` (a mapping may run past it to a page boundary)."""
+    return (Path("/dev/shm") / name).stat().st_size
 
 
 def main() -> None:
@@ -69,11 +78,13 @@ def main() -> None:
             tasks.swap_out(0, [3], [1])
             tasks.swap_in(0, [1], [5])
         result["swap_exact"] = bool(np.array_equal(raw[3], raw[5]))
-        deadline = time.monotonic() + 10  # the pages are mapped in the background once READY
+        deadline = time.monotonic() + 10  # the pages are mapped in the background once READY: until all are
         while True:
-            result["pmd_bytes"] = pmd_mapped(pid, instance)
-            names = result["pmd_bytes"]
-            if time.monotonic() > deadline or (names and all(v > 0 for v in names.values()) and len(names) >= 2):
+            objects = mapped(pid, instance)
+            result["pmd_bytes"] = {name: v["Pmd"] for name, v in objects.items()}
+            arenas = {name: v for name, v in objects.items() if name.endswith((".dev", ".cpu"))}
+            done = len(arenas) == 2 and all(v["Rss"] >= min(v["Size"], file_bytes(name)) for name, v in arenas.items())
+            if time.monotonic() > deadline or done:
                 break
             time.sleep(0.1)
         cache.close()
