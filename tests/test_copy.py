@@ -219,8 +219,7 @@ def _layout(data: st.DataObject, blocks: int) -> tuple[Side, list[int]]:
 def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
     kind: str, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """land (memory into a target's pieces), read_into (a file into them, through a buffer of any size),
-    land_mapped (a file's mapped pages into them) and gather
+    """land (memory into a target's pieces), read_into (a file into them, through a buffer of any size) and gather
     (pieces into one buffer) move exactly the record's bytes, touch no byte outside the target, and return
     the XXH3-64 the object header records (xxhash's), natively and without the native routines."""
     if kind == "native" and not native.available():
@@ -240,17 +239,11 @@ def test_landing_moves_exactly_the_record_and_returns_its_xxh3(
         try:
             for i, record in enumerate(records):
                 before = [view.copy() for view in side.views]
-                how = data.draw(st.sampled_from(["land", "read", "mapped"]))
-                if how == "mapped":
-                    digest = landing.land_mapped(fd, 128 + i * total, 128 + (i + 1) * total, targets, i)
-                    if digest is None:  # without the native routine (or too short for it) the caller reads
-                        assert not native.hashes(total)
-                        (digest,) = landing.land(targets, [i], [memoryview(record)])
-                elif how == "land":
+                how = data.draw(st.sampled_from(["land", "read"]))
+                if how == "land":
                     (digest,) = landing.land(targets, [i], [memoryview(record)])
                 else:
-                    digest = xxh3(record)
-                    assert landing.read_into(fd, 128 + i * total, targets, i, bounce) == (total, digest)
+                    assert landing.read_into(fd, 128 + i * total, targets, i, bounce) == (total, digest := xxh3(record))
                 assert digest == xxh3(record)
                 assert b"".join(bytes(v) for v in targets.views(i)) == record.tobytes()
                 for view, old in zip(side.views, before, strict=True):

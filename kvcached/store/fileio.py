@@ -6,9 +6,8 @@ Loads (``Reader``)::
 
     thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache):
       pick the next index i -> open, fstat, read and check the header
-      -> in the page cache: land the payload from the file's mapped pages in target i's pieces, hashed on
-         the way (one copy); else read it a READ_CHUNK-byte request at a time into the buffer and land
-         each request from there the same way (``kvcached.store.landing``)
+      -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
+         there in target i's pieces, hashed on the way (``kvcached.store.landing``)
       -> record i's verdict -> pick again
     the count reported: the leading indices that all verified; a failure at i stops the picking past i
 
@@ -44,7 +43,7 @@ from typing import Any
 import xxhash
 
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, header_checksum
-from kvcached.store.landing import Targets, land_mapped, read_into
+from kvcached.store.landing import Targets, read_into
 
 #: Bytes per write request, each hashed just before it is written.
 CHUNK = 1 << 20
@@ -85,27 +84,14 @@ def read_object(
         why = identity.verify_header(key, memoryview(head), st.st_size)
         if why is not None:
             return why
-        digest = land_mapped(fd, HEADER_SIZE, size, targets, i) if _cached(fd, size) else None
+        done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
         if digest is None:
-            done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
-            if digest is None:
-                return f"truncated: {done} of {identity.payload} payload bytes"
+            return f"truncated: {done} of {identity.payload} payload bytes"
         return None if digest == header_checksum(head) else "checksum mismatch"
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
     finally:
         os.close(fd)
-
-
-def _cached(fd: int, size: int) -> bool:
-    """Whether the page cache holds the file (probed at its middle and its last byte without waiting: an
-    object is written whole and read whole). A file it holds lands from its pages (``land_mapped``); one
-    it does not is read in requests, several objects in flight, which a cold disk serves faster."""
-    probe = bytearray(1)
-    try:
-        return all(os.preadv(fd, [probe], at, os.RWF_NOWAIT) == 1 for at in (size // 2, size - 1))
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no way to ask
-        return False
 
 
 @dataclasses.dataclass(slots=True)

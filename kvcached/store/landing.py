@@ -20,7 +20,6 @@ prefix, and a caller uses only the blocks reported (the targets were handed over
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -107,24 +106,6 @@ def gather(pieces: Sequence[memoryview], into: memoryview) -> int:
         digest.update(into[offset : offset + view.size])
         offset += view.size
     return digest.intdigest()
-
-
-def land_mapped(fd: int, offset: int, size: int, targets: Targets, i: int) -> int | None:
-    """Land the payload at ``offset`` of the ``size``-byte file ``fd`` into target ``i`` straight from the
-    page cache (the file mapped with its pages populated: one copy, no buffer between), hashed on the way:
-    its XXH3-64, or None without the native routine (then ``read_into``). The file must not shrink while
-    it is mapped (a read past its end is SIGBUS): the store only ever replaces an object by renaming."""
-    if not native.hashes(size - offset):
-        return None
-    mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-    try:
-        payload = memoryview(mapped)[offset:]
-        try:
-            return land(targets, [i], [payload], [np.frombuffer(payload, dtype=np.uint8).ctypes.data])[0]
-        finally:
-            payload.release()
-    finally:
-        mapped.close()
 
 
 def read_into(fd: int, offset: int, targets: Targets, i: int, bounce: memoryview) -> tuple[int, int | None]:
