@@ -85,6 +85,12 @@ class Registry(Generic[B]):
             raise InvalidSpec(self.field, f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
         return backend
 
+    def load_builtin(self) -> None:
+        """Import every built-in backend now: a runner does it before it waits for READY, so that attaching
+        after READY imports nothing (a module's import is milliseconds, the wake-up's whole budget)."""
+        for module in self.builtin.values():
+            importlib.import_module(module)
+
     def names(self) -> tuple[str, ...]:
         """Every backend name: the built-in ones first, then plugins'."""
         load_plugins()

@@ -201,6 +201,7 @@ def initialize_kv_cache(
     if cache_owner(spec, profile) == "runner":
         return _create_here(spec, local_rank, profile, instance, framework)
     started = time.monotonic()
+    memory.load_builtin()  # whichever the daemon publishes, attaching after READY then imports nothing
     ready = wait_ready(instance, local_rank, timeout, declare=spec)
     try:
         _check_layout(spec, ready.header, ready.record, instance, local_rank)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -19,7 +21,16 @@ import pytest
 import runner_client as rc
 from kvcached.protocol.layout import device_arena_bytes
 from kvcached.status import read_status
-from tests.conftest import DaemonFactory, run_runner, runner_result, shm_entries, wait_for_line, wait_waiting
+from tests.conftest import (
+    ROOT,
+    DaemonFactory,
+    run_runner,
+    runner_result,
+    shm_entries,
+    unique_instance,
+    wait_for_line,
+    wait_waiting,
+)
 
 #: Matches the ``small`` geometry of DaemonFactory.start.
 SMALL: dict[str, Any] = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
@@ -355,3 +366,29 @@ def test_runner_thread_wait_does_not_block_other_threads(daemons: DaemonFactory,
         stop.set()
         counter.join()
     assert ticks > 100
+
+
+def test_a_waiting_runner_has_imported_what_attaching_needs() -> None:
+    """The wake-up budget is a millisecond or two: a runner imports the device backends before it waits,
+    not after READY (a module's import is several milliseconds). A fresh process waiting for an instance
+    that no daemon runs has them all imported while it waits."""
+    code = (
+        "import sys, threading, time\n"
+        "import runner_client as rc\n"
+        "from kvcached import memory\n"
+        "spec = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)\n"
+        "waiter = threading.Thread(target=lambda: rc.initialize_kv_cache(spec, 0, instance=sys.argv[1], timeout=3)"
+        ", daemon=True)\n"
+        "assert not any(m in sys.modules for m in memory._REGISTRY.builtin.values())\n"
+        "waiter.start(); time.sleep(1.0)\n"
+        "print(sorted(m for m in memory._REGISTRY.builtin.values() if m not in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, unique_instance()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

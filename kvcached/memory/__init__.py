@@ -18,6 +18,7 @@ _REGISTRY: Registry[DeviceBackend] = Registry(
 register = _REGISTRY.register
 get = _REGISTRY.get
 names = _REGISTRY.names
+load_builtin = _REGISTRY.load_builtin
 
 
 def private_cache(spec: CacheSpec, framework: str) -> Attached:
