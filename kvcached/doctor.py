@@ -54,7 +54,7 @@ from kvcached.protocol.names import (
     lock_path,
     task_socket_path,
 )
-from kvcached.protocol.ownership import cache_owner, explain_owner
+from kvcached.protocol.ownership import DAEMON_OWNS_WITH, cache_owner, explain_owner
 
 #: linux/capability.h
 CAP_IPC_LOCK = 14
@@ -118,7 +118,7 @@ def check_owner(config: DaemonConfig) -> Check:
     owner = cache_owner(config.spec)
     measured = {"owner": owner}
     if owner == "runner":
-        advice = "enable CPU swap (--num-cpu-blocks > 0), a storage backend, or a prefill/decode role"
+        advice = f"enable {DAEMON_OWNS_WITH}"
         return Check("owner", FAIL, f"the runner owns the cache: {explain_owner(config.spec)}", measured, advice)
     return Check("owner", OK, f"the daemon owns the cache: {explain_owner(config.spec)}", measured)
 

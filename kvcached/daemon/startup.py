@@ -52,7 +52,7 @@ from kvcached.protocol.names import (
     lock_path,
     task_socket_path,
 )
-from kvcached.protocol.ownership import cache_owner, explain_owner
+from kvcached.protocol.ownership import DAEMON_OWNS_WITH, cache_owner, explain_owner
 from kvcached.protocol.proc import self_identity
 from kvcached.protocol.spec import CacheSpec
 
@@ -65,8 +65,7 @@ def refuse_runner_owned(spec: CacheSpec) -> None:
     if cache_owner(spec) == "runner":
         raise Fatal(
             f"refusing to allocate: {explain_owner(spec)}. A daemon-owned copy would be a second "
-            "cache on the device. Enable CPU swap (--num-cpu-blocks > 0), a storage backend, or a "
-            "prefill/decode role for the daemon to own it.",
+            f"cache on the device. Enable {DAEMON_OWNS_WITH} for the daemon to own it.",
             EXIT_CONFIG,
         )
 

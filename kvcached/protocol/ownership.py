@@ -13,6 +13,8 @@ from typing import Literal
 from kvcached.protocol.spec import CacheSpec
 
 Owner = Literal["runner", "daemon"]
+#: What makes the daemon the owner, as the fix a refusal of a runner-owned configuration names.
+DAEMON_OWNS_WITH = "CPU swap (--num-cpu-blocks > 0), a storage backend, or a prefill/decode role"
 
 CONDITION = 'create_cache_tensor = profile or not (num_cpu_blocks > 0 or storage_backend or splitwise_role != "mixed")'
 
