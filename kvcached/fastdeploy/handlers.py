@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcached.fastdeploy.arguments import key_prefix, store_key
@@ -75,15 +75,23 @@ class Handlers:
 
     def swap(self, event: Any, args: Sequence[Any]) -> None:
         """``_do_swap_to_cpu_task`` / ``_do_swap_to_gpu_task``, reported as the module docstring says."""
+        self.start_swap(event, args)()
+
+    def start_swap(self, event: Any, args: Sequence[Any]) -> Callable[[], None]:
+        """Check a swap task and send it to every rank (``Mover.start_swap``); the call returned waits for
+        it and reports it (``swap``)."""
         assert self.mover is not None
-        task_id, node_ids, gpu, cpu = args
-        gpu_ids, cpu_ids = block_ids(gpu, "gpu_block_ids"), block_ids(cpu, "cpu_block_ids")
+        gpu_ids, cpu_ids = block_ids(args[2], "gpu_block_ids"), block_ids(args[3], "cpu_block_ids")
         out = event.value == self.status.SWAP2CPU.value  # type: ignore[attr-defined]
-        done = self.mover.swap(out, gpu_ids, cpu_ids)
+        wait = self.mover.start_swap(out, gpu_ids, cpu_ids)
+        return lambda: self._report_swap(event, tuple(args), out, wait())
+
+    def _report_swap(self, event: Any, args: tuple[Any, ...], out: bool, done: Done) -> None:
+        task_id, node_ids, gpu, cpu = args
         if done.outcome is Outcome.MOVED:
             self._put((event, task_id, node_ids, gpu, cpu))
             return
-        what = f"swap {'out' if out else 'in'} {task_id!r} (gpu {gpu_ids}, cpu {cpu_ids})"
+        what = f"swap {'out' if out else 'in'} {task_id!r} (gpu {list(gpu)}, cpu {list(cpu)})"
         if out:
             log.error("%s not done: %s; reported with nothing moved (the engine keeps its GPU copies)", what, done.why)
             self._put((event, task_id, [], [], []))

@@ -64,6 +64,9 @@ log = logging.getLogger("kvcached.fastdeploy")
 RETRY_S = 0.05
 #: Blocks of a storage task's first chunk (each next chunk: at most twice the last).
 FIRST_CHUNK = 2
+#: Seconds a swap sent as it is taken off the engine's queue waits for a daemon that is away (the rest of the
+#: wait, and any later try, is the pool thread's: the loop goes back to the queue).
+SEND_NOW_S = 0.05
 #: Seconds between two log lines while a part past its task's deadline is waited for.
 LOG_EVERY_S = 5.0
 
@@ -99,6 +102,16 @@ class _Deadlines:
 
 
 @dataclasses.dataclass(slots=True)
+class _Sent:
+    """One try of a task, sent: the parts that went out, and the error of the rank it stopped at. ``early``:
+    sent as the task was taken, waiting at most ``SEND_NOW_S`` for the daemon (an error is no verdict)."""
+
+    handles: dict[int, rc.TaskHandle] = dataclasses.field(default_factory=dict)
+    errors: dict[int, KVCacheError] = dataclasses.field(default_factory=dict)
+    early: bool = False
+
+
+@dataclasses.dataclass(slots=True)
 class _Round:
     """One try of a task on the group's ranks, once each part ended (or ``running``: did not by ``hard``)."""
 
@@ -123,15 +136,20 @@ class Mover:
 
     def swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Done:
         """Device blocks to CPU pool blocks (``out``) or back, on every rank of the group."""
+        return self.start_swap(out, gpu_ids, cpu_ids)()
+
+    def start_swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Callable[[], Done]:
+        """Send the swap to every rank of the group now, waiting at most ``SEND_NOW_S`` for a daemon that is
+        away; the call returned waits for it to end, sending it again while it is cut off, as ``swap``."""
         end = time.monotonic() + self.deadline_s
         deadlines = _Deadlines(end, end, self.deadline_s, f"swap {'out' if out else 'in'}")
+        submit: Submit
         if out:
-            return self._attempts(
-                lambda r, t: self.tasks.submit(self.tasks.swap_out, r, gpu_ids, cpu_ids, timeout=t), deadlines
-            )
-        return self._attempts(
-            lambda r, t: self.tasks.submit(self.tasks.swap_in, r, cpu_ids, gpu_ids, timeout=t), deadlines
-        )
+            submit = lambda r, t: self.tasks.submit(self.tasks.swap_out, r, gpu_ids, cpu_ids, timeout=t)  # noqa: E731
+        else:
+            submit = lambda r, t: self.tasks.submit(self.tasks.swap_in, r, cpu_ids, gpu_ids, timeout=t)  # noqa: E731
+        sent = self._send(submit, SEND_NOW_S, early=True)
+        return lambda: self._attempts(submit, deadlines, sent=sent)
 
     def load(self, keys: list[bytes], gpu_ids: list[int], seconds: float, what: str = "storage read") -> Done:
         """The longest prefix of ``keys`` every rank has stored, into ``gpu_ids``, within ``seconds``;
@@ -199,36 +217,52 @@ class Mover:
             size = max(1, min(2 * size, fits))
         return Done(Outcome.MOVED, moved, why)
 
-    def _attempts(self, submit: Submit, deadlines: _Deadlines, exhausted: Outcome = Outcome.UNSERVABLE) -> Done:
+    def _attempts(
+        self,
+        submit: Submit,
+        deadlines: _Deadlines,
+        exhausted: Outcome = Outcome.UNSERVABLE,
+        *,
+        sent: _Sent | None = None,
+    ) -> Done:
         """Try the task on every rank until it ends (see ``_verdict``) or ``deadlines.soft`` passes: then
-        ``exhausted`` (a swap's rank is unservable; a storage task is not done)."""
+        ``exhausted`` (a swap's rank is unservable; a storage task is not done). ``sent``: the first try,
+        already sent."""
         last = ""
         while (left := deadlines.soft - time.monotonic()) > 0:
-            turn = self._round(submit, left, deadlines)
+            if sent is None:
+                sent = self._send(submit, left)
+            turn = self._settle_all(sent, deadlines)
+            early, sent = sent.early, None
             if turn.running:
                 why = (
                     f"rank(s) {turn.running}' part of a {deadlines.what} has not ended {self.deadline_s:g}s past the "
                     f"task's deadline ({deadlines.seconds:g}s): it may still write into its blocks"
                 )
                 return Done(Outcome.UNSERVABLE, why=why)
+            if early and turn.errors:  # sent with a short wait for the daemon: tried again with the task's own
+                continue
             verdict, last = self._verdict(turn)
             if verdict is not None:
                 return verdict
         why = f"not done within {deadlines.seconds:g}s (its deadline): {last or 'no daemon'}"
         return Done(exhausted, why=why)
 
-    def _round(self, submit: Submit, left: float, deadlines: _Deadlines) -> _Round:
-        """Send the task to every rank (stopping at the first that cannot be sent to) and wait until every
-        part sent has ended, however the first to end did."""
-        turn = _Round()
-        handles: dict[int, rc.TaskHandle] = {}
+    def _send(self, submit: Submit, left: float, *, early: bool = False) -> _Sent:
+        """Send the task to every rank, stopping at the first that cannot be sent to within ``left`` s."""
+        sent = _Sent(early=early)
         for rank in self.ranks:
             try:
-                handles[rank] = submit(rank, left)
+                sent.handles[rank] = submit(rank, left)
             except KVCacheError as exc:
-                turn.errors[rank] = exc
+                sent.errors[rank] = exc
                 break
-        for rank, handle in handles.items():
+        return sent
+
+    def _settle_all(self, sent: _Sent, deadlines: _Deadlines) -> _Round:
+        """Wait until every part sent has ended, however the first to end did."""
+        turn = _Round(errors=dict(sent.errors))
+        for rank, handle in sent.handles.items():
             self._settle(rank, handle, deadlines, turn)
         return turn
 

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -78,6 +78,7 @@ from kvcached.protocol.spec import CacheSpec
 __all__ = ["EXIT_MISMATCH", "EXIT_UNAVAILABLE", "TransferManager", "build_parser", "main", "parse_args", "store_key"]
 
 log = logging.getLogger("kvcached.fastdeploy")
+T = TypeVar("T")
 
 EXIT_MISMATCH = 4
 EXIT_UNAVAILABLE = 1
@@ -275,7 +276,11 @@ class TransferManager:
         pool, handler, fields = found
         if len(rest) != fields:
             raise ValueError(f"a {event!r} task has {fields} fields after its type, this one {len(rest)}")
-        args: tuple[Any, ...] = (event, rest) if handler == self.handlers.swap else (rest[0],)
+        args: tuple[Any, ...] = (rest[0],)
+        if handler == self.handlers.swap:  # sent here, at once: the pool's thread only waits for it
+            if (waiter := self._guarded(self.handlers.start_swap, event, rest)) is None:
+                return
+            handler, args = waiter, ()
         if handler == self.handlers.write:
             args = (rest[0], time.monotonic())  # the engine's wait counts from its put, not the pool's turn
         if pool == "control":
@@ -302,13 +307,14 @@ class TransferManager:
             self.last_task = time.monotonic()
             self.task_ended.set()
 
-    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+    def _guarded(self, fn: Callable[..., T], *args: Any) -> T | None:
         try:
-            fn(*args)
+            return fn(*args)
         except Malformed as exc:
             log.error("ignoring a malformed cache task (%s): %.200r", exc, args)
         except Exception:
             log.exception("%s failed", getattr(fn, "__name__", fn))
+        return None
 
     # -- pause (cache_transfer_manager.py pause / resume, ~1480-1500) -------------------------------------
 
