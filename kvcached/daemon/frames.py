@@ -117,6 +117,16 @@ class Client:
         self.events = 0  # what the selector watches now
         self.active = time.monotonic()  # when it last sent a request
 
+    def next_request(self) -> Request | None:
+        """The whole request buffered after the one being run, left where it is (None: none yet, or a large
+        frame: it is not parsed ahead)."""
+        if self.frame is not None or len(self.inbuf) < REQUEST.size:
+            return None
+        magic, op, flags, task_id, length = REQUEST.unpack_from(self.inbuf)
+        if magic != REQUEST_MAGIC or len(self.inbuf) < REQUEST.size + length:
+            return None
+        return Request(op, flags, task_id, bytes(self.inbuf[REQUEST.size : REQUEST.size + length]))
+
 
 #: Runs one request of ``client`` and returns its reply frame (never raises for a bad task: it answers).
 Execute = Callable[[Client, Request], bytes]

@@ -87,7 +87,7 @@ class TaskServer:
             if op in (Op.SWAP_OUT, Op.SWAP_IN):
                 return self._swap(Op(op), flags, task_id, payload)
             if op in (Op.STORE, Op.LOAD, Op.LOOKUP):
-                return self._store_op(Op(op), task_id, payload)
+                return self._store_op(Op(op), task_id, payload, client)
             raise InvalidTask("op", f"unknown operation {op}; known: {', '.join(o.name for o in Op)}")
         except InvalidTask as exc:
             self.stats.count(tasks_refused=1)
@@ -182,14 +182,14 @@ class TaskServer:
         self.stats.count_task("store", len(keys), nbytes, time.monotonic_ns() - started)
         return nbytes
 
-    def _store_op(self, op: Op, task_id: int, payload: bytes) -> bytes:
+    def _store_op(self, op: Op, task_id: int, payload: bytes, client: Client) -> bytes:
         try:
-            return self._store_task(op, task_id, payload)
+            return self._store_task(op, task_id, payload, client)
         finally:
             if self.store is not None:
                 self._mirror_store_counters()
 
-    def _store_task(self, op: Op, task_id: int, payload: bytes) -> bytes:
+    def _store_task(self, op: Op, task_id: int, payload: bytes, client: Client) -> bytes:
         started = time.monotonic_ns()
         if op is Op.LOOKUP:
             if len(payload) % KEY_BYTES:
@@ -210,7 +210,7 @@ class TaskServer:
             return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
         self._require_keyed_tier()
         self.engine.check_ids(ids, field="device_block_ids", role="target", unique=True)
-        loaded = self._load_blocks(keys, ids)
+        loaded = self._load_blocks(keys, ids, _next_load(client))
         nbytes = loaded * self.engine.spec.block_bytes
         took = time.monotonic_ns() - started
         self.stats.count_task("load", loaded, nbytes, took)
@@ -250,9 +250,10 @@ class TaskServer:
                 break
         return found
 
-    def _load_blocks(self, keys: list[bytes], targets: Array) -> int:
+    def _load_blocks(self, keys: list[bytes], targets: Array, ahead: list[bytes]) -> int:
         """Load the longest prefix of ``keys`` a host tier holds into device blocks ``targets``, each block
-        from the fastest tier that has it: the CPU pool, else the store. Stops at the first miss."""
+        from the fastest tier that has it: the CPU pool, else the store. Stops at the first miss.
+        ``ahead``: the keys of the load its client sent next (``Store.expect``)."""
         loaded = 0
         while loaded < len(keys):
             pooled: list[int] = []
@@ -268,18 +269,18 @@ class TaskServer:
             if self.store is None:
                 break
             end = self._store_run(keys, loaded)
-            got = self._load_from_store(keys[loaded:end], targets[loaded:end], self.store)
+            got = self._load_from_store(keys[loaded:end], targets[loaded:end], self.store, ahead)
             loaded += got
             if loaded < end:
                 break
         return loaded
 
-    def _load_from_store(self, keys: list[bytes], targets: Array, store: StoreCalls) -> int:
+    def _load_from_store(self, keys: list[bytes], targets: Array, store: StoreCalls, ahead: list[bytes]) -> int:
         """Load the longest present prefix of ``keys`` from the store into device blocks ``targets``: in one
         call straight into the blocks (``direct``), else a staging buffer at a time (the store agent fills
         staging rows; this process copies them into the device tier)."""
         if store.direct:
-            loaded: int = store.call("load_blocks", keys, targets.tolist())
+            loaded: int = store.call("load_blocks", keys, targets.tolist(), ahead)
             return loaded
         staging = store.staging
         loaded = 0
@@ -311,3 +312,13 @@ class TaskServer:
             store_corrupt=c.corrupt,
             store_master_resets=c.master_resets,
         )
+
+
+def _next_load(client: Client) -> list[bytes]:
+    """The keys of the load ``client`` has sent after the one being run, when it is buffered already (else
+    none): the store may start finding them while this one lands."""
+    request = client.next_request()
+    if request is None or request.op != Op.LOAD:
+        return []
+    keyed = unpack_keyed(request.payload, 1)
+    return keyed[1] if keyed is not None else []

@@ -420,14 +420,17 @@ def _become_agent(sock: socket.socket, parent: int) -> None:
 
 def _dispatch(store: Store, places: _Places, method: str, args: tuple[Any, ...]) -> Any:
     """The calls the worker sends: ``put_many(keys)`` (records in staging rows 0..n-1), ``load_prefix(keys)``
-    (records into staging rows 0..), ``put_blocks(keys, ids)`` and ``load_blocks(keys, ids)`` (records in
-    device blocks ``ids``, ``direct``), ``present(keys)``, ``protect(keys)``."""
+    (records into staging rows 0..), ``put_blocks(keys, ids)`` and ``load_blocks(keys, ids, ahead)`` (records
+    in device blocks ``ids``, ``direct``; ``ahead``: the next load's keys, ``Store.expect``),
+    ``present(keys)``, ``protect(keys)``."""
     if method == "put_blocks":
         keys, ids = args
         assert places.device is not None
         return store.put_many(keys, [places.device.record(block) for block in ids])
     if method == "load_blocks":
-        keys, ids = args
+        keys, ids, ahead = args
+        if ahead:
+            store.expect(ahead)
         return store.load_prefix(keys, places.blocks(ids))
     if method == "put_many":
         (keys,) = args

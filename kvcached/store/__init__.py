@@ -11,7 +11,7 @@ from kvcached.plugins import Registry
 from kvcached.store.base import StoreBackend
 
 _REGISTRY: Registry[StoreBackend] = Registry(
-    "storage_backend", "storage backend", {"file": "kvcached.store.file", "mooncake": "kvcached.store.mooncake"}
+    "storage_backend", "storage backend", {"file": "kvcached.store.file", "mooncake": "kvcached.store.mooncake_backend"}
 )
 register = _REGISTRY.register
 get = _REGISTRY.get

@@ -159,6 +159,10 @@ class Store(abc.ABC):
         of keys that all verified. Bytes may have been written into the targets at and past that count
         (not reported: the caller uses only the first ``count`` blocks); nothing outside them is written."""
 
+    def expect(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - a hint: backends may ignore it
+        """The next ``load_prefix`` will likely ask for ``keys`` (its client has sent that load already): a
+        backend may start finding them while the current load lands. Changes no object and no result."""
+
     @abc.abstractmethod
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are present."""

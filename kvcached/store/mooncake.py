@@ -1,4 +1,5 @@
-"""The ``mooncake`` backend: Mooncake Store (``mooncake.store``) over TCP, the tier shared between hosts.
+"""The ``mooncake`` backend's store client: Mooncake Store (``mooncake.store``) over TCP, the tier shared
+between hosts (its options and checks: ``kvcached.store.mooncake_backend``).
 
 Object names: ``kvcached/<geometry digest hex>/<key hex>/r<rank>``; values are the same header + record
 as the ``file`` backend. Each rank contributes ``--mooncake-segment`` bytes to the store's pool through
@@ -15,7 +16,8 @@ with one ``batch_get_replica_desc`` (which also grants Mooncake's read lease), t
 they lie when they are in this host's segment (mapped read-only here), or fetched with one
 ``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target
 block (``kvcached.store.landing``); a load reports only the leading objects that verified. A missing
-object is a miss, never an error: the load stops there.
+object is a miss, never an error: the load stops there. When the worker has the rank's next load already
+(``Store.expect``), its first window is located while the last window of this one lands.
 
 Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
@@ -27,7 +29,6 @@ back by itself (the keeper's client mounts its segment again); what the master f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import mmap
 import os
 import socket
@@ -38,18 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from kvcached import knobs
-from kvcached.checks import FAIL, OK, WARN, Check, size_text
 from kvcached.logs import Logger
-from kvcached.protocol.errors import InvalidSpec, StoreUnavailable
+from kvcached.protocol.errors import StoreUnavailable
 from kvcached.protocol.layout import round_up
-from kvcached.protocol.names import run_dir
-from kvcached.protocol.spec import CacheSpec
-from kvcached.store import landing, mooncake_link, register
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters, header_checksum
+from kvcached.store import landing
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreCounters, header_checksum
 from kvcached.store.landing import Targets
-from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link, release
-from kvcached.store.secret import read_secret, secret_file
+from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link
 
 RETRY_S = 1.0
 #: The option naming the secret file of the headers' tags.
@@ -58,6 +54,9 @@ SECRET = "mooncake_secret_file"
 BATCH_OBJECTS = 32
 BATCH_BYTES = 64 << 20
 NOT_FOUND = -704
+#: A locate sent ahead for the next load is used only within this many seconds (Mooncake's read lease it
+#: took lasts seconds).
+AHEAD_S = 0.5
 RPC_FAILED = -900
 
 
@@ -80,7 +79,8 @@ def local_address(host: str, port: int) -> str:
             return "127.0.0.1"
 
 
-def _reachable(host: str, port: int) -> bool:
+def reachable(host: str, port: int) -> bool:
+    """Whether ``host:port`` takes a TCP connection within half a second."""
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return True
@@ -111,6 +111,10 @@ class MooncakeStore(Store):
         self.segment_address = 0
         self.retry_at = 0.0
         self.last_error = "not connected yet"
+        #: The first window of the next load (``expect``), and the locate of it sent ahead on ``link``
+        #: (names, when sent) while its reply is not collected.
+        self.expected: list[str] = []
+        self.ahead: tuple[list[str], float] | None = None
         try:
             self._ensure()
         except StoreUnavailable as exc:
@@ -124,7 +128,7 @@ class MooncakeStore(Store):
         if now < self.retry_at:
             raise StoreUnavailable(self.last_error)
         self.retry_at = now + RETRY_S
-        down = [f"{h}:{p}" for h, p in self.endpoints if not _reachable(h, p)]
+        down = [f"{h}:{p}" for h, p in self.endpoints if not reachable(h, p)]
         if down:
             self.last_error = (
                 f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: no answer from "
@@ -141,12 +145,13 @@ class MooncakeStore(Store):
         self.segment_map = mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ)
         self.segment = memoryview(self.segment_map)
         self.segment_address = int(np.frombuffer(self.segment_map, dtype=np.uint8).ctypes.data)
-        self.link = link
+        self.link, self.ahead = link, None
         self._absorb(link.stats)
         return link
 
     def _call(self, op: str, **args: Any) -> Any:
         link = self._ensure()
+        self._take_ahead(link)
         try:
             result = link.call(op, **args)
         finally:
@@ -199,18 +204,38 @@ class MooncakeStore(Store):
         self.batch[base : base + HEADER_SIZE] = np.frombuffer(self.identity.header(key, digest), dtype=np.uint8)
         return self.object_bytes
 
+    def expect(self, keys: Sequence[bytes]) -> None:
+        """The next load's first window is located ahead, while this load lands its last (see ``_windows``)."""
+        self.expected = [self._name(key) for key in keys[: self.count]]
+
+    def _take_ahead(self, link: KeeperLink, names: list[str] | None = None) -> list[list[Any]] | None:
+        """Collect the reply of a locate sent ahead, if one is pending: the places, if it located ``names``
+        not longer than ``AHEAD_S`` ago (well within Mooncake's read lease); else (or when the keeper
+        answered it with an error) it is dropped, and the caller asks for itself."""
+        if self.ahead is None:
+            return None
+        (sent, when), self.ahead = self.ahead, None
+        try:
+            where: list[list[Any]] = link.collect()
+        except StoreUnavailable:
+            if link.dead:
+                raise
+            return None
+        return where if sent == names and time.monotonic() - when < AHEAD_S else None
+
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
         """Land the objects a window at a time, pipelined with the keeper (see ``_windows``); each is
         verified in the pass that lands it (one native call per window), and the load stops at the first
         that is missing or not whole."""
+        expected, self.expected = self.expected, []
         if not keys:
             return 0
         link = self._ensure()
         damaged: list[bytes] = []
         try:
-            loaded = self._windows(link, keys, targets, damaged)
+            loaded = self._windows(link, keys, targets, damaged, expected)
         finally:
-            while link.pending and not link.dead:  # a load that stopped early: keep the replies in step
+            while link.pending > (self.ahead is not None) and not link.dead:  # stopped early: keep in step
                 with contextlib.suppress(StoreUnavailable):
                     link.collect()
             self._absorb(link.stats)
@@ -222,19 +247,27 @@ class MooncakeStore(Store):
             self.counters.misses += 1
         return loaded
 
-    def _windows(self, link: KeeperLink, keys: Sequence[bytes], targets: Targets, damaged: list[bytes]) -> int:
+    def _windows(
+        self, link: KeeperLink, keys: Sequence[bytes], targets: Targets, damaged: list[bytes], expected: list[str]
+    ) -> int:
         """While window ``w`` lands, the keeper locates window ``w + 1`` (which also takes Mooncake's read
         lease); where window ``w`` came from other hosts, the keeper also fetches window ``w + 1``'s remote
         objects meanwhile (into the other half of the batch buffer), so window ``w + 1`` is located before
-        ``w`` lands. Replies come in the order of the requests::
+        ``w`` lands. While the last window lands, the keeper locates the ``expected`` first window of the
+        next load, which then starts landing at once. Replies come in the order of the requests::
 
-            this host's objects:  locate 0 | locate 1 ~ land 0 | locate 2 ~ land 1 | ...
+            this host's objects:  locate 0 | locate 1 ~ land 0 | locate 2 ~ land 1 | ... | next 0 ~ land n
             other hosts':         locate 0, get 0 | locate 1 | get 1, locate 2 ~ land 0 | ...
         """
         names = [self._name(key) for key in keys]
         windows = [range(s, min(s + self.count, len(keys))) for s in range(0, len(keys), self.count)]
-        link.submit("locate", names=names[: windows[0].stop])
-        places = self._located(link.collect(), windows[0])
+        first = self._take_ahead(link, names[: windows[0].stop])
+        if first is None:
+            link.submit("locate", names=names[: windows[0].stop])
+            first = link.collect()
+        else:
+            self.log.debug("first window located ahead", objects=len(first))
+        places = self._located(first, windows[0])
         fetching = self._get(link, names, windows, 0, places)
         if len(windows) > 1:
             link.submit("locate", names=names[windows[1].start : windows[1].stop])
@@ -246,6 +279,9 @@ class MooncakeStore(Store):
             following: list[list[Any]] = []
             if more and remote:
                 following, fetching = self._next(link, names, windows, w + 1)
+            if w + 1 == len(windows) and expected and not link.pending:
+                link.submit("locate", names=expected)
+                self.ahead = (expected, time.monotonic())
             landed = self._land(keys, window, places, codes, targets, half=(w % 2) * self.count, damaged=damaged)
             loaded += landed
             if landed < len(window):
@@ -373,128 +409,3 @@ class MooncakeStore(Store):
             self.link.close()
             self.link = None
         self._unmap()
-
-
-class MooncakeBackend(StoreBackend):
-    """The ``mooncake`` backend (see the module docstring)."""
-
-    name = "mooncake"
-    direct = True  # the keeper holds the segment: an agent killed at a timeout loses nothing but that call
-    options = (
-        knobs.Knob("mooncake_master", knobs.optional_text, None, "mooncake backend: master address.", "HOST:PORT"),
-        knobs.Knob(
-            "mooncake_metadata",
-            knobs.optional_text,
-            None,
-            "mooncake backend: metadata server, e.g. http://127.0.0.1:8080/metadata.",
-            "URL",
-        ),
-        knobs.Knob(
-            "mooncake_segment",
-            knobs.size,
-            "256MiB",
-            "mooncake backend: memory each rank contributes to the store's pool (its keeper holds ranks x this).",
-            "BYTES",
-        ),
-        knobs.Knob(
-            "mooncake_replicas",
-            knobs.integer(1, 8),
-            1,
-            "mooncake backend: copies of each object, each in another segment (2+: a host lost for good costs "
-            "no prefix, for that much more memory and a network write per object).",
-            "N",
-        ),
-        knobs.Knob(
-            "mooncake_secret_file",
-            knobs.optional_text,
-            None,
-            "mooncake backend: a file (mode 0600) holding a secret every host shares; objects without its tag "
-            "are misses, so a writer without it cannot plant one (docs/mooncake.md). [default: none, untagged]",
-            "FILE",
-        ),
-        knobs.Knob(
-            "mooncake_host",
-            knobs.optional_text,
-            None,
-            "mooncake backend: this host's address as the other hosts reach it (default: the address this host "
-            "reaches the master from).",
-            "ADDRESS",
-        ),
-    )
-
-    def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
-        for key, example in (
-            ("mooncake_master", "127.0.0.1:50051"),
-            ("mooncake_metadata", "http://127.0.0.1:8080/metadata"),
-        ):
-            if not values.get(key):
-                raise InvalidSpec(key, f"is required with storage_backend mooncake, e.g. {example}")
-        master = str(values["mooncake_master"])
-        if not master.rpartition(":")[2].isdigit():
-            raise InvalidSpec("mooncake_master", f"must be HOST:PORT, got {master!r}")
-        return {
-            "mooncake_master": master,
-            "mooncake_metadata": str(values["mooncake_metadata"]),
-            "mooncake_segment": knobs.size(values.get("mooncake_segment", "256MiB")),
-            "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
-            "mooncake_host": values.get("mooncake_host") or None,
-            "mooncake_secret_file": secret_file(SECRET, values.get("mooncake_secret_file")),
-            "instance": instance,
-        }
-
-    def open(
-        self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
-    ) -> Store:
-        master = options["mooncake_master"]
-        keeper = KeeperConfig(
-            instance=options["instance"],
-            run_dir=str(run_dir()),
-            master=master,
-            metadata=options["mooncake_metadata"],
-            segment_bytes=ranks * options["mooncake_segment"],
-            host=options.get("mooncake_host") or local_address(*host_port(master, 50051)),
-        )
-        if options.get("mooncake_secret_file"):
-            identity = dataclasses.replace(identity, secret=read_secret(SECRET, options["mooncake_secret_file"]))
-        return MooncakeStore(identity=identity, keeper=keeper, replicas=options.get("mooncake_replicas", 1), log=log)
-
-    def release(self, options: Mapping[str, Any], *, instance: str) -> None:
-        """A final stop: every keeper of the instance lets go of its segment (its objects leave the store)."""
-        release(run_dir(), instance)
-
-    def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
-        endpoints = {
-            "master": host_port(options["mooncake_master"], 50051),
-            "metadata": host_port(options["mooncake_metadata"], 8080),
-        }
-        up = {name: _reachable(*hp) for name, hp in endpoints.items()}
-        measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
-        figure = ", ".join(
-            f"{name} {h}:{p} {'answers' if up[name] else 'does not answer'}" for name, (h, p) in endpoints.items()
-        )
-        if not all(up.values()):
-            advice = "start mooncake_master (--enable_http_metadata_server)"
-            return [Check("mooncake_master", FAIL, figure, measured, advice)]
-        return [Check("mooncake_master", OK, figure, measured), self._keeper_check(options, ranks)]
-
-    def _keeper_check(self, options: Mapping[str, Any], ranks: int) -> Check:
-        """Whether the instance's keeper runs, what it holds, and whether the next start keeps it."""
-        found = mooncake_link.info(run_dir(), options["instance"])
-        if found is None:
-            return Check("mooncake_keeper", OK, "none running (the first store agent starts one)", {"running": False})
-        wanted = ranks * options["mooncake_segment"]
-        measured = {"running": True, **{k: found.get(k) for k in ("pid", "hostname", "segment_bytes", "config")}}
-        measured["master_resets"] = found.get("stats", {}).get("master_resets", 0)
-        figure = (
-            f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
-            f"{found.get('hostname')}; the master forgot it {measured['master_resets']} times"
-        )
-        held = {"segment": size_text(found.get("segment_bytes", 0)), "master": found.get("config", {}).get("master")}
-        wants = {"segment": size_text(wanted), "master": options["mooncake_master"]}
-        if differs := [f"{k} {held[k]} (this configuration: {wants[k]})" for k in held if held[k] != wants[k]]:
-            advice = "the next start replaces it (its objects leave the store): start with the options it has"
-            return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
-        return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
-
-
-register(MooncakeBackend())

@@ -1,0 +1,145 @@
+"""The ``mooncake`` backend's options, configuration, opening and host checks; its store client, the keeper
+and the tier's design are in ``kvcached.store.mooncake``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvcached import knobs
+from kvcached.checks import FAIL, OK, WARN, Check, size_text
+from kvcached.logs import Logger
+from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.names import run_dir
+from kvcached.protocol.spec import CacheSpec
+from kvcached.store import mooncake_link, register
+from kvcached.store.base import ObjectIdentity, Store, StoreBackend
+from kvcached.store.mooncake import SECRET, MooncakeStore, host_port, local_address, reachable
+from kvcached.store.mooncake_link import KeeperConfig, release
+from kvcached.store.secret import read_secret, secret_file
+
+
+class MooncakeBackend(StoreBackend):
+    """The ``mooncake`` backend (see the module docstring)."""
+
+    name = "mooncake"
+    direct = True  # the keeper holds the segment: an agent killed at a timeout loses nothing but that call
+    options = (
+        knobs.Knob("mooncake_master", knobs.optional_text, None, "mooncake backend: master address.", "HOST:PORT"),
+        knobs.Knob(
+            "mooncake_metadata",
+            knobs.optional_text,
+            None,
+            "mooncake backend: metadata server, e.g. http://127.0.0.1:8080/metadata.",
+            "URL",
+        ),
+        knobs.Knob(
+            "mooncake_segment",
+            knobs.size,
+            "256MiB",
+            "mooncake backend: memory each rank contributes to the store's pool (its keeper holds ranks x this).",
+            "BYTES",
+        ),
+        knobs.Knob(
+            "mooncake_replicas",
+            knobs.integer(1, 8),
+            1,
+            "mooncake backend: copies of each object, each in another segment (2+: a host lost for good costs "
+            "no prefix, for that much more memory and a network write per object).",
+            "N",
+        ),
+        knobs.Knob(
+            "mooncake_secret_file",
+            knobs.optional_text,
+            None,
+            "mooncake backend: a file (mode 0600) holding a secret every host shares; objects without its tag "
+            "are misses, so a writer without it cannot plant one (docs/mooncake.md). [default: none, untagged]",
+            "FILE",
+        ),
+        knobs.Knob(
+            "mooncake_host",
+            knobs.optional_text,
+            None,
+            "mooncake backend: this host's address as the other hosts reach it (default: the address this host "
+            "reaches the master from).",
+            "ADDRESS",
+        ),
+    )
+
+    def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
+        for key, example in (
+            ("mooncake_master", "127.0.0.1:50051"),
+            ("mooncake_metadata", "http://127.0.0.1:8080/metadata"),
+        ):
+            if not values.get(key):
+                raise InvalidSpec(key, f"is required with storage_backend mooncake, e.g. {example}")
+        master = str(values["mooncake_master"])
+        if not master.rpartition(":")[2].isdigit():
+            raise InvalidSpec("mooncake_master", f"must be HOST:PORT, got {master!r}")
+        return {
+            "mooncake_master": master,
+            "mooncake_metadata": str(values["mooncake_metadata"]),
+            "mooncake_segment": knobs.size(values.get("mooncake_segment", "256MiB")),
+            "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
+            "mooncake_host": values.get("mooncake_host") or None,
+            "mooncake_secret_file": secret_file(SECRET, values.get("mooncake_secret_file")),
+            "instance": instance,
+        }
+
+    def open(
+        self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
+    ) -> Store:
+        master = options["mooncake_master"]
+        keeper = KeeperConfig(
+            instance=options["instance"],
+            run_dir=str(run_dir()),
+            master=master,
+            metadata=options["mooncake_metadata"],
+            segment_bytes=ranks * options["mooncake_segment"],
+            host=options.get("mooncake_host") or local_address(*host_port(master, 50051)),
+        )
+        if options.get("mooncake_secret_file"):
+            identity = dataclasses.replace(identity, secret=read_secret(SECRET, options["mooncake_secret_file"]))
+        return MooncakeStore(identity=identity, keeper=keeper, replicas=options.get("mooncake_replicas", 1), log=log)
+
+    def release(self, options: Mapping[str, Any], *, instance: str) -> None:
+        """A final stop: every keeper of the instance lets go of its segment (its objects leave the store)."""
+        release(run_dir(), instance)
+
+    def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
+        endpoints = {
+            "master": host_port(options["mooncake_master"], 50051),
+            "metadata": host_port(options["mooncake_metadata"], 8080),
+        }
+        up = {name: reachable(*hp) for name, hp in endpoints.items()}
+        measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
+        figure = ", ".join(
+            f"{name} {h}:{p} {'answers' if up[name] else 'does not answer'}" for name, (h, p) in endpoints.items()
+        )
+        if not all(up.values()):
+            advice = "start mooncake_master (--enable_http_metadata_server)"
+            return [Check("mooncake_master", FAIL, figure, measured, advice)]
+        return [Check("mooncake_master", OK, figure, measured), self._keeper_check(options, ranks)]
+
+    def _keeper_check(self, options: Mapping[str, Any], ranks: int) -> Check:
+        """Whether the instance's keeper runs, what it holds, and whether the next start keeps it."""
+        found = mooncake_link.info(run_dir(), options["instance"])
+        if found is None:
+            return Check("mooncake_keeper", OK, "none running (the first store agent starts one)", {"running": False})
+        wanted = ranks * options["mooncake_segment"]
+        measured = {"running": True, **{k: found.get(k) for k in ("pid", "hostname", "segment_bytes", "config")}}
+        measured["master_resets"] = found.get("stats", {}).get("master_resets", 0)
+        figure = (
+            f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
+            f"{found.get('hostname')}; the master forgot it {measured['master_resets']} times"
+        )
+        held = {"segment": size_text(found.get("segment_bytes", 0)), "master": found.get("config", {}).get("master")}
+        wants = {"segment": size_text(wanted), "master": options["mooncake_master"]}
+        if differs := [f"{k} {held[k]} (this configuration: {wants[k]})" for k in held if held[k] != wants[k]]:
+            advice = "the next start replaces it (its objects leave the store): start with the options it has"
+            return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
+        return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
+
+
+register(MooncakeBackend())
