@@ -133,3 +133,32 @@ def test_a_next_load_that_starts_in_the_cpu_pool_lands_the_rest_from_the_store(
         assert [h.result().blocks for h in loads] == [PER_LOAD, PER_LOAD, 4 + PER_LOAD]
         assert blocks(caches, list(range(150, 154 + PER_LOAD))) == expected
         assert blocks(caches, list(range(100, 100 + PER_LOAD))) == expected_stored
+
+
+def test_only_the_first_keys_of_a_whole_next_load_go_ahead_and_nothing_else_does() -> None:
+    """What the worker passes ahead, read from its buffer as a client left it (in-process): the first
+    ``AHEAD_KEYS`` keys of a whole LOAD frame, and nothing for a partial frame, another operation, a
+    payload that is not ids and keys, or garbage."""
+    import socket
+
+    from kvcached.daemon.frames import Client
+    from kvcached.daemon.server import AHEAD_KEYS, _next_load
+    from kvcached.protocol.messages import Op, request
+
+    keys = keys_for(AHEAD_KEYS + 36, salt=0)
+    ids = np.arange(len(keys), dtype="<i4").tobytes()
+    whole = request(Op.LOAD, 7, ids + b"".join(keys))
+    mine, _theirs = socket.socketpair()
+    with mine, _theirs:
+        client = Client(mine)
+        for buffered, expected in (
+            (whole, keys[:AHEAD_KEYS]),
+            (request(Op.LOAD, 8, ids[:12] + b"".join(keys[:3])), keys[:3]),
+            (whole[:-1], []),
+            (request(Op.STORE, 9, ids + b"".join(keys)), []),
+            (request(Op.LOAD, 10, ids + b"".join(keys) + b"x"), []),
+            (b"KVT0" + whole[4:], []),
+            (b"\x00" * 10, []),
+        ):
+            client.inbuf = bytearray(buffered)
+            assert _next_load(client) == expected

@@ -48,6 +48,8 @@ from kvcached.protocol.messages import MAX_PAYLOAD, REQUEST, REQUEST_MAGIC, Op, 
 from kvcached.protocol.stats import StatsSlot
 
 RECV_CHUNK = 1 << 20
+#: Where a buffered request's payload starts in its client's ``inbuf`` (``Client.next_request``).
+PAYLOAD_AT = REQUEST.size
 #: Reply bytes a connection may have queued before its requests stop being read.
 OUT_CAP = 4 << 20
 #: Bytes of unfinished request frames held over all connections.
@@ -117,15 +119,16 @@ class Client:
         self.events = 0  # what the selector watches now
         self.active = time.monotonic()  # when it last sent a request
 
-    def next_request(self) -> Request | None:
-        """The whole request buffered after the one being run, left where it is (None: none yet, or a large
-        frame: it is not parsed ahead)."""
+    def next_request(self) -> tuple[int, int] | None:
+        """``(op, payload length)`` of the whole request buffered after the one being run, whose payload is
+        ``inbuf[PAYLOAD_AT : PAYLOAD_AT + length]``, left where it is (None: none yet, or a large frame,
+        which is not looked at ahead)."""
         if self.frame is not None or len(self.inbuf) < REQUEST.size:
             return None
-        magic, op, flags, task_id, length = REQUEST.unpack_from(self.inbuf)
+        magic, op, _, _, length = REQUEST.unpack_from(self.inbuf)
         if magic != REQUEST_MAGIC or len(self.inbuf) < REQUEST.size + length:
             return None
-        return Request(op, flags, task_id, bytes(self.inbuf[REQUEST.size : REQUEST.size + length]))
+        return op, length
 
 
 #: Runs one request of ``client`` and returns its reply frame (never raises for a bad task: it answers).

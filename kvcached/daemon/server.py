@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from kvcached.copy_engine import Array, SwapEngine
-from kvcached.daemon.frames import Client, Request
+from kvcached.daemon.frames import PAYLOAD_AT, Client, Request
 from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.store_agent import StoreCalls
 from kvcached.logs import Logger
@@ -38,6 +38,9 @@ from kvcached.protocol.messages import (
     unpack_keyed,
 )
 from kvcached.protocol.stats import StatsSlot
+
+#: Keys of a client's next load passed to the store ahead of it (more than a store looks up at once).
+AHEAD_KEYS = 64
 
 
 class TaskServer:
@@ -315,10 +318,13 @@ class TaskServer:
 
 
 def _next_load(client: Client) -> list[bytes]:
-    """The keys of the load ``client`` has sent after the one being run, when it is buffered already (else
-    none): the store may start finding them while this one lands."""
-    request = client.next_request()
-    if request is None or request.op != Op.LOAD:
+    """The first ``AHEAD_KEYS`` keys of the load ``client`` has sent after the one being run, when it is
+    buffered already (else none): the store may start finding them while this one lands. Only those keys
+    are copied out of the buffer; the request itself is checked when it runs."""
+    found = client.next_request()
+    if found is None or found[0] != Op.LOAD or found[1] % (4 + KEY_BYTES):
         return []
-    keyed = unpack_keyed(request.payload, 1)
-    return keyed[1] if keyed is not None else []
+    count = found[1] // (4 + KEY_BYTES)
+    start = PAYLOAD_AT + 4 * count
+    raw = bytes(client.inbuf[start : start + min(count, AHEAD_KEYS) * KEY_BYTES])
+    return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
