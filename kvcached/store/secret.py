@@ -23,10 +23,11 @@ def read_secret(field: str, path: str | Path) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as exc:
         raise InvalidSpec(field, f"cannot read {path}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a directory with its own error
+        os.close(fd)
+        raise InvalidSpec(field, f"{path} is not a regular file")
     with os.fdopen(fd, "rb") as file:
-        st = os.fstat(file.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidSpec(field, f"{path} is not a regular file")
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise InvalidSpec(
                 field,
