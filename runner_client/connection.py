@@ -9,12 +9,14 @@ daemon handing over, a worker replaced, a daemon gone) is the business of ``runn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvcached.protocol.control import ControlBlock
@@ -32,22 +34,32 @@ class Closed(Exception):
     """The rank's connection ended (EOF or reset), or its socket is not there."""
 
 
+class Full(Exception):
+    """``MAX_IN_FLIGHT`` replies were unread and none came by the sender's deadline: nothing was sent, and
+    the connection is as it was."""
+
+
 class Connection:
-    """One connection to one rank worker; frames are sent and replies read under ``lock``.
+    """One connection to one rank worker; frames are sent under ``send_lock`` and replies read under
+    ``read_lock``, so that a thread sending a task never waits behind a thread waiting for a reply. ``by``
+    (monotonic): the HELLO is given up (``TimeoutError``, the socket closed) if not answered by then.
 
     Raises, when it opens: ``Closed`` (no socket, or closed at once), ``NotTrusted`` (the socket or the
     process serving it is not the daemon's user's), ``AccessDenied`` (this user may not connect, or the
     worker refused it), ``DaemonGone`` (the worker refused the HELLO: another generation), ``TaskFailed``
     (the worker is at its connection cap)."""
 
-    def __init__(self, path: str, rank: int, block: ControlBlock, timeout: float) -> None:
+    def __init__(self, path: str, rank: int, block: ControlBlock, timeout: float, by: float | None = None) -> None:
         self.rank = rank
         self.block = block  # of the daemon it is opened to (kept mapped while this client lives)
         generation, owner = block.header().generation, block.owner_uid
         self.timeout = timeout
-        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.read_lock = threading.Lock()
         self.next_id = 1
-        self.unread = 0  # tasks sent whose reply has not been read from the socket yet
+        # Tasks sent and replies read (each changed under its own lock only): the difference is in flight.
+        self.sent = 0
+        self.read = 0
         self.early: dict[int, tuple[int, dict[str, Any]]] = {}
         self.buf = bytearray()
         try:
@@ -59,13 +71,18 @@ class Connection:
         self._set_rcvtimeo(timeout)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
         hello = json.dumps({"generation": f"{generation:016x}"}).encode()
+        deadline = time.monotonic() + timeout if by is None else min(time.monotonic() + timeout, by)
         try:
-            task_id = self.send(Op.HELLO, hello)
-        except Closed:
-            # Closed at once: a refused peer gets one REFUSED frame first; wait() raises on it.
-            self.wait(0, time.monotonic() + min(timeout, 1.0))
+            try:
+                task_id = self.send(Op.HELLO, hello, by=deadline)
+            except Closed:
+                # Closed at once: a refused peer gets one REFUSED frame first; wait() raises on it.
+                self.wait(0, time.monotonic() + min(timeout, 1.0))
+                raise
+            status, body = self.wait(task_id, deadline)
+        except BaseException:
+            self.sock.close()
             raise
-        status, body = self.wait(task_id, time.monotonic() + timeout)
         if status != Status.OK:
             self.sock.close()
             raise DaemonGone(f"rank {rank}: the daemon's worker refused this client: {body.get('message')}")
@@ -89,14 +106,20 @@ class Connection:
         sock.setblocking(True)
         return sock
 
-    def send(self, op: Op, payload: bytes, flags: int = 0) -> int:
+    def send(self, op: Op, payload: bytes, flags: int = 0, *, by: float | None = None) -> int:
         """Send one task and return its id; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for
-        their waiters). Raises ``Closed`` (the worker is gone: it runs none of it) or ``TimeoutError`` (the
-        worker reads nothing any more: this connection is closed, part of a frame may be out)."""
-        with self.lock:
-            deadline = time.monotonic() + self.timeout
-            while self.unread >= MAX_IN_FLIGHT:
-                self._read_reply(deadline)
+        their waiters), until ``by`` at the latest. Raises ``Closed`` (the worker is gone: it runs none of
+        it), ``TimeoutError`` (the worker reads nothing any more: this connection is closed, part of a frame
+        may be out) or ``Full`` (``by`` passed before it could go out)."""
+        with self.send_lock:
+            deadline = time.monotonic() + self.timeout if by is None else min(time.monotonic() + self.timeout, by)
+            try:
+                while self.sent - self.read >= MAX_IN_FLIGHT:
+                    with self._reading(deadline):
+                        if self.sent - self.read >= MAX_IN_FLIGHT:
+                            self._read_reply(deadline)
+            except TimeoutError:
+                raise Full() from None
             task_id = self.next_id
             self.next_id += 1
             try:
@@ -106,16 +129,27 @@ class Connection:
             except (BlockingIOError, TimeoutError):  # SO_SNDTIMEO expired
                 self.sock.close()
                 raise TimeoutError from None
-            self.unread += 1
+            self.sent += 1
             return task_id
 
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way. Raises
         ``Closed``, ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``TaskFailed`` for a refusal."""
-        with self.lock:
+        with self._reading(deadline):
             while task_id not in self.early:
                 self._read_reply(deadline)
             return self.early.pop(task_id)
+
+    @contextlib.contextmanager
+    def _reading(self, deadline: float) -> Iterator[None]:
+        """Hold ``read_lock``, waited for at most until ``deadline`` (``TimeoutError``): another thread may
+        be reading, for its own reply, longer than this caller may wait."""
+        if not self.read_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise TimeoutError
+        try:
+            yield
+        finally:
+            self.read_lock.release()
 
     def close(self) -> None:
         self.sock.close()
@@ -146,7 +180,7 @@ class Connection:
         self.rcvtimeo = max(seconds, 0.001)
 
     def _read_reply(self, deadline: float) -> None:
-        """Read one reply into ``early``. Caller holds the lock."""
+        """Read one reply into ``early``. Caller holds ``read_lock``."""
         while len(self.buf) < REPLY.size:
             self._fill(deadline)
         magic, op, status, got_id, length = REPLY.unpack_from(self.buf)
@@ -160,7 +194,7 @@ class Connection:
             if body.get("reason") == "capacity":
                 raise TaskFailed(f"rank {self.rank}: the worker refused the connection: {body.get('message')}")
             raise AccessDenied(f"rank {self.rank}: the daemon refused this client: {body.get('message')}")
-        self.unread = max(0, self.unread - 1)
+        self.read += 1
         self.early[got_id] = (status, body)
 
 

@@ -36,7 +36,7 @@ from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.messages import Op, Status
 from kvcached.protocol.names import task_socket_path
 from kvcached.protocol.proc import is_alive
-from runner_client.connection import Closed, Connection
+from runner_client.connection import MAX_IN_FLIGHT, Closed, Connection, Full
 
 #: How long, at most, a task waits for the next daemon after the one it talked to died or handed over.
 FOLLOW_S = 10.0
@@ -191,7 +191,7 @@ class RankLink:
             self._check_ready(deadline)
             path = str(task_socket_path(self.daemons.header.run_dir, self.instance, self.rank))
             try:
-                connection = Connection(path, self.rank, self.daemons.block, self.timeout)
+                connection = Connection(path, self.rank, self.daemons.block, self.timeout, by=deadline)
             except (AccessDenied, TaskFailed):
                 raise
             except (OSError, Closed):  # the worker is being replaced: its socket comes back with it
@@ -216,11 +216,16 @@ class RankLink:
         for attempt in range(2):
             connection = self._connect(deadline)  # READY is checked once, when a connection opens
             try:
-                return Sent(connection, connection.send(op, payload, flags), op, targets, payload, flags)
+                return Sent(connection, connection.send(op, payload, flags, by=deadline), op, targets, payload, flags)
             except Closed:
                 self._drop(connection)
                 if attempt:
                     raise self._lost(op, (), None) from None
+            except Full:
+                raise TaskTimeout(
+                    f"instance {self.instance!r} rank {self.rank}: {MAX_IN_FLIGHT} tasks in flight and no reply "
+                    "in time to send another"
+                ) from None
             except TimeoutError:
                 self._drop(connection)
                 raise
