@@ -11,6 +11,9 @@ Then each command calls FastDeploy's own code: ``issue_swap_task``, ``request_ma
 ``write_cache_to_storage_decode``, and ``_wait_for_control_responses`` (``common_engine.py``, its source taken
 at run time) over FastDeploy's FMQ. The config objects are built from CONFIG_JSON (STUBS of FDConfig's parts:
 only the fields FastDeploy's code reads). Attached runner views check the bytes (``runner_client``).
+CONFIG_JSON's ``read_timeout``, when given, is the default of ``ReadStorageTask.timeout`` (FastDeploy's: 30 s)
+in this process: the deadline the reads ``request_match_blocks`` builds carry, so that a test of a read cut
+off at its deadline need not wait 30 s.
 """
 
 from __future__ import annotations
@@ -73,8 +76,12 @@ class Engine:
     def __init__(self, c: dict[str, Any]) -> None:
         install(Path(os.environ["FASTDEPLOY_SRC"]), Path(os.environ["KVCACHED_TEST_FD_PATCHED"]))
         from fastdeploy.cache_manager import cache_data
+        from fastdeploy.cache_manager.cache_tasks import ReadStorageTask
         from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
         from fastdeploy.inter_communicator import EngineCacheQueue, IPCSignal
+
+        if c.get("read_timeout") is not None:  # a test's setting: the deadline FastDeploy's own reads carry
+            ReadStorageTask.__init__.__kwdefaults__["timeout"] = float(c["read_timeout"])
 
         self.c, self.status, self.node = c, cache_data.CacheStatus, cache_data.BlockNode
         self.config, tp, suffix = configs(c), c["tp"], c["suffix"]
