@@ -299,17 +299,24 @@ def test_a_slow_read_is_cut_off_at_its_deadline_and_the_engine_goes_on(daemons: 
 
 @pytest.mark.slow
 def test_a_paused_engine_is_waited_for_and_served_after(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """The engine and its queue server stopped (SIGSTOP to its process group) for 8 s, past every deadline of
-    the drop-ins on it (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 2: 4 s): the engine
-    lives, so the drop-ins wait on, logging it, and serve it once it continues."""
-    deadlines = {"KVCACHED_TASK_DEADLINE_S": "2", "KVCACHED_QUEUE_SLACK_S": "2"}
+    """The engine and its queue server stopped (SIGSTOP to its process group) until both drop-ins have waited
+    on it past every deadline they have (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 1:
+    3 s): the engine lives, so the drop-ins wait on, logging it, and serve it once it continues."""
+    deadlines = {"KVCACHED_TASK_DEADLINE_S": "2", "KVCACHED_QUEUE_SLACK_S": "1"}
+    waits_on = "is alive, so the drop-in waits on"
     with engine_and_daemon(daemons, tmp_path, env=deadlines) as (engine, _):
         engine.call("launch")
         os.killpg(engine.proc.pid, signal.SIGSTOP)
         try:
-            time.sleep(8)
+            deadline = time.monotonic() + 60
+            while not all(
+                any(f"rank {rank} waiting" in line and waits_on in line for line in engine.dropin_log().splitlines())
+                for rank in (0, 1)
+            ):
+                assert time.monotonic() < deadline, f"the drop-ins did not wait on\n{engine.diagnostics()}"
+                time.sleep(0.1)
         finally:
             os.killpg(engine.proc.pid, signal.SIGCONT)
         engine.call("swap", event="SWAP2CPU", task_id="after-pause", gpu=[5], cpu=[1], nodes=None, timeout=60)
         log = engine.dropin_log()
-        assert "is alive, so the drop-in waits on" in log and "cannot be served" not in log
+        assert waits_on in log and "cannot be served" not in log

@@ -31,6 +31,8 @@ from tests.test_fastdeploy_engine import GEOMETRY, SPEC, TP, Engine, blocks
 
 #: Blocks of the spec the tests fill, store and load.
 SOURCE, TARGET = [4, 5, 6, 7], [8, 9, 10, 11]
+#: What a drop-in logs once a wait on a live engine has passed its deadline.
+WAITS_ON = "is alive, so the drop-in waits on"
 
 
 @contextlib.contextmanager
@@ -66,7 +68,7 @@ def served(
 def logs(engine: Engine) -> str:
     """The drop-ins' output, once they have ended (``Engine.close``)."""
     engine.close()
-    return "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
+    return engine.output()
 
 
 def views(instance: str) -> list[rc.KVCache]:
@@ -197,21 +199,24 @@ def test_a_task_taken_while_paused_is_logged_by_name(daemons: DaemonFactory, tmp
 
 @pytest.mark.slow
 def test_a_paused_engine_is_waited_for(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """The engine's queue server stopped (``SIGSTOP``) for longer than every deadline of the drop-ins on it
-    (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 2: 4 s): the engine process is alive, so
-    both drop-ins wait on, logging why, and serve once it continues. (A dead engine ends them:
+    """The engine's queue server stopped (``SIGSTOP``) until both drop-ins have waited on it past every
+    deadline they have (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 1: 3 s): the engine
+    process is alive, so both wait on, logging why, and serve once it continues. (A dead engine ends them:
     ``tests/test_fastdeploy_engine_code.py``.)"""
-    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2", KVCACHED_QUEUE_SLACK_S="2") as (engine, _):
+    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2", KVCACHED_QUEUE_SLACK_S="1") as (engine, _):
         server = engine.server.manager._process.pid
         os.kill(server, signal.SIGSTOP)
         try:
-            time.sleep(8)
+            engine.until(
+                lambda: all(WAITS_ON in engine.output(proc) for proc in engine.dropins),
+                "both drop-ins waiting on, past their deadline",
+            )
         finally:
             os.kill(server, signal.SIGCONT)
         done = engine.task((engine.fd.CacheStatus.SWAP2CPU, "after-pause", [1], [1], [0]))
         assert done[0][1] == "after-pause" and all(proc.poll() is None for proc in engine.dropins)
         said = logs(engine)
-        assert "the engine (pid" in said and "is alive, so the drop-in waits on" in said, said[-2000:]
+        assert "the engine (pid" in said and WAITS_ON in said, said[-2000:]
         assert "cannot be served" not in said
 
 
@@ -230,16 +235,16 @@ def test_what_the_drop_in_cannot_serve_is_refused_by_name_before_it_joins(
         mtp = '{"method": "mtp", "num_extra_cache_layer": 1}'
         proc = engine.launch(0, mp_num="1", local_data_parallel_id="1", speculative_config=mtp)
         assert proc.wait(60) == 4
-        assert "--local_data_parallel_id: data-parallel group 1 with MTP" in (proc.stdout.read() if proc.stdout else "")
+        assert "--local_data_parallel_id: data-parallel group 1 with MTP" in engine.output(proc)
         monkeypatch.setenv("KVCACHED_TEST_FD_PLATFORM", "gpu")
         proc = engine.launch(0)
         assert proc.wait(60) == 4
-        assert "FastDeploy runs on gpu here: kvcached has no gpu device backend" in (proc.stdout.read() or "")
+        assert "FastDeploy runs on gpu here: kvcached has no gpu device backend" in engine.output(proc)
         monkeypatch.delenv("KVCACHED_TEST_FD_PLATFORM")
         (tmp_path / "version.yaml").write_text("version: [RL-STEP1\n")
         proc = engine.launch(0)
         assert proc.wait(60) == 4
-        assert "--model_path: " in (proc.stdout.read() or "")
+        assert "--model_path: " in engine.output(proc)
         assert (
             engine.value("cache_transfer_inited_signal") == [0] * TP and engine.value("cache_ready_signal") == [0] * TP
         )
