@@ -213,11 +213,12 @@ def children(pid: int) -> list[int]:
 
 
 def test_a_read_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """Through ``request_match_blocks``: rank 0's load fails (its store agent stopped, the store timeout 2 s)
-    while rank 1's worker is stopped for 4 s. The engine is told nothing loaded only once rank 1's load has
-    ended: the GPU blocks it recycles and computes into keep what it writes there."""
+    """Through ``request_match_blocks``: rank 0's load fails (its store agent stopped, the store timeout 1 s)
+    while rank 1's worker is stopped for 2.5 s. The engine is told nothing loaded only once rank 1's load has
+    ended: the GPU blocks it recycles and computes into keep what it writes there (looked at 1.5 s after
+    rank 1 continues: a load reported too early would have landed by then)."""
     prompt = list(range(5000, 5000 + 8 * BLOCK))
-    args = ["--geometry", "engine", "--store-timeout", "2"]
+    args = ["--geometry", "engine", "--store-timeout", "1"]
     with engine_and_daemon(daemons, tmp_path, daemon_args=args) as (engine, daemon):
         engine.call("launch")
         caches = views(daemon.instance)
@@ -227,13 +228,14 @@ def test_a_read_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory, 
         stopped = [*children(ranks[0]["pid"]), ranks[1]["pid"]]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
-        threading.Timer(4.0, os.kill, (ranks[1]["pid"], signal.SIGCONT)).start()
+        continued = time.monotonic() + 2.5
+        threading.Timer(2.5, os.kill, (ranks[1]["pid"], signal.SIGCONT)).start()
         try:
             got = engine.call("match", request_id="r", prompt=prompt)
             assert got["storage_blocks"] == [] and got["tokens"] == 0
             for tensor in caches[1].key_caches + caches[1].value_caches:
                 tensor[:].view("uint8")[...] = 0x77  # a new request computes into the recycled blocks
-            time.sleep(3.0)
+            time.sleep(max(continued + 1.5 - time.monotonic(), 0))
             assert all((t[:].view("uint8") == 0x77).all() for t in caches[1].key_caches + caches[1].value_caches)
         finally:
             for pid in stopped:
@@ -243,14 +245,14 @@ def test_a_read_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory, 
 
 def test_a_write_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
     """Through ``write_cache_to_storage_decode``: rank 0's put fails at once (its object directories are
-    files), rank 1's is slow (0.5 s more per object). The engine gets the write back only once rank 1's put
+    files), rank 1's is slow (0.25 s more per object). The engine gets the write back only once rank 1's put
     has ended, so the blocks it then reuses never reach the store; the prompt written again and matched
     loads its own KV on every rank."""
     from kvcached.fastdeploy.arguments import store_key
 
     prompt = list(range(7000, 7000 + 4 * BLOCK))
     ids, store = [40, 41, 42, 43], tmp_path / "store"
-    fault = {"KVCACHED_FAULT": "store-step:sleep=0.5"}
+    fault = {"KVCACHED_FAULT": "store-step:sleep=0.25"}
     args = ["--geometry", "engine", "--store-timeout", "10"]
     with engine_and_daemon(daemons, tmp_path, daemon_args=args, daemon_env=fault) as (engine, daemon):
         engine.call("launch")
@@ -264,7 +266,7 @@ def test_a_write_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory,
             where.write_text("not a directory")
         engine.call("write_decode", request_id="w1", prompt=prompt, block_tables=ids)
         fill(caches, ids, seed=99)  # the request is done: its blocks are reused
-        time.sleep(3.0)
+        time.sleep(1.5)  # a put still under way (1 s for its 4 objects) would store the reused blocks now
         for where in planted:
             where.unlink()
         fill(caches, ids, seed=7)

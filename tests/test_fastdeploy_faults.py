@@ -105,22 +105,24 @@ def read(engine: Engine, task_id: str, keys: list[str], ids: list[int], timeout:
 
 
 def test_a_read_is_reported_only_once_every_ranks_part_has_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """Rank 0's load fails (its store agent stopped: the store timeout, 2 s) while rank 1's is held up (its
-    worker stopped for 4 s): the read is reported, as nothing loaded, only once rank 1's load has ended, so
-    nothing lands in the blocks the engine recycles and computes into once it has the answer."""
+    """Rank 0's load fails (its store agent stopped: the store timeout, 1 s) while rank 1's is held up (its
+    worker stopped for 2.5 s): the read is reported, as nothing loaded, only once rank 1's load has ended, so
+    nothing lands in the blocks the engine recycles and computes into once it has the answer (looked at
+    1.5 s after rank 1 continues: a load reported too early would have landed by then)."""
     keys = [f"race-{i}" for i in range(len(SOURCE))]
-    with served(daemons, tmp_path, "--store-timeout", "2") as (engine, daemon):
+    with served(daemons, tmp_path, "--store-timeout", "1") as (engine, daemon):
         caches = views(daemon.instance)
         fill(caches, SOURCE, seed=7)
         assert write(engine, "w", keys, SOURCE) == SOURCE
         stopped = [store_agent(daemon.instance, 0), read_status(daemon.instance)["ranks"][1]["pid"]]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
-        threading.Timer(4.0, os.kill, (stopped[1], signal.SIGCONT)).start()
+        continued = time.monotonic() + 2.5
+        threading.Timer(2.5, os.kill, (stopped[1], signal.SIGCONT)).start()
         try:
             assert read(engine, "r", keys, TARGET) == []
             fill(caches, TARGET, value=0x77)  # the engine recycles the blocks; a new request computes into them
-            time.sleep(3.0)  # a load still under way would land now
+            time.sleep(max(continued + 1.5 - time.monotonic(), 0))  # a load still under way would land by then
             assert blocks(caches[1], TARGET) == bytes([0x77]) * len(blocks(caches[1], TARGET))
         finally:
             for pid in stopped:
@@ -132,12 +134,12 @@ def test_a_read_is_reported_only_once_every_ranks_part_has_ended(daemons: Daemon
 
 def test_a_write_is_reported_only_once_every_ranks_part_has_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
     """Rank 0's put fails at once (its object directories are files) while rank 1's is slow (each object
-    its agent moves takes 0.5 s more): the write is reported only once rank 1's put has ended, so the
+    its agent moves takes 0.25 s more): the write is reported only once rank 1's put has ended, so the
     blocks the engine then reuses never reach the store under the old keys. The same prompt written again
     and read back loads its own KV on every rank (or nothing)."""
     keys = [f"late-{i}" for i in range(len(SOURCE))]
     store = tmp_path / "store"
-    with served(daemons, tmp_path, "--store-timeout", "10", fault="store-step:sleep=0.5") as (engine, daemon):
+    with served(daemons, tmp_path, "--store-timeout", "10", fault="store-step:sleep=0.25") as (engine, daemon):
         caches = views(daemon.instance)
         fill(caches, SOURCE, seed=7)
         truth = [blocks(c, SOURCE) for c in caches]
@@ -150,7 +152,7 @@ def test_a_write_is_reported_only_once_every_ranks_part_has_ended(daemons: Daemo
         try:
             assert write(engine, "w1", keys, SOURCE) == [], "rank 0 stored nothing: nothing is reported written"
             fill(caches, SOURCE, seed=99)  # the request is done: its blocks are reused
-            time.sleep(3.0)  # a put still under way would store the reused blocks now
+            time.sleep(1.5)  # a put still under way (1 s for its 4 objects) would store the reused blocks now
         finally:
             for where in planted:
                 where.unlink()
