@@ -184,11 +184,12 @@ class Engine:
         self.manager.write_cache_to_storage_decode(self.request(request_id, prompt, block_tables))
         return {}
 
-    def stream(self, pairs: int, progress: str) -> dict[str, Any]:
+    def stream(self, pairs: int, progress: str, until: str | None = None) -> dict[str, Any]:
         """``pairs`` x (swap out, then swap in elsewhere) through ``issue_swap_task``, each pair checked byte
         for byte through the runners' views: the source is overwritten after its swap out and the target
         zeroed before the swap in, so only bytes that really moved both ways compare equal. The pairs done
-        so far are written to ``progress``."""
+        so far are written to ``progress``; with ``until``, pairs go on past ``pairs`` until that file
+        exists (at most ten times ``pairs``)."""
         import runner_client as rc
         from tests.helpers.fastdeploy_engine_code import GEOMETRY, spec_of
 
@@ -196,8 +197,8 @@ class Engine:
         spec = spec_of(**{key: c[key] for key in GEOMETRY}, storage=c.get("storage"))
         caches = [rc.initialize_kv_cache(spec, rank, timeout=30) for rank in range(c["tp"])]
         tensors = [t for cache in caches for t in cache.key_caches + cache.value_caches]
-        rng, slowest, wrong = np.random.default_rng(5), 0.0, []
-        for i in range(pairs):
+        rng, slowest, wrong, i = np.random.default_rng(5), 0.0, [], 0
+        while i < pairs or (until is not None and not Path(until).exists() and i < 10 * pairs):
             src, dst, cpu = (
                 [2 * (i % 8), 2 * (i % 8) + 1],
                 [32 + 2 * (i % 8), 33 + 2 * (i % 8)],
@@ -213,8 +214,9 @@ class Engine:
             slowest = max(slowest, self.swap("SWAP2GPU", f"in-{i}", dst, cpu, None)["seconds"])
             if [t[dst].tobytes() for t in tensors] != expected:
                 wrong.append(i)
-            Path(progress).write_text(str(i + 1))
-        return {"pairs": pairs, "slowest": slowest, "wrong": wrong}
+            i += 1
+            Path(progress).write_text(str(i))
+        return {"pairs": i, "slowest": slowest, "wrong": wrong}
 
     def control(self, method: str) -> dict[str, Any]:
         """A control request as the engine sends it to the cache transfer managers (``_control_pause``
