@@ -23,9 +23,11 @@ import pytest
 from kvcached.fastdeploy.transfer_manager import TASK_S
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.helpers import fastdeploy_engine_code
 from tests.helpers.fastdeploy_engine_code import (
     GEOMETRY,
     EngineEnded,
+    Shared,
     blocks,
     configured,
     engine_and_daemon,
@@ -33,14 +35,18 @@ from tests.helpers.fastdeploy_engine_code import (
     views,
 )
 
+shared_engine, shared = fastdeploy_engine_code.shared_engine, fastdeploy_engine_code.shared  # fixtures
 BLOCK = GEOMETRY["block_size"]
 
 
-def test_the_engine_declares_the_geometry_and_swaps_move_the_bytes(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """With no geometry given to the daemon, FastDeploy's launch makes it allocate FastDeploy's own block
-    count; a swap out, an overwrite and a swap in issued by ``issue_swap_task`` bring the bytes back."""
-    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
-        assert engine.call("launch")["inited"] == [1, 1]
+class TestOneLaunchedEngine:
+    """Tests that neither stop, kill nor reconfigure the engine or its daemon: one of each serves them all."""
+
+    def test_the_engine_declares_the_geometry_and_swaps_move_the_bytes(self, shared: Shared) -> None:
+        """With no geometry given to the daemon, FastDeploy's launch makes it allocate FastDeploy's own block
+        count; a swap out, an overwrite and a swap in issued by ``issue_swap_task`` bring the bytes back."""
+        engine, daemon = shared.engine, shared.daemon
+        assert shared.launched["inited"] == [1, 1]
         spec = read_status(daemon.instance)["spec"]
         assert (spec["num_blocks"], spec["num_layers"], spec["num_cpu_blocks"]) == (64, 16, 32)
         caches = views(daemon.instance)
@@ -51,28 +57,27 @@ def test_the_engine_declares_the_geometry_and_swaps_move_the_bytes(daemons: Daem
         engine.call("swap", event="SWAP2GPU", task_id="in", gpu=[7, 8, 9], cpu=[30, 31, 0], nodes=None)
         assert blocks(caches, [7, 8, 9]) == original
 
-
-def test_a_prompt_of_four_and_a_half_blocks_loads_four_from_the_store(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """``write_cache_to_storage_decode`` stores a prompt's 4 full blocks (FastDeploy's chained hashes); a new
-    request for it (4.5 blocks unmatched) gets those 4 blocks loaded byte for byte and reported, its 5th
-    GPU block recycled, 64 tokens counted as cached."""
-    prompt = list(range(1000, 1000 + 4 * BLOCK + BLOCK // 2))
-    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
-        engine.call("launch")
+    def test_a_prompt_of_four_and_a_half_blocks_loads_four_from_the_store(self, shared: Shared) -> None:
+        """``write_cache_to_storage_decode`` stores a prompt's 4 full blocks (FastDeploy's chained hashes); a new
+        request for it (4.5 blocks unmatched) gets those 4 blocks loaded byte for byte and reported, its 5th
+        GPU block recycled, 64 tokens counted as cached."""
+        engine, daemon = shared.engine, shared.daemon
+        prompt = list(range(1000, 1000 + 4 * BLOCK + BLOCK // 2))
         caches = views(daemon.instance)
         fill(caches, [40, 41, 42, 43], seed=3)
         engine.call("write_decode", request_id="first", prompt=prompt, block_tables=[40, 41, 42, 43, 44])
+        free = len(engine.call("nodes", ids=[])["gpu_free"])
         got = engine.call("match", request_id="second", prompt=prompt)
         assert got["tokens"] == 4 * BLOCK and got["storage_blocks"] == got["blocks"] and len(got["blocks"]) == 4
+        assert not set(got["blocks"]) & {40, 41, 42, 43}
         assert blocks(caches, got["blocks"]) == blocks(caches, [40, 41, 42, 43])
-        assert len(got["gpu_free"]) == GEOMETRY["blocks"] - 4, "the fifth block went back to the free list"
+        assert len(got["gpu_free"]) == free - 4, "the fifth block went back to the free list"
 
-
-def test_a_refused_swap_out_is_reported_with_nothing_moved(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """Eviction to a CPU block kvcached refuses: the engine's nodes stay SWAP2CPU on their GPU blocks (never
-    recycled, their bytes kept), and the engine goes on: the next swap is served."""
-    with engine_and_daemon(daemons, tmp_path) as (engine, daemon):
-        engine.call("launch")
+    def test_a_refused_swap_out_is_reported_with_nothing_moved(self, shared: Shared) -> None:
+        """Eviction to a CPU block kvcached refuses: the engine's nodes stay SWAP2CPU on their GPU blocks (never
+        recycled, their bytes kept), and the engine goes on: the next swap is served."""
+        engine, daemon = shared.engine, shared.daemon
+        mark = engine.log_mark()
         caches = views(daemon.instance)
         fill(caches, [5, 6], seed=4)
         before = blocks(caches, [5, 6])
@@ -87,8 +92,17 @@ def test_a_refused_swap_out_is_reported_with_nothing_moved(daemons: DaemonFactor
         state = engine.call("nodes", ids=[900, 901])
         assert state["nodes"] == [{"status": "SWAP2CPU", "block_id": 5}, {"status": "SWAP2CPU", "block_id": 6}]
         assert blocks(caches, [5, 6]) == before
-        assert "refused by kvcached" in engine.dropin_log()
+        assert "refused by kvcached" in engine.dropin_log(since=mark)
         engine.call("swap", event="SWAP2CPU", task_id="next", gpu=[5], cpu=[3], nodes=None)
+
+    def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(self, shared: Shared) -> None:
+        """The engine's control waiter (its FMQ) gets 200 from every rank for sleep and wakeup, saying that
+        kvcached keeps the cache; an unknown method is still a 400 the waiter raises on."""
+        engine, mark = shared.engine, shared.engine.log_mark()
+        assert engine.call("control", method="sleep")["responses"] == [None, None]
+        assert engine.call("control", method="wakeup")["responses"] == [None, None]
+        assert "frees no memory" in engine.dropin_log(since=mark)
+        assert "Unknown control method" in engine.call("control", method="nap")["error"]
 
 
 def test_a_swap_in_that_cannot_happen_stops_the_engine_naming_it(daemons: DaemonFactory, tmp_path: Path) -> None:
@@ -115,17 +129,6 @@ def test_a_rank_whose_daemon_stays_away_ends_and_the_engine_stops(daemons: Daemo
         assert ended.value.status == -15
         log = engine.dropin_log()
         assert "swap in 'stranded'" in log and "not done within 2s" in log
-
-
-def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """The engine's control waiter (its FMQ) gets 200 from every rank for sleep and wakeup, saying that
-    kvcached keeps the cache; an unknown method is still a 400 the waiter raises on."""
-    with engine_and_daemon(daemons, tmp_path) as (engine, _):
-        engine.call("launch")
-        assert engine.call("control", method="sleep")["responses"] == [None, None]
-        assert engine.call("control", method="wakeup")["responses"] == [None, None]
-        assert "frees no memory" in engine.dropin_log()
-        assert "Unknown control method" in engine.call("control", method="nap")["error"]
 
 
 @pytest.mark.parametrize(
