@@ -30,6 +30,7 @@ import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
 from tests.helpers.fastdeploy_double import FMQDouble
 from tests.helpers.fastdeploy_src import pieces
+from tests.helpers.shared_daemons import shared_daemons
 
 #: A module this process (and so the engine's queue server, forked from it) has and the drop-in lacks: an
 #: engine whose FastDeploy has a task class the drop-in's does not.
@@ -193,8 +194,9 @@ class Engine:
             self.server.manager.shutdown()
 
 
-@pytest.fixture
-def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
+@contextlib.contextmanager
+def engine_of(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
+    """A 2-rank daemon with a file store, and the engine's side (no drop-in launched yet)."""
     daemon = daemons.start(
         ranks=TP, small=False, args=[*GEOMETRY, "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
     )
@@ -204,6 +206,21 @@ def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture
+def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
+    with engine_of(daemons, tmp_path) as made:
+        yield made
+
+
+@pytest.fixture(scope="class")
+def idle_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """``engine`` for the tests of a class whose drop-ins are each refused before they join the queue or set
+    a flag: one daemon and one engine side serve them all."""
+    tmp = tmp_path_factory.mktemp("idle-engine")
+    with shared_daemons(tmp) as daemons, engine_of(daemons, tmp) as made:
+        yield made
 
 
 def blocks(cache: rc.KVCache, ids: list[int]) -> bytes:
@@ -266,27 +283,31 @@ def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
             cache.close()
 
 
-@pytest.mark.parametrize(
-    ("field", "changes"),
-    [
-        ("key_cache_shape", {"key_cache_shape": "16,2,4,32", "value_cache_shape": "16,2,4,32"}),
-        ("value_cache_shape", {"value_cache_shape": ""}),
-        ("num_layers", {"num_layers": "3"}),
-        ("num_cpu_blocks", {"num_cpu_blocks": "9"}),
-        ("cache_dtype", {"cache_dtype": "uint8"}),
-        ("local_data_parallel_id", {"local_data_parallel_id": "1"}),
-        ("kvcache_storage_backend", {"kvcache_storage_backend": "mooncake"}),
-    ],
-)
-def test_a_mismatch_is_refused_by_name_before_anything_moves(
-    engine: Engine, field: str, changes: dict[str, str]
-) -> None:
-    """The engine's idea of the cache differs from the daemon's in one field: the drop-in exits 4 naming it,
-    before it joins the queue or sets a flag."""
-    proc = engine.launch(0, **changes)
-    assert proc.wait(60) == 4
-    assert f"--{field}:" in engine.output(proc)
-    assert engine.value("cache_transfer_inited_signal") == [0, 0] and engine.value("cache_ready_signal") == [0, 0]
+class TestRefusedByName:
+    """Drop-ins the daemon refuses: none of them joins the queue or sets a flag."""
+
+    @pytest.mark.parametrize(
+        ("field", "changes"),
+        [
+            ("key_cache_shape", {"key_cache_shape": "16,2,4,32", "value_cache_shape": "16,2,4,32"}),
+            ("value_cache_shape", {"value_cache_shape": ""}),
+            ("num_layers", {"num_layers": "3"}),
+            ("num_cpu_blocks", {"num_cpu_blocks": "9"}),
+            ("cache_dtype", {"cache_dtype": "uint8"}),
+            ("local_data_parallel_id", {"local_data_parallel_id": "1"}),
+            ("kvcache_storage_backend", {"kvcache_storage_backend": "mooncake"}),
+        ],
+    )
+    def test_a_mismatch_is_refused_by_name_before_anything_moves(
+        self, idle_engine: Engine, field: str, changes: dict[str, str]
+    ) -> None:
+        """The engine's idea of the cache differs from the daemon's in one field: the drop-in exits 4 naming
+        it, before it joins the queue or sets a flag."""
+        engine = idle_engine
+        proc = engine.launch(0, **changes)
+        assert proc.wait(60) == 4
+        assert f"--{field}:" in engine.output(proc)
+        assert engine.value("cache_transfer_inited_signal") == [0, 0] and engine.value("cache_ready_signal") == [0, 0]
 
 
 def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engine) -> None:
