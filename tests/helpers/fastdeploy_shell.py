@@ -171,20 +171,21 @@ def nodelay_clients() -> None:
     FastDeploy cache queue opens a connection for each of its 18 proxies and another to register each, so
     every queue, server or client, took seconds to make; each proxy's calls after that are one write and
     one read, and are not delayed either way. The bytes on the wire are the same."""
-    if getattr(multiprocessing.connection.SocketClient, "nodelay", False):
+    connection: Any = multiprocessing.connection  # SocketClient and address_type are not in its stubs
+    if getattr(connection.SocketClient, "nodelay", False):
         return
-    plain = multiprocessing.connection.SocketClient
+    plain = connection.SocketClient
 
     def client(address: Any) -> Any:
-        connection = plain(address)
-        if multiprocessing.connection.address_type(address) == "AF_INET":
-            held = socket.socket(fileno=connection.fileno())
+        opened = plain(address)
+        if connection.address_type(address) == "AF_INET":
+            held = socket.socket(fileno=opened.fileno())
             held.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             held.detach()
-        return connection
+        return opened
 
     client.nodelay = True  # type: ignore[attr-defined]
-    multiprocessing.connection.SocketClient = client  # type: ignore[assignment]
+    connection.SocketClient = client
 
 
 def install(root: Path, patched: Path | None = None) -> None:
