@@ -30,6 +30,7 @@ import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
 from tests.helpers.fastdeploy_double import FMQDouble
 from tests.helpers.fastdeploy_src import pieces
+from tests.helpers.shared_daemons import shared_daemons
 
 #: A module this process (and so the engine's queue server, forked from it) has and the drop-in lacks: an
 #: engine whose FastDeploy has a task class the drop-in's does not.
@@ -81,6 +82,7 @@ class Engine:
             address=("127.0.0.1", self.port), is_server=False, num_client=TP, client_id=0
         )
         self.dropins: list[subprocess.Popen[str]] = []
+        self.output_files: dict[int, Path] = {}
 
     def value(self, name: str) -> list[int]:
         return [int(v) for v in self.signals[name].value]
@@ -115,17 +117,26 @@ class Engine:
         return [part for key, value in args.items() for part in (f"--{key}", value)]
 
     def launch(self, rank: int, **changes: str) -> subprocess.Popen[str]:
+        """A drop-in for ``rank``; its output (stdout and stderr) goes to a file: ``output``."""
         env = dict(os.environ, KVCACHED_INSTANCE=self.instance, FD_TEST_CONTROL_DIR=str(self.control))
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "helpers" / "fd_dropin.py"), *self.arguments(rank, **changes)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        log = self.tmp_path / f"dropin-{len(self.dropins)}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "helpers" / "fd_dropin.py"), *self.arguments(rank, **changes)],
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         self.dropins.append(proc)
+        self.output_files[proc.pid] = log
         return proc
+
+    def output(self, proc: subprocess.Popen[str] | None = None) -> str:
+        """What drop-in ``proc`` (default: every one, in launch order) has written so far."""
+        procs = self.dropins if proc is None else [proc]
+        return "".join(self.output_files[p.pid].read_text(errors="replace") for p in procs)
 
     def until(self, check: Any, what: str, timeout: float = 30.0) -> Any:
         deadline = time.monotonic() + timeout
@@ -134,9 +145,7 @@ class Engine:
             if got:
                 return got
             for proc in self.dropins:
-                assert proc.poll() is None, (
-                    f"a drop-in exited ({proc.returncode}):\n{proc.stdout.read() if proc.stdout else ''}"
-                )
+                assert proc.poll() is None, f"a drop-in exited ({proc.returncode}):\n{self.output(proc)}"
             assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
             time.sleep(0.005)
 
@@ -185,8 +194,9 @@ class Engine:
             self.server.manager.shutdown()
 
 
-@pytest.fixture
-def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
+@contextlib.contextmanager
+def engine_of(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
+    """A 2-rank daemon with a file store, and the engine's side (no drop-in launched yet)."""
     daemon = daemons.start(
         ranks=TP, small=False, args=[*GEOMETRY, "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
     )
@@ -196,6 +206,21 @@ def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture
+def engine(daemons: DaemonFactory, tmp_path: Path) -> Iterator[Engine]:
+    with engine_of(daemons, tmp_path) as made:
+        yield made
+
+
+@pytest.fixture(scope="class")
+def idle_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """``engine`` for the tests of a class whose drop-ins are each refused before they join the queue or set
+    a flag: one daemon and one engine side serve them all."""
+    tmp = tmp_path_factory.mktemp("idle-engine")
+    with shared_daemons(tmp) as daemons, engine_of(daemons, tmp) as made:
+        yield made
 
 
 def blocks(cache: rc.KVCache, ids: list[int]) -> bytes:
@@ -258,27 +283,31 @@ def test_the_engine_is_served_by_the_drop_in(engine: Engine) -> None:
             cache.close()
 
 
-@pytest.mark.parametrize(
-    ("field", "changes"),
-    [
-        ("key_cache_shape", {"key_cache_shape": "16,2,4,32", "value_cache_shape": "16,2,4,32"}),
-        ("value_cache_shape", {"value_cache_shape": ""}),
-        ("num_layers", {"num_layers": "3"}),
-        ("num_cpu_blocks", {"num_cpu_blocks": "9"}),
-        ("cache_dtype", {"cache_dtype": "uint8"}),
-        ("local_data_parallel_id", {"local_data_parallel_id": "1"}),
-        ("kvcache_storage_backend", {"kvcache_storage_backend": "mooncake"}),
-    ],
-)
-def test_a_mismatch_is_refused_by_name_before_anything_moves(
-    engine: Engine, field: str, changes: dict[str, str]
-) -> None:
-    """The engine's idea of the cache differs from the daemon's in one field: the drop-in exits 4 naming it,
-    before it joins the queue or sets a flag."""
-    proc = engine.launch(0, **changes)
-    assert proc.wait(60) == 4
-    assert f"--{field}:" in (proc.stdout.read() if proc.stdout else "")
-    assert engine.value("cache_transfer_inited_signal") == [0, 0] and engine.value("cache_ready_signal") == [0, 0]
+class TestRefusedByName:
+    """Drop-ins the daemon refuses: none of them joins the queue or sets a flag."""
+
+    @pytest.mark.parametrize(
+        ("field", "changes"),
+        [
+            ("key_cache_shape", {"key_cache_shape": "16,2,4,32", "value_cache_shape": "16,2,4,32"}),
+            ("value_cache_shape", {"value_cache_shape": ""}),
+            ("num_layers", {"num_layers": "3"}),
+            ("num_cpu_blocks", {"num_cpu_blocks": "9"}),
+            ("cache_dtype", {"cache_dtype": "uint8"}),
+            ("local_data_parallel_id", {"local_data_parallel_id": "1"}),
+            ("kvcache_storage_backend", {"kvcache_storage_backend": "mooncake"}),
+        ],
+    )
+    def test_a_mismatch_is_refused_by_name_before_anything_moves(
+        self, idle_engine: Engine, field: str, changes: dict[str, str]
+    ) -> None:
+        """The engine's idea of the cache differs from the daemon's in one field: the drop-in exits 4 naming
+        it, before it joins the queue or sets a flag."""
+        engine = idle_engine
+        proc = engine.launch(0, **changes)
+        assert proc.wait(60) == 4
+        assert f"--{field}:" in engine.output(proc)
+        assert engine.value("cache_transfer_inited_signal") == [0, 0] and engine.value("cache_ready_signal") == [0, 0]
 
 
 def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engine) -> None:
@@ -294,7 +323,7 @@ def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engin
     assert done[0][1:] == ("t1", [11], [1], [0])
     assert all(proc.poll() is None for proc in engine.dropins), "a drop-in died of a malformed item"
     engine.close()
-    logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
+    logs = engine.output()
     assert logs.count("that is not a task") >= 3 and "ignoring a malformed cache task" in logs
 
 
@@ -311,7 +340,7 @@ def test_a_queue_item_the_drop_in_cannot_read_is_logged_and_the_next_task_served
     assert done[0][1:] == ("t1", [11], [1], [0])
     assert all(proc.poll() is None for proc in engine.dropins), "a drop-in died of an item it cannot read"
     engine.close()
-    logs = "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
+    logs = engine.output()
     assert "not a task (it cannot be read" in logs and "kvcached_test_engine_only" in logs, logs[-2000:]
 
 
@@ -336,7 +365,7 @@ def test_a_device_id_other_than_the_ranks_device_is_refused(daemons: DaemonFacto
     try:
         proc = made.launch(0, device_id="0")
         assert proc.wait(60) == 4
-        assert "--device_id: the engine says 0, kvcached keeps this rank on device 4" in (proc.stdout.read() or "")
+        assert "--device_id: the engine says 0, kvcached keeps this rank on device 4" in made.output(proc)
         assert made.value("cache_transfer_inited_signal") == [0, 0]
     finally:
         made.close()

@@ -31,6 +31,8 @@ from tests.test_fastdeploy_engine import GEOMETRY, SPEC, TP, Engine, blocks
 
 #: Blocks of the spec the tests fill, store and load.
 SOURCE, TARGET = [4, 5, 6, 7], [8, 9, 10, 11]
+#: What a drop-in logs once a wait on a live engine has passed its deadline.
+WAITS_ON = "is alive, so the drop-in waits on"
 
 
 @contextlib.contextmanager
@@ -66,7 +68,7 @@ def served(
 def logs(engine: Engine) -> str:
     """The drop-ins' output, once they have ended (``Engine.close``)."""
     engine.close()
-    return "".join(proc.stdout.read() for proc in engine.dropins if proc.stdout is not None)
+    return engine.output()
 
 
 def views(instance: str) -> list[rc.KVCache]:
@@ -103,22 +105,24 @@ def read(engine: Engine, task_id: str, keys: list[str], ids: list[int], timeout:
 
 
 def test_a_read_is_reported_only_once_every_ranks_part_has_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """Rank 0's load fails (its store agent stopped: the store timeout, 2 s) while rank 1's is held up (its
-    worker stopped for 4 s): the read is reported, as nothing loaded, only once rank 1's load has ended, so
-    nothing lands in the blocks the engine recycles and computes into once it has the answer."""
+    """Rank 0's load fails (its store agent stopped: the store timeout, 1 s) while rank 1's is held up (its
+    worker stopped for 2.5 s): the read is reported, as nothing loaded, only once rank 1's load has ended, so
+    nothing lands in the blocks the engine recycles and computes into once it has the answer (looked at
+    1.5 s after rank 1 continues: a load reported too early would have landed by then)."""
     keys = [f"race-{i}" for i in range(len(SOURCE))]
-    with served(daemons, tmp_path, "--store-timeout", "2") as (engine, daemon):
+    with served(daemons, tmp_path, "--store-timeout", "1") as (engine, daemon):
         caches = views(daemon.instance)
         fill(caches, SOURCE, seed=7)
         assert write(engine, "w", keys, SOURCE) == SOURCE
         stopped = [store_agent(daemon.instance, 0), read_status(daemon.instance)["ranks"][1]["pid"]]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
-        threading.Timer(4.0, os.kill, (stopped[1], signal.SIGCONT)).start()
+        continued = time.monotonic() + 2.5
+        threading.Timer(2.5, os.kill, (stopped[1], signal.SIGCONT)).start()
         try:
             assert read(engine, "r", keys, TARGET) == []
             fill(caches, TARGET, value=0x77)  # the engine recycles the blocks; a new request computes into them
-            time.sleep(3.0)  # a load still under way would land now
+            time.sleep(max(continued + 1.5 - time.monotonic(), 0))  # a load still under way would land by then
             assert blocks(caches[1], TARGET) == bytes([0x77]) * len(blocks(caches[1], TARGET))
         finally:
             for pid in stopped:
@@ -130,12 +134,12 @@ def test_a_read_is_reported_only_once_every_ranks_part_has_ended(daemons: Daemon
 
 def test_a_write_is_reported_only_once_every_ranks_part_has_ended(daemons: DaemonFactory, tmp_path: Path) -> None:
     """Rank 0's put fails at once (its object directories are files) while rank 1's is slow (each object
-    its agent moves takes 0.5 s more): the write is reported only once rank 1's put has ended, so the
+    its agent moves takes 0.25 s more): the write is reported only once rank 1's put has ended, so the
     blocks the engine then reuses never reach the store under the old keys. The same prompt written again
     and read back loads its own KV on every rank (or nothing)."""
     keys = [f"late-{i}" for i in range(len(SOURCE))]
     store = tmp_path / "store"
-    with served(daemons, tmp_path, "--store-timeout", "10", fault="store-step:sleep=0.5") as (engine, daemon):
+    with served(daemons, tmp_path, "--store-timeout", "10", fault="store-step:sleep=0.25") as (engine, daemon):
         caches = views(daemon.instance)
         fill(caches, SOURCE, seed=7)
         truth = [blocks(c, SOURCE) for c in caches]
@@ -148,7 +152,7 @@ def test_a_write_is_reported_only_once_every_ranks_part_has_ended(daemons: Daemo
         try:
             assert write(engine, "w1", keys, SOURCE) == [], "rank 0 stored nothing: nothing is reported written"
             fill(caches, SOURCE, seed=99)  # the request is done: its blocks are reused
-            time.sleep(3.0)  # a put still under way would store the reused blocks now
+            time.sleep(1.5)  # a put still under way (1 s for its 4 objects) would store the reused blocks now
         finally:
             for where in planted:
                 where.unlink()
@@ -191,27 +195,31 @@ def test_a_task_taken_while_paused_is_logged_by_name(daemons: DaemonFactory, tmp
         assert [r["error_code"] for r in engine.control_request("pause")] == [200] * TP
         engine.queue.put_transfer_task((engine.fd.CacheStatus.SWAP2GPU, "while-paused", [1], [6], [1]))
         engine.until(engine.queue.empty, "the task taken")
-        time.sleep(0.5)
-        assert "SWAP2GPU task 'while-paused' taken while the transfer loop is paused" in logs(engine)
+        said = "SWAP2GPU task 'while-paused' taken while the transfer loop is paused"
+        engine.until(lambda: said in engine.output(), "the task logged")
+        assert said in logs(engine)
 
 
 @pytest.mark.slow
 def test_a_paused_engine_is_waited_for(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """The engine's queue server stopped (``SIGSTOP``) for longer than every deadline of the drop-ins on it
-    (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 2: 4 s): the engine process is alive, so
-    both drop-ins wait on, logging why, and serve once it continues. (A dead engine ends them:
+    """The engine's queue server stopped (``SIGSTOP``) until both drop-ins have waited on it past every
+    deadline they have (``KVCACHED_TASK_DEADLINE_S`` 2 plus ``KVCACHED_QUEUE_SLACK_S`` 1: 3 s): the engine
+    process is alive, so both wait on, logging why, and serve once it continues. (A dead engine ends them:
     ``tests/test_fastdeploy_engine_code.py``.)"""
-    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2", KVCACHED_QUEUE_SLACK_S="2") as (engine, _):
+    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2", KVCACHED_QUEUE_SLACK_S="1") as (engine, _):
         server = engine.server.manager._process.pid
         os.kill(server, signal.SIGSTOP)
         try:
-            time.sleep(8)
+            engine.until(
+                lambda: all(WAITS_ON in engine.output(proc) for proc in engine.dropins),
+                "both drop-ins waiting on, past their deadline",
+            )
         finally:
             os.kill(server, signal.SIGCONT)
         done = engine.task((engine.fd.CacheStatus.SWAP2CPU, "after-pause", [1], [1], [0]))
         assert done[0][1] == "after-pause" and all(proc.poll() is None for proc in engine.dropins)
         said = logs(engine)
-        assert "the engine (pid" in said and "is alive, so the drop-in waits on" in said, said[-2000:]
+        assert "the engine (pid" in said and WAITS_ON in said, said[-2000:]
         assert "cannot be served" not in said
 
 
@@ -230,16 +238,16 @@ def test_what_the_drop_in_cannot_serve_is_refused_by_name_before_it_joins(
         mtp = '{"method": "mtp", "num_extra_cache_layer": 1}'
         proc = engine.launch(0, mp_num="1", local_data_parallel_id="1", speculative_config=mtp)
         assert proc.wait(60) == 4
-        assert "--local_data_parallel_id: data-parallel group 1 with MTP" in (proc.stdout.read() if proc.stdout else "")
+        assert "--local_data_parallel_id: data-parallel group 1 with MTP" in engine.output(proc)
         monkeypatch.setenv("KVCACHED_TEST_FD_PLATFORM", "gpu")
         proc = engine.launch(0)
         assert proc.wait(60) == 4
-        assert "FastDeploy runs on gpu here: kvcached has no gpu device backend" in (proc.stdout.read() or "")
+        assert "FastDeploy runs on gpu here: kvcached has no gpu device backend" in engine.output(proc)
         monkeypatch.delenv("KVCACHED_TEST_FD_PLATFORM")
         (tmp_path / "version.yaml").write_text("version: [RL-STEP1\n")
         proc = engine.launch(0)
         assert proc.wait(60) == 4
-        assert "--model_path: " in (proc.stdout.read() or "")
+        assert "--model_path: " in engine.output(proc)
         assert (
             engine.value("cache_transfer_inited_signal") == [0] * TP and engine.value("cache_ready_signal") == [0] * TP
         )
@@ -252,19 +260,19 @@ def test_a_write_still_running_when_the_engine_stops_waiting_ends_the_rank_first
 ) -> None:
     """An engine that stops waiting for a write (2.6: 60 s) reuses its blocks: a part still running then would
     store the reused blocks under the task's keys (stored KV that is not the prompt's: wrong answers later). A
-    write whose parts are slow (each object its agent moves takes 8 s more) ends as unservable by the time
-    the engine's wait gives (``by``, 3 s here), though its own deadline plus the slack a part is otherwise
+    write whose parts are slow (each object its agent moves takes 4 s more) ends as unservable by the time
+    the engine's wait gives (``by``, 1.5 s here), though its own deadline plus the slack a part is otherwise
     given runs far longer; nothing of it is reported stored."""
-    slow = "store-step:sleep=8"  # the stop at the end gives the part still writing 1 s, not the default 5
+    slow = "store-step:sleep=4"  # the stop at the end gives the part still writing 1 s, not the default 5
     with served(daemons, tmp_path, "--store-timeout", "60", fault=slow, stop_timeout=1.0) as (engine, daemon):
         mover = Mover(daemon.instance, list(range(TP)), 60.0)
         try:
             started = time.monotonic()
             keys = [store_key(f"late-{i}", "") for i in range(2)]
-            done = mover.store(keys, SOURCE[:2], 1.0, "storage write 'w'", by=started + 3.0)
+            done = mover.store(keys, SOURCE[:2], 1.0, "storage write 'w'", by=started + 1.5)
             took = time.monotonic() - started
         finally:
             mover.close()
         assert done.outcome is Outcome.UNSERVABLE and done.blocks == 0, done
-        assert "may still write" in done.why and took < 8, (took, done)
+        assert "may still write" in done.why and took < 4, (took, done)
         engine.close()

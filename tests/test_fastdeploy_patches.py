@@ -105,7 +105,8 @@ def test_the_patched_tree_launches_the_drop_in_and_its_runner_asks_kvcached(
 
 class _Recorded:
     """DOUBLES of what the patched watcher calls outside itself: FastDeploy's ``console_logger`` (records the
-    lines) and ``os`` (``kill`` records the signal the engine would get; everything else is ``os``'s)."""
+    lines), ``os`` (``kill`` records the signal the engine would get; everything else is ``os``'s) and
+    ``time`` (``sleep`` lasts a tenth of what it is asked: the watcher looks every 0.1 s, not every second)."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []
@@ -120,6 +121,10 @@ class _Recorded:
     def kill(self, pid: int, signum: int) -> None:
         self.kills.append((pid, signum))
 
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds / 10)
+
 
 def patched_watcher(commit: str, recorded: _Recorded) -> object:
     """The patch's own ``_kvcached_watch``, executed from its added lines (in this repository: no FastDeploy
@@ -127,7 +132,7 @@ def patched_watcher(commit: str, recorded: _Recorded) -> object:
     hunk = next(h for h in patchfile.parse(PATCHES[commit].read_text()) if "def _kvcached_watch" in "".join(h.after))
     start = next(i for i, line in enumerate(hunk.after) if "def _kvcached_watch" in line)
     end = next(i for i, line in enumerate(hunk.after) if i > start and line.startswith("    def "))
-    namespace: dict[str, object] = {"time": time, "signal": signal, "os": recorded, "console_logger": recorded}
+    namespace: dict[str, object] = {"time": recorded, "signal": signal, "os": recorded, "console_logger": recorded}
     namespace["envs"] = types.SimpleNamespace(FD_LOG_DIR="/fdlog")
     exec(textwrap.dedent("\n".join(hunk.after[start:end])), namespace)
     return namespace["_kvcached_watch"]
@@ -144,7 +149,7 @@ def test_the_watcher_stops_the_engine_at_any_drop_in_exit_naming_it_and_watches_
     flag = shared_memory.SharedMemory(create=True, size=4)  # cache_task_broadcast_signal, as IPCSignal holds it
     launcher = types.SimpleNamespace(shm_cache_task_flag_broadcast=types.SimpleNamespace(shm=flag))
     shell = {"shell": True, "preexec_fn": os.setsid}
-    processes = [subprocess.Popen("sleep 3; exit 1", **shell), subprocess.Popen("sleep 60; exit $?", **shell)]
+    processes = [subprocess.Popen("sleep 1.5; exit 1", **shell), subprocess.Popen("sleep 60; exit $?", **shell)]
     try:
         watcher = threading.Thread(target=watch, args=(launcher, processes), daemon=True)
         watcher.start()

@@ -4,6 +4,7 @@ and a real daemon: the patched checkout, the engine process and its commands, th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
 from tests.helpers.fastdeploy_shell import shell_dir
 from tests.helpers.fastdeploy_src import checkout, patched_tree
+from tests.helpers.shared_daemons import shared_daemons
 
 #: A realistic geometry: 16 layers, 2 ranks, a file store.
 GEOMETRY = {"tp": 2, "layers": 16, "kv_heads": 2, "head_dim": 64, "block_size": 16, "blocks": 64, "cpu_blocks": 32}
@@ -109,10 +111,16 @@ class EngineProcess:
         assert "exception" not in reply, f"{reply['exception']}\n{reply['traceback']}\n{self.diagnostics()}"
         return reply
 
-    def dropin_log(self) -> str:
+    def dropin_log(self, since: dict[Path, int] | None = None) -> str:
+        """The drop-ins' logs; ``since``: only what was written after that ``log_mark``."""
         return "".join(
-            p.read_text(errors="replace") for p in sorted(self.log_dir.glob("launch_cache_transfer_manager_*"))
+            p.read_text(errors="replace")[(since or {}).get(p, 0) :]
+            for p in sorted(self.log_dir.glob("launch_cache_transfer_manager_*"))
         )
+
+    def log_mark(self) -> dict[Path, int]:
+        """Where each drop-in's log ends now (for ``dropin_log``)."""
+        return {p: len(p.read_text(errors="replace")) for p in self.log_dir.glob("launch_cache_transfer_manager_*")}
 
     def diagnostics(self) -> str:
         return f"engine stderr:\n{self.err.read_text(errors='replace')[-4000:]}\ndrop-ins:\n{self.dropin_log()[-6000:]}"
@@ -213,6 +221,35 @@ def engine_and_daemon(
         yield engine, daemon
     finally:
         engine.close()
+
+
+@dataclasses.dataclass
+class Shared:
+    """A launched engine and its daemon, shared by tests that neither stop, kill nor reconfigure either
+    (``shared_engine``); ``launched``: the engine's reply to ``launch``."""
+
+    engine: EngineProcess
+    daemon: Any
+    launched: dict[str, Any]
+
+
+@pytest.fixture(scope="class")
+def shared_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """``engine_and_daemon`` with its defaults, launched, for the tests of a class: its own run directory,
+    its daemon stopped and its objects in /dev/shm checked (a leak fails) after the class's last test (its
+    idle drop-ins poll the queue: they live no longer than that)."""
+    tmp = tmp_path_factory.mktemp("shared-engine")
+    with shared_daemons(tmp) as factory, engine_and_daemon(factory, tmp) as (engine, daemon):
+        yield Shared(engine, daemon, engine.call("launch"))
+
+
+@pytest.fixture
+def shared(shared_engine: Shared, monkeypatch: pytest.MonkeyPatch) -> Shared:
+    """``shared_engine``, checked alive before each test (a test before may have failed with it)."""
+    monkeypatch.setenv("KVCACHED_RUN_DIR", str(Path(shared_engine.engine.config["model_dir"]) / "run"))
+    assert shared_engine.engine.proc.poll() is None, f"the shared engine ended\n{shared_engine.engine.diagnostics()}"
+    assert shared_engine.daemon.proc.poll() is None, f"the shared daemon ended\n{shared_engine.daemon.log()}"
+    return shared_engine
 
 
 def views(instance: str, **geometry: Any) -> list[rc.KVCache]:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvcached.fastdeploy.adapter import queue_address
 from kvcached.fastdeploy.lines import read_tree
@@ -51,6 +50,8 @@ HOOK_CONFIG = ("pyproject.toml", ".flake8", ".pre-commit-config.yaml")
 
 def checkout(what: str = "this") -> Path:
     """FASTDEPLOY_SRC, a checkout of e53f5184, or skip saying what ``what`` needs."""
+    import pytest  # here: the drop-ins import this module, and pytest takes a while to import
+
     root = source()
     if root is None:
         pytest.skip(f"set FASTDEPLOY_SRC to a FastDeploy checkout of {COMMIT} (gongshaotian/FastDeploy) to run {what}")

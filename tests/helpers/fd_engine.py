@@ -11,6 +11,9 @@ Then each command calls FastDeploy's own code: ``issue_swap_task``, ``request_ma
 ``write_cache_to_storage_decode``, and ``_wait_for_control_responses`` (``common_engine.py``, its source taken
 at run time) over FastDeploy's FMQ. The config objects are built from CONFIG_JSON (STUBS of FDConfig's parts:
 only the fields FastDeploy's code reads). Attached runner views check the bytes (``runner_client``).
+CONFIG_JSON's ``read_timeout``, when given, is the default of ``ReadStorageTask.timeout`` (FastDeploy's: 30 s)
+in this process: the deadline the reads ``request_match_blocks`` builds carry, so that a test of a read cut
+off at its deadline need not wait 30 s.
 """
 
 from __future__ import annotations
@@ -73,8 +76,12 @@ class Engine:
     def __init__(self, c: dict[str, Any]) -> None:
         install(Path(os.environ["FASTDEPLOY_SRC"]), Path(os.environ["KVCACHED_TEST_FD_PATCHED"]))
         from fastdeploy.cache_manager import cache_data
+        from fastdeploy.cache_manager.cache_tasks import ReadStorageTask
         from fastdeploy.cache_manager.prefix_cache_manager import PrefixCacheManager
         from fastdeploy.inter_communicator import EngineCacheQueue, IPCSignal
+
+        if c.get("read_timeout") is not None:  # a test's setting: the deadline FastDeploy's own reads carry
+            ReadStorageTask.__init__.__kwdefaults__["timeout"] = float(c["read_timeout"])
 
         self.c, self.status, self.node = c, cache_data.CacheStatus, cache_data.BlockNode
         self.config, tp, suffix = configs(c), c["tp"], c["suffix"]
@@ -177,11 +184,12 @@ class Engine:
         self.manager.write_cache_to_storage_decode(self.request(request_id, prompt, block_tables))
         return {}
 
-    def stream(self, pairs: int, progress: str) -> dict[str, Any]:
+    def stream(self, pairs: int, progress: str, until: str | None = None) -> dict[str, Any]:
         """``pairs`` x (swap out, then swap in elsewhere) through ``issue_swap_task``, each pair checked byte
         for byte through the runners' views: the source is overwritten after its swap out and the target
         zeroed before the swap in, so only bytes that really moved both ways compare equal. The pairs done
-        so far are written to ``progress``."""
+        so far are written to ``progress``; with ``until``, pairs go on past ``pairs`` until that file
+        exists (at most ten times ``pairs``)."""
         import runner_client as rc
         from tests.helpers.fastdeploy_engine_code import GEOMETRY, spec_of
 
@@ -189,8 +197,8 @@ class Engine:
         spec = spec_of(**{key: c[key] for key in GEOMETRY}, storage=c.get("storage"))
         caches = [rc.initialize_kv_cache(spec, rank, timeout=30) for rank in range(c["tp"])]
         tensors = [t for cache in caches for t in cache.key_caches + cache.value_caches]
-        rng, slowest, wrong = np.random.default_rng(5), 0.0, []
-        for i in range(pairs):
+        rng, slowest, wrong, i = np.random.default_rng(5), 0.0, [], 0
+        while i < pairs or (until is not None and not Path(until).exists() and i < 10 * pairs):
             src, dst, cpu = (
                 [2 * (i % 8), 2 * (i % 8) + 1],
                 [32 + 2 * (i % 8), 33 + 2 * (i % 8)],
@@ -206,8 +214,9 @@ class Engine:
             slowest = max(slowest, self.swap("SWAP2GPU", f"in-{i}", dst, cpu, None)["seconds"])
             if [t[dst].tobytes() for t in tensors] != expected:
                 wrong.append(i)
-            Path(progress).write_text(str(i + 1))
-        return {"pairs": pairs, "slowest": slowest, "wrong": wrong}
+            i += 1
+            Path(progress).write_text(str(i))
+        return {"pairs": i, "slowest": slowest, "wrong": wrong}
 
     def control(self, method: str) -> dict[str, Any]:
         """A control request as the engine sends it to the cache transfer managers (``_control_pause``

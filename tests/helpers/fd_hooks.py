@@ -13,6 +13,7 @@ not used: it clones the hooks' repositories, and only the package index is reach
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -46,13 +47,22 @@ def pins(tree: Path) -> dict[str, str]:
 def hooks_bin(versions: dict[str, str]) -> Path:
     """A directory with the hooks' executables at exactly ``versions``: ``KVCACHED_TEST_FD_HOOKS``, or the
     ``bin`` of a virtual environment with them installed (and ``toml``, black's hook dependency)."""
-    given = os.environ.get("KVCACHED_TEST_FD_HOOKS")
+    return _hooks_bin(tuple(sorted(versions.items())), os.environ.get("KVCACHED_TEST_FD_HOOKS"))
+
+
+@functools.cache
+def _hooks_bin(pinned: tuple[tuple[str, str], ...], given: str | None) -> Path:
+    versions = dict(pinned)
     if given:
-        for package, version in versions.items():
-            said = subprocess.run(
-                [str(Path(given) / package), "--version"], capture_output=True, text=True, check=False
+        asked = {
+            package: subprocess.Popen([str(Path(given) / package), "--version"], stdout=subprocess.PIPE, text=True)
+            for package in versions
+        }
+        for package, proc in asked.items():
+            said, _ = proc.communicate(timeout=60)
+            assert versions[package] in said, (
+                f"KVCACHED_TEST_FD_HOOKS: {package} is not {versions[package]}: {said[:80]}"
             )
-            assert version in said.stdout, f"KVCACHED_TEST_FD_HOOKS: {package} is not {version}: {said.stdout[:80]}"
         return Path(given)
     key = hashlib.sha256(repr(sorted(versions.items())).encode()).hexdigest()[:12]
     venv = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcached" / f"fd-hooks-{key}"
@@ -99,11 +109,15 @@ def run_hooks(tree: Path, files: list[str]) -> dict[str, str]:
         "flake8": [str(bin_dir / "flake8"), *files],
         "ruff": [str(bin_dir / "ruff"), "check", "--line-length=120", "--config", "pyproject.toml", *files],
     }
+    running = {
+        hook: subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for hook, command in commands.items()
+    }  # side by side: each reads the files only
     failed = {}
-    for hook, command in commands.items():
-        done = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=300, check=False)
-        if done.returncode != 0:
-            failed[hook] = done.stdout + done.stderr
+    for hook, proc in running.items():
+        said, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            failed[hook] = said
     whitespace = [problem for relative in files for problem in _whitespace(tree, relative)]
     if whitespace:
         failed["pre-commit-hooks"] = "\n".join(whitespace)
