@@ -311,20 +311,24 @@ class TestRefusedByName:
 
 
 def test_a_malformed_queue_item_is_logged_and_the_next_task_served(engine: Engine) -> None:
-    """Items on the cache queue that are no FastDeploy task (garbage, a task with a field missing, ids that
-    are not ids) are logged and skipped; the drop-ins serve the next task."""
+    """Items on the cache queue that are no FastDeploy task (garbage, a task with a field missing) are logged
+    and skipped; a swap-out whose ids are not ids is reported with nothing moved (its engine waits for a
+    result: the not-moved form keeps its GPU copies, handlers.py); the drop-ins serve the next task."""
     status = engine.fd.CacheStatus
     for rank in range(TP):
         engine.launch(rank)
     engine.until(lambda: engine.value("cache_transfer_inited_signal") == [1, 1], "cache_transfer_inited_signal")
-    for item in ("garbage", (status.SWAP2CPU, "no ids"), (status.SWAP2CPU, "t0", [1], "not ids", [0]), 12345):
+    for item in ("garbage", (status.SWAP2CPU, "no ids"), 12345):
         engine.queue.put_transfer_task(item)
+    refused = engine.task((status.SWAP2CPU, "t0", [1], "not ids", [0]))
+    assert refused[0][1:] == ("t0", [], [], [])
     done = engine.task((status.SWAP2CPU, "t1", [11], [1], [0]))
     assert done[0][1:] == ("t1", [11], [1], [0])
     assert all(proc.poll() is None for proc in engine.dropins), "a drop-in died of a malformed item"
     engine.close()
     logs = engine.output()
-    assert logs.count("that is not a task") >= 3 and "ignoring a malformed cache task" in logs
+    assert logs.count("that is not a task") >= 3, logs[-2000:]
+    assert "swap out 't0'" in logs and "it is not a task kvcached can run" in logs, logs[-2000:]
 
 
 def test_a_queue_item_the_drop_in_cannot_read_is_logged_and_the_next_task_served(engine: Engine) -> None:

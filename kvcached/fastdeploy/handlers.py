@@ -81,8 +81,12 @@ class Handlers:
         """Check a swap task and send it to every rank (``Mover.start_swap``); the call returned waits for
         it and reports it (``swap``)."""
         assert self.mover is not None
-        gpu_ids, cpu_ids = block_ids(args[2], "gpu_block_ids"), block_ids(args[3], "cpu_block_ids")
         out = event.value == self.status.SWAP2CPU.value  # type: ignore[attr-defined]
+        try:
+            gpu_ids, cpu_ids = block_ids(args[2], "gpu_block_ids"), block_ids(args[3], "cpu_block_ids")
+        except Malformed as exc:  # never done, and the engine waits for its result: reported as refused
+            refused = Done(Outcome.REFUSED, why=f"it is not a task kvcached can run: {exc}")
+            return lambda: self._report_swap(event, tuple(args), out, refused)
         wait = self.mover.start_swap(out, gpu_ids, cpu_ids)
         return lambda: self._report_swap(event, tuple(args), out, wait())
 
@@ -91,7 +95,7 @@ class Handlers:
         if done.outcome is Outcome.MOVED:
             self._put((event, task_id, node_ids, gpu, cpu))
             return
-        what = f"swap {'out' if out else 'in'} {task_id!r} (gpu {list(gpu)}, cpu {list(cpu)})"
+        what = f"swap {'out' if out else 'in'} {task_id!r} (gpu {gpu!r:.200}, cpu {cpu!r:.200})"
         if out:
             log.error("%s not done: %s; reported with nothing moved (the engine keeps its GPU copies)", what, done.why)
             self._put((event, task_id, [], [], []))
