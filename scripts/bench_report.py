@@ -14,8 +14,8 @@ It also runs ``bench_swap.py --geometry`` for FastDeploy's TP8 and MLA geometrie
 beside the plain copy) and ``bench_start.py`` (cold start beside the raw allocation, start after kill -9,
 restarts under a swap stream).
 
-The default sizes finish in under 5 minutes on a 2-core machine; ``--smoke`` runs tiny sizes, the handshake
-benchmark beside the others (a check that the pipeline works, not a measurement). Needs the ``plot`` extra:
+The default sizes finish in under 5 minutes on a 2-core machine; ``--smoke`` runs tiny sizes, every benchmark
+at once (a check that the pipeline works, not a measurement). Needs the ``plot`` extra:
 ``pip install -e '.[plot]'``.
 """
 
@@ -105,6 +105,28 @@ def finish_benchmark(running: Running) -> tuple[dict[str, Any], str, float]:
 def run_benchmark(name: str, size: str, out: Path, extra: list[str]) -> tuple[dict[str, Any], str, float]:
     """Run ``scripts/bench_<name>.py``; its JSON figures, its printout and how long it took."""
     return finish_benchmark(start_benchmark(name, size, out, extra))
+
+
+def run_benchmarks(
+    size: str, out: Path, extra: dict[str, list[str]], *, together: bool
+) -> dict[str, tuple[dict[str, Any], str, float]]:
+    """Run every benchmark of ``PLANS``: one after the other (each measures on a machine the others leave
+    alone), or, ``together``, all at once (--smoke measures nothing: it checks the pipeline)."""
+    ran: dict[str, tuple[dict[str, Any], str, float]] = {}
+    if not together:
+        for name in PLANS:
+            ran[name] = run_benchmark(name, size, out, extra.get(name, []))
+        return ran
+    runs = [start_benchmark(name, size, out, extra.get(name, [])) for name in PLANS]
+    try:
+        for running in runs:
+            ran[running.name] = finish_benchmark(running)
+    finally:
+        for running in runs:
+            if running.proc.poll() is None:  # another benchmark failed: those beside it go too
+                running.proc.kill()
+                running.proc.wait()
+    return ran
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -263,7 +285,7 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny sizes, the handshake beside the rest: checks the pipeline, measures nothing",
+        help="tiny sizes, every benchmark at once: checks the pipeline, measures nothing",
     )
     parser.add_argument("--store-backends", default=None, help="e.g. file (default: file,mooncake)")
     args = parser.parse_args()
@@ -276,22 +298,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     size = "smoke" if args.smoke else "default"
     started = time.monotonic()
-    # --smoke measures nothing: the handshake benchmark, which mostly sleeps, runs beside the others.
-    handshake_run = start_benchmark("handshake", size, args.out, [])
-    try:
-        if not args.smoke:
-            handshake, hs_text, hs_s = finish_benchmark(handshake_run)
-        swap, swap_text, swap_s = run_benchmark("swap", size, args.out, [])
-        store_extra = ["--backends", args.store_backends] if args.store_backends else []
-        store, store_text, store_s = run_benchmark("store", size, args.out, store_extra)
-        geometry, geometry_text, geometry_s = run_benchmark("geometry", size, args.out, [])
-        start, start_text, start_s = run_benchmark("start", size, args.out, [])
-        if args.smoke:
-            handshake, hs_text, hs_s = finish_benchmark(handshake_run)
-    finally:
-        if handshake_run.proc.poll() is None:  # another benchmark failed: the one beside it goes too
-            handshake_run.proc.kill()
-            handshake_run.proc.wait()
+    store_extra = ["--backends", args.store_backends] if args.store_backends else []
+    ran = run_benchmarks(size, args.out, {"store": store_extra}, together=args.smoke)
+    (handshake, hs_text, hs_s), (swap, swap_text, swap_s) = ran["handshake"], ran["swap"]
+    (store, store_text, store_s), (geometry, geometry_text, geometry_s) = ran["store"], ran["geometry"]
+    start, start_text, start_s = ran["start"]
     plot_swap(swap, args.out / "swap_throughput.png")
     plot_wakeup(handshake, args.out / "wakeup_latency.png")
     plot_store(store, args.out / "store_throughput.png")

@@ -195,14 +195,23 @@ class DaemonFactory:
             cwd=ROOT,
         )
 
+    def stop_all(self) -> None:
+        """Stop every daemon still running: each is sent SIGTERM first, then each is waited for (their stops
+        run side by side); one that does not end within 15 s is killed."""
+        running = [daemon for daemon in self.daemons if daemon.proc.poll() is None]
+        for daemon in running:
+            with contextlib.suppress(ProcessLookupError):
+                daemon.proc.send_signal(signal.SIGTERM)
+        for daemon in running:
+            try:
+                daemon.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                daemon.kill9()
+
     def teardown(self) -> list[str]:
         """Stop everything; return the leftovers found in /dev/shm (and remove them)."""
+        self.stop_all()
         for daemon in self.daemons:
-            if daemon.proc.poll() is None:
-                try:
-                    daemon.stop(timeout=15)
-                except subprocess.TimeoutExpired:
-                    daemon.kill9()
             daemon._log.close()
         leftovers = []
         for instance in self.instances:
@@ -261,9 +270,10 @@ def free_port() -> int:
 class MooncakeMaster:
     """A real mooncake_master on loopback with its HTTP metadata server."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, flags: list[str] | None = None) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.log = log
+        self.flags = flags or []  # more of mooncake_master's own flags, e.g. --client_ttl=3
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -288,6 +298,7 @@ class MooncakeMaster:
                     "--enable_http_metadata_server=true",
                     f"--http_metadata_server_port={self.http_port}",
                     "--http_metadata_server_host=127.0.0.1",
+                    *self.flags,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -322,11 +333,11 @@ class MooncakeMaster:
 
 
 @pytest.fixture
-def mooncake(tmp_path: Path, daemons: DaemonFactory) -> Iterator[MooncakeMaster]:
+def mooncake(tmp_path: Path, daemons: DaemonFactory, request: pytest.FixtureRequest) -> Iterator[MooncakeMaster]:
     """A real master on loopback, stopped after the test's daemons (their keepers let go of their
-    segments while it still answers)."""
+    segments while it still answers). A test parametrized indirectly passes the master more flags."""
     pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    master = MooncakeMaster(tmp_path / "mooncake_master.log")
+    master = MooncakeMaster(tmp_path / "mooncake_master.log", getattr(request, "param", None))
     master.start()
     try:
         yield master

@@ -207,8 +207,9 @@ def gone(pid: int) -> bool:
 
 def test_restart_past_a_frozen_worker_of_the_last_image(daemons: DaemonFactory) -> None:
     """A worker of the image before the restart that is frozen (SIGSTOP) cannot drain: it is killed after
-    its grace, and the new worker takes its rank over on the same bytes; the others hand over at once."""
-    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False)
+    its grace (--stop-timeout, 1 s here), and the new worker takes its rank over on the same bytes; the others
+    hand over at once."""
+    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False, stop_timeout=1)
     daemon.wait_ready()
     cache = rc.initialize_kv_cache(SPEC, 1, instance=daemon.instance, timeout=10)
     cache.key_caches[0][7] = 9

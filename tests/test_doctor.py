@@ -8,6 +8,7 @@ import os
 import resource
 import shutil
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,22 +69,27 @@ def test_memlock_below_the_pinned_pool_fails_for_xpu(daemons: DaemonFactory, ins
         pytest.skip("memlock is unlimited here: nothing can exceed it")
     blocks = soft // (2 * 2 * 2 * 4 * 16 * 2) + 64  # a CPU pool larger than the limit
     args = ["--instance", instance, *SMALL, "--memory", "xpu", "--num-cpu-blocks", str(blocks)]
-    if os.geteuid() == 0:  # root may pin beyond the limit: the check says so; without CAP_IPC_LOCK it fails
-        _, document = doctor(daemons, *args)
+    root, setpriv = os.geteuid() == 0, shutil.which("setpriv") is not None
+    with ThreadPoolExecutor() as pool:  # a doctor only looks: the three run side by side
+        host = pool.submit(doctor, daemons, "--instance", instance, *SMALL, "--num-cpu-blocks", str(blocks))
+        plain = pool.submit(doctor, daemons, *args)
+        dropped = None  # the same doctor without CAP_IPC_LOCK, as root
+        if root and setpriv:
+            drop = ["setpriv", "--bounding-set", "-ipc_lock", "--"]
+            dropped = pool.submit(daemons.cli, "doctor", "--json", *args, prefix=drop)
+        code, document = plain.result()
+        if root:  # root may pin beyond the limit: the check says so; without CAP_IPC_LOCK it fails
+            check = by_name(document)["memlock"]
+            assert check["verdict"] == "ok" and check["measured"]["cap_ipc_lock"] is True, check
+            assert "CAP_IPC_LOCK" in check["figure"] and "LimitMEMLOCK" in check["advice"]
+            if dropped is None:
+                pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
+            result = dropped.result()
+            code, document = result.returncode, json.loads(result.stdout)
         check = by_name(document)["memlock"]
-        assert check["verdict"] == "ok" and check["measured"]["cap_ipc_lock"] is True, check
-        assert "CAP_IPC_LOCK" in check["figure"] and "LimitMEMLOCK" in check["advice"]
-        if shutil.which("setpriv") is None:
-            pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
-        result = daemons.cli("doctor", "--json", *args, prefix=["setpriv", "--bounding-set", "-ipc_lock", "--"])
-        code, document = result.returncode, json.loads(result.stdout)
-    else:
-        code, document = doctor(daemons, *args)
-    check = by_name(document)["memlock"]
-    assert code == 1 and check["verdict"] == "fail", check
-    assert check["measured"]["pinned_per_process_bytes"] > check["measured"]["limit_bytes"] == soft
-    _, host = doctor(daemons, "--instance", instance, *SMALL, "--num-cpu-blocks", str(blocks))
-    assert by_name(host)["memlock"]["verdict"] == "ok", "the host backend pins nothing"
+        assert code == 1 and check["verdict"] == "fail", check
+        assert check["measured"]["pinned_per_process_bytes"] > check["measured"]["limit_bytes"] == soft
+        assert by_name(host.result()[1])["memlock"]["verdict"] == "ok", "the host backend pins nothing"
 
 
 def test_pinning_beyond_the_memlock_limit_fails_clearly() -> None:

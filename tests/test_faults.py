@@ -294,10 +294,18 @@ def test_clients_that_pipeline_and_never_read_stall_only_themselves(daemons: Dae
         sock.connect(str(path))
         hello(sock, status["generation"])
         sock.settimeout(1)
+        hogs.append(sock)
+
+    def pipeline(sock: socket.socket) -> None:
         with contextlib.suppress(TimeoutError, BlockingIOError):
             for _ in range(200_000):
                 sock.sendall(frame)
-        hogs.append(sock)
+
+    fillers = [threading.Thread(target=pipeline, args=(sock,)) for sock in hogs]  # the three stall side by side
+    for filler in fillers:
+        filler.start()
+    for filler in fillers:
+        filler.join(60)
     with rc.CacheTasks(daemon.instance, timeout=10) as tasks:
         started = time.monotonic()
         assert tasks.swap_out(0, [2], [2]).blocks == 1

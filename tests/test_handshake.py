@@ -81,39 +81,46 @@ def test_exactly_one_device_cache_per_rank(daemons: DaemonFactory, cpu: int, sto
         assert daemon.exit_code() == 4
         assert "refusing to allocate" in daemon.log() and "create_cache_tensor" in daemon.log()
         assert shm_entries(instance) == []
-        for profile, rank in itertools.product([False, True], [0, 1]):
-            result = runner_result(
-                run_runner(env, spec=spec.to_dict(), rank=rank, instance=instance, profile=profile, timeout=5)
-            )
+        runners = [
+            run_runner(env, spec=spec.to_dict(), rank=rank, instance=instance, profile=profile, timeout=5)
+            for profile, rank in itertools.product([False, True], [0, 1])
+        ]  # side by side: each allocates its own, whatever the others do
+        for result in map(runner_result, runners):
             assert result["ok"] and result["owner"] == "runner"
             assert result["mapping"] == "", "the runner's own cache is anonymous memory, not a daemon arena"
         return
 
     daemon.wait_ready()
+    arenas = {rank: dev_arenas(instance, rank) for rank in (0, 1)}
     for rank in (0, 1):
-        arenas = dev_arenas(instance, rank)
-        assert len(arenas) == 1, f"rank {rank}: exactly one daemon arena, got {arenas}"
-        size = os.stat(f"/dev/shm/{arenas[0]}").st_size
+        assert len(arenas[rank]) == 1, f"rank {rank}: exactly one daemon arena, got {arenas[rank]}"
+        size = os.stat(f"/dev/shm/{arenas[rank][0]}").st_size
         assert size == device_arena_bytes(spec)
-
-        value = 1000 + rank
-        first = runner_result(
-            run_runner(
-                env, spec=spec.to_dict(), rank=rank, instance=instance, timeout=10, write={"index": 77, "value": value}
-            )
-        )
+    # The ranks side by side: first a runner of each writes, then a second attach of each reads it back
+    # while a profiling runner of each is refused.
+    value = {0: 1000, 1: 1001}
+    request = {"spec": spec.to_dict(), "instance": instance, "timeout": 10}
+    writes = {rank: {"index": 77, "value": v} for rank, v in value.items()}
+    writers = {rank: run_runner(env, **request, rank=rank, write=write) for rank, write in writes.items()}
+    for rank, writer in writers.items():
+        first = runner_result(writer)
         assert first["ok"] and first["owner"] == "daemon"
-        assert first["mapping"] == f"/dev/shm/{arenas[0]}", "the runner maps the daemon's arena, allocates none"
-        second = runner_result(
-            run_runner(env, spec=spec.to_dict(), rank=rank, instance=instance, timeout=10, read={"index": 77})
+        assert first["mapping"] == f"/dev/shm/{arenas[rank][0]}", "the runner maps the daemon's arena, allocates none"
+    readers = {
+        rank: (
+            run_runner(env, **request, rank=rank, read={"index": 77}),
+            # Profiling makes the runner allocate a temporary cache: refused while the daemon holds the rank.
+            run_runner(env, spec=spec.to_dict(), rank=rank, instance=instance, profile=True),
         )
-        assert second["ok"] and second["read"] == value
-
-        # Profiling makes the runner allocate a temporary cache: refused while the daemon holds the rank.
-        profiled = runner_result(run_runner(env, spec=spec.to_dict(), rank=rank, instance=instance, profile=True))
+        for rank in (0, 1)
+    }
+    for rank, (reader, profiler) in readers.items():
+        second = runner_result(reader)
+        assert second["ok"] and second["read"] == value[rank]
+        profiled = runner_result(profiler)
         assert not profiled["ok"] and profiled["error_type"] == "OwnershipConflict"
         assert "kvcached start --geometry engine" in profiled["error"], profiled  # the way to profile first
-        assert dev_arenas(instance, rank) == arenas
+        assert dev_arenas(instance, rank) == arenas[rank]
 
     assert daemon.stop() == 0
     assert shm_entries(instance) == []

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -137,15 +138,22 @@ def test_restart_of_a_daemon_started_with_fresh_keeps_the_cache(daemons: DaemonF
     to the start it was given to: `kvcached restart` adopts the memory."""
     config = tmp_path / "kv.toml"
     config.write_text("fresh = true\n")
+    started = {}  # the two ways side by side, each its own instance
     for args in (["--fresh"], ["--config", str(config)]):
         instance = unique_instance()
-        daemon = daemons.start(instance, ranks=2, args=args)
+        started[instance] = daemons.start(instance, ranks=2, args=args)
+    before = {}
+    for instance, daemon in started.items():
         daemon.wait_ready()
         fill(instance, seed=9)
-        before = digests(instance)
-        done = daemons.cli("restart", "--instance", instance)
+        before[instance] = digests(instance)
+    with ThreadPoolExecutor() as pool:
+        restarts = {instance: pool.submit(daemons.cli, "restart", "--instance", instance) for instance in started}
+    for instance, daemon in started.items():
+        done = restarts[instance].result()
         assert done.returncode == 0 and "adopted from generation" in done.stdout, done.stdout + done.stderr
-        assert digests(instance) == before and "--fresh applies to the start it was given to" in daemon.log()
+        assert digests(instance) == before[instance]
+        assert "--fresh applies to the start it was given to" in daemon.log()
         assert daemon.stop() == 0
 
 

@@ -29,6 +29,9 @@ from kvcached.status import read_status
 from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, free_port, unique_instance
 
 BLOCKS = 72
+#: The master's client_ttl where a test waits for it to drop a dead host's segment (the master's default:
+#: 10 s); the live clients' heartbeats come far more often.
+CLIENT_TTL_S = 3
 GEOMETRY: dict[str, Any] = dict(
     num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=BLOCKS, num_cpu_blocks=4, dtype="int8"
 )
@@ -249,12 +252,13 @@ def test_with_replicas_a_host_stopped_for_good_costs_no_prefix(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mooncake", [[f"--client_ttl={CLIENT_TTL_S}"]], indirect=True, ids=["client_ttl"])
 def test_a_host_that_dies_whole_costs_misses_never_a_wrong_block(
     daemons: DaemonFactory, mooncake: MooncakeMaster
 ) -> None:
     """A host lost with everything on it (daemon and keeper killed -9): until the master drops its
-    segment (its client_ttl, 10 s) lookups may still count its objects, but loads load nothing of them
-    and fail nothing; after that, lookups say 0."""
+    segment (its client_ttl: 10 s by default, ``CLIENT_TTL_S`` here) lookups may still count its objects,
+    but loads load nothing of them and fail nothing; after that, lookups say 0."""
     a, b = start_host(daemons, mooncake), start_host(daemons, mooncake)
     keys, _ = store_prefix(a, 8, salt=6)
     keeper = keeper_pid(a)

@@ -179,7 +179,7 @@ def test_garbage_and_disconnects_do_not_hurt_the_daemon(fp8_daemon: Daemon) -> N
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(path)
             s.sendall(frame)
-            s.settimeout(5)
+            s.settimeout(2)  # the truncated frame is never answered: the worker waits for its rest
             with contextlib.suppress(TimeoutError, ConnectionResetError):
                 s.recv(4096)
     assert arena_digests(instance) == before
