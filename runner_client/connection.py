@@ -124,11 +124,11 @@ class Connection:
             self.next_id += 1
             try:
                 self.sock.sendall(request(op, task_id, payload, flags))
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                raise Closed() from exc
             except (BlockingIOError, TimeoutError):  # SO_SNDTIMEO expired
                 self.sock.close()
                 raise TimeoutError from None
+            except OSError as exc:  # a broken pipe, a reset, or closed by another thread (``close``)
+                raise Closed() from exc
             self.sent += 1
             return task_id
 
@@ -152,6 +152,9 @@ class Connection:
             self.read_lock.release()
 
     def close(self) -> None:
+        """Close it, from any thread: a thread blocked reading it wakes up and raises ``Closed``."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
     def _fill(self, deadline: float) -> None:
@@ -162,9 +165,9 @@ class Connection:
                 raise TimeoutError
             # Keep the socket's timeout unless it would overshoot the deadline, or is far shorter than
             # it (then recv would wake up needlessly): on the hot path no setsockopt is made.
-            if not min(remaining, 1.0) / 2 <= self.rcvtimeo <= remaining + 0.05:
-                self._set_rcvtimeo(remaining)
             try:
+                if not min(remaining, 1.0) / 2 <= self.rcvtimeo <= remaining + 0.05:
+                    self._set_rcvtimeo(remaining)
                 chunk = self.sock.recv(1 << 16)
             except BlockingIOError:
                 continue  # SO_RCVTIMEO expired: look at the deadline again

@@ -88,7 +88,16 @@ class Handlers:
             refused = Done(Outcome.REFUSED, why=f"it is not a task kvcached can run: {exc}")
             return lambda: self._report_swap(event, tuple(args), out, refused)
         wait = self.mover.start_swap(out, gpu_ids, cpu_ids)
-        return lambda: self._report_swap(event, tuple(args), out, wait())
+
+        def finish() -> None:
+            try:
+                done = wait()
+            except Exception as exc:  # unforeseen: still reported (the engine waits for it), as refused
+                log.exception("swap %r failed", args[0])
+                done = Done(Outcome.REFUSED, why=f"it failed: {exc!r:.200}")
+            self._report_swap(event, tuple(args), out, done)
+
+        return finish
 
     def _report_swap(self, event: Any, args: tuple[Any, ...], out: bool, done: Done) -> None:
         task_id, node_ids, gpu, cpu = args
