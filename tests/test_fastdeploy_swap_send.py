@@ -14,11 +14,14 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
-from tests.test_fastdeploy_engine import blocks
-from tests.test_fastdeploy_faults import fill, served, views
+from tests.test_fastdeploy_engine import GEOMETRY, blocks
+from tests.test_fastdeploy_faults import fill, logs, served, views
 
 
 def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
@@ -64,5 +67,85 @@ def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)
+            for cache in caches:
+                cache.close()
+
+
+@pytest.mark.parametrize(
+    ("gpu", "cpu"),
+    [([-1], [0]), ([1], "0")],
+    ids=["negative", "string"],
+)
+def test_a_swap_in_whose_ids_are_not_ids_ends_the_rank_naming_it(
+    daemons: DaemonFactory, tmp_path: Path, gpu: Any, cpu: Any
+) -> None:
+    """A SWAP2GPU whose block ids are not block ids can never be done, and FastDeploy's scheduler waits for
+    its result holding ``request_release_lock`` (handlers.py's docstring): like any swap-in that cannot
+    happen, it must end rank 0's drop-in with a line naming the task, not be skipped with the engine left
+    waiting."""
+    with served(daemons, tmp_path) as (engine, _):
+        status = engine.fd.CacheStatus
+        engine.queue.put_transfer_task((status.SWAP2GPU, "not-ids", [31], gpu, cpu))
+        engine.until(lambda: engine.dropins[0].poll() is not None, "rank 0's drop-in ended", timeout=20)
+        said = logs(engine)
+        assert "not-ids" in said, said[-2000:]
+
+
+def _results(engine: Any, count: int, timeout: float = 60.0) -> list[Any]:
+    found: list[Any] = []
+
+    def collect() -> bool:
+        data = engine.queue.get_transfer_done_signal()
+        if data is not None:
+            found.append(data)
+        return len(found) >= count
+
+    engine.until(collect, f"{count} results", timeout=timeout)
+    return found
+
+
+@pytest.mark.parametrize("fault", ["worker-kill", "daemon-kill", "restart", "daemon-stop-1s"])
+def test_swaps_queued_at_once_through_a_fault_are_reported_done_only_with_their_bytes_moved(
+    daemons: DaemonFactory, tmp_path: Path, fault: str
+) -> None:
+    """Eight swap-outs put at once, then the fault as they are taken (rank 1's worker killed -9, the daemon
+    killed -9 and started again, ``kvcached restart``, the daemon's processes stopped for 1 s), then the
+    eight swapped back in to other blocks at once: every swap reported with its blocks moved their bytes on
+    both ranks, none is reported with nothing moved (every daemon adopted the memory), and the drop-ins
+    live."""
+    with served(daemons, tmp_path) as (engine, daemon):
+        status = engine.fd.CacheStatus
+        caches = views(daemon.instance)
+        try:
+            fill(caches, list(range(8)), seed=21)
+            original = [blocks(c, list(range(8))) for c in caches]
+            for i in range(8):
+                engine.queue.put_transfer_task((status.SWAP2CPU, f"out{i}", [100 + i], [i], [i]))
+            if fault == "worker-kill":
+                os.kill(read_status(daemon.instance)["ranks"][1]["pid"], signal.SIGKILL)
+            elif fault == "daemon-kill":
+                daemon.kill9()
+                args = [*GEOMETRY, "--num-blocks", "16", "--num-cpu-blocks", "8"]
+                store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+                daemons.start(daemon.instance, ranks=2, small=False, args=[*args, *store]).wait_ready(60)
+            elif fault == "restart":
+                assert daemons.cli("restart", "--instance", daemon.instance).returncode == 0
+            else:
+                pids = [daemon.proc.pid] + [r["pid"] for r in read_status(daemon.instance)["ranks"]]
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                time.sleep(1.0)
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            out = _results(engine, 8)
+            assert sorted((d[1], list(d[3]), list(d[4])) for d in out) == [(f"out{i}", [i], [i]) for i in range(8)]
+            fill(caches, list(range(8, 16)), value=0)
+            for i in range(8):
+                engine.queue.put_transfer_task((status.SWAP2GPU, f"in{i}", [100 + i], [8 + i], [i]))
+            back = _results(engine, 8)
+            assert sorted(d[1] for d in back) == [f"in{i}" for i in range(8)]
+            assert [blocks(c, list(range(8, 16))) for c in caches] == original
+            assert all(proc.poll() is None for proc in engine.dropins)
+        finally:
             for cache in caches:
                 cache.close()
