@@ -149,3 +149,30 @@ def test_swaps_queued_at_once_through_a_fault_are_reported_done_only_with_their_
         finally:
             for cache in caches:
                 cache.close()
+
+
+def test_a_swap_in_taken_once_a_rank_failed_ends_the_rank_and_is_never_reported(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """Rank 1's worker killed (-9) four times within a minute: the rank FAILED and the daemon ended. A swap-in
+    taken then is sent at once (no daemon: tried again on the pool's thread until its deadline, 4 s) and
+    ends rank 0's drop-in naming it; the engine gets no result for it."""
+    with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="4") as (engine, daemon):
+        status = engine.fd.CacheStatus
+        for _ in range(4):
+            pid = read_status(daemon.instance)["ranks"][1]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while daemon.proc.poll() is None and read_status(daemon.instance)["ranks"][1]["pid"] in (pid, None):
+                assert time.monotonic() < deadline, "no replacement worker"
+                time.sleep(0.05)
+        daemon.proc.wait(30)
+        engine.queue.put_transfer_task((status.SWAP2GPU, "after-failed", [41], [3], [2]))
+        deadline = time.monotonic() + 30
+        while engine.dropins[0].poll() is None:
+            assert time.monotonic() < deadline, "rank 0's drop-in did not end"
+            assert engine.queue.get_transfer_done_signal() is None, "a swap-in was reported with no daemon"
+            time.sleep(0.05)
+        said = logs(engine)
+        assert "swap in 'after-failed'" in said and "cannot be done" in said, said[-2000:]
+        daemons.cli("doctor", "--clean", "--instance", daemon.instance)  # the memory the daemon kept, released
