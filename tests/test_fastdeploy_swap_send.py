@@ -176,3 +176,34 @@ def test_a_swap_in_taken_once_a_rank_failed_ends_the_rank_and_is_never_reported(
         said = logs(engine)
         assert "swap in 'after-failed'" in said and "cannot be done" in said, said[-2000:]
         daemons.cli("doctor", "--clean", "--instance", daemon.instance)  # the memory the daemon kept, released
+
+
+def test_a_pause_taken_behind_swaps_sent_to_a_stopped_worker_is_answered_only_once_they_are_reported(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """Rank 1's worker stopped (SIGSTOP) for 3 s; eight swap-outs put at once, then ``pause``: the pause is
+    answered only once all eight are reported (the engine then holds no task in flight), each with its
+    blocks; a swap put while paused is dropped and logged; after ``resume`` a swap is served."""
+    with served(daemons, tmp_path) as (engine, daemon):
+        status = engine.fd.CacheStatus
+        worker = read_status(daemon.instance)["ranks"][1]["pid"]
+        os.kill(worker, signal.SIGSTOP)
+        threading.Timer(3.0, os.kill, (worker, signal.SIGCONT)).start()
+        try:
+            for i in range(8):
+                engine.queue.put_transfer_task((status.SWAP2CPU, f"out{i}", [100 + i], [i], [i]))
+            assert [r["error_code"] for r in engine.control_request("pause")] == [200, 200]
+            ready: list[Any] = []
+            while (data := engine.queue.get_transfer_done_signal()) is not None:
+                ready.append(data)
+            assert sorted((d[1], list(d[3])) for d in ready) == [(f"out{i}", [i]) for i in range(8)], ready
+            assert engine.value("cache_task_inflight") == [0, 0]
+            engine.queue.put_transfer_task((status.SWAP2CPU, "while-paused", [200], [9], [0]))
+            engine.until(engine.queue.empty, "the task taken")
+            assert [r["error_code"] for r in engine.control_request("resume")] == [200, 200]
+            done = engine.task((status.SWAP2CPU, "after", [201], [10], [1]))
+            assert done[0][1] == "after"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+        assert "SWAP2CPU task 'while-paused' taken while the transfer loop is paused" in logs(engine)
