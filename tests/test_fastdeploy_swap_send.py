@@ -207,3 +207,24 @@ def test_a_pause_taken_behind_swaps_sent_to_a_stopped_worker_is_answered_only_on
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)
         assert "SWAP2CPU task 'while-paused' taken while the transfer loop is paused" in logs(engine)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "cpu"),
+    [([2**40], [0]), ([99], [0]), ([1, 2], [0]), ([3] * 2000, list(range(8)) * 250)],
+    ids=["past-int32", "out-of-range", "lengths-differ", "two-thousand-repeated"],
+)
+def test_a_swap_out_kvcached_refuses_is_reported_with_nothing_moved_and_the_loop_serves_on(
+    daemons: DaemonFactory, tmp_path: Path, gpu: list[int], cpu: list[int]
+) -> None:
+    """A swap-out with ids kvcached refuses (one past int32, one past the cache, lists of different lengths, two
+    thousand repeated ones), as the engine's own code could put it: reported with nothing moved (the engine keeps
+    its GPU copies), the drop-ins live, and a control request and the next swap are served."""
+    with served(daemons, tmp_path) as (engine, _):
+        status = engine.fd.CacheStatus
+        done = engine.task((status.SWAP2CPU, "refused", [51], gpu, cpu))
+        assert done[0][1:] == ("refused", [], [], [])
+        assert [r["error_code"] for r in engine.control_request("sleep")] == [200, 200]
+        done = engine.task((status.SWAP2CPU, "next", [52], [1], [0]))
+        assert done[0][1:] == ("next", [52], [1], [0])
+        assert all(proc.poll() is None for proc in engine.dropins)
