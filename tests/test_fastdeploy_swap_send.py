@@ -112,7 +112,8 @@ def test_swaps_queued_at_once_through_a_fault_are_reported_done_only_with_their_
     killed -9 and started again, ``kvcached restart``, the daemon's processes stopped for 1 s), then the
     eight swapped back in to other blocks at once: every swap reported with its blocks moved their bytes on
     both ranks, none is reported with nothing moved (every daemon adopted the memory), and the drop-ins
-    live."""
+    live. (``daemon-kill`` races the queue thread's send, which closes a connection the daemon's death
+    broke, against the pool thread's wait on it: run it several times.)"""
     with served(daemons, tmp_path) as (engine, daemon):
         status = engine.fd.CacheStatus
         caches = views(daemon.instance)
