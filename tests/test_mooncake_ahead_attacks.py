@@ -275,8 +275,8 @@ def test_a_master_restarted_under_queued_loads_costs_misses_never_a_wrong_block(
 def test_a_store_agent_stopped_under_queued_loads_costs_those_loads(
     daemons: DaemonFactory, mooncake: MooncakeMaster
 ) -> None:
-    """Rank 0's store agent is stopped (SIGSTOP) once the first of eight queued loads is answered: the loads
-    it had fail within the store timeout (2 s) or are served by the next agent, never with a wrong block;
+    """Rank 0's store agent is stopped (SIGSTOP), then eight loads are queued: those it had fail within the
+    store timeout (2 s) or are served by the next agent, never with a wrong block;
     the worker stays; then loads and lookups get their own answers, byte for byte."""
     daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args(), "--store-timeout", "2"])
     daemon.wait_ready()
@@ -288,6 +288,8 @@ def test_a_store_agent_stopped_under_queued_loads_costs_those_loads(
         worker = read_status(daemon.instance)["ranks"][0]["pid"]
         agent = int(Path(f"/proc/{worker}/task/{worker}/children").read_text().split()[0])
         targets = [list(range(100 + 50 * (k % 3), 100 + 50 * (k % 3) + PER_LOAD)) for k in range(8)]
+        assert tasks.load(None, keys, targets[0]).blocks == PER_LOAD
+        os.kill(agent, signal.SIGSTOP)
         handles = [tasks.submit(tasks.load, None, keys, targets[k]) for k in range(8)]
         outcomes: list[Any] = []
         try:
@@ -298,8 +300,6 @@ def test_a_store_agent_stopped_under_queued_loads_costs_those_loads(
                     assert blocks(caches, targets[k][:got]) == blocks(caches, ids[:got]), k
                 except rc.KVCacheError as exc:
                     outcomes.append(type(exc).__name__)
-                if k == 0:
-                    os.kill(agent, signal.SIGSTOP)
         finally:
             if alive(agent):
                 os.kill(agent, signal.SIGCONT)
