@@ -234,3 +234,9 @@ def report(figures: dict[str, Any]) -> list[str]:
             f"{r['served_after_s']:.2f} s"
         )
     return lines
+
+
+if __name__ == "__main__":
+    print(__doc__.strip())
+    print("\nNot run on its own: `scripts/bench_store.py --backends mooncake` runs it after its own passes.")
+    sys.exit(0 if set(sys.argv[1:]) <= {"-h", "--help"} else 2)

@@ -247,3 +247,20 @@ def test_the_drop_ins_help_says_what_it_is_what_it_reads_and_how_it_exits() -> N
     statuses = {0, 2, transfer_manager.EXIT_UNAVAILABLE, transfer_manager.EXIT_MISMATCH}
     listed = shown[shown.index("exit status:") :]
     assert {int(n) for n in re.findall(r"^  (\d) ", listed, flags=re.MULTILINE)} == statuses
+
+
+def test_without_fastdeploy_the_drop_in_says_so_and_exits_1_without_a_traceback() -> None:
+    """Run where ``fastdeploy`` cannot be imported (this test venv has none): one line naming why, exit 1."""
+    args = ["--rank", "0", "--mp_num", "2", "--engine_worker_queue_port", "1", "--cache_queue_port", "2"]
+    shape = ["--key_cache_shape", "4,2,4,16", "--value_cache_shape", "4,2,4,16", "--num_layers", "2"]
+    ran = subprocess.run(
+        [sys.executable, "-m", "kvcached.fastdeploy.transfer_manager", *args, *shape],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr
+    assert "Error: FastDeploy is not importable here" in ran.stderr, ran.stderr

@@ -394,7 +394,13 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s kvcached.fastdeploy: %(message)s")
     if args.create_cache_tensor:
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
-    fd = adapter or RealFastDeploy()
+    try:
+        fd = adapter or RealFastDeploy()
+    except ImportError as exc:
+        why = f"FastDeploy is not importable here ({exc}): the drop-in runs in FastDeploy's environment"
+        log.error("rank %d cannot be served: %s", args.rank, why)
+        print(f"Error: {why}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     try:
         instance = instance_or_default()
         task_s, slack_s, has_pool, prefix = _prepare(args, fd, instance)
