@@ -110,9 +110,13 @@ class Connection:
         """Send one task and return its id; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for
         their waiters), until ``by`` at the latest. Raises ``Closed`` (the worker is gone: it runs none of
         it), ``TimeoutError`` (the worker reads nothing any more: this connection is closed, part of a frame
-        may be out) or ``Full`` (``by`` passed before it could go out)."""
-        with self.send_lock:
-            deadline = time.monotonic() + self.timeout if by is None else min(time.monotonic() + self.timeout, by)
+        may be out, also when ``by`` passed while the frame was going out) or ``Full`` (``by`` passed before
+        it could go out: another thread's frame was going out, or no room in flight)."""
+        now = time.monotonic()
+        deadline = now + self.timeout if by is None else min(now + self.timeout, by)
+        if not self.send_lock.acquire(timeout=max(deadline - now, 0.0)):
+            raise Full()
+        try:
             try:
                 while self.sent - self.read >= MAX_IN_FLIGHT:
                     with self._reading(deadline):
@@ -122,15 +126,28 @@ class Connection:
                 raise Full() from None
             task_id = self.next_id
             self.next_id += 1
-            try:
-                self.sock.sendall(request(op, task_id, payload, flags))
-            except (BlockingIOError, TimeoutError):  # SO_SNDTIMEO expired
-                self.sock.close()
-                raise TimeoutError from None
-            except OSError as exc:  # a broken pipe, a reset, or closed by another thread (``close``)
-                raise Closed() from exc
+            self._send_frame(request(op, task_id, payload, flags), deadline)
             self.sent += 1
             return task_id
+        finally:
+            self.send_lock.release()
+
+    def _send_frame(self, frame: bytes, deadline: float) -> None:
+        """``sendall`` within ``deadline`` (the socket's send timeout is lowered for this frame when the
+        deadline is nearer than it). Caller holds ``send_lock``."""
+        short = deadline < time.monotonic() + self.timeout - 0.001
+        try:
+            if short:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(deadline - time.monotonic()))
+            self.sock.sendall(frame)
+        except (BlockingIOError, TimeoutError):  # the send timeout expired: part of the frame may be out
+            self.close()
+            raise TimeoutError from None
+        except OSError as exc:  # a broken pipe, a reset, or closed by another thread (``close``)
+            raise Closed() from exc
+        if short:  # the frame is out: a socket closed meanwhile is the next call's to find
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
 
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way. Raises

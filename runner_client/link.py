@@ -194,12 +194,22 @@ class RankLink:
                 connection = Connection(path, self.rank, self.daemons.block, self.timeout, by=deadline)
             except (AccessDenied, TaskFailed):
                 raise
+            except TimeoutError:  # the worker took the connection and did not answer its HELLO in time
+                if time.monotonic() >= deadline:
+                    raise TaskTimeout(
+                        f"instance {self.instance!r} rank {self.rank}: the worker did not answer a new "
+                        "connection within the task's timeout"
+                    ) from None
+                continue
             except (OSError, Closed):  # the worker is being replaced: its socket comes back with it
                 if time.monotonic() >= deadline:
                     raise self._lost(Op.HELLO, (), None) from None
                 time.sleep(0.005)
                 continue
             with self._lock:
+                if self.daemons.closed:  # closed while this one opened: it must not outlive the client
+                    connection.close()
+                    raise self._closed()
                 self._connection = connection
             return connection
 
@@ -291,6 +301,16 @@ class RankLink:
             return block.read(self.rank)
         except TornRead:
             return None  # a record mid-update: look again
+        except ValueError:  # its mapping released: the client was closed by another thread
+            if self.daemons.closed:
+                raise self._closed() from None
+            raise
+
+    def _closed(self) -> TaskFailed:
+        return TaskFailed(
+            f"instance {self.instance!r} rank {self.rank}: this CacheTasks was closed while a task was in flight "
+            "on another thread, so whether it ran is unknown"
+        )
 
     def _read(self, block: ControlBlock, state: State) -> bool:
         record = self._record(block)
