@@ -16,7 +16,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from kvcached.protocol.control import ControlBlock
@@ -71,7 +70,7 @@ class Connection:
         self._set_rcvtimeo(timeout)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
         hello = json.dumps({"generation": f"{generation:016x}"}).encode()
-        deadline = time.monotonic() + timeout if by is None else min(time.monotonic() + timeout, by)
+        deadline = self._deadline(by)
         try:
             try:
                 task_id = self.send(Op.HELLO, hello, by=deadline)
@@ -112,16 +111,18 @@ class Connection:
         it), ``TimeoutError`` (the worker reads nothing any more: this connection is closed, part of a frame
         may be out, also when ``by`` passed while the frame was going out) or ``Full`` (``by`` passed before
         it could go out: another thread's frame was going out, or no room in flight)."""
-        now = time.monotonic()
-        deadline = now + self.timeout if by is None else min(now + self.timeout, by)
-        if not self.send_lock.acquire(timeout=max(deadline - now, 0.0)):
+        deadline = self._deadline(by)
+        if not self.send_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise Full()
         try:
             try:
                 while self.sent - self.read >= MAX_IN_FLIGHT:
-                    with self._reading(deadline):
+                    self._acquire_read(deadline)
+                    try:
                         if self.sent - self.read >= MAX_IN_FLIGHT:
                             self._read_reply(deadline)
+                    finally:
+                        self.read_lock.release()
             except TimeoutError:
                 raise Full() from None
             task_id = self.next_id
@@ -152,21 +153,24 @@ class Connection:
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way. Raises
         ``Closed``, ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``TaskFailed`` for a refusal."""
-        with self._reading(deadline):
+        self._acquire_read(deadline)
+        try:
             while task_id not in self.early:
                 self._read_reply(deadline)
             return self.early.pop(task_id)
+        finally:
+            self.read_lock.release()
 
-    @contextlib.contextmanager
-    def _reading(self, deadline: float) -> Iterator[None]:
-        """Hold ``read_lock``, waited for at most until ``deadline`` (``TimeoutError``): another thread may
+    def _deadline(self, by: float | None) -> float:
+        """This connection's timeout from now, or ``by`` when that comes first."""
+        limit = time.monotonic() + self.timeout
+        return limit if by is None else min(limit, by)
+
+    def _acquire_read(self, deadline: float) -> None:
+        """Take ``read_lock``, waited for at most until ``deadline`` (``TimeoutError``): another thread may
         be reading, for its own reply, longer than this caller may wait."""
         if not self.read_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise TimeoutError
-        try:
-            yield
-        finally:
-            self.read_lock.release()
 
     def close(self) -> None:
         """Close it, from any thread: a thread blocked reading it wakes up and raises ``Closed``."""
