@@ -27,23 +27,34 @@ SMALL = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_bl
 
 
 class EngineSignal:
-    """FastDeploy's IPCSignal as its engine uses it: SharedMemory(f"{name}.{suffix}"), an int32 [ranks] view."""
+    """DOUBLE of FastDeploy's IPCSignal as its engine uses it: SharedMemory(f"{name}.{suffix}"), an int32
+    [ranks] view. ``create=True`` takes FastDeploy's steps in its order (``ipc_signal.py`` lines 99-104 at
+    e53f5184): ``shared_memory_exists`` (an open and a close), then ``SharedMemory(name).unlink()`` through
+    a descriptor just opened, then an exclusive create; ``pause`` seconds pass between the unlink and the
+    create (an engine preempted there), and ``late`` seconds between the create and the engine's initial
+    write of 0 (lines 105-106)."""
 
-    def __init__(self, name: str, suffix: int, ranks: int, *, create: bool) -> None:
+    def __init__(
+        self, name: str, suffix: int, ranks: int, *, create: bool, pause: float = 0.0, late: float = 0.0
+    ) -> None:
         self.shm_name = f"{name}.{suffix}"
-        if create:  # IPCSignal(create=True) unlinks an existing segment and recreates it
+        if create:
             try:
-                old = shared_memory.SharedMemory(name=self.shm_name)
-                old.close()
-                old.unlink()
+                probe = shared_memory.SharedMemory(name=self.shm_name)
             except FileNotFoundError:
                 pass
+            else:
+                resource_tracker.unregister(probe._name, "shared_memory")  # type: ignore[attr-defined]
+                probe.close()
+                shared_memory.SharedMemory(name=self.shm_name).unlink()
+                time.sleep(pause)
             self.shm = shared_memory.SharedMemory(name=self.shm_name, create=True, size=4 * ranks)
         else:
             self.shm = shared_memory.SharedMemory(name=self.shm_name)
         resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
         self.value: np.ndarray[Any, Any] = np.ndarray((ranks,), dtype=np.int32, buffer=self.shm.buf)
         if create:
+            time.sleep(late)
             self.value[:] = 0
 
     def close(self) -> None:
@@ -102,6 +113,26 @@ def test_engine_created_flags_follow_ready_through_kill9_and_restart(daemons: Da
     finally:
         cache.close()
         swap.close()
+
+
+def test_an_engine_preempted_inside_its_create_finds_the_name_free_and_the_flags_right(
+    daemons: DaemonFactory, suffix: int
+) -> None:
+    """IPCSignal(create=True) opens the segment, unlinks it, creates the name exclusively, then writes its
+    initial 0s: an engine preempted between the unlink and the create for up to 0.6 s still finds the
+    name free (the daemon links a name a reader's exit took away back within milliseconds, but not one
+    the engine is re-creating); one preempted before its initial write, after the daemon wrote the
+    segment, reads 1 for every READY rank again soon after."""
+    daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix)])
+    daemon.wait_ready()
+    for pause in (0.05, 0.3, 0.6):
+        EngineSignal("cache_ready_signal", suffix, 2, create=True, pause=pause).close()  # FileExistsError if taken
+    last = EngineSignal("cache_ready_signal", suffix, 2, create=True, pause=0.3, late=0.5)
+    try:
+        until(lambda: list(last.value) == [1, 1], timeout=5, what="the daemon writes into the newest segment")
+        assert daemon.stop() == 0
+    finally:
+        last.close()
 
 
 def test_daemon_created_flags_and_a_replaced_worker(daemons: DaemonFactory, suffix: int) -> None:

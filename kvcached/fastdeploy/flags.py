@@ -19,15 +19,21 @@ Nobody is ever stranded on a segment FastDeploy's own habits took away:
   supervisor keeps a mapping of the last ``MAX_FOLLOWED`` segments it has held under a name and writes
   each value into all of them; an older one is released (an engine re-creates its flags when it starts,
   so a waiter still mapped to a segment that many re-creations ago belongs to an engine long gone).
+  The engine writes its initial values (0) into a segment it creates, after the daemon may have
+  followed it: the daemon writes the values again at every tick, every ``SETTLE_EVERY_S`` for the
+  first ``SETTLE_S`` of a segment.
 * **A name taken away comes back at once, as the same segment.** Every FastDeploy reader that attaches
   with ``IPCSignal(create=False)`` and exits unlinks the name (Python's resource tracker registers every
   ``SharedMemory`` it opens). The supervisor holds a second name of the current segment (a hard link,
   ``/dev/shm/kvcached.<instance>.fd.<name>``), watches /dev/shm with inotify, and links the public name
-  back to the same segment ``RELINK_GRACE_S`` after it went (the engine re-creating the segment unlinks
-  the name and creates it at once: it must find the name free): every waiter mapped to it, and every
-  reader that opens the name next, see the same memory with the current values. (A reader that opens
-  the name within those milliseconds of another's exit finds it gone, as it would without kvcached;
-  a process starting after another's exit takes longer than that.)
+  back to the same segment: every waiter mapped to it, and every reader that opens the name next, see
+  the same memory with the current values. The engine re-creating the segment must find the name free
+  between its unlink and its exclusive create, so how soon depends on how the name went. FastDeploy's
+  ``IPCSignal(create=True)`` opens the segment and unlinks it through that descriptor; a reader's
+  resource tracker unlinks a name after the reader closed it. A name whose last event was an open
+  (``ENGINE_WINDOW_S`` ago at most) is given ``ENGINE_GRACE_S``; any other, ``RELINK_GRACE_S``. (A
+  reader that opens the name within those milliseconds of another's exit finds it gone, as it would
+  without kvcached; a process starting after another's exit takes longer than that.)
 * **Only the engine's segments are followed.** /dev/shm is writable by every user: a segment is followed
   (mapped, written, linked) only when it is a plain shared-memory object of exactly the flag's size,
   owned by a trusted user (the daemon's, root, or ``--engine-user``) and not writable by others. Links
@@ -48,6 +54,7 @@ import stat
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +65,29 @@ from kvcached.protocol.errors import SignalError
 from kvcached.protocol.names import PREFIX, SHM_DIR, check_instance
 
 SIGNALS = ("cache_ready_signal", "swap_space_ready_signal")
-#: A name gone for this long is linked back (sooner, and the engine's IPCSignal(create=True), which
-#: unlinks the name and then creates it exclusively, could find our link there and fail).
+#: A name a reader's exit took away is linked back after this long.
 RELINK_GRACE_S = 0.02
+#: A name unlinked through a descriptor opened just before (FastDeploy's IPCSignal(create=True): it
+#: opens the segment, unlinks it, then creates the name exclusively) is left free this long for the
+#: engine's create: linked back sooner, the create could find our link there and fail.
+ENGINE_GRACE_S = 1.0
+#: How recent that open must be. A reader's attach is older: readers live longer than this.
+ENGINE_WINDOW_S = 0.25
+#: FastDeploy's engine writes its initial values into a segment right after creating it: the values are
+#: written again every ``SETTLE_EVERY_S`` for ``SETTLE_S`` after a new segment is followed (and at every
+#: tick of the supervisor after that).
+SETTLE_S = 1.0
+SETTLE_EVERY_S = 0.01
 #: Segments of one name kept mapped (and written): the current one and those it replaced most recently.
 MAX_FOLLOWED = 8
 
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
-_IN_CHANGES = 0x00000100 | 0x00000200 | 0x00000040 | 0x00000080  # IN_CREATE | IN_DELETE | IN_MOVED_FROM/TO
+_IN_CLOSE = 0x00000008 | 0x00000010  # IN_CLOSE_WRITE | IN_CLOSE_NOWRITE
+_IN_OPEN = 0x00000020
+_IN_GONE = 0x00000200 | 0x00000040  # IN_DELETE | IN_MOVED_FROM
+_IN_OVERFLOW = 0x00004000  # IN_Q_OVERFLOW: events were lost
+_IN_CHANGES = _IN_CLOSE | _IN_OPEN | _IN_GONE | 0x00000100 | 0x00000080  # IN_CREATE, IN_MOVED_TO
 
 
 class _Odd(Exception):
@@ -95,6 +116,9 @@ class _Segment:
         self.created: set[int] = set()  # inodes this run created
         self.values = [0] * ranks
         self.missing_since: float | None = None  # when the public name was first seen gone
+        self.grace = RELINK_GRACE_S  # how long it is left gone before it is linked back
+        self.opened_at: float | None = None  # when an open was the name's last event (inotify), if it is
+        self.followed_at = 0.0  # when the current segment was first followed
         self.refused: int | None = None  # inode of the odd object at the name: not looked at again
         self.said = ""  # the last warning, not repeated
         self.warnings: list[str] = []
@@ -102,58 +126,77 @@ class _Segment:
     def open(self, *, create: bool = True) -> bool:
         """Follow what the name holds now, or create it (unless not ``create``: then False when the name is
         gone). Raises ``SignalError`` for an engine's segment of another size, ``_Odd`` for an object that
-        is not a segment the daemon follows."""
+        is not a segment the daemon follows, ``_Unsized`` for one being created.
+
+        The daemon never opens (nor closes) the public name itself: ``tick`` reads the engine's habits from
+        the opens and closes of that name. A segment is looked at through an ``O_PATH`` handle and opened
+        through a link of its own (the temporary name, then the hidden one); one the daemon makes is made
+        under the temporary name, sized, and linked to the public name whole."""
+        temporary = self.hidden.with_name(self.hidden.name + ".new")
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
         created = False
-        fd = self._open_existing()
+        fd = self._open_existing(temporary)
         if fd < 0:
             if not create:
                 return False
+            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except FileExistsError:  # the engine created it just now
-                fd = self._open_existing()
+                os.ftruncate(fd, self.size)
+                self.access.apply(fd)
+                os.link(temporary, self.path)
+                created = True
+            except FileExistsError:  # the engine created it just now: follow that one
+                os.close(fd)
+                temporary.unlink(missing_ok=True)
+                fd = self._open_existing(temporary)
                 if fd < 0:
                     return False
-            else:
-                created = True
-                try:
-                    os.ftruncate(fd, self.size)
-                    self.access.apply(fd)
-                except OSError:  # /dev/shm full: nothing of ours is left at the name
-                    os.close(fd)
-                    self.path.unlink(missing_ok=True)
-                    raise
+            except OSError:  # /dev/shm full: nothing of ours is left at either name
+                os.close(fd)
+                temporary.unlink(missing_ok=True)
+                raise
         try:
             st = os.fstat(fd)
             self._check(st)
             self._map(fd, st.st_ino)
+            os.replace(temporary, self.hidden)
         except BaseException:
             os.close(fd)
+            temporary.unlink(missing_ok=True)
             raise
         if created:
             self.created.add(st.st_ino)
         if self.fd >= 0:
             os.close(self.fd)
         self.fd, self.current, self.refused, self.said = fd, st.st_ino, None, ""
-        self._hide()
+        self.followed_at = time.monotonic()
         self.write()
         return True
 
-    def _open_existing(self) -> int:
-        """A descriptor of the object at the name (-1: none there). Raises ``_Odd`` for one that cannot be
-        opened as a segment (a directory, a symlink, another user's)."""
+    def _open_existing(self, temporary: Path) -> int:
+        """A descriptor of the segment at the name, opened through ``temporary`` (linked to it), or -1 when
+        the name holds nothing. Raises ``_Odd`` for an object the daemon does not follow (a directory, a
+        symlink, another user's), ``_Unsized`` and ``SignalError`` as ``_check`` does."""
         try:
-            st = os.lstat(self.path)
+            handle = os.open(self.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return -1
-        if not stat.S_ISREG(st.st_mode):
-            raise _Odd(f"{self.path} is not a shared-memory segment ({_kind(st.st_mode)})")
         try:
-            return os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return -1
+            st = os.fstat(handle)
+            self._check(st)
+            try:
+                _link(handle, temporary)
+            except FileNotFoundError:  # it lost its name meanwhile
+                return -1
+        finally:
+            os.close(handle)
+        try:
+            fd = os.open(temporary, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
+            temporary.unlink(missing_ok=True)
             raise _Odd(f"{self.path} cannot be opened by the daemon's user: {exc.strerror}") from None
+        return fd
 
     def _check(self, st: os.stat_result) -> None:
         if not stat.S_ISREG(st.st_mode):
@@ -187,18 +230,6 @@ class _Segment:
             with contextlib.suppress(BufferError):
                 old.close()
 
-    def _hide(self) -> None:
-        """Point the hidden name at the current segment (link its descriptor to a temporary name, rename
-        over): never at whatever the public name holds by then."""
-        temporary = self.hidden.with_name(self.hidden.name + ".new")
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
-        try:
-            _link(self.fd, temporary)
-            os.replace(temporary, self.hidden)
-        except FileNotFoundError:
-            pass  # the segment lost its last name meanwhile: follow() makes one anew when the name is free
-
     def follow(self, *, now: bool = False) -> None:
         """Keep the name right: back as our segment if it has been gone ``RELINK_GRACE_S`` (at once with
         ``now``), followed if it names another one the daemon trusts; an odd object there is said once
@@ -225,8 +256,10 @@ class _Segment:
             return
         if inode == -1:
             seen = time.monotonic()
-            self.missing_since = self.missing_since or seen
-            if not now and seen - self.missing_since < RELINK_GRACE_S:
+            if self.missing_since is None:
+                self.gone(seen)
+            assert self.missing_since is not None
+            if not now and seen - self.missing_since < self.grace:
                 return
             self.missing_since = None
             try:
@@ -238,13 +271,23 @@ class _Segment:
                 pass  # no segment held (never opened), or it lost every name: make it anew
             self.open()
         elif not self.open(create=False):  # another segment, gone again already: wait for the next
-            self.missing_since = time.monotonic()
+            self.gone(time.monotonic())
+
+    def gone(self, seen: float) -> None:
+        """The name went away at ``seen``: the engine's unlink-and-create (an open just before) gets
+        ``ENGINE_GRACE_S``, anything else ``RELINK_GRACE_S``."""
+        engine = self.opened_at is not None and seen - self.opened_at <= ENGINE_WINDOW_S
+        self.missing_since, self.grace, self.opened_at = seen, ENGINE_GRACE_S if engine else RELINK_GRACE_S, None
 
     def due(self) -> float | None:
-        """Seconds until a name that went away is linked back; None when none is pending."""
+        """Seconds until a name that went away is linked back, or the values of a segment followed just
+        now are written again; None when neither is pending."""
+        now = time.monotonic()
+        settling = SETTLE_EVERY_S if now - self.followed_at < SETTLE_S else None
         if self.missing_since is None:
-            return None
-        return max(0.0, self.missing_since + RELINK_GRACE_S - time.monotonic())
+            return settling
+        relink = max(0.0, self.missing_since + self.grace - now)
+        return relink if settling is None else min(relink, settling)
 
     def write(self) -> None:
         for _, values in self.views.values():
@@ -349,18 +392,25 @@ class ReadyFlags:
         return min(pending) if pending else None
 
     def tick(self) -> None:
-        """Read what inotify reports (if anything), and keep every name right. A name deleted again
-        restarts its grace: the engine may be re-creating it over and over."""
-        deleted: set[str] = set()
+        """Read what inotify reports (if anything), in order, and keep every name right. A name deleted
+        again restarts its grace: the engine may be re-creating it over and over."""
+        by_name = {segment.name: segment for segment in self.segments}
         if self.inotify >= 0:
             with contextlib.suppress(BlockingIOError, InterruptedError):
                 while data := os.read(self.inotify, 64 * 1024):
-                    deleted |= _deleted_names(data)
-        now = time.monotonic()
+                    now = time.monotonic()
+                    for mask, name in _events(data):
+                        if mask & _IN_OVERFLOW:  # what went on is lost: the engine's grace, to be safe
+                            for each in self.segments:
+                                each.opened_at = now
+                        elif (named := by_name.get(name)) is not None:
+                            if mask & _IN_GONE:
+                                named.gone(now)
+                            elif mask & (_IN_OPEN | _IN_CLOSE):
+                                named.opened_at = now if mask & _IN_OPEN else None
         for segment in self.segments:
-            if segment.name in deleted:
-                segment.missing_since = now
             segment.follow()
+            segment.write()  # the engine's initial values may have landed over ours
 
     def close(self) -> None:
         for segment in self.segments:
@@ -371,20 +421,17 @@ class ReadyFlags:
             self.inotify = -1
 
 
-_IN_DELETE_OR_MOVED_FROM = 0x00000200 | 0x00000040
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then len bytes of name
 
 
-def _deleted_names(data: bytes) -> set[str]:
-    """Names that inotify events in ``data`` report deleted (or moved away)."""
-    names, offset = set(), 0
+def _events(data: bytes) -> Iterator[tuple[int, str]]:
+    """The inotify events in ``data``, in order: (mask, the name they are about, "" for none)."""
+    offset = 0
     while offset + _EVENT.size <= len(data):
         _wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
         offset += _EVENT.size
-        if mask & _IN_DELETE_OR_MOVED_FROM:
-            names.add(data[offset : offset + length].split(b"\0", 1)[0].decode(errors="replace"))
+        yield mask, data[offset : offset + length].split(b"\0", 1)[0].decode(errors="replace")
         offset += length
-    return names
 
 
 def _inotify(directory: Path) -> int:
