@@ -464,6 +464,10 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
             ["--storage-backend", "mooncake", "--mooncake-master", "x", "--mooncake-metadata", "http://h:1/m"],
             "must be HOST:PORT",
         ),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "h:1", "--mooncake-metadata", "h:8080/metadata"],
+            "--mooncake-metadata: must name its scheme: http://HOST:PORT/metadata",
+        ),
         (["--storage-backend", "file", "--storage-capacity", "lots"], "--storage-capacity: must be a size in bytes"),
         (["--storage-backend", "file", "--storage-capacity", "10"], "cannot hold one block per rank"),
     ],

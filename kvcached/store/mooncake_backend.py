@@ -19,6 +19,9 @@ from kvcached.store.mooncake import SECRET, MooncakeStore, host_port, local_addr
 from kvcached.store.mooncake_link import KeeperConfig, release
 from kvcached.store.secret import read_secret, secret_file
 
+#: The metadata servers Mooncake's transfer engine connects to, by the scheme that names each.
+METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://", "rediss://")
+
 
 class MooncakeBackend(StoreBackend):
     """The ``mooncake`` backend (see the module docstring)."""
@@ -77,9 +80,17 @@ class MooncakeBackend(StoreBackend):
         master = str(values["mooncake_master"])
         if not master.rpartition(":")[2].isdigit():
             raise InvalidSpec("mooncake_master", f"must be HOST:PORT, got {master!r}")
+        metadata = str(values["mooncake_metadata"])
+        if metadata != "P2PHANDSHAKE" and not metadata.lower().startswith(METADATA_SCHEMES):
+            raise InvalidSpec(
+                "mooncake_metadata",
+                f"must name its scheme: http://HOST:PORT/metadata (mooncake_master's HTTP metadata server), "
+                f"{', '.join(s + '...' for s in METADATA_SCHEMES[1:])} or P2PHANDSHAKE; got {metadata!r} "
+                "(Mooncake reads an address without a scheme as etcd's)",
+            )
         return {
             "mooncake_master": master,
-            "mooncake_metadata": str(values["mooncake_metadata"]),
+            "mooncake_metadata": metadata,
             "mooncake_segment": knobs.size(values.get("mooncake_segment", "256MiB")),
             "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
             "mooncake_host": values.get("mooncake_host") or None,
@@ -108,10 +119,9 @@ class MooncakeBackend(StoreBackend):
         release(run_dir(), instance)
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
-        endpoints = {
-            "master": host_port(options["mooncake_master"], 50051),
-            "metadata": host_port(options["mooncake_metadata"], 8080),
-        }
+        endpoints = {"master": host_port(options["mooncake_master"], 50051)}
+        if options["mooncake_metadata"] != "P2PHANDSHAKE":  # no server: the segments' hosts tell each other
+            endpoints["metadata"] = host_port(options["mooncake_metadata"], 8080)
         up = {name: reachable(*hp) for name, hp in endpoints.items()}
         measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
         figure = ", ".join(
