@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import signal
 import socket
 import sys
@@ -67,10 +68,12 @@ class Keeper:
         self.stats: dict[str, Any] = {"master_resets": 0, "master_up": True, "started": time.time()}
         self.listener: socket.socket | None = None
         self.quitting = threading.Event()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # written by ``stop``: wakes ``serve``
         self.gone_since: float | None = None
         self.for_good = False  # quitting because the instance is gone for good: its log goes too
         self.socket_inode = 0
         self.marked = False  # the master knows the marker object
+        self.segment_ids: list[str] = []  # the master's names of the mounted segment
 
     # -- start --------------------------------------------------------------------------------------
 
@@ -90,6 +93,7 @@ class Keeper:
         mounted = client.mount_segment(f"/proc/self/fd/{self.segment_fd}", self.config.segment_bytes, 0, "tcp", "")
         if mounted.get("ret") != 0:
             raise RuntimeError(f"Mooncake could not mount a segment of {self.config.segment_bytes} bytes")
+        self.segment_ids = list(mounted.get("segment_ids") or [])
         self.spans = _mapped_spans(self.segment_fd)
         for start, end, _ in self.spans:  # its pages mapped now, not one fault per page at the first puts
             _populate(start, end - start)
@@ -107,7 +111,7 @@ class Keeper:
         finally:
             os.umask(old)
         listener.listen(64)
-        listener.settimeout(TICK_S)
+        listener.setblocking(False)
         self.listener = listener
         self.socket_inode = path.stat().st_ino
 
@@ -120,14 +124,11 @@ class Keeper:
         assert self.listener is not None
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
         while not self.quitting.is_set():
+            select.select([self.listener.fileno(), self.wake_r], [], [], TICK_S)
             try:
                 sock, _ = self.listener.accept()
-            except TimeoutError:
+            except (BlockingIOError, InterruptedError):
                 continue
-            except OSError:
-                if self.quitting.is_set():
-                    break
-                raise
             if peer_credentials(sock)[1] != os.geteuid():
                 sock.close()
                 continue
@@ -135,8 +136,10 @@ class Keeper:
             threading.Thread(target=self._session, args=(sock,), name="agent", daemon=True).start()
 
     def stop(self) -> None:
-        """Make ``serve`` return (any thread, a signal handler too)."""
+        """Make ``serve`` return (any thread, a signal handler too): its ``accept`` is woken at once."""
         self.quitting.set()
+        with contextlib.suppress(OSError):
+            os.write(self.wake_w, b"q")
 
     def _watch(self) -> None:
         while not self.quitting.wait(TICK_S):
@@ -321,15 +324,17 @@ class Keeper:
     def close(self) -> None:
         """Let go of the segment: unmount it (its objects leave the store at once) when the master answers;
         else just exit, and the master drops the segment after its client_ttl. The socket goes (and, when
-        the instance is gone for good, the log) unless a newer keeper has taken its path."""
+        the instance is gone for good, the log) unless a newer keeper has taken its path. The client is not
+        closed: the process exits next, and Mooncake's close waits seconds for its own threads; the master
+        forgets the client after its client_ttl."""
         if self.listener is not None:
             if self._socket_is_ours():
                 self.config.path("sock").unlink(missing_ok=True)
                 if self.for_good:
                     self.config.path("log").unlink(missing_ok=True)
             self.listener.close()
-        if self.client is not None and self.client.health_check() == 0:
-            self.client.close()
+        if self.client is not None and self.segment_ids and self.client.health_check() == 0:
+            self.client.unmount_segment(self.segment_ids)
 
 
 def _is_int(value: Any) -> bool:
