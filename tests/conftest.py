@@ -27,6 +27,9 @@ from kvcached.protocol.names import SHM_DIR, instance_shm_entries, posix_name
 from kvcached.status import is_ready, read_status
 
 ROOT = Path(__file__).resolve().parent.parent
+# The processes the tests start (daemons, CLI calls, runners) read their modules compiled from __pycache__,
+# not compiled anew in every process (about 45 ms a start): some hosts set PYTHONDONTWRITEBYTECODE.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 _counter = itertools.count()
 TEST_PREFIX = "kvt-"
 #: The grace test daemons give their workers at a stop (``--stop-timeout``), when a test names none.
@@ -284,7 +287,10 @@ class MooncakeMaster:
     def metadata(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Start the master's process (unless it runs); ``start`` waits until it listens."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
         binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which(
             "mooncake_master"
         )
@@ -303,6 +309,11 @@ class MooncakeMaster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+
+    def start(self) -> None:
+        """Start the master (or use the process ``launch`` started) and wait until both its ports listen."""
+        self.launch()
+        assert self.proc is not None
         deadline = time.monotonic() + 30
         for port in (self.port, self.http_port):
             while True:
@@ -311,6 +322,7 @@ class MooncakeMaster:
                 assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]
                 assert time.monotonic() < deadline, "mooncake_master did not listen within 30 s"
                 time.sleep(0.05)
+        assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]  # not another's port
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -332,13 +344,32 @@ class MooncakeMaster:
         ]
 
 
+#: A master launched for the next test that asks for one (a master takes over a second to listen): each
+#: test still has a master of its own, fresh, which nothing else used.
+_spare: list[MooncakeMaster] = []
+
+
 @pytest.fixture
-def mooncake(tmp_path: Path, daemons: DaemonFactory, request: pytest.FixtureRequest) -> Iterator[MooncakeMaster]:
+def mooncake(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, daemons: DaemonFactory, request: pytest.FixtureRequest
+) -> Iterator[MooncakeMaster]:
     """A real master on loopback, stopped after the test's daemons (their keepers let go of their
-    segments while it still answers). A test parametrized indirectly passes the master more flags."""
+    segments while it still answers). A test parametrized indirectly passes the master more flags. The
+    master of a test without flags was launched while the test before it ran."""
     pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    master = MooncakeMaster(tmp_path / "mooncake_master.log", getattr(request, "param", None))
+    flags = getattr(request, "param", None)
+    master = MooncakeMaster(tmp_path / "mooncake_master.log", flags)
+    if _spare and not flags:
+        spare = _spare.pop()
+        try:
+            spare.start()
+            master = spare
+        except AssertionError:  # it could not listen (a port taken since): a fresh one, then
+            spare.stop()
     master.start()
+    spare = MooncakeMaster(tmp_path_factory.mktemp("mooncake-spare") / "mooncake_master.log")
+    spare.launch()
+    _spare.append(spare)
     try:
         yield master
     finally:
@@ -414,7 +445,10 @@ def arena_digests(instance: str) -> dict[str, str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The whole suite leaves nothing of a test instance in /dev/shm (acceptance: no leak at all)."""
+    """The whole suite leaves nothing of a test instance in /dev/shm (acceptance: no leak at all), nor a
+    spare master running."""
+    while _spare:
+        _spare.pop().stop()
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
