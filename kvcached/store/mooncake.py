@@ -110,6 +110,7 @@ class MooncakeStore(Store):
         self.segment_map: mmap.mmap
         self.segment_address = 0
         self.retry_at = 0.0
+        self.away_until = 0.0  # calls fail at once until then: the master was found away (``_call``)
         self.last_error = "not connected yet"
         #: The first window of the next load (``expect``), and the locate of it sent ahead on ``link``
         #: (names, when sent) while its reply is not collected.
@@ -128,12 +129,7 @@ class MooncakeStore(Store):
         if now < self.retry_at:
             raise StoreUnavailable(self.last_error)
         self.retry_at = now + RETRY_S
-        down = [f"{h}:{p}" for h, p in self.endpoints if not reachable(h, p)]
-        if down:
-            self.last_error = (
-                f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: no answer from "
-                f"{', '.join(down)}"
-            )
+        if self._away():
             raise StoreUnavailable(self.last_error)
         try:
             link = open_link(self.keeper, self.buffer_fd, self.log)
@@ -149,14 +145,47 @@ class MooncakeStore(Store):
         self._absorb(link.stats)
         return link
 
-    def _call(self, op: str, **args: Any) -> Any:
+    def _away(self) -> bool:
+        """Whether the master or the metadata server takes no connection (``last_error`` then says which)."""
+        down = [f"{h}:{p}" for h, p in self.endpoints if not reachable(h, p)]
+        if down:
+            self.last_error = (
+                f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: no answer from "
+                f"{', '.join(down)}"
+            )
+        return bool(down)
+
+    def _usable(self) -> KeeperLink:
+        """The link to the keeper. After a call failed with the master away, this fails at once (no call
+        waits out Mooncake's own retries) until a probe finds it back, at most once per ``RETRY_S``."""
         link = self._ensure()
+        if self.away_until:
+            now = time.monotonic()
+            if now < self.away_until:
+                raise StoreUnavailable(self.last_error)
+            if self._away():
+                self.away_until = now + RETRY_S
+                raise StoreUnavailable(self.last_error)
+            self.away_until = 0.0
+        return link
+
+    def _call(self, op: str, **args: Any) -> Any:
+        """``op`` on the keeper (see ``_usable``)."""
+        link = self._usable()
         self._take_ahead(link)
         try:
             result = link.call(op, **args)
+        except StoreUnavailable:
+            self._note_failure()
+            raise
         finally:
             self._absorb(link.stats)
         return result
+
+    def _note_failure(self) -> None:
+        """A call failed: when the master is away, the next calls fail at once for ``RETRY_S``."""
+        if self._away():
+            self.away_until = time.monotonic() + RETRY_S
 
     def _absorb(self, stats: Mapping[str, Any]) -> None:
         resets = int(stats.get("master_resets", self.counters.master_resets))
@@ -169,7 +198,9 @@ class MooncakeStore(Store):
 
     def _failed(self, what: str, code: int) -> StoreUnavailable:
         self.last_error = f"Mooncake {what} failed with code {code} (master {self.keeper.master})"
-        return StoreUnavailable(self.last_error)
+        error = StoreUnavailable(self.last_error)
+        self._note_failure()
+        return error
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
         """Gather up to a batch of objects into the registered batch buffer and have the keeper write them with
@@ -230,10 +261,13 @@ class MooncakeStore(Store):
         expected, self.expected = self.expected, []
         if not keys:
             return 0
-        link = self._ensure()
+        link = self._usable()
         damaged: list[bytes] = []
         try:
             loaded = self._windows(link, keys, targets, damaged, expected)
+        except StoreUnavailable:
+            self._note_failure()
+            raise
         finally:
             while link.pending > (self.ahead is not None) and not link.dead:  # stopped early: keep in step
                 with contextlib.suppress(StoreUnavailable):
