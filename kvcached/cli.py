@@ -28,7 +28,7 @@ from kvcached.daemon.errors import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
 from kvcached.knobs import Knob
 from kvcached.logs import LEVELS
 from kvcached.protocol.errors import InvalidConfig, InvalidSpec
-from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_ENV, check_instance
+from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_ENV, check_instance, instance_or_default
 
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 #: A KVCACHED_PLUGINS that does not load: `start` and `doctor` report it; every other command (and
@@ -287,11 +287,14 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str
         except InvalidConfig as exc:
             if exc.field == "instance":  # which instance to check: nothing else can be
                 raise ConfigError(str(exc)) from None
-            problems.append(exc)
+            if exc.field not in ignored:
+                problems.append(exc)
             if exc.field == "config":  # the file itself cannot be read
                 config_file = None
+            elif exc.field in ignored and "storage_backend" not in ignored:  # a store's option it requires
+                ignored.add("storage_backend")
             elif exc.field in ignored or len(problems) > 64:  # a limit of the geometry as a whole
-                config = DaemonConfig.build({"instance": values.get("instance")}, None, environ={})
+                config = DaemonConfig.build({"instance": instance_or_default(values.get("instance"))}, None, {})
             else:
                 ignored.add(exc.field)
         except InvalidSpec as exc:
