@@ -173,3 +173,15 @@ def test_a_mistyped_variable_is_warned_about_at_start(daemons: DaemonFactory) ->
     daemon.wait_ready()
     assert "KVCACHED_NUM_BLOCK is not a kvcached setting: ignored; did you mean KVCACHED_NUM_BLOCKS?" in daemon.log()
     assert daemon.stop() == 0
+
+
+def test_the_test_script_helps_without_installing_anything(tmp_path: Path) -> None:
+    """`scripts/test --help` says what it does and how to run a part of the suite, and builds nothing."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "test"
+    script.write_bytes((ROOT / "scripts" / "test").read_bytes())
+    script.chmod(0o755)
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "--install-system-packages" in result.stdout and "KVCACHED_TEST_JOBS" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scripts"], "it built something"
