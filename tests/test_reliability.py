@@ -44,25 +44,28 @@ HANDOVER_STEPS = ("worker-prepared", "after-relieve", "restart-accepted", "befor
 
 @pytest.mark.parametrize("step", SUPERVISOR_STEPS + WORKER_STEPS)
 def test_kill9_at_each_startup_step(daemons: DaemonFactory, step: str) -> None:
-    """A runner waiting from before the start never sees READY from the killed run; the next start
-    succeeds and serves it; nothing is left in /dev/shm (the fixture checks after the clean stop)."""
+    """A runner waiting from before the start never sees READY from the killed run: it fails, or it is
+    served by the next start, which succeeds; nothing is left in /dev/shm (the fixture checks after the
+    clean stop)."""
     named = SUPERVISOR_STEPS + WORKER_STEPS + HANDOVER_STEPS + ("after-ready", *faults.WORK_STEPS)
     assert set(named) == set(faults.STEPS)
     instance = unique_instance()
     daemons.instances.add(instance)
     env = daemons.env()
-    waiter = run_runner(env, spec=SMALL.to_dict(), rank=1, instance=instance, timeout=3)
+    waiter = run_runner(env, spec=SMALL.to_dict(), rank=1, instance=instance, timeout=30)
     killed = daemons.start(instance, ranks=2, env=daemons.env(KVCACHED_FAULT=f"{step}:kill"))
     code = killed.exit_code(timeout=30)
     if step in SUPERVISOR_STEPS:
         assert code == -signal.SIGKILL
     else:
         assert code == 1, "workers killed at start-up (each replacement too) fail the rank: the supervisor exits 1"
-    result = runner_result(waiter)
-    assert not result["ok"], f"a runner attached to a run killed at {step}: {result}"
-    assert result["error_type"] in ("CacheNotReady", "DaemonGone", "RankFailed"), result
     survivor = daemons.start(instance, ranks=2)
     status = survivor.wait_ready()
+    result = runner_result(waiter)
+    if result["ok"]:
+        assert result["generation"] == status["generation"], f"a runner attached to a run killed at {step}: {result}"
+    else:
+        assert result["error_type"] in ("DaemonGone", "RankFailed"), result
     attached = runner_result(run_runner(env, spec=SMALL.to_dict(), rank=1, instance=instance, timeout=10))
     assert attached["ok"] and attached["generation"] == status["generation"], attached
     assert survivor.stop() == 0
