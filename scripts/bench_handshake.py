@@ -183,8 +183,9 @@ def main() -> int:
             before = cpu_seconds(proc.pid)
             time.sleep(span)
             cpu[name] = 100.0 * (cpu_seconds(proc.pid) - before) / span
-            out.recv()
+            proc.terminate()  # measured: not left to wait out its own timeout
             proc.join()
+            out.close()
         daemon.terminate()
         daemon.wait(30)
     finally:
