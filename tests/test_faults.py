@@ -261,19 +261,19 @@ def test_a_paused_supervisor_changes_nothing(daemons: DaemonFactory) -> None:
     """Why 1: the supervisor paused (SIGSTOP, a debugger) for more than twice the worker timeout and resumed:
     the workers served all along, no worker is taken for hung afterwards (looked at for longer than the
     timeout), every rank READY on the same worker."""
-    daemon = daemons.start(ranks=2, args=["--worker-timeout", "2"])
+    daemon = daemons.start(ranks=2, args=["--worker-timeout", "1"])
     daemon.wait_ready()
     before = pids(daemon.instance)
     with rc.CacheTasks(daemon.instance) as tasks:
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
             paused = time.monotonic()
-            while time.monotonic() - paused < 5:
+            while time.monotonic() - paused < 2.5:
                 assert tasks.swap_out(None, [1], [1]).blocks == 1
                 time.sleep(0.25)
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
-        time.sleep(3)  # a dozen supervisor ticks after the pause, longer than --worker-timeout
+        time.sleep(1.5)  # six supervisor ticks after the pause, longer than --worker-timeout
         assert tasks.swap_in(None, [1], [2]).blocks == 1
     assert pids(daemon.instance) == before and states(daemon.instance) == ["READY", "READY"]
     assert "killing rank worker" not in daemon.log()
@@ -284,7 +284,7 @@ def test_clients_that_pipeline_and_never_read_stall_only_themselves(daemons: Dae
     (its requests stop being read once its replies pile up); another client is served; no worker is taken
     for hung or replaced. Their swaps name a block out of range, so that each is answered (INVALID, nothing
     moved) by a longer reply than a swap's result: the replies pile up after fewer requests."""
-    daemon = daemons.start(ranks=1, args=["--worker-timeout", "2"])
+    daemon = daemons.start(ranks=1, args=["--worker-timeout", "1"])
     status = daemon.wait_ready()
     path = task_socket_path(daemons.run_dir, daemon.instance, 0)
     frame = request(Op.SWAP_OUT, 2, np.array([99, 1], "<i4").tobytes())
@@ -310,7 +310,7 @@ def test_clients_that_pipeline_and_never_read_stall_only_themselves(daemons: Dae
         started = time.monotonic()
         assert tasks.swap_out(0, [2], [2]).blocks == 1
         assert time.monotonic() - started < 5
-        time.sleep(3)  # longer than --worker-timeout
+        time.sleep(1.5)  # longer than --worker-timeout
         assert tasks.swap_in(0, [2], [3]).blocks == 1
     assert read_status(daemon.instance)["ranks"][0]["swap"]["tasks_refused"] > 3 * 10_000  # the hogs' requests ran
     assert pids(daemon.instance) == [status["ranks"][0]["pid"]]
