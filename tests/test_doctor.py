@@ -268,7 +268,6 @@ def test_configuration_errors_are_failed_checks_and_the_rest_still_runs(
     assert bad_instance.returncode == 4 and "instance" in bad_instance.stderr, "a bad --instance ends it"
 
 
-
 def test_a_store_missing_an_option_is_one_failed_check_of_the_instance_the_variable_names(
     daemons: DaemonFactory, instance: str
 ) -> None:
@@ -282,6 +281,7 @@ def test_a_store_missing_an_option_is_one_failed_check_of_the_instance_the_varia
     assert document["instance"] == instance
     code, document = doctor(daemons, "--kv-heads", "100000", "--head-dim", "100000", env=env)
     assert code == 1 and document["instance"] == instance, document
+
 
 def test_metrics_port_taken_fails_and_free_passes(daemons: DaemonFactory, instance: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
