@@ -130,8 +130,11 @@ class DaemonFactory:
         self.instances: set[str] = set()
 
     def env(self, **extra: str) -> dict[str, str]:
+        """The test's environment for the processes it starts: its run directory, and a cache directory
+        of its own (a file store's default path lies there, not in the user's ~/.cache)."""
         env = dict(os.environ)
         env["KVCACHED_RUN_DIR"] = str(self.run_dir)
+        env["XDG_CACHE_HOME"] = str(self.tmp_path / "cache")
         env.pop("KVCACHED_FAULT", None)
         env.update(extra)
         return env
