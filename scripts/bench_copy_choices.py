@@ -33,6 +33,8 @@ import posix_ipc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from helpfmt import show_defaults  # noqa: E402
+
 from kvcached.cli import STREAMING_TUNABLES  # noqa: E402
 
 PIECE_COPY = """
@@ -130,7 +132,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=512, help="bytes of the first-touch and streaming copies")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the figures here")
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     size = args.mib << 20
     report: dict[str, Any] = {
         "runs_vs_gather_16KiB": runs_against_gather(16 << 10, 4096, args.repeats),

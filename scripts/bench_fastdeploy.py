@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import benchlib  # noqa: E402
 from bench_swap import GEOMETRIES, plain_copy_gbps  # noqa: E402
+from helpfmt import show_defaults  # noqa: E402
 
 import runner_client as rc  # noqa: E402
 
@@ -270,7 +271,7 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=40, help="tasks measured per case and path")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     parser.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)  # the floor's process
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     if args.serve_floor is not None:
         serve_floor(args.serve_floor, args.tp)
         return 0

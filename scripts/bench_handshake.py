@@ -32,6 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from helpfmt import show_defaults  # noqa: E402
+
 import runner_client as rc  # noqa: E402
 from kvcached.protocol.control import ControlBlock, State  # noqa: E402
 
@@ -146,7 +148,7 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--wait-seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     run_dir = tempfile.mkdtemp(prefix="kvcached-bench-")
     env = {**os.environ, "KVCACHED_RUN_DIR": run_dir}
     os.environ["KVCACHED_RUN_DIR"] = run_dir

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helpfmt import show_defaults
+
 
 def connector_class() -> Any:
     import torch
@@ -183,7 +185,7 @@ def main() -> int:
     parser.add_argument("--block-bytes", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--hidden", type=int, required=True, help="kv heads x head dim")
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     times = run(args)
     sys.stdout.flush()
     print("LMCACHE-RESULT " + json.dumps(times))

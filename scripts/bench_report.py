@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from helpfmt import show_defaults
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Mooncake's client logs through glog on stdout: "I1129 20:15:11.684504 26658 real_client.cpp:1026] ...".
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d")
@@ -288,7 +290,7 @@ def main() -> int:
         help="tiny sizes, every benchmark at once: checks the pipeline, measures nothing",
     )
     parser.add_argument("--store-backends", default=None, help="e.g. file (default: file,mooncake)")
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     try:
         import matplotlib
 

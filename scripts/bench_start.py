@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import benchlib  # noqa: E402
 import posix_ipc  # noqa: E402
+from helpfmt import show_defaults  # noqa: E402
 
 import runner_client as rc  # noqa: E402
 from kvcached.status import read_status  # noqa: E402
@@ -160,7 +161,7 @@ def main() -> None:
         help="run in a private /dev/shm mounted with these tmpfs options, e.g. size=20g,huge=within_size",
     )
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     benchlib.private_dev_shm(args.dev_shm)
     blocks = int(args.gib * 2**30) // BLOCK_BYTES
     device, cpu = blocks * 3 // 4, blocks // 4

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_filestore  # noqa: E402
 import bench_mooncake_hosts  # noqa: E402
 import benchlib  # noqa: E402
+from helpfmt import show_defaults  # noqa: E402
 
 import runner_client as rc  # noqa: E402
 
@@ -270,7 +271,7 @@ def main() -> int:
         "--lmcache", metavar="PYTHON", default=None, help="an interpreter with LMCache (see bench_lmcache.py)"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
 
     block_bytes = args.block_kib << 10
     blocks = int(args.gib * 2**30) // block_bytes

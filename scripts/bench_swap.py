@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import benchlib  # noqa: E402
+from helpfmt import show_defaults  # noqa: E402
 
 import runner_client as rc  # noqa: E402
 
@@ -173,7 +174,7 @@ def main() -> int:
         help="run in a private /dev/shm mounted with these tmpfs options, e.g. size=20g,huge=within_size",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     benchlib.private_dev_shm(args.dev_shm)
 
     run_dir = tempfile.mkdtemp(prefix="kvb-")

@@ -18,6 +18,8 @@ import logging
 import sys
 import time
 
+from helpfmt import show_defaults
+
 import runner_client as rc
 from kvcached.config import defaults
 from kvcached.protocol.names import instance_or_default
@@ -49,7 +51,7 @@ def main() -> int:
     parser.add_argument("--storage-backend", default=None)
     parser.add_argument("--role", default=default["role"])
     parser.add_argument("--verbose", action="store_true", help="also print runner_client's INFO log lines")
-    args = parser.parse_args()
+    args = show_defaults(parser).parse_args()
     level = logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
 

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, unique_instance
 
@@ -185,3 +187,26 @@ def test_the_test_script_helps_without_installing_anything(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr
     assert "--install-system-packages" in result.stdout and "KVCACHED_TEST_JOBS" in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scripts"], "it built something"
+
+
+@pytest.mark.parametrize(
+    ("script", "option", "default"),
+    [
+        ("bench_swap.py", "--ranks", "2"),
+        ("bench_store.py", "--backends", "file,mooncake"),
+        ("bench_start.py", "--restarts", "3"),
+        ("bench_handshake.py", "--wait-seconds", "10.0"),
+        ("bench_report.py", "--out", f"{ROOT}/bench-report"),
+        ("bench_copy_choices.py", "--repeats", "5"),
+        ("demo_runner.py", "--rank", "0"),
+    ],
+)
+def test_every_script_help_shows_the_defaults(script: str, option: str, default: str) -> None:
+    """A script's --help gives each option's default (an operator should not have to read the source)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split("options:", 1)[1].split())
+    after = text.split(f"{option} ", 1)[1]
+    assert f"(default:{default}" in after.split(" --", 1)[0].replace(" ", ""), after[:300]
