@@ -466,7 +466,8 @@ def restart(instance: str | None, timeout: float) -> None:
     name = _instance(instance)
     target = running.daemon_of(name)
     if target is None:
-        raise click.ClickException(f"instance {name}: not running; start it with `kvcached start`")
+        start = "kvcached start" if name == DEFAULT_INSTANCE else f"kvcached start --instance {name}"
+        raise click.ClickException(f"instance {name}: not running; start it with `{start}`")
     pid, started = target
     snapshot, took = running.wait_restarted(name, pid, started, RESTART_SIGNAL, timeout)
     note = snapshot.get("note") or ""

@@ -90,6 +90,8 @@ def test_stop_command(daemons: DaemonFactory) -> None:
     assert not (daemons.run_dir / f"{daemon.instance}.lock").exists()
     again = daemons.cli("stop", "--instance", daemon.instance)
     assert again.returncode == 0 and "not running" in again.stdout
+    restart = daemons.cli("restart", "--instance", daemon.instance)  # the hint names the instance to start
+    assert restart.returncode == 1 and f"`kvcached start --instance {daemon.instance}`" in restart.stderr, restart
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])

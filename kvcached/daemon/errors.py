@@ -20,7 +20,8 @@ EXIT_STATUS_HELP = (
     "Exit statuses of `start`: 0 stopped cleanly, 1 a rank failed at run time, 2 usage error (unknown option),\n"
     "3 instance already running, 4 configuration error (a value, a flag, a variable or a file key),\n"
     "5 host resources (not enough /dev/shm, names or paths taken by someone else).\n"
-    "Other commands: 0 success, 1 failure (status: not ready; doctor: a check failed), 2 usage, 4 configuration."
+    "Other commands: 0 success, 1 failure (status: not ready; doctor: a check failed, a bad value among them), "
+    "2 usage, 4 configuration (doctor: only an --instance it cannot check)."
 )
 
 EXIT_OK = 0
