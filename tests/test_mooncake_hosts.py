@@ -444,7 +444,8 @@ def test_doctor_shows_the_keeper_and_clean_lets_a_dead_hosts_keeper_go(
     assert check["verdict"] == "ok" and check["measured"]["pid"] == keeper, check
     assert check["measured"]["segment_bytes"] == 2 * (8 << 20) and "the next start keeps it" in check["figure"]
     warned = keeper_check(daemons, a, "--mooncake-segment", "9MiB")["mooncake_keeper"]
-    assert warned["verdict"] == "warn" and "segment 16.0 MiB (this configuration: 18.0 MiB)" in warned["figure"], warned
+    differs = "segment 16.0 MiB (2 ranks x --mooncake-segment 8.0 MiB) (this configuration: 18.0 MiB (2 ranks x "
+    assert warned["verdict"] == "warn" and differs + "--mooncake-segment 9.0 MiB))" in warned["figure"], warned
     a.daemon.kill9()
     assert alive(keeper), "a killed daemon's keeper keeps its objects for the next start"
     cleaned = daemons.cli("doctor", "--clean", "--instance", a.instance, "--ranks", "2", *a.args, env=a.env)

@@ -144,8 +144,16 @@ class MooncakeBackend(StoreBackend):
             f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
             f"{found.get('hostname')}; the master forgot it {measured['master_resets']} times"
         )
-        held = {"segment": size_text(found.get("segment_bytes", 0)), "master": found.get("config", {}).get("master")}
-        wants = {"segment": size_text(wanted), "master": options["mooncake_master"]}
+        per_rank = f"{ranks} ranks x --mooncake-segment"
+        held_bytes = int(found.get("segment_bytes", 0))
+        held = {
+            "segment": f"{size_text(held_bytes)} ({per_rank} {size_text(held_bytes / ranks)})",
+            "master": found.get("config", {}).get("master"),
+        }
+        wants = {
+            "segment": f"{size_text(wanted)} ({per_rank} {size_text(options['mooncake_segment'])})",
+            "master": options["mooncake_master"],
+        }
         if differs := [f"{k} {held[k]} (this configuration: {wants[k]})" for k in held if held[k] != wants[k]]:
             advice = "the next start replaces it (its objects leave the store): start with the options it has"
             return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
