@@ -3,12 +3,15 @@
 A ``Connection`` is opened to the worker of one daemon (the control block it was found through stays
 with it), checks who serves the socket, says HELLO with the daemon's generation, and then carries task
 frames (``kvcached.protocol.messages``). Replies arrive in request order; a reply read while waiting for
-another task's is kept for its own waiter, so tasks can be pipelined. What a closed connection means (a
-daemon handing over, a worker replaced, a daemon gone) is the business of ``runner_client.link``.
+another task's is kept for its own waiter, so tasks can be pipelined; a waiter whose reply another thread
+read on its way is woken at once (``arrived``), and the reply of a task nobody waits for any more
+(``forget``) is dropped, not kept. What a closed connection means (a daemon handing over, a worker
+replaced, a daemon gone) is the business of ``runner_client.link``.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -59,7 +62,12 @@ class Connection:
         # Tasks sent and replies read (each changed under its own lock only): the difference is in flight.
         self.sent = 0
         self.read = 0
+        # Replies read and not taken yet, and tasks whose replies nobody will take: changed under ``arrived``
+        # (``forget`` only appends to ``unwanted``: it may run in a garbage collection, anywhere).
         self.early: dict[int, tuple[int, dict[str, Any]]] = {}
+        self.arrived = threading.Condition(threading.Lock())
+        self.unwanted: collections.deque[int] = collections.deque()
+        self.forgotten: set[int] = set()
         self.buf = bytearray()
         try:
             check_owner(f"task socket {path}", os.stat(path), owner=owner)
@@ -123,6 +131,8 @@ class Connection:
                             self._read_reply(deadline)
                     finally:
                         self.read_lock.release()
+                        with self.arrived:
+                            self.arrived.notify_all()  # a waiter may read now
             except TimeoutError:
                 raise Full() from None
             task_id = self.next_id
@@ -151,15 +161,35 @@ class Connection:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
 
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
-        """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way. Raises
-        ``Closed``, ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``TaskFailed`` for a refusal."""
-        self._acquire_read(deadline)
-        try:
+        """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way; while
+        another thread reads, its reply is taken as soon as that thread has read it. Raises ``Closed``,
+        ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``TaskFailed`` for a refusal."""
+        with self.arrived:
             while task_id not in self.early:
+                if self.read_lock.acquire(blocking=False):
+                    break  # nobody reads: this thread does
+                if (
+                    not self.arrived.wait(timeout=max(deadline - time.monotonic(), 0.0))
+                    and time.monotonic() >= deadline
+                ):
+                    raise TimeoutError
+            else:
+                return self.early.pop(task_id)
+        try:
+            while True:
+                with self.arrived:
+                    if task_id in self.early:
+                        return self.early.pop(task_id)
                 self._read_reply(deadline)
-            return self.early.pop(task_id)
         finally:
             self.read_lock.release()
+            with self.arrived:
+                self.arrived.notify_all()  # another waiter may read now
+
+    def forget(self, task_id: int) -> None:
+        """Nobody will take ``task_id``'s reply: drop it (now, or when it comes). Safe anywhere, also in a
+        garbage collection while this thread holds the connection's locks."""
+        self.unwanted.append(task_id)
 
     def _deadline(self, by: float | None) -> float:
         """This connection's timeout from now, or ``by`` when that comes first."""
@@ -219,7 +249,16 @@ class Connection:
                 raise TaskFailed(f"rank {self.rank}: the worker refused the connection: {body.get('message')}")
             raise AccessDenied(f"rank {self.rank}: the daemon refused this client: {body.get('message')}")
         self.read += 1
-        self.early[got_id] = (status, body)
+        with self.arrived:
+            while self.unwanted:
+                unwanted = self.unwanted.popleft()
+                if self.early.pop(unwanted, None) is None:
+                    self.forgotten.add(unwanted)
+            if got_id in self.forgotten:
+                self.forgotten.discard(got_id)
+            else:
+                self.early[got_id] = (status, body)
+            self.arrived.notify_all()
 
 
 def _timeval(seconds: float) -> bytes:

@@ -89,7 +89,8 @@ class _Task:
 
 
 class TaskHandle:
-    """A submitted task; ``result()`` waits for every rank's reply."""
+    """A submitted task; ``result()`` waits for every rank's reply. A handle dropped before every reply was
+    read tells the connections: they drop those replies instead of keeping them."""
 
     def __init__(self, daemons: Daemons, op: Op, parts: list[tuple[RankLink, Sent]], timeout: float) -> None:
         self._daemons = daemons
@@ -97,6 +98,12 @@ class TaskHandle:
         self._parts = parts
         self._timeout = timeout
         self._result: TaskResult | None = None
+        self._replies: dict[int, tuple[int, dict[str, Any]]] = {}  # by part, as read
+
+    def __del__(self) -> None:
+        for i, (_, sent) in enumerate(getattr(self, "_parts", ())):
+            if i not in self._replies:
+                sent.connection.forget(sent.task_id)
 
     def result(self, timeout: float | None = None) -> TaskResult:
         """Wait (at most ``timeout`` s, default the task's) for the task on every rank.
@@ -114,7 +121,10 @@ class TaskHandle:
                 "result was read, so whether it ran is unknown; read results before close()"
             )
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
-        replies = [(link.rank, *link.reply(sent, deadline)) for link, sent in self._parts]
+        for i, (link, sent) in enumerate(self._parts):
+            if i not in self._replies:
+                self._replies[i] = link.reply(sent, deadline)
+        replies = [(link.rank, *self._replies[i]) for i, (link, _) in enumerate(self._parts)]
         for rank, status, body in replies:
             if status == Status.INVALID:
                 raise InvalidTask(str(body.get("field")), f"rank {rank}: {body.get('message')}")

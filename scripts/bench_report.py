@@ -14,9 +14,9 @@ It also runs ``bench_swap.py --geometry`` for FastDeploy's TP8 and MLA geometrie
 beside the plain copy) and ``bench_start.py`` (cold start beside the raw allocation, start after kill -9,
 restarts under a swap stream).
 
-The default sizes take about 2 minutes on a 2-core machine (docs/benchmarks.md says how long its run took); ``--smoke`` runs tiny sizes, every benchmark
-at once (a check that the pipeline works, not a measurement). Needs the ``plot`` extra:
-``pip install -e '.[plot]'``.
+The default sizes take about 2 minutes on a 2-core machine (docs/benchmarks.md says how long its run
+took); ``--smoke`` runs tiny sizes, every benchmark at once (a check that the pipeline works, not a
+measurement). Needs the ``plot`` extra: ``pip install -e '.[plot]'``.
 """
 
 from __future__ import annotations

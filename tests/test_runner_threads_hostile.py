@@ -240,13 +240,9 @@ def rc_max() -> int:
     return MAX_IN_FLIGHT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, open: a connection keeps the reply of a handle dropped unread (a TaskHandle never tells it)",
-)
 def test_replies_of_abandoned_handles_are_not_kept_forever(daemons: DaemonFactory) -> None:
-    """A handle dropped unread (as after a ``TaskTimeout``: "the task may still complete") leaves its reply
-    in the connection's ``early`` map, which nothing ever empties."""
+    """A handle dropped unread (as after a ``TaskTimeout``: "the task may still complete") does not leave
+    its reply in the connection's ``early`` map for ever."""
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
@@ -269,10 +265,6 @@ def test_a_hello_cut_off_by_the_tasks_own_deadline_is_a_task_timeout_not_daemon_
         assert isinstance(raised[0], rc.TaskTimeout), repr(raised[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, open: Connection.wait takes the read lock before it looks among the replies read already",
-)
 def test_a_reply_already_read_by_another_thread_is_returned_without_waiting_behind_its_read(
     daemons: DaemonFactory,
 ) -> None:
