@@ -105,37 +105,37 @@ def needs_root(why: str) -> None:
 
 def test_a_store_far_longer_than_the_timeouts_completes_while_the_daemon_stays_up(daemons: DaemonFactory) -> None:
     """Why 1: one valid store that takes several times the worker timeout and twelve times the store timeout
-    (a slow store, 0.2 s an object, 30 objects) completes; the worker is never taken for hung; the daemon
+    (a slow store, 0.1 s an object, 30 objects) completes; the worker is never taken for hung; the daemon
     stays up. The timeouts are short so that the task need not be long: what counts is the ratio."""
     env = daemons.env(**PLUGIN)
-    args = [*geometry(num_blocks=32), "--storage-backend", "testmem", "--testmem-delay", "0.2"]
-    daemon = daemons.start(ranks=1, args=[*args, "--worker-timeout", "2", "--store-timeout", "0.5"], env=env)
+    args = [*geometry(num_blocks=32), "--storage-backend", "testmem", "--testmem-delay", "0.1"]
+    daemon = daemons.start(ranks=1, args=[*args, "--worker-timeout", "1", "--store-timeout", "0.25"], env=env)
     daemon.wait_ready()
     before = pids(daemon.instance)
     started = time.monotonic()
     with rc.CacheTasks(daemon.instance, timeout=180) as tasks:
         result = tasks.store(0, list(range(30)), keys(30))
         assert tasks.lookup(keys(30)) == 30
-    assert result.blocks == 30 and time.monotonic() - started >= 6
+    assert result.blocks == 30 and time.monotonic() - started >= 3
     assert pids(daemon.instance) == before and states(daemon.instance) == ["READY"]
     assert "killing rank worker" not in daemon.log()
 
 
 def test_a_swap_far_longer_than_the_worker_timeout_completes_while_the_daemon_stays_up(daemons: DaemonFactory) -> None:
-    """Why 1: a valid swap that takes several times the worker timeout (24 runs of ids, each step slowed to
+    """Why 1: a valid swap that takes several times the worker timeout (12 runs of ids, each step slowed to
     0.25 s by fault injection, as a huge swap on a loaded host is) completes; the worker reports progress
     at every step and is never taken for hung. The numpy path, whose steps are runs of ids: the native
     path's steps are chunks of ``STEP_BYTES`` (a handful here; tests/test_copy.py checks it marks progress
     per chunk)."""
     env = daemons.env(KVCACHED_FAULT="copy-step:sleep=0.25", KVCACHED_NATIVE_COPY="0")
-    args = [*geometry(num_blocks=64, num_cpu_blocks=32), "--worker-timeout", "2"]
+    args = [*geometry(num_blocks=64, num_cpu_blocks=32), "--worker-timeout", "1"]
     daemon = daemons.start(ranks=1, args=args, env=env)
     daemon.wait_ready()
     before = pids(daemon.instance)
     started = time.monotonic()
     with rc.CacheTasks(daemon.instance, timeout=180) as tasks:
-        result = tasks.swap_out(0, list(range(0, 48, 2)), list(range(24)))  # every id its own run
-    assert result.blocks == 24 and time.monotonic() - started >= 6
+        result = tasks.swap_out(0, list(range(0, 24, 2)), list(range(12)))  # every id its own run
+    assert result.blocks == 12 and time.monotonic() - started >= 3
     assert pids(daemon.instance) == before and states(daemon.instance) == ["READY"]
     assert "killing rank worker" not in daemon.log()
 

@@ -122,7 +122,7 @@ def test_a_storm_of_tasks_from_many_threads_each_result_is_its_own(daemons: Daem
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)
-        while time.monotonic() < stop + 2:
+        while time.monotonic() < stop + 1:
             with lock:
                 item = (
                     handles.pop(rng.randrange(len(handles)))
