@@ -74,7 +74,7 @@ def test_a_restart_sent_after_another_was_accepted_says_it_was_refused(daemons: 
     """Two `kvcached restart` at once, the second sent after the daemon accepted the first: the image the
     first started refuses the second (its ranks are not READY yet); the first reports the restart, exit 0,
     the second that its own was refused, exit 1, though the generation changed meanwhile."""
-    env = daemons.env(KVCACHED_FAULT="restart-accepted:sleep=5")
+    env = daemons.env(KVCACHED_FAULT="restart-accepted:sleep=2.5")
     daemon = daemons.start(env=env)
     before = daemon.wait_ready()["generation"]
     first = restart_cli(daemons, daemon.instance)
