@@ -181,6 +181,17 @@ def test_round_trip_mooncake_backend(daemons: DaemonFactory, mooncake: MooncakeM
     assert store["backend"] == "mooncake" and store["objects"] == 6 and store["hits"] == 6
 
 
+def test_mooncake_without_a_metadata_server(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """``--mooncake-metadata P2PHANDSHAKE`` (no metadata server: the segments' hosts tell each other) is
+    accepted at start and works: only the master is probed."""
+    args = [*FLAGS, *mooncake.args()]
+    args[args.index(mooncake.metadata)] = "P2PHANDSHAKE"
+    daemon = daemons.start(ranks=2, args=args)
+    daemon.wait_ready()
+    round_trip(daemon.instance)
+    assert read_status(daemon.instance)["ranks"][0]["store"]["hits"] == 6
+
+
 def test_mooncake_objects_go_to_their_hosts_segment(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """Every rank's objects are placed in the host's own segment (its keeper's: a local copy, not a TCP
     transfer to another host), whatever the master's default placement would pick."""
@@ -467,6 +478,22 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
         (
             ["--storage-backend", "mooncake", "--mooncake-master", "h:1", "--mooncake-metadata", "h:8080/metadata"],
             "--mooncake-metadata: must name its scheme: http://HOST:PORT/metadata",
+        ),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "h:99999", "--mooncake-metadata", "http://h:1/m"],
+            "--mooncake-master: must be HOST:PORT (a port from 1 to 65535)",
+        ),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "h:\u00b2", "--mooncake-metadata", "http://h:1/m"],
+            "--mooncake-master: must be HOST:PORT (a port from 1 to 65535)",
+        ),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "h:1", "--mooncake-metadata", "http://h:abc/m"],
+            "--mooncake-metadata: the port after the host must be a number from 1 to 65535",
+        ),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "h:1", "--mooncake-metadata", "HTTP://h:1/m"],
+            "--mooncake-metadata: must name its scheme",
         ),
         (["--storage-backend", "file", "--storage-capacity", "lots"], "--storage-capacity: must be a size in bytes"),
         (["--storage-backend", "file", "--storage-capacity", "10"], "cannot hold one block per rank"),

@@ -69,6 +69,23 @@ def host_port(address: str, default_port: int) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def metadata_port(address: str) -> str:
+    """The port a metadata URL names (its first server's, for an etcd list), "8080" when it names none."""
+    netloc = address.partition("://")[2].split("/", 1)[0].split(";", 1)[0].split(",", 1)[0].rpartition("@")[2]
+    host_end = netloc.rfind("]") if netloc.startswith("[") else -1
+    _, colon, port = netloc[host_end + 1 :].rpartition(":")
+    return port if colon else "8080"
+
+
+def metadata_endpoint(address: str) -> tuple[str, int] | None:
+    """The (host, port) to probe for the metadata server of ``--mooncake-metadata``, or None for
+    ``P2PHANDSHAKE`` (no server: the segments' hosts tell each other)."""
+    if address == "P2PHANDSHAKE":
+        return None
+    host = urllib.parse.urlsplit(address.split(";", 1)[0].split(",", 1)[0]).hostname
+    return host or "127.0.0.1", int(metadata_port(address))
+
+
 def local_address(host: str, port: int) -> str:
     """The address of this host on the route to ``host`` (what other hosts reach it by, as a rule)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -95,7 +112,8 @@ class MooncakeStore(Store):
         self.identity = identity
         self.keeper = keeper
         self.replicas = replicas
-        self.endpoints = [host_port(keeper.master, 50051), host_port(keeper.metadata, 8080)]
+        metadata = metadata_endpoint(keeper.metadata)
+        self.endpoints = [host_port(keeper.master, 50051), *([metadata] if metadata else [])]
         self.object_bytes = HEADER_SIZE + identity.payload
         self.slot = round_up(self.object_bytes)
         self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while landing

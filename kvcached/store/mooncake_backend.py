@@ -15,7 +15,15 @@ from kvcached.protocol.names import run_dir
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import mooncake_link, register
 from kvcached.store.base import ObjectIdentity, Store, StoreBackend
-from kvcached.store.mooncake import SECRET, MooncakeStore, host_port, local_address, reachable
+from kvcached.store.mooncake import (
+    SECRET,
+    MooncakeStore,
+    host_port,
+    local_address,
+    metadata_endpoint,
+    metadata_port,
+    reachable,
+)
 from kvcached.store.mooncake_link import KeeperConfig, release
 from kvcached.store.secret import read_secret, secret_file
 
@@ -78,15 +86,19 @@ class MooncakeBackend(StoreBackend):
             if not values.get(key):
                 raise InvalidSpec(key, f"is required with storage_backend mooncake, e.g. {example}")
         master = str(values["mooncake_master"])
-        if not master.rpartition(":")[2].isdigit():
-            raise InvalidSpec("mooncake_master", f"must be HOST:PORT, got {master!r}")
+        if not _port(master.rpartition(":")[2]):
+            raise InvalidSpec("mooncake_master", f"must be HOST:PORT (a port from 1 to 65535), got {master!r}")
         metadata = str(values["mooncake_metadata"])
-        if metadata != "P2PHANDSHAKE" and not metadata.lower().startswith(METADATA_SCHEMES):
+        if metadata != "P2PHANDSHAKE" and not metadata.startswith(METADATA_SCHEMES):
             raise InvalidSpec(
                 "mooncake_metadata",
                 f"must name its scheme: http://HOST:PORT/metadata (mooncake_master's HTTP metadata server), "
                 f"{', '.join(s + '...' for s in METADATA_SCHEMES[1:])} or P2PHANDSHAKE; got {metadata!r} "
                 "(Mooncake reads an address without a scheme as etcd's)",
+            )
+        if metadata != "P2PHANDSHAKE" and not _port(metadata_port(metadata)):
+            raise InvalidSpec(
+                "mooncake_metadata", f"the port after the host must be a number from 1 to 65535; got {metadata!r}"
             )
         return {
             "mooncake_master": master,
@@ -120,8 +132,8 @@ class MooncakeBackend(StoreBackend):
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         endpoints = {"master": host_port(options["mooncake_master"], 50051)}
-        if options["mooncake_metadata"] != "P2PHANDSHAKE":  # no server: the segments' hosts tell each other
-            endpoints["metadata"] = host_port(options["mooncake_metadata"], 8080)
+        if (metadata := metadata_endpoint(options["mooncake_metadata"])) is not None:
+            endpoints["metadata"] = metadata
         up = {name: reachable(*hp) for name, hp in endpoints.items()}
         measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
         figure = ", ".join(
@@ -158,6 +170,11 @@ class MooncakeBackend(StoreBackend):
             advice = "the next start replaces it (its objects leave the store): start with the options it has"
             return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
         return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
+
+
+def _port(text: str) -> bool:
+    """Whether ``text`` is a TCP port a server can listen on (ASCII digits, 1 to 65535)."""
+    return text.isascii() and text.isdigit() and 1 <= int(text) <= 65535
 
 
 register(MooncakeBackend())
