@@ -18,7 +18,7 @@ import pytest
 
 from kvcached.fastdeploy.flags import MAX_FOLLOWED
 from kvcached.protocol.names import SHM_DIR
-from tests.conftest import DaemonFactory
+from tests.conftest import DaemonFactory, unique_instance
 from tests.test_fastdeploy import EngineSignal, until
 
 OTHER_UID = 65534
@@ -111,3 +111,41 @@ def test_3000_recreations_leave_the_mappings_bounded(daemons: DaemonFactory, suf
         assert daemon.stop() == 0
     finally:
         last.close()
+
+
+def test_another_user_at_the_daemons_temporary_names_changes_nothing(daemons: DaemonFactory, suffix: int) -> None:
+    """/dev/shm is everyone's: another user's objects at the names the daemon's own links of a flag would
+    take (the hidden name with ``.new`` after it, a non-empty directory there that not even root can
+    unlink) keep neither the start nor the following of each segment the engine re-creates from working,
+    and the stop leaves them alone."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as another user")
+    user = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
+    instance = unique_instance()
+    squatted = [SHM_DIR / f"kvcached.{instance}.fd.cache_ready_signal.{suffix}.new"]
+    script = " && ".join(f"mkdir {path} && touch {path}/x" for path in squatted)
+    subprocess.run([*user, "sh", "-c", script], check=True, timeout=30)
+    try:
+        daemon = daemons.start(ranks=2, instance=instance, args=["--ipc-suffix", str(suffix)])
+        daemon.wait_ready()
+        for _ in range(3):
+            engine = EngineSignal("cache_ready_signal", suffix, 2, create=True)
+            try:
+                ready_soon(engine)
+            finally:
+                engine.close()
+        assert daemon.stop() == 0
+        assert all(path.is_dir() and path.stat().st_uid == OTHER_UID for path in squatted)
+        hidden = SHM_DIR / f"kvcached.{instance}.fd.swap_space_ready_signal.{suffix}"
+        subprocess.run([*user, "sh", "-c", f"mkdir {hidden} && touch {hidden}/x"], check=True, timeout=30)
+        squatted.append(hidden)
+        refused = daemons.start(ranks=2, instance=instance, args=["--ipc-suffix", str(suffix)])
+        assert refused.exit_code() == 5, refused.log()
+        assert f"{hidden} belongs to another user" in refused.log() and "Traceback" not in refused.log()
+    finally:
+        for path in squatted:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def ready_soon(engine: EngineSignal) -> None:
+    until(lambda: list(engine.value) == [1, 1], timeout=10, what="the engine's new segment followed and written")

@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import mmap
 import os
+import secrets
 import stat
 import struct
 import time
@@ -131,10 +133,10 @@ class _Segment:
         The daemon never opens (nor closes) the public name itself: ``tick`` reads the engine's habits from
         the opens and closes of that name. A segment is looked at through an ``O_PATH`` handle and opened
         through a link of its own (the temporary name, then the hidden one); one the daemon makes is made
-        under the temporary name, sized, and linked to the public name whole."""
-        temporary = self.hidden.with_name(self.hidden.name + ".new")
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+        under the temporary name, sized, and linked to the public name whole. The temporary name is new at
+        every call and nobody can guess it: another user who made it first (/dev/shm is everyone's) would
+        keep the daemon from following any segment."""
+        temporary = self.hidden.with_name(f"{self.hidden.name}.new.{secrets.token_hex(8)}")
         created = False
         fd = self._open_existing(temporary)
         if fd < 0:
@@ -160,7 +162,12 @@ class _Segment:
             st = os.fstat(fd)
             self._check(st)
             self._map(fd, st.st_ino)
-            os.replace(temporary, self.hidden)
+            try:
+                os.replace(temporary, self.hidden)
+            except (PermissionError, IsADirectoryError):
+                raise SignalError(
+                    f"{self.hidden} belongs to another user: remove it, or pick another --instance"
+                ) from None
         except BaseException:
             os.close(fd)
             temporary.unlink(missing_ok=True)
@@ -303,8 +310,9 @@ class _Segment:
         self.warnings.clear()
         if _inode(self.path) in self.created:
             self.path.unlink(missing_ok=True)
-        for leftover in (self.hidden, self.hidden.with_name(self.hidden.name + ".new")):
-            leftover.unlink(missing_ok=True)
+        for leftover in (self.hidden, *SHM_DIR.glob(glob.escape(self.hidden.name) + ".new.*")):
+            with contextlib.suppress(FileNotFoundError, PermissionError, IsADirectoryError):  # another user's
+                leftover.unlink()
         for mapping, _ in self.views.values():
             with contextlib.suppress(BufferError):
                 mapping.close()
