@@ -273,6 +273,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: A master is killed when the test process goes (a suite killed by a CI cancel leaves none behind).
+DIE_WITH_TESTS = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+
+
 class MooncakeMaster:
     """A real mooncake_master on loopback with its HTTP metadata server."""
 
@@ -301,6 +305,7 @@ class MooncakeMaster:
         with open(self.log, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [
+                    *DIE_WITH_TESTS,
                     binary,
                     f"--port={self.port}",
                     f"--metrics_port={free_port()}",  # its default, 9003, would collide with another suite's

@@ -20,8 +20,8 @@ Nobody is ever stranded on a segment FastDeploy's own habits took away:
   each value into all of them; an older one is released (an engine re-creates its flags when it starts,
   so a waiter still mapped to a segment that many re-creations ago belongs to an engine long gone).
   The engine writes its initial values (0) into a segment it creates, after the daemon may have
-  followed it: the daemon writes the values again at every tick, every ``SETTLE_EVERY_S`` for the
-  first ``SETTLE_S`` of a segment.
+  followed it: the daemon writes the values again every ``SETTLE_EVERY_S`` for the first ``SETTLE_S``
+  of a segment (not after: a value the engine's own processes write later is theirs).
 * **A name taken away comes back at once, as the same segment.** Every FastDeploy reader that attaches
   with ``IPCSignal(create=False)`` and exits unlinks the name (Python's resource tracker registers every
   ``SharedMemory`` it opens). The supervisor holds a second name of the current segment (a hard link,
@@ -76,8 +76,7 @@ ENGINE_GRACE_S = 1.0
 #: How recent that open must be. A reader's attach is older: readers live longer than this.
 ENGINE_WINDOW_S = 0.25
 #: FastDeploy's engine writes its initial values into a segment right after creating it: the values are
-#: written again every ``SETTLE_EVERY_S`` for ``SETTLE_S`` after a new segment is followed (and at every
-#: tick of the supervisor after that).
+#: written again every ``SETTLE_EVERY_S`` for ``SETTLE_S`` after a new segment is followed.
 SETTLE_S = 1.0
 SETTLE_EVERY_S = 0.01
 #: Segments of one name kept mapped (and written): the current one and those it replaced most recently.
@@ -416,9 +415,11 @@ class ReadyFlags:
                                 named.gone(now)
                             elif mask & (_IN_OPEN | _IN_CLOSE):
                                 named.opened_at = now if mask & _IN_OPEN else None
+        now = time.monotonic()
         for segment in self.segments:
             segment.follow()
-            segment.write()  # the engine's initial values may have landed over ours
+            if now - segment.followed_at < SETTLE_S:  # the engine's initial values may have landed over ours
+                segment.write()
 
     def close(self) -> None:
         for segment in self.segments:
