@@ -231,6 +231,18 @@ def test_mooncake_master_answers_or_not(daemons: DaemonFactory, instance: str, t
         master.stop()
 
 
+def test_a_mooncake_segment_larger_than_the_hosts_memory_fails(daemons: DaemonFactory, instance: str) -> None:
+    """The keeper reserves ranks x --mooncake-segment at once: doctor fails a segment larger than this
+    host's memory (before a start tries to reserve it) and passes a small one."""
+    store = ["--storage-backend", "mooncake", "--mooncake-master", "127.0.0.1:1", "--mooncake-metadata"]
+    store += ["http://127.0.0.1:2/metadata"]
+    _, document = doctor(daemons, "--instance", instance, *SMALL, *store, "--mooncake-segment", "1000TiB")
+    check = by_name(document)["mooncake_segment"]
+    assert check["verdict"] == "fail" and "lower --mooncake-segment" in check["advice"], check
+    _, document = doctor(daemons, "--instance", instance, *SMALL, *store, "--mooncake-segment", "8MiB")
+    assert by_name(document)["mooncake_segment"]["verdict"] == "ok", document
+
+
 def test_file_store_directory(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:
     store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "s"), "--storage-capacity", "1MiB"]
     _, document = doctor(daemons, "--instance", instance, *SMALL, *store)

@@ -131,6 +131,28 @@ class MooncakeBackend(StoreBackend):
         release(run_dir(), instance)
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
+        return [self._segment_check(options, ranks), *self._master_checks(options, ranks)]
+
+    def _segment_check(self, options: Mapping[str, Any], ranks: int) -> Check:
+        """Whether this host's memory can hold the keeper's segment (it reserves all of it at once)."""
+        wanted = ranks * options["mooncake_segment"]
+        memory = _meminfo()
+        total, available = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
+        measured = {"segment_bytes": wanted, "mem_total": total, "mem_available": available}
+        figure = (
+            f"the keeper reserves {size_text(wanted)} ({ranks} ranks x --mooncake-segment "
+            f"{size_text(options['mooncake_segment'])}); {size_text(available)} of {size_text(total)} available"
+        )
+        if total and wanted > total:
+            return Check(
+                "mooncake_segment", FAIL, figure, measured, "lower --mooncake-segment: this host's memory is smaller"
+            )
+        if available and wanted > available:
+            advice = "lower --mooncake-segment, or free memory: the keeper's start would fail, or push others out"
+            return Check("mooncake_segment", WARN, figure, measured, advice)
+        return Check("mooncake_segment", OK, figure, measured)
+
+    def _master_checks(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         endpoints = {"master": host_port(options["mooncake_master"], 50051)}
         if (metadata := metadata_endpoint(options["mooncake_metadata"])) is not None:
             endpoints["metadata"] = metadata
@@ -175,6 +197,21 @@ class MooncakeBackend(StoreBackend):
 def _port(text: str) -> bool:
     """Whether ``text`` is a TCP port a server can listen on (ASCII digits, 1 to 65535)."""
     return text.isascii() and text.isdigit() and 1 <= int(text) <= 65535
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo's figures in bytes (empty where there is none)."""
+    found: dict[str, int] = {}
+    try:
+        lines = open("/proc/meminfo").read().splitlines()  # noqa: SIM115 - read at once
+    except OSError:
+        return found
+    for line in lines:
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if fields and fields[0].isdigit():
+            found[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return found
 
 
 register(MooncakeBackend())
