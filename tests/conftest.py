@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -273,7 +274,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-#: A master is killed when the test process goes (a suite killed by a CI cancel leaves none behind).
+#: A master is killed when the test process goes (a suite killed by a CI cancel leaves none behind); only
+#: one started by the main thread: the signal comes when the thread that started it ends.
 DIE_WITH_TESTS = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
 
 
@@ -305,7 +307,7 @@ class MooncakeMaster:
         with open(self.log, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [
-                    *DIE_WITH_TESTS,
+                    *(DIE_WITH_TESTS if threading.current_thread() is threading.main_thread() else []),
                     binary,
                     f"--port={self.port}",
                     f"--metrics_port={free_port()}",  # its default, 9003, would collide with another suite's

@@ -96,6 +96,18 @@ def local_address(host: str, port: int) -> str:
             return "127.0.0.1"
 
 
+def refused(host: str, port: int) -> bool:
+    """Whether ``host:port`` refuses a TCP connection at once (nothing listens there), within half a
+    second; False when it takes it, or is merely slow to."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def reachable(host: str, port: int) -> bool:
     """Whether ``host:port`` takes a TCP connection within half a second."""
     try:
@@ -174,17 +186,18 @@ class MooncakeStore(Store):
         return bool(down)
 
     def _usable(self) -> KeeperLink:
-        """The link to the keeper. After a call failed with the master away, this fails at once (no call
-        waits out Mooncake's own retries) until a probe finds it back, at most once per ``RETRY_S``."""
+        """The link to the keeper. After a call failed with the master gone (its port refuses), this fails
+        at once (no call waits out Mooncake's own retries) until a probe finds it back, at most once per
+        ``RETRY_S``."""
         link = self._ensure()
         if self.away_until:
             now = time.monotonic()
             if now < self.away_until:
                 raise StoreUnavailable(self.last_error)
-            if self._away():
-                self.away_until = now + RETRY_S
-                raise StoreUnavailable(self.last_error)
             self.away_until = 0.0
+            self._note_failure()  # still gone: another RETRY_S
+            if self.away_until:
+                raise StoreUnavailable(self.last_error)
         return link
 
     def _call(self, op: str, **args: Any) -> Any:
@@ -201,8 +214,14 @@ class MooncakeStore(Store):
         return result
 
     def _note_failure(self) -> None:
-        """A call failed: when the master is away, the next calls fail at once for ``RETRY_S``."""
-        if self._away():
+        """A call failed: when the master or the metadata server refuses connections (gone, not merely
+        slow to answer), the next calls fail at once for ``RETRY_S``."""
+        gone = [f"{h}:{p}" for h, p in self.endpoints if refused(h, p)]
+        if gone:
+            self.last_error = (
+                f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: "
+                f"{', '.join(gone)} refused the connection"
+            )
             self.away_until = time.monotonic() + RETRY_S
 
     def _absorb(self, stats: Mapping[str, Any]) -> None:
