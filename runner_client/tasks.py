@@ -100,6 +100,12 @@ class TaskHandle:
         self._result: TaskResult | None = None
         self._replies: dict[int, tuple[int, dict[str, Any]]] = {}  # by part, as read
 
+    def __copy__(self) -> TaskHandle:
+        return self  # one task, one handle: a copy dropped must not drop the replies the original waits for
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TaskHandle:
+        return self
+
     def __del__(self) -> None:
         for i, (_, sent) in enumerate(getattr(self, "_parts", ())):
             if i not in self._replies:

@@ -4,6 +4,9 @@ submit with a short deadline while the worker's socket is full, and a storm of t
 
 from __future__ import annotations
 
+import copy
+import functools
+import gc
 import os
 import random
 import signal
@@ -283,3 +286,18 @@ def test_a_reply_already_read_by_another_thread_is_returned_without_waiting_behi
             time.sleep(0.5)
             got = in_thread(lambda: first.result(timeout=2))
             assert isinstance(got[0], rc.TaskResult), f"the reply was read already, yet: {got[0]!r}"
+
+
+def test_a_copy_of_a_handle_dropped_leaves_the_originals_reply(daemons: DaemonFactory) -> None:
+    """A handle copied (``copy.copy`` / ``copy.deepcopy``) and one of the two dropped: the other still gets
+    the task's result (a dropped handle tells its connections to drop the replies it did not read)."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+        for clone in (copy.copy, copy.deepcopy):
+            handle = tasks.submit(tasks.swap_out, 0, [1], [1])
+            kept = clone(handle)
+            del handle
+            gc.collect()
+            got = in_thread(functools.partial(kept.result, timeout=5))
+            assert isinstance(got[0], rc.TaskResult), f"{clone.__name__}: {got[0]!r}"
