@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State
@@ -152,10 +153,13 @@ class RankLink:
                 f"instance {self.instance!r} rank {self.rank}: the worker took no more tasks within {self.timeout:g}s"
             ) from None
 
-    def reply(self, sent: Sent, deadline: float) -> tuple[int, dict[str, Any]]:
+    def reply(
+        self, sent: Sent, deadline: float, resent: Callable[[Sent], None] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """The worker's (status, body) for ``sent``, sending it again to the next daemon while the one it
-        went to did not run it (NOT_RUN, at most ``MAX_RESENDS`` times). Raises ``TaskTimeout``,
-        ``TaskLost``, ``RankFailed`` or ``DaemonGone``."""
+        went to did not run it (NOT_RUN, at most ``MAX_RESENDS`` times; ``resent`` is told of each new
+        ``Sent``, before its reply is waited for). Raises ``TaskTimeout``, ``TaskLost``, ``RankFailed`` or
+        ``DaemonGone``."""
         for _ in range(MAX_RESENDS):
             status, body = self._reply(sent, deadline)
             if status != Status.NOT_RUN:
@@ -168,6 +172,8 @@ class RankLink:
                 raise TaskTimeout(
                     f"instance {self.instance!r} rank {self.rank}: the next daemon took no task in time"
                 ) from None
+            if resent is not None:
+                resent(sent)
         return self._reply(sent, deadline)
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ memory anew (it did not adopt it, or the device tier cannot outlive its process)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -106,6 +107,9 @@ class TaskHandle:
     def __deepcopy__(self, memo: dict[int, Any]) -> TaskHandle:
         return self
 
+    def _resent(self, part: int, link: RankLink, sent: Sent) -> None:
+        self._parts[part] = (link, sent)
+
     def __del__(self) -> None:
         for i, (_, sent) in enumerate(getattr(self, "_parts", ())):
             if i not in self._replies:
@@ -128,8 +132,8 @@ class TaskHandle:
             )
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         for i, (link, sent) in enumerate(self._parts):
-            if i not in self._replies:
-                self._replies[i] = link.reply(sent, deadline)
+            if i not in self._replies:  # a part sent again is the handle's from then on (a retry, ``__del__``)
+                self._replies[i] = link.reply(sent, deadline, functools.partial(self._resent, i, link))
         replies = [(link.rank, *self._replies[i]) for i, (link, _) in enumerate(self._parts)]
         for rank, status, body in replies:
             if status == Status.INVALID:

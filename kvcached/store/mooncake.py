@@ -29,6 +29,7 @@ back by itself (the keeper's client mounts its segment again); what the master f
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import socket
@@ -97,15 +98,15 @@ def local_address(host: str, port: int) -> str:
 
 
 def refused(host: str, port: int) -> bool:
-    """Whether ``host:port`` refuses a TCP connection at once (nothing listens there), within half a
-    second; False when it takes it, or is merely slow to."""
+    """Whether ``host:port`` is gone: it refuses a TCP connection (nothing listens there) or its host or
+    network is unreachable, within half a second; False when it takes it, or is merely slow to."""
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return False
     except ConnectionRefusedError:
         return True
-    except OSError:
-        return False
+    except OSError as exc:
+        return exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
 
 
 def reachable(host: str, port: int) -> bool:
