@@ -72,8 +72,8 @@ class MooncakeBackend(StoreBackend):
             "mooncake_host",
             knobs.optional_text,
             None,
-            "mooncake backend: this host's address as the other hosts reach it (default: the address this host "
-            "reaches the master from).",
+            "mooncake backend: this host's address as the other hosts reach it. [default: the address this host "
+            "reaches the master from]",
             "ADDRESS",
         ),
     )
