@@ -72,9 +72,11 @@ RELINK_GRACE_S = 0.02
 #: A name unlinked through a descriptor opened just before (FastDeploy's IPCSignal(create=True): it
 #: opens the segment, unlinks it, then creates the name exclusively) is left free this long for the
 #: engine's create: linked back sooner, the create could find our link there and fail.
-ENGINE_GRACE_S = 1.0
-#: How recent that open must be. A reader's attach is older: readers live longer than this.
-ENGINE_WINDOW_S = 0.25
+ENGINE_GRACE_S = 2.0
+#: How recent that open must be (long enough for an engine preempted between the two on a loaded host). A
+#: reader's own open is followed by its close before its resource tracker unlinks the name (the process
+#: has exited by then), so it is never the last event before that unlink.
+ENGINE_WINDOW_S = 2.0
 #: FastDeploy's engine writes its initial values into a segment right after creating it: the values are
 #: written again every ``SETTLE_EVERY_S`` for ``SETTLE_S`` after a new segment is followed.
 SETTLE_S = 1.0
