@@ -97,25 +97,21 @@ def local_address(host: str, port: int) -> str:
             return "127.0.0.1"
 
 
-def refused(host: str, port: int) -> bool:
-    """Whether ``host:port`` is gone: it refuses a TCP connection (nothing listens there) or its host or
-    network is unreachable, within half a second; False when it takes it, or is merely slow to."""
+def probe_port(host: str, port: int) -> bool | None:
+    """Whether ``host:port`` takes a TCP connection within half a second: True; False when it is gone (it
+    refuses, or its host or network is unreachable); None when it is merely slow to answer."""
     try:
         with socket.create_connection((host, port), timeout=0.5):
-            return False
+            return True
     except ConnectionRefusedError:
-        return True
+        return False
     except OSError as exc:
-        return exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+        return False if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH) else None
 
 
 def reachable(host: str, port: int) -> bool:
     """Whether ``host:port`` takes a TCP connection within half a second."""
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+    return probe_port(host, port) is True
 
 
 class MooncakeStore(Store):
@@ -176,9 +172,11 @@ class MooncakeStore(Store):
         self._absorb(link.stats)
         return link
 
-    def _away(self) -> bool:
-        """Whether the master or the metadata server takes no connection (``last_error`` then says which)."""
-        down = [f"{h}:{p}" for h, p in self.endpoints if not reachable(h, p)]
+    def _away(self, *, gone: bool = False) -> bool:
+        """Whether the master or the metadata server takes no connection (``gone``: only one that refuses it
+        or is unreachable, not one merely slow); ``last_error`` then says which."""
+        answers = [(f"{h}:{p}", probe_port(h, p)) for h, p in self.endpoints]
+        down = [where for where, answer in answers if answer is False or (answer is None and not gone)]
         if down:
             self.last_error = (
                 f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: no answer from "
@@ -215,14 +213,9 @@ class MooncakeStore(Store):
         return result
 
     def _note_failure(self) -> None:
-        """A call failed: when the master or the metadata server refuses connections (gone, not merely
-        slow to answer), the next calls fail at once for ``RETRY_S``."""
-        gone = [f"{h}:{p}" for h, p in self.endpoints if refused(h, p)]
-        if gone:
-            self.last_error = (
-                f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: "
-                f"{', '.join(gone)} refused the connection"
-            )
+        """A call failed: when the master or the metadata server is gone (not merely slow to answer), the
+        next calls fail at once for ``RETRY_S``."""
+        if self._away(gone=True):
             self.away_until = time.monotonic() + RETRY_S
 
     def _absorb(self, stats: Mapping[str, Any]) -> None:
