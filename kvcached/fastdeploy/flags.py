@@ -239,7 +239,7 @@ class _Segment:
                 old.close()
 
     def follow(self, *, now: bool = False) -> None:
-        """Keep the name right: back as our segment if it has been gone ``RELINK_GRACE_S`` (at once with
+        """Keep the name right: back as our segment once it has been gone its grace (``gone``; at once with
         ``now``), followed if it names another one the daemon trusts; an odd object there is said once
         (``warnings``) and left alone."""
         try:
@@ -283,8 +283,10 @@ class _Segment:
 
     def gone(self, seen: float) -> None:
         """The name went away at ``seen``: the engine's unlink-and-create (an open just before) gets
-        ``ENGINE_GRACE_S``, anything else ``RELINK_GRACE_S``."""
+        ``ENGINE_GRACE_S``, anything else ``RELINK_GRACE_S``. The event of a deletion ``follow`` saw first
+        keeps the engine's grace (its open was taken into account then)."""
         engine = self.opened_at is not None and seen - self.opened_at <= ENGINE_WINDOW_S
+        engine = engine or (self.missing_since is not None and self.grace == ENGINE_GRACE_S)
         self.missing_since, self.grace, self.opened_at = seen, ENGINE_GRACE_S if engine else RELINK_GRACE_S, None
 
     def due(self) -> float | None:
@@ -403,7 +405,7 @@ class ReadyFlags:
     def tick(self) -> None:
         """Read what inotify reports (if anything), in order, and keep every name right. A name deleted
         again restarts its grace: the engine may be re-creating it over and over."""
-        by_name = {segment.name: segment for segment in self.segments}
+        by_name = {segment.name.encode(): segment for segment in self.segments}
         if self.inotify >= 0:
             with contextlib.suppress(BlockingIOError, InterruptedError):
                 while data := os.read(self.inotify, 64 * 1024):
@@ -435,13 +437,14 @@ class ReadyFlags:
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then len bytes of name
 
 
-def _events(data: bytes) -> Iterator[tuple[int, str]]:
-    """The inotify events in ``data``, in order: (mask, the name they are about, "" for none)."""
+def _events(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """The inotify events in ``data``, in order: (mask, the name they are about, b"" for none); a name is
+    not decoded (every open and close in /dev/shm comes through here)."""
     offset = 0
     while offset + _EVENT.size <= len(data):
         _wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
         offset += _EVENT.size
-        yield mask, data[offset : offset + length].split(b"\0", 1)[0].decode(errors="replace")
+        yield mask, data[offset : offset + length].split(b"\0", 1)[0]
         offset += length
 
 
