@@ -4,6 +4,7 @@ submit with a short deadline while the worker's socket is full, and a storm of t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -12,6 +13,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -54,39 +56,43 @@ def test_close_while_another_thread_waits_for_a_result_raises_a_documented_error
     assert isinstance(out[0], rc.KVCacheError), repr(out[0])
 
 
-def test_a_submit_with_a_short_timeout_is_bounded_while_the_workers_socket_is_full(daemons: DaemonFactory) -> None:
+#: 800 kB of ids per task: a few fill the socket's buffers.
+BIG = [0] * 100_000
+
+
+@contextlib.contextmanager
+def served_then_stopped(daemons: DaemonFactory) -> Iterator[rc.CacheTasks]:
+    """A client of a one-rank daemon that served one swap, its worker stopped (``SIGSTOP``) while the block
+    runs."""
     daemon = daemons.start(ranks=1, stop_timeout=2, args=["--worker-timeout", "120"])
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance, timeout=BOUND_S * 2) as tasks:
         assert tasks.swap_out(0, [0], [0]).blocks == 1
-        worker = read_status(daemon.instance)["ranks"][0]["pid"]
-        big = [0] * 100_000  # 800 kB of ids per task: a few fill the socket's buffers
-        with stopped(worker):
-            filler = threading.Thread(
-                target=lambda: [in_thread(lambda: tasks.submit(tasks.swap_out, 0, big, big, timeout=0.5))],
-                daemon=True,
-            )
-            filler.start()
-            time.sleep(1.0)
-            began = time.monotonic()
-            raised = in_thread(lambda: tasks.submit(tasks.swap_out, 0, [1], [1], timeout=0.05))
-            took = time.monotonic() - began
-            assert took < 5.0, f"a submit with timeout=0.05 took {took:.1f}s: {raised!r}"
-            assert isinstance(raised[0], (rc.TaskTimeout, rc.TaskHandle)), raised
+        with stopped(read_status(daemon.instance)["ranks"][0]["pid"]):
+            yield tasks
+
+
+def test_a_submit_with_a_short_timeout_is_bounded_while_the_workers_socket_is_full(daemons: DaemonFactory) -> None:
+    with served_then_stopped(daemons) as tasks:
+        filler = threading.Thread(
+            target=lambda: [in_thread(lambda: tasks.submit(tasks.swap_out, 0, BIG, BIG, timeout=0.5))],
+            daemon=True,
+        )
+        filler.start()
+        time.sleep(1.0)
+        began = time.monotonic()
+        raised = in_thread(lambda: tasks.submit(tasks.swap_out, 0, [1], [1], timeout=0.05))
+        took = time.monotonic() - began
+        assert took < 5.0, f"a submit with timeout=0.05 took {took:.1f}s: {raised!r}"
+        assert isinstance(raised[0], (rc.TaskTimeout, rc.TaskHandle)), raised
 
 
 def test_a_submit_with_a_short_timeout_returns_by_then_alone_on_a_full_socket(daemons: DaemonFactory) -> None:
-    daemon = daemons.start(ranks=1, stop_timeout=2, args=["--worker-timeout", "120"])
-    daemon.wait_ready()
-    with rc.CacheTasks(daemon.instance, timeout=BOUND_S * 2) as tasks:
-        assert tasks.swap_out(0, [0], [0]).blocks == 1
-        worker = read_status(daemon.instance)["ranks"][0]["pid"]
-        big = [0] * 100_000
-        with stopped(worker):
-            began = time.monotonic()
-            raised = in_thread(lambda: tasks.submit(tasks.swap_out, 0, big, big, timeout=0.5))
-            took = time.monotonic() - began
-            assert took < 5.0, f"a submit with timeout=0.5 took {took:.1f}s: {raised!r}"
+    with served_then_stopped(daemons) as tasks:
+        began = time.monotonic()
+        raised = in_thread(lambda: tasks.submit(tasks.swap_out, 0, BIG, BIG, timeout=0.5))
+        took = time.monotonic() - began
+        assert took < 5.0, f"a submit with timeout=0.5 took {took:.1f}s: {raised!r}"
 
 
 @pytest.mark.parametrize("fault", ["kill-worker", "kill-daemon", "stop-worker", "restart", "close"])
