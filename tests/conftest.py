@@ -359,6 +359,18 @@ class MooncakeMaster:
 _spare: list[MooncakeMaster] = []
 
 
+def _listening_spare() -> MooncakeMaster | None:
+    """The spare master, once it listens; None without one, or when it could not listen (a port taken since)."""
+    while _spare:
+        spare = _spare.pop()
+        try:
+            spare.start()
+            return spare
+        except AssertionError:
+            spare.stop()
+    return None
+
+
 @pytest.fixture
 def mooncake(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, daemons: DaemonFactory, request: pytest.FixtureRequest
@@ -368,15 +380,10 @@ def mooncake(
     master of a test without flags was launched while the test before it ran."""
     pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
     flags = getattr(request, "param", None)
-    master = MooncakeMaster(tmp_path / "mooncake_master.log", flags)
-    if _spare and not flags:
-        spare = _spare.pop()
-        try:
-            spare.start()
-            master = spare
-        except AssertionError:  # it could not listen (a port taken since): a fresh one, then
-            spare.stop()
-    master.start()
+    master = None if flags else _listening_spare()
+    if master is None:
+        master = MooncakeMaster(tmp_path / "mooncake_master.log", flags)
+        master.start()
     spare = MooncakeMaster(tmp_path_factory.mktemp("mooncake-spare") / "mooncake_master.log")
     spare.launch()
     _spare.append(spare)
