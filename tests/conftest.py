@@ -26,6 +26,7 @@ import pytest
 
 from kvcached.protocol.names import SHM_DIR, instance_shm_entries, posix_name
 from kvcached.status import is_ready, read_status
+from tests.helpers.zygote import Zygote, ZygoteChild
 
 ROOT = Path(__file__).resolve().parent.parent
 # The processes the tests start (daemons, CLI calls, runners) read their modules compiled from __pycache__,
@@ -56,20 +57,50 @@ def remove_entries(instance: str) -> None:
             (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
 
 
+_zygote: list[Zygote] = []
+
+
+def zygote() -> Zygote:
+    """This test process's zygote (``tests/helpers/zygote.py``), started on first use."""
+    if not _zygote:
+        import tempfile
+
+        _zygote.append(Zygote(Path(tempfile.gettempdir()) / f"kvt-zygote-{os.getpid()}.log"))
+    return _zygote[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote_ends() -> Iterator[None]:
+    """The zygote ends with the session (the daemons it forked are each test's own to stop)."""
+    yield
+    while _zygote:
+        _zygote.pop().close()
+
+
 class Daemon:
-    """A real ``kvcached start`` process."""
+    """A real ``kvcached start`` process: forked by the zygote from the imported daemon where its birth
+    cannot differ (``Zygote.forks``), else executed as production executes it."""
 
     def __init__(
-        self, instance: str, args: list[str], env: dict[str, str], log_path: Path, popen: dict[str, Any] | None = None
+        self,
+        instance: str,
+        args: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        popen: dict[str, Any] | None = None,
+        executed: bool = False,
     ) -> None:
         self.instance = instance
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        argv = ["start", "--instance", instance, "--log-format", "json", *args]
+        births = zygote()
+        self.proc: subprocess.Popen[bytes] | ZygoteChild
+        if not executed and births.forks(env, popen):
+            self.proc = births.start(argv, env, self._log.fileno(), self._log.fileno())
+            return
         options: dict[str, Any] = {"stdout": self._log, "stderr": subprocess.STDOUT, "env": env, "cwd": ROOT}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, "--log-format", "json", *args],
-            **{**options, **(popen or {})},
-        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvcached.cli", *argv], **{**options, **(popen or {})})
 
     @property
     def pid(self) -> int:
@@ -150,11 +181,13 @@ class DaemonFactory:
         small: bool = True,
         popen: dict[str, Any] | None = None,
         stop_timeout: float | None = None,
+        executed: bool = False,
     ) -> Daemon:
         """Start ``kvcached start``; ``small`` adds a tiny geometry so tests stay fast; ``popen`` passes
         extra ``subprocess.Popen`` arguments (e.g. ``user=`` to run the daemon as another user);
         ``stop_timeout`` (else ``$KVCACHED_TEST_STOP_TIMEOUT``, else the daemon's default) is the grace its
-        workers get at the stop the teardown sends: short for a test that leaves a worker busy or frozen."""
+        workers get at the stop the teardown sends: short for a test that leaves a worker busy or frozen;
+        ``executed`` starts it by exec even where the zygote could fork it."""
         instance = instance or unique_instance()
         self.instances.add(instance)
         geometry = (
@@ -184,14 +217,19 @@ class DaemonFactory:
             *(args or []),
         ]
         log = self.tmp_path / f"daemon-{len(self.daemons)}.log"
-        daemon = Daemon(instance, full_args, env or self.env(), log, popen)
+        daemon = Daemon(instance, full_args, env or self.env(), log, popen, executed)
         self.daemons.append(daemon)
         return daemon
 
     def cli(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 60, prefix: list[str] | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``kvcached ARGS`` to completion (under ``prefix``, a command such as ``setpriv ... --``)."""
+        """Run ``kvcached ARGS`` to completion (under ``prefix``, a command such as ``setpriv ... --``): forked
+        by the zygote where its birth cannot differ, else executed."""
+        env = env or self.env()
+        births = zygote()
+        if not prefix and births.forks(env, None):
+            return births.run(list(args), env, timeout)
         return subprocess.run(
             [*(prefix or []), sys.executable, "-m", "kvcached.cli", *args],
             check=False,

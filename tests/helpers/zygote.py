@@ -1,0 +1,306 @@
+"""Daemons born by fork from a process that has imported them already (a zygote), for the tests.
+
+A ``kvcached start`` spends about 0.3 s of its 0.4 s to READY on this 2-core host importing Python modules
+(numpy, structlog, click and the daemon), and the suite starts some 700 daemons. The zygote is one process
+per test process that imports what ``python -m kvcached.cli`` imports and then forks a child for each start.
+The child takes the test's arguments, environment, working directory and standard streams, closes every other
+descriptor, and runs ``kvcached.cli`` as ``python -m`` does (``runpy``, as ``__main__``); it leaves through
+the interpreter's own shutdown (non-daemon threads joined, ``atexit`` run), as an executed daemon does. The
+daemon's code is the same; only its birth differs. Starts that depend on their birth are executed as
+production executes them (``Zygote.forks`` says which): another user or other ``Popen`` arguments, and an
+environment that differs in what is read at import (``IMPORT_TIME_ENV``). ``KVCACHED_TEST_EXEC=1`` executes
+every start.
+
+The zygote's command line names ``kvcached.cli start``, as its children's ``/proc/<pid>/cmdline`` reads it:
+the daemon's own check that a pid is a daemon (``lockfile.is_kvcached_daemon``) reads that line.
+
+Wire: a ``SOCK_SEQPACKET`` pair, one JSON object per message. The test process sends ``{"argv", "env",
+"cwd"}`` with three descriptors (stdin, stdout, stderr); the zygote answers ``{"pid"}``, and
+``{"exited": pid, "code"}`` (``Popen.returncode``'s convention) when that child ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+EXEC_ENV = "KVCACHED_TEST_EXEC"
+#: Environment read by the interpreter, the dynamic loader and glibc when a process starts, by numpy's BLAS
+#: and by kvcached's plugins when imported: a start whose environment differs from the zygote's in one of
+#: these, or in a variable the zygote's imports read (``Zygote.read``), is executed.
+IMPORT_TIME_ENV = ("PYTHON", "KVCACHED_PLUGINS", "LD_", "OPENBLAS", "OMP_", "MKL_", "NUMPY", "MALLOC", "GLIBC")
+MESSAGE_BYTES = 1 << 20
+MODULE = "kvcached.cli"
+#: Imported by ``kvcached start`` beyond ``kvcached.cli`` itself (the daemon and its workers).
+PRELOAD = ("kvcached.running", "kvcached.status", "kvcached.daemon.supervisor", "kvcached.daemon.worker")
+
+
+# --- the zygote process --------------------------------------------------------------------------------
+
+
+def _preload() -> list[str]:
+    """Import what a start imports, then forget ``kvcached.cli``: each child runs it afresh as ``__main__``
+    (its module-level code reads the child's environment). The environment variables read meanwhile."""
+    import importlib
+
+    read: set[str] = set()
+    getitem = os._Environ.__getitem__
+
+    def recorded(self: os._Environ[str], key: str) -> str:
+        read.add(key)
+        return getitem(self, key)
+
+    os._Environ.__getitem__ = recorded  # type: ignore[method-assign,assignment]
+    try:
+        for name in (MODULE, *PRELOAD):
+            importlib.import_module(name)
+    finally:
+        os._Environ.__getitem__ = getitem  # type: ignore[method-assign]
+    del sys.modules[MODULE]
+    return sorted(read)
+
+
+def _serve(channel: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """Fork a child for each request until the test process hangs up; returns only in a child, with its
+    request and descriptors."""
+    children: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        ready, _, _ = select.select([channel.fileno(), *children], [], [])
+        for fd in ready:
+            if fd in children:
+                pid = children.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                channel.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+                continue
+            # the channel: a request
+            message, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, 3)
+            if not message:
+                return None
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                for pidfd in children:
+                    os.close(pidfd)
+                channel.close()
+                return json.loads(message), fds
+            for received in fds:
+                os.close(received)
+            children[os.pidfd_open(pid)] = pid
+            channel.send(json.dumps({"pid": pid}).encode())
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """In a forked child: take the request's streams, directory, environment and arguments, and run
+    ``kvcached.cli`` as ``python -m kvcached.cli`` runs it."""
+    import runpy
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["-m", *request["argv"]]
+    sys.orig_argv = [sys.executable, "-m", MODULE, *request["argv"]]
+    runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+
+
+def main() -> None:
+    channel = socket.socket(fileno=int(os.environ.pop("KVCACHED_ZYGOTE_FD")))
+    channel.send(json.dumps({"read": _preload()}).encode())
+    child = _serve(channel)
+    if child is not None:
+        _become(*child)
+
+
+# --- the test process's side ---------------------------------------------------------------------------
+
+
+class Zygote:
+    """The test process's zygote, started on first use. Thread-safe: one lock over the channel."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+        env = {**self.env, "KVCACHED_ZYGOTE_FD": str(theirs.fileno())}
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [*_die_with_us(), sys.executable, "-m", "tests.helpers.zygote", MODULE, "start"],
+                env=env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                pass_fds=[theirs.fileno()],
+            )
+        theirs.close()
+        self.channel = ours
+        self.lock = threading.Lock()
+        self.exits: dict[int, int] = {}
+        with self.lock:
+            first = self._read(60)
+        assert first is not None, f"the zygote did not import the daemon in 60 s: {log.read_text(errors='replace')}"
+        self.read = set(first["read"])
+
+    def _import_time_env(self, env: dict[str, str]) -> dict[str, str | None]:
+        """What of ``env`` a start reads while importing (as the zygote's imports read it), and what the
+        interpreter and the dynamic loader read at their start."""
+        keys = self.read | {key for key in (*env, *self.env) if key.startswith(IMPORT_TIME_ENV)}
+        return {key: env.get(key) for key in keys}
+
+    def forks(self, env: dict[str, str], popen: dict[str, Any] | None) -> bool:
+        """Whether a start with ``env`` and ``popen`` is born the same by fork as by exec."""
+        return (
+            not popen
+            and os.environ.get(EXEC_ENV) != "1"
+            and self._import_time_env(env) == self._import_time_env(self.env)
+            and self.proc.poll() is None
+        )
+
+    def start(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> ZygoteChild:
+        """Fork ``python -m kvcached.cli ARGV`` with ``env``, in the repository, output to ``stdout`` and
+        ``stderr`` (descriptors), stdin this process's (as ``Popen`` leaves it)."""
+        request = json.dumps({"argv": argv, "env": env, "cwd": str(ROOT)}).encode()
+        with open(os.devnull, "rb") as devnull, self.lock:
+            stdin = 0 if _is_open(0) else devnull.fileno()
+            socket.send_fds(self.channel, [request], [stdin, stdout, stderr])
+            while True:
+                reply = self._read(None)
+                if reply is not None and "pid" in reply:
+                    return ZygoteChild(self, reply["pid"], argv)
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run(["python", "-m", "kvcached.cli", *argv], capture_output=True, text=True)`` by fork."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            child = self.start(argv, env, out_w, err_w)
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        deadline = time.monotonic() + timeout
+        try:
+            open_ends = [out_r, err_r]
+            while open_ends:
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select(open_ends, [], [], max(left, 0))
+                if not ready:
+                    child.kill()
+                    child.wait()
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                for fd in ready:
+                    data = os.read(fd, 1 << 16)
+                    if data:
+                        chunks[fd].append(data)
+                    else:
+                        open_ends.remove(fd)
+        finally:
+            os.close(out_r)
+            os.close(err_r)
+        code = child.wait(max(deadline - time.monotonic(), 1))
+        text = [b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r)]
+        return subprocess.CompletedProcess([sys.executable, "-m", MODULE, *argv], code, text[0], text[1])
+
+    def _read(self, timeout: float | None) -> dict[str, Any] | None:
+        """One message (exits are recorded), or None after ``timeout``; the lock is held."""
+        ready, _, _ = select.select([self.channel], [], [], timeout)
+        if not ready:
+            return None
+        message = self.channel.recv(MESSAGE_BYTES)
+        if not message:
+            raise RuntimeError(f"the zygote ended (exit {self.proc.wait()})")
+        reply: dict[str, Any] = json.loads(message)
+        if "exited" in reply:
+            self.exits[reply["exited"]] = reply["code"]
+        return reply
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit code, waiting at most ``timeout`` seconds (None: for ever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while self._read(0) is not None:  # what has come already
+                pass
+            while pid not in self.exits:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._read(left)
+            return self.exits[pid]
+
+    def close(self) -> None:
+        """End the zygote (it ends when its channel closes) and remove its log."""
+        self.channel.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.unlink(missing_ok=True)
+
+
+class ZygoteChild:
+    """A forked daemon, with the part of ``subprocess.Popen`` the tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, argv: list[str]) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.args = argv
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _die_with_us() -> list[str]:
+    """``setpriv`` arguments that kill the zygote when the test process dies (only from the main thread:
+    the signal follows the thread that started it)."""
+    import shutil
+
+    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
+        return ["setpriv", "--pdeathsig", "KILL", "--"]
+    return []
+
+
+if __name__ == "__main__":
+    main()

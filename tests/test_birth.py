@@ -1,0 +1,54 @@
+"""The tests fork their daemons from a zygote (``tests/helpers/zygote.py``) where the birth cannot differ
+from an executed daemon's: held to that here, from outside, as a neighbour or an operator sees a daemon."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from kvcached.daemon.lockfile import is_kvcached_daemon
+from tests.conftest import DaemonFactory
+from tests.helpers.zygote import ZygoteChild
+
+STATUS_FIELDS = ("SigBlk", "SigIgn", "SigCgt", "Umask", "NoNewPrivs", "Seccomp", "Uid", "Gid", "Groups")
+
+
+def looks(pid: int, instance: str, log: str) -> dict[str, Any]:
+    """What the kernel shows of process ``pid`` and its children, its own names written as placeholders."""
+
+    def plain(target: str) -> str:
+        named = target.replace(instance, "INSTANCE").replace(log, "LOG")
+        return re.sub(r"\[\d+\]", "[]", re.sub(r"\.[0-9a-f]{16}\.", ".GENERATION.", named))
+
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    fds = sorted(plain(os.readlink(f"/proc/{pid}/fd/{fd}")) for fd in os.listdir(f"/proc/{pid}/fd"))
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return {
+        "status": {field: status[field].strip() for field in STATUS_FIELDS},
+        "fds": fds,
+        "cwd": os.readlink(f"/proc/{pid}/cwd"),
+        "daemon": is_kvcached_daemon(pid),
+        "children": sorted((looks(int(child), instance, log) for child in children), key=repr),
+    }
+
+
+def test_a_forked_daemon_looks_as_an_executed_one_and_restarts_and_stops_as_one(daemons: DaemonFactory) -> None:
+    forked = daemons.start(ranks=2)
+    executed = daemons.start(ranks=2, executed=True)
+    assert isinstance(forked.proc, ZygoteChild), "the zygote did not fork this start"
+    assert isinstance(executed.proc, subprocess.Popen)
+    forked.wait_ready()
+    executed.wait_ready()
+    seen = [looks(d.pid, d.instance, str(d.log_path)) for d in (forked, executed)]
+    assert seen[0] == seen[1]
+    assert seen[0]["daemon"] and len(seen[0]["children"]) == 2
+    for daemon in (forked, executed):
+        done = daemons.cli("restart", "--instance", daemon.instance)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert looks(forked.pid, forked.instance, str(forked.log_path)) == looks(
+        executed.pid, executed.instance, str(executed.log_path)
+    )
+    assert forked.stop() == 0 == executed.stop()
