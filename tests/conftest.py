@@ -57,24 +57,24 @@ def remove_entries(instance: str) -> None:
             (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
 
 
-_zygote: list[Zygote] = []
+_zygotes: dict[str, Zygote] = {}
 
 
-def zygote() -> Zygote:
-    """This test process's zygote (``tests/helpers/zygote.py``), started on first use."""
-    if not _zygote:
+def zygote(kind: str = "daemon") -> Zygote:
+    """This test process's zygote of ``kind`` (``tests/helpers/zygote.py``), started on first use."""
+    if kind not in _zygotes:
         import tempfile
 
-        _zygote.append(Zygote(Path(tempfile.gettempdir()) / f"kvt-zygote-{os.getpid()}.log"))
-    return _zygote[0]
+        _zygotes[kind] = Zygote(kind, Path(tempfile.gettempdir()) / f"kvt-zygote-{os.getpid()}-{kind}.log")
+    return _zygotes[kind]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _zygote_ends() -> Iterator[None]:
-    """The zygote ends with the session (the daemons it forked are each test's own to stop)."""
+def _zygotes_end() -> Iterator[None]:
+    """The zygotes end with the session (what they forked is each test's own to stop)."""
     yield
-    while _zygote:
-        _zygote.pop().close()
+    while _zygotes:
+        _zygotes.popitem()[1].close()
 
 
 class Daemon:
@@ -97,7 +97,7 @@ class Daemon:
         births = zygote()
         self.proc: subprocess.Popen[bytes] | ZygoteChild
         if not executed and births.forks(env, popen):
-            self.proc = births.start(argv, env, self._log.fileno(), self._log.fileno())
+            self.proc = births.popen({"module": "kvcached.cli"}, argv, env, stdout=self._log.fileno())
             return
         options: dict[str, Any] = {"stdout": self._log, "stderr": subprocess.STDOUT, "env": env, "cwd": ROOT}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvcached.cli", *argv], **{**options, **(popen or {})})
@@ -294,8 +294,12 @@ def instance(daemons: DaemonFactory) -> str:
     return name
 
 
-def run_runner(env: dict[str, str], **request: Any) -> subprocess.Popen[str]:
-    """Start ``tests/helpers/runner_proc.py`` (a real runner process); it prints one JSON line when done."""
+def run_runner(env: dict[str, str], **request: Any) -> subprocess.Popen[str] | ZygoteChild:
+    """Start ``tests/helpers/runner_proc.py`` (a real runner process: forked by the runner zygote, which has
+    imported ``runner_client`` only, where its birth cannot differ); it prints one JSON line when done."""
+    births = zygote("runner")
+    if births.forks(env, None):
+        return births.popen({"path": str(ROOT / "tests" / "helpers" / "runner_proc.py")}, [json.dumps(request)], env)
     return subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "helpers" / "runner_proc.py"), json.dumps(request)],
         stdout=subprocess.PIPE,
@@ -464,7 +468,7 @@ def wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 30.0)
     raise AssertionError(f"{text!r} not written within {timeout}s; stderr so far:\n{seen}")
 
 
-def runner_result(proc: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
+def runner_result(proc: subprocess.Popen[str] | ZygoteChild, timeout: float = 60) -> dict[str, Any]:
     out, err = proc.communicate(timeout=timeout)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert lines, f"runner printed no result (exit {proc.returncode}):\n{out}\n{err}"

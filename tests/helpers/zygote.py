@@ -21,6 +21,7 @@ Wire: a ``SOCK_SEQPACKET`` pair, one JSON object per message. The test process s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXEC_ENV = "KVCACHED_TEST_EXEC"
@@ -40,17 +41,42 @@ EXEC_ENV = "KVCACHED_TEST_EXEC"
 #: these, or in a variable the zygote's imports read (``Zygote.read``), is executed.
 IMPORT_TIME_ENV = ("PYTHON", "KVCACHED_PLUGINS", "LD_", "OPENBLAS", "OMP_", "MKL_", "NUMPY", "MALLOC", "GLIBC")
 MESSAGE_BYTES = 1 << 20
-MODULE = "kvcached.cli"
-#: Imported by ``kvcached start`` beyond ``kvcached.cli`` itself (the daemon and its workers).
-PRELOAD = ("kvcached.running", "kvcached.status", "kvcached.daemon.supervisor", "kvcached.daemon.worker")
+_DEVNULL = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What a zygote imports (``preload``), forgets again (``forget``: run afresh as ``__main__`` in each
+    child, its module-level code reading the child's environment), and adds to its command line (``names``)."""
+
+    preload: tuple[str, ...]
+    forget: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+
+KINDS = {
+    # kvcached.cli, then what ``kvcached start`` imports beyond it (the daemon and its workers).
+    "daemon": Kind(
+        preload=(
+            "kvcached.cli",
+            "kvcached.running",
+            "kvcached.status",
+            "kvcached.daemon.supervisor",
+            "kvcached.daemon.worker",
+        ),
+        forget=("kvcached.cli",),
+        names=("kvcached.cli", "start"),
+    ),
+    # A runner process imports runner_client only (never the daemon): tests/helpers/runner_proc.py.
+    "runner": Kind(preload=("runner_client", "runner_client.wait")),
+}
 
 
 # --- the zygote process --------------------------------------------------------------------------------
 
 
-def _preload() -> list[str]:
-    """Import what a start imports, then forget ``kvcached.cli``: each child runs it afresh as ``__main__``
-    (its module-level code reads the child's environment). The environment variables read meanwhile."""
+def _preload(kind: Kind) -> list[str]:
+    """Import what ``kind`` names, then forget what it says; the environment variables read meanwhile."""
     import importlib
 
     read: set[str] = set()
@@ -62,11 +88,12 @@ def _preload() -> list[str]:
 
     os._Environ.__getitem__ = recorded  # type: ignore[method-assign,assignment]
     try:
-        for name in (MODULE, *PRELOAD):
+        for name in kind.preload:
             importlib.import_module(name)
     finally:
         os._Environ.__getitem__ = getitem  # type: ignore[method-assign]
-    del sys.modules[MODULE]
+    for name in kind.forget:
+        del sys.modules[name]
     return sorted(read)
 
 
@@ -102,8 +129,8 @@ def _serve(channel: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
 
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In a forked child: take the request's streams, directory, environment and arguments, and run
-    ``kvcached.cli`` as ``python -m kvcached.cli`` runs it."""
+    """In a forked child: take the request's streams, directory, environment and arguments, and run its
+    ``module`` as ``python -m MODULE`` runs it, or its ``path`` as ``python PATH`` does."""
     import runpy
 
     for target, fd in enumerate(fds):
@@ -112,14 +139,21 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = ["-m", *request["argv"]]
-    sys.orig_argv = [sys.executable, "-m", MODULE, *request["argv"]]
-    runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+    if "module" in request:
+        sys.argv = ["-m", *request["argv"]]
+        sys.orig_argv = [sys.executable, "-m", request["module"], *request["argv"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        return
+    path = request["path"]
+    sys.argv = [path, *request["argv"]]
+    sys.orig_argv = [sys.executable, path, *request["argv"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    runpy.run_path(path, run_name="__main__")
 
 
 def main() -> None:
     channel = socket.socket(fileno=int(os.environ.pop("KVCACHED_ZYGOTE_FD")))
-    channel.send(json.dumps({"read": _preload()}).encode())
+    channel.send(json.dumps({"read": _preload(KINDS[sys.argv[1]])}).encode())
     child = _serve(channel)
     if child is not None:
         _become(*child)
@@ -129,16 +163,16 @@ def main() -> None:
 
 
 class Zygote:
-    """The test process's zygote, started on first use. Thread-safe: one lock over the channel."""
+    """A zygote of ``kind`` (``KINDS``) for this test process. Thread-safe: one lock over the channel."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, kind: str, log: Path) -> None:
         self.log = log
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
         env = {**self.env, "KVCACHED_ZYGOTE_FD": str(theirs.fileno())}
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                [*_die_with_us(), sys.executable, "-m", "tests.helpers.zygote", MODULE, "start"],
+                [*_die_with_us(), sys.executable, "-m", "tests.helpers.zygote", kind, *KINDS[kind].names],
                 env=env,
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
@@ -152,7 +186,7 @@ class Zygote:
         self.exits: dict[int, int] = {}
         with self.lock:
             first = self._read(60)
-        assert first is not None, f"the zygote did not import the daemon in 60 s: {log.read_text(errors='replace')}"
+        assert first is not None, f"the zygote did not import its modules in 60 s: {log.read_text(errors='replace')}"
         self.read = set(first["read"])
 
     def _import_time_env(self, env: dict[str, str]) -> dict[str, str | None]:
@@ -170,50 +204,50 @@ class Zygote:
             and self.proc.poll() is None
         )
 
-    def start(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> ZygoteChild:
-        """Fork ``python -m kvcached.cli ARGV`` with ``env``, in the repository, output to ``stdout`` and
-        ``stderr`` (descriptors), stdin this process's (as ``Popen`` leaves it)."""
-        request = json.dumps({"argv": argv, "env": env, "cwd": str(ROOT)}).encode()
-        with open(os.devnull, "rb") as devnull, self.lock:
-            stdin = 0 if _is_open(0) else devnull.fileno()
-            socket.send_fds(self.channel, [request], [stdin, stdout, stderr])
+    def start(self, target: dict[str, str], argv: list[str], env: dict[str, str], fds: list[int]) -> ZygoteChild:
+        """Fork ``python -m MODULE ARGV`` (``target`` ``{"module": MODULE}``) or ``python PATH ARGV``
+        (``{"path": PATH}``) with ``env``, in the repository; ``fds``: its stdin, stdout and stderr (stdin
+        None: this process's, as ``Popen`` leaves it)."""
+        request = json.dumps({**target, "argv": argv, "env": env, "cwd": str(ROOT)}).encode()
+        with self.lock:
+            socket.send_fds(self.channel, [request], fds)
             while True:
                 reply = self._read(None)
                 if reply is not None and "pid" in reply:
                     return ZygoteChild(self, reply["pid"], argv)
 
-    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-        """``subprocess.run(["python", "-m", "kvcached.cli", *argv], capture_output=True, text=True)`` by fork."""
+    def popen(
+        self, target: dict[str, str], argv: list[str], env: dict[str, str], stdout: int | None = None
+    ) -> ZygoteChild:
+        """``subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)`` by fork; with ``stdout`` (a
+        descriptor), stdout and stderr both go there (``stderr=STDOUT``) and nothing is piped."""
+        if stdout is not None:
+            return self.start(target, argv, env, [_stdin(), stdout, stdout])
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            child = self.start(argv, env, out_w, err_w)
+            child = self.start(target, argv, env, [_stdin(), out_w, err_w])
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
             os.close(out_w)
             os.close(err_w)
-        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-        deadline = time.monotonic() + timeout
+        child.stdout = open(out_r, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by communicate
+        child.stderr = open(err_r, encoding="utf-8", errors="replace")  # noqa: SIM115
+        return child
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run(["python", "-m", "kvcached.cli", *argv], capture_output=True, text=True)`` by fork."""
+        child = self.popen({"module": "kvcached.cli"}, argv, env)
         try:
-            open_ends = [out_r, err_r]
-            while open_ends:
-                left = deadline - time.monotonic()
-                ready, _, _ = select.select(open_ends, [], [], max(left, 0))
-                if not ready:
-                    child.kill()
-                    child.wait()
-                    raise subprocess.TimeoutExpired(argv, timeout)
-                for fd in ready:
-                    data = os.read(fd, 1 << 16)
-                    if data:
-                        chunks[fd].append(data)
-                    else:
-                        open_ends.remove(fd)
-        finally:
-            os.close(out_r)
-            os.close(err_r)
-        code = child.wait(max(deadline - time.monotonic(), 1))
-        text = [b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r)]
-        return subprocess.CompletedProcess([sys.executable, "-m", MODULE, *argv], code, text[0], text[1])
+            out, err = child.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+        return subprocess.CompletedProcess([sys.executable, "-m", "kvcached.cli", *argv], child.wait(), out, err)
 
     def _read(self, timeout: float | None) -> dict[str, Any] | None:
         """One message (exits are recorded), or None after ``timeout``; the lock is held."""
@@ -253,13 +287,16 @@ class Zygote:
 
 
 class ZygoteChild:
-    """A forked daemon, with the part of ``subprocess.Popen`` the tests use."""
+    """A forked process, with the part of ``subprocess.Popen`` the tests use."""
 
     def __init__(self, zygote: Zygote, pid: int, argv: list[str]) -> None:
         self.zygote = zygote
         self.pid = pid
         self.args = argv
         self.returncode: int | None = None
+        self.stdin: IO[str] | None = None
+        self.stdout: IO[str] | None = None
+        self.stderr: IO[str] | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -273,6 +310,30 @@ class ZygoteChild:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self.returncode
 
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Read stdout and stderr to their ends (as ``Popen.communicate`` does, from the descriptors), then
+        wait; ``subprocess.TimeoutExpired`` when that takes longer than ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        files = [f for f in (self.stdout, self.stderr) if f is not None]
+        chunks: dict[int, list[bytes]] = {f.fileno(): [] for f in files}
+        open_ends = list(chunks)
+        while open_ends:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            ready, _, _ = select.select(open_ends, [], [], left)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            for fd in ready:
+                data = os.read(fd, 1 << 16)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_ends.remove(fd)
+        texts = [b"".join(chunks[f.fileno()]).decode(errors="replace") if f else "" for f in (self.stdout, self.stderr)]
+        for f in files:
+            f.close()
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 1))
+        return texts[0], texts[1]
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
@@ -282,6 +343,11 @@ class ZygoteChild:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _stdin() -> int:
+    """This process's stdin, which a child of ``Popen`` inherits; /dev/null where it is closed."""
+    return 0 if _is_open(0) else _DEVNULL
 
 
 def _is_open(fd: int) -> bool:
