@@ -3,14 +3,16 @@ from an executed daemon's: held to that here, from outside, as a neighbour or an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from kvcached.daemon.lockfile import is_kvcached_daemon
-from tests.conftest import DaemonFactory
+from tests.conftest import DaemonFactory, zygote
 from tests.helpers.zygote import ZygoteChild
 
 STATUS_FIELDS = ("SigBlk", "SigIgn", "SigCgt", "Umask", "NoNewPrivs", "Seccomp", "Uid", "Gid", "Groups")
@@ -52,3 +54,20 @@ def test_a_forked_daemon_looks_as_an_executed_one_and_restarts_and_stops_as_one(
         executed.pid, executed.instance, str(executed.log_path)
     )
     assert forked.stop() == 0 == executed.stop()
+
+
+def test_a_forked_runner_has_imported_nothing_of_kvcached_an_executed_one_has_not(tmp_path: Path) -> None:
+    """The runner zygote imports ``runner_client`` only: a runner it forks holds no module of kvcached,
+    click or structlog that an executed runner would not (a runner must never lean on the daemon's code)."""
+    script = tmp_path / "modules.py"
+    script.write_text(
+        "import json, sys\nimport runner_client, runner_client.wait\nprint(json.dumps(sorted(sys.modules)))\n"
+    )
+    env = dict(os.environ)
+    births = zygote("runner")
+    assert births.forks(env, None)
+    forked, err = births.popen({"path": str(script)}, [], env).communicate(60)
+    executed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=True)
+    extra = set(json.loads(forked)) - set(json.loads(executed.stdout))
+    ours = ("kvcached", "runner_client", "click", "structlog", "numpy", "posix_ipc")
+    assert not [name for name in extra if name.split(".")[0] in ours], (extra, err)

@@ -27,10 +27,11 @@ import numpy as np
 import pytest
 
 import runner_client as rc
-from tests.conftest import ROOT, DaemonFactory, free_port
+from tests.conftest import ROOT, DaemonFactory, free_port, zygote
 from tests.helpers.fastdeploy_double import FMQDouble
 from tests.helpers.fastdeploy_src import pieces
 from tests.helpers.shared_daemons import shared_daemons
+from tests.helpers.zygote import ZygoteChild
 
 #: A module this process (and so the engine's queue server, forked from it) has and the drop-in lacks: an
 #: engine whose FastDeploy has a task class the drop-in's does not.
@@ -81,7 +82,7 @@ class Engine:
         self.queue = self.fd.EngineCacheQueue(  # prefix_cache_manager.py ~211-218
             address=("127.0.0.1", self.port), is_server=False, num_client=TP, client_id=0
         )
-        self.dropins: list[subprocess.Popen[str]] = []
+        self.dropins: list[subprocess.Popen[bytes] | ZygoteChild] = []
         self.output_files: dict[int, Path] = {}
 
     def value(self, name: str) -> list[int]:
@@ -116,24 +117,24 @@ class Engine:
         args.update(changes)
         return [part for key, value in args.items() for part in (f"--{key}", value)]
 
-    def launch(self, rank: int, **changes: str) -> subprocess.Popen[str]:
+    def launch(self, rank: int, **changes: str) -> subprocess.Popen[bytes] | ZygoteChild:
         """A drop-in for ``rank``; its output (stdout and stderr) goes to a file: ``output``."""
         env = dict(os.environ, KVCACHED_INSTANCE=self.instance, FD_TEST_CONTROL_DIR=str(self.control))
         log = self.tmp_path / f"dropin-{len(self.dropins)}.log"
+        script, arguments = str(ROOT / "tests" / "helpers" / "fd_dropin.py"), self.arguments(rank, **changes)
+        births = zygote("dropin")
         with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "helpers" / "fd_dropin.py"), *self.arguments(rank, **changes)],
-                env=env,
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            if births.forks(env, None):
+                proc = births.popen({"path": script}, arguments, env, stdout=out.fileno())
+            else:
+                proc = subprocess.Popen(
+                    [sys.executable, script, *arguments], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+                )
         self.dropins.append(proc)
         self.output_files[proc.pid] = log
         return proc
 
-    def output(self, proc: subprocess.Popen[str] | None = None) -> str:
+    def output(self, proc: subprocess.Popen[bytes] | ZygoteChild | None = None) -> str:
         """What drop-in ``proc`` (default: every one, in launch order) has written so far."""
         procs = self.dropins if proc is None else [proc]
         return "".join(self.output_files[p.pid].read_text(errors="replace") for p in procs)

@@ -69,6 +69,8 @@ KINDS = {
     ),
     # A runner process imports runner_client only (never the daemon): tests/helpers/runner_proc.py.
     "runner": Kind(preload=("runner_client", "runner_client.wait")),
+    # FastDeploy's cache_transfer_manager.py replaced by the drop-in: tests/helpers/fd_dropin.py.
+    "dropin": Kind(preload=("kvcached.fastdeploy.transfer_manager", "tests.helpers.fastdeploy_src")),
 }
 
 
