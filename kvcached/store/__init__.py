@@ -7,8 +7,12 @@ imported on first use, others through ``KVCACHED_PLUGINS``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvcached.plugins import Registry
-from kvcached.store.base import StoreBackend
+
+if TYPE_CHECKING:  # a store agent's helper processes (Mooncake's keeper) import this package without numpy
+    from kvcached.store.base import StoreBackend
 
 _REGISTRY: Registry[StoreBackend] = Registry(
     "storage_backend", "storage backend", {"file": "kvcached.store.file", "mooncake": "kvcached.store.mooncake_backend"}
