@@ -1,22 +1,25 @@
-"""Daemons born by fork from a process that has imported them already (a zygote), for the tests.
+"""Processes born by fork from one that has imported their modules already (a zygote), for the tests.
 
-A ``kvcached start`` spends about 0.3 s of its 0.4 s to READY on this 2-core host importing Python modules
-(numpy, structlog, click and the daemon), and the suite starts some 700 daemons. The zygote is one process
-per test process that imports what ``python -m kvcached.cli`` imports and then forks a child for each start.
-The child takes the test's arguments, environment, working directory and standard streams, closes every other
-descriptor, and runs ``kvcached.cli`` as ``python -m`` does (``runpy``, as ``__main__``); it leaves through
-the interpreter's own shutdown (non-daemon threads joined, ``atexit`` run), as an executed daemon does. The
-daemon's code is the same; only its birth differs. Starts that depend on their birth are executed as
-production executes them (``Zygote.forks`` says which): another user or other ``Popen`` arguments, and an
-environment that differs in what is read at import (``IMPORT_TIME_ENV``). ``KVCACHED_TEST_EXEC=1`` executes
-every start.
+Most of a ``kvcached start``'s time to READY goes to importing Python modules (numpy, structlog, click and the
+daemon), and the suite starts some 700 daemons and some hundreds of ``kvcached`` calls, runners and drop-ins.
+A zygote is one process per test process and kind (``KINDS``: the daemon and its CLI, a runner, FastDeploy's
+drop-in) that imports what that kind imports, and then forks a child for each start. The child takes the
+test's arguments, environment, working directory and standard streams, closes every other descriptor, and
+runs its module as ``python -m`` does or its script as ``python PATH`` does (``runpy``, as ``__main__``); it
+leaves through the interpreter's own shutdown (non-daemon threads joined, ``atexit`` run), as an executed
+process does. The code is the same; only the birth differs. Starts that could depend on their birth are
+executed as production executes them (``Zygote.forks`` says which): another user or other ``Popen``
+arguments, and an environment that differs in a variable read at start or import (``IMPORT_TIME_ENV``, and
+``Zygote.read``: what the zygote's own imports read). ``KVCACHED_TEST_EXEC=1`` executes every start.
+``tests/test_birth.py`` holds a forked daemon to an executed one.
 
-The zygote's command line names ``kvcached.cli start``, as its children's ``/proc/<pid>/cmdline`` reads it:
-the daemon's own check that a pid is a daemon (``lockfile.is_kvcached_daemon``) reads that line.
+The daemon zygote's command line names ``kvcached.cli start``, as its children's ``/proc/<pid>/cmdline``
+reads it: the daemon's own check that a pid is a daemon (``lockfile.is_kvcached_daemon``) reads that line.
 
-Wire: a ``SOCK_SEQPACKET`` pair, one JSON object per message. The test process sends ``{"argv", "env",
-"cwd"}`` with three descriptors (stdin, stdout, stderr); the zygote answers ``{"pid"}``, and
-``{"exited": pid, "code"}`` (``Popen.returncode``'s convention) when that child ends.
+Wire: a ``SOCK_SEQPACKET`` pair, one JSON object per message. The zygote first sends ``{"read"}``; the test
+process sends ``{"module" or "path", "argv", "env", "cwd"}`` with three descriptors (stdin, stdout,
+stderr); the zygote answers ``{"pid"}``, and ``{"exited": pid, "code"}`` (``Popen.returncode``'s
+convention) when that child ends.
 """
 
 from __future__ import annotations
