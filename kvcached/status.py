@@ -206,7 +206,7 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
     before = {r["rank"]: r for r in previous["ranks"]} if rates and previous else {}
     rows: list[tuple[str, ...]] = [(*_COLUMNS[:-2], *_RATES, *_COLUMNS[-2:]) if rates else _COLUMNS]
     for r in status["ranks"]:
-        cells = _row(r)
+        cells = _row(r, dead=not status["alive"])
         if rates:
             cells[-2:-2] = [_rate(r, before.get(r["rank"]), key, seconds) for key in _RATE_KEYS]
         rows.append(tuple(cells))
@@ -215,11 +215,14 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
     return "\n".join(lines)
 
 
-def _row(r: dict[str, Any]) -> list[str]:
-    """One rank's cells, as ``_COLUMNS`` names them."""
+def _row(r: dict[str, Any], dead: bool = False) -> list[str]:
+    """One rank's cells, as ``_COLUMNS`` names them; of a ``dead`` daemon, a state it left (but KEPT) reads
+    as what it was, not what it is."""
     state = r["state"]
     if state == "ALLOCATING" and r.get("total"):
         state += f" {100 * r['reserved'] // r['total']}%"
+    if dead and state != State.KEPT.name:
+        state = f"was {state}"
     age = r.get("heartbeat_age_s")
     swap = r.get("swap") or {}
     pool = f"{_size(r.get('bytes_cpu'))} ({r.get('cpu_blocks', 0)} blocks)" if r.get("bytes_cpu") else "-"

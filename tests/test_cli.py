@@ -75,7 +75,9 @@ def test_status_of_a_dead_daemon_says_so(daemons: DaemonFactory) -> None:
     daemon.kill9()
     code, data = status_json(daemons, daemon.instance)
     assert code == 1 and data["alive"] is False and data["ranks"][0]["state"] == "READY"
-    assert "DEAD" in daemons.cli("status", "--instance", daemon.instance).stdout
+    table = daemons.cli("status", "--instance", daemon.instance).stdout
+    assert "DEAD" in table
+    assert re.search(r"^0 +was READY ", table, re.MULTILINE), table  # what the rank was, not what it is
     assert daemons.start(daemon.instance, ranks=1).wait_ready()["alive"]  # reclaims; teardown stops it
 
 
