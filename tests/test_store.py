@@ -469,7 +469,15 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--storage-backend", "mooncake"], "--mooncake-master: is required with storage_backend mooncake"),
+        (
+            ["--storage-backend", "mooncake"],
+            "--mooncake-master: is required with storage_backend mooncake, e.g. 127.0.0.1:50051; so is "
+            "mooncake_metadata (--mooncake-metadata), e.g. http://127.0.0.1:8080/metadata",
+        ),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "h:1"],
+            "--mooncake-metadata: is required with storage_backend mooncake, e.g. http://127.0.0.1:8080/metadata",
+        ),
         (["--storage-backend", "redis"], "--storage-backend: unknown storage backend 'redis'; known: file, mooncake"),
         (
             ["--storage-backend", "mooncake", "--mooncake-master", "x", "--mooncake-metadata", "http://h:1/m"],

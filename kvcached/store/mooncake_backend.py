@@ -79,12 +79,13 @@ class MooncakeBackend(StoreBackend):
     )
 
     def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
-        for key, example in (
-            ("mooncake_master", "127.0.0.1:50051"),
-            ("mooncake_metadata", "http://127.0.0.1:8080/metadata"),
-        ):
-            if not values.get(key):
-                raise InvalidSpec(key, f"is required with storage_backend mooncake, e.g. {example}")
+        examples = {"mooncake_master": "127.0.0.1:50051", "mooncake_metadata": "http://127.0.0.1:8080/metadata"}
+        missing = [key for key in examples if not values.get(key)]
+        if missing:
+            also = "".join(f"; so is {k} (--{k.replace('_', '-')}), e.g. {examples[k]}" for k in missing[1:])
+            raise InvalidSpec(
+                missing[0], f"is required with storage_backend mooncake, e.g. {examples[missing[0]]}{also}"
+            )
         master = str(values["mooncake_master"])
         if not _port(master.rpartition(":")[2]):
             raise InvalidSpec("mooncake_master", f"must be HOST:PORT (a port from 1 to 65535), got {master!r}")
