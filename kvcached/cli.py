@@ -28,7 +28,7 @@ from kvcached.daemon.errors import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
 from kvcached.knobs import Knob
 from kvcached.logs import LEVELS
 from kvcached.protocol.errors import InvalidConfig, InvalidSpec
-from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_ENV, check_instance, instance_or_default
+from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_ENV, INSTANCE_RULE, check_instance, instance_or_default
 
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 #: A KVCACHED_PLUGINS that does not load: `start` and `doctor` report it; every other command (and
@@ -347,7 +347,7 @@ def _instance_option(fn: Any) -> Any:
         envvar="KVCACHED_INSTANCE",
         default=None,
         metavar="NAME",
-        help=f"Instance name. [env: KVCACHED_INSTANCE; default: {DEFAULT_INSTANCE}]",
+        help=f"Instance name ({INSTANCE_RULE}). [env: KVCACHED_INSTANCE; default: {DEFAULT_INSTANCE}]",
     )(fn)
 
 

@@ -48,7 +48,7 @@ from kvcached.knobs import Knob
 from kvcached.protocol.control import MAX_RANKS, control_block_bytes
 from kvcached.protocol.errors import InvalidConfig, InvalidSpec
 from kvcached.protocol.layout import cpu_pool_bytes
-from kvcached.protocol.names import DEFAULT_INSTANCE, check_instance
+from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_RULE, check_instance
 from kvcached.protocol.spec import DTYPE_SIZES, ROLES, SCALE_DTYPES, CacheSpec
 
 
@@ -89,7 +89,7 @@ CORE: tuple[Knob, ...] = (
         "instance",
         _instance,
         DEFAULT_INSTANCE,
-        "Instance name: several daemons per host run under different names.",
+        f"Instance name ({INSTANCE_RULE}): several daemons per host run under different names.",
         "NAME",
     ),
     Knob("memory", _memory, "host", "Device-tier backend.", "BACKEND"),

@@ -315,13 +315,16 @@ def test_an_instance_name_is_host_wide(daemons: DaemonFactory, tmp_path: Path) -
 
 @pytest.mark.parametrize("command", ["", "start", "status", "stop", "restart", "doctor"])
 def test_help_reads_as_written(daemons: DaemonFactory, command: str) -> None:
-    """No doubled spaces inside a sentence (the option column aside), and the store's default says none, as
-    its choices do."""
+    """No doubled spaces inside a sentence (the option column aside), the store's default says none, as
+    its choices do, and --instance says what a name may be."""
     shown = daemons.cli(*filter(None, [command]), "--help")
     assert shown.returncode == 0, shown.stderr
     for line in shown.stdout.splitlines():
         text = re.sub(r"^\s*(?:-\S.*?|\w+)\s{2,}", "", line).strip()
         assert "  " not in text, line
+    if command:
+        instance = " ".join(shown.stdout[shown.stdout.index("--instance NAME") :].split("\n  -")[0].split())
+        assert "1-48 characters of A-Z a-z 0-9 _ -" in instance, instance
     if command in ("start", "doctor"):
         backend = " ".join(shown.stdout[shown.stdout.index("--storage-backend") :].split("\n  -")[0].split())
         assert "mooncake, none" in backend and "default: none]" in backend and "default: off" not in backend

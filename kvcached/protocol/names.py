@@ -33,6 +33,8 @@ PREFIX = "kvcached"
 SHM_DIR = Path("/dev/shm")
 DEFAULT_INSTANCE = "default"
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,48}")
+#: What an instance name may be, as error messages and --help say it.
+INSTANCE_RULE = "1-48 characters of A-Z a-z 0-9 _ -"
 
 
 #: The instance a runner uses when it names none (``kvcached`` reads it too): else ``DEFAULT_INSTANCE``.
@@ -53,7 +55,7 @@ def check_instance(instance: str, *, field: str = "instance") -> str:
     """Return ``instance`` if it is a valid instance name, else raise ``InvalidSpec`` naming ``field`` and
     the rule."""
     if not isinstance(instance, str) or not _INSTANCE_RE.fullmatch(instance):
-        raise InvalidSpec(field, f"must be 1-48 characters of A-Z a-z 0-9 _ -, got {instance!r}")
+        raise InvalidSpec(field, f"must be {INSTANCE_RULE}, got {instance!r}")
     return instance
 
 
