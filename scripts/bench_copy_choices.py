@@ -128,7 +128,7 @@ def streaming(piece: int, total: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=512, help="bytes of the first-touch and streaming copies")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the figures here")

@@ -245,4 +245,6 @@ def report(passes: list[dict[str, dict[str, float]]], nbytes: int) -> tuple[list
 
 
 if __name__ == "__main__":
-    sys.exit("run scripts/bench_store.py")
+    print(__doc__.strip())
+    print("\nNot run on its own: `scripts/bench_store.py --backends file` runs it.")
+    sys.exit(0 if set(sys.argv[1:]) <= {"-h", "--help"} else 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import pty
 import select
@@ -210,3 +211,17 @@ def test_every_script_help_shows_the_defaults(script: str, option: str, default:
     text = " ".join(result.stdout.split("options:", 1)[1].split())
     after = text.split(f"{option} ", 1)[1]
     assert f"(default:{default}" in after.split(" --", 1)[0].replace(" ", ""), after[:300]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("bench_*.py")))
+def test_every_benchmark_answers_help_with_what_it_measures(script: str) -> None:
+    """Each benchmark, the parts bench_store.py runs included, answers --help with exit 0 and its whole
+    description (not its first line only), and runs nothing."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    doc = ast.get_docstring(ast.parse((ROOT / "scripts" / script).read_text())) or ""
+    paragraphs = [" ".join(part.split()) for part in doc.split("\n\n") if part.strip()]
+    shown = " ".join(result.stdout.split())
+    assert len(paragraphs) > 0 and all(part in shown for part in paragraphs), result.stdout[:400]
