@@ -179,9 +179,11 @@ def test_objects_outlive_restart_kill9_and_stop_keep_of_their_host(
     a, b = start_host(daemons, mooncake), start_host(daemons, mooncake)
     keys, expected = store_prefix(a, 64, salt=2)
     keeper = keeper_pid(a)
+    assert written(a) > 0  # README: `objects` counts what this run of the daemon stored ...
 
     restarted = daemons.cli("restart", "--instance", a.instance, env=a.env)
     assert restarted.returncode == 0, restarted.stderr
+    assert written(a) == 0  # ... from 0 at every start, adopting or not, while the objects stay and load
     assert_loads(b, keys, expected)
 
     a.daemon.kill9()
