@@ -367,7 +367,8 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
                 FAIL,
                 f"instance {config.instance!r} is running (pid {live_pid})",
                 {"pid": live_pid},
-                f"pick another --instance, or `kvcached stop --instance {config.instance}` first",
+                f"`kvcached status --instance {config.instance}` shows how it runs; for a new daemon pick another "
+                f"--instance, or `kvcached stop --instance {config.instance}` first",
             )
         )
     else:

@@ -156,6 +156,7 @@ def test_live_instance_fails_and_clean_never_touches_it(daemons: DaemonFactory) 
     checks = by_name(document)
     assert code == 1 and checks["live_instance"]["verdict"] == "fail"
     assert checks["live_instance"]["measured"]["pid"] == daemon.pid
+    assert f"`kvcached status --instance {daemon.instance}`" in checks["live_instance"]["advice"]
     assert checks["leftovers"]["measured"]["removed"] == 0
     assert shm_entries(daemon.instance) == before and daemon.proc.poll() is None
 
