@@ -11,9 +11,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvcached.daemon.lockfile import is_kvcached_daemon
 from tests.conftest import DaemonFactory, zygote
-from tests.helpers.zygote import ZygoteChild
+from tests.helpers.zygote import EXEC_ENV, ZygoteChild
+
+
+@pytest.fixture(autouse=True)
+def _forking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare the two births: the zygote forks here even under ``KVCACHED_TEST_EXEC=1``."""
+    monkeypatch.delenv(EXEC_ENV, raising=False)
+
 
 STATUS_FIELDS = ("SigBlk", "SigIgn", "SigCgt", "Umask", "NoNewPrivs", "Seccomp", "Uid", "Gid", "Groups")
 
