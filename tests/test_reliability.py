@@ -256,7 +256,7 @@ def test_random_control_block_bytes_give_clear_errors(instance: str) -> None:
                 assert status["alive"] is False or status["ranks"] == [] or isinstance(status["ranks"], list)
             started = time.monotonic()
             with pytest.raises(KVCacheError):
-                rc.initialize_kv_cache(SMALL, 0, instance=instance, timeout=0.1)
+                rc.initialize_kv_cache(SMALL, 0, instance=instance, timeout=0.02)
             with pytest.raises(KVCacheError):
                 rc.CacheTasks(instance, timeout=1).swap_out(0, [0], [0])
             assert time.monotonic() - started < 10
