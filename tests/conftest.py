@@ -63,9 +63,7 @@ _zygotes: dict[str, Zygote] = {}
 def zygote(kind: str = "daemon") -> Zygote:
     """This test process's zygote of ``kind`` (``tests/helpers/zygote.py``), started on first use."""
     if kind not in _zygotes:
-        import tempfile
-
-        _zygotes[kind] = Zygote(kind, Path(tempfile.gettempdir()) / f"kvt-zygote-{os.getpid()}-{kind}.log")
+        _zygotes[kind] = Zygote(kind)
     return _zygotes[kind]
 
 
@@ -242,8 +240,15 @@ class DaemonFactory:
 
     def stop_all(self) -> None:
         """Stop every daemon still running: each is sent SIGTERM first, then each is waited for (their stops
-        run side by side); one that does not end within 15 s is killed."""
-        running = [daemon for daemon in self.daemons if daemon.proc.poll() is None]
+        run side by side); one that does not end within 15 s is killed. The error of a zygote that ended
+        is raised after the others are stopped."""
+        running, ended = [], []
+        for daemon in self.daemons:
+            try:
+                if daemon.proc.poll() is None:
+                    running.append(daemon)
+            except RuntimeError as exc:  # the zygote ended (and killed what it had forked)
+                ended.append(exc)
         for daemon in running:
             with contextlib.suppress(ProcessLookupError):
                 daemon.proc.send_signal(signal.SIGTERM)
@@ -252,18 +257,23 @@ class DaemonFactory:
                 daemon.proc.wait(15)
             except subprocess.TimeoutExpired:
                 daemon.kill9()
+        if ended:
+            raise ended[0]
 
     def teardown(self) -> list[str]:
-        """Stop everything; return the leftovers found in /dev/shm (and remove them)."""
-        self.stop_all()
-        for daemon in self.daemons:
-            daemon._log.close()
-        leftovers = []
-        for instance in self.instances:
-            found = shm_entries(instance)
-            if found:
-                leftovers += found
-                remove_entries(instance)
+        """Stop everything; return the leftovers found in /dev/shm (and remove them, also when a stop
+        failed: then its error is raised)."""
+        leftovers: list[str] = []
+        try:
+            self.stop_all()
+        finally:
+            for daemon in self.daemons:
+                daemon._log.close()
+            for instance in self.instances:
+                found = shm_entries(instance)
+                if found:
+                    leftovers += found
+                    remove_entries(instance)
         return leftovers
 
 

@@ -17,13 +17,17 @@ The daemon zygote's command line names ``kvcached.cli start``, as its children's
 reads it: the daemon's own check that a pid is a daemon (``lockfile.is_kvcached_daemon``) reads that line.
 
 Wire: a ``SOCK_SEQPACKET`` pair, one JSON object per message. The zygote first sends ``{"read"}``; the test
-process sends ``{"module" or "path", "argv", "env", "cwd"}`` with three descriptors (stdin, stdout,
-stderr); the zygote answers ``{"pid"}``, and ``{"exited": pid, "code"}`` (``Popen.returncode``'s
-convention) when that child ends.
+process sends ``{"module" or "path", "argv", "env", "cwd"}`` with three descriptors (stdin, stdout, stderr);
+the zygote answers ``{"pid"}`` with the child's pidfd (or ``{"errno", "error"}`` when it cannot fork), and
+``{"exited": pid, "code"}`` (``Popen.returncode``'s convention) when that child ends. The zygote reaps its
+children at once, so a pid is free again as soon as its exit is sent: the test process keys an exit to the
+child it started (the kernel gives pids again, here after 32768), and signals a child through its pidfd,
+never through a pid that may name another process now.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -121,7 +125,13 @@ def _serve(channel: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
                 return None
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:  # EAGAIN at the pid limit, ENOMEM: this start fails, as Popen's would
+                for received in fds:
+                    os.close(received)
+                channel.send(json.dumps({"errno": exc.errno, "error": exc.strerror}).encode())
+                continue
             if pid == 0:
                 for pidfd in children:
                     os.close(pidfd)
@@ -129,8 +139,9 @@ def _serve(channel: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
                 return json.loads(message), fds
             for received in fds:
                 os.close(received)
-            children[os.pidfd_open(pid)] = pid
-            channel.send(json.dumps({"pid": pid}).encode())
+            pidfd = os.pidfd_open(pid)
+            children[pidfd] = pid
+            socket.send_fds(channel, [json.dumps({"pid": pid}).encode()], [pidfd])
 
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
@@ -170,28 +181,29 @@ def main() -> None:
 class Zygote:
     """A zygote of ``kind`` (``KINDS``) for this test process. Thread-safe: one lock over the channel."""
 
-    def __init__(self, kind: str, log: Path) -> None:
-        self.log = log
+    def __init__(self, kind: str) -> None:
+        import tempfile
+
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the zygote's output, for errors; nothing on disk
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
         env = {**self.env, "KVCACHED_ZYGOTE_FD": str(theirs.fileno())}
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [*_die_with_us(), sys.executable, "-m", "tests.helpers.zygote", kind, *KINDS[kind].names],
-                env=env,
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                pass_fds=[theirs.fileno()],
-            )
+        self.proc = subprocess.Popen(
+            [*_die_with_us(), sys.executable, "-m", "tests.helpers.zygote", kind, *KINDS[kind].names],
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
+            pass_fds=[theirs.fileno()],
+        )
         theirs.close()
         self.channel = ours
         self.lock = threading.Lock()
-        self.exits: dict[int, int] = {}
+        self.children: dict[int, ZygoteChild] = {}  # pid -> the child of ours that holds it now
         with self.lock:
             first = self._read(60)
-        assert first is not None, f"the zygote did not import its modules in 60 s: {log.read_text(errors='replace')}"
+        assert first is not None, f"the zygote did not import its modules in 60 s: {self.output()}"
         self.read = set(first["read"])
 
     def _import_time_env(self, env: dict[str, str]) -> dict[str, str | None]:
@@ -218,8 +230,12 @@ class Zygote:
             socket.send_fds(self.channel, [request], fds)
             while True:
                 reply = self._read(None)
+                if reply is not None and "errno" in reply:
+                    raise OSError(reply["errno"], reply["error"])
                 if reply is not None and "pid" in reply:
-                    return ZygoteChild(self, reply["pid"], argv)
+                    child = ZygoteChild(self, reply["pid"], reply["pidfd"], argv)
+                    self.children[child.pid] = child
+                    return child
 
     def popen(
         self, target: dict[str, str], argv: list[str], env: dict[str, str], stdout: int | None = None
@@ -255,64 +271,88 @@ class Zygote:
         return subprocess.CompletedProcess([sys.executable, "-m", "kvcached.cli", *argv], child.wait(), out, err)
 
     def _read(self, timeout: float | None) -> dict[str, Any] | None:
-        """One message (exits are recorded), or None after ``timeout``; the lock is held."""
+        """One message (an exit is given to its child), or None after ``timeout``; the lock is held. When the
+        zygote has ended, no exit can come: the children still waiting for theirs are killed here (a test's
+        teardown could not stop them otherwise) and given -SIGKILL (their own exit unknown), and RuntimeError
+        says so; later starts are executed (``forks``)."""
         ready, _, _ = select.select([self.channel], [], [], timeout)
         if not ready:
             return None
-        message = self.channel.recv(MESSAGE_BYTES)
+        message, fds, _, _ = socket.recv_fds(self.channel, MESSAGE_BYTES, 1)
         if not message:
-            raise RuntimeError(f"the zygote ended (exit {self.proc.wait()})")
+            killed = ", ".join(map(str, self.children)) or "none"
+            for child in self.children.values():
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+                child.ended(-signal.SIGKILL)
+            self.children.clear()
+            raise RuntimeError(
+                f"the zygote ended (exit {self.proc.wait()}); its children still running were killed: {killed}\n"
+                f"{self.output()}"
+            )
         reply: dict[str, Any] = json.loads(message)
+        if "pid" in reply:
+            reply["pidfd"] = fds[0]
         if "exited" in reply:
-            self.exits[reply["exited"]] = reply["code"]
+            self.children.pop(reply["exited"]).ended(reply["code"])
         return reply
 
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
-        """``pid``'s exit code, waiting at most ``timeout`` seconds (None: for ever)."""
+    def exit_code(self, child: ZygoteChild, timeout: float | None) -> int | None:
+        """``child``'s exit code, waiting at most ``timeout`` seconds (None: for ever). The lock is taken for
+        a short read at a time, so that other threads start and signal meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self.lock:
-            while self._read(0) is not None:  # what has come already
-                pass
-            while pid not in self.exits:
+        while True:
+            with self.lock:
+                while child.returncode is None and self._read(0) is not None:  # what has come already
+                    pass
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self._read(left)
-            return self.exits[pid]
+                if child.returncode is not None or (left is not None and left <= 0):
+                    return child.returncode
+                self._read(0.05 if left is None else min(left, 0.05))
+
+    def output(self) -> str:
+        """What the zygote has written (tracebacks of its own)."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def close(self) -> None:
-        """End the zygote (it ends when its channel closes) and remove its log."""
+        """End the zygote (it ends when its channel closes) and drop its output."""
         self.channel.close()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.log.unlink(missing_ok=True)
+        self.log.close()
 
 
 class ZygoteChild:
     """A forked process, with the part of ``subprocess.Popen`` the tests use."""
 
-    def __init__(self, zygote: Zygote, pid: int, argv: list[str]) -> None:
+    def __init__(self, zygote: Zygote, pid: int, pidfd: int, argv: list[str]) -> None:
         self.zygote = zygote
         self.pid = pid
+        self.pidfd = pidfd  # this process, even once its pid names another: closed when its exit comes
         self.args = argv
         self.returncode: int | None = None
         self.stdin: IO[str] | None = None
         self.stdout: IO[str] | None = None
         self.stderr: IO[str] | None = None
 
+    def ended(self, code: int) -> None:
+        """The zygote has reaped this child: its exit ``code``."""
+        self.returncode = code
+        os.close(self.pidfd)
+
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, 0)
+            self.zygote.exit_code(self, 0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        if self.zygote.exit_code(self, timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        assert self.returncode is not None
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
@@ -340,8 +380,10 @@ class ZygoteChild:
         return texts[0], texts[1]
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
+        with self.zygote.lock:  # no exit is taken meanwhile: the pidfd stays open
+            if self.returncode is None:
+                with contextlib.suppress(ProcessLookupError):  # ended, its exit not read yet (as Popen)
+                    signal.pidfd_send_signal(self.pidfd, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
