@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from kvcached.daemon.lockfile import is_kvcached_daemon
-from tests.conftest import Daemon, DaemonFactory, zygote
+from tests.conftest import ROOT, Daemon, DaemonFactory, zygote
 from tests.helpers.zygote import EXEC_ENV, ZygoteChild
+from tests.test_faults import needs_root
 
 
 @pytest.fixture(autouse=True)
@@ -97,3 +98,38 @@ def test_a_forked_runner_has_imported_nothing_of_kvcached_an_executed_one_has_no
     extra = set(json.loads(forked)) - set(json.loads(executed.stdout))
     ours = ("kvcached", "runner_client", "click", "structlog", "numpy", "posix_ipc")
     assert not [name for name in extra if name.split(".")[0] in ours], (extra, err)
+
+
+REUSED_PID = """
+import os, sys
+from pathlib import Path
+from tests.helpers.zygote import Zygote
+births, env = Zygote("runner"), dict(os.environ)
+script = [sys.argv[1]]
+first = births.popen({"path": script[0]}, ["3", "0"], env)
+assert first.wait(30) == 3
+Path("/proc/sys/kernel/ns_last_pid").write_text(str(first.pid - 1))  # the pid space wraps here and now
+second = births.popen({"path": script[0]}, ["0", "1"], env)
+print(second.pid == first.pid, second.poll(), second.wait(30))
+births.close()
+"""
+
+
+def test_a_child_given_an_earlier_childs_pid_reads_its_own_exit(tmp_path: Path) -> None:
+    """The zygote reaps at once, so the kernel gives a child's pid again (after 32768 here, minutes on a busy
+    host): a later child with that pid is running until it exits, with its own code. In a pid namespace of
+    its own, whose next pid this test sets."""
+    needs_root("sets the next pid of a pid namespace")
+    script = tmp_path / "exit_with.py"
+    script.write_text("import sys, time\ntime.sleep(float(sys.argv[2]))\nsys.exit(int(sys.argv[1]))\n")
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", REUSED_PID, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    if done.returncode != 0 and "unshare" in done.stderr:
+        pytest.skip(f"no pid namespace here: {done.stderr.strip()}")
+    assert done.stdout.split() == ["True", "None", "0"], done.stdout + done.stderr
