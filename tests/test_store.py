@@ -471,12 +471,12 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
     [
         (
             ["--storage-backend", "mooncake"],
-            "--mooncake-master: is required with storage_backend mooncake, e.g. 127.0.0.1:50051; so is "
-            "mooncake_metadata (--mooncake-metadata), e.g. http://127.0.0.1:8080/metadata",
+            "--mooncake-master: is required with --storage-backend mooncake, e.g. 127.0.0.1:50051; so is "
+            "--mooncake-metadata, e.g. http://127.0.0.1:8080/metadata (docs/mooncake.md says how to start a master)",
         ),
         (
             ["--storage-backend", "mooncake", "--mooncake-master", "h:1"],
-            "--mooncake-metadata: is required with storage_backend mooncake, e.g. http://127.0.0.1:8080/metadata",
+            "--mooncake-metadata: is required with --storage-backend mooncake, e.g. http://127.0.0.1:8080/metadata",
         ),
         (["--storage-backend", "redis"], "--storage-backend: unknown storage backend 'redis'; known: file, mooncake"),
         (

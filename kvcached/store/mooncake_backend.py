@@ -82,9 +82,11 @@ class MooncakeBackend(StoreBackend):
         examples = {"mooncake_master": "127.0.0.1:50051", "mooncake_metadata": "http://127.0.0.1:8080/metadata"}
         missing = [key for key in examples if not values.get(key)]
         if missing:
-            also = "".join(f"; so is {k} (--{k.replace('_', '-')}), e.g. {examples[k]}" for k in missing[1:])
+            also = "".join(f"; so is --{k.replace('_', '-')}, e.g. {examples[k]}" for k in missing[1:])
             raise InvalidSpec(
-                missing[0], f"is required with storage_backend mooncake, e.g. {examples[missing[0]]}{also}"
+                missing[0],
+                f"is required with --storage-backend mooncake, e.g. {examples[missing[0]]}{also} "
+                "(docs/mooncake.md says how to start a master)",
             )
         master = str(values["mooncake_master"])
         if not _port(master.rpartition(":")[2]):
