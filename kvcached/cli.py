@@ -126,7 +126,7 @@ def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-@main.command(context_settings=_CONTEXT)
+@main.command(context_settings=_CONTEXT, short_help="Run the daemon in the foreground.")
 @config_options
 @click.option(
     "--log-level",
@@ -247,7 +247,7 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
     return show
 
 
-@main.command(context_settings=_CONTEXT)
+@main.command(context_settings=_CONTEXT, short_help="Check this host and a configuration before a start.")
 @config_options
 @click.option(
     "--json", "as_json", is_flag=True, help="One JSON object (documented in kvcached.doctor) instead of a table."
@@ -351,7 +351,7 @@ def _instance_option(fn: Any) -> Any:
     )(fn)
 
 
-@main.command(context_settings=_CONTEXT)
+@main.command(context_settings=_CONTEXT, short_help="Show each rank's state and figures.")
 @_instance_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (see kvcached.status) instead of a table.")
 @click.option("--watch", is_flag=True, help="Refresh the table (with swap/store rates) until interrupted.")
@@ -404,7 +404,7 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
         return
 
 
-@main.command(context_settings=_CONTEXT)
+@main.command(context_settings=_CONTEXT, short_help="Stop a running daemon (--keep: keep its memory).")
 @_instance_option
 @click.option("--timeout", type=float, default=30.0, help="Seconds to wait for the daemon to exit. [default: 30]")
 @click.option(
@@ -443,7 +443,7 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     )
 
 
-@main.command(context_settings=_CONTEXT)
+@main.command(context_settings=_CONTEXT, short_help="Restart a running daemon, keeping its cache.")
 @_instance_option
 @click.option(
     "--timeout", type=float, default=60.0, help="Seconds to wait for every rank to be READY again. [default: 60]"
@@ -483,7 +483,7 @@ def _instance(instance: str | None) -> str:
     except InvalidSpec as exc:
         where = _source("instance", "--instance", INSTANCE_ENV, instance)
         if where == "--instance":
-            raise click.BadParameter(str(exc), param_hint="--instance") from None
+            raise click.BadParameter(exc.message, param_hint="--instance") from None
         raise ConfigError(f"{where}: {exc.message}") from None
 
 

@@ -322,6 +322,9 @@ def test_help_reads_as_written(daemons: DaemonFactory, command: str) -> None:
     for line in shown.stdout.splitlines():
         text = re.sub(r"^\s*(?:-\S.*?|\w+)\s{2,}", "", line).strip()
         assert "  " not in text, line
+    if not command:  # the command list gives each one whole, not cut off with "..."
+        listed = shown.stdout.split("Commands:", 1)[1]
+        assert "..." not in listed and all(name in listed for name in ("start", "status", "stop", "restart")), listed
     if command:
         instance = " ".join(shown.stdout[shown.stdout.index("--instance NAME") :].split("\n  -")[0].split())
         assert "1-48 characters of A-Z a-z 0-9 _ -" in instance, instance

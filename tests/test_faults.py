@@ -713,7 +713,7 @@ def test_status_and_stop_by_an_outsider_say_so(daemons: DaemonFactory) -> None:
 def test_an_empty_instance_name_is_a_usage_error(daemons: DaemonFactory, command: str) -> None:
     """Why 7: `--instance ''` no longer silently means `default`."""
     done = daemons.cli(command, "--instance", "")
-    assert done.returncode == 2 and "instance: must be 1-48 characters" in done.stderr
+    assert done.returncode == 2 and "Invalid value for --instance: must be 1-48 characters" in done.stderr
 
 
 def test_a_relative_run_dir_is_published_absolute(daemons: DaemonFactory, tmp_path: Path) -> None:
