@@ -265,7 +265,8 @@ def check_remove_ipc(uid: int | None = None, patterns: tuple[str, ...] = LOGIND_
     system_max = _sys_uid_max()
     system = uid <= system_max
     measured = {"uid": uid, "system_user": system, "remove_ipc": remove, "set_in": source}
-    figure = f"uid {uid} ({'system' if system else 'regular'} user), RemoveIPC={'yes' if remove else 'no'} ({source})"
+    where = "logind's default" if source.startswith("default") else f"set in {source}"
+    figure = f"uid {uid} ({'system' if system else 'regular'} user), RemoveIPC={'yes' if remove else 'no'} ({where})"
     if remove and not system:
         advice = (
             "logind deletes this user's shared memory when its last session ends: run kvcached as a system "

@@ -129,7 +129,10 @@ def test_remove_ipc_for_a_regular_user(tmp_path: Path) -> None:
     dropin.write_text("[Login]\nRemoveIPC=no\n")
     check = check_remove_ipc(uid=64010, patterns=(str(conf), str(dropin)))
     assert check.verdict == "ok" and check.measured["set_in"] == str(dropin)
-    assert check_remove_ipc(uid=64010, patterns=(str(tmp_path / "none"),)).verdict == "fail", "logind's default is yes"
+    assert check.figure.endswith(f"RemoveIPC=no (set in {dropin})"), check.figure
+    default = check_remove_ipc(uid=64010, patterns=(str(tmp_path / "none"),))
+    assert default.verdict == "fail", "logind's default is yes"
+    assert default.figure.endswith("RemoveIPC=yes (logind's default)"), default.figure
 
 
 def test_run_dir_of_another_user_or_open_to_all(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:
