@@ -130,7 +130,7 @@ def streaming(piece: int, total: int, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=512, help="bytes of the first-touch and streaming copies")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="passes of each pair (the median is shown)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = show_defaults(parser).parse_args()
     size = args.mib << 20

@@ -23,7 +23,7 @@ the CPU pool or back (alternately):
 The three paths take turns task by task. The drop-in's own cost is what it takes beyond the protocol's
 floor and the move itself: ``drop-in - protocol - CacheTasks`` of each turn, the median over the turns.
 
-Target (issue 20): the drop-in adds at most 10 % to a task at TP8.
+Target: the drop-in adds at most 10 % to a task at TP8.
 """
 
 from __future__ import annotations

@@ -145,8 +145,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--wait-seconds", type=float, default=10.0)
+    parser.add_argument("--iterations", type=int, default=20, help="wake-ups measured per way of waiting")
+    parser.add_argument(
+        "--wait-seconds", type=float, default=10.0, help="seconds a waiting runner's CPU use is measured over"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw figures to this file")
     args = show_defaults(parser).parse_args()
     run_dir = tempfile.mkdtemp(prefix="kvcached-bench-")

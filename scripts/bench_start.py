@@ -152,15 +152,15 @@ def restarts(instance: str, env: dict[str, str], count: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the daemon measured")
     parser.add_argument("--gib", type=float, default=1.0, help="GiB per rank (device tier and CPU pool)")
-    parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument("--restarts", type=int, default=3, help="restarts (and kill -9 + starts) measured")
     parser.add_argument(
         "--dev-shm",
         metavar="OPTIONS",
         help="run in a private /dev/shm mounted with these tmpfs options, e.g. size=20g,huge=within_size",
     )
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = show_defaults(parser).parse_args()
     benchlib.private_dev_shm(args.dev_shm)
     blocks = int(args.gib * 2**30) // BLOCK_BYTES

@@ -257,7 +257,7 @@ def plain_pass(backend: str, work: Path, ranks: int, blocks: int, block_bytes: i
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks storing and loading at once")
     parser.add_argument("--gib", type=float, default=1.0, help="bytes stored per rank, GiB")
     parser.add_argument("--block-kib", type=int, default=512, help="bytes of one block (all layers), KiB")
     parser.add_argument("--layers", type=int, default=NUM_LAYERS, help="layers of the file backend's geometry")
@@ -266,7 +266,11 @@ def main() -> int:
     parser.add_argument(
         "--dir", default=None, help="directory for the file backend (default: a temp dir under /var/tmp)"
     )
-    parser.add_argument("--backends", default="file,mooncake")
+    parser.add_argument(
+        "--backends",
+        default="file,mooncake",
+        help="comma-separated: file, mooncake (needs the mooncake extra and Debian's libibverbs1 libnuma1)",
+    )
     parser.add_argument(
         "--lmcache", metavar="PYTHON", default=None, help="an interpreter with LMCache (see bench_lmcache.py)"
     )

@@ -159,15 +159,15 @@ def copy_engine() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks swapping at once")
     parser.add_argument("--gib", type=float, default=1.0, help="device cache (and CPU pool) per rank, GiB")
     parser.add_argument("--pieces-kib", default="16,64,256,1024,4096", help="layer-block sizes to try, KiB")
     parser.add_argument(
         "--geometry", action="append", choices=sorted(GEOMETRIES), default=[], help="a FastDeploy geometry (repeatable)"
     )
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per task (all layers), MiB")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--latency-iterations", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3, help="passes of each measurement (the median is shown)")
+    parser.add_argument("--latency-iterations", type=int, default=2000, help="one-block round trips timed")
     parser.add_argument(
         "--dev-shm",
         metavar="OPTIONS",

@@ -48,7 +48,11 @@ def main() -> int:
     for key in ("num_layers", "kv_heads", "head_dim", "block_size", "num_blocks", "num_cpu_blocks"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=default[key])
     parser.add_argument("--dtype", default=default["dtype"])
-    parser.add_argument("--storage-backend", default=None)
+    parser.add_argument(
+        "--storage-backend",
+        default=None,
+        help="the daemon's store (file, mooncake; unset: none), for the fixed condition",
+    )
     parser.add_argument("--role", default=default["role"])
     parser.add_argument("--verbose", action="store_true", help="also print runner_client's INFO log lines")
     args = show_defaults(parser).parse_args()
