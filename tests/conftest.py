@@ -117,7 +117,7 @@ class Daemon:
             status = read_status(self.instance)
             if is_ready(status):
                 return status
-            time.sleep(0.02)
+            time.sleep(0.005)
         raise AssertionError(f"daemon not ready after {timeout}s:\n{self.log()}")
 
     def wait_state(self, state: str, timeout: float = 30.0) -> dict[str, Any]:
@@ -129,7 +129,7 @@ class Daemon:
                 return status
             if self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.02)
+            time.sleep(0.005)
         raise AssertionError(f"ranks not {state} after {timeout}s:\n{self.log()}")
 
     def exit_code(self, timeout: float = 30.0) -> int:
