@@ -14,7 +14,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
+import select
 import socket
 import struct
 import threading
@@ -30,6 +32,8 @@ from kvcached.protocol.trust import admitted, check_owner, peer_credentials
 #: replies (keeping them for their handles) before it sends more: any number of submitted tasks can be
 #: outstanding without the two sides' socket buffers filling up and deadlocking.
 MAX_IN_FLIGHT = 128
+#: How long the first read of a reply blocks before the wait becomes a poll() until its deadline.
+FAST_WAIT_S = 0.002
 
 
 class Closed(Exception):
@@ -74,9 +78,10 @@ class Connection:
         except FileNotFoundError:
             raise Closed() from None
         self.sock = self._connect(path, owner)
-        self.rcvtimeo = 0.0
-        self._set_rcvtimeo(timeout)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+        self.readable = select.poll()
+        self.readable.register(self.sock.fileno(), select.POLLIN)
+        self.writable = select.poll()
+        self.writable.register(self.sock.fileno(), select.POLLOUT)
         hello = json.dumps({"generation": f"{generation:016x}"}).encode()
         deadline = self._deadline(by)
         try:
@@ -108,9 +113,13 @@ class Connection:
         except BaseException:
             sock.close()
             raise
-        # Blocking with SO_RCVTIMEO / SO_SNDTIMEO instead of Python's timeout mode, which would poll()
-        # before every recv(): one syscall less per reply on the latency path.
+        # A reply is read by one blocking recv() when it comes within FAST_WAIT_S (one syscall on the
+        # latency path; a poll() first costs a round trip about 45 us on a small VM); a longer wait, and a
+        # send the socket has no room for, is a poll() until the deadline. A blocking call's own timeout
+        # (SO_RCVTIMEO, SO_SNDTIMEO) starts again whenever a signal interrupts it, so a runner signalled
+        # more often than that (a sampling profiler's timer) never timed out; poll's is recomputed.
         sock.setblocking(True)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(FAST_WAIT_S * 1e6)))
         return sock
 
     def send(self, op: Op, payload: bytes, flags: int = 0, *, by: float | None = None) -> int:
@@ -144,21 +153,25 @@ class Connection:
             self.send_lock.release()
 
     def _send_frame(self, frame: bytes, deadline: float) -> None:
-        """``sendall`` within ``deadline`` (the socket's send timeout is lowered for this frame when the
-        deadline is nearer than it). Caller holds ``send_lock``."""
+        """Send all of ``frame``: ``TimeoutError`` once the worker has taken none of it for the connection's
+        timeout, or at ``deadline`` when that is nearer (part of the frame may be out: the connection is
+        closed). Caller holds ``send_lock``."""
         short = deadline < time.monotonic() + self.timeout - 0.001
-        try:
-            if short:
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(deadline - time.monotonic()))
-            self.sock.sendall(frame)
-        except (BlockingIOError, TimeoutError):  # the send timeout expired: part of the frame may be out
-            self.close()
-            raise TimeoutError from None
-        except OSError as exc:  # a broken pipe, a reset, or closed by another thread (``close``)
-            raise Closed() from exc
-        if short:  # the frame is out: a socket closed meanwhile is the next call's to find
-            with contextlib.suppress(OSError):
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[self.sock.send(view, socket.MSG_DONTWAIT) :]
+            except BlockingIOError:
+                if not self._wait_for(self.writable, deadline if short else time.monotonic() + self.timeout):
+                    self.close()
+                    raise TimeoutError from None
+            except OSError as exc:  # a broken pipe, a reset, or closed by another thread (``close``)
+                raise Closed() from exc
+
+    def _wait_for(self, poller: select.poll, deadline: float) -> bool:
+        """Whether the socket became ready (``poller``'s event, or closed) before ``deadline``."""
+        remaining = deadline - time.monotonic()
+        return remaining > 0 and bool(poller.poll(math.ceil(remaining * 1000)))
 
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way; while
@@ -210,28 +223,21 @@ class Connection:
 
     def _fill(self, deadline: float) -> None:
         """Append at least one byte from the socket to ``self.buf``, or raise TimeoutError at ``deadline``."""
+        flags = 0  # the first recv blocks (FAST_WAIT_S at most), the later ones follow a poll
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            # Keep the socket's timeout unless it would overshoot the deadline, or is far shorter than
-            # it (then recv would wake up needlessly): on the hot path no setsockopt is made.
             try:
-                if not min(remaining, 1.0) / 2 <= self.rcvtimeo <= remaining + 0.05:
-                    self._set_rcvtimeo(remaining)
-                chunk = self.sock.recv(1 << 16)
+                chunk = self.sock.recv(1 << 16, flags)
             except BlockingIOError:
-                continue  # SO_RCVTIMEO expired: look at the deadline again
+                if not self._wait_for(self.readable, deadline):
+                    raise TimeoutError from None
+                flags = socket.MSG_DONTWAIT
+                continue
             except (ConnectionResetError, OSError) as exc:
                 raise Closed() from exc
             if not chunk:
                 raise Closed()
             self.buf += chunk
             return
-
-    def _set_rcvtimeo(self, seconds: float) -> None:
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
-        self.rcvtimeo = max(seconds, 0.001)
 
     def _read_reply(self, deadline: float) -> None:
         """Read one reply into ``early``. Caller holds ``read_lock``."""
@@ -259,9 +265,3 @@ class Connection:
             else:
                 self.early[got_id] = (status, body)
             self.arrived.notify_all()
-
-
-def _timeval(seconds: float) -> bytes:
-    seconds = max(seconds, 0.001)
-    whole = int(seconds)
-    return struct.pack("ll", whole, int((seconds - whole) * 1e6))

@@ -8,9 +8,12 @@ import contextlib
 import copy
 import functools
 import gc
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -307,3 +310,59 @@ def test_a_copy_of_a_handle_dropped_leaves_the_originals_reply(daemons: DaemonFa
             gc.collect()
             got = in_thread(functools.partial(kept.result, timeout=5))
             assert isinstance(got[0], rc.TaskResult), f"{clone.__name__}: {got[0]!r}"
+
+
+#: A runner interrupted by a signal every 20 ms (as under a sampling profiler) waits for a reply, then sends
+#: frames to a worker that reads none: each gives up at its own timeout.
+SIGNALLED_RUNNER = r"""
+import json, signal, sys, time
+import runner_client as rc
+tasks = rc.CacheTasks(sys.argv[1], timeout=30)
+tasks.swap_out(0, [0], [0])
+print("connected", flush=True)
+sys.stdin.readline()  # the worker is stopped now
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+out = {}
+for name, call in (
+    ("reply", lambda: tasks.submit(tasks.swap_out, 0, [1], [1], timeout=0.5).result(timeout=0.5)),
+    ("send", lambda: [tasks.submit(tasks.swap_out, 0, [0] * 100_000, [0] * 100_000, timeout=0.5) for _ in range(100)]),
+):
+    began = time.monotonic()
+    try:
+        call()
+        out[name] = ["returned", time.monotonic() - began]
+    except rc.KVCacheError as exc:
+        out[name] = [type(exc).__name__, time.monotonic() - began]
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_runner_signalled_every_20_ms_still_times_out_its_reads_and_sends(daemons: DaemonFactory) -> None:
+    """A socket's own receive and send timeouts start again whenever a signal interrupts the call: a runner
+    signalled more often than that (a profiler's timer) waited for ever on a stopped worker. Each wait is
+    bounded by its deadline, signals or not."""
+    daemon = daemons.start(ranks=1, stop_timeout=2, args=["--worker-timeout", "120"])
+    daemon.wait_ready()
+    runner = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED_RUNNER, daemon.instance],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=daemons.env(),
+    )
+    try:
+        assert runner.stdout is not None and runner.stdin is not None
+        assert runner.stdout.readline().strip() == "connected", runner.stderr
+        with stopped(read_status(daemon.instance)["ranks"][0]["pid"]):
+            runner.stdin.write("go\n")
+            runner.stdin.flush()
+            out, err = runner.communicate(timeout=60)
+    finally:
+        runner.kill()
+        runner.wait()
+    seen = json.loads(out.splitlines()[-1])
+    for name in ("reply", "send"):
+        what, took = seen[name]
+        assert what == "TaskTimeout" and took < 5.0, (name, seen, err)
