@@ -31,9 +31,12 @@ Nobody is ever stranded on a segment FastDeploy's own habits took away:
   between its unlink and its exclusive create, so how soon depends on how the name went. FastDeploy's
   ``IPCSignal(create=True)`` opens the segment and unlinks it through that descriptor; a reader's
   resource tracker unlinks a name after the reader closed it. A name whose last event was an open
-  (``ENGINE_WINDOW_S`` ago at most) is given ``ENGINE_GRACE_S``; any other, ``RELINK_GRACE_S``. (A
-  reader that opens the name within those milliseconds of another's exit finds it gone, as it would
-  without kvcached; a process starting after another's exit takes longer than that.)
+  (``ENGINE_WINDOW_S`` ago at most) is given ``ENGINE_GRACE_S``; any other, ``RELINK_GRACE_S``. A
+  reader that opens the name while it is gone finds it gone, as it would without kvcached (for good). On
+  a loaded host an exited reader's tracker may unlink the name only after the next reader has opened it:
+  that unlink reads as the engine's, and the name is gone ``ENGINE_GRACE_S``. Telling the two apart by an
+  open that follows a close failed the engine's own create (an engine re-creating its flags right after a
+  reader exited), and a failed engine costs more than a reader that finds the name gone.
 * **Only the engine's segments are followed.** /dev/shm is writable by every user: a segment is followed
   (mapped, written, linked) only when it is a plain shared-memory object of exactly the flag's size,
   owned by a trusted user (the daemon's, root, or ``--engine-user``) and not writable by others. Links
