@@ -114,7 +114,7 @@ class Connection:
             sock.close()
             raise
         # A reply is read by one blocking recv() when it comes within FAST_WAIT_S (one syscall on the
-        # latency path; a poll() first costs a round trip about 45 us on a small VM); a longer wait, and a
+        # latency path; a poll() first would add two syscalls to every round trip); a longer wait, and a
         # send the socket has no room for, is a poll() until the deadline. A blocking call's own timeout
         # (SO_RCVTIMEO, SO_SNDTIMEO) starts again whenever a signal interrupts it, so a runner signalled
         # more often than that (a sampling profiler's timer) never timed out; poll's is recomputed.
