@@ -56,7 +56,7 @@ def settled(daemon: Daemon, ranks: int) -> dict[str, Any]:
     while True:
         try:
             seen = looks(daemon.pid, daemon.instance, str(daemon.log_path))
-        except FileNotFoundError:
+        except (FileNotFoundError, KeyError):  # a child gone, or a zombie (its status has no Umask)
             if time.monotonic() > deadline:
                 raise
             continue

@@ -26,6 +26,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of the endpoint: (name, sorted labels) -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -111,6 +116,12 @@ def test_waiting_runners_are_counted_while_they_wait(daemons: DaemonFactory) -> 
         env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"),
     )
     daemon.wait_state("ALLOCATING")
+    # The endpoint listens once the first workers are forked (they copy none of its thread), just after
+    # their ranks show ALLOCATING.
+    deadline = time.monotonic() + 10
+    while not listens(port):
+        assert time.monotonic() < deadline, "the metrics endpoint did not listen"
+        time.sleep(0.01)
     env = daemons.env()
     runners = [run_runner(env, spec=SMALL.to_dict(), rank=1, instance=daemon.instance, timeout=60) for _ in range(2)]
     try:
