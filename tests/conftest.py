@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 
 from kvcached.protocol.names import SHM_DIR, instance_shm_entries, posix_name
 from kvcached.status import is_ready, read_status
-from tests.helpers.zygote import Zygote, ZygoteChild
+from tests.helpers.zygote import Zygote, ZygoteChild, die_with_us
 
 ROOT = Path(__file__).resolve().parent.parent
 # The processes the tests start (daemons, CLI calls, runners) read their modules compiled from __pycache__,
@@ -326,11 +325,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-#: A master is killed when the test process goes (a suite killed by a CI cancel leaves none behind); only
-#: one started by the main thread: the signal comes when the thread that started it ends.
-DIE_WITH_TESTS = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
-
-
 class MooncakeMaster:
     """A real mooncake_master on loopback with its HTTP metadata server."""
 
@@ -359,7 +353,7 @@ class MooncakeMaster:
         with open(self.log, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [
-                    *(DIE_WITH_TESTS if threading.current_thread() is threading.main_thread() else []),
+                    *die_with_us(),
                     binary,
                     f"--port={self.port}",
                     f"--metrics_port={free_port()}",  # its default, 9003, would collide with another suite's

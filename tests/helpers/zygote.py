@@ -189,7 +189,7 @@ class Zygote:
         self.env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
         env = {**self.env, "KVCACHED_ZYGOTE_FD": str(theirs.fileno())}
         self.proc = subprocess.Popen(
-            [*_die_with_us(), sys.executable, "-m", "tests.helpers.zygote", kind, *KINDS[kind].names],
+            [*die_with_us(), sys.executable, "-m", "tests.helpers.zygote", kind, *KINDS[kind].names],
             env=env,
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
@@ -223,8 +223,7 @@ class Zygote:
 
     def start(self, target: dict[str, str], argv: list[str], env: dict[str, str], fds: list[int]) -> ZygoteChild:
         """Fork ``python -m MODULE ARGV`` (``target`` ``{"module": MODULE}``) or ``python PATH ARGV``
-        (``{"path": PATH}``) with ``env``, in the repository; ``fds``: its stdin, stdout and stderr (stdin
-        None: this process's, as ``Popen`` leaves it)."""
+        (``{"path": PATH}``) with ``env``, in the repository; ``fds``: its stdin, stdout and stderr."""
         request = json.dumps({**target, "argv": argv, "env": env, "cwd": str(ROOT)}).encode()
         with self.lock:
             socket.send_fds(self.channel, [request], fds)
@@ -405,9 +404,10 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _die_with_us() -> list[str]:
-    """``setpriv`` arguments that kill the zygote when the test process dies (only from the main thread:
-    the signal follows the thread that started it)."""
+def die_with_us() -> list[str]:
+    """``setpriv`` arguments that kill the process they start when the test process dies (a suite killed by a
+    CI cancel leaves nothing running); only from the main thread: the signal comes when the thread that
+    started the process ends."""
     import shutil
 
     if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
