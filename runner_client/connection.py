@@ -223,7 +223,8 @@ class Connection:
 
     def _fill(self, deadline: float) -> None:
         """Append at least one byte from the socket to ``self.buf``, or raise TimeoutError at ``deadline``."""
-        flags = 0  # the first recv blocks (FAST_WAIT_S at most), the later ones follow a poll
+        # The first recv blocks (FAST_WAIT_S at most) unless the deadline is nearer; the later ones follow a poll.
+        flags = 0 if deadline - time.monotonic() > FAST_WAIT_S else socket.MSG_DONTWAIT
         while True:
             try:
                 chunk = self.sock.recv(1 << 16, flags)
