@@ -482,11 +482,12 @@ def runner_result(proc: subprocess.Popen[str] | ZygoteChild, timeout: float = 60
 
 
 def arena_digests(instance: str) -> dict[str, str]:
-    """sha256 of every host device arena and CPU pool of the instance, by name (read from its records)."""
-    import hashlib
+    """A digest (xxh3-128) of every host device arena and CPU pool of the instance, by name (read from its
+    records)."""
     import mmap
 
     import posix_ipc
+    import xxhash
 
     from kvcached.protocol.control import ControlBlock
 
@@ -500,7 +501,7 @@ def arena_digests(instance: str) -> dict[str, str]:
             for name, size in (arena, (record.cpu_name, record.cpu_bytes)):
                 shm = posix_ipc.SharedMemory(name, read_only=True)
                 with mmap.mmap(shm.fd, size, prot=mmap.PROT_READ) as mm:
-                    digests[name] = hashlib.sha256(mm).hexdigest()
+                    digests[name] = xxhash.xxh3_128(mm).hexdigest()
                 shm.close_fd()
     finally:
         block.close()
