@@ -25,6 +25,7 @@ import pytest
 
 from kvcached.protocol.names import SHM_DIR, instance_shm_entries, posix_name
 from kvcached.status import is_ready, read_status
+from tests.helpers import headstart
 from tests.helpers.zygote import Zygote, ZygoteChild, die_with_us
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -508,9 +509,16 @@ def arena_digests(instance: str) -> dict[str, str]:
     return digests
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In a one-process run, the selected tests' slow tool work begins now (``tests/helpers/headstart.py``)."""
+    if session.config.getoption("dist", "no") == "no" and not hasattr(session.config, "workerinput"):
+        headstart.begin(headstart.wanted(session.items))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The whole suite leaves nothing of a test instance in /dev/shm (acceptance: no leak at all), nor a
-    spare master running."""
+    spare master running, nor a head-started job or its directory."""
+    headstart.finish()
     while _spare:
         _spare.pop().stop()
     try:

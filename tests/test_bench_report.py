@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import headstart
 
 
 def mooncake_runs() -> bool:
@@ -22,27 +24,24 @@ def mooncake_runs() -> bool:
     return bool(beside or shutil.which("mooncake_master"))
 
 
-@pytest.mark.slow
-def test_bench_report_smoke_writes_report_and_images(tmp_path: Path) -> None:
-    image = pytest.importorskip("matplotlib.image", reason="the plot extra is not installed")
-    out = tmp_path / "report"
+@headstart.job("bench-smoke")
+def smoke(directory: Path) -> tuple[Path, list[str], subprocess.CompletedProcess[str]] | None:
+    """``bench_report.py --smoke`` writing into ``directory``: (its output directory, the store backends it
+    ran, how it ended); None without the plot extra."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    out = directory / "report"
     backends = ["file", "mooncake"] if mooncake_runs() else ["file"]  # what an absent extra disables: its part
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_report.py"),
-            "--smoke",
-            "--out",
-            str(out),
-            "--store-backends",
-            ",".join(backends),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        check=False,
-    )
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_report.py"), "--smoke", "--out", str(out)]
+    result = headstart.run([*argv, "--store-backends", ",".join(backends)], cwd=ROOT, timeout=600)
+    return out, backends, result
+
+
+@pytest.mark.slow
+@pytest.mark.head_start("bench-smoke")
+def test_bench_report_smoke_writes_report_and_images() -> None:
+    image = pytest.importorskip("matplotlib.image", reason="the plot extra is not installed")
+    out, backends, result = headstart.take("bench-smoke")
     assert result.returncode == 0, result.stdout + result.stderr
     report = (out / "report.md").read_text()
     needles = ["## Headline", "plain copy", "sleep(1) poll", "plain write+fsync+rename / read", "file cold load"]

@@ -25,7 +25,7 @@ from kvcached.fastdeploy import patchfile
 from kvcached.fastdeploy.condition import Config, read_condition
 from kvcached.fastdeploy.lines import QueueRule
 from tests.conftest import ROOT, DaemonFactory
-from tests.helpers import fastdeploy_lines
+from tests.helpers import fastdeploy_lines, headstart
 from tests.helpers.fastdeploy_lines import apply_patch, tree_of
 
 line_trees, patched_trees = fastdeploy_lines.line_trees, fastdeploy_lines.patched_trees  # session fixtures
@@ -309,34 +309,35 @@ def test_drop_in_refuses_routing_replay(daemons: DaemonFactory, tmp_path: Path) 
     assert done.returncode == 4 and "--routing_replay_config: routing replay is on" in done.stderr, done.stderr
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+@headstart.job("wheel")
+def build_and_install(directory: Path) -> tuple[Path, Path]:
     """(the wheel built from the tracked files, a venv it is installed in, without dependencies)."""
-    tmp_path = tmp_path_factory.mktemp("wheel")
-    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info beside the sources
+    source = directory / "src"  # a copy: building writes build/ and *.egg-info beside the sources
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
     for relative in filter(None, listed.stdout.split("\0")):
         if (ROOT / relative).is_file():
             (source / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / relative, source / relative)
-    wheel = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    pip = [sys.executable, "-m", "pip"]
+    wheel = headstart.run([*pip, "wheel", "--quiet", "--no-deps", "-w", str(directory / "dist"), str(source)])
     assert wheel.returncode == 0, wheel.stderr
-    venv = tmp_path / "venv"  # without pip of its own: this pip installs into it (--python)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
-    built = next((tmp_path / "dist").glob("*.whl"))
-    install = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet"]
-    install += ["--no-deps", str(built)]
-    assert subprocess.run(install, capture_output=True, text=True, timeout=600, check=False).returncode == 0
+    venv = directory / "venv"  # without pip of its own: this pip installs into it (--python)
+    made = headstart.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=300)
+    assert made.returncode == 0, made.stderr
+    built = next((directory / "dist").glob("*.whl"))
+    install = headstart.run([*pip, "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", str(built)])
+    assert install.returncode == 0, install.stderr
     return built, venv
 
 
+@pytest.fixture
+def installed() -> tuple[Path, Path]:
+    built: tuple[Path, Path] = headstart.take("wheel")
+    return built
+
+
 @pytest.mark.slow
+@pytest.mark.head_start("wheel")
 def test_the_wheel_ships_py_typed(installed: tuple[Path, Path]) -> None:
     """The built wheel marks both packages typed (PEP 561), so a runner's type checker reads the API."""
     names = set(zipfile.ZipFile(installed[0]).namelist())
@@ -344,6 +345,7 @@ def test_the_wheel_ships_py_typed(installed: tuple[Path, Path]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.head_start("wheel")
 def test_an_installed_kvcached_finds_its_patches(installed: tuple[Path, Path], tmp_path: Path) -> None:
     """``pip install`` (not editable) puts the patches in ``<prefix>/share/kvcached/patches``, where
     ``patch_dir`` finds them, so doctor names a line without kvcached's source tree."""

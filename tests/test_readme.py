@@ -3,14 +3,15 @@
 The text is the test. Each fenced block's info string says how it runs:
 
 ``sh``
-    ``bash -euo pipefail`` in a scratch checkout of the project's files; must exit 0. README runs in a
-    checkout where nothing is built (its quickstart builds ``.venv``); every other document runs in one
-    where the quickstart's setup steps (line 1 up to ``kvcached start``) have built ``.venv`` already (README's
-    own, once its case passed in the same run), so each document's case passes alone and in any order.
+    ``bash -euo pipefail`` in a scratch checkout of the project's files; must exit 0. Every document runs in
+    one checkout, where README's quickstart setup steps (line 1 up to ``kvcached start``) built ``.venv``
+    from nothing, so each document's case passes alone and in any order.
 ``sh quickstart``
-    README's first block. Line 1 sets up and runs the daemon in the foreground: run in the background
-    until every rank is READY (as ``sh daemon``). Line 2 is the test command: it must be the very command
-    ``.ci/run`` executes; this suite, not run again from inside itself.
+    README's first block. Line 1 sets up and runs the daemon in the foreground: its setup steps must exit 0
+    (they run as job ``quickstart`` of ``tests/helpers/headstart.py``: begun at the session's start in a
+    one-process run), then the rest of the line runs in the background until every rank is READY (as ``sh
+    daemon``). Line 2 is the test command: it must be the very command ``.ci/run`` executes; this suite, not
+    run again from inside itself.
 ``sh daemon``
     A daemon in the foreground: started in the background, every rank READY awaited (with ``--geometry
     engine``: every rank waiting for the engine's declaration); stopped with SIGTERM
@@ -57,6 +58,7 @@ import pytest
 from kvcached.protocol.ownership import should_create_cache
 from kvcached.status import awaits_geometry, is_ready, read_status
 from tests.conftest import ROOT, remove_entries, shm_entries, unique_instance
+from tests.helpers import headstart
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "systemd" / "README.md"]
 SKIPPED = {
@@ -128,11 +130,27 @@ def printed(expected: str, output: str, instance: str) -> list[str]:
     return missing
 
 
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A scratch checkout where README's quickstart setup ``steps`` ran, and how they ended."""
+
+    checkout: Path
+    steps: str
+    result: subprocess.CompletedProcess[str]
+
+    def check(self) -> Path:
+        """The checkout, once the steps are known to have exited 0 (else AssertionError with their output)."""
+        output = self.result.stdout + self.result.stderr
+        assert self.result.returncode == 0, f"{self.steps}: exit {self.result.returncode}\n{output}"
+        return self.checkout
+
+
 class Session:
     """A scratch checkout, the daemon its text runs and one Python interpreter, for one document."""
 
-    def __init__(self, checkout: Path, env: dict[str, str]) -> None:
+    def __init__(self, checkout: Path, env: dict[str, str], built: Built | None = None) -> None:
         self.checkout = checkout
+        self.built = built
         self.env = env
         self.instance = env["KVCACHED_INSTANCE"]
         self.daemon: subprocess.Popen[bytes] | None = None
@@ -152,6 +170,15 @@ class Session:
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"exit {result.returncode}:\n{output}"
         return output
+
+    def after_setup(self, line: str) -> str:
+        """What of quickstart ``line`` is left to run: the part after its setup steps, once they passed when
+        they ran already in this checkout (``built``); else the whole line."""
+        line = line.split("#", maxsplit=1)[0].strip()
+        if self.built is not None and line.startswith(self.built.steps + " && "):
+            self.built.check()
+            return line.removeprefix(self.built.steps + " && ")
+        return line
 
     def start_daemon(self, command: str, timeout: float = 900) -> None:
         self.stop_daemon()
@@ -249,7 +276,7 @@ def run_document(path: Path, session: Session) -> list[str]:
                     assert not missing, f"not printed by {last.where}: {missing}\n{last_output}"
             elif block.info == "sh quickstart":
                 setup, test_command = [line for line in block.text.splitlines() if line.strip()]
-                session.start_daemon(setup.split("#")[0])
+                session.start_daemon(session.after_setup(setup))
                 ci = (ROOT / ".ci" / "run").read_text()
                 command = test_command.split("#")[0].strip()
                 assert command.startswith("scripts/test") and f"exec {command}\n" in ci, "line 2 is what CI runs"
@@ -308,44 +335,28 @@ def setup_steps(readme: Path) -> str:
     return " && ".join(steps)
 
 
-@pytest.fixture(scope="module")
-def fresh_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Nothing built: README's quickstart builds its ``.venv`` as a newcomer's shell would."""
-    return scratch_checkout(tmp_path_factory.mktemp("readme") / "kvcached")
-
-
-#: README's checkout once its case passed: its quickstart built ``.venv`` with README's own setup steps.
-_README_RAN: list[Path] = []
-
-
-@pytest.fixture(scope="module")
-def built_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``.venv`` built by README's own setup steps: what the other documents assume the reader did first.
-    The checkout README's case ran in when that case passed before (it built ``.venv`` with those very
-    steps, as a reader who followed README has it); else a checkout of its own, built here."""
-    if _README_RAN:
-        return _README_RAN[0]
-    checkout = scratch_checkout(tmp_path_factory.mktemp("docs") / "kvcached")
+@headstart.job("quickstart")
+def quickstart_setup(directory: Path) -> Built:
+    """README's quickstart setup steps, run as a newcomer's shell runs them in a checkout where nothing is built."""
+    checkout = scratch_checkout(directory / "kvcached")
     steps = setup_steps(checkout / "README.md")
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", steps],
-        cwd=checkout,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, f"{steps}: exit {result.returncode}\n{result.stdout}{result.stderr}"
-    return checkout
+    result = headstart.run(["bash", "-euo", "pipefail", "-c", steps], cwd=checkout, env=clean_env(), timeout=900)
+    return Built(checkout, steps, result)
+
+
+@pytest.fixture
+def built_checkout() -> Path:
+    """``.venv`` built by README's own setup steps: what the other documents assume the reader did first."""
+    built: Built = headstart.take("quickstart")
+    return built.check()
 
 
 @contextlib.contextmanager
-def session_for(checkout: Path) -> Iterator[Session]:
+def session_for(checkout: Path, built: Built | None = None) -> Iterator[Session]:
     instance = unique_instance()
     run_dir = checkout.parent / "run"
     run_dir.mkdir(exist_ok=True)
-    session = Session(checkout, clean_env(KVCACHED_INSTANCE=instance, KVCACHED_RUN_DIR=str(run_dir)))
+    session = Session(checkout, clean_env(KVCACHED_INSTANCE=instance, KVCACHED_RUN_DIR=str(run_dir)), built)
     try:
         yield session
     finally:
@@ -355,17 +366,18 @@ def session_for(checkout: Path) -> Iterator[Session]:
         assert not left, f"left in /dev/shm: {left}"
 
 
+@pytest.mark.head_start("quickstart")
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
-def test_every_block_runs_as_written(path: Path, request: pytest.FixtureRequest) -> None:
-    checkout: Path = request.getfixturevalue("fresh_checkout" if path == ROOT / "README.md" else "built_checkout")
-    with session_for(checkout) as session:
+def test_every_block_runs_as_written(path: Path) -> None:
+    built: Built = headstart.take("quickstart")
+    checkout = built.checkout if path == ROOT / "README.md" else built.check()
+    with session_for(checkout, built) as session:
         skipped = run_document(checkout / path.relative_to(ROOT), session)
-    if path == ROOT / "README.md":
-        _README_RAN.append(checkout)
     for reason in skipped:
         print(f"skipped {reason}")
 
 
+@pytest.mark.head_start("quickstart")
 def test_a_broken_block_fails_the_readme_test(built_checkout: Path) -> None:
     """The README test is not a formality: one changed value in the runner snippet fails it, naming the
     block and the field. (The checkout's ``.venv`` is built: the quickstart's setup steps are left out of
@@ -383,10 +395,12 @@ def test_a_broken_block_fails_the_readme_test(built_checkout: Path) -> None:
     assert "README.md:" in str(failure.value) and "num_layers" in str(failure.value), failure.value
 
 
-def test_an_unknown_info_string_fails(tmp_path: Path, fresh_checkout: Path) -> None:
+def test_an_unknown_info_string_fails(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text("```bash\necho hi\n```\n")
-    with session_for(fresh_checkout) as session, pytest.raises(AssertionError, match="unknown info string 'bash'"):
+    (tmp_path / "checkout").mkdir()
+    unknown = pytest.raises(AssertionError, match="unknown info string 'bash'")
+    with session_for(tmp_path / "checkout") as session, unknown:
         run_document(doc, session)
 
 

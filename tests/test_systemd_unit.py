@@ -4,7 +4,8 @@ The steps change /etc, /opt and /usr/local. Here they run in a private mount nam
 those three (writes land in a scratch directory, the host is untouched), as root: the service user and
 group are created, a venv under /opt gets the project installed from a scratch checkout, the unit and the
 example config are installed, and ``systemd-analyze verify`` must pass. ``systemctl`` (which needs systemd
-as PID 1) and ``usermod ENGINE_USER`` (a placeholder) are left out; everything else runs as written.
+as PID 1) and ``usermod ENGINE_USER`` (a placeholder) are left out; everything else runs as written. They run
+as job ``systemd-install`` of ``tests/helpers/headstart.py`` (begun at the session's start in a one-process run).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, DaemonFactory
+from tests.helpers import headstart
 from tests.test_readme import blocks, scratch_checkout
 
 OVERLAID = ("/etc", "/opt", "/usr/local")
@@ -39,24 +41,33 @@ def install_steps(checkout: Path) -> list[str]:
     return steps
 
 
-def test_the_install_steps_verify_on_a_fresh_host(tmp_path: Path) -> None:
+def unmet() -> str | None:
+    """Why the install steps cannot run here (None: they can)."""
     if os.geteuid() != 0:
-        pytest.skip("the install steps run as root (in a private mount namespace)")
+        return "the install steps run as root (in a private mount namespace)"
     for tool in ("unshare", "systemd-analyze", "useradd"):
         if shutil.which(tool) is None:
-            pytest.skip(f"{tool} is not installed (apt install util-linux systemd passwd)")
+            return f"{tool} is not installed (apt install util-linux systemd passwd)"
     if not all(Path(d).is_dir() for d in OVERLAID):
-        pytest.skip(f"this host lacks one of {OVERLAID}")
+        return f"this host lacks one of {OVERLAID}"
+    return None
+
+
+@headstart.job("systemd-install")
+def install_on_overlays(directory: Path) -> tuple[tuple[bool, bool, bool], subprocess.CompletedProcess[str]] | None:
+    """The host's state before, and the install steps run on overlays of it (None where they cannot run)."""
+    if unmet() is not None:
+        return None
     before = host_state()
-    checkout = scratch_checkout(tmp_path / "kvcached")
+    checkout = scratch_checkout(directory / "kvcached")
     steps = install_steps(checkout)
     assert any(s.startswith("systemd-analyze verify") for s in steps), steps
     mounts = []
-    for i, directory in enumerate(OVERLAID):
-        upper, work = tmp_path / f"upper{i}", tmp_path / f"work{i}"
+    for i, overlaid in enumerate(OVERLAID):
+        upper, work = directory / f"upper{i}", directory / f"work{i}"
         upper.mkdir()
         work.mkdir()
-        mounts.append(f"mount -t overlay overlay -o lowerdir={directory},upperdir={upper},workdir={work} {directory}")
+        mounts.append(f"mount -t overlay overlay -o lowerdir={overlaid},upperdir={upper},workdir={work} {overlaid}")
     checks = [
         "getent passwd kvcached && getent group kvcached",
         "test -x /usr/local/bin/kvcached && /usr/local/bin/kvcached start --help >/dev/null",
@@ -66,15 +77,21 @@ def test_the_install_steps_verify_on_a_fresh_host(tmp_path: Path) -> None:
         'c = DaemonConfig.build({}, Path("/etc/kvcached/default.toml")); print("config ok", c.ranks, c.gid)\'',
     ]
     script = "\n".join(["set -euxo pipefail", *mounts, *steps, *checks])
-    result = subprocess.run(
+    result = headstart.run(
         ["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
         cwd=checkout,
-        capture_output=True,
-        text=True,
         timeout=900,
-        check=False,
         env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
     )
+    return before, result
+
+
+@pytest.mark.head_start("systemd-install")
+def test_the_install_steps_verify_on_a_fresh_host() -> None:
+    reason = unmet()
+    if reason is not None:
+        pytest.skip(reason)
+    before, result = headstart.take("systemd-install")
     output = result.stdout + result.stderr
     if result.returncode != 0 and "unshare failed" in output:
         pytest.skip(f"no private mount namespace here: {output.strip()[:200]}")
