@@ -99,10 +99,13 @@ def _do(name: str) -> Any:
 
 
 def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """``subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)`` whose process (in a
-    session of its own) is killed, its group with it, if the test session ends first."""
+    """``subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)``, at the lowest CPU
+    priority (the tests running meanwhile keep theirs: a job goes on in their idle time), its process in a
+    session of its own, killed with its group if the test session ends first."""
     timeout = kwargs.pop("timeout", 900)
-    prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []  # this thread waits for it
+    prefix = ["nice", "-n", "19"]
+    if shutil.which("setpriv"):  # this thread waits for the process: its end is not the signal's cause
+        prefix += ["setpriv", "--pdeathsig", "KILL", "--"]
     with subprocess.Popen(
         [*prefix, *argv],
         stdout=subprocess.PIPE,
