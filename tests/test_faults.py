@@ -452,7 +452,7 @@ def test_parked_partial_frames_cannot_grow_a_worker_without_bound(daemons: Daemo
     def park() -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
-        sock.settimeout(5)
+        sock.settimeout(2)  # a frame the worker reads takes ~0.1 s; the others stay parked
         with contextlib.suppress(OSError):
             sock.sendall(head + body)
         parked.append(sock)
