@@ -187,14 +187,12 @@ def test_kill9_of_a_worker_mid_task_keeps_every_byte(daemons: DaemonFactory) -> 
     assert read_status(daemon.instance)["alive"]
 
 
-def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory, tmp_path: Path) -> None:
+def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """Why 1 (and the README's promise): a Mooncake master frozen (SIGSTOP) for four times the worker timeout
     and past the point where a stuck store agent is given up (``store_agent.ABANDON_AFTER`` store timeouts)
     fails store tasks, with StoreUnavailable, within the store timeout; swaps go on; every rank stays READY
     on the same worker; once the master is back, store tasks work again."""
-    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    master = MooncakeMaster(tmp_path / "master.log")
-    master.start()
+    master = mooncake
     frozen_s = 4.5
     assert frozen_s > ABANDON_AFTER * 0.5  # the store timeout below
     try:
@@ -224,7 +222,6 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
     finally:
         if master.proc is not None:
             master.proc.send_signal(signal.SIGCONT)
-        master.stop()
 
 
 def _stores(tasks: rc.CacheTasks, block: int) -> bool:
@@ -235,12 +232,12 @@ def _stores(tasks: rc.CacheTasks, block: int) -> bool:
         return False
 
 
-def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(daemons: DaemonFactory, tmp_path: Path) -> None:
+def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
     """Why 1: a Mooncake master frozen while the daemon starts: the ranks are READY anyway (their store is
     "connecting"), store tasks fail with StoreUnavailable, and work once the master answers."""
-    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    master = MooncakeMaster(tmp_path / "master.log")
-    master.start()
+    master = mooncake
     assert master.proc is not None
     master.proc.send_signal(signal.SIGSTOP)
     try:
@@ -254,7 +251,6 @@ def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(daemons: Daem
             until(lambda: _stores(tasks, 1), timeout=90, what="store tasks once the master answers")
     finally:
         master.proc.send_signal(signal.SIGCONT)
-        master.stop()
 
 
 def test_a_paused_supervisor_changes_nothing(daemons: DaemonFactory) -> None:
@@ -810,6 +806,8 @@ def test_two_mooncake_masters_at_once(tmp_path: Path) -> None:
     pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
     masters = [MooncakeMaster(tmp_path / f"m{i}.log") for i in range(2)]
     try:
+        for master in masters:
+            master.launch()  # both at once: each takes a second to listen
         for master in masters:
             master.start()
         assert all(m.proc is not None and m.proc.poll() is None for m in masters)
