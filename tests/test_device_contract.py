@@ -213,9 +213,9 @@ def test_test_only_backend_serves_a_real_daemon_and_runner(daemons: DaemonFactor
 
 
 def test_xpu_ipc_records_are_removed_at_stop_and_reclaimed_after_kill9(daemons: DaemonFactory) -> None:
-    """--memory xpu: the /dev/shm records set_data_ipc leaves (one per exported tensor) are removed when the
-    daemon stops; after kill -9 doctor lists them and the next start reclaims them (the xpu backend's own
-    code, over its runtime double)."""
+    """--memory xpu: the /dev/shm records set_data_ipc leaves (one per exported tensor) outlive a kill -9,
+    doctor lists them and the next start reclaims them; they are removed when the daemon stops (the xpu
+    backend's own code, over its runtime double)."""
     pytest.importorskip("paddle", reason="the xpu backend's code needs paddle (pip install '.[paddle]')")
     env = daemons.env(KVCACHED_PLUGINS=",".join(PLUGINS), PYTHONPATH=str(ROOT))
     args = ["--memory", "xpu-double", "--devices", "6,7"]
@@ -224,10 +224,6 @@ def test_xpu_ipc_records_are_removed_at_stop_and_reclaimed_after_kill9(daemons: 
     spec = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
     records = [Path("/dev/shm") / e.name for rank in (0, 1) for e in rc.exports(spec, rank, 6 + rank)]
     assert len(records) == 8 and all(p.exists() for p in records)
-    assert daemon.stop() == 0
-    assert not any(p.exists() for p in records)
-    daemon = daemons.start(daemon.instance, ranks=2, args=args, env=env)
-    daemon.wait_ready(timeout=60)
     daemon.kill9()
     assert all(p.exists() for p in records), "a killed run leaves them"
     doctor = daemons.cli("doctor", "--json", "--instance", daemon.instance, "--ranks", "2", *args, env=env)

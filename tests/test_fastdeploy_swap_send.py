@@ -27,11 +27,11 @@ from tests.test_fastdeploy_faults import fill, logs, served, views
 def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
     daemons: DaemonFactory, tmp_path: Path
 ) -> None:
-    """Rank 0's worker is stopped (``SIGSTOP``) for 5 s. Swap ``a`` is taken and sent (its wait on the pool's
-    thread), then swap ``b``, then a control request: the queue loop sends ``b`` waiting at most
+    """Rank 0's worker is stopped (``SIGSTOP``; for 5 s at most). Swap ``a`` is taken and sent (its wait on the
+    pool's thread), then swap ``b``, then a control request: the queue loop sends ``b`` waiting at most
     ``SEND_NOW_S`` and goes back to the queue, so the control request is answered while the worker is still
-    stopped. Once it continues, both swaps are reported and their bytes are in the CPU pool (swapped back in
-    to other blocks, byte for byte)."""
+    stopped. Once it continues (right after), both swaps are reported and their bytes are in the CPU pool
+    (swapped back in to other blocks, byte for byte)."""
     with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="30") as (engine, daemon):
         status = engine.fd.CacheStatus
         caches = views(daemon.instance)
@@ -51,6 +51,7 @@ def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
             answered = time.monotonic() - started
             assert [r["error_code"] for r in replies] == [200, 200]
             assert stopped(worker), f"the control request was answered only after {answered:.1f}s, the worker running"
+            os.kill(worker, signal.SIGCONT)
             found: list[object] = []
 
             def collect() -> bool:
