@@ -14,7 +14,8 @@ For ``--ranks`` ranks of ``--gib`` GiB each (blocks of ``--block-kib`` KiB), eve
   get landing each object in its own place (and, for information, into one reused buffer); then two hosts
   (``bench_mooncake_hosts.py``).
 
-Passes alternate (plain, kvcached, plain, ...), each on fresh state (a new directory, a new master and
+Passes alternate (plain, kvcached, plain, ...), each on fresh state (a new directory, a new master, which
+no pass used, launched while the pass before ran, and
 daemon), and the report gives the median ratio of each pair with its range: on this shared machine the
 disk and memory speed drift between sequential measurements by 20 % and more.
 
@@ -66,8 +67,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextlib.contextmanager
-def mooncake_master(log: Path) -> Any:
+#: The next pass's master, launched when a pass takes its own (a master takes over a second to listen).
+_next: list[tuple[subprocess.Popen[bytes], int, int, Path]] = []
+
+
+def _launch(log: Path) -> tuple[subprocess.Popen[bytes], int, int, Path]:
     port, http = free_port(), free_port()
     binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which("mooncake_master")
     if binary is None:
@@ -85,6 +89,22 @@ def mooncake_master(log: Path) -> Any:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+    return proc, port, http, log
+
+
+def stop_next_master() -> None:
+    """Kill the master launched for a pass that did not come."""
+    while _next:
+        proc = _next.pop()[0]
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def mooncake_master(log: Path) -> Any:
+    """A fresh master (no pass used it before) that listens, for one pass; the next pass's is launched now."""
+    proc, port, http, log = _next.pop() if _next else _launch(log)
+    _next.append(_launch(log))
     try:
         for p in (port, http):
             deadline = time.monotonic() + 30
@@ -311,6 +331,7 @@ def main() -> int:
                     segment=segment_bytes(blocks, block_bytes + 128),
                 )
     finally:
+        stop_next_master()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
 
