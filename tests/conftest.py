@@ -511,7 +511,8 @@ def arena_digests(instance: str) -> dict[str, str]:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """In a one-process run, the selected tests' slow tool work begins now (``tests/helpers/headstart.py``)."""
-    if session.config.getoption("dist", "no") == "no" and not hasattr(session.config, "workerinput"):
+    config = session.config
+    if config.getoption("dist", "no") == "no" and not hasattr(config, "workerinput") and not config.option.collectonly:
         headstart.begin(headstart.wanted(session.items))
 
 

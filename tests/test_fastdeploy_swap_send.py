@@ -36,11 +36,11 @@ def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
         status = engine.fd.CacheStatus
         caches = views(daemon.instance)
         worker = read_status(daemon.instance)["ranks"][0]["pid"]
+        resumed = threading.Timer(5.0, os.kill, (worker, signal.SIGCONT))
         try:
             fill(caches, [1, 2], seed=11)
             original = [blocks(c, [1, 2]) for c in caches]
             os.kill(worker, signal.SIGSTOP)
-            resumed = threading.Timer(5.0, os.kill, (worker, signal.SIGCONT))
             resumed.start()
             engine.queue.put_transfer_task((status.SWAP2CPU, "a", [21], [1], [0]))
             engine.until(engine.queue.empty, "swap a taken")
@@ -51,6 +51,7 @@ def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
             answered = time.monotonic() - started
             assert [r["error_code"] for r in replies] == [200, 200]
             assert stopped(worker), f"the control request was answered only after {answered:.1f}s, the worker running"
+            resumed.cancel()
             os.kill(worker, signal.SIGCONT)
             found: list[object] = []
 
@@ -66,6 +67,7 @@ def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
             done = engine.task((status.SWAP2GPU, "back", [21, 22], [5, 6], [0, 1]))
             assert done[0][1] == "back" and [blocks(c, [5, 6]) for c in caches] == original
         finally:
+            resumed.cancel()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)
             for cache in caches:
