@@ -1,12 +1,13 @@
 """The slow work of a few tests, begun as soon as the session knows its tests, so a one-process run waits less.
 
-Four tests spend their time waiting on tools: pip building and installing the project (README's quickstart,
-systemd/README.md's install steps, the wheel) and the benchmarks' smoke run, 60-90 s of a one-process run.
-In a one-process session (``-n 0``) the other tests leave the second core mostly idle, so that work runs
-there, in one background thread, in the order the tests will take it, while the tests before them run. A
-test takes the result and asserts on it exactly what it asserted on work it did itself: the same commands,
-the same checks; only the moment they run differs. With several test processes (pytest-xdist) nothing is
-begun early: ``take`` does the work when it is asked.
+Four jobs are mostly waiting on tools: pip building and installing the project (README's quickstart,
+systemd/README.md's install steps, the wheel) and the benchmarks' smoke run; the tests marked
+``@pytest.mark.head_start(name)`` take them. In a one-process session (``-n 0``, or no ``-n``) the other
+tests leave the second core mostly idle, so that work runs there, in one background thread, in the order
+the tests will take it, while the tests before them run. A test takes the result and asserts on it exactly
+what it asserted on work it did itself: the same commands, the same checks; only the moment they run
+differs. With several test processes (pytest-xdist) nothing is begun early: ``take`` does the work when it
+is asked. ``tests/test_headstart.py`` checks both.
 
 Invariants: a job runs at most once per test process, in a directory of its own; its result, or the
 exception it raised, is what every ``take`` of it returns or raises; at the session's end a job still
