@@ -14,10 +14,10 @@ For ``--ranks`` ranks of ``--gib`` GiB each (blocks of ``--block-kib`` KiB), eve
   get landing each object in its own place (and, for information, into one reused buffer); then two hosts
   (``bench_mooncake_hosts.py``).
 
-Passes alternate (plain, kvcached, plain, ...), each on fresh state (a new directory, a new master, which
-no pass used, launched while the pass before ran, and
-daemon), and the report gives the median ratio of each pair with its range: on this shared machine the
-disk and memory speed drift between sequential measurements by 20 % and more.
+Passes alternate (plain, kvcached, plain, ...), each on fresh state: a new directory, or a new master that
+no pass used before (launched while the pass before ran), and for kvcached a new daemon. The report gives
+the median ratio of each pair with its range: on this shared machine the disk and memory speed drift
+between sequential measurements by 20 % and more.
 
 Targets: >= 0.9 of plain file I/O and >= 1.0 of LMCache (file); >= 0.8 of plain Mooncake put / get, loads
 >= 0.9 of the batched get (each object into its own place, as a load lands it), and the cross-host load
