@@ -1,6 +1,6 @@
 """The slow work of a few tests, begun as soon as the session knows its tests, so a one-process run waits less.
 
-Four jobs are mostly waiting on tools: pip building and installing the project (README's quickstart,
+Four jobs spend their time waiting on tools: pip building and installing the project (README's quickstart,
 systemd/README.md's install steps, the wheel) and the benchmarks' smoke run; the tests marked
 ``@pytest.mark.head_start(name)`` take them. In a one-process session (``-n 0``, or no ``-n``) the other
 tests leave the second core mostly idle, so that work runs there, in one background thread, in the order
