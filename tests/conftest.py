@@ -68,6 +68,16 @@ def zygote(kind: str = "daemon") -> Zygote:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _head_start(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Head-started jobs (``tests/helpers/headstart.py``) get their directories under the session's base
+    temporary directory; in a one-process run the selected tests' jobs begin now, as the first test starts
+    (a session that runs no test, ``--collect-only``, ``--fixtures``, ``--setup-plan``, begins none)."""
+    config = request.config
+    one_process = config.getoption("dist", "no") == "no" and not hasattr(config, "workerinput")
+    headstart.begin(headstart.wanted(request.session.items) if one_process else [], tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _zygotes_end() -> Iterator[None]:
     """The zygotes end with the session (what they forked is each test's own to stop)."""
     yield
@@ -507,13 +517,6 @@ def arena_digests(instance: str) -> dict[str, str]:
     finally:
         block.close()
     return digests
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """In a one-process run, the selected tests' slow tool work begins now (``tests/helpers/headstart.py``)."""
-    config = session.config
-    if config.getoption("dist", "no") == "no" and not hasattr(config, "workerinput") and not config.option.collectonly:
-        headstart.begin(headstart.wanted(session.items))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -50,7 +50,7 @@ import signal
 import subprocess
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -318,9 +318,10 @@ def scratch_checkout(into: Path) -> Path:
     return into
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without what would leak the test's own interpreter into the checkout's."""
-    env = {**os.environ, **extra}
+def clean_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``base`` (default: this environment) without what would leak the test's own interpreter into the
+    checkout's."""
+    env = {**(os.environ if base is None else base), **extra}
     for name in ("VIRTUAL_ENV", "PYTHONPATH", "KVCACHED_FAULT"):
         env.pop(name, None)
     return env
@@ -340,7 +341,8 @@ def quickstart_setup(directory: Path) -> Built:
     """README's quickstart setup steps, run as a newcomer's shell runs them in a checkout where nothing is built."""
     checkout = scratch_checkout(directory / "kvcached")
     steps = setup_steps(checkout / "README.md")
-    result = headstart.run(["bash", "-euo", "pipefail", "-c", steps], cwd=checkout, env=clean_env(), timeout=900)
+    shell = ["bash", "-euo", "pipefail", "-c", steps]
+    result = headstart.run(shell, cwd=checkout, env=clean_env(headstart.environ()), timeout=900)
     return Built(checkout, steps, result)
 
 

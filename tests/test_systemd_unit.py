@@ -81,7 +81,7 @@ def install_on_overlays(directory: Path) -> tuple[tuple[bool, bool, bool], subpr
         ["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
         cwd=checkout,
         timeout=900,
-        env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
+        env={k: v for k, v in headstart.environ().items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
     )
     return before, result
 
