@@ -183,9 +183,13 @@ def cross_host(
         def start_a() -> Any:
             return daemon(a_name, env, args.ranks, blocks, block_size, a_flags)
 
-        a = Host(a_name, start_a())
-        b = Host(b_name, daemon(b_name, env, args.ranks, blocks, block_size, [*flags, "--mooncake-segment", "64MiB"]))
+        hosts: list[Host] = []  # each stopped at the end, however it comes
         try:
+            a = Host(a_name, start_a())
+            hosts.append(a)
+            b_flags = [*flags, "--mooncake-segment", "64MiB"]
+            b = Host(b_name, daemon(b_name, env, args.ranks, blocks, block_size, b_flags))
+            hosts.append(b)
             keys = rc.block_keys(list(range(blocks)), 1)
             store_s = pipelined(a.instance, "store", keys, args.batch)
             digest = CacheSpec.from_dict(read_status(a.instance)["spec"]).geometry_digest.hex()
@@ -198,7 +202,7 @@ def cross_host(
                 passes.append({"load_s": load, "batched_get_s": batched, "single_get_s": single})
             restarted = restarts(a, b.instance, keys, env, start_a)
         finally:
-            for host in (a, b):
+            for host in hosts:
                 host.proc.terminate()
                 host.proc.wait(60)
     return {"bytes": args.ranks * blocks * block_bytes, "store_s": store_s, "passes": passes, "restarts": restarted}

@@ -21,9 +21,11 @@ import json
 import mmap
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -176,18 +178,22 @@ def main() -> None:
     )
     per_rank = (device + cpu) * BLOCK_BYTES
     instance = f"bench-start-{os.getpid()}"
-    env = dict(os.environ, KVCACHED_RUN_DIR=f"/tmp/kvcached-bench-{os.getpid()}")
-    raw_before = raw_seconds(args.ranks, per_rank)
-    proc, cold = start(instance, env, geometry)
+    run_dir = tempfile.mkdtemp(prefix="kvcached-bench-")  # the daemon's, removed at the end
+    env = dict(os.environ, KVCACHED_RUN_DIR=run_dir)
     try:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc, adopt = start(instance, env, geometry)
-        note = read_status(instance)["note"]
-        restarted = restarts(instance, env, args.restarts)
+        raw_before = raw_seconds(args.ranks, per_rank)
+        proc, cold = start(instance, env, geometry)
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc, adopt = start(instance, env, geometry)
+            note = read_status(instance)["note"]
+            restarted = restarts(instance, env, args.restarts)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        shutil.rmtree(run_dir, ignore_errors=True)
     raw = min(raw_before, raw_seconds(args.ranks, per_rank))  # before and after: the better raw run
     figures = {
         "ranks": args.ranks,

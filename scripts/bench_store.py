@@ -72,13 +72,16 @@ _next: list[tuple[subprocess.Popen[bytes], int, int, Path]] = []
 
 
 def _launch(log: Path) -> tuple[subprocess.Popen[bytes], int, int, Path]:
+    """A master, not waited for, killed if this benchmark dies; it writes its own log, beside ``log``."""
     port, http = free_port(), free_port()
     binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which("mooncake_master")
     if binary is None:
         raise SystemExit("mooncake_master not found: pip install '.[mooncake]'")
+    log = log.with_name(f"{log.stem}-{port}{log.suffix}")
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [
+                *benchlib.die_with_us("KILL"),
                 binary,
                 f"--port={port}",
                 f"--metrics_port={free_port()}",  # its default, 9003, would collide with another run's master
@@ -104,8 +107,8 @@ def stop_next_master() -> None:
 def mooncake_master(log: Path) -> Any:
     """A fresh master (no pass used it before) that listens, for one pass; the next pass's is launched now."""
     proc, port, http, log = _next.pop() if _next else _launch(log)
-    _next.append(_launch(log))
     try:
+        _next.append(_launch(log))
         for p in (port, http):
             deadline = time.monotonic() + 30
             while True:
@@ -219,7 +222,11 @@ def start_daemon(
         num_cpu_blocks=0,
     )
     daemon = benchlib.start_daemon(instance, env, [*args, *store])
-    benchlib.wait_store(instance)
+    try:
+        benchlib.wait_store(instance)
+    except BaseException:
+        benchlib.stop_daemon(daemon)
+        raise
     return daemon
 
 

@@ -7,6 +7,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,22 +44,41 @@ def start_daemon(
 ) -> subprocess.Popen[bytes]:
     """``kvcached start --instance INSTANCE ARGS``, returned once every rank is READY (looked at every
     ``poll_s``); exits on failure."""
+    command = [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, *args, "--log-format", "json"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcached.cli", "start", "--instance", instance, *args, "--log-format", "json"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=ROOT,
+        [*die_with_us("TERM"), *command], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT
     )
     deadline = time.monotonic() + timeout
-    while not is_ready(read_status(instance)):
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"daemon not ready after {timeout:.0f} s")
-        time.sleep(poll_s)
+    try:
+        while not is_ready(read_status(instance)):
+            if proc.poll() is not None:
+                raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"daemon not ready after {timeout:.0f} s")
+            time.sleep(poll_s)
+    except BaseException:  # Ctrl-C included: the daemon stops (its shared memory removed), not left running
+        stop_daemon(proc)
+        raise
     return proc
+
+
+def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """SIGTERM to a daemon ``start_daemon`` started; SIGKILL if it has not stopped within ``timeout``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def die_with_us(signal_name: str) -> list[str]:
+    """``setpriv`` arguments that send the process they start SIG``signal_name`` when this benchmark dies,
+    kill -9 included (nothing it started is left running); from the main thread only: the signal comes when
+    the thread that started the process ends."""
+    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
+        return ["setpriv", "--pdeathsig", signal_name, "--"]
+    return []
 
 
 def wait_store(instance: str, timeout: float = 120) -> None:
