@@ -48,6 +48,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import tomllib
 from collections.abc import Iterator, Mapping
@@ -59,6 +60,7 @@ from kvcached.protocol.ownership import should_create_cache
 from kvcached.status import awaits_geometry, is_ready, read_status
 from tests.conftest import ROOT, remove_entries, shm_entries, unique_instance
 from tests.helpers import headstart
+from tests.helpers.zygote import die_with_us
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "systemd" / "README.md"]
 SKIPPED = {
@@ -182,9 +184,9 @@ class Session:
 
     def start_daemon(self, command: str, timeout: float = 900) -> None:
         self.stop_daemon()
-        with self.daemon_log.open("ab") as log:
-            self.daemon = subprocess.Popen(
-                ["bash", "-euo", "pipefail", "-c", command],
+        with self.daemon_log.open("ab") as log:  # a one-command line is the daemon (bash execs it), and it
+            self.daemon = subprocess.Popen(  # stops as on SIGTERM if the test process dies: nothing left
+                [*die_with_us("TERM"), "bash", "-euo", "pipefail", "-c", command],
                 cwd=self.checkout,
                 env=self.env,
                 stdout=log,
@@ -366,6 +368,45 @@ def session_for(checkout: Path, built: Built | None = None) -> Iterator[Session]
         left = shm_entries(instance)
         remove_entries(instance)
         assert not left, f"left in /dev/shm: {left}"
+
+
+#: A document's session in a process of its own: ``argv[1]`` checkout, ``argv[2]`` instance, ``argv[3]`` run
+#: directory; it starts a daemon as ``sh daemon`` blocks do, says "ready", and waits to be killed.
+SESSION = """
+import sys, time
+from pathlib import Path
+from tests.test_readme import Session, clean_env
+session = Session(Path(sys.argv[1]), clean_env(KVCACHED_INSTANCE=sys.argv[2], KVCACHED_RUN_DIR=sys.argv[3]))
+session.start_daemon(f"{sys.executable} -m kvcached.cli start --ranks 1", timeout=120)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_test_process_stops_the_daemon_a_document_started(tmp_path: Path) -> None:
+    """kill -9 of the test process while a document's daemon runs: the daemon stops as on SIGTERM (its
+    shared memory removed), not left running."""
+    instance = unique_instance()
+    (tmp_path / "checkout").mkdir()
+    argv = [sys.executable, "-c", SESSION, str(tmp_path / "checkout"), instance, str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    tester = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    daemon = None
+    try:
+        assert tester.stdout is not None and tester.stdout.readline() == "ready\n"
+        daemon = read_status(instance)["pid"]
+        tester.kill()
+        tester.wait()
+        deadline = time.monotonic() + 60
+        while (shm_entries(instance) or read_status(instance)["running"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not shm_entries(instance), f"the daemon of a killed test process left {shm_entries(instance)}"
+    finally:
+        tester.kill()
+        if daemon is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(daemon, signal.SIGKILL)
+        remove_entries(instance)
 
 
 @pytest.mark.head_start("quickstart")

@@ -404,14 +404,14 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def die_with_us() -> list[str]:
+def die_with_us(signal_name: str = "KILL") -> list[str]:
     """``setpriv`` arguments that kill the process they start when the test process dies (a suite killed by a
-    CI cancel leaves nothing running); only from the main thread: the signal comes when the thread that
-    started the process ends."""
+    CI cancel leaves nothing running), with SIG``signal_name``; only from the main thread: the signal comes
+    when the thread that started the process ends."""
     import shutil
 
     if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
-        return ["setpriv", "--pdeathsig", "KILL", "--"]
+        return ["setpriv", "--pdeathsig", signal_name, "--"]
     return []
 
 
