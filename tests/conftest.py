@@ -57,6 +57,30 @@ def remove_entries(instance: str) -> None:
             (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
 
 
+def leftovers_after_kill9(argv: list[str], env: dict[str, str], instance: str, timeout: float = 60) -> list[str]:
+    """Run ``argv``, a process that starts the daemon of ``instance`` and then prints "ready"; kill -9 it;
+    what of the instance is still in /dev/shm ``timeout`` seconds later (nothing: the daemon stopped with
+    it). The daemon and its objects are removed afterwards, whatever happened."""
+    tester = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    daemon = None
+    try:
+        assert tester.stdout is not None and tester.stdout.readline() == "ready\n", "the daemon did not start"
+        daemon = read_status(instance)["pid"]
+        tester.kill()
+        tester.wait()
+        deadline = time.monotonic() + timeout
+        while (shm_entries(instance) or read_status(instance)["running"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return shm_entries(instance)
+    finally:
+        tester.kill()
+        tester.wait()
+        if daemon is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(daemon, signal.SIGKILL)
+        remove_entries(instance)
+
+
 _zygotes: dict[str, Zygote] = {}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, remove_entries
+from tests.conftest import ROOT, leftovers_after_kill9, unique_instance
 from tests.helpers import headstart
 
 
@@ -60,71 +60,86 @@ def test_bench_report_smoke_writes_report_and_images() -> None:
         assert pixels.std() > 0.01, f"{name} is blank"
 
 
-def below(pid: int) -> dict[int, str]:
-    """Every live process below ``pid``: pid -> its command line."""
+def stat(pid: int) -> tuple[int, int, str] | None:
+    """(parent pid, start time, command line) of a live process; None when it is gone."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        command = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[19]), command
+
+
+def below(pid: int) -> dict[int, tuple[int, str]]:
+    """Every live process below ``pid``: pid -> (start time, command line)."""
     children: dict[int, list[int]] = {}
+    found: dict[int, tuple[int, str]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                children.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
-                    int(entry.name)
-                )
-            except OSError:
-                continue
-    found: dict[int, str] = {}
-    todo = list(children.get(pid, []))
+        if entry.name.isdigit() and (seen := stat(int(entry.name))) is not None:
+            children.setdefault(seen[0], []).append(int(entry.name))
+            found[int(entry.name)] = seen[1:]
+    todo, tree = list(children.get(pid, [])), {}
     while todo:
         child = todo.pop()
-        with contextlib.suppress(OSError):
-            found[child] = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        tree[child] = found[child]
         todo += children.get(child, [])
-    return found
+    return tree
 
 
-def alive(processes: dict[int, str]) -> dict[int, str]:
-    """Those of ``processes`` still running (the same command line under the same pid)."""
-    still = {}
-    for pid, command in processes.items():
-        with contextlib.suppress(OSError):
-            if (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode() == command:
-                still[pid] = command
-    return still
+def alive(processes: dict[int, tuple[int, str]]) -> list[int]:
+    """Those of ``processes`` still running (the same start time under the same pid)."""
+    return [pid for pid, (started, _) in processes.items() if (now := stat(pid)) is not None and now[1] == started]
 
 
-def test_a_killed_store_benchmark_leaves_no_master_or_daemon(tmp_path: Path) -> None:
-    """kill -9 of bench_store.py while a kvcached pass runs (its master, the next pass's master and a daemon
-    running): the masters die with it, the daemon stops and removes its shared memory."""
+def test_a_killed_store_benchmark_leaves_no_master_running(tmp_path: Path) -> None:
+    """kill -9 of bench_store.py while a pass runs, its master and the next pass's running: both die with it."""
     if not mooncake_runs():
         pytest.skip("the mooncake extra is not installed")
     argv = [sys.executable, str(ROOT / "scripts" / "bench_store.py"), "--backends", "mooncake", "--gib", "0.02"]
     bench = subprocess.Popen([*argv, "--repeats", "1", "--dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL)
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[int, str]] = {}
     run_dirs: set[str] = set()
     try:
         deadline = time.monotonic() + 120
         while bench.poll() is None and time.monotonic() < deadline:
-            seen = below(bench.pid)
-            daemons = [pid for pid, command in seen.items() if "kvcached.cli start" in command]
-            if daemons and sum("mooncake_master" in command for command in seen.values()) == 2:
-                environ = (Path("/proc") / str(daemons[0]) / "environ").read_bytes().split(b"\0")
+            seen = {pid: found for pid, found in below(bench.pid).items() if "mooncake_master" in found[1]}
+            if len(seen) == 2:
+                environ = (Path("/proc") / str(min(seen)) / "environ").read_bytes().split(b"\0")
                 run_dirs |= {v.decode().split("=", 1)[1] for v in environ if v.startswith(b"KVCACHED_RUN_DIR=")}
                 break
             time.sleep(0.02)
         else:
-            pytest.fail(f"bench_store.py never ran a daemon beside two masters (exit {bench.returncode})")
+            pytest.fail(f"bench_store.py never ran two masters (exit {bench.returncode})")
         bench.kill()
         bench.wait()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 30
         while alive(seen) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not alive(seen), f"left running: {alive(seen)}"
-        instance = f"bench-store-{bench.pid}-"
-        assert not [name for name in os.listdir("/dev/shm") if instance in name]
+        assert not alive(seen), f"left running: {[seen[pid][1] for pid in alive(seen)]}"
     finally:
         bench.kill()
         for pid in alive(seen):
-            with contextlib.suppress(ProcessLookupError):  # a worker goes with its supervisor
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        remove_entries(f"bench-store-{bench.pid}-mooncake")
         for run_dir in run_dirs:  # the benchmark's own, which its kill -9 leaves
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+#: A benchmark starting its daemon with benchlib (``argv[1]``: scripts/, ``argv[2]``: the instance), then
+#: waiting to be killed.
+BENCHMARK = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import benchlib
+benchlib.start_daemon(sys.argv[2], dict(os.environ), ["--ranks", "1"])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_benchmark_stops_its_daemon(tmp_path: Path) -> None:
+    """kill -9 of a benchmark while its daemon runs: the daemon stops as on SIGTERM, its shared memory removed."""
+    instance = unique_instance()
+    env = {**os.environ, "KVCACHED_RUN_DIR": str(tmp_path / "run")}
+    left = leftovers_after_kill9([sys.executable, "-c", BENCHMARK, str(ROOT / "scripts"), instance], env, instance)
+    assert not left, f"the daemon of a killed benchmark left {left}"

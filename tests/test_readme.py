@@ -58,7 +58,7 @@ import pytest
 
 from kvcached.protocol.ownership import should_create_cache
 from kvcached.status import awaits_geometry, is_ready, read_status
-from tests.conftest import ROOT, remove_entries, shm_entries, unique_instance
+from tests.conftest import ROOT, leftovers_after_kill9, remove_entries, shm_entries, unique_instance
 from tests.helpers import headstart
 from tests.helpers.zygote import die_with_us
 
@@ -389,24 +389,8 @@ def test_a_killed_test_process_stops_the_daemon_a_document_started(tmp_path: Pat
     instance = unique_instance()
     (tmp_path / "checkout").mkdir()
     argv = [sys.executable, "-c", SESSION, str(tmp_path / "checkout"), instance, str(tmp_path / "run")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    tester = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    daemon = None
-    try:
-        assert tester.stdout is not None and tester.stdout.readline() == "ready\n"
-        daemon = read_status(instance)["pid"]
-        tester.kill()
-        tester.wait()
-        deadline = time.monotonic() + 60
-        while (shm_entries(instance) or read_status(instance)["running"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not shm_entries(instance), f"the daemon of a killed test process left {shm_entries(instance)}"
-    finally:
-        tester.kill()
-        if daemon is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(daemon, signal.SIGKILL)
-        remove_entries(instance)
+    left = leftovers_after_kill9(argv, {**os.environ, "PYTHONPATH": str(ROOT)}, instance)
+    assert not left, f"the daemon of a killed test process left {left}"
 
 
 @pytest.mark.head_start("quickstart")
