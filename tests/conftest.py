@@ -91,14 +91,24 @@ def zygote(kind: str = "daemon") -> Zygote:
     return _zygotes[kind]
 
 
+def one_process(config: pytest.Config) -> bool:
+    """Whether this session runs its tests in this one process (no pytest-xdist)."""
+    return bool(config.getoption("dist", "no") == "no" and not hasattr(config, "workerinput"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a one-process run the tests that take a head-started job run last: their jobs are done by then."""
+    if one_process(config):
+        items[:] = headstart.last(items)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _head_start(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Head-started jobs (``tests/helpers/headstart.py``) get their directories under the session's base
     temporary directory; in a one-process run the selected tests' jobs begin now, as the first test starts
     (a session that runs no test, ``--collect-only``, ``--fixtures``, ``--setup-plan``, begins none)."""
-    config = request.config
-    one_process = config.getoption("dist", "no") == "no" and not hasattr(config, "workerinput")
-    headstart.begin(headstart.wanted(request.session.items) if one_process else [], tmp_path_factory.getbasetemp())
+    names = headstart.wanted(request.session.items) if one_process(request.config) else []
+    headstart.begin(names, tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="session", autouse=True)

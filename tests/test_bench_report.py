@@ -28,7 +28,7 @@ def mooncake_runs() -> bool:
     return bool(beside or shutil.which("mooncake_master"))
 
 
-@headstart.job("bench-smoke")
+@headstart.job("bench-smoke", heavy=True)
 def smoke(directory: Path) -> tuple[Path, list[str], subprocess.CompletedProcess[str]] | None:
     """``bench_report.py --smoke`` writing into ``directory``: (its output directory, the store backends it
     ran, how it ended); None without the plot extra."""

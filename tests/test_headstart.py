@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -265,3 +266,22 @@ def test_a_killed_test_process_leaves_no_process_of_a_job(tmp_path: Path) -> Non
         proc.kill()
         for pid in processes(token):
             os.kill(pid, signal.SIGKILL)
+
+
+class _Item:
+    """What ``headstart.last`` and ``wanted`` read of a test item: its head_start marks."""
+
+    def __init__(self, *jobs: str) -> None:
+        self.marks = [pytest.mark.head_start(job).mark for job in jobs]
+
+    def iter_markers(self, name: str) -> list[Any]:
+        return [mark for mark in self.marks if mark.name == name]
+
+
+def test_the_tests_that_take_a_job_run_last_and_a_heavy_job_begins_after_the_others() -> None:
+    headstart.job("order-light")(lambda directory: None)
+    headstart.job("order-heavy", heavy=True)(lambda directory: None)
+    plain, heavy, light, other = _Item(), _Item("order-heavy"), _Item("order-light"), _Item()
+    items: list[Any] = [plain, heavy, light, other]
+    assert headstart.last(items) == [plain, other, heavy, light]
+    assert headstart.wanted(items) == ["order-light", "order-heavy"]

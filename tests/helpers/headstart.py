@@ -3,8 +3,9 @@
 Four jobs spend their time waiting on tools: pip building and installing the project (README's quickstart,
 systemd/README.md's install steps, the wheel) and the benchmarks' smoke run; the tests marked
 ``@pytest.mark.head_start(name)`` take them. In a one-process session (``-n 0``, or no ``-n``) the other
-tests leave the second core mostly idle, so that work runs there, in one background thread, in the order
-the tests will take it, while the tests before them run. A test takes the result and asserts on it exactly
+tests leave the second core mostly idle, so that work runs there, in one background thread, a heavy job
+(the benchmarks) after the others, while the other tests run: the tests that take a job run last
+(``last``, from conftest), when it is done. A test takes the result and asserts on it exactly
 what it asserted on work it did itself: the same commands, the same checks; only the moment they run
 differs. With several test processes (pytest-xdist) nothing is begun early: ``take`` does the work when it
 is asked. ``tests/test_headstart.py`` checks both.
@@ -38,6 +39,7 @@ import pytest
 
 #: name -> the work: called with an empty directory of its own, returns what ``take`` hands the test.
 _JOBS: dict[str, Callable[[Path], Any]] = {}
+_HEAVY: set[str] = set()
 _futures: dict[str, Future[Any]] = {}
 #: name -> the exception its work raised and where (``take`` raises it from there each time).
 _raised: dict[str, tuple[BaseException, TracebackType | None]] = {}
@@ -57,14 +59,23 @@ class SessionEnded(RuntimeError):
     """A job's work or command asked for once the test session has ended."""
 
 
-def job(name: str) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
-    """Register ``work`` as job ``name``; a test that takes it says so with ``@pytest.mark.head_start(name)``."""
+def job(name: str, *, heavy: bool = False) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
+    """Register ``work`` as job ``name``; a test that takes it says so with ``@pytest.mark.head_start(name)``.
+    A ``heavy`` job loads the memory as well as a core (the benchmarks): it begins after the others."""
 
     def register(work: Callable[[Path], Any]) -> Callable[[Path], Any]:
         assert _JOBS.setdefault(name, work) is work, f"two jobs named {name!r}"
+        if heavy:
+            _HEAVY.add(name)
         return work
 
     return register
+
+
+def last(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with those that take a job moved to the end, each part in its order."""
+    takes = [item for item in items if any(True for _ in item.iter_markers(MARK))]
+    return [item for item in items if item not in takes] + takes
 
 
 def environ() -> dict[str, str]:
@@ -73,14 +84,14 @@ def environ() -> dict[str, str]:
 
 
 def wanted(items: Iterable[pytest.Item]) -> list[str]:
-    """The registered jobs the selected tests take, in the order they will first take them (a mark naming no
-    job is left to that test's ``take`` to report)."""
+    """The registered jobs the selected tests take, in the order they will first take them, heavy ones last (a
+    mark naming no job is left to that test's ``take`` to report)."""
     names: list[str] = []
     for item in items:
         for mark in item.iter_markers(MARK):
             if mark.args and mark.args[0] in _JOBS and mark.args[0] not in names:
                 names.append(mark.args[0])
-    return names
+    return sorted(names, key=lambda name: name in _HEAVY)
 
 
 def begin(names: list[str], base: Path) -> None:
