@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import ROOT, leftovers_after_kill9, unique_instance
 from tests.helpers import headstart
+from tests.helpers.procs import Proc, descendants
 
 
 def mooncake_runs() -> bool:
@@ -60,49 +61,18 @@ def test_bench_report_smoke_writes_report_and_images() -> None:
         assert pixels.std() > 0.01, f"{name} is blank"
 
 
-def stat(pid: int) -> tuple[int, int, str] | None:
-    """(parent pid, start time, command line) of a live process; None when it is gone."""
-    try:
-        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-        command = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return None
-    return int(fields[1]), int(fields[19]), command
-
-
-def below(pid: int) -> dict[int, tuple[int, str]]:
-    """Every live process below ``pid``: pid -> (start time, command line)."""
-    children: dict[int, list[int]] = {}
-    found: dict[int, tuple[int, str]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (seen := stat(int(entry.name))) is not None:
-            children.setdefault(seen[0], []).append(int(entry.name))
-            found[int(entry.name)] = seen[1:]
-    todo, tree = list(children.get(pid, [])), {}
-    while todo:
-        child = todo.pop()
-        tree[child] = found[child]
-        todo += children.get(child, [])
-    return tree
-
-
-def alive(processes: dict[int, tuple[int, str]]) -> list[int]:
-    """Those of ``processes`` still running (the same start time under the same pid)."""
-    return [pid for pid, (started, _) in processes.items() if (now := stat(pid)) is not None and now[1] == started]
-
-
 def test_a_killed_store_benchmark_leaves_no_master_running(tmp_path: Path) -> None:
     """kill -9 of bench_store.py while a pass runs, its master and the next pass's running: both die with it."""
     if not mooncake_runs():
         pytest.skip("the mooncake extra is not installed")
     argv = [sys.executable, str(ROOT / "scripts" / "bench_store.py"), "--backends", "mooncake", "--gib", "0.02"]
     bench = subprocess.Popen([*argv, "--repeats", "1", "--dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL)
-    seen: dict[int, tuple[int, str]] = {}
+    seen: dict[int, Proc] = {}
     run_dirs: set[str] = set()
     try:
         deadline = time.monotonic() + 120
         while bench.poll() is None and time.monotonic() < deadline:
-            seen = {pid: found for pid, found in below(bench.pid).items() if "mooncake_master" in found[1]}
+            seen = {pid: found for pid, found in descendants(bench.pid).items() if "mooncake_master" in found.command}
             if len(seen) == 2:
                 environ = (Path("/proc") / str(min(seen)) / "environ").read_bytes().split(b"\0")
                 run_dirs |= {v.decode().split("=", 1)[1] for v in environ if v.startswith(b"KVCACHED_RUN_DIR=")}
@@ -113,14 +83,15 @@ def test_a_killed_store_benchmark_leaves_no_master_running(tmp_path: Path) -> No
         bench.kill()
         bench.wait()
         deadline = time.monotonic() + 30
-        while alive(seen) and time.monotonic() < deadline:
+        while any(p.alive() for p in seen.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not alive(seen), f"left running: {[seen[pid][1] for pid in alive(seen)]}"
+        assert not any(p.alive() for p in seen.values()), f"left running: {[p for p in seen.values() if p.alive()]}"
     finally:
         bench.kill()
-        for pid in alive(seen):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for p in seen.values():
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
         for run_dir in run_dirs:  # the benchmark's own, which its kill -9 leaves
             shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import ROOT, DaemonFactory
 from tests.helpers import headstart
+from tests.helpers.procs import descendants
 from tests.test_readme import blocks, scratch_checkout
 
 OVERLAID = ("/etc", "/opt", "/usr/local")
@@ -108,27 +109,6 @@ def host_state() -> tuple[bool, bool, bool]:
     return user, Path("/opt/kvcached").exists(), Path("/etc/systemd/system/kvcached@.service").exists()
 
 
-def descendants(pid: int) -> dict[int, int]:
-    """Every live process below ``pid``: pid -> session id."""
-    children: dict[int, list[int]] = {}
-    sessions: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-        sessions[int(entry.name)] = int(fields[3])
-    found, todo = {}, list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found[child] = sessions[child]
-        todo += children.get(child, [])
-    return found
-
-
 def test_what_killmode_process_relies_on_the_daemons_processes_die_with_its_supervisor(
     daemons: DaemonFactory, tmp_path: Path
 ) -> None:
@@ -140,15 +120,14 @@ def test_what_killmode_process_relies_on_the_daemons_processes_die_with_its_supe
     args = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
     daemon = daemons.start(args=args)
     daemon.wait_ready()
-    below = descendants(daemon.pid)
     session = os.getsid(daemon.pid)
-    assert len([p for p, s in below.items() if s == session]) >= 2, below  # the rank workers at least
+    below = [p for p in descendants(daemon.pid).values() if p.session == session]
+    assert len(below) >= 2, below  # the rank workers at least
     daemon.kill9()
     deadline = time.monotonic() + 10
     left = below
     while left and time.monotonic() < deadline:
-        left = {p: s for p, s in below.items() if s == session and Path(f"/proc/{p}").exists()}
-        left = {p: s for p, s in left.items() if "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]}
+        left = [p for p in below if p.alive()]
         time.sleep(0.05)
     assert not left, f"still running after the supervisor's SIGKILL: {left}"
     again = daemons.start(daemon.instance, args=args)  # adopts the memory the killed one kept; a stop ends it

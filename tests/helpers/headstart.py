@@ -74,8 +74,7 @@ def job(name: str, *, heavy: bool = False) -> Callable[[Callable[[Path], Any]], 
 
 def last(items: list[pytest.Item]) -> list[pytest.Item]:
     """``items`` with those that take a job moved to the end, each part in its order."""
-    takes = [item for item in items if any(True for _ in item.iter_markers(MARK))]
-    return [item for item in items if item not in takes] + takes
+    return sorted(items, key=lambda item: any(True for _ in item.iter_markers(MARK)))  # a stable sort
 
 
 def environ() -> dict[str, str]:
