@@ -7,6 +7,7 @@ Real daemons, real segments (created as another user with ``setpriv``), the daem
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -38,13 +39,39 @@ def suffix(daemons: DaemonFactory) -> Iterator[int]:
         path.unlink(missing_ok=True)
 
 
-def foreign_segment(path: Path, ranks: int) -> None:
-    """A segment of the flag's size at ``path``, mode 0666, made by another user (as a neighbour would)."""
+def as_other_user(script: str) -> list[str]:
+    """The command that runs shell ``script`` as ``OTHER_UID`` (skips the test where that cannot be done)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to act as another user")
+    return ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", "sh", "-c", script]
+
+
+def foreign_segment(path: Path, ranks: int) -> None:
+    """A segment of the flag's size at ``path``, mode 0666, made by another user (as a neighbour would)."""
     script = f"umask 0 && truncate -s {4 * ranks} {path} && chmod 666 {path}"
-    user = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
-    subprocess.run([*user, "sh", "-c", script], check=True, timeout=30)
+    subprocess.run(as_other_user(script), check=True, timeout=30)
+
+
+def neighbour_takes(path: Path, ranks: int) -> None:
+    """Another user's segment (mode 0666) at ``path`` the moment the name is free, as a neighbour racing the
+    daemon's relink would make it: the neighbour tries an exclusive create over and over, and the daemon's
+    segment is unlinked from the name (a reader's exit) whenever the daemon has linked it back first.
+    Deterministic however slowly the neighbour's process starts (a relink may come within 20 ms); ``true``, not
+    ``:``, takes the redirection, as a failed redirection of a special built-in ends the shell."""
+    script = f"umask 0; set -C; until true >{path}; do :; done 2>/dev/null; truncate -s {4 * ranks} {path}"
+    neighbour = subprocess.Popen(as_other_user(script))
+    try:
+        deadline = time.monotonic() + 30
+        while neighbour.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_uid == os.geteuid():
+                    path.unlink()
+            time.sleep(0.002)
+        assert neighbour.wait(timeout=5) == 0, "the neighbour's segment was not made"
+    finally:
+        if neighbour.poll() is None:
+            neighbour.kill()
+            neighbour.wait()
 
 
 def untouched(path: Path) -> bool:
@@ -67,8 +94,7 @@ def test_another_users_segment_is_never_followed(daemons: DaemonFactory, suffix:
     until(lambda: public.exists() and public.stat().st_uid == os.geteuid(), what="the daemon's own segment")
     until(lambda: public.read_bytes() == b"\1\0\0\0\1\0\0\0", what="READY written")
     ours = public.stat().st_ino
-    public.unlink()  # a reader's exit; a neighbour takes the name within the relink window
-    foreign_segment(public, 2)
+    neighbour_takes(public, 2)  # a reader's exit; a neighbour takes the name within the relink window
     time.sleep(0.5)
     assert untouched(public) and daemon.log().count("belongs to uid 65534") == 2, daemon.log()
     public.unlink()
@@ -118,13 +144,10 @@ def test_another_user_at_the_daemons_temporary_names_changes_nothing(daemons: Da
     take (the hidden name with ``.new`` after it, a non-empty directory there that not even root can
     unlink) keep neither the start nor the following of each segment the engine re-creates from working,
     and the stop leaves them alone."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to act as another user")
-    user = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
     instance = unique_instance()
     squatted = [SHM_DIR / f"kvcached.{instance}.fd.cache_ready_signal.{suffix}.new"]
     script = " && ".join(f"mkdir {path} && touch {path}/x" for path in squatted)
-    subprocess.run([*user, "sh", "-c", script], check=True, timeout=30)
+    subprocess.run(as_other_user(script), check=True, timeout=30)
     try:
         daemon = daemons.start(ranks=2, instance=instance, args=["--ipc-suffix", str(suffix)])
         daemon.wait_ready()
@@ -137,7 +160,7 @@ def test_another_user_at_the_daemons_temporary_names_changes_nothing(daemons: Da
         assert daemon.stop() == 0
         assert all(path.is_dir() and path.stat().st_uid == OTHER_UID for path in squatted)
         hidden = SHM_DIR / f"kvcached.{instance}.fd.swap_space_ready_signal.{suffix}"
-        subprocess.run([*user, "sh", "-c", f"mkdir {hidden} && touch {hidden}/x"], check=True, timeout=30)
+        subprocess.run(as_other_user(f"mkdir {hidden} && touch {hidden}/x"), check=True, timeout=30)
         squatted.append(hidden)
         refused = daemons.start(ranks=2, instance=instance, args=["--ipc-suffix", str(suffix)])
         assert refused.exit_code() == 5, refused.log()
