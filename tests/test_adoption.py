@@ -28,6 +28,7 @@ import runner_client as rc
 from kvcached.protocol.control import HEADER_SIZE, RECORD_SIZE
 from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.status import read_status
+from runner_client.tasks import FOLLOW_S
 from tests.conftest import ROOT, Daemon, DaemonFactory, shm_entries, unique_instance
 
 
@@ -103,7 +104,8 @@ def test_kill9_while_two_runners_swap_then_start_adopts(daemons: DaemonFactory) 
     """Acceptance 1: kill -9 of the daemon while two runner processes are attached and swapping, then
     `kvcached start`: every rank READY (time printed), every device tier and CPU pool byte for byte what it
     was (the swaps write the same bytes again and again, so a task cut off changed nothing), both runners'
-    views read their patterns, and their next swap succeeds without re-attaching."""
+    views read their patterns, and their next swap succeeds without re-attaching. A task cut off at the kill
+    ends TaskLost; DaemonGone only where the start was READY after the runners stopped following (FOLLOW_S)."""
     daemon = daemons.start(ranks=2, args=geometry(GIB_SPEC), small=False)
     first = daemon.wait_ready(timeout=120)
     runners = [RunnerProcess(daemons.env()) for _ in range(2)]
@@ -115,10 +117,13 @@ def test_kill9_while_two_runners_swap_then_start_adopts(daemons: DaemonFactory) 
             assert runner.ask("loop", src=blocks, cpu=cpu)["first"], "the first swap did not complete"
         time.sleep(0.3)  # both are swapping now, every swap writing what the first one wrote
         daemon.kill9()
+        killed = time.monotonic()
         before = memory_digests(daemon.instance)
         started = time.monotonic()
         second = daemons.start(daemon.instance, ranks=2, args=geometry(GIB_SPEC), small=False)
         took = wait_ready_after(second, started)
+        # READY later than the runners follow a daemon (a loaded host): a task then may end DaemonGone
+        late = time.monotonic() - killed > FOLLOW_S - 1
         print(f"\n2 ranks x 1 GiB: READY {took:.2f} s after `kvcached start` (adopting)")
         status = read_status(daemon.instance)
         assert status["adopted_from"] == first["generation"] and "adopted from" in status["note"]
@@ -127,7 +132,8 @@ def test_kill9_while_two_runners_swap_then_start_adopts(daemons: DaemonFactory) 
             report = runner.ask("unloop")
             assert report["done"] > 0, report
             for failure in report["failures"]:  # a task in flight at the kill: TaskLost naming its blocks
-                assert failure["type"] == "TaskLost" and failure["blocks"] == cpu, failure
+                if not (late and failure["type"] == "DaemonGone"):
+                    assert failure["type"] == "TaskLost" and failure["blocks"] == cpu, failure
             assert runner.ask("check", blocks=blocks, seed=rank)["ok"], "a runner's view changed"
             assert runner.ask("valid") == {"ok": True, "valid": True, "generation": status["generation"]}
             assert runner.ask("swap_in", cpu=cpu[:8], dst=list(range(200, 208)))["blocks"] == 8
