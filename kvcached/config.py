@@ -327,6 +327,7 @@ class DaemonConfig:
             raise InvalidConfig(
                 "devices", source("devices"), f"needs one device number per rank ({ranks}), got {len(devices)}"
             )
+        _no_stray_store_options(spec.storage_backend, raw)
         store_config = _store_of(spec, values, source)
         return cls(
             instance=values["instance"],
@@ -412,6 +413,22 @@ def _spec_of(values: Mapping[str, Any], raw: Mapping[str, tuple[Any, str]], sour
             given = [raw[knob][1] for knob in SPEC_FIELDS if knob in raw]
             where = f"{', '.join(given)} (with {where} at its default)" if given else where
         raise InvalidConfig(name, where, exc.message) from None
+
+
+def _no_stray_store_options(backend: str | None, raw: Mapping[str, tuple[Any, str]]) -> None:
+    """Raise ``InvalidConfig`` for an option of a store backend other than ``backend`` (None: no store) that
+    was set: without this, ``--storage-path`` with no ``--storage-backend`` would start a daemon with no
+    store and say nothing."""
+    own = {knob.name for knob in store.get(backend).options} if backend is not None else set()
+    for other in store.all_backends():
+        for knob in other.options:
+            if knob.name in raw and knob.name not in own:
+                raise InvalidConfig(
+                    knob.name,
+                    raw[knob.name][1],
+                    f"is an option of the {other.name} store, and the storage backend is {backend or 'none'}: "
+                    f"set --storage-backend {other.name}, or leave it out",
+                )
 
 
 def _store_of(spec: CacheSpec, values: Mapping[str, Any], source: Callable[[str], str]) -> StoreConfig:

@@ -169,6 +169,20 @@ def test_config_precedence_flags_over_env_over_file(daemons: DaemonFactory, tmp_
         ([], "num_layers = -4\n", 4, "bad.toml: num_layers: must be an integer >= 1, got -4"),
         ([], 'ranks = "2"\n', 4, "bad.toml: ranks: must be a TOML integer, written without quotes; got '2'"),
         ([], 'mla = "true"\n', 4, "bad.toml: mla: must be a TOML boolean, written without quotes; got 'true'"),
+        (
+            ["--storage-path", "/nowhere/store"],
+            None,
+            4,
+            "--storage-path: is an option of the file store, and the storage backend is none: set "
+            "--storage-backend file, or leave it out",
+        ),
+        (
+            ["--storage-backend", "file", "--storage-path", "/nowhere/store", "--mooncake-master", "127.0.0.1:1"],
+            None,
+            4,
+            "--mooncake-master: is an option of the mooncake store, and the storage backend is file",
+        ),
+        ([], 'storage_path = "/nowhere"\n', 4, "bad.toml: storage_path: is an option of the file store"),
     ],
 )
 def test_bad_configuration_names_the_field_and_creates_nothing(
@@ -183,6 +197,21 @@ def test_bad_configuration_names_the_field_and_creates_nothing(
     assert message in daemon.log()
     assert shm_entries(daemon.instance) == []
     assert not daemons.run_dir.exists() or not any(daemons.run_dir.iterdir())
+
+
+def test_a_store_option_from_the_environment_needs_its_backend(daemons: DaemonFactory) -> None:
+    """``KVCACHED_STORAGE_PATH`` with no store, or beside the mooncake backend, is refused naming the variable
+    (what README promises for every source); with ``--storage-backend file`` it is the store's directory."""
+    args = ["start", "--instance", unique_instance(), "--ranks", "1", "--check-config"]
+    env = {**daemons.env(), "KVCACHED_STORAGE_PATH": "/nowhere/store"}
+    for backend, shown in ((["--num-cpu-blocks", "64"], "none"), (["--storage-backend", "mooncake"], "mooncake")):
+        refused = daemons.cli(*args, *backend, env=env)
+        expected = (
+            f"KVCACHED_STORAGE_PATH=/nowhere/store: is an option of the file store, and the storage backend is {shown}"
+        )
+        assert refused.returncode == 4 and expected in refused.stderr, refused.stdout + refused.stderr
+    accepted = daemons.cli(*args, "--storage-backend", "file", env=env)
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
 
 
 def test_runner_owned_config_is_refused_citing_the_condition(daemons: DaemonFactory) -> None:
