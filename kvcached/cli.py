@@ -272,7 +272,7 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str
     the same options as `start`. Exit status 1 if any check fails.
     """
     from kvcached import doctor as checks
-    from kvcached.config import DaemonConfig, unknown_variables
+    from kvcached.config import STORE_OPTIONS, DaemonConfig, unknown_variables
     from kvcached.fastdeploy.doctor import checks as fastdeploy_checks
 
     # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
@@ -291,8 +291,8 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str
                 problems.append(exc)
             if exc.field == "config":  # the file itself cannot be read
                 config_file = None
-            elif exc.field in ignored and "storage_backend" not in ignored:  # a store's option it requires
-                ignored.add("storage_backend")
+            elif exc.field in ignored and STORE_OPTIONS not in ignored:  # a store's option it requires
+                ignored.add(STORE_OPTIONS)
             elif exc.field in ignored or len(problems) > 64:  # a limit of the geometry as a whole
                 config = DaemonConfig.build({"instance": instance_or_default(values.get("instance"))}, None, {})
             else:

@@ -209,6 +209,9 @@ CORE: tuple[Knob, ...] = (
     ),
 )
 
+#: In ``DaemonConfig.build``'s ``ignore``: leave the store backend's options unchecked.
+STORE_OPTIONS = "store options"
+
 #: Knob -> CacheSpec field, for the knobs that describe the cache.
 SPEC_FIELDS: Mapping[str, str] = {
     "num_layers": "num_layers",
@@ -305,7 +308,9 @@ class DaemonConfig:
         defaults. Raises ``InvalidConfig`` naming the source of the first bad value (``config_source`` says
         where the file's name came from, ``--config FILE`` by default). Knobs (and file keys) in ``ignore``
         are taken at their defaults, wherever they were set (``kvcached doctor`` reports a bad value and
-        checks the rest); so are the other variables ``check_variables`` checks."""
+        checks the rest); so are the other variables ``check_variables`` checks. With ``STORE_OPTIONS`` in
+        ``ignore`` the spec keeps its store backend and ``store`` is left empty (the backend's options are
+        not checked: doctor's view of a store whose required option is missing)."""
         environ = os.environ if environ is None else environ
         check_variables(environ, ignore)
         all_knobs = {knob.name: knob for knob in knobs_all()}
@@ -328,7 +333,7 @@ class DaemonConfig:
                 "devices", source("devices"), f"needs one device number per rank ({ranks}), got {len(devices)}"
             )
         _no_stray_store_options(spec.storage_backend, raw)
-        store_config = _store_of(spec, values, source)
+        store_config = StoreConfig() if STORE_OPTIONS in ignore else _store_of(spec, values, source)
         return cls(
             instance=values["instance"],
             ranks=ranks,

@@ -235,6 +235,18 @@ def test_mooncake_master_answers_or_not(daemons: DaemonFactory, instance: str, t
         master.stop()
 
 
+def test_a_store_missing_its_required_option_still_owns_the_cache(daemons: DaemonFactory, instance: str) -> None:
+    """With no CPU pool, the store alone makes the daemon the owner: a store backend whose required option is
+    missing fails the config check naming the option, and the owner check still counts the backend (it
+    failed, telling the operator to enable the store they had enabled)."""
+    args = ["--instance", instance, *SMALL, "--num-cpu-blocks", "0", "--storage-backend", "mooncake"]
+    code, document = doctor(daemons, *args)
+    checks = by_name(document)
+    assert code == 1 and "--mooncake-master: is required" in checks["config"]["figure"], checks["config"]
+    assert checks["owner"]["verdict"] == "ok" and checks["owner"]["measured"] == {"owner": "daemon"}, checks["owner"]
+    assert "mooncake_master" not in checks, "a store check with no master to check"
+
+
 def test_a_mooncake_segment_larger_than_the_hosts_memory_fails(daemons: DaemonFactory, instance: str) -> None:
     """The keeper reserves ranks x --mooncake-segment at once: doctor fails a segment larger than this
     host's memory (before a start tries to reserve it) and passes a small one."""
