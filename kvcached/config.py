@@ -35,13 +35,12 @@ The defaults make the daemon the owner (a modest CPU swap pool) and fit a small 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcached import knobs, memory, store
+from kvcached import knobs, memory, store, variables
 from kvcached.access import resolve_group, resolve_user
 from kvcached.config_file import file_values
 from kvcached.knobs import Knob
@@ -308,11 +307,11 @@ class DaemonConfig:
         defaults. Raises ``InvalidConfig`` naming the source of the first bad value (``config_source`` says
         where the file's name came from, ``--config FILE`` by default). Knobs (and file keys) in ``ignore``
         are taken at their defaults, wherever they were set (``kvcached doctor`` reports a bad value and
-        checks the rest); so are the other variables ``check_variables`` checks. With ``STORE_OPTIONS`` in
+        checks the rest); so are the other variables ``variables.check`` checks. With ``STORE_OPTIONS`` in
         ``ignore`` the spec keeps its store backend and ``store`` is left empty (the backend's options are
         not checked: doctor's view of a store whose required option is missing)."""
         environ = os.environ if environ is None else environ
-        check_variables(environ, ignore)
+        variables.check(environ, ignore)
         all_knobs = {knob.name: knob for knob in knobs_all()}
         raw = _written(flags, config_file, environ, all_knobs, ignore=ignore, config_source=config_source)
         values = _parsed(raw, all_knobs)
@@ -465,49 +464,7 @@ def _resolved(
         raise InvalidConfig(name, source(name), str(exc.args[0])) from None
 
 
-#: ``KVCACHED_*`` variables that are not knobs: read by the CLI, the runners, the FastDeploy drop-in, the
-#: tests and the benchmarks.
-OTHER_VARIABLES = frozenset(
-    {
-        "KVCACHED_CONFIG",
-        "KVCACHED_LOG_LEVEL",
-        "KVCACHED_LOG_FORMAT",
-        "KVCACHED_RUN_DIR",
-        "KVCACHED_PLUGINS",
-        "KVCACHED_DAEMON_USER",
-        "KVCACHED_NATIVE_COPY",
-        "KVCACHED_FAULT",
-        "KVCACHED_HANDOVER",
-        "KVCACHED_WAIT_S",
-        "KVCACHED_TASK_DEADLINE_S",
-        "KVCACHED_QUEUE_SLACK_S",
-    }
-)
-OTHER_PREFIXES = ("KVCACHED_TEST_", "KVCACHED_BENCH_")
-#: The variables that are not knobs but take a value from a fixed list: (field, allowed values, meaning).
-CHECKED_VARIABLES: Mapping[str, tuple[str, tuple[str, ...], str]] = {
-    "KVCACHED_NATIVE_COPY": ("native_copy", ("0", "1"), "0 (numpy slices) or 1 (the native copy where built)"),
-}
-
-
-def check_variables(environ: Mapping[str, str], ignore: frozenset[str] = frozenset()) -> None:
-    """Raise ``InvalidConfig`` for a variable of ``CHECKED_VARIABLES`` set to a value it does not take
-    (fields in ``ignore`` are not checked)."""
-    for variable, (field, allowed, meaning) in CHECKED_VARIABLES.items():
-        value = environ.get(variable, "")
-        if value and value not in allowed and field not in ignore:
-            raise InvalidConfig(field, f"{variable}={value}", f"must be {meaning}")
-
-
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One sentence per ``KVCACHED_*`` variable in ``environ`` that kvcached does not read (a typo is
-    otherwise silently ignored), with the closest known name."""
-    environ = os.environ if environ is None else environ
-    known = {knob.env for knob in knobs_all()} | OTHER_VARIABLES
-    found = []
-    for name in sorted(environ):
-        if name.startswith("KVCACHED_") and name not in known and not name.startswith(OTHER_PREFIXES):
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            found.append(f"{name} is not a kvcached setting: ignored{hint}")
-    return found
+    """One sentence per ``KVCACHED_*`` variable in ``environ`` (default: this process's) that kvcached does
+    not read (a typo is otherwise silently ignored), with the closest known name."""
+    return variables.unknown(os.environ if environ is None else environ, {knob.env for knob in knobs_all()})

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
         "kvcached.access",
         "kvcached.logs",
         "kvcached.native",
+        "kvcached.variables",
         "kvcached.fastdeploy.xpu_ops",
     ),
     ("kvcached.memory", "kvcached.store"),
