@@ -10,7 +10,7 @@ The JSON shape is a public interface (scripts parse it)::
                 "latency": {"swap_out": {"count": 3, "p50_s": 0.0005, "p99_s": 0.001}, "swap_in": ..., "store": ...,
                             "load": ...},   (bucket upper bounds; null without tasks)
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
-                          "corrupt": 0, "errors": 0, "master_resets": 0},   (null without a store)
+                          "corrupt": 0, "errors": 0, "master_resets": 0, "available": true},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
                          "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
      "spec": {...}}
@@ -22,7 +22,9 @@ its own); ``note`` says so, or why it did not adopt an earlier run's memory ("" 
 allocation's progress); ``latency`` the task durations per operation, from the rank's histograms.
 ``running`` says a control block exists; ``alive`` that its daemon still runs (a block whose daemon is
 dead is a leftover: every state in it is history). ``generation`` is 16 hex digits (JSON numbers lose
-64-bit precision). Ready means: alive and every rank READY.
+64-bit precision). Ready means: alive and every rank READY. ``store.available`` is false while the store's
+backend does not answer (a Mooncake master that is down or unreachable), as its last call or idle check
+found it; store tasks fail meanwhile, swaps go on.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def _store_view(backend: str | None, stats: dict[str, int]) -> dict[str, Any] | 
         "corrupt": stats["store_corrupt"],
         "errors": stats["store_errors"],
         "master_resets": stats["store_master_resets"],
+        "available": not stats["store_unavailable"],
     }
 
 
@@ -155,6 +158,7 @@ def _store_cell(store: dict[str, Any] | None) -> str:
         f"{store['misses']} evict {store['evictions']}"
         + (f" err {store['errors']}" if store["errors"] else "")
         + (f" master reset {store['master_resets']}" if store.get("master_resets") else "")
+        + ("" if store.get("available", True) else " UNAVAILABLE")
     )
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.status import read_status
-from tests.conftest import Daemon, DaemonFactory, MooncakeMaster
+from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, free_port
 
 GEOMETRY: dict[str, Any] = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
 FLAGS = ["--num-layers", "3", "--num-blocks", "16", "--num-cpu-blocks", "8", "--dtype", "int8", "--block-wise-fp8"]
@@ -412,6 +414,8 @@ def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: Moonca
         assert tasks.swap_out(None, [1, 2], [0, 1]).blocks == 2
         assert tasks.swap_in(None, [0, 1], [7, 8]).blocks == 2
         assert daemon.proc.poll() is None
+        assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False] * 2
+        assert "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
         mooncake.start()
         deadline = time.monotonic() + 60
         while True:
@@ -424,7 +428,46 @@ def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: Moonca
         expected = blocks(caches[0], [1, 2])
         assert tasks.load(None, keys, [9, 10]).blocks == 2
         assert blocks(caches[0], [9, 10]) == expected
-    assert read_status(daemon.instance)["ranks"][0]["store"]["errors"] >= 3
+    ranks = read_status(daemon.instance)["ranks"]
+    assert ranks[0]["store"]["errors"] >= 3 and [r["store"]["available"] for r in ranks] == [True] * 2
+
+
+def test_a_store_started_without_its_master_shows_unavailable_until_it_answers(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """A daemon started while its Mooncake master is down starts and serves swaps, and says its store is
+    unavailable (status JSON and table, the metrics gauge) from its start; once the master is up, every
+    rank counts its store available again within seconds, with no task sent, and the store works."""
+    mooncake.stop()
+    port = free_port()
+    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args(), "--metrics-port", str(port)])
+    daemon.wait_ready()
+
+    def availability() -> list[bool]:
+        return [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]]
+
+    def gauge() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        found = re.search(r'^kvcached_store_unavailable\{rank="1"\} ([0-9.]+)$', metrics, re.M)
+        assert found, metrics
+        return found.group(1)
+
+    assert availability() == [False, False] and gauge() == "1.0"
+    assert "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
+    with rc.CacheTasks(daemon.instance) as tasks:
+        assert tasks.swap_out(None, [1], [0]).blocks == 1
+        mooncake.start()
+        deadline = time.monotonic() + 30
+        while availability() != [True, True]:
+            assert time.monotonic() < deadline, "the store still unavailable 30 s after its master came up"
+            time.sleep(0.2)
+        assert gauge() == "0.0"
+        assert "UNAVAILABLE" not in daemons.cli("status", "--instance", daemon.instance).stdout
+        keys = keys_for(1, salt=60)
+        tasks.store(None, [1], keys)
+        assert tasks.lookup(keys) == 1
+    assert daemon.stop() == 0
 
 
 # -- tasks and configuration --------------------------------------------------------------------------------

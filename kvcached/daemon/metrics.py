@@ -18,7 +18,7 @@ Metrics (labels in braces):
 - ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}`` (objects
   loaded and verified), ``..._misses_total`` (loads that stopped before their last key: one per such load;
   a lookup counts nothing), ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``,
-  ``..._master_resets_total``
+  ``..._master_resets_total``, ``kvcached_store_unavailable{rank}`` (1 while the backend does not answer)
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ _STORE_FIGURES: list[Simple] = [
         "kvcached_store_master_resets",
         "Times the store's master forgot this rank's objects (restarted without restoring).",
         "store_master_resets",
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcached_store_unavailable",
+        "1 while the store's backend does not answer (its last call or idle check), else 0.",
+        "store_unavailable",
     ),
 ]
 

@@ -314,6 +314,7 @@ class TaskServer:
             store_evictions=c.evictions,
             store_corrupt=c.corrupt,
             store_master_resets=c.master_resets,
+            store_unavailable=c.unavailable,
         )
 
 

@@ -47,6 +47,7 @@ STAT_NAMES: tuple[str, ...] = (
     # The worker's main loop and its long tasks add to it as they go: the supervisor's liveness check.
     "progress",
     "store_master_resets",
+    "store_unavailable",
 )
 #: u64 index in a stats slot where the latency histograms begin (room for 64 counters before it).
 LATENCY_INDEX = 64

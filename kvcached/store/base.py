@@ -129,6 +129,9 @@ class StoreCounters:
     errors: int = 0
     #: Times the store's index forgot this rank's objects (a Mooncake master restarted without restoring).
     master_resets: int = 0
+    #: 1 while the backend does not answer, as the last call or idle check found it (a Mooncake master or
+    #: metadata server that refuses connections, a keeper that cannot be reached); else 0.
+    unavailable: int = 0
 
 
 def _no_progress() -> None:

@@ -137,6 +137,7 @@ class MooncakeStore(Store):
         self.segment_map: mmap.mmap
         self.segment_address = 0
         self.retry_at = 0.0
+        self.probe_at = 0.0  # the idle check's next probe of an unavailable master (``check``)
         self.away_until = 0.0  # calls fail at once until then: the master was found away (``_call``)
         self.last_error = "not connected yet"
         #: The first window of the next load (``expect``), and the locate of it sent ahead on ``link``
@@ -157,11 +158,12 @@ class MooncakeStore(Store):
             raise StoreUnavailable(self.last_error)
         self.retry_at = now + RETRY_S
         if self._away():
+            self.counters.unavailable = 1
             raise StoreUnavailable(self.last_error)
         try:
             link = open_link(self.keeper, self.buffer_fd, self.log)
         except StoreUnavailable as exc:
-            self.last_error = str(exc)
+            self.last_error, self.counters.unavailable = str(exc), 1
             raise
         # Page tables filled now, not one fault per page at the first loads (MAP_POPULATE).
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
@@ -206,17 +208,19 @@ class MooncakeStore(Store):
         try:
             result = link.call(op, **args)
         except StoreUnavailable:
+            self.counters.unavailable = 1
             self._note_failure()
             raise
         finally:
             self._absorb(link.stats)
+        self.counters.unavailable = 0
         return result
 
     def _note_failure(self) -> None:
         """A call failed: when the master or the metadata server is gone (not merely slow to answer), the
         next calls fail at once for ``RETRY_S``."""
         if self._away(gone=True):
-            self.away_until = time.monotonic() + RETRY_S
+            self.away_until, self.counters.unavailable = time.monotonic() + RETRY_S, 1
 
     def _absorb(self, stats: Mapping[str, Any]) -> None:
         resets = int(stats.get("master_resets", self.counters.master_resets))
@@ -458,9 +462,15 @@ class MooncakeStore(Store):
         return count
 
     def check(self) -> None:
-        """Refresh what the keeper reports (the master's resets) while idle; never starts a keeper."""
+        """Refresh what the keeper reports (the master's resets) while idle; never starts a keeper. Not
+        connected and found unavailable: once the master and the metadata server answer again (probed at
+        most once per ``RETRY_S``), the store counts as available (the next call connects)."""
         if self.link is not None and not self.link.dead:
             self._call("ping", names=[])
+        elif self.counters.unavailable and time.monotonic() >= self.probe_at:
+            self.probe_at = time.monotonic() + RETRY_S
+            if not self._away():
+                self.counters.unavailable, self.retry_at = 0, 0.0  # the next call connects at once
 
     def _unmap(self) -> None:
         if self.segment is not None:
