@@ -50,6 +50,7 @@ from tests.conftest import (
     shm_entries,
     unique_instance,
 )
+from tests.helpers.procs import Proc, descendants
 from tests.test_service import as_user
 
 GEOMETRY = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4)
@@ -249,6 +250,33 @@ def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(
             assert tasks.swap_out(None, [1], [1]).blocks == 1
             master.proc.send_signal(signal.SIGCONT)
             until(lambda: _stores(tasks, 1), timeout=90, what="store tasks once the master answers")
+    finally:
+        master.proc.send_signal(signal.SIGCONT)
+
+
+def keepers_of(instance: str) -> list[Proc]:
+    """The Mooncake keeper processes of ``instance`` (a starting keeper's launcher among them)."""
+    named = f'"instance": "{instance}"'
+    return [p for p in descendants(1).values() if "kvcached.store.mooncake_keeper" in p.command and named in p.command]
+
+
+def test_a_stop_while_the_master_holds_the_keepers_setup_leaves_no_keeper(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """Why 1, and nothing left behind: a Mooncake master frozen while the daemon starts holds the keeper in
+    its setup (and the store UNAVAILABLE); `kvcached stop` then (for good) leaves no keeper running, though
+    the master still does not answer: its launcher ends it once the instance is gone."""
+    master = mooncake
+    assert master.proc is not None
+    master.proc.send_signal(signal.SIGSTOP)
+    try:
+        daemon = daemons.start(ranks=2, args=[*geometry(), *master.args()])
+        daemon.wait_ready(timeout=30)
+        until(lambda: len(keepers_of(daemon.instance)) == 2, timeout=30, what="the keeper and its launcher")
+        assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
+        stopped = daemons.cli("stop", "--instance", daemon.instance)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        until(lambda: not keepers_of(daemon.instance), timeout=30, what="no keeper once the instance is gone")
     finally:
         master.proc.send_signal(signal.SIGCONT)
 

@@ -150,6 +150,7 @@ class StoreCalls:
         ours.setblocking(False)
         self.pid, self.sock, self.frames = pid, ours, Frames()
         self.opened, self.waiting_for = False, None
+        self.counters = dataclasses.replace(self.counters, unavailable=1)  # until the store is open
 
     def _kill_agent(self, why: str) -> None:
         self.log.error("attention store agent stuck; starting a new one", agent_pid=self.pid, reason=why)

@@ -19,10 +19,12 @@ and removals go through the keeper's client (requests in ``mooncake_link``).
 The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop``
 without ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for
 good: no control block in /dev/shm for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean``
-removed it; a killed daemon's stays for the next start to adopt). Every second it also checks a small
-pinned marker object in its segment: when the master no longer knows it, the master has forgotten
-every object (it restarted without ``--enable_snapshot_restore``), which is counted (``master_resets``)
-and logged; Mooncake has no call to register bytes already in a segment, so those objects are misses.
+removed it; a killed daemon's stays for the next start to adopt); a keeper still starting, whose Mooncake
+setup may wait as long as the master does not answer, is then killed by its launcher. Every second it also
+checks a small pinned marker object in its segment: when the master no longer knows it, the master has
+forgotten every object (it restarted without ``--enable_snapshot_restore``), which is counted
+(``master_resets``) and logged; Mooncake has no call to register bytes already in a segment, so those
+objects are misses.
 """
 
 from __future__ import annotations
@@ -53,6 +55,22 @@ MARKER_BYTES = 4096
 MAX_REPLICAS = 64
 
 
+class InstanceWatch:
+    """Whether the instance is gone for good: no control block in /dev/shm for ``GONE_AFTER_S``."""
+
+    def __init__(self, instance: str) -> None:
+        self.path = SHM_DIR / control_name(instance).lstrip("/")
+        self.since: float | None = None  # when the block was first seen missing
+
+    def gone(self) -> bool:
+        if self.path.exists():
+            self.since = None
+            return False
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        return now - self.since >= GONE_AFTER_S
+
+
 class Keeper:
     """The keeper's state: its client, its segment, the agents connected to it."""
 
@@ -69,7 +87,7 @@ class Keeper:
         self.listener: socket.socket | None = None
         self.quitting = threading.Event()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # written by ``stop``: wakes ``serve``
-        self.gone_since: float | None = None
+        self.instance = InstanceWatch(config.instance)
         self.for_good = False  # quitting because the instance is gone for good: its log goes too
         self.socket_inode = 0
         self.marked = False  # the master knows the marker object
@@ -290,11 +308,7 @@ class Keeper:
             )
         if flag == 0:
             self._put_marker()
-        if (SHM_DIR / control_name(self.config.instance).lstrip("/")).exists():
-            self.gone_since = None
-        elif self.gone_since is None:
-            self.gone_since = time.monotonic()
-        elif time.monotonic() - self.gone_since >= GONE_AFTER_S:
+        if self.instance.gone():
             self.log.info("the instance is gone for good (no control block); letting go of the segment")
             self.for_good = True
             self.stop()
@@ -388,16 +402,35 @@ def _mapped_spans(fd: int) -> list[tuple[int, int, int]]:
     return spans
 
 
+def _started(read_end: int, keeper: int, instance: str) -> str:
+    """What the starting keeper (pid ``keeper``) reports on ``read_end`` ("" when it exited without a
+    word). Meanwhile, once ``instance`` is gone for good (``kvcached stop`` while the master does not answer
+    the keeper's setup, which holds the keeper's interpreter), the keeper is killed: its starter died with
+    the daemon, and nothing else would end it. What its setup registered with the master, if anything,
+    goes with the client (``client_ttl``)."""
+    watch, said = InstanceWatch(instance), b""
+    while True:
+        if select.select([read_end], [], [], TICK_S)[0]:
+            chunk = os.read(read_end, 4096)
+            if not chunk:
+                return said.decode(errors="replace").strip()
+            said += chunk
+        elif watch.gone():
+            os.kill(keeper, signal.SIGKILL)
+            return "the instance is gone for good (no control block): the keeper was stopped while starting"
+
+
 def main(argv: list[str]) -> int:
     """``python -m kvcached.store.mooncake_keeper CONFIG_JSON``: start the keeper, print ``ready`` (or
     the reason it could not start) and return; the keeper goes on in a child process."""
     config = KeeperConfig.from_json(argv[0])
     read_end, write_end = os.pipe()
-    if os.fork() != 0:  # the launcher: report how the start went
+    child = os.fork()
+    if child != 0:  # the launcher: report how the start went
         os.close(write_end)
-        with os.fdopen(read_end) as result:
-            text = result.read().strip()
-        print(text or "the keeper exited while starting (see its log)")
+        text = _started(read_end, child, config.instance)
+        with contextlib.suppress(BrokenPipeError):  # its starter may be gone (the daemon stopped)
+            print(text or "the keeper exited while starting (see its log)", flush=True)
         return 0 if text.startswith("ready") else 1
     os.close(read_end)
     os.dup2(2, 1)  # the launcher's pipe is for the result alone; everything else goes to the log
