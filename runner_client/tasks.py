@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from kvcached.protocol.errors import (
     InvalidTask,
     StoreUnavailable,
     TaskFailed,
+    TaskTimeout,
     different_lengths,
 )
 from kvcached.protocol.instance import InstanceView, open_instance
@@ -90,8 +92,9 @@ class _Task:
 
 
 class TaskHandle:
-    """A submitted task; ``result()`` waits for every rank's reply. A handle dropped before every reply was
-    read tells the connections: they drop those replies instead of keeping them."""
+    """A submitted task; ``result()`` waits for every rank's reply (from any number of threads at once: one
+    reads the replies, the others wait for it and get the same outcome). A handle dropped before every reply
+    was read tells the connections: they drop those replies instead of keeping them."""
 
     def __init__(self, daemons: Daemons, op: Op, parts: list[tuple[RankLink, Sent]], timeout: float) -> None:
         self._daemons = daemons
@@ -100,6 +103,7 @@ class TaskHandle:
         self._timeout = timeout
         self._result: TaskResult | None = None
         self._replies: dict[int, tuple[int, dict[str, Any]]] = {}  # by part, as read
+        self._reading = threading.Lock()  # held by the thread that reads the replies
 
     def __copy__(self) -> TaskHandle:
         return self  # one task, one handle: a copy dropped must not drop the replies the original waits for
@@ -131,6 +135,21 @@ class TaskHandle:
                 "result was read, so whether it ran is unknown; read results before close()"
             )
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        if not self._reading.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TaskTimeout(
+                f"instance {instance!r}: no reply within the timeout (another thread still waits for this "
+                f"{self._op.name} task); the task may still complete"
+            )
+        try:
+            return self._read(deadline)
+        finally:
+            self._reading.release()
+
+    def _read(self, deadline: float) -> TaskResult:
+        """``result()`` in the one thread that reads the replies (the first outcome is every caller's)."""
+        if self._result is not None:
+            return self._result
+        instance = self._daemons.instance
         for i, (link, sent) in enumerate(self._parts):
             if i not in self._replies:  # a part sent again is the handle's from then on (a retry, ``__del__``)
                 self._replies[i] = link.reply(sent, deadline, functools.partial(self._resent, i, link))

@@ -34,19 +34,7 @@ def stopped(pid: int) -> Iterator[None]:
 def in_thread(call: Callable[[], Any]) -> list[Any]:
     """Run ``call`` in a thread for at most ``BOUND_S``: ``[result]`` or ``[exception]``; fails if it is
     still running then."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except Exception as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(BOUND_S)
-    assert not thread.is_alive(), f"still blocked after {BOUND_S:.0f}s"
-    return out
+    return [finish(in_thread_started(call))]
 
 
 def test_a_send_never_waits_behind_another_threads_wait_for_a_reply(daemons: DaemonFactory) -> None:
@@ -77,3 +65,56 @@ def test_a_tasks_timeout_bounds_the_hello_of_a_new_connection(daemons: DaemonFac
         assert isinstance(raised[0], rc.KVCacheError), raised
     with rc.CacheTasks(daemon.instance, timeout=60) as tasks:
         assert tasks.swap_out(0, [1], [1]).blocks == 1  # the worker serves once it runs again
+
+
+def test_threads_reading_one_handle_all_get_its_outcome(daemons: DaemonFactory) -> None:
+    """Several threads call ``result()`` on one handle at once (a pool's threads sharing a task): each gets
+    the task's result, or for a task the daemon refused each gets that refusal; none waits out its timeout
+    for a reply another thread has read."""
+    daemon = daemons.start(ranks=2)
+    daemon.wait_ready()
+    readers = 4
+    with rc.CacheTasks(daemon.instance, timeout=BOUND_S) as tasks:
+        for round_ in range(40):
+            handle = tasks.submit(tasks.swap_out, None, [1 + round_ % 4], [round_ % 4])
+            barrier = threading.Barrier(readers)
+
+            def read(handle: rc.TaskHandle = handle, barrier: threading.Barrier = barrier) -> Any:
+                barrier.wait()
+                return handle.result()
+
+            outcomes = [in_thread_started(read) for _ in range(readers)]
+            got = [finish(outcome) for outcome in outcomes]
+            assert all(isinstance(g, rc.TaskResult) and g.blocks == 1 for g in got), (round_, got)
+        refused = tasks.submit(tasks.store, None, [1], [bytes(32)])  # this daemon has no store
+        barrier = threading.Barrier(readers)
+
+        def read_refused() -> Any:
+            barrier.wait()
+            return refused.result()
+
+        got = [finish(outcome) for outcome in [in_thread_started(read_refused) for _ in range(readers)]]
+        assert all(isinstance(g, rc.InvalidTask) for g in got), got
+
+
+def in_thread_started(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """``call`` running in a thread: (the thread, where its result or exception will be)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def finish(started: tuple[threading.Thread, list[Any]]) -> Any:
+    """What ``in_thread_started``'s call returned or raised; fails if it runs longer than ``BOUND_S``."""
+    thread, out = started
+    thread.join(BOUND_S)
+    assert not thread.is_alive(), f"still blocked after {BOUND_S:.0f}s"
+    return out[0]
