@@ -481,6 +481,7 @@ def mooncake(
     try:
         yield master
     finally:
+        daemons.stop_all()  # before the master: their keepers let go while it answers
         master.stop()
 
 
