@@ -43,6 +43,15 @@ def unique_instance() -> str:
     return f"{TEST_PREFIX}{os.getpid()}-{next(_counter)}"
 
 
+def unique_devices(count: int) -> list[int]:
+    """Device numbers for ``--devices`` that no other test process uses: the xpu backend's records in
+    /dev/shm are named by FastDeploy after the device alone (``key_caches_0_rank0.device6``), host-wide, so
+    two suites side by side on the same numbers would take each other's."""
+    first = 100 + (os.getpid() % 1_000_000) * 16
+    assert count <= 16
+    return list(range(first, first + count))
+
+
 def shm_entries(instance: str) -> list[str]:
     """Names of /dev/shm entries of ``instance`` (shm objects and semaphores)."""
     return [p.name for p in instance_shm_entries(instance)]

@@ -29,7 +29,7 @@ from kvcached.protocol.control import HEADER_SIZE, RECORD_SIZE
 from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.status import read_status
 from runner_client.tasks import FOLLOW_S
-from tests.conftest import ROOT, Daemon, DaemonFactory, shm_entries, unique_instance
+from tests.conftest import ROOT, Daemon, DaemonFactory, shm_entries, unique_devices, unique_instance
 
 
 def geometry(spec: rc.CacheSpec) -> list[str]:
@@ -408,7 +408,7 @@ def test_xpu_device_tier_is_made_anew_while_the_pool_and_keys_are_adopted(daemon
     says so), while the CPU pool and its key directory are adopted byte for byte."""
     pytest.importorskip("paddle")
     env = daemons.env(KVCACHED_PLUGINS="tests.plugins.xpu_double")
-    args = ["--memory", "xpu-double", *geometry(SPEC)]
+    args = ["--memory", "xpu-double", "--devices", str(unique_devices(1)[0]), *geometry(SPEC)]
     daemon = daemons.start(ranks=1, args=args, small=False, env=env)
     first = daemon.wait_ready()
     tasks = rc.CacheTasks(daemon.instance)

@@ -37,6 +37,7 @@ from kvcached.protocol.layout import (
 )
 from kvcached.store import landing
 from kvcached.store.landing import Targets
+from tests.conftest import unique_devices
 
 Array = np.ndarray[Any, Any]
 
@@ -284,7 +285,8 @@ def test_xpu_swap_is_fastdeploys_op_once_per_kind_over_the_pool_planes() -> None
     double.XpuRuntimeDouble.calls.clear()
     backend = memory.get("xpu-double")
     assert backend.pool_layout == PLANES
-    tier = backend.create(TierRequest("kvt-copy", 1, 0, spec, device_id=5), lambda done: None)
+    request = TierRequest("kvt-copy", 1, 0, spec, device_id=unique_devices(1)[0])
+    tier = backend.create(request, lambda done: None)
     try:
         rng = np.random.default_rng(5)
         for piece in tier.pieces:
@@ -305,7 +307,7 @@ def test_xpu_swap_is_fastdeploys_op_once_per_kind_over_the_pool_planes() -> None
             slots = [i for i, s in enumerate(device_slots(spec)) if s.kind == kinds[k]]
             assert shapes == [device_slots(spec)[i].shape for i in slots]
             assert pointers == [base + planes[i][0] for i in slots]
-            assert (count, dev_ids, cpu_ids, device, mode) == (6, [6, 2, 3], [0, 4, 5], 5, 0)
+            assert (count, dev_ids, cpu_ids, device, mode) == (6, [6, 2, 3], [0, 4, 5], request.device_id, 0)
         pool_u8 = np.frombuffer(pool, dtype=np.uint8)
         for i, piece in enumerate(tier.pieces):
             offset, width = planes[i]
@@ -313,7 +315,7 @@ def test_xpu_swap_is_fastdeploys_op_once_per_kind_over_the_pool_planes() -> None
                 assert np.array_equal(pool_u8[offset + c * width : offset + (c + 1) * width], piece.read(d, 1)[0])
         calls.clear()
         engine.swap_in(np.array([4, 0]), np.array([1, 7]))
-        assert [call[3:] for call in calls] == [([1, 7], [4, 0], 5, 1)] * 4
+        assert [call[3:] for call in calls] == [([1, 7], [4, 0], request.device_id, 1)] * 4
         for piece in tier.pieces:
             assert np.array_equal(piece.read(1, 1), piece.read(2, 1)) and np.array_equal(
                 piece.read(7, 1), piece.read(6, 1)
@@ -324,4 +326,4 @@ def test_xpu_swap_is_fastdeploys_op_once_per_kind_over_the_pool_planes() -> None
         assert paddle.view(double.XpuRuntimeDouble.exported[tier.exports[0].name], "uint8").shape[0] == spec.num_blocks
     finally:
         tier.close()
-        backend.release(TierRequest("kvt-copy", 1, 0, spec, device_id=5))
+        backend.release(request)

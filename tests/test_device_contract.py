@@ -29,7 +29,15 @@ from kvcached.copy_engine import SwapEngine
 from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime
 from kvcached.memory.base import TierRequest
 from kvcached.protocol.errors import BackendUnavailable
-from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result, shm_entries, unique_instance
+from tests.conftest import (
+    ROOT,
+    DaemonFactory,
+    run_runner,
+    runner_result,
+    shm_entries,
+    unique_devices,
+    unique_instance,
+)
 
 SPECS = {
     "bf16": rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4),
@@ -218,11 +226,12 @@ def test_xpu_ipc_records_are_removed_at_stop_and_reclaimed_after_kill9(daemons: 
     backend's own code, over its runtime double)."""
     pytest.importorskip("paddle", reason="the xpu backend's code needs paddle (pip install '.[paddle]')")
     env = daemons.env(KVCACHED_PLUGINS=",".join(PLUGINS), PYTHONPATH=str(ROOT))
-    args = ["--memory", "xpu-double", "--devices", "6,7"]
+    devices = unique_devices(2)
+    args = ["--memory", "xpu-double", "--devices", ",".join(map(str, devices))]
     daemon = daemons.start(ranks=2, args=args, env=env)
     daemon.wait_ready(timeout=60)
     spec = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
-    records = [Path("/dev/shm") / e.name for rank in (0, 1) for e in rc.exports(spec, rank, 6 + rank)]
+    records = [Path("/dev/shm") / e.name for rank in (0, 1) for e in rc.exports(spec, rank, devices[rank])]
     assert len(records) == 8 and all(p.exists() for p in records)
     daemon.kill9()
     assert all(p.exists() for p in records), "a killed run leaves them"

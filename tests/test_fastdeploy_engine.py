@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import runner_client as rc
-from tests.conftest import ROOT, DaemonFactory, free_port, zygote
+from tests.conftest import ROOT, DaemonFactory, free_port, unique_devices, zygote
 from tests.helpers.fastdeploy_double import FMQDouble
 from tests.helpers.fastdeploy_src import pieces
 from tests.helpers.shared_daemons import shared_daemons
@@ -350,15 +350,16 @@ def test_a_queue_item_the_drop_in_cannot_read_is_logged_and_the_next_task_served
 
 
 def test_a_device_id_other_than_the_ranks_device_is_refused(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """kvcached keeps rank 0 on device 4 (``--devices 4,5``, the xpu backend over the TEST DOUBLE of its
-    runtime): a drop-in told ``--device_id 0`` exits 4 naming it, before it joins the queue."""
+    """kvcached keeps rank 0 on a device other than 0 (``--devices``, the xpu backend over the TEST DOUBLE of
+    its runtime): a drop-in told ``--device_id 0`` exits 4 naming it, before it joins the queue."""
     pytest.importorskip("paddle")
     env = daemons.env(KVCACHED_PLUGINS="tests.plugins.xpu_double")
+    devices = unique_devices(TP)
     args = [
         "--memory",
         "xpu-double",
         "--devices",
-        "4,5",
+        ",".join(map(str, devices)),
         *GEOMETRY,
         "--storage-backend",
         "file",
@@ -370,7 +371,7 @@ def test_a_device_id_other_than_the_ranks_device_is_refused(daemons: DaemonFacto
     try:
         proc = made.launch(0, device_id="0")
         assert proc.wait(60) == 4
-        assert "--device_id: the engine says 0, kvcached keeps this rank on device 4" in made.output(proc)
+        assert f"--device_id: the engine says 0, kvcached keeps this rank on device {devices[0]}" in made.output(proc)
         assert made.value("cache_transfer_inited_signal") == [0, 0]
     finally:
         made.close()
