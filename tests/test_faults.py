@@ -270,7 +270,7 @@ def test_a_stop_while_the_master_holds_the_keepers_setup_leaves_no_keeper(
     assert master.proc is not None
     master.proc.send_signal(signal.SIGSTOP)
     try:
-        daemon = daemons.start(ranks=2, args=[*geometry(), *master.args()])
+        daemon = daemons.start(ranks=2, args=[*geometry(), *master.args(), "--store-timeout", "1"])
         daemon.wait_ready(timeout=30)
         until(lambda: len(keepers_of(daemon.instance)) == 2, timeout=30, what="the keeper and its launcher")
         assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
