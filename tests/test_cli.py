@@ -156,6 +156,7 @@ def test_config_precedence_flags_over_env_over_file(daemons: DaemonFactory, tmp_
         (["--dtype", "fp8"], None, 4, "--dtype: must be one of bfloat16, float16, float32, int8, uint8; got 'fp8'"),
         (["--role", "both"], None, 4, "--role: must be one of mixed, prefill, decode; got 'both'"),
         (["--instance", "a.b"], None, 4, "--instance: must be 1-48 characters"),
+        (["--instance=-x"], None, 4, "--instance: must be 1-48 characters of A-Z a-z 0-9 _ -, not beginning with -"),
         (["--no-such-flag", "1"], None, 2, "No such option '--no-such-flag'"),
         ([], "num_layer = 3\n", 4, "bad.toml: num_layer: unknown key; did you mean 'num_layers'?"),
         ([], "num-blocks = 3\n", 4, "bad.toml: num-blocks: unknown key; did you mean 'num_blocks'?"),

@@ -32,9 +32,10 @@ from kvcached.protocol.errors import InvalidSpec
 PREFIX = "kvcached"
 SHM_DIR = Path("/dev/shm")
 DEFAULT_INSTANCE = "default"
-_INSTANCE_RE = re.compile(r"[A-Za-z0-9_-]{1,48}")
-#: What an instance name may be, as error messages and --help say it.
-INSTANCE_RULE = "1-48 characters of A-Z a-z 0-9 _ -"
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,47}")
+#: What an instance name may be, as error messages and --help say it (not beginning with "-": such a name
+#: reads as an option on every command line that names it).
+INSTANCE_RULE = "1-48 characters of A-Z a-z 0-9 _ -, not beginning with -"
 
 
 #: The instance a runner uses when it names none (``kvcached`` reads it too): else ``DEFAULT_INSTANCE``.
