@@ -218,11 +218,45 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
                 time.sleep(0.5)
             master.proc.send_signal(signal.SIGCONT)
             until(lambda: _stores(tasks, 4), timeout=60, what="store tasks after the master thawed")
+            until(
+                lambda: [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [True, True],
+                timeout=30,
+                what="the store available again",
+            )
         assert pids(daemon.instance) == before
         assert "has not returned for" in daemon.log()  # a stuck agent was given up and replaced
     finally:
         if master.proc is not None:
             master.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_frozen_mooncake_master_shows_unavailable_while_a_call_holds_the_store(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """A lookup that a frozen master holds past the store timeout fails, and status says the store is
+    unavailable from then on (the agent, held by the call, sends nothing: it was its last idle check's
+    "available"), until the master thaws."""
+    master = mooncake
+    assert master.proc is not None
+    try:
+        daemon = daemons.start(ranks=1, args=[*geometry(), *master.args(), "--store-timeout", "1"])
+        daemon.wait_ready()
+
+        def available() -> bool:
+            return bool(read_status(daemon.instance)["ranks"][0]["store"]["available"])
+
+        with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+            until(lambda: _stores(tasks, 1), timeout=60, what="the store connected (the keeper starts meanwhile)")
+            assert available()
+            master.proc.send_signal(signal.SIGSTOP)
+            with pytest.raises(rc.StoreUnavailable, match="without progress"):
+                tasks.lookup(keys(2))
+            assert not available()
+            master.proc.send_signal(signal.SIGCONT)
+            until(available, timeout=30, what="the store available once the master thawed")
+            until(lambda: _stores(tasks, 2), timeout=60, what="store tasks after the master thawed")
+    finally:
+        master.proc.send_signal(signal.SIGCONT)
 
 
 def _stores(tasks: rc.CacheTasks, block: int) -> bool:

@@ -470,6 +470,38 @@ def test_a_store_started_without_its_master_shows_unavailable_until_it_answers(
     assert daemon.stop() == 0
 
 
+def test_a_master_gone_while_the_store_is_idle_shows_unavailable_until_it_answers(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """A connected store whose Mooncake master dies while no store task runs says so within seconds (the
+    keeper checks the master each second; an idle ping reaches only the keeper), and counts as available
+    again once a new master answers, with no task sent; the store then works."""
+    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])
+    daemon.wait_ready()
+
+    def availability() -> list[bool]:
+        return [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]]
+
+    def becomes(wanted: list[bool], what: str) -> None:
+        deadline = time.monotonic() + 30
+        while availability() != wanted:
+            assert time.monotonic() < deadline, f"{what}: still {availability()} after 30 s"
+            time.sleep(0.2)
+
+    with rc.CacheTasks(daemon.instance) as tasks:
+        tasks.store(None, [1], keys_for(1, salt=70))  # connected on every rank
+        assert availability() == [True, True]
+        mooncake.stop()
+        becomes([False, False], "the master killed while the store is idle")
+        assert "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
+        mooncake.start()
+        becomes([True, True], "the master back")
+        keys = keys_for(1, salt=80)
+        tasks.store(None, [2], keys)
+        assert tasks.lookup(keys) == 1
+    assert daemon.stop() == 0
+
+
 # -- tasks and configuration --------------------------------------------------------------------------------
 
 

@@ -314,7 +314,7 @@ class TaskServer:
             store_evictions=c.evictions,
             store_corrupt=c.corrupt,
             store_master_resets=c.master_resets,
-            store_unavailable=c.unavailable,
+            store_unavailable=int(self.store.unavailable),
         )
 
 

@@ -234,6 +234,13 @@ class StoreCalls:
         """Take in what the agent sent meanwhile (counters after its idle checks), without waiting."""
         self._drain()
 
+    @property
+    def unavailable(self) -> bool:
+        """Whether store tasks fail now: the store found its backend unavailable, or a call that timed out
+        (a frozen master) still holds the agent (the agent's own counters, sent between calls, cannot say
+        so while it is held)."""
+        return bool(self.counters.unavailable) or self.waiting_for is not None
+
     def _result(self, message: tuple[Any, ...]) -> Any:
         _, _, ok, value, counters = message
         self.counters = StoreCounters(**counters)

@@ -462,11 +462,16 @@ class MooncakeStore(Store):
         return count
 
     def check(self) -> None:
-        """Refresh what the keeper reports (the master's resets) while idle; never starts a keeper. Not
-        connected and found unavailable: once the master and the metadata server answer again (probed at
-        most once per ``RETRY_S``), the store counts as available (the next call connects)."""
+        """Refresh what the keeper reports (the master's resets, whether the master answers its own check
+        each second) while idle; never starts a keeper. Connected: the store counts as unavailable while
+        the keeper finds the master away (a ping reaches the keeper only). Not connected and found
+        unavailable: once the master and the metadata server answer again (probed at most once per
+        ``RETRY_S``), the store counts as available (the next call connects)."""
         if self.link is not None and not self.link.dead:
+            link = self.link
             self._call("ping", names=[])
+            if not link.stats.get("master_up", True):
+                self.counters.unavailable = 1
         elif self.counters.unavailable and time.monotonic() >= self.probe_at:
             self.probe_at = time.monotonic() + RETRY_S
             if not self._away():
