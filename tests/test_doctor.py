@@ -244,6 +244,8 @@ def test_a_store_missing_its_required_option_still_owns_the_cache(daemons: Daemo
     checks = by_name(document)
     assert code == 1 and "--mooncake-master: is required" in checks["config"]["figure"], checks["config"]
     assert checks["owner"]["verdict"] == "ok" and checks["owner"]["measured"] == {"owner": "daemon"}, checks["owner"]
+    # the owner is the store's, on the configuration given (not a default one, whose CPU pool owns it too)
+    assert "num_cpu_blocks=0, storage_backend='mooncake'" in checks["owner"]["figure"], checks["owner"]
     assert "mooncake_master" not in checks, "a store check with no master to check"
 
 
