@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,6 +96,28 @@ def test_threads_reading_one_handle_all_get_its_outcome(daemons: DaemonFactory) 
 
         got = [finish(outcome) for outcome in [in_thread_started(read_refused) for _ in range(readers)]]
         assert all(isinstance(g, rc.InvalidTask) for g in got), got
+
+
+def test_a_thread_waiting_behind_another_for_one_handle_keeps_its_own_timeout(daemons: DaemonFactory) -> None:
+    """Two threads wait for one handle whose worker is stopped: the one with the shorter timeout gets
+    TaskTimeout at its own deadline (not when the other, reading the replies, gives up); once the worker
+    runs again, the other gets the result, and so does a later call from the first."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance, timeout=60) as tasks:
+        assert tasks.swap_out(0, [0], [0]).blocks == 1  # the connection is open
+        worker = read_status(daemon.instance)["ranks"][0]["pid"]
+        with stopped(worker):
+            handle = tasks.submit(tasks.swap_out, 0, [1], [1])
+            reader = in_thread_started(handle.result)  # 60 s: it reads the replies, which cannot come yet
+            reader[0].join(0.3)
+            assert reader[0].is_alive()
+            started = time.monotonic()
+            short = in_thread(lambda: handle.result(timeout=0.5))
+            assert isinstance(short[0], rc.TaskTimeout), short
+            assert time.monotonic() - started >= 0.5
+        assert finish(reader).blocks == 1
+        assert handle.result(timeout=5).blocks == 1
 
 
 def in_thread_started(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
