@@ -502,6 +502,30 @@ def test_a_master_gone_while_the_store_is_idle_shows_unavailable_until_it_answer
     assert daemon.stop() == 0
 
 
+def test_a_store_whose_keeper_cannot_start_stays_unavailable_though_its_master_answers(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """The master answers, but the keeper cannot start (its --mooncake-host is no address of this host): the
+    store stays unavailable (the idle probe, which only connects, would count a master that takes
+    connections as back), and a store task fails saying why."""
+    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args(), "--mooncake-host", "203.0.113.7"])
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+        deadline = time.monotonic() + 30
+        while True:  # "still connecting" until the agent's open has failed
+            with pytest.raises(rc.StoreUnavailable) as failed:
+                tasks.lookup(keys_for(1, salt=90))
+            if "keeper did not start" in str(failed.value):
+                break
+            assert time.monotonic() < deadline, str(failed.value)
+            time.sleep(0.2)
+        seen = time.monotonic()
+        while time.monotonic() - seen < 3:  # three probe periods
+            assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
+            time.sleep(0.2)
+    assert daemon.stop() == 0
+
+
 # -- tasks and configuration --------------------------------------------------------------------------------
 
 

@@ -138,6 +138,10 @@ class MooncakeStore(Store):
         self.segment_address = 0
         self.retry_at = 0.0
         self.probe_at = 0.0  # the idle check's next probe of an unavailable master (``check``)
+        #: The store was last found unavailable because the master or the metadata server refused
+        #: connections (or could not be reached), not because one took them and did not answer: a probe
+        #: that connects then tells that it is back (``check``).
+        self.refused = False
         self.away_until = 0.0  # calls fail at once until then: the master was found away (``_call``)
         self.last_error = "not connected yet"
         #: The first window of the next load (``expect``), and the locate of it sent ahead on ``link``
@@ -163,7 +167,7 @@ class MooncakeStore(Store):
         try:
             link = open_link(self.keeper, self.buffer_fd, self.log)
         except StoreUnavailable as exc:
-            self.last_error, self.counters.unavailable = str(exc), 1
+            self.last_error, self.counters.unavailable, self.refused = str(exc), 1, False
             raise
         # Page tables filled now, not one fault per page at the first loads (MAP_POPULATE).
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0x8000)
@@ -179,6 +183,7 @@ class MooncakeStore(Store):
         or is unreachable, not one merely slow); ``last_error`` then says which."""
         answers = [(f"{h}:{p}", probe_port(h, p)) for h, p in self.endpoints]
         down = [where for where, answer in answers if answer is False or (answer is None and not gone)]
+        self.refused = bool(down) and all(answer is False for _, answer in answers if answer is not True)
         if down:
             self.last_error = (
                 f"Mooncake master {self.keeper.master} / metadata {self.keeper.metadata}: no answer from "
@@ -465,14 +470,16 @@ class MooncakeStore(Store):
         """Refresh what the keeper reports (the master's resets, whether the master answers its own check
         each second) while idle; never starts a keeper. Connected: the store counts as unavailable while
         the keeper finds the master away (a ping reaches the keeper only). Not connected and found
-        unavailable: once the master and the metadata server answer again (probed at most once per
-        ``RETRY_S``), the store counts as available (the next call connects)."""
+        unavailable because the master or the metadata server refused connections: once both take them
+        again (probed at most once per ``RETRY_S``), the store counts as available (the next call
+        connects). One that took connections and did not answer (a hung master) counts as unavailable until
+        a call succeeds: that it takes a connection says nothing."""
         if self.link is not None and not self.link.dead:
             link = self.link
             self._call("ping", names=[])
             if not link.stats.get("master_up", True):
                 self.counters.unavailable = 1
-        elif self.counters.unavailable and time.monotonic() >= self.probe_at:
+        elif self.counters.unavailable and self.refused and time.monotonic() >= self.probe_at:
             self.probe_at = time.monotonic() + RETRY_S
             if not self._away():
                 self.counters.unavailable, self.retry_at = 0, 0.0  # the next call connects at once
