@@ -16,6 +16,7 @@ import pytest
 
 from kvcached.doctor import check_remove_ipc
 from kvcached.memory.shm import pin
+from kvcached.store.mooncake_link import meminfo, segment_refusal
 from tests.conftest import DaemonFactory, MooncakeMaster, shm_entries
 
 SMALL = ["--ranks", "2", "--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
@@ -249,16 +250,38 @@ def test_a_store_missing_its_required_option_still_owns_the_cache(daemons: Daemo
     assert "mooncake_master" not in checks, "a store check with no master to check"
 
 
-def test_a_mooncake_segment_larger_than_the_hosts_memory_fails(daemons: DaemonFactory, instance: str) -> None:
-    """The keeper reserves ranks x --mooncake-segment at once: doctor fails a segment larger than this
-    host's memory (before a start tries to reserve it) and passes a small one."""
+def test_a_mooncake_segment_larger_than_the_hosts_memory_is_refused(daemons: DaemonFactory, instance: str) -> None:
+    """The keeper reserves ranks x --mooncake-segment at once, page by page: a segment larger than this
+    host's memory is a configuration error (start exits 4 having made nothing, doctor fails its config
+    check); one larger than the memory available now is a doctor warning (the keeper refuses it); a small
+    one passes."""
     store = ["--storage-backend", "mooncake", "--mooncake-master", "127.0.0.1:1", "--mooncake-metadata"]
     store += ["http://127.0.0.1:2/metadata"]
-    _, document = doctor(daemons, "--instance", instance, *SMALL, *store, "--mooncake-segment", "1000TiB")
+    code, document = doctor(daemons, "--instance", instance, *SMALL, *store, "--mooncake-segment", "1000TiB")
+    figure = by_name(document)["config"]["figure"]
+    assert code == 1 and "--mooncake-segment: the keeper would reserve 2 ranks x" in figure, figure
+    assert "more than this host's memory" in figure
+    started = daemons.start(instance, ranks=2, args=[*store, "--mooncake-segment", "1000TiB"])
+    assert started.exit_code() == 4 and "more than this host's memory" in started.log()
+    assert shm_entries(instance) == []
+    memory = meminfo()
+    between = (memory["MemAvailable"] + memory["MemTotal"]) // 2 // 2  # per rank: above available, below total
+    _, document = doctor(daemons, "--instance", instance, *SMALL, *store, "--mooncake-segment", str(between))
     check = by_name(document)["mooncake_segment"]
-    assert check["verdict"] == "fail" and "lower --mooncake-segment" in check["advice"], check
+    assert check["verdict"] == "warn" and "the keeper refuses" in check["advice"], check
     _, document = doctor(daemons, "--instance", instance, *SMALL, *store, "--mooncake-segment", "8MiB")
     assert by_name(document)["mooncake_segment"]["verdict"] == "ok", document
+
+
+def test_the_keeper_refuses_a_segment_the_host_cannot_give() -> None:
+    """What the keeper checks before it reserves its segment (a reservation larger than the memory
+    available would push the host into the OOM killer before it failed), on given /proc/meminfo figures."""
+    memory = {"MemTotal": 16 << 30, "MemAvailable": 10 << 30}
+    assert segment_refusal(8 << 30, memory, available=True) is None
+    assert "more than this host has available now (10.0 GiB" in str(segment_refusal(12 << 30, memory, available=True))
+    assert segment_refusal(12 << 30, memory, available=False) is None  # a start's check: the total only
+    assert "more than this host's memory (16.0 GiB)" in str(segment_refusal(17 << 30, memory, available=False))
+    assert segment_refusal(1 << 50, {}, available=True) is None  # no figures: nothing to go by
 
 
 def test_file_store_directory(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:

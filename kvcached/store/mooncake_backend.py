@@ -24,7 +24,7 @@ from kvcached.store.mooncake import (
     metadata_port,
     reachable,
 )
-from kvcached.store.mooncake_link import KeeperConfig, release
+from kvcached.store.mooncake_link import KeeperConfig, meminfo, release, segment_refusal
 from kvcached.store.secret import read_secret, secret_file
 
 #: The metadata servers Mooncake's transfer engine connects to, by the scheme that names each.
@@ -103,10 +103,15 @@ class MooncakeBackend(StoreBackend):
             raise InvalidSpec(
                 "mooncake_metadata", f"the port after the host must be a number from 1 to 65535; got {metadata!r}"
             )
+        segment = knobs.size(values.get("mooncake_segment", "256MiB"))
+        if (refusal := segment_refusal(ranks * segment, meminfo(), available=False)) is not None:
+            raise InvalidSpec(
+                "mooncake_segment", f"the keeper would reserve {ranks} ranks x {size_text(segment)}: {refusal}"
+            )
         return {
             "mooncake_master": master,
             "mooncake_metadata": metadata,
-            "mooncake_segment": knobs.size(values.get("mooncake_segment", "256MiB")),
+            "mooncake_segment": segment,
             "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
             "mooncake_host": values.get("mooncake_host") or None,
             "mooncake_secret_file": secret_file(SECRET, values.get("mooncake_secret_file")),
@@ -139,19 +144,15 @@ class MooncakeBackend(StoreBackend):
     def _segment_check(self, options: Mapping[str, Any], ranks: int) -> Check:
         """Whether this host's memory can hold the keeper's segment (it reserves all of it at once)."""
         wanted = ranks * options["mooncake_segment"]
-        memory = _meminfo()
+        memory = meminfo()
         total, available = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
         measured = {"segment_bytes": wanted, "mem_total": total, "mem_available": available}
         figure = (
             f"the keeper reserves {size_text(wanted)} ({ranks} ranks x --mooncake-segment "
             f"{size_text(options['mooncake_segment'])}); {size_text(available)} of {size_text(total)} available"
         )
-        if total and wanted > total:
-            return Check(
-                "mooncake_segment", FAIL, figure, measured, "lower --mooncake-segment: this host's memory is smaller"
-            )
-        if available and wanted > available:
-            advice = "lower --mooncake-segment, or free memory: the keeper's start would fail, or push others out"
+        if segment_refusal(wanted, memory, available=True) is not None:  # more than the host has: refused earlier
+            advice = "lower --mooncake-segment, or free memory: the keeper refuses to reserve more than is available"
             return Check("mooncake_segment", WARN, figure, measured, advice)
         return Check("mooncake_segment", OK, figure, measured)
 
@@ -200,21 +201,6 @@ class MooncakeBackend(StoreBackend):
 def _port(text: str) -> bool:
     """Whether ``text`` is a TCP port a server can listen on (ASCII digits, 1 to 65535)."""
     return text.isascii() and text.isdigit() and 1 <= int(text) <= 65535
-
-
-def _meminfo() -> dict[str, int]:
-    """/proc/meminfo's figures in bytes (empty where there is none)."""
-    found: dict[str, int] = {}
-    try:
-        lines = open("/proc/meminfo").read().splitlines()  # noqa: SIM115 - read at once
-    except OSError:
-        return found
-    for line in lines:
-        name, _, value = line.partition(":")
-        fields = value.split()
-        if fields and fields[0].isdigit():
-            found[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
-    return found
 
 
 register(MooncakeBackend())

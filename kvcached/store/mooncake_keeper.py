@@ -10,8 +10,9 @@ written again and no other host sees a gap: the keeper serves the segment to oth
 
 One keeper (one segment) per host, not per rank: Mooncake places an object's replicas in distinct
 segments, so with one segment per host a second replica is always on another host. The segment (every
-rank's ``--mooncake-segment``) is a memfd the keeper reserves up front (``posix_fallocate``: too little
-memory is a clear start-up error) and mounts with ``mount_segment``; agents map it read-only, so an
+rank's ``--mooncake-segment``) is a memfd the keeper reserves up front (``posix_fallocate``; more than
+the memory available is refused before, as the reservation would reach the OOM killer before it failed)
+and mounts with ``mount_segment``; agents map it read-only, so an
 object of this host's segment is read where it lies (after Mooncake has granted a read lease for it, as
 a get does) instead of being copied by Mooncake first. Puts, objects of other segments, existence checks
 and removals go through the keeper's client (requests in ``mooncake_link``).
@@ -30,6 +31,7 @@ objects are misses.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import select
@@ -44,7 +46,7 @@ from typing import Any
 from kvcached import logs
 from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.protocol.trust import peer_credentials
-from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, send
+from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, meminfo, segment_refusal, send
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
@@ -77,6 +79,9 @@ class Keeper:
     def __init__(self, config: KeeperConfig, log: logs.Logger) -> None:
         self.config = config
         self.log = log
+        refusal = segment_refusal(config.segment_bytes, meminfo(), available=True)
+        if refusal is not None:
+            raise OSError(errno.ENOMEM, refusal)
         self.segment_fd = os.memfd_create(f"kvcached-mooncake-{config.instance}", os.MFD_CLOEXEC)
         os.posix_fallocate(self.segment_fd, 0, config.segment_bytes)
         self.client: Any = None

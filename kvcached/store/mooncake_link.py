@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvcached.checks import size_text
 from kvcached.protocol.errors import StoreUnavailable
 from kvcached.protocol.names import check_instance
 from kvcached.protocol.trust import peer_credentials
@@ -363,3 +364,31 @@ def release(run_dir: Path, instance: str) -> int:
     for suffix in ("lock", "log"):
         (run_dir / f"{instance}.mooncake.{suffix}").unlink(missing_ok=True)
     return len(pids)
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo's figures in bytes (empty where there is none)."""
+    found: dict[str, int] = {}
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if fields and fields[0].isdigit():
+            found[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return found
+
+
+def segment_refusal(wanted: int, memory: dict[str, int], *, available: bool) -> str | None:
+    """Why a keeper must not reserve a segment of ``wanted`` bytes on a host with ``memory`` (``meminfo``):
+    more than its memory, or (``available``) more than is available now. A memfd's pages are taken as they
+    are reserved, so a reservation larger than that would push the host into the OOM killer before it
+    failed. None when it fits (or the figures are unknown)."""
+    total, free = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
+    if total and wanted > total:
+        return f"{size_text(wanted)} is more than this host's memory ({size_text(total)})"
+    if available and free and wanted > free:
+        return f"{size_text(wanted)} is more than this host has available now ({size_text(free)}, MemAvailable)"
+    return None
