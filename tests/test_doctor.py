@@ -250,6 +250,29 @@ def test_a_store_missing_its_required_option_still_owns_the_cache(daemons: Daemo
     assert "mooncake_master" not in checks, "a store check with no master to check"
 
 
+def test_a_store_option_without_its_backend_fails_the_config_check_naming_its_source(
+    daemons: DaemonFactory, instance: str, tmp_path: Path
+) -> None:
+    """README: a store's option set with no --storage-backend, or with another backend's, is refused by name
+    wherever it was set; doctor fails its `config` check with that source and what to do (exit 1), and the
+    other checks still run."""
+    config = tmp_path / "kv.toml"
+    config.write_text('storage_path = "/nowhere/store"\n')
+    cases = [
+        (["--storage-path", "/nowhere/store"], None, "--storage-path: is an option of the file store"),
+        ([], daemons.env(KVCACHED_STORAGE_CAPACITY="1GiB"), "KVCACHED_STORAGE_CAPACITY=1GiB: is an option of the file"),
+        (["--config", str(config), "--storage-backend", "mooncake"], None, f"{config}: storage_path: is an option"),
+        (["--storage-backend", "file", "--mooncake-segment", "8MiB"], None, "--mooncake-segment: is an option of the"),
+    ]
+    for args, env, expected in cases:
+        code, document = doctor(daemons, "--instance", instance, *SMALL, *args, env=env)
+        refused = [c for c in document["checks"] if c["name"] == "config" and expected in c["figure"]]
+        assert code == 1 and len(refused) == 1, document["checks"]
+        assert refused[0]["verdict"] == "fail" and "set --storage-backend" in refused[0]["figure"], refused
+        assert by_name(document)["owner"]["verdict"] == "ok"
+        assert [c["name"] for c in document["checks"] if c["name"] in ORDER] == ORDER
+
+
 def test_a_mooncake_segment_larger_than_the_hosts_memory_is_refused(daemons: DaemonFactory, instance: str) -> None:
     """The keeper reserves ranks x --mooncake-segment at once, page by page: a segment larger than this
     host's memory is a configuration error (start exits 4 having made nothing, doctor fails its config
