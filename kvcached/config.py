@@ -110,7 +110,14 @@ CORE: tuple[Knob, ...] = (
     Knob("dtype", knobs.choice(tuple(DTYPE_SIZES)), "bfloat16", "Cache dtype.", "DTYPE", choices=tuple(DTYPE_SIZES)),
     Knob("num_blocks", knobs.integer(1), 128, "Device blocks per rank.", "N"),
     Knob("num_cpu_blocks", knobs.integer(0), 64, "CPU swap pool blocks per rank; > 0 makes the daemon the owner.", "N"),
-    Knob("storage_backend", _storage, None, "Attention store; any but none makes the daemon the owner.", "BACKEND"),
+    Knob(
+        "storage_backend",
+        _storage,
+        None,
+        "Attention store; any but none makes the daemon the owner. A backend's options (file backend: ..., "
+        "mooncake backend: ... below) are refused (exit 4) unless it is the one set here.",
+        "BACKEND",
+    ),
     Knob(
         "role",
         knobs.choice(ROLES),

@@ -276,6 +276,7 @@ def test_help_explains_commands_and_exit_statuses(daemons: DaemonFactory) -> Non
         "--role",
     ):
         assert flag in start
+    assert "are refused (exit 4) unless it is the one set here" in " ".join(start.split())  # a backend's options
 
 
 def test_import_runner_client_stays_light() -> None:
