@@ -409,7 +409,7 @@ class MooncakeMaster:
                 [
                     *die_with_us(),
                     binary,
-                    f"--port={self.port}",
+                    f"--port={self.port}",  # docs/mooncake.md names these flags
                     f"--metrics_port={free_port()}",  # its default, 9003, would collide with another suite's
                     "--enable_http_metadata_server=true",
                     f"--http_metadata_server_port={self.http_port}",
