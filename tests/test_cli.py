@@ -60,6 +60,20 @@ def test_status_json_shape_and_exit_status(daemons: DaemonFactory) -> None:
     assert code == 1 and data["running"] is False and data["ranks"] == []
 
 
+def test_status_store_keys_are_the_ones_readme_lists(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Each rank's ``store`` in status --json has exactly the keys README lists (``available`` among them)."""
+    store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--storage-capacity", "1MiB"]
+    daemon = daemons.start(ranks=1, args=store)
+    daemon.wait_ready()
+    _, data = status_json(daemons, daemon.instance)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    listed = readme.split("`store` the attention store's figures (")[1].split("; null without a")[0]
+    keys = {key.strip("`") for key in listed.split(", ")}
+    assert set(data["ranks"][0]["store"]) == keys, f"README lists {sorted(keys)}"
+    assert data["ranks"][0]["store"]["backend"] == "file" and data["ranks"][0]["store"]["available"] is True
+    assert daemon.stop() == 0
+
+
 def test_status_while_allocating_is_not_ready(daemons: DaemonFactory) -> None:
     """A rank still ALLOCATING makes status exit non-zero."""
     daemon = daemons.start(ranks=1, env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=60"))
