@@ -141,3 +141,29 @@ def finish(started: tuple[threading.Thread, list[Any]]) -> Any:
     thread.join(BOUND_S)
     assert not thread.is_alive(), f"still blocked after {BOUND_S:.0f}s"
     return out[0]
+
+
+def test_threads_reading_one_handle_whose_worker_dies_all_get_task_lost(daemons: DaemonFactory) -> None:
+    """README: several threads may call ``result()`` on one handle and each gets the task's result or its
+    error, also the error no reply carries: the rank's worker killed during the task (stopped, then
+    kill -9), every reader gets ``TaskLost``, none waits out its timeout."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    readers = 4
+    with rc.CacheTasks(daemon.instance, timeout=60) as tasks:
+        assert tasks.swap_out(0, [0], [0]).blocks == 1  # the connection is open
+        worker = read_status(daemon.instance)["ranks"][0]["pid"]
+        os.kill(worker, signal.SIGSTOP)
+        handle = tasks.submit(tasks.swap_out, 0, [1], [1])
+        barrier = threading.Barrier(readers + 1)
+
+        def read() -> Any:
+            barrier.wait()
+            return handle.result()
+
+        outcomes = [in_thread_started(read) for _ in range(readers)]
+        barrier.wait()
+        os.kill(worker, signal.SIGKILL)
+        got = [finish(outcome) for outcome in outcomes]
+        assert all(isinstance(g, rc.TaskLost) for g in got), got
+        assert tasks.swap_out(0, [1], [1]).blocks == 1  # the replaced worker serves
