@@ -115,7 +115,8 @@ CORE: tuple[Knob, ...] = (
         _storage,
         None,
         "Attention store; any but none makes the daemon the owner. A backend's options (file backend: ..., "
-        "mooncake backend: ... below) are refused (exit 4) unless it is the one set here.",
+        "mooncake backend: ... below) are refused (exit 4) unless it is the one set here, or they were set "
+        "lower down than it (flags over KVCACHED_* over the config file).",
         "BACKEND",
     ),
     Knob(
@@ -338,7 +339,8 @@ class DaemonConfig:
             raise InvalidConfig(
                 "devices", source("devices"), f"needs one device number per rank ({ranks}), got {len(devices)}"
             )
-        _no_stray_store_options(spec.storage_backend, raw)
+        if "storage_backend" not in ignore:  # else its value is not the one written: nothing to judge by
+            _no_stray_store_options(spec.storage_backend, raw, all_knobs)
         store_config = StoreConfig() if STORE_OPTIONS in ignore else _store_of(spec, values, source)
         return cls(
             instance=values["instance"],
@@ -426,20 +428,30 @@ def _spec_of(values: Mapping[str, Any], raw: Mapping[str, tuple[Any, str]], sour
         raise InvalidConfig(name, where, exc.message) from None
 
 
-def _no_stray_store_options(backend: str | None, raw: Mapping[str, tuple[Any, str]]) -> None:
-    """Raise ``InvalidConfig`` for an option of a store backend other than ``backend`` (None: no store) that
-    was set: without this, ``--storage-path`` with no ``--storage-backend`` would start a daemon with no
-    store and say nothing."""
+def _no_stray_store_options(backend: str | None, raw: Mapping[str, tuple[Any, str]], knobs: Mapping[str, Knob]) -> None:
+    """Raise ``InvalidConfig`` for an option of a store backend other than ``backend`` (None: no store) set
+    where the backend was chosen or higher up (``_level``): without this, ``--storage-path`` with no
+    ``--storage-backend`` would start a daemon with no store and say nothing. One set lower down is left
+    unused: ``--storage-backend none`` overrides a config file's store with its options."""
+    chosen = _level(knobs["storage_backend"], raw)
     own = {knob.name for knob in store.get(backend).options} if backend is not None else set()
     for other in store.all_backends():
         for knob in other.options:
-            if knob.name in raw and knob.name not in own:
+            if knob.name not in own and _level(knob, raw) >= max(chosen, 1):
                 raise InvalidConfig(
                     knob.name,
                     raw[knob.name][1],
                     f"is an option of the {other.name} store, and the storage backend is {backend or 'none'}: "
-                    f"set --storage-backend {other.name}, or leave it out",
+                    f"set --storage-backend {other.name}, or remove this option",
                 )
+
+
+def _level(knob: Knob, raw: Mapping[str, tuple[Any, str]]) -> int:
+    """Where ``knob`` was set, by precedence: 0 nowhere, 1 the config file, 2 the environment, 3 a flag."""
+    if knob.name not in raw:
+        return 0
+    where = raw[knob.name][1]
+    return 3 if where == knob.flag else 2 if where.startswith(f"{knob.env}=") else 1
 
 
 def _store_of(spec: CacheSpec, values: Mapping[str, Any], source: Callable[[str], str]) -> StoreConfig:

@@ -189,7 +189,7 @@ def test_config_precedence_flags_over_env_over_file(daemons: DaemonFactory, tmp_
             None,
             4,
             "--storage-path: is an option of the file store, and the storage backend is none: set "
-            "--storage-backend file, or leave it out",
+            "--storage-backend file, or remove this option",
         ),
         (
             ["--storage-backend", "file", "--storage-path", "/nowhere/store", "--mooncake-master", "127.0.0.1:1"],
@@ -214,19 +214,32 @@ def test_bad_configuration_names_the_field_and_creates_nothing(
     assert not daemons.run_dir.exists() or not any(daemons.run_dir.iterdir())
 
 
-def test_a_store_option_from_the_environment_needs_its_backend(daemons: DaemonFactory) -> None:
-    """``KVCACHED_STORAGE_PATH`` with no store, or beside the mooncake backend, is refused naming the variable
-    (what README promises for every source); with ``--storage-backend file`` it is the store's directory."""
+def test_a_store_option_needs_its_backend_where_the_backend_is_chosen_or_higher(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """``KVCACHED_STORAGE_PATH`` with no store, or beside ``KVCACHED_STORAGE_BACKEND=mooncake``, is refused
+    naming the variable; with the file backend it is the store's directory. A backend chosen higher up
+    overrides (flags over the environment over the file): ``--storage-backend none`` over a config file's
+    file store, or the mooncake backend's flags over ``KVCACHED_STORAGE_PATH``, leave the lower options
+    unused (README)."""
     args = ["start", "--instance", unique_instance(), "--ranks", "1", "--check-config"]
-    env = {**daemons.env(), "KVCACHED_STORAGE_PATH": "/nowhere/store"}
-    for backend, shown in ((["--num-cpu-blocks", "64"], "none"), (["--storage-backend", "mooncake"], "mooncake")):
-        refused = daemons.cli(*args, *backend, env=env)
+    path = {**daemons.env(), "KVCACHED_STORAGE_PATH": "/nowhere/store"}
+    mooncake = ["--mooncake-master", "127.0.0.1:1", "--mooncake-metadata", "http://127.0.0.1:2/metadata"]
+    for env, shown in ((path, "none"), ({**path, "KVCACHED_STORAGE_BACKEND": "mooncake"}, "mooncake")):
+        refused = daemons.cli(*args, *mooncake[: 4 if shown == "mooncake" else 0], env=env)
         expected = (
             f"KVCACHED_STORAGE_PATH=/nowhere/store: is an option of the file store, and the storage backend is {shown}"
         )
         assert refused.returncode == 4 and expected in refused.stderr, refused.stdout + refused.stderr
-    accepted = daemons.cli(*args, "--storage-backend", "file", env=env)
-    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    for overriding in (["--storage-backend", "file"], ["--storage-backend", "mooncake", *mooncake]):
+        accepted = daemons.cli(*args, *overriding, env=path)
+        assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    config = tmp_path / "store.toml"
+    config.write_text('storage_backend = "file"\nstorage_path = "/nowhere/store"\nstorage_capacity = "1GiB"\n')
+    overridden = daemons.cli(*args, "--config", str(config), "--storage-backend", "none")
+    assert overridden.returncode == 0, overridden.stdout + overridden.stderr
+    by_env = daemons.cli(*args, "--config", str(config), env={**daemons.env(), "KVCACHED_STORAGE_BACKEND": "none"})
+    assert by_env.returncode == 0, by_env.stdout + by_env.stderr
 
 
 def test_runner_owned_config_is_refused_citing_the_condition(daemons: DaemonFactory) -> None:

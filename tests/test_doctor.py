@@ -257,11 +257,11 @@ def test_a_store_option_without_its_backend_fails_the_config_check_naming_its_so
     wherever it was set; doctor fails its `config` check with that source and what to do (exit 1), and the
     other checks still run."""
     config = tmp_path / "kv.toml"
-    config.write_text('storage_path = "/nowhere/store"\n')
+    config.write_text('storage_backend = "mooncake"\nstorage_path = "/nowhere/store"\n')
     cases = [
         (["--storage-path", "/nowhere/store"], None, "--storage-path: is an option of the file store"),
         ([], daemons.env(KVCACHED_STORAGE_CAPACITY="1GiB"), "KVCACHED_STORAGE_CAPACITY=1GiB: is an option of the file"),
-        (["--config", str(config), "--storage-backend", "mooncake"], None, f"{config}: storage_path: is an option"),
+        (["--config", str(config)], None, f"{config}: storage_path: is an option"),
         (["--storage-backend", "file", "--mooncake-segment", "8MiB"], None, "--mooncake-segment: is an option of the"),
     ]
     for args, env, expected in cases:
