@@ -526,6 +526,27 @@ def test_a_store_whose_keeper_cannot_start_stays_unavailable_though_its_master_a
     assert daemon.stop() == 0
 
 
+def test_a_store_counts_as_unavailable_until_it_is_open(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """While a rank allocates (here held 3 s) its store is not open yet: status says unavailable, not the
+    zeros of an empty slot; once READY the file store is open and available."""
+    args = [*FLAGS, "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+    env = daemons.env(KVCACHED_FAULT="worker-allocating:sleep=3")
+    daemon = daemons.start(ranks=2, args=args, env=env)
+    deadline = time.monotonic() + 30
+    while True:
+        status = read_status(daemon.instance) if daemon.proc.poll() is None else None
+        ranks = (status or {}).get("ranks") or []
+        if ranks and all(r["state"] == "ALLOCATING" and r["pid"] for r in ranks):
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+    time.sleep(0.2)  # each worker is in its allocation by now
+    assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
+    daemon.wait_ready()
+    assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [True, True]
+    assert daemon.stop() == 0
+
+
 # -- tasks and configuration --------------------------------------------------------------------------------
 
 

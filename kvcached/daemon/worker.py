@@ -117,6 +117,8 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
     log = logs.get("kvcached.worker")
     status = EXIT_FAILURE
     raise_file_limit()
+    if plan.store.backend is not None and not plan.handover:
+        stats.set(store_unavailable=1)  # until its store is open (a handover's predecessor serves it meanwhile)
     try:
         tiers = allocate(sock, plan, log)
         if plan.handover:  # the last image's worker serves meanwhile: its time costs nothing
