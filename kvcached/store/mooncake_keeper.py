@@ -407,21 +407,26 @@ def _mapped_spans(fd: int) -> list[tuple[int, int, int]]:
     return spans
 
 
-def _started(read_end: int, keeper: int, instance: str) -> str:
+def _started(read_end: int, keeper: int, config: KeeperConfig) -> str:
     """What the starting keeper (pid ``keeper``) reports on ``read_end`` ("" when it exited without a
-    word). Meanwhile, once ``instance`` is gone for good (``kvcached stop`` while the master does not answer
+    word). Meanwhile, once the instance is gone for good (``kvcached stop`` while the master does not answer
     the keeper's setup, which holds the keeper's interpreter), the keeper is killed: its starter died with
     the daemon, and nothing else would end it. What its setup registered with the master, if anything,
-    goes with the client (``client_ttl``)."""
-    watch, said = InstanceWatch(instance), b""
+    goes with the client (``client_ttl``). A keeper that said it is ready is left to its own watch (it
+    lets go of the segment of an instance gone); one that said so as it was killed leaves no socket."""
+    watch, said = InstanceWatch(config.instance), b""
     while True:
         if select.select([read_end], [], [], TICK_S)[0]:
             chunk = os.read(read_end, 4096)
             if not chunk:
                 return said.decode(errors="replace").strip()
             said += chunk
-        elif watch.gone():
+        elif watch.gone() and not select.select([read_end], [], [], 0)[0]:
             os.kill(keeper, signal.SIGKILL)
+            while chunk := os.read(read_end, 4096):  # what it wrote before it died: its pipe ends here
+                said += chunk
+            if said.startswith(b"ready"):
+                config.path("sock").unlink(missing_ok=True)
             return "the instance is gone for good (no control block): the keeper was stopped while starting"
 
 
@@ -433,7 +438,7 @@ def main(argv: list[str]) -> int:
     child = os.fork()
     if child != 0:  # the launcher: report how the start went
         os.close(write_end)
-        text = _started(read_end, child, config.instance)
+        text = _started(read_end, child, config)
         with contextlib.suppress(BrokenPipeError):  # its starter may be gone (the daemon stopped)
             print(text or "the keeper exited while starting (see its log)", flush=True)
         return 0 if text.startswith("ready") else 1
