@@ -272,18 +272,24 @@ def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(
 ) -> None:
     """Why 1: a Mooncake master frozen while the daemon starts: the ranks are READY anyway (their store is
     "connecting"), store tasks fail with StoreUnavailable, and work once the master answers."""
-    master = mooncake
+    with frozen(mooncake):
+        daemon = daemons.start(ranks=2, args=[*geometry(), *mooncake.args(), "--store-timeout", "2"])
+        daemon.wait_ready(timeout=30)
+        tasks = rc.CacheTasks(daemon.instance, timeout=30)
+        with pytest.raises(rc.StoreUnavailable):
+            tasks.store(None, [1], keys(1))
+        assert tasks.swap_out(None, [1], [1]).blocks == 1
+    with tasks:
+        until(lambda: _stores(tasks, 1), timeout=90, what="store tasks once the master answers")
+
+
+@contextlib.contextmanager
+def frozen(master: MooncakeMaster) -> Iterator[None]:
+    """``master`` stopped (SIGSTOP) for the block, and thawed after it whatever happens."""
     assert master.proc is not None
     master.proc.send_signal(signal.SIGSTOP)
     try:
-        daemon = daemons.start(ranks=2, args=[*geometry(), *master.args(), "--store-timeout", "2"])
-        daemon.wait_ready(timeout=30)
-        with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
-            with pytest.raises(rc.StoreUnavailable):
-                tasks.store(None, [1], keys(1))
-            assert tasks.swap_out(None, [1], [1]).blocks == 1
-            master.proc.send_signal(signal.SIGCONT)
-            until(lambda: _stores(tasks, 1), timeout=90, what="store tasks once the master answers")
+        yield
     finally:
         master.proc.send_signal(signal.SIGCONT)
 
@@ -300,19 +306,14 @@ def test_a_stop_while_the_master_holds_the_keepers_setup_leaves_no_keeper(
     """Why 1, and nothing left behind: a Mooncake master frozen while the daemon starts holds the keeper in
     its setup (and the store UNAVAILABLE); `kvcached stop` then (for good) leaves no keeper running, though
     the master still does not answer: its launcher ends it once the instance is gone."""
-    master = mooncake
-    assert master.proc is not None
-    master.proc.send_signal(signal.SIGSTOP)
-    try:
-        daemon = daemons.start(ranks=2, args=[*geometry(), *master.args(), "--store-timeout", "1"])
+    with frozen(mooncake):
+        daemon = daemons.start(ranks=2, args=[*geometry(), *mooncake.args(), "--store-timeout", "1"])
         daemon.wait_ready(timeout=30)
         until(lambda: len(keepers_of(daemon.instance)) == 2, timeout=30, what="the keeper and its launcher")
         assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
         stopped = daemons.cli("stop", "--instance", daemon.instance)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         until(lambda: not keepers_of(daemon.instance), timeout=30, what="no keeper once the instance is gone")
-    finally:
-        master.proc.send_signal(signal.SIGCONT)
 
 
 def test_a_paused_supervisor_changes_nothing(daemons: DaemonFactory) -> None:

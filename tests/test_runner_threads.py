@@ -38,12 +38,18 @@ def in_thread(call: Callable[[], Any]) -> list[Any]:
     return [finish(in_thread_started(call))]
 
 
-def test_a_send_never_waits_behind_another_threads_wait_for_a_reply(daemons: DaemonFactory) -> None:
+@contextlib.contextmanager
+def connected(daemons: DaemonFactory) -> Iterator[tuple[rc.CacheTasks, int]]:
+    """A one-rank daemon's ``CacheTasks`` (60 s timeout) with its connection open, and the rank worker's pid."""
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance, timeout=60) as tasks:
-        assert tasks.swap_out(0, [0], [0]).blocks == 1  # the connection is open
-        worker = read_status(daemon.instance)["ranks"][0]["pid"]
+        assert tasks.swap_out(0, [0], [0]).blocks == 1
+        yield tasks, read_status(daemon.instance)["ranks"][0]["pid"]
+
+
+def test_a_send_never_waits_behind_another_threads_wait_for_a_reply(daemons: DaemonFactory) -> None:
+    with connected(daemons) as (tasks, worker):
         with stopped(worker):
             first = tasks.submit(tasks.swap_out, 0, [1], [1])
             waiting = threading.Thread(target=first.result, daemon=True)
@@ -102,11 +108,7 @@ def test_a_thread_waiting_behind_another_for_one_handle_keeps_its_own_timeout(da
     """Two threads wait for one handle whose worker is stopped: the one with the shorter timeout gets
     TaskTimeout at its own deadline (not when the other, reading the replies, gives up); once the worker
     runs again, the other gets the result, and so does a later call from the first."""
-    daemon = daemons.start(ranks=1)
-    daemon.wait_ready()
-    with rc.CacheTasks(daemon.instance, timeout=60) as tasks:
-        assert tasks.swap_out(0, [0], [0]).blocks == 1  # the connection is open
-        worker = read_status(daemon.instance)["ranks"][0]["pid"]
+    with connected(daemons) as (tasks, worker):
         with stopped(worker):
             handle = tasks.submit(tasks.swap_out, 0, [1], [1])
             reader = in_thread_started(handle.result)  # 60 s: it reads the replies, which cannot come yet

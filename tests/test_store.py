@@ -414,7 +414,7 @@ def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: Moonca
         assert tasks.swap_out(None, [1, 2], [0, 1]).blocks == 2
         assert tasks.swap_in(None, [0, 1], [7, 8]).blocks == 2
         assert daemon.proc.poll() is None
-        assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False] * 2
+        assert availability(daemon.instance) == [False] * 2
         assert "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
         mooncake.start()
         deadline = time.monotonic() + 60
@@ -432,19 +432,31 @@ def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: Moonca
     assert ranks[0]["store"]["errors"] >= 3 and [r["store"]["available"] for r in ranks] == [True] * 2
 
 
-def test_a_store_started_without_its_master_shows_unavailable_until_it_answers(
+def availability(instance: str) -> list[bool]:
+    """Each rank's ``store.available`` in ``kvcached status --json``."""
+    return [r["store"]["available"] for r in read_status(instance)["ranks"]]
+
+
+def becomes(instance: str, wanted: list[bool], what: str) -> None:
+    """Wait (30 s at most) until ``availability`` is ``wanted``."""
+    deadline = time.monotonic() + 30
+    while availability(instance) != wanted:
+        assert time.monotonic() < deadline, f"{what}: still {availability(instance)} after 30 s"
+        time.sleep(0.2)
+
+
+def test_a_store_whose_master_is_down_shows_unavailable_until_it_answers(
     daemons: DaemonFactory, mooncake: MooncakeMaster
 ) -> None:
     """A daemon started while its Mooncake master is down starts and serves swaps, and says its store is
     unavailable (status JSON and table, the metrics gauge) from its start; once the master is up, every
-    rank counts its store available again within seconds, with no task sent, and the store works."""
+    rank counts its store available again within seconds, with no task sent, and the store works. A
+    master that then dies while no store task runs is found within seconds too (the keeper checks it
+    each second; an idle ping reaches only the keeper), and the store comes back with a new master."""
     mooncake.stop()
     port = free_port()
     daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args(), "--metrics-port", str(port)])
     daemon.wait_ready()
-
-    def availability() -> list[bool]:
-        return [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]]
 
     def gauge() -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -453,49 +465,23 @@ def test_a_store_started_without_its_master_shows_unavailable_until_it_answers(
         assert found, metrics
         return found.group(1)
 
-    assert availability() == [False, False] and gauge() == "1.0"
-    assert "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
+    def shown() -> bool:
+        return "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
+
+    assert availability(daemon.instance) == [False, False] and gauge() == "1.0" and shown()
     with rc.CacheTasks(daemon.instance) as tasks:
         assert tasks.swap_out(None, [1], [0]).blocks == 1
         mooncake.start()
-        deadline = time.monotonic() + 30
-        while availability() != [True, True]:
-            assert time.monotonic() < deadline, "the store still unavailable 30 s after its master came up"
-            time.sleep(0.2)
-        assert gauge() == "0.0"
-        assert "UNAVAILABLE" not in daemons.cli("status", "--instance", daemon.instance).stdout
+        becomes(daemon.instance, [True, True], "the master up")
+        assert gauge() == "0.0" and not shown()
         keys = keys_for(1, salt=60)
-        tasks.store(None, [1], keys)
+        tasks.store(None, [1], keys)  # connected on every rank
         assert tasks.lookup(keys) == 1
-    assert daemon.stop() == 0
-
-
-def test_a_master_gone_while_the_store_is_idle_shows_unavailable_until_it_answers(
-    daemons: DaemonFactory, mooncake: MooncakeMaster
-) -> None:
-    """A connected store whose Mooncake master dies while no store task runs says so within seconds (the
-    keeper checks the master each second; an idle ping reaches only the keeper), and counts as available
-    again once a new master answers, with no task sent; the store then works."""
-    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])
-    daemon.wait_ready()
-
-    def availability() -> list[bool]:
-        return [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]]
-
-    def becomes(wanted: list[bool], what: str) -> None:
-        deadline = time.monotonic() + 30
-        while availability() != wanted:
-            assert time.monotonic() < deadline, f"{what}: still {availability()} after 30 s"
-            time.sleep(0.2)
-
-    with rc.CacheTasks(daemon.instance) as tasks:
-        tasks.store(None, [1], keys_for(1, salt=70))  # connected on every rank
-        assert availability() == [True, True]
         mooncake.stop()
-        becomes([False, False], "the master killed while the store is idle")
-        assert "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
+        becomes(daemon.instance, [False, False], "the master killed while the store is idle")
+        assert shown()
         mooncake.start()
-        becomes([True, True], "the master back")
+        becomes(daemon.instance, [True, True], "the master back")
         keys = keys_for(1, salt=80)
         tasks.store(None, [2], keys)
         assert tasks.lookup(keys) == 1
@@ -521,7 +507,7 @@ def test_a_store_whose_keeper_cannot_start_stays_unavailable_though_its_master_a
             time.sleep(0.2)
         seen = time.monotonic()
         while time.monotonic() - seen < 3:  # three probe periods
-            assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
+            assert availability(daemon.instance) == [False, False]
             time.sleep(0.2)
     assert daemon.stop() == 0
 
@@ -541,9 +527,9 @@ def test_a_store_counts_as_unavailable_until_it_is_open(daemons: DaemonFactory, 
         assert time.monotonic() < deadline, status
         time.sleep(0.05)
     time.sleep(0.2)  # each worker is in its allocation by now
-    assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
+    assert availability(daemon.instance) == [False, False]
     daemon.wait_ready()
-    assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [True, True]
+    assert availability(daemon.instance) == [True, True]
     assert daemon.stop() == 0
 
 
