@@ -506,17 +506,17 @@ def test_a_store_whose_keeper_cannot_start_stays_unavailable_though_its_master_a
             assert time.monotonic() < deadline, str(failed.value)
             time.sleep(0.2)
         seen = time.monotonic()
-        while time.monotonic() - seen < 3:  # three probe periods
+        while time.monotonic() - seen < 2:  # two probe periods
             assert availability(daemon.instance) == [False, False]
             time.sleep(0.2)
     assert daemon.stop() == 0
 
 
 def test_a_store_counts_as_unavailable_until_it_is_open(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """While a rank allocates (here held 3 s) its store is not open yet: status says unavailable, not the
+    """While a rank allocates (here held 1.5 s) its store is not open yet: status says unavailable, not the
     zeros of an empty slot; once READY the file store is open and available."""
     args = [*FLAGS, "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
-    env = daemons.env(KVCACHED_FAULT="worker-allocating:sleep=3")
+    env = daemons.env(KVCACHED_FAULT="worker-allocating:sleep=1.5")
     daemon = daemons.start(ranks=2, args=args, env=env)
     deadline = time.monotonic() + 30
     while True:

@@ -46,6 +46,7 @@ from typing import Any
 from kvcached import logs
 from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.protocol.trust import peer_credentials
+from kvcached.store.mooncake import host_port, probe_port
 from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, meminfo, segment_refusal, send
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
@@ -302,7 +303,9 @@ class Keeper:
 
     def _tick(self) -> None:
         """Whether the master still knows this segment's objects, and whether the instance still exists."""
-        (flag,) = self.client.batch_is_exist([self._marker_name()])
+        # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
+        refused = probe_port(*host_port(self.config.master, 50051)) is False
+        (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
         self.stats["master_up"] = flag >= 0
         if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
             self.stats["master_resets"] += 1
