@@ -518,14 +518,7 @@ def test_a_store_counts_as_unavailable_until_it_is_open(daemons: DaemonFactory, 
     args = [*FLAGS, "--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
     env = daemons.env(KVCACHED_FAULT="worker-allocating:sleep=1.5")
     daemon = daemons.start(ranks=2, args=args, env=env)
-    deadline = time.monotonic() + 30
-    while True:
-        status = read_status(daemon.instance) if daemon.proc.poll() is None else None
-        ranks = (status or {}).get("ranks") or []
-        if ranks and all(r["state"] == "ALLOCATING" and r["pid"] for r in ranks):
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(0.05)
+    daemon.wait_state("ALLOCATING")
     time.sleep(0.2)  # each worker is in its allocation by now
     assert availability(daemon.instance) == [False, False]
     daemon.wait_ready()
