@@ -192,7 +192,8 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
     """Why 1 (and the README's promise): a Mooncake master frozen (SIGSTOP) for four times the worker timeout
     and past the point where a stuck store agent is given up (``store_agent.ABANDON_AFTER`` store timeouts)
     fails store tasks, with StoreUnavailable, within the store timeout; swaps go on; every rank stays READY
-    on the same worker; once the master is back, store tasks work again."""
+    on the same worker; status says the store unavailable from the first call the master held (its agent,
+    held, sends nothing); once the master is back, store tasks work again and the store is available."""
     master = mooncake
     frozen_s = 4.5
     assert frozen_s > ABANDON_AFTER * 0.5  # the store timeout below
@@ -201,15 +202,23 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
         daemon = daemons.start(ranks=2, args=args)
         daemon.wait_ready()
         before = pids(daemon.instance)
+
+        def available() -> list[bool]:
+            return [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]]
+
         with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
             until(lambda: _stores(tasks, 1), timeout=60, what="the store connected (the keeper starts meanwhile)")
-            assert master.proc is not None
+            assert master.proc is not None and available() == [True, True]
             master.proc.send_signal(signal.SIGSTOP)
             frozen = time.monotonic()
             started = time.monotonic()
+            with pytest.raises(rc.StoreUnavailable, match="without progress"):
+                tasks.lookup(keys(2))  # held by the frozen master past the store timeout
+            assert time.monotonic() - started < 5
+            # The held agent sends nothing (its last idle check said available): the call it is held in says.
+            assert available() == [False, False]
             with pytest.raises(rc.StoreUnavailable):
                 tasks.store(None, [2], keys(2)[1:])
-            assert time.monotonic() - started < 5
             while time.monotonic() - frozen < frozen_s:
                 assert tasks.swap_out(None, [3], [1]).blocks == 1
                 with pytest.raises(rc.StoreUnavailable):
@@ -218,45 +227,12 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
                 time.sleep(0.5)
             master.proc.send_signal(signal.SIGCONT)
             until(lambda: _stores(tasks, 4), timeout=60, what="store tasks after the master thawed")
-            until(
-                lambda: [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [True, True],
-                timeout=30,
-                what="the store available again",
-            )
+            until(lambda: available() == [True, True], timeout=30, what="the store available again")
         assert pids(daemon.instance) == before
         assert "has not returned for" in daemon.log()  # a stuck agent was given up and replaced
     finally:
         if master.proc is not None:
             master.proc.send_signal(signal.SIGCONT)
-
-
-def test_a_frozen_mooncake_master_shows_unavailable_while_a_call_holds_the_store(
-    daemons: DaemonFactory, mooncake: MooncakeMaster
-) -> None:
-    """A lookup that a frozen master holds past the store timeout fails, and status says the store is
-    unavailable from then on (the agent, held by the call, sends nothing: it was its last idle check's
-    "available"), until the master thaws."""
-    master = mooncake
-    assert master.proc is not None
-    try:
-        daemon = daemons.start(ranks=1, args=[*geometry(), *master.args(), "--store-timeout", "1"])
-        daemon.wait_ready()
-
-        def available() -> bool:
-            return bool(read_status(daemon.instance)["ranks"][0]["store"]["available"])
-
-        with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
-            until(lambda: _stores(tasks, 1), timeout=60, what="the store connected (the keeper starts meanwhile)")
-            assert available()
-            master.proc.send_signal(signal.SIGSTOP)
-            with pytest.raises(rc.StoreUnavailable, match="without progress"):
-                tasks.lookup(keys(2))
-            assert not available()
-            master.proc.send_signal(signal.SIGCONT)
-            until(available, timeout=30, what="the store available once the master thawed")
-            until(lambda: _stores(tasks, 2), timeout=60, what="store tasks after the master thawed")
-    finally:
-        master.proc.send_signal(signal.SIGCONT)
 
 
 def _stores(tasks: rc.CacheTasks, block: int) -> bool:
