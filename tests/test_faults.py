@@ -246,15 +246,25 @@ def _stores(tasks: rc.CacheTasks, block: int) -> bool:
 def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(
     daemons: DaemonFactory, mooncake: MooncakeMaster
 ) -> None:
-    """Why 1: a Mooncake master frozen while the daemon starts: the ranks are READY anyway (their store is
-    "connecting"), store tasks fail with StoreUnavailable, and work once the master answers."""
+    """Why 1: a Mooncake master frozen while two daemons start: the ranks are READY anyway (their store is
+    "connecting", UNAVAILABLE in status, the keeper held in its setup), store tasks fail with
+    StoreUnavailable, and work once the master answers. Nothing left behind: `kvcached stop` (for good) of
+    the other daemon while the master still does not answer leaves no keeper of it running (its launcher
+    ends it once the instance is gone)."""
+    args = [*geometry(), *mooncake.args(), "--store-timeout", "1"]
     with frozen(mooncake):
-        daemon = daemons.start(ranks=2, args=[*geometry(), *mooncake.args(), "--store-timeout", "2"])
-        daemon.wait_ready(timeout=30)
+        daemon, gone = daemons.start(ranks=2, args=args), daemons.start(ranks=2, args=args)
+        for started in (daemon, gone):
+            started.wait_ready(timeout=30)
+            until(lambda s=started: len(keepers_of(s.instance)) == 2, timeout=30, what="a keeper and its launcher")
+            assert [r["store"]["available"] for r in read_status(started.instance)["ranks"]] == [False, False]
         tasks = rc.CacheTasks(daemon.instance, timeout=30)
         with pytest.raises(rc.StoreUnavailable):
             tasks.store(None, [1], keys(1))
         assert tasks.swap_out(None, [1], [1]).blocks == 1
+        stopped = daemons.cli("stop", "--instance", gone.instance)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        until(lambda: not keepers_of(gone.instance), timeout=30, what="no keeper once the instance is gone")
     with tasks:
         until(lambda: _stores(tasks, 1), timeout=90, what="store tasks once the master answers")
 
@@ -274,22 +284,6 @@ def keepers_of(instance: str) -> list[Proc]:
     """The Mooncake keeper processes of ``instance`` (a starting keeper's launcher among them)."""
     named = f'"instance": "{instance}"'
     return [p for p in descendants(1).values() if "kvcached.store.mooncake_keeper" in p.command and named in p.command]
-
-
-def test_a_stop_while_the_master_holds_the_keepers_setup_leaves_no_keeper(
-    daemons: DaemonFactory, mooncake: MooncakeMaster
-) -> None:
-    """Why 1, and nothing left behind: a Mooncake master frozen while the daemon starts holds the keeper in
-    its setup (and the store UNAVAILABLE); `kvcached stop` then (for good) leaves no keeper running, though
-    the master still does not answer: its launcher ends it once the instance is gone."""
-    with frozen(mooncake):
-        daemon = daemons.start(ranks=2, args=[*geometry(), *mooncake.args(), "--store-timeout", "1"])
-        daemon.wait_ready(timeout=30)
-        until(lambda: len(keepers_of(daemon.instance)) == 2, timeout=30, what="the keeper and its launcher")
-        assert [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]] == [False, False]
-        stopped = daemons.cli("stop", "--instance", daemon.instance)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        until(lambda: not keepers_of(daemon.instance), timeout=30, what="no keeper once the instance is gone")
 
 
 def test_a_paused_supervisor_changes_nothing(daemons: DaemonFactory) -> None:
