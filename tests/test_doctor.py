@@ -8,6 +8,9 @@ import os
 import resource
 import shutil
 import socket
+import subprocess
+import sys
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ import pytest
 
 from kvcached.doctor import check_remove_ipc
 from kvcached.memory.shm import pin
-from kvcached.store.mooncake_link import meminfo, segment_refusal
+from kvcached.store.mooncake_link import cgroup_memory, meminfo, segment_refusal
 from tests.conftest import DaemonFactory, MooncakeMaster, shm_entries
 
 SMALL = ["--ranks", "2", "--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
@@ -305,6 +308,41 @@ def test_the_keeper_refuses_a_segment_the_host_cannot_give() -> None:
     assert segment_refusal(12 << 30, memory, available=False) is None  # a start's check: the total only
     assert "more than this host's memory (16.0 GiB)" in str(segment_refusal(17 << 30, memory, available=False))
     assert segment_refusal(1 << 50, {}, available=True) is None  # no figures: nothing to go by
+
+
+def test_a_segment_over_the_memory_cgroups_limit_is_refused(tmp_path: Path) -> None:
+    """In a container the memory cgroup's OOM killer acts at its limit, whatever /proc/meminfo says of the
+    host: the tightest limit of the cgroup and its ancestors (v2 and v1 layouts) bounds the segment. Where
+    this host lets us make one, a process in a real 64 MiB cgroup is refused a 128 MiB segment."""
+    v2 = tmp_path / "v2"
+    for folder, limit, current in [(v2 / "pod", "268435456", 200 << 20), (v2 / "pod/app", "max", 150 << 20)]:
+        folder.mkdir(parents=True)
+        (folder / "memory.max").write_text(limit)
+        (folder / "memory.current").write_text(str(current))
+        (folder / "memory.stat").write_text(f"anon 1\ninactive_file {30 << 20}\n")
+    (tmp_path / "own").write_text("0::/pod/app\n")
+    assert cgroup_memory(tmp_path / "own", v2) == (256 << 20, 86 << 20)  # the parent's limit, less its use
+    v1 = tmp_path / "v1/memory/box"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(1 << 30))
+    (v1 / "memory.usage_in_bytes").write_text(str(100 << 20))
+    (v1 / "memory.stat").write_text("total_inactive_file 0\n")
+    (tmp_path / "own").write_text("4:memory:/box\n1:name=systemd:/x\n0::/\n")
+    assert cgroup_memory(tmp_path / "own", tmp_path / "v1") == (1 << 30, 924 << 20)
+    real = Path("/sys/fs/cgroup/memory") / f"kvcached-test-{uuid.uuid4().hex[:8]}"
+    try:
+        real.mkdir()
+        (real / "memory.limit_in_bytes").write_text(str(64 << 20))
+    except OSError:
+        return  # no cgroup v1 memory controller we may write to: the layouts above are what is checked
+    try:
+        code = "from kvcached.store.mooncake_link import meminfo as m, segment_refusal as r; "
+        code += "print(r(128 << 20, m(), available=False))"
+        shell = f"echo $$ > {real}/cgroup.procs && exec {sys.executable} -c '{code}'"
+        said = subprocess.run(["sh", "-c", shell], check=True, capture_output=True, text=True, timeout=60).stdout
+        assert "is more than the limit of the memory cgroup it runs in (64.0 MiB)" in said, said
+    finally:
+        real.rmdir()
 
 
 def test_file_store_directory(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:

@@ -367,7 +367,9 @@ def release(run_dir: Path, instance: str) -> int:
 
 
 def meminfo() -> dict[str, int]:
-    """/proc/meminfo's figures in bytes (empty where there is none)."""
+    """/proc/meminfo's figures in bytes (empty where there is none), with ``MemTotal`` and ``MemAvailable``
+    no larger than this process's memory cgroup allows (``cgroup_memory``; ``MemLimit`` is then its limit):
+    in a container the cgroup's OOM killer acts at its limit, whatever the host has."""
     found: dict[str, int] = {}
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
@@ -378,17 +380,52 @@ def meminfo() -> dict[str, int]:
         fields = value.split()
         if fields and fields[0].isdigit():
             found[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    limited = cgroup_memory()
+    if limited is not None and "MemTotal" in found and limited[0] < found["MemTotal"]:
+        found["MemLimit"] = found["MemTotal"] = limited[0]
+        found["MemAvailable"] = min(found.get("MemAvailable", limited[1]), limited[1])
     return found
+
+
+def cgroup_memory(own: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(limit, what it leaves) of the tightest memory limit on this process's cgroup (``own`` lists it) and
+    its ancestors under ``root``, cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``); what a
+    limit leaves is the limit less the usage, its inactive file pages counted free (the kernel reclaims
+    them first). None without a limit (or where the files cannot be read)."""
+    v1 = ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    v2 = ("", "memory.max", "memory.current", "inactive_file")
+    tightest: tuple[int, int] | None = None
+    with contextlib.suppress(OSError):
+        for line in own.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            mount, limit_file, usage_file, inactive = v2 if controllers == "" else v1
+            if controllers and "memory" not in controllers.split(","):
+                continue
+            base = root / mount
+            for folder in [base / path.strip("/"), *(base / path.strip("/")).parents]:
+                if not folder.is_relative_to(base):
+                    break
+                with contextlib.suppress(OSError, ValueError):
+                    limit = int((folder / limit_file).read_text())
+                    stat = dict(row.split() for row in (folder / "memory.stat").read_text().splitlines())
+                    usage = int((folder / usage_file).read_text()) - int(stat.get(inactive, 0))
+                    if tightest is None or limit - usage < tightest[1]:
+                        tightest = (limit, max(0, limit - usage))
+    return tightest
 
 
 def segment_refusal(wanted: int, memory: dict[str, int], *, available: bool) -> str | None:
     """Why a keeper must not reserve a segment of ``wanted`` bytes on a host with ``memory`` (``meminfo``):
-    more than its memory, or (``available``) more than is available now. A memfd's pages are taken as they
-    are reserved, so a reservation larger than that would push the host into the OOM killer before it
-    failed. None when it fits (or the figures are unknown)."""
+    more than its memory (its memory cgroup's limit, where that is lower), or (``available``) more than is
+    available now. A memfd's pages are taken as they are reserved, so a reservation larger than that would
+    push the host (or the container) into the OOM killer before it failed. None when it fits (or the figures
+    are unknown)."""
     total, free = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
+    cgroup = "MemLimit" in memory
     if total and wanted > total:
-        return f"{size_text(wanted)} is more than this host's memory ({size_text(total)})"
+        where = "the limit of the memory cgroup it runs in" if cgroup else "this host's memory"
+        return f"{size_text(wanted)} is more than {where} ({size_text(total)})"
     if available and free and wanted > free:
-        return f"{size_text(wanted)} is more than this host has available now ({size_text(free)}, MemAvailable)"
+        where = "its memory cgroup leaves available now" if cgroup else "this host has available now"
+        return f"{size_text(wanted)} is more than {where} ({size_text(free)}, MemAvailable)"
     return None
