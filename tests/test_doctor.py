@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
+from kvcached.config import DaemonConfig
 from kvcached.doctor import check_remove_ipc
 from kvcached.memory.shm import pin
+from kvcached.protocol.errors import InvalidConfig
 from kvcached.store.mooncake_link import cgroup_memory, meminfo, segment_refusal
 from tests.conftest import DaemonFactory, MooncakeMaster, shm_entries
 
@@ -297,6 +299,9 @@ def test_a_mooncake_segment_larger_than_the_hosts_memory_is_refused(daemons: Dae
     assert check["verdict"] == "warn" and "the keeper refuses" in check["advice"], check
     _, document = doctor(daemons, "--instance", instance, *SMALL, *store, "--mooncake-segment", "8MiB")
     assert by_name(document)["mooncake_segment"]["verdict"] == "ok", document
+    flags = dict(zip([f[2:].replace("-", "_") for f in store[::2]], store[1::2], strict=True))
+    with pytest.raises(InvalidConfig, match="--mooncake-segment: must hold one object"):  # not EINVAL later
+        DaemonConfig.build({**flags, "instance": instance, "mooncake_segment": "0"}, environ={})
 
 
 def test_the_keeper_refuses_a_segment_the_host_cannot_give() -> None:

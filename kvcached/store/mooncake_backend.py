@@ -14,7 +14,7 @@ from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.names import run_dir
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import mooncake_link, register
-from kvcached.store.base import ObjectIdentity, Store, StoreBackend
+from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend
 from kvcached.store.mooncake import (
     SECRET,
     MooncakeStore,
@@ -104,6 +104,10 @@ class MooncakeBackend(StoreBackend):
                 "mooncake_metadata", f"the port after the host must be a number from 1 to 65535; got {metadata!r}"
             )
         segment = knobs.size(values.get("mooncake_segment", "256MiB"))
+        if segment < (least := HEADER_SIZE + spec.block_bytes):  # 0 reached the keeper's posix_fallocate: EINVAL
+            raise InvalidSpec(
+                "mooncake_segment", f"must hold one object of this geometry ({least} bytes), got {segment}"
+            )
         if (refusal := segment_refusal(ranks * segment, meminfo(), available=False)) is not None:
             raise InvalidSpec(
                 "mooncake_segment", f"the keeper would reserve {ranks} ranks x {size_text(segment)}: {refusal}"
