@@ -1,6 +1,7 @@
 """Names of every shared object of an instance, and where the run directory is.
 
-An instance name is ``[A-Za-z0-9_-]{1,48}`` (no dot), so every object name parses unambiguously::
+An instance name is ``[A-Za-z0-9_][A-Za-z0-9_-]{0,47}`` (no dot, no leading "-"), so every object name
+parses unambiguously::
 
     /kvcached.<instance>                          control block (fixed name: runners find it)
     /kvcached.<instance>.<gen>.ctl                a new control block before it takes that name (a start
