@@ -306,7 +306,6 @@ class Keeper:
         # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
         refused = probe_port(*host_port(self.config.master, 50051)) is False
         (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
-        self.stats["master_up"] = flag >= 0
         if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
             self.stats["master_resets"] += 1
             self.log.warning(
@@ -316,6 +315,9 @@ class Keeper:
             )
         if flag == 0:
             self._put_marker()
+        # Up: the master knows the marker, or took it again just now (a master back from a restart takes puts
+        # only once the segment is mounted on it again: until then, puts fail).
+        self.stats["master_up"] = flag == 1 or (flag == 0 and self.marked)
         if self.instance.gone():
             self.log.info("the instance is gone for good (no control block); letting go of the segment")
             self.for_good = True
