@@ -139,8 +139,8 @@ class MooncakeStore(Store):
         self.retry_at = 0.0
         self.probe_at = 0.0  # the idle check's next probe of an unavailable master (``check``)
         #: The store was last found unavailable because the master or the metadata server refused
-        #: connections (or could not be reached), not because one took them and did not answer: a probe
-        #: that connects then tells that it is back (``check``).
+        #: connections (or could not be reached), or its keeper went away, not because one took them and did
+        #: not answer: a probe that connects then tells that it is back (``check``).
         self.refused = False
         self.away_until = 0.0  # calls fail at once until then: the master was found away (``_call``)
         self.last_error = "not connected yet"
@@ -215,6 +215,7 @@ class MooncakeStore(Store):
         except StoreUnavailable:
             self.counters.unavailable = 1
             self._note_failure()
+            self.refused = self.refused or link.dead  # the keeper went: the next call starts one
             raise
         finally:
             self._absorb(link.stats)
