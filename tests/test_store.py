@@ -394,44 +394,6 @@ def test_capacity_evicts_least_recently_used(daemons: DaemonFactory, tmp_path: P
 # -- 5. Mooncake master down and back ---------------------------------------------------------------------
 
 
-def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
-    """With the master stopped, store/load/lookup fail with a clear error while swaps go on; once the master
-    is back the store works again."""
-    daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args()])
-    daemon.wait_ready()
-    keys = keys_for(2)
-    with attached(daemon.instance) as caches, rc.CacheTasks(daemon.instance) as tasks:
-        fill(caches[0], [1, 2], seed=10)
-        tasks.store(None, [1, 2], keys)
-        mooncake.stop()
-        for call in (
-            lambda: tasks.store(None, [3], keys_for(1, salt=50)),
-            lambda: tasks.lookup(keys),
-            lambda: tasks.load(None, keys, [5, 6]),
-        ):
-            with pytest.raises(rc.TaskFailed, match="storage backend unavailable"):
-                call()
-        assert tasks.swap_out(None, [1, 2], [0, 1]).blocks == 2
-        assert tasks.swap_in(None, [0, 1], [7, 8]).blocks == 2
-        assert daemon.proc.poll() is None
-        assert availability(daemon.instance) == [False] * 2
-        assert "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
-        mooncake.start()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                tasks.store(None, [1, 2], keys)
-                break
-            except rc.TaskFailed:
-                assert time.monotonic() < deadline, "the store did not recover within 60 s of the master's return"
-                time.sleep(0.5)
-        expected = blocks(caches[0], [1, 2])
-        assert tasks.load(None, keys, [9, 10]).blocks == 2
-        assert blocks(caches[0], [9, 10]) == expected
-    ranks = read_status(daemon.instance)["ranks"]
-    assert ranks[0]["store"]["errors"] >= 3 and [r["store"]["available"] for r in ranks] == [True] * 2
-
-
 def availability(instance: str) -> list[bool]:
     """Each rank's ``store.available`` in ``kvcached status --json``."""
     return [r["store"]["available"] for r in read_status(instance)["ranks"]]
@@ -445,14 +407,13 @@ def becomes(instance: str, wanted: list[bool], what: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_store_whose_master_is_down_shows_unavailable_until_it_answers(
-    daemons: DaemonFactory, mooncake: MooncakeMaster
-) -> None:
+def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """A daemon started while its Mooncake master is down starts and serves swaps, and says its store is
     unavailable (status JSON and table, the metrics gauge) from its start; once the master is up, every
-    rank counts its store available again within seconds, with no task sent, and the store works. A
-    master that then dies while no store task runs is found within seconds too (the keeper checks it
-    each second; an idle ping reaches only the keeper), and the store comes back with a new master."""
+    rank counts its store available again within seconds, with no task sent, and the store works. A master
+    that then dies while no store task runs is found within seconds too (the keeper checks it each second);
+    store, lookup and load fail with a clear error while swaps go on; once the master is back the store is
+    available and works again, a load landing the bytes stored."""
     mooncake.stop()
     port = free_port()
     daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args(), "--metrics-port", str(port)])
@@ -469,22 +430,42 @@ def test_a_store_whose_master_is_down_shows_unavailable_until_it_answers(
         return "UNAVAILABLE" in daemons.cli("status", "--instance", daemon.instance).stdout
 
     assert availability(daemon.instance) == [False, False] and gauge() == "1.0" and shown()
-    with rc.CacheTasks(daemon.instance) as tasks:
+    keys = keys_for(2)
+    with attached(daemon.instance) as caches, rc.CacheTasks(daemon.instance) as tasks:
         assert tasks.swap_out(None, [1], [0]).blocks == 1
         mooncake.start()
         becomes(daemon.instance, [True, True], "the master up")
         assert gauge() == "0.0" and not shown()
-        keys = keys_for(1, salt=60)
-        tasks.store(None, [1], keys)  # connected on every rank
-        assert tasks.lookup(keys) == 1
+        fill(caches[0], [1, 2], seed=10)
+        tasks.store(None, [1, 2], keys)  # connected on every rank
         mooncake.stop()
         becomes(daemon.instance, [False, False], "the master killed while the store is idle")
         assert shown()
+        for call in (
+            lambda: tasks.store(None, [3], keys_for(1, salt=50)),
+            lambda: tasks.lookup(keys),
+            lambda: tasks.load(None, keys, [5, 6]),
+        ):
+            with pytest.raises(rc.TaskFailed, match="storage backend unavailable"):
+                call()
+        assert tasks.swap_out(None, [1, 2], [0, 1]).blocks == 2
+        assert tasks.swap_in(None, [0, 1], [7, 8]).blocks == 2
+        assert daemon.proc.poll() is None
         mooncake.start()
         becomes(daemon.instance, [True, True], "the master back")
-        keys = keys_for(1, salt=80)
-        tasks.store(None, [2], keys)
-        assert tasks.lookup(keys) == 1
+        deadline = time.monotonic() + 60
+        while True:  # the new master forgot every object: store them again
+            try:
+                tasks.store(None, [1, 2], keys)
+                break
+            except rc.TaskFailed:
+                assert time.monotonic() < deadline, "the store did not recover within 60 s of the master's return"
+                time.sleep(0.5)
+        expected = blocks(caches[0], [1, 2])
+        assert tasks.load(None, keys, [9, 10]).blocks == 2
+        assert blocks(caches[0], [9, 10]) == expected
+    ranks = read_status(daemon.instance)["ranks"]
+    assert ranks[0]["store"]["errors"] >= 3 and availability(daemon.instance) == [True] * 2
     assert daemon.stop() == 0
 
 

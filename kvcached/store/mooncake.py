@@ -480,6 +480,7 @@ class MooncakeStore(Store):
             self._call("ping", names=[])
             if not link.stats.get("master_up", True):
                 self.counters.unavailable = 1
+                self._note_failure()  # a master gone (it refuses): calls fail at once, not after Mooncake's wait
         elif self.counters.unavailable and self.refused and time.monotonic() >= self.probe_at:
             self.probe_at = time.monotonic() + RETRY_S
             if not self._away():
