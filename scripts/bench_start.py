@@ -190,8 +190,7 @@ def main() -> None:
             note = read_status(instance)["note"]
             restarted = restarts(instance, env, args.restarts)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            benchlib.stop_daemon(proc)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     raw = min(raw_before, raw_seconds(args.ranks, per_rank))  # before and after: the better raw run

@@ -155,7 +155,7 @@ class MooncakeBackend(StoreBackend):
             f"the keeper reserves {size_text(wanted)} ({ranks} ranks x --mooncake-segment "
             f"{size_text(options['mooncake_segment'])}); {size_text(available)} of {size_text(total)} available"
         )
-        if segment_refusal(wanted, memory, available=True) is not None:  # more than the host has: refused earlier
+        if segment_refusal(wanted, memory, available=True) is not None:  # (more than the host has: refused at start)
             advice = "lower --mooncake-segment, or free memory: the keeper refuses to reserve more than is available"
             return Check("mooncake_segment", WARN, figure, measured, advice)
         return Check("mooncake_segment", OK, figure, measured)
