@@ -43,6 +43,11 @@ def unique_instance() -> str:
     return f"{TEST_PREFIX}{os.getpid()}-{next(_counter)}"
 
 
+def availability(instance: str) -> list[bool]:
+    """Each rank's ``store.available`` in ``kvcached status --json`` of ``instance``."""
+    return [r["store"]["available"] for r in read_status(instance)["ranks"]]
+
+
 def unique_devices(count: int) -> list[int]:
     """Device numbers for ``--devices`` that no other test process uses: the xpu backend's records in
     /dev/shm are named by FastDeploy after the device alone (``key_caches_0_rank0.device6``), host-wide, so

@@ -45,6 +45,7 @@ from tests.conftest import (
     DaemonFactory,
     MooncakeMaster,
     arena_digests,
+    availability,
     run_runner,
     runner_result,
     shm_entries,
@@ -203,12 +204,9 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
         daemon.wait_ready()
         before = pids(daemon.instance)
 
-        def available() -> list[bool]:
-            return [r["store"]["available"] for r in read_status(daemon.instance)["ranks"]]
-
         with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
             until(lambda: _stores(tasks, 1), timeout=60, what="the store connected (the keeper starts meanwhile)")
-            assert master.proc is not None and available() == [True, True]
+            assert master.proc is not None and availability(daemon.instance) == [True, True]
             master.proc.send_signal(signal.SIGSTOP)
             frozen = time.monotonic()
             started = time.monotonic()
@@ -216,7 +214,7 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
                 tasks.lookup(keys(2))  # held by the frozen master past the store timeout
             assert time.monotonic() - started < 5
             # The held agent sends nothing (its last idle check said available): the call it is held in says.
-            assert available() == [False, False]
+            assert availability(daemon.instance) == [False, False]
             with pytest.raises(rc.StoreUnavailable):
                 tasks.store(None, [2], keys(2)[1:])
             while time.monotonic() - frozen < frozen_s:
@@ -227,7 +225,7 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
                 time.sleep(0.5)
             master.proc.send_signal(signal.SIGCONT)
             until(lambda: _stores(tasks, 4), timeout=60, what="store tasks after the master thawed")
-            until(lambda: available() == [True, True], timeout=30, what="the store available again")
+            until(lambda: availability(daemon.instance) == [True, True], timeout=30, what="the store available again")
         assert pids(daemon.instance) == before
         assert "has not returned for" in daemon.log()  # a stuck agent was given up and replaced
     finally:
@@ -257,7 +255,7 @@ def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(
         for started in (daemon, gone):
             started.wait_ready(timeout=30)
             until(lambda s=started: len(keepers_of(s.instance)) == 2, timeout=30, what="a keeper and its launcher")
-            assert [r["store"]["available"] for r in read_status(started.instance)["ranks"]] == [False, False]
+            assert availability(started.instance) == [False, False]
         tasks = rc.CacheTasks(daemon.instance, timeout=30)
         with pytest.raises(rc.StoreUnavailable):
             tasks.store(None, [1], keys(1))

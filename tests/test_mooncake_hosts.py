@@ -26,7 +26,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.status import read_status
-from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, free_port, unique_instance
+from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, availability, free_port, unique_instance
 
 BLOCKS = 72
 #: The master's client_ttl where a test waits for it to drop a dead host's segment (the master's default:
@@ -468,12 +468,9 @@ def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFacto
     os.kill(old, signal.SIGKILL)
     until(lambda: not alive(old), timeout=10, what="the keeper's death")
 
-    def available() -> list[bool]:
-        return [r["store"]["available"] for r in read_status(a.instance)["ranks"]]
-
     # Found by the idle checks, with no task; available again (the next call starts a keeper), also with none.
-    until(lambda: not all(available()), timeout=10, what="the keeper's death in status")
-    until(lambda: all(available()), timeout=30, what="the store available again with no task sent")
+    until(lambda: not all(availability(a.instance)), timeout=10, what="the keeper's death in status")
+    until(lambda: all(availability(a.instance)), timeout=30, what="the store available again with no task sent")
 
     def stores() -> bool:
         try:

@@ -19,7 +19,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.status import read_status
-from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, free_port
+from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, availability, free_port
 
 GEOMETRY: dict[str, Any] = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
 FLAGS = ["--num-layers", "3", "--num-blocks", "16", "--num-cpu-blocks", "8", "--dtype", "int8", "--block-wise-fp8"]
@@ -392,11 +392,6 @@ def test_capacity_evicts_least_recently_used(daemons: DaemonFactory, tmp_path: P
 
 
 # -- 5. Mooncake master down and back ---------------------------------------------------------------------
-
-
-def availability(instance: str) -> list[bool]:
-    """Each rank's ``store.available`` in ``kvcached status --json``."""
-    return [r["store"]["available"] for r in read_status(instance)["ranks"]]
 
 
 def becomes(instance: str, wanted: list[bool], what: str) -> None:
