@@ -79,14 +79,24 @@ def test_status_watch_refreshes_with_rates_until_interrupted(daemons: DaemonFact
         env=daemons.env(),
         cwd=ROOT,
     )
-    try:
-        time.sleep(2.0)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(watch.stdout.readline, "")) if watch.stdout else None)
+    reader.start()
+    try:  # four frames, however long the interpreter takes to start (a loaded host)
+        deadline = time.monotonic() + 30
+        while sum("(every 0.2 s; Ctrl-C to stop)" in line for line in list(lines)) < 4:
+            assert time.monotonic() < deadline and watch.poll() is None, "".join(lines)
+            time.sleep(0.05)
         watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=20)
+        assert watch.wait(20) == 0, watch.stderr.read() if watch.stderr else ""
+        reader.join(20)
     finally:
         stop.set()
         worker.join(20)
-    assert watch.returncode == 0, err
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    out = "".join(lines)
     frames = out.count("(every 0.2 s; Ctrl-C to stop)")
     assert frames >= 4, out
     assert "out/s" in out and ("KiB/s" in out or "MiB/s" in out), out
