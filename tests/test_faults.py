@@ -51,7 +51,7 @@ from tests.conftest import (
     shm_entries,
     unique_instance,
 )
-from tests.helpers.procs import Proc, descendants
+from tests.helpers.procs import Proc, descendants, frozen, halt
 from tests.test_service import as_user
 
 GEOMETRY = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=4)
@@ -152,7 +152,7 @@ def test_a_hung_worker_is_replaced_on_the_same_memory(daemons: DaemonFactory) ->
         fill(cache, 1)
         tasks.swap_out(1, [1, 2], [0, 1])
         digests = arena_digests(daemon.instance)
-        os.kill(status["ranks"][1]["pid"], signal.SIGSTOP)
+        halt(status["ranks"][1]["pid"])
         until(lambda: pids(daemon.instance)[1] != status["ranks"][1]["pid"] and states(daemon.instance)[1] == "READY")
         assert arena_digests(daemon.instance) == digests
         tasks.swap_in(1, [0, 1], [5, 6])
@@ -194,8 +194,11 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
     and past the point where a stuck store agent is given up (``store_agent.ABANDON_AFTER`` store timeouts)
     fails store tasks, with StoreUnavailable, within the store timeout; swaps go on; every rank stays READY
     on the same worker; status says the store unavailable from the first call the master held (its agent,
-    held, sends nothing); once the master is back, store tasks work again and the store is available."""
+    held, sends nothing); once the master is back, store tasks work again and the store is available. Frozen
+    again while no task runs, the store shows unavailable within seconds (the keeper's check of the master is
+    held), and available again once the master answers, with no task."""
     master = mooncake
+    assert master.proc is not None
     frozen_s = 4.5
     assert frozen_s > ABANDON_AFTER * 0.5  # the store timeout below
     try:
@@ -206,9 +209,9 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
 
         with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
             until(lambda: _stores(tasks, 1), timeout=60, what="the store connected (the keeper starts meanwhile)")
-            assert master.proc is not None and availability(daemon.instance) == [True, True]
-            master.proc.send_signal(signal.SIGSTOP)
-            frozen = time.monotonic()
+            assert availability(daemon.instance) == [True, True]
+            halt(master.proc.pid)
+            frozen_at = time.monotonic()
             started = time.monotonic()
             with pytest.raises(rc.StoreUnavailable, match="without progress"):
                 tasks.lookup(keys(2))  # held by the frozen master past the store timeout
@@ -217,7 +220,7 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
             assert availability(daemon.instance) == [False, False]
             with pytest.raises(rc.StoreUnavailable):
                 tasks.store(None, [2], keys(2)[1:])
-            while time.monotonic() - frozen < frozen_s:
+            while time.monotonic() - frozen_at < frozen_s:
                 assert tasks.swap_out(None, [3], [1]).blocks == 1
                 with pytest.raises(rc.StoreUnavailable):
                     tasks.lookup(keys(1))
@@ -226,6 +229,9 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
             master.proc.send_signal(signal.SIGCONT)
             until(lambda: _stores(tasks, 4), timeout=60, what="store tasks after the master thawed")
             until(lambda: availability(daemon.instance) == [True, True], timeout=30, what="the store available again")
+        with frozen(master.proc.pid):
+            until(lambda: availability(daemon.instance) == [False, False], timeout=15, what="an idle store unavailable")
+        until(lambda: availability(daemon.instance) == [True, True], timeout=30, what="available again, with no task")
         assert pids(daemon.instance) == before
         assert "has not returned for" in daemon.log()  # a stuck agent was given up and replaced
     finally:
@@ -250,7 +256,8 @@ def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(
     the other daemon while the master still does not answer leaves no keeper of it running (its launcher
     ends it once the instance is gone)."""
     args = [*geometry(), *mooncake.args(), "--store-timeout", "1"]
-    with frozen(mooncake):
+    assert mooncake.proc is not None
+    with frozen(mooncake.proc.pid):
         daemon, gone = daemons.start(ranks=2, args=args), daemons.start(ranks=2, args=args)
         for started in (daemon, gone):
             started.wait_ready(timeout=30)
@@ -267,17 +274,6 @@ def test_a_frozen_mooncake_master_at_start_does_not_hold_the_ranks(
         until(lambda: _stores(tasks, 1), timeout=90, what="store tasks once the master answers")
 
 
-@contextlib.contextmanager
-def frozen(master: MooncakeMaster) -> Iterator[None]:
-    """``master`` stopped (SIGSTOP) for the block, and thawed after it whatever happens."""
-    assert master.proc is not None
-    master.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        master.proc.send_signal(signal.SIGCONT)
-
-
 def keepers_of(instance: str) -> list[Proc]:
     """The Mooncake keeper processes of ``instance`` (a starting keeper's launcher among them)."""
     named = f'"instance": "{instance}"'
@@ -292,7 +288,7 @@ def test_a_paused_supervisor_changes_nothing(daemons: DaemonFactory) -> None:
     daemon.wait_ready()
     before = pids(daemon.instance)
     with rc.CacheTasks(daemon.instance) as tasks:
-        os.kill(daemon.pid, signal.SIGSTOP)
+        halt(daemon.pid)
         try:
             paused = time.monotonic()
             while time.monotonic() - paused < 2.5:
@@ -414,7 +410,7 @@ def test_a_send_to_a_frozen_worker_times_out(daemons: DaemonFactory) -> None:
     status = daemon.wait_ready()
     with rc.CacheTasks(daemon.instance, timeout=2) as tasks:
         tasks.swap_out(0, [1], [1])
-        os.kill(status["ranks"][0]["pid"], signal.SIGSTOP)
+        halt(status["ranks"][0]["pid"])
         try:
             started = time.monotonic()
             with pytest.raises(rc.TaskTimeout):

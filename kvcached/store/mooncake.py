@@ -240,6 +240,7 @@ class MooncakeStore(Store):
     def _failed(self, what: str, code: int) -> StoreUnavailable:
         self.last_error = f"Mooncake {what} failed with code {code} (master {self.keeper.master})"
         error = StoreUnavailable(self.last_error)
+        self.counters.unavailable = 1  # until a call succeeds, or an idle check finds the master up
         self._note_failure()
         return error
 

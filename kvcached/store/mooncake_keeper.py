@@ -53,6 +53,8 @@ from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, memin
 GONE_AFTER_S = 2.0
 #: Seconds between the keeper's checks (marker object, instance), made by a thread of their own.
 TICK_S = 1.0
+#: A check of one key takes the master milliseconds: one held this long says the master does not answer.
+HELD_S = 2.0
 MARKER_BYTES = 4096
 #: Replicas a put may ask for, at most (Mooncake places each on a distinct segment).
 MAX_REPLICAS = 64
@@ -97,6 +99,7 @@ class Keeper:
         self.for_good = False  # quitting because the instance is gone for good: its log goes too
         self.socket_inode = 0
         self.marked = False  # the master knows the marker object
+        self.checking_since: float | None = None  # when the watcher's check of the master began, while it runs
         self.segment_ids: list[str] = []  # the master's names of the mounted segment
 
     # -- start --------------------------------------------------------------------------------------
@@ -188,15 +191,15 @@ class Keeper:
                         result: Any = self._hello()
                         fd_out = (self.segment_fd,)
                     elif op == "info":
-                        result = {**self._hello(), "stats": self.stats}
+                        result = {**self._hello(), "stats": self._stats()}
                     elif op == "quit":
                         self.stop()
                         result = None
                     else:
                         result = self._dispatch(buffer, op, request)
-                    reply = {"ok": True, "result": result, "stats": self.stats}
+                    reply = {"ok": True, "result": result, "stats": self._stats()}
                 except Exception as exc:  # the agent gets the reason; the keeper serves on
-                    reply = {"ok": False, "error": f"{op}: {exc}", "stats": self.stats}
+                    reply = {"ok": False, "error": f"{op}: {exc}", "stats": self._stats()}
                 finally:
                     for fd in fds:
                         os.close(fd)
@@ -302,10 +305,24 @@ class Keeper:
     # -- housekeeping -------------------------------------------------------------------------------
 
     def _tick(self) -> None:
-        """Whether the master still knows this segment's objects, and whether the instance still exists."""
+        """Whether the instance still exists, and whether the master still knows this segment's objects (in
+        that order: a master that does not answer holds the second check, not the first)."""
+        if self.instance.gone():
+            self.log.info("the instance is gone for good (no control block); letting go of the segment")
+            self.for_good = True
+            self.stop()
+            return
+        if self.listener is not None and not self._socket_is_ours():
+            self.log.info("the keeper's socket was removed; nobody can reach it any more: quitting")
+            self.stop()
+            return
         # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
         refused = probe_port(*host_port(self.config.master, 50051)) is False
-        (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
+        self.checking_since = time.monotonic()
+        try:
+            (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
+        finally:
+            self.checking_since = None
         if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
             self.stats["master_resets"] += 1
             self.log.warning(
@@ -318,13 +335,15 @@ class Keeper:
         # Up: the master knows the marker, or took it again just now (a master back from a restart takes puts
         # only once the segment is mounted on it again: until then, puts fail).
         self.stats["master_up"] = flag == 1 or (flag == 0 and self.marked)
-        if self.instance.gone():
-            self.log.info("the instance is gone for good (no control block); letting go of the segment")
-            self.for_good = True
-            self.stop()
-        if self.listener is not None and not self._socket_is_ours():
-            self.log.info("the keeper's socket was removed; nobody can reach it any more: quitting")
-            self.stop()
+
+    def _stats(self) -> dict[str, Any]:
+        """The figures each reply carries. While the master holds the watcher's check longer than
+        ``HELD_S`` (a frozen master takes connections and answers nothing, for Mooncake's 30 s), it is not
+        up, whatever the last check found."""
+        since = self.checking_since
+        if since is not None and time.monotonic() - since > HELD_S:
+            return {**self.stats, "master_up": False}
+        return self.stats
 
     def _socket_is_ours(self) -> bool:
         """Whether the socket path still leads to this keeper (a newer keeper may have replaced it)."""

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -46,3 +51,36 @@ def descendants(pid: int) -> dict[int, Proc]:
         found[child] = table[child]
         todo += children.get(child, [])
     return found
+
+
+def halt(pid: int, timeout: float = 10.0) -> None:
+    """Stop process ``pid`` (``SIGSTOP``) and return once every thread of it is stopped (or it is gone).
+    ``kill`` returns before they are: a thread running on another CPU runs on, here up to 18 ms under load,
+    long enough to answer a request sent just after, as if the process had not been stopped yet."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all(state in "Tt" for state in _thread_states(pid)):
+        assert time.monotonic() < deadline, f"process {pid} has threads still running {timeout}s after SIGSTOP"
+        time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """Process ``pid`` stopped (``halt``) for the block, and continued after it whatever happens."""
+    halt(pid)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of ``pid`` now (none when it is gone)."""
+    states = []
+    with contextlib.suppress(FileNotFoundError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                stat = (task / "stat").read_text()
+                states.append(stat[stat.rfind(")") + 2])
+    return states
