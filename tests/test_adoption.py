@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.status import read_status
 from runner_client.tasks import FOLLOW_S
 from tests.conftest import ROOT, Daemon, DaemonFactory, shm_entries, unique_devices, unique_instance
+from tests.helpers.procs import halt
 
 
 def geometry(spec: rc.CacheSpec) -> list[str]:
@@ -222,7 +222,7 @@ def test_restart_past_a_frozen_worker_of_the_last_image(daemons: DaemonFactory) 
     cache = rc.initialize_kv_cache(SPEC, 1, instance=daemon.instance, timeout=10)
     cache.key_caches[0][7] = 9
     frozen, other = worker_pids(daemon.instance)
-    os.kill(frozen, signal.SIGSTOP)
+    halt(frozen)
     result = daemons.cli("restart", "--instance", daemon.instance)
     assert result.returncode == 0 and "adopted from generation" in result.stdout, result.stdout + result.stderr
     assert "did not drain" in daemon.log() and "handing the rank over" in daemon.log()

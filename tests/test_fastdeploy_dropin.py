@@ -25,6 +25,7 @@ from kvcached.fastdeploy.arguments import (
 )
 from kvcached.protocol.errors import InvalidSpec
 from tests.conftest import ROOT
+from tests.helpers.procs import halt
 
 LAUNCH = [
     "--rank",
@@ -192,7 +193,7 @@ def test_a_wait_on_a_live_engine_goes_on_past_its_deadline(
     expired = threading.Event()
     watch = waits.Waits(0, lambda what, waited: expired.set(), launcher)
     try:
-        os.kill(engine.pid, signal.SIGSTOP)
+        halt(engine.pid)
         with (
             caplog.at_level("WARNING", logger="kvcached.fastdeploy"),
             watch.on("the engine's cache queue", 0.5, engine=True),

@@ -34,6 +34,7 @@ from tests.helpers.fastdeploy_engine_code import (
     fill,
     views,
 )
+from tests.helpers.procs import halt
 
 shared_engine, shared = fastdeploy_engine_code.shared_engine, fastdeploy_engine_code.shared  # fixtures
 BLOCK = GEOMETRY["block_size"]
@@ -237,7 +238,7 @@ def test_a_read_is_reported_once_every_ranks_part_ended(daemons: DaemonFactory, 
         ranks = read_status(daemon.instance)["ranks"]
         stopped = [*children(ranks[0]["pid"]), ranks[1]["pid"]]
         for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
+            halt(pid)
         continued = time.monotonic() + 2.5
         threading.Timer(2.5, os.kill, (ranks[1]["pid"], signal.SIGCONT)).start()
         try:

@@ -27,6 +27,7 @@ from kvcached.fastdeploy.arguments import store_key
 from kvcached.fastdeploy.mover import Mover, Outcome
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.helpers.procs import halt
 from tests.test_fastdeploy_engine import GEOMETRY, SPEC, TP, Engine, blocks
 
 #: Blocks of the spec the tests fill, store and load.
@@ -116,7 +117,7 @@ def test_a_read_is_reported_only_once_every_ranks_part_has_ended(daemons: Daemon
         assert write(engine, "w", keys, SOURCE) == SOURCE
         stopped = [store_agent(daemon.instance, 0), read_status(daemon.instance)["ranks"][1]["pid"]]
         for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
+            halt(pid)
         continued = time.monotonic() + 2.5
         threading.Timer(2.5, os.kill, (stopped[1], signal.SIGCONT)).start()
         try:
@@ -208,7 +209,7 @@ def test_a_paused_engine_is_waited_for(daemons: DaemonFactory, tmp_path: Path) -
     ``tests/test_fastdeploy_engine_code.py``.)"""
     with served(daemons, tmp_path, KVCACHED_TASK_DEADLINE_S="2", KVCACHED_QUEUE_SLACK_S="1") as (engine, _):
         server = engine.server.manager._process.pid
-        os.kill(server, signal.SIGSTOP)
+        halt(server)
         try:
             engine.until(
                 lambda: all(WAITS_ON in engine.output(proc) for proc in engine.dropins),

@@ -20,6 +20,7 @@ import pytest
 
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.helpers.procs import halt
 from tests.test_fastdeploy_engine import GEOMETRY, blocks
 from tests.test_fastdeploy_faults import fill, logs, served, views
 
@@ -40,7 +41,7 @@ def test_a_control_task_is_answered_while_a_swap_waits_on_a_stopped_worker(
         try:
             fill(caches, [1, 2], seed=11)
             original = [blocks(c, [1, 2]) for c in caches]
-            os.kill(worker, signal.SIGSTOP)
+            halt(worker)
             resumed.start()
             engine.queue.put_transfer_task((status.SWAP2CPU, "a", [21], [1], [0]))
             engine.until(engine.queue.empty, "swap a taken")
@@ -143,7 +144,7 @@ def test_swaps_queued_at_once_through_a_fault_are_reported_done_only_with_their_
             else:
                 pids = [daemon.proc.pid] + [r["pid"] for r in read_status(daemon.instance)["ranks"]]
                 for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
+                    halt(pid)
                 time.sleep(1.0)
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
@@ -197,7 +198,7 @@ def test_a_pause_taken_behind_swaps_sent_to_a_stopped_worker_is_answered_only_on
     with served(daemons, tmp_path) as (engine, daemon):
         status = engine.fd.CacheStatus
         worker = read_status(daemon.instance)["ranks"][1]["pid"]
-        os.kill(worker, signal.SIGSTOP)
+        halt(worker)
         threading.Timer(3.0, os.kill, (worker, signal.SIGCONT)).start()
         try:
             for i in range(8):

@@ -17,6 +17,7 @@ import pytest
 
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.helpers.procs import halt
 from tests.test_fastdeploy_faults import served
 
 
@@ -33,7 +34,7 @@ def test_a_control_task_is_answered_while_swaps_wait_on_a_stopped_workers_full_s
         block_ids = list(range(8)) * (ids // 8)  # 16 bytes a block in the frame
         try:
             engine.task((status.SWAP2CPU, "small", [1], [1], [1]))  # the connections are open
-            os.kill(worker, signal.SIGSTOP)
+            halt(worker)
             for i in range(swaps):
                 engine.queue.put_transfer_task((status.SWAP2CPU, f"s{i}", list(range(ids)), block_ids, block_ids))
             engine.until(

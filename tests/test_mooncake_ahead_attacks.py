@@ -22,6 +22,7 @@ from kvcached.protocol.messages import MAX_PAYLOAD, REQUEST, REQUEST_MAGIC, TASK
 from kvcached.protocol.names import task_socket_path
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory, MooncakeMaster
+from tests.helpers.procs import halt
 from tests.test_frames import read_reply
 from tests.test_mooncake_ahead import FLAGS, PER_LOAD, attached, blocks, fill, keys_for, start
 from tests.test_mooncake_hosts import alive, until
@@ -285,7 +286,7 @@ def test_a_store_agent_stopped_under_queued_loads_costs_those_loads(
         agent = int(Path(f"/proc/{worker}/task/{worker}/children").read_text().split()[0])
         targets = [list(range(100 + 50 * (k % 3), 100 + 50 * (k % 3) + PER_LOAD)) for k in range(8)]
         assert tasks.load(None, keys, targets[0]).blocks == PER_LOAD
-        os.kill(agent, signal.SIGSTOP)
+        halt(agent)
         handles = [tasks.submit(tasks.load, None, keys, targets[k]) for k in range(8)]
         outcomes: list[Any] = []
         try:

@@ -27,6 +27,7 @@ import pytest
 import runner_client as rc
 from kvcached.status import read_status
 from tests.conftest import Daemon, DaemonFactory, MooncakeMaster, availability, free_port, unique_instance
+from tests.helpers.procs import halt
 
 BLOCKS = 72
 #: The master's client_ttl where a test waits for it to drop a dead host's segment (the master's default:
@@ -405,7 +406,7 @@ def test_a_store_agent_stopped_in_a_load_costs_only_that_call(daemons: DaemonFac
     keys, expected = store_prefix(a, 8, salt=50)
     keeper, worker = keeper_pid(a), read_status(a.instance)["ranks"][0]["pid"]
     (frozen,) = (int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split())
-    os.kill(frozen, signal.SIGSTOP)
+    halt(frozen)
     with rc.CacheTasks(a.instance, timeout=60) as tasks:
         started = time.monotonic()
         with pytest.raises(rc.StoreUnavailable, match="agent was stopped"):

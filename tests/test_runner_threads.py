@@ -18,18 +18,10 @@ import pytest
 import runner_client as rc
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.helpers.procs import frozen, halt
 
 #: Generous: each call below returns in milliseconds when it works, and not before a 60 s timeout when not.
 BOUND_S = 15.0
-
-
-@contextlib.contextmanager
-def stopped(pid: int) -> Iterator[None]:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def in_thread(call: Callable[[], Any]) -> list[Any]:
@@ -50,7 +42,7 @@ def connected(daemons: DaemonFactory) -> Iterator[tuple[rc.CacheTasks, int]]:
 
 def test_a_send_never_waits_behind_another_threads_wait_for_a_reply(daemons: DaemonFactory) -> None:
     with connected(daemons) as (tasks, worker):
-        with stopped(worker):
+        with frozen(worker):
             first = tasks.submit(tasks.swap_out, 0, [1], [1])
             waiting = threading.Thread(target=first.result, daemon=True)
             waiting.start()  # reads the connection for its reply, which cannot come
@@ -67,7 +59,7 @@ def test_a_tasks_timeout_bounds_the_hello_of_a_new_connection(daemons: DaemonFac
     daemon = daemons.start(ranks=1)
     daemon.wait_ready()
     worker = read_status(daemon.instance)["ranks"][0]["pid"]
-    with rc.CacheTasks(daemon.instance, timeout=60) as tasks, stopped(worker):
+    with rc.CacheTasks(daemon.instance, timeout=60) as tasks, frozen(worker):
         raised = in_thread(lambda: tasks.swap_out(0, [1], [1], timeout=timeout))
         assert isinstance(raised[0], rc.KVCacheError), raised
     with rc.CacheTasks(daemon.instance, timeout=60) as tasks:
@@ -109,7 +101,7 @@ def test_a_thread_waiting_behind_another_for_one_handle_keeps_its_own_timeout(da
     TaskTimeout at its own deadline (not when the other, reading the replies, gives up); once the worker
     runs again, the other gets the result, and so does a later call from the first."""
     with connected(daemons) as (tasks, worker):
-        with stopped(worker):
+        with frozen(worker):
             handle = tasks.submit(tasks.swap_out, 0, [1], [1])
             reader = in_thread_started(handle.result)  # 60 s: it reads the replies, which cannot come yet
             reader[0].join(0.3)
@@ -155,7 +147,7 @@ def test_threads_reading_one_handle_whose_worker_dies_all_get_task_lost(daemons:
     with rc.CacheTasks(daemon.instance, timeout=60) as tasks:
         assert tasks.swap_out(0, [0], [0]).blocks == 1  # the connection is open
         worker = read_status(daemon.instance)["ranks"][0]["pid"]
-        os.kill(worker, signal.SIGSTOP)
+        halt(worker)
         handle = tasks.submit(tasks.swap_out, 0, [1], [1])
         barrier = threading.Barrier(readers + 1)
 

@@ -24,7 +24,8 @@ import pytest
 import runner_client as rc
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
-from tests.test_runner_threads import BOUND_S, in_thread, stopped
+from tests.helpers.procs import frozen
+from tests.test_runner_threads import BOUND_S, in_thread
 
 DOCUMENTED = (rc.TaskLost, rc.TaskTimeout, rc.DaemonGone, rc.InvalidTask, rc.TaskFailed, rc.RankFailed)
 
@@ -45,7 +46,7 @@ def test_close_while_another_thread_waits_for_a_result_raises_a_documented_error
     tasks = rc.CacheTasks(daemon.instance, timeout=30)
     assert tasks.swap_out(0, [0], [0]).blocks == 1
     worker = read_status(daemon.instance)["ranks"][0]["pid"]
-    with stopped(worker):
+    with frozen(worker):
         handle = tasks.submit(tasks.swap_out, 0, [1], [1])
         out: list[Any] = []
 
@@ -77,7 +78,7 @@ def served_then_stopped(daemons: DaemonFactory) -> Iterator[rc.CacheTasks]:
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance, timeout=BOUND_S * 2) as tasks:
         assert tasks.swap_out(0, [0], [0]).blocks == 1
-        with stopped(read_status(daemon.instance)["ranks"][0]["pid"]):
+        with frozen(read_status(daemon.instance)["ranks"][0]["pid"]):
             yield tasks
 
 
@@ -183,7 +184,7 @@ def test_a_storm_of_tasks_from_many_threads_each_result_is_its_own(daemons: Daem
         daemon.kill9()
         daemon.proc.wait(30)
     elif fault == "stop-worker":
-        with stopped(status["ranks"][0]["pid"]):
+        with frozen(status["ranks"][0]["pid"]):
             time.sleep(1.0)
     elif fault == "restart":
         assert daemons.cli("restart", "--instance", daemon.instance).returncode == 0
@@ -215,7 +216,7 @@ def test_close_while_another_thread_opens_a_connection_leaves_no_connection_open
         except BaseException as exc:
             out.append(exc)
 
-    with stopped(worker):
+    with frozen(worker):
         opener = threading.Thread(target=submit, daemon=True)
         opener.start()  # its HELLO waits for the stopped worker
         opener.join(1.0)
@@ -245,7 +246,7 @@ def test_past_max_in_flight_on_a_stopped_worker_a_submit_times_out_by_its_deadli
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
         assert tasks.swap_out(0, [0], [0]).blocks == 1
-        with stopped(read_status(daemon.instance)["ranks"][0]["pid"]):
+        with frozen(read_status(daemon.instance)["ranks"][0]["pid"]):
             handles = [tasks.submit(tasks.swap_out, 0, [1], [1], timeout=0.05) for _ in range(rc_max())]
             began = time.monotonic()
             raised = in_thread(lambda: tasks.submit(tasks.swap_out, 0, [1], [1], timeout=0.05))
@@ -280,7 +281,7 @@ def test_a_hello_cut_off_by_the_tasks_own_deadline_is_a_task_timeout_not_daemon_
     daemon = daemons.start(ranks=1, stop_timeout=2, args=["--worker-timeout", "120"])
     daemon.wait_ready()
     with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
-        with stopped(read_status(daemon.instance)["ranks"][0]["pid"]):
+        with frozen(read_status(daemon.instance)["ranks"][0]["pid"]):
             raised = in_thread(lambda: tasks.swap_out(0, [1], [1], timeout=0.2))
         assert isinstance(raised[0], rc.TaskTimeout), repr(raised[0])
 
@@ -296,7 +297,7 @@ def test_a_reply_already_read_by_another_thread_is_returned_without_waiting_behi
         assert tasks.swap_out(0, [0], [0]).blocks == 1
         first = tasks.submit(tasks.swap_out, 0, [1], [1])
         time.sleep(0.5)  # answered: its reply waits in the socket
-        with stopped(read_status(daemon.instance)["ranks"][0]["pid"]):
+        with frozen(read_status(daemon.instance)["ranks"][0]["pid"]):
             second = tasks.submit(tasks.swap_out, 0, [2], [2])
             reader = threading.Thread(target=lambda: in_thread(lambda: second.result(timeout=10)), daemon=True)
             reader.start()  # reads first's reply on its way to second's, then blocks
@@ -363,7 +364,7 @@ def test_a_runner_signalled_every_20_ms_still_times_out_its_reads_and_sends(daem
     try:
         assert runner.stdout is not None and runner.stdin is not None
         assert runner.stdout.readline().strip() == "connected", runner.stderr
-        with stopped(read_status(daemon.instance)["ranks"][0]["pid"]):
+        with frozen(read_status(daemon.instance)["ranks"][0]["pid"]):
             runner.stdin.write("go\n")
             runner.stdin.flush()
             out, err = runner.communicate(timeout=60)

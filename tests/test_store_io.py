@@ -15,6 +15,7 @@ import pytest
 import runner_client as rc
 from kvcached.status import read_status
 from tests.conftest import DaemonFactory
+from tests.helpers.procs import halt
 from tests.test_faults import small_disk
 
 __all__ = ["small_disk"]  # a fixture: a 4 MiB tmpfs
@@ -94,7 +95,7 @@ def test_a_store_agent_stopped_in_a_load_is_replaced(daemons: DaemonFactory, tmp
         expected = blocks(cache, [0, 1, 2, 3])
         tasks.store(0, [0, 1, 2, 3], keys)
         frozen = store_agent(instance)
-        os.kill(frozen, signal.SIGSTOP)
+        halt(frozen)
         started = time.monotonic()
         with pytest.raises(rc.StoreUnavailable, match="agent was stopped"):
             tasks.load(0, keys, [4, 5, 6, 7])
