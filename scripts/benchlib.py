@@ -7,7 +7,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -15,6 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvcached.status import is_ready, read_status  # noqa: E402
+from tests.helpers.zygote import die_with_us  # noqa: E402
+
+__all__ = ["die_with_us"]  # the benchmarks start what they run through it, as the tests do
 
 
 def geometry_args(
@@ -70,15 +72,6 @@ def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def die_with_us(signal_name: str) -> list[str]:
-    """``setpriv`` arguments that send the process they start SIG``signal_name`` when this benchmark dies,
-    kill -9 included (nothing it started is left running); from the main thread only: the signal comes when
-    the thread that started the process ends."""
-    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
-        return ["setpriv", "--pdeathsig", signal_name, "--"]
-    return []
 
 
 def wait_store(instance: str, timeout: float = 120) -> None:

@@ -405,9 +405,9 @@ def _is_open(fd: int) -> bool:
 
 
 def die_with_us(signal_name: str = "KILL") -> list[str]:
-    """``setpriv`` arguments that kill the process they start when the test process dies (a suite killed by a
-    CI cancel leaves nothing running), with SIG``signal_name``; only from the main thread: the signal comes
-    when the thread that started the process ends."""
+    """``setpriv`` arguments that kill the process they start when this process dies (a suite killed by a
+    CI cancel, a benchmark killed by -9, leaves nothing running), with SIG``signal_name``; only from the main
+    thread: the signal comes when the thread that started the process ends."""
     import shutil
 
     if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
