@@ -316,10 +316,10 @@ class Keeper:
             self.log.info("the keeper's socket was removed; nobody can reach it any more: quitting")
             self.stop()
             return
-        # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
-        refused = probe_port(*host_port(self.config.master, 50051)) is False
-        self.checking_since = time.monotonic()
+        self.checking_since = time.monotonic()  # the probe's name lookup may hang too
         try:
+            # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
+            refused = probe_port(*host_port(self.config.master, 50051)) is False
             (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
         finally:
             self.checking_since = None
