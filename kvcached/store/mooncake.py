@@ -213,7 +213,6 @@ class MooncakeStore(Store):
         try:
             result = link.call(op, **args)
         except StoreUnavailable:
-            self.counters.unavailable = 1
             self._note_failure()
             self.refused = self.refused or link.dead  # the keeper went: the next call starts one
             raise
@@ -223,10 +222,12 @@ class MooncakeStore(Store):
         return result
 
     def _note_failure(self) -> None:
-        """A call failed: when the master or the metadata server is gone (not merely slow to answer), the
-        next calls fail at once for ``RETRY_S``."""
+        """A call failed: the store counts as unavailable until a call succeeds (or an idle check finds the
+        master up); when the master or the metadata server is gone (not merely slow to answer), the next
+        calls fail at once for ``RETRY_S``."""
+        self.counters.unavailable = 1
         if self._away(gone=True):
-            self.away_until, self.counters.unavailable = time.monotonic() + RETRY_S, 1
+            self.away_until = time.monotonic() + RETRY_S
 
     def _absorb(self, stats: Mapping[str, Any]) -> None:
         resets = int(stats.get("master_resets", self.counters.master_resets))
@@ -240,7 +241,6 @@ class MooncakeStore(Store):
     def _failed(self, what: str, code: int) -> StoreUnavailable:
         self.last_error = f"Mooncake {what} failed with code {code} (master {self.keeper.master})"
         error = StoreUnavailable(self.last_error)
-        self.counters.unavailable = 1  # until a call succeeds, or an idle check finds the master up
         self._note_failure()
         return error
 
@@ -480,7 +480,6 @@ class MooncakeStore(Store):
             link = self.link
             self._call("ping", names=[])
             if not link.stats.get("master_up", True):
-                self.counters.unavailable = 1
                 self._note_failure()  # a master gone (it refuses): calls fail at once, not after Mooncake's wait
         elif self.counters.unavailable and self.refused and time.monotonic() >= self.probe_at:
             self.probe_at = time.monotonic() + RETRY_S
