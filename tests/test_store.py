@@ -405,7 +405,8 @@ def becomes(instance: str, wanted: list[bool], what: str) -> None:
 def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
     """A daemon started while its Mooncake master is down starts and serves swaps, and says its store is
     unavailable (status JSON and table, the metrics gauge) from its start; once the master is up, every
-    rank counts its store available again within seconds, with no task sent, and the store works. A master
+    rank counts its store available again within seconds, with no task sent, connected (its keeper started
+    by the idle checks), and the store works at the first task. A master
     that then dies while no store task runs is found within seconds too (the keeper checks it each second);
     store, lookup and load fail with a clear error while swaps go on; once the master is back the store is
     available and works again, a load landing the bytes stored."""
@@ -431,6 +432,7 @@ def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: Moonca
         mooncake.start()
         becomes(daemon.instance, [True, True], "the master up")
         assert gauge() == "0.0" and not shown()
+        assert (daemons.run_dir / f"{daemon.instance}.mooncake.sock").exists(), "no keeper started"
         fill(caches[0], [1, 2], seed=10)
         tasks.store(None, [1, 2], keys)  # connected on every rank
         mooncake.stop()

@@ -136,8 +136,7 @@ class MooncakeStore(Store):
         self.segment: memoryview | None = None  # the keeper's segment, mapped read-only
         self.segment_map: mmap.mmap
         self.segment_address = 0
-        self.retry_at = 0.0
-        self.probe_at = 0.0  # the idle check's next probe of an unavailable master (``check``)
+        self.retry_at, self.probe_at = 0.0, 0.0  # the next connect, the idle check's next probe (``check``)
         #: The store was last found unavailable because the master or the metadata server refused
         #: connections (or could not be reached), or its keeper went away, not because one took them and did
         #: not answer: a probe that connects then tells that it is back (``check``).
@@ -214,7 +213,7 @@ class MooncakeStore(Store):
             result = link.call(op, **args)
         except StoreUnavailable:
             self._note_failure()
-            self.refused = self.refused or link.dead  # the keeper went: the next call starts one
+            self.refused = self.refused or link.dead  # the keeper went: the idle check starts one
             raise
         finally:
             self._absorb(link.stats)
@@ -469,13 +468,12 @@ class MooncakeStore(Store):
         return count
 
     def check(self) -> None:
-        """Refresh what the keeper reports (the master's resets, whether the master answers its own check
-        each second) while idle; never starts a keeper. Connected: the store counts as unavailable while
-        the keeper finds the master away (a ping reaches the keeper only). Not connected and found
-        unavailable because the master or the metadata server refused connections: once both take them
-        again (probed at most once per ``RETRY_S``), the store counts as available (the next call
-        connects). One that took connections and did not answer (a hung master) counts as unavailable until
-        a call succeeds: that it takes a connection says nothing."""
+        """While idle, each second: connected, the store counts as unavailable while the keeper finds the
+        master away (a ping reaches the keeper only). Not connected because the master or the metadata
+        server refused connections, or the keeper went away: once both take them (probed once per
+        ``RETRY_S``), it connects, starting a keeper, before a task needs it (a start that takes seconds
+        could overrun a task's ``--store-timeout``). After a hung master or a keeper that could not start,
+        unavailable until a call succeeds: that the master takes a connection says nothing."""
         if self.link is not None and not self.link.dead:
             link = self.link
             self._call("ping", names=[])
@@ -484,7 +482,9 @@ class MooncakeStore(Store):
         elif self.counters.unavailable and self.refused and time.monotonic() >= self.probe_at:
             self.probe_at = time.monotonic() + RETRY_S
             if not self._away():
-                self.counters.unavailable, self.retry_at = 0, 0.0  # the next call connects at once
+                self.retry_at = 0.0
+                self._ensure()  # raises (unavailable still) when it cannot connect
+                self.counters.unavailable = 0
 
     def _unmap(self) -> None:
         if self.segment is not None:
