@@ -23,6 +23,7 @@ from kvcached.memory.shm import pin
 from kvcached.protocol.errors import InvalidConfig
 from kvcached.store.mooncake_link import cgroup_memory, meminfo, segment_refusal
 from tests.conftest import DaemonFactory, MooncakeMaster, shm_entries
+from tests.helpers.procs import frozen
 
 SMALL = ["--ranks", "2", "--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
 SMALL += ["--num-blocks", "8", "--num-cpu-blocks", "4"]
@@ -233,10 +234,17 @@ def test_mooncake_master_answers_or_not(daemons: DaemonFactory, instance: str, t
     ]
     code, document = doctor(daemons, "--instance", instance, *SMALL, *store)
     assert code == 1 and by_name(document)["mooncake_master"]["verdict"] == "fail"
+    assert by_name(document)["mooncake_keeper"]["measured"] == {"running": False}  # shown with the master down too
     master.start()
     try:
         code, document = doctor(daemons, "--instance", instance, *SMALL, *store)
         assert code == 0 and by_name(document)["mooncake_master"]["verdict"] == "ok", document
+        assert master.proc is not None
+        with frozen(master.proc.pid):  # it takes connections, and answers nothing
+            code, document = doctor(daemons, "--instance", instance, *SMALL, *store)
+        check = by_name(document)["mooncake_master"]
+        assert code == 1 and check["verdict"] == "fail" and "metadata" in check["figure"], check
+        assert check["measured"]["metadata"]["answers"] is False and check["measured"]["master"]["answers"], check
     finally:
         master.stop()
 

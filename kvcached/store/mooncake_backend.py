@@ -4,6 +4,8 @@ and the tier's design are in ``kvcached.store.mooncake``."""
 from __future__ import annotations
 
 import dataclasses
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
@@ -161,18 +163,23 @@ class MooncakeBackend(StoreBackend):
         return Check("mooncake_segment", OK, figure, measured)
 
     def _master_checks(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
+        """Whether the master and its metadata server take connections and, for an HTTP metadata server (in
+        the master's process), answer a request: a frozen master takes connections and answers nothing."""
         endpoints = {"master": host_port(options["mooncake_master"], 50051)}
         if (metadata := metadata_endpoint(options["mooncake_metadata"])) is not None:
             endpoints["metadata"] = metadata
         up = {name: reachable(*hp) for name, hp in endpoints.items()}
+        if up.get("metadata") and str(options["mooncake_metadata"]).startswith("http"):
+            up["metadata"] = _http_answers(str(options["mooncake_metadata"]))
         measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
         figure = ", ".join(
             f"{name} {h}:{p} {'answers' if up[name] else 'does not answer'}" for name, (h, p) in endpoints.items()
         )
+        keeper = self._keeper_check(options, ranks)
         if not all(up.values()):
-            advice = "start mooncake_master (--enable_http_metadata_server)"
-            return [Check("mooncake_master", FAIL, figure, measured, advice)]
-        return [Check("mooncake_master", OK, figure, measured), self._keeper_check(options, ranks)]
+            advice = "start mooncake_master (--enable_http_metadata_server); one that runs may be stopped or overloaded"
+            return [Check("mooncake_master", FAIL, figure, measured, advice), keeper]
+        return [Check("mooncake_master", OK, figure, measured), keeper]
 
     def _keeper_check(self, options: Mapping[str, Any], ranks: int) -> Check:
         """Whether the instance's keeper runs, what it holds, and whether the next start keeps it."""
@@ -184,8 +191,11 @@ class MooncakeBackend(StoreBackend):
         measured["master_resets"] = found.get("stats", {}).get("master_resets", 0)
         figure = (
             f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
-            f"{found.get('hostname')}; the master forgot it {measured['master_resets']} times"
+            f"{found.get('hostname')}; the master forgot it {_times(int(measured['master_resets'] or 0))}"
         )
+        if found.get("stats", {}).get("master_up") is False:
+            advice = "the master does not answer the keeper's checks: see the mooncake_master check"
+            return Check("mooncake_keeper", WARN, f"{figure}; the master does not answer it now", measured, advice)
         per_rank = f"{ranks} ranks x --mooncake-segment"
         held_bytes = int(found.get("segment_bytes", 0))
         held = {
@@ -200,6 +210,21 @@ class MooncakeBackend(StoreBackend):
             advice = "the next start replaces it (its objects leave the store): start with the options it has"
             return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
         return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
+
+
+def _http_answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether the HTTP server at ``url`` answers a request within ``timeout`` (with any status)."""
+    try:
+        with urllib.request.urlopen(f"{url}?key=kvcached-doctor", timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _times(count: int) -> str:
+    return "once" if count == 1 else f"{count} times"
 
 
 def _port(text: str) -> bool:
