@@ -29,12 +29,9 @@ back by itself (the keeper's client mounts its segment again); what the master f
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
-import socket
 import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +44,7 @@ from kvcached.store import landing
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreCounters, header_checksum
 from kvcached.store.landing import Targets
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link
+from kvcached.store.mooncake_net import host_port, metadata_endpoint, probe_port
 
 RETRY_S = 1.0
 #: The option naming the secret file of the headers' tags.
@@ -59,59 +57,6 @@ NOT_FOUND = -704
 #: took lasts seconds).
 AHEAD_S = 0.5
 RPC_FAILED = -900
-
-
-def host_port(address: str, default_port: int) -> tuple[str, int]:
-    """(host, port) of ``HOST:PORT`` or a URL, with ``default_port`` when the URL has none."""
-    if "://" in address:
-        parsed = urllib.parse.urlsplit(address)
-        return parsed.hostname or "127.0.0.1", parsed.port or default_port
-    host, _, port = address.rpartition(":")
-    return host or "127.0.0.1", int(port)
-
-
-def metadata_port(address: str) -> str:
-    """The port a metadata URL names (its first server's, for an etcd list), "8080" when it names none."""
-    netloc = address.partition("://")[2].split("/", 1)[0].split(";", 1)[0].split(",", 1)[0].rpartition("@")[2]
-    host_end = netloc.rfind("]") if netloc.startswith("[") else -1
-    _, colon, port = netloc[host_end + 1 :].rpartition(":")
-    return port if colon else "8080"
-
-
-def metadata_endpoint(address: str) -> tuple[str, int] | None:
-    """The (host, port) to probe for the metadata server of ``--mooncake-metadata``, or None for
-    ``P2PHANDSHAKE`` (no server: the segments' hosts tell each other)."""
-    if address == "P2PHANDSHAKE":
-        return None
-    host = urllib.parse.urlsplit(address.split(";", 1)[0].split(",", 1)[0]).hostname
-    return host or "127.0.0.1", int(metadata_port(address))
-
-
-def local_address(host: str, port: int) -> str:
-    """The address of this host on the route to ``host`` (what other hosts reach it by, as a rule)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, port))
-            return str(probe.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
-def probe_port(host: str, port: int) -> bool | None:
-    """Whether ``host:port`` takes a TCP connection within half a second: True; False when it is gone (it
-    refuses, or its host or network is unreachable); None when it is merely slow to answer."""
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except ConnectionRefusedError:
-        return False
-    except OSError as exc:
-        return False if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH) else None
-
-
-def reachable(host: str, port: int) -> bool:
-    """Whether ``host:port`` takes a TCP connection within half a second."""
-    return probe_port(host, port) is True
 
 
 class MooncakeStore(Store):

@@ -4,8 +4,6 @@ and the tier's design are in ``kvcached.store.mooncake``."""
 from __future__ import annotations
 
 import dataclasses
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,16 +15,16 @@ from kvcached.protocol.names import run_dir
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import mooncake_link, register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend
-from kvcached.store.mooncake import (
-    SECRET,
-    MooncakeStore,
+from kvcached.store.mooncake import SECRET, MooncakeStore
+from kvcached.store.mooncake_link import KeeperConfig, meminfo, release, segment_refusal
+from kvcached.store.mooncake_net import (
     host_port,
+    http_answers,
     local_address,
     metadata_endpoint,
     metadata_port,
     reachable,
 )
-from kvcached.store.mooncake_link import KeeperConfig, meminfo, release, segment_refusal
 from kvcached.store.secret import read_secret, secret_file
 
 #: The metadata servers Mooncake's transfer engine connects to, by the scheme that names each.
@@ -170,7 +168,7 @@ class MooncakeBackend(StoreBackend):
             endpoints["metadata"] = metadata
         up = {name: reachable(*hp) for name, hp in endpoints.items()}
         if up.get("metadata") and str(options["mooncake_metadata"]).startswith("http"):
-            up["metadata"] = _http_answers(str(options["mooncake_metadata"]))
+            up["metadata"] = http_answers(str(options["mooncake_metadata"]))
         measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
         figure = ", ".join(
             f"{name} {h}:{p} {'answers' if up[name] else 'does not answer'}" for name, (h, p) in endpoints.items()
@@ -210,17 +208,6 @@ class MooncakeBackend(StoreBackend):
             advice = "the next start replaces it (its objects leave the store): start with the options it has"
             return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
         return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
-
-
-def _http_answers(url: str, timeout: float = 2.0) -> bool:
-    """Whether the HTTP server at ``url`` answers a request within ``timeout`` (with any status)."""
-    try:
-        with urllib.request.urlopen(f"{url}?key=kvcached-doctor", timeout=timeout):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def _times(count: int) -> str:

@@ -46,8 +46,8 @@ from typing import Any
 from kvcached import logs
 from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.protocol.trust import peer_credentials
-from kvcached.store.mooncake import host_port, probe_port
 from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, meminfo, segment_refusal, send
+from kvcached.store.mooncake_net import host_port, probe_port
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0

@@ -1,0 +1,74 @@
+"""Addresses of a Mooncake cluster (the master, its metadata server, this host's own) and quick probes of
+them, for the store client, its keeper and doctor's checks."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+
+
+def host_port(address: str, default_port: int) -> tuple[str, int]:
+    """(host, port) of ``HOST:PORT`` or a URL, with ``default_port`` when the URL has none."""
+    if "://" in address:
+        parsed = urllib.parse.urlsplit(address)
+        return parsed.hostname or "127.0.0.1", parsed.port or default_port
+    host, _, port = address.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def metadata_port(address: str) -> str:
+    """The port a metadata URL names (its first server's, for an etcd list), "8080" when it names none."""
+    netloc = address.partition("://")[2].split("/", 1)[0].split(";", 1)[0].split(",", 1)[0].rpartition("@")[2]
+    host_end = netloc.rfind("]") if netloc.startswith("[") else -1
+    _, colon, port = netloc[host_end + 1 :].rpartition(":")
+    return port if colon else "8080"
+
+
+def metadata_endpoint(address: str) -> tuple[str, int] | None:
+    """The (host, port) to probe for the metadata server of ``--mooncake-metadata``, or None for
+    ``P2PHANDSHAKE`` (no server: the segments' hosts tell each other)."""
+    if address == "P2PHANDSHAKE":
+        return None
+    host = urllib.parse.urlsplit(address.split(";", 1)[0].split(",", 1)[0]).hostname
+    return host or "127.0.0.1", int(metadata_port(address))
+
+
+def local_address(host: str, port: int) -> str:
+    """The address of this host on the route to ``host`` (what other hosts reach it by, as a rule)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def probe_port(host: str, port: int) -> bool | None:
+    """Whether ``host:port`` takes a TCP connection within half a second: True; False when it is gone (it
+    refuses, or its host or network is unreachable); None when it is merely slow to answer."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError as exc:
+        return False if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH) else None
+
+
+def reachable(host: str, port: int) -> bool:
+    """Whether ``host:port`` takes a TCP connection within half a second."""
+    return probe_port(host, port) is True
+
+
+def http_answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether the HTTP server at ``url`` answers a request within ``timeout`` (with any status)."""
+    try:
+        with urllib.request.urlopen(f"{url}?key=kvcached-doctor", timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
