@@ -196,7 +196,8 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
     on the same worker; status says the store unavailable from the first call the master held (its agent,
     held, sends nothing); once the master is back, store tasks work again and the store is available. Frozen
     again while no task runs, the store shows unavailable within seconds (the keeper's check of the master is
-    held), and available again once the master answers, with no task."""
+    held; store tasks fail at once), and available again once the master answers, with no task; the log says
+    when the store became unavailable and available again."""
     master = mooncake
     assert master.proc is not None
     frozen_s = 4.5
@@ -229,11 +230,15 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
             master.proc.send_signal(signal.SIGCONT)
             until(lambda: _stores(tasks, 4), timeout=60, what="store tasks after the master thawed")
             until(lambda: availability(daemon.instance) == [True, True], timeout=30, what="the store available again")
-        with frozen(master.proc.pid):
-            until(lambda: availability(daemon.instance) == [False, False], timeout=15, what="an idle store unavailable")
-        until(lambda: availability(daemon.instance) == [True, True], timeout=30, what="available again, with no task")
+            with frozen(master.proc.pid):
+                until(lambda: availability(daemon.instance) == [False, False], timeout=15, what="an idle store down")
+                with pytest.raises(rc.StoreUnavailable, match="does not answer its keeper's checks"):
+                    tasks.lookup(keys(1))  # at once, not after the store timeout: the keeper found it down
+            until(lambda: availability(daemon.instance) == [True, True], timeout=30, what="available, with no task")
         assert pids(daemon.instance) == before
-        assert "has not returned for" in daemon.log()  # a stuck agent was given up and replaced
+        log = daemon.log()
+        assert "has not returned for" in log  # a stuck agent was given up and replaced
+        assert "attention store unavailable" in log and "attention store available again" in log
     finally:
         if master.proc is not None:
             master.proc.send_signal(signal.SIGCONT)

@@ -459,11 +459,17 @@ def test_doctor_shows_the_keeper_and_clean_lets_a_dead_hosts_keeper_go(
 
 
 def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
-    """The keeper killed -9 while its daemon runs (its host's objects go with it): status says so, then
+    """The keeper killed -9 while its daemon runs (its host's objects go with it; the master restarted once
+    before: ``master_resets`` goes on from 1, a counter): status says so, then
     counts the store available again with no task sent, a new keeper started by the idle checks (a start
     inside a task could overrun its store timeout); store tasks work; the old prefix is a miss, never an
     error; nothing holds the dead keeper's segment memory."""
     a = start_host(daemons, mooncake)
+    store_prefix(a, 4, salt=39)
+    resets = lambda: [r["store"]["master_resets"] for r in read_status(a.instance)["ranks"]]  # noqa: E731
+    mooncake.stop()
+    mooncake.start()
+    until(lambda: resets() == [1, 1], timeout=30, what="the master's restart counted")
     keys, _ = store_prefix(a, 4, salt=40)
     old = keeper_pid(a)
     os.kill(old, signal.SIGKILL)
@@ -473,6 +479,9 @@ def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFacto
     until(lambda: not all(availability(a.instance)), timeout=10, what="the keeper's death in status")
     until(lambda: all(availability(a.instance)), timeout=30, what="the store available again with no task sent")
     assert keeper_pid(a) != old
+    assert [r["store"]["objects"] for r in read_status(a.instance)["ranks"]] == [0, 0]  # gone with the old keeper
+    assert "the Mooncake keeper was replaced" in a.daemon.log()
+    assert resets() == [1, 1]  # a counter: the new keeper's count goes on from the old one's
 
     def stores() -> bool:
         try:

@@ -66,6 +66,7 @@ class TaskServer:
         #: The CPU pool's key directory (None without a pool): ``swap_out`` with keys enters blocks there.
         self.keys = keys
         self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
+        self.store_was_unavailable = False  # what the log last said of it (``_mirror_store_counters``)
         self.handing_over = False  # tasks are answered NOT_RUN: the next daemon runs them
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
@@ -316,6 +317,14 @@ class TaskServer:
             store_master_resets=c.master_resets,
             store_unavailable=int(self.store.unavailable),
         )
+        if self.store.unavailable != self.store_was_unavailable and self.store.opened:
+            self.store_was_unavailable = self.store.unavailable
+            if self.store_was_unavailable:
+                self.log.warning(
+                    "attention store unavailable: store tasks fail until it answers", backend=self.store.name
+                )
+            else:
+                self.log.info("attention store available again", backend=self.store.name)
 
 
 def _next_load(client: Client) -> list[bytes]:

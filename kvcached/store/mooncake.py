@@ -82,6 +82,8 @@ class MooncakeStore(Store):
         self.segment_map: mmap.mmap
         self.segment_address = 0
         self.retry_at, self.probe_at = 0.0, 0.0  # the next connect, the idle check's next probe (``check``)
+        self.keeper_pid: int | None = None  # of the last link: another one is a new keeper, its segment empty
+        self.resets_base = 0  # ``master_resets`` counted with keepers before the current one
         #: The store was last found unavailable because the master or the metadata server refused
         #: connections (or could not be reached), or its keeper went away, not because one took them and did
         #: not answer: a probe that connects then tells that it is back (``check``).
@@ -119,6 +121,11 @@ class MooncakeStore(Store):
         self.segment = memoryview(self.segment_map)
         self.segment_address = int(np.frombuffer(self.segment_map, dtype=np.uint8).ctypes.data)
         self.link, self.ahead = link, None
+        if self.keeper_pid not in (None, link.pid):  # what this rank stored went with the old keeper's segment
+            self.log.warning("the Mooncake keeper was replaced: this host's objects are gone (misses from now on)")
+            self.counters.objects = self.counters.bytes = 0
+            self.resets_base = self.counters.master_resets  # the new keeper counts from 0: ours goes on
+        self.keeper_pid = link.pid
         self._absorb(link.stats)
         return link
 
@@ -135,11 +142,18 @@ class MooncakeStore(Store):
             )
         return bool(down)
 
-    def _usable(self) -> KeeperLink:
+    def _usable(self, *, ping: bool = False) -> KeeperLink:
         """The link to the keeper. After a call failed with the master gone (its port refuses), this fails
         at once (no call waits out Mooncake's own retries) until a probe finds it back, at most once per
-        ``RETRY_S``."""
+        ``RETRY_S``; so it does (but for the idle check's ``ping``) while the keeper last found the master
+        not answering (a frozen master: a call would wait out the store timeout)."""
         link = self._ensure()
+        if not ping and link.stats.get("master_up") is False:
+            self._note_failure()
+            raise StoreUnavailable(
+                f"the Mooncake master {self.keeper.master} does not answer its keeper's checks (stopped? "
+                "overloaded?); store tasks fail until it does"
+            )
         if self.away_until:
             now = time.monotonic()
             if now < self.away_until:
@@ -152,7 +166,7 @@ class MooncakeStore(Store):
 
     def _call(self, op: str, **args: Any) -> Any:
         """``op`` on the keeper (see ``_usable``)."""
-        link = self._usable()
+        link = self._usable(ping=op == "ping")
         self._take_ahead(link)
         try:
             result = link.call(op, **args)
@@ -174,7 +188,9 @@ class MooncakeStore(Store):
             self.away_until = time.monotonic() + RETRY_S
 
     def _absorb(self, stats: Mapping[str, Any]) -> None:
-        resets = int(stats.get("master_resets", self.counters.master_resets))
+        if "master_resets" not in stats:
+            return
+        resets = self.resets_base + int(stats["master_resets"])
         if resets > self.counters.master_resets:  # the master forgot every object, in any segment
             self.counters.objects = self.counters.bytes = 0
         self.counters.master_resets = resets
