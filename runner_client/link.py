@@ -216,6 +216,12 @@ class RankLink:
                 if self.daemons.closed:  # closed while this one opened: it must not outlive the client
                     connection.close()
                     raise self._closed()
+                current = self._connection
+                if current is not None and current.block is self.daemons.block:
+                    connection.close()  # another thread's opened meanwhile: one per rank, no socket left to GC
+                    return current
+                if current is not None:
+                    self.daemons.retire(current)
                 self._connection = connection
             return connection
 

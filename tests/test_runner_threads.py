@@ -161,3 +161,36 @@ def test_threads_reading_one_handle_whose_worker_dies_all_get_task_lost(daemons:
         got = [finish(outcome) for outcome in outcomes]
         assert all(isinstance(g, rc.TaskLost) for g in got), got
         assert tasks.swap_out(0, [1], [1]).blocks == 1  # the replaced worker serves
+
+
+def test_threads_opening_a_ranks_connection_at_once_leave_one_open(daemons: DaemonFactory) -> None:
+    """Sixteen threads send their first task at the same moment, so each finds the rank with no connection
+    and opens one: one connection stays, the others are closed at once (none is left open, unreferenced by
+    the client, until a garbage collection closes it), and every task gets its own result."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+
+    def sockets() -> int:
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                found += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        return found
+
+    before = sockets()
+    with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+        start = threading.Barrier(16)
+        handles: list[rc.TaskHandle] = []  # held: a connection a handle's task went out on stays referenced
+
+        def first_task(block: int) -> None:
+            start.wait()
+            handles.append(tasks.submit(tasks.swap_out, 0, [block % 8], [block % 4]))
+
+        threads = [threading.Thread(target=first_task, args=(i,)) for i in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(BOUND_S)
+        assert len(handles) == 16 and all(handle.result().blocks == 1 for handle in handles)
+        assert sockets() - before == 1
+    assert sockets() == before
