@@ -40,14 +40,14 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from kvcached import logs
 from kvcached.protocol.names import SHM_DIR, control_name
 from kvcached.protocol.trust import peer_credentials
 from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, meminfo, segment_refusal, send
-from kvcached.store.mooncake_net import host_port, probe_port
+from kvcached.store.mooncake_memory import address, is_int, mapped_spans, populate, spans
+from kvcached.store.mooncake_net import free_port, host_port, probe_port
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
@@ -110,7 +110,7 @@ class Keeper:
 
         for _ in range(5):  # the transfer port is picked free, but may be taken before Mooncake binds it
             client = MooncakeDistributedStore()
-            hostname = f"{self.config.host}:{_free_port(self.config.host)}"
+            hostname = f"{self.config.host}:{free_port(self.config.host)}"
             code = client.setup(hostname, self.config.metadata, 0, 0, "tcp", "", self.config.master)
             if code == 0:
                 break
@@ -121,10 +121,10 @@ class Keeper:
         if mounted.get("ret") != 0:
             raise RuntimeError(f"Mooncake could not mount a segment of {self.config.segment_bytes} bytes")
         self.segment_ids = list(mounted.get("segment_ids") or [])
-        self.spans = _mapped_spans(self.segment_fd)
+        self.spans = mapped_spans(self.segment_fd)
         for start, end, _ in self.spans:  # its pages mapped now, not one fault per page at the first puts
-            _populate(start, end - start)
-        if client.register_buffer(_address(self.marker), MARKER_BYTES) != 0:
+            populate(start, end - start)
+        if client.register_buffer(address(self.marker), MARKER_BYTES) != 0:
             raise RuntimeError("Mooncake could not register the marker buffer")
         self._put_marker()
 
@@ -217,7 +217,7 @@ class Keeper:
         self._forget_buffer(old)
         size = os.fstat(fds[0]).st_size
         buffer = mmap.mmap(fds[0], size)
-        if self.client.register_buffer(_address(buffer), size) != 0:
+        if self.client.register_buffer(address(buffer), size) != 0:
             buffer.close()
             raise RuntimeError(f"cannot register a buffer of {size} bytes")
         return buffer
@@ -250,7 +250,7 @@ class Keeper:
             raise ValueError(f"unknown request {op!r}")
         if buffer is None:
             raise ValueError(f"{op} before hello")
-        ptrs, sizes = _spans(_address(buffer), len(buffer), len(names), request.get("offsets"), request.get("sizes"))
+        ptrs, sizes = spans(address(buffer), len(buffer), len(names), request.get("offsets"), request.get("sizes"))
         if op == "put":
             return self.client.batch_put_from(names, ptrs, sizes, self._placement(request.get("replicas")))
         return self.client.batch_get_into(names, ptrs, sizes)
@@ -258,7 +258,7 @@ class Keeper:
     def _placement(self, replicas: Any) -> Any:
         from mooncake.store import ReplicateConfig
 
-        if not _is_int(replicas) or not 1 <= replicas <= MAX_REPLICAS:
+        if not is_int(replicas) or not 1 <= replicas <= MAX_REPLICAS:
             raise ValueError(f"replicas: must be a whole number from 1 to {MAX_REPLICAS}; got {replicas!r}")
         config = ReplicateConfig()
         config.preferred_segment = self.hostname
@@ -298,7 +298,7 @@ class Keeper:
     def _forget_buffer(self, buffer: mmap.mmap | None) -> None:
         if buffer is not None:
             with contextlib.suppress(Exception):
-                self.client.unregister_buffer(_address(buffer))
+                self.client.unregister_buffer(address(buffer))
             with contextlib.suppress(BufferError):
                 buffer.close()
 
@@ -361,7 +361,7 @@ class Keeper:
         placement = self._placement(1)
         with contextlib.suppress(AttributeError):
             placement.with_hard_pin = True
-        codes = self.client.batch_put_from([self._marker_name()], [_address(self.marker)], [MARKER_BYTES], placement)
+        codes = self.client.batch_put_from([self._marker_name()], [address(self.marker)], [MARKER_BYTES], placement)
         self.marked = codes == [0]
 
     def close(self) -> None:
@@ -378,57 +378,6 @@ class Keeper:
             self.listener.close()
         if self.client is not None and self.segment_ids and self.client.health_check() == 0:
             self.client.unmount_segment(self.segment_ids)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _spans(base: int, length: int, count: int, offsets: Any, sizes: Any) -> tuple[list[int], list[int]]:
-    """Pointers and sizes of ``count`` objects at ``offsets`` in a buffer of ``length`` bytes at ``base``:
-    each span must lie whole inside the buffer. Raises ``ValueError`` naming the first that does not."""
-    for field, values in (("offsets", offsets), ("sizes", sizes)):
-        if not isinstance(values, list) or len(values) != count or not all(map(_is_int, values)):
-            raise ValueError(f"{field}: must be a list of {count} whole numbers, one per name")
-    for i, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
-        if offset < 0 or size <= 0 or offset + size > length:
-            raise ValueError(f"object {i}: {size} bytes at offset {offset} do not lie in the {length}-byte buffer")
-    return [base + offset for offset in offsets], list(sizes)
-
-
-def _address(buffer: mmap.mmap) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-
-
-#: madvise(2) advice: fill the page tables of a range for writing (Linux 5.14+; older kernels refuse it).
-MADV_POPULATE_WRITE = 23
-
-
-def _populate(address: int, length: int) -> None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "0.0.0.0", 0))
-        return int(s.getsockname()[1])
-
-
-def _mapped_spans(fd: int) -> list[tuple[int, int, int]]:
-    """Where this process maps the memfd ``fd`` (Mooncake mapped it when mounting): (start, end, offset)."""
-    inode = os.fstat(fd).st_ino
-    spans = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 5 and fields[4] == str(inode) and "memfd:" in line:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            spans.append((start, end, int(fields[2], 16)))
-    return spans
 
 
 def _started(read_end: int, keeper: int, config: KeeperConfig) -> str:

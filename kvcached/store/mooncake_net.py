@@ -72,3 +72,10 @@ def http_answers(url: str, timeout: float = 2.0) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "0.0.0.0", 0))
+        return int(s.getsockname()[1])
