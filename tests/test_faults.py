@@ -244,6 +244,28 @@ def test_a_frozen_mooncake_master_fails_only_store_tasks(daemons: DaemonFactory,
             master.proc.send_signal(signal.SIGCONT)
 
 
+def test_a_store_agent_replaced_while_the_master_is_frozen_costs_nothing_once_it_answers(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """The master frozen; the rank's store agent killed meanwhile, and its successor's buffer refused by the
+    keeper (Mooncake's registration of it, held, fails half-way, as did its unregistration of the killed
+    agent's: both regions stay registered in Mooncake for good, and a buffer mapped there again was refused
+    forever, the store unavailable until a final stop). Once the master answers, store tasks work at once."""
+    assert mooncake.proc is not None
+    daemon = daemons.start(ranks=1, args=[*geometry(), *mooncake.args(), "--store-timeout", "0.5"])
+    daemon.wait_ready()
+    keeper_log = daemons.run_dir / f"{daemon.instance}.mooncake.log"
+    with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+        until(lambda: _stores(tasks, 1), timeout=60, what="the store connected")
+        worker = pids(daemon.instance)[0]
+        (agent,) = (int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split())
+        with frozen(mooncake.proc.pid):
+            os.kill(agent, signal.SIGKILL)
+            until(lambda: "could not register" in keeper_log.read_text(), timeout=60, what="the new agent refused")
+        until(lambda: _stores(tasks, 2), timeout=30, what="store tasks once the master answers")
+    assert pids(daemon.instance) == [worker]
+
+
 def _stores(tasks: rc.CacheTasks, block: int) -> bool:
     """Whether block ``block`` is stored under the last of ``keys(block)`` (False while the store does not answer)."""
     try:

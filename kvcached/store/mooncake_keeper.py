@@ -56,6 +56,8 @@ TICK_S = 1.0
 #: A check of one key takes the master milliseconds: one held this long says the master does not answer.
 HELD_S = 2.0
 MARKER_BYTES = 4096
+#: Mappings of an agent's buffer tried at most, each at another address (``Keeper._adopt_buffer``).
+REGISTER_TRIES = 64
 #: Replicas a put may ask for, at most (Mooncake places each on a distinct segment).
 MAX_REPLICAS = 64
 
@@ -211,16 +213,29 @@ class Keeper:
             self._forget_buffer(buffer)
 
     def _adopt_buffer(self, fds: list[int], old: mmap.mmap | None) -> mmap.mmap:
-        """Map and register the agent's batch buffer (the first descriptor of its hello)."""
+        """Map and register the agent's batch buffer (the first descriptor of its hello). A buffer that
+        Mooncake could not unregister (its master did not answer) leaves its region registered for good
+        (a later unregister of it fails too), and any buffer mapped over it is refused ("overlapped memory
+        region"): the buffer is mapped again elsewhere, all mappings of the one memfd (no memory more)."""
         if not fds:
             raise ValueError("hello without the batch buffer")
         self._forget_buffer(old)
         size = os.fstat(fds[0]).st_size
-        buffer = mmap.mmap(fds[0], size)
-        if self.client.register_buffer(address(buffer), size) != 0:
-            buffer.close()
+        refused: list[mmap.mmap] = []  # kept mapped while trying: each next mapping lies at another address
+        try:
+            while len(refused) < REGISTER_TRIES:
+                buffer = mmap.mmap(fds[0], size)
+                began = time.monotonic()
+                if self.client.register_buffer(address(buffer), size) == 0:
+                    return buffer
+                refused.append(buffer)
+                if time.monotonic() - began > 1.0:  # the master did not answer, not a region already held
+                    break
+            self.log.warning("could not register an agent's buffer", bytes=size, tries=len(refused))
             raise RuntimeError(f"cannot register a buffer of {size} bytes")
-        return buffer
+        finally:
+            for buffer in refused:
+                buffer.close()
 
     def _hello(self) -> dict[str, Any]:
         return {
