@@ -340,6 +340,31 @@ def test_rolling_restart_of_three_hosts_under_a_stream_of_cross_host_loads(
     assert misses == 0, "the keepers serve every object all through each restart"
 
 
+def test_a_full_pool_fails_stores_and_leaves_the_store_available(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """Objects of 1 MiB into a 4 MiB segment, the master's only one: once the pool has no room, a store task
+    fails, naming Mooncake's code, and the store counts as available still (the master answered; status
+    flapped to UNAVAILABLE at each such failure); lookups go on answering."""
+    geometry = ["--num-layers=4", "--kv-heads=8", "--head-dim=128", "--block-size=64", "--num-blocks=2"]
+    daemon = daemons.start(ranks=1, args=[*geometry, "--num-cpu-blocks=0", *mooncake.args("4MiB")])
+    daemon.wait_ready()
+    with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+        stored = 0
+        for round_ in range(16):
+            key = rc.block_keys(list(range(64)), 64, extra=f"full-{round_}")
+            try:
+                tasks.store(0, [0], key)
+            except rc.StoreUnavailable as exc:
+                assert "failed with code" in str(exc), exc
+                break
+            stored += 1
+        else:
+            raise AssertionError("16 objects of 1 MiB went into a 4 MiB pool")
+        assert 0 < stored <= 4 and availability(daemon.instance) == [True]
+        assert tasks.lookup(rc.block_keys(list(range(64)), 64, extra="full-0")) == 1
+
+
 # -- the master restarts ------------------------------------------------------------------------------------
 
 

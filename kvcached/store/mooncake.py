@@ -201,7 +201,8 @@ class MooncakeStore(Store):
     def _failed(self, what: str, code: int) -> StoreUnavailable:
         self.last_error = f"Mooncake {what} failed with code {code} (master {self.keeper.master})"
         error = StoreUnavailable(self.last_error)
-        self._note_failure()
+        if code <= RPC_FAILED:  # the master did not answer; a code above it is its answer (a full pool: -200)
+            self._note_failure()
         return error
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
