@@ -356,7 +356,7 @@ def test_a_full_pool_fails_stores_and_leaves_the_store_available(
             try:
                 tasks.store(0, [0], key)
             except rc.StoreUnavailable as exc:
-                assert "failed with code" in str(exc), exc
+                assert "failed with code -200" in str(exc), exc  # Mooncake 0.3.13: no room
                 break
             stored += 1
         else:
