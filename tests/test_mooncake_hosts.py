@@ -345,7 +345,7 @@ def test_a_full_pool_fails_stores_and_leaves_the_store_available(
 ) -> None:
     """Objects of 1 MiB into a 4 MiB segment, the master's only one: once the pool has no room, a store task
     fails, naming Mooncake's code, and the store counts as available still (the master answered; status
-    flapped to UNAVAILABLE at each such failure); lookups go on answering."""
+    flapped to UNAVAILABLE at each such failure); lookups go on answering (the master may evict the first)."""
     geometry = ["--num-layers=4", "--kv-heads=8", "--head-dim=128", "--block-size=64", "--num-blocks=2"]
     daemon = daemons.start(ranks=1, args=[*geometry, "--num-cpu-blocks=0", *mooncake.args("4MiB")])
     daemon.wait_ready()
@@ -362,7 +362,7 @@ def test_a_full_pool_fails_stores_and_leaves_the_store_available(
         else:
             raise AssertionError("16 objects of 1 MiB went into a 4 MiB pool")
         assert 0 < stored <= 4 and availability(daemon.instance) == [True]
-        assert tasks.lookup(rc.block_keys(list(range(64)), 64, extra="full-0")) == 1
+        assert tasks.lookup(rc.block_keys(list(range(64)), 64, extra="full-0")) in (0, 1)  # (Mooncake may evict it)
 
 
 # -- the master restarts ------------------------------------------------------------------------------------
