@@ -46,6 +46,7 @@ from tests.conftest import (
     MooncakeMaster,
     arena_digests,
     availability,
+    remove_entries,
     run_runner,
     runner_result,
     shm_entries,
@@ -250,7 +251,10 @@ def test_a_store_agent_replaced_while_the_master_is_frozen_costs_nothing_once_it
     """The master frozen; the rank's store agent killed meanwhile, and its successor's buffer refused by the
     keeper (Mooncake's registration of it, held, fails half-way, as did its unregistration of the killed
     agent's: both regions stay registered in Mooncake for good, and a buffer mapped there again was refused
-    forever, the store unavailable until a final stop). Once the master answers, store tasks work at once."""
+    forever, the store unavailable until a final stop). Once the master answers, store tasks work at once.
+    Frozen again, the daemon killed -9 and its control block removed (the instance gone for good): the
+    keeper quits within seconds all the same (a check of the master that it holds is not where the keeper
+    looks for its instance, and its last unmount waits 2 s at most)."""
     assert mooncake.proc is not None
     daemon = daemons.start(ranks=1, args=[*geometry(), *mooncake.args(), "--store-timeout", "0.5"])
     daemon.wait_ready()
@@ -264,6 +268,11 @@ def test_a_store_agent_replaced_while_the_master_is_frozen_costs_nothing_once_it
             until(lambda: "could not register" in keeper_log.read_text(), timeout=60, what="the new agent refused")
         until(lambda: _stores(tasks, 2), timeout=30, what="store tasks once the master answers")
     assert pids(daemon.instance) == [worker]
+    (keeper,) = keepers_of(daemon.instance)
+    with frozen(mooncake.proc.pid):
+        daemon.kill9()
+        remove_entries(daemon.instance)
+        until(lambda: not keeper.alive(), timeout=20, what="the keeper of an instance gone, its master frozen")
 
 
 def _stores(tasks: rc.CacheTasks, block: int) -> bool:

@@ -21,8 +21,9 @@ The keeper lets go of its segment (its objects leave the store) when told to qui
 without ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for
 good: no control block in /dev/shm for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean``
 removed it; a killed daemon's stays for the next start to adopt); a keeper still starting, whose Mooncake
-setup may wait as long as the master does not answer, is then killed by its launcher. Every second it also
-checks a small pinned marker object in its segment: when the master no longer knows it, the master has
+setup may wait as long as the master does not answer, is then killed by its launcher; a running one quits
+within seconds whether the master answers or not (its last unmount waits ``UNMOUNT_S`` at most). Every
+second a watcher thread also checks a small pinned marker object in its segment: when the master no longer knows it, the master has
 forgotten every object (it restarted without ``--enable_snapshot_restore``), which is counted
 (``master_resets``) and logged; Mooncake has no call to register bytes already in a segment, so those
 objects are misses.
@@ -53,6 +54,8 @@ from kvcached.store.mooncake_net import free_port, host_port, probe_port
 GONE_AFTER_S = 2.0
 #: Seconds between the keeper's checks (marker object, instance), made by a thread of their own.
 TICK_S = 1.0
+#: How long the keeper's last act, unmounting its segment, may wait on the master before it exits anyway.
+UNMOUNT_S = 2.0
 #: A check of one key takes the master milliseconds: one held this long says the master does not answer.
 HELD_S = 2.0
 MARKER_BYTES = 4096
@@ -149,11 +152,13 @@ class Keeper:
     def serve(self) -> None:
         """Accept store agents until told to quit: each connection is served by a thread of its own (the
         Mooncake calls release the interpreter lock, so every rank's calls run at once); a watcher thread
-        does the checks."""
+        checks the master. Whether the instance and the socket are still there is checked here, each
+        ``TICK_S``: a master that does not answer holds the watcher, not this."""
         assert self.listener is not None
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
         while not self.quitting.is_set():
             select.select([self.listener.fileno(), self.wake_r], [], [], TICK_S)
+            self._check_instance()
             try:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -319,18 +324,18 @@ class Keeper:
 
     # -- housekeeping -------------------------------------------------------------------------------
 
-    def _tick(self) -> None:
-        """Whether the instance still exists, and whether the master still knows this segment's objects (in
-        that order: a master that does not answer holds the second check, not the first)."""
+    def _check_instance(self) -> None:
+        """Quit when the instance is gone for good, or the keeper's socket was taken away."""
         if self.instance.gone():
             self.log.info("the instance is gone for good (no control block); letting go of the segment")
             self.for_good = True
             self.stop()
-            return
-        if self.listener is not None and not self._socket_is_ours():
+        elif self.listener is not None and not self._socket_is_ours():
             self.log.info("the keeper's socket was removed; nobody can reach it any more: quitting")
             self.stop()
-            return
+
+    def _tick(self) -> None:
+        """Whether the master still knows this segment's objects."""
         self.checking_since = time.monotonic()  # the probe's name lookup may hang too
         try:
             # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
@@ -391,7 +396,13 @@ class Keeper:
                 if self.for_good:
                     self.config.path("log").unlink(missing_ok=True)
             self.listener.close()
-        if self.client is not None and self.segment_ids and self.client.health_check() == 0:
+        if self.client is not None and self.segment_ids:
+            unmount = threading.Thread(target=self._unmount, name="unmount", daemon=True)
+            unmount.start()
+            unmount.join(UNMOUNT_S)  # a master that does not answer holds it: the process exits after that
+
+    def _unmount(self) -> None:
+        if self.client.health_check() == 0:
             self.client.unmount_segment(self.segment_ids)
 
 
