@@ -17,16 +17,16 @@ object of this host's segment is read where it lies (after Mooncake has granted 
 a get does) instead of being copied by Mooncake first. Puts, objects of other segments, existence checks
 and removals go through the keeper's client (requests in ``mooncake_link``).
 
-The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop``
-without ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for
-good: no control block in /dev/shm for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean``
-removed it; a killed daemon's stays for the next start to adopt); a keeper still starting, whose Mooncake
-setup may wait as long as the master does not answer, is then killed by its launcher; a running one quits
-within seconds whether the master answers or not (its last unmount waits ``UNMOUNT_S`` at most). Every
-second a watcher thread also checks a small pinned marker object in its segment: when the master no longer knows it, the master has
+The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop`` without
+``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for good: no
+control block in /dev/shm for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean`` removed it; a
+killed daemon's stays for the next start to adopt); a keeper still starting, whose Mooncake setup may wait as
+long as the master does not answer, is then killed by its launcher; a running one quits within seconds whether
+the master answers or not (its last unmount waits ``UNMOUNT_S`` at most). Every second a watcher thread also
+checks a small pinned marker object in its segment: when the master no longer knows it, the master has
 forgotten every object (it restarted without ``--enable_snapshot_restore``), which is counted
-(``master_resets``) and logged; Mooncake has no call to register bytes already in a segment, so those
-objects are misses.
+(``master_resets``) and logged; Mooncake has no call to register bytes already in a segment, so those objects
+are misses.
 """
 
 from __future__ import annotations
@@ -341,17 +341,20 @@ class Keeper:
             # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
             refused = probe_port(*host_port(self.config.master, 50051)) is False
             (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
+            if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
+                self.stats["master_resets"] += 1
+                self.log.warning(
+                    "the Mooncake master has forgotten this segment's objects (restarted without snapshot "
+                    "restore?); they are misses from now on",
+                    master=self.config.master,
+                )
+            if flag == 0:
+                self._put_marker()
+        except Exception:
+            self.stats["master_up"] = False  # a check that failed found no master that answers
+            raise
         finally:
             self.checking_since = None
-        if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
-            self.stats["master_resets"] += 1
-            self.log.warning(
-                "the Mooncake master has forgotten this segment's objects (restarted without snapshot restore?); "
-                "they are misses from now on",
-                master=self.config.master,
-            )
-        if flag == 0:
-            self._put_marker()
         # Up: the master knows the marker, or took it again just now (a master back from a restart takes puts
         # only once the segment is mounted on it again: until then, puts fail).
         self.stats["master_up"] = flag == 1 or (flag == 0 and self.marked)
