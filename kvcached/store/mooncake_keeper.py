@@ -366,7 +366,7 @@ class Keeper:
         since = self.checking_since
         if since is not None and time.monotonic() - since > HELD_S:
             return {**self.stats, "master_up": False}
-        return self.stats
+        return self.stats  # itself: the watcher changes its values, never its keys, while a reply is framed
 
     def _socket_is_ours(self) -> bool:
         """Whether the socket path still leads to this keeper (a newer keeper may have replaced it)."""
