@@ -495,6 +495,7 @@ def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFacto
     mooncake.stop()
     mooncake.start()
     until(lambda: resets() == [1, 1], timeout=30, what="the master's restart counted")
+    until(lambda: all(availability(a.instance)), timeout=30, what="the segment mounted on the new master")
     keys, _ = store_prefix(a, 4, salt=40)
     old = keeper_pid(a)
     os.kill(old, signal.SIGKILL)
