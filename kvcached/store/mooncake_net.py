@@ -63,7 +63,7 @@ def reachable(host: str, port: int) -> bool:
     return probe_port(host, port) is True
 
 
-def http_answers(url: str, timeout: float = 2.0) -> bool:
+def http_answers(url: str, timeout: float = 1.0) -> bool:
     """Whether the HTTP server at ``url`` answers a request within ``timeout`` (with any status)."""
     try:
         with urllib.request.urlopen(f"{url}?key=kvcached-doctor", timeout=timeout):
