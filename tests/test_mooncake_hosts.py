@@ -368,10 +368,13 @@ def test_a_full_pool_fails_stores_and_leaves_the_store_available(
 # -- the master restarts ------------------------------------------------------------------------------------
 
 
-def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+def test_a_master_restart_then_a_keeper_killed_are_counted_and_the_store_comes_back(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
     """Acceptance point 3: a master restarted without a snapshot forgets every object; the host's keeper
     notices (every rank's status and the metrics count it in master_resets), the old prefix is a miss (no
-    error), and new stores and loads work again without restarting anything of kvcached."""
+    error), and new stores and loads work again without restarting anything of kvcached. Then the keeper
+    killed -9 while its daemon runs (its host's objects go with it): see ``_keeper_killed``."""
     port = free_port()
     a = start_host(daemons, mooncake, extra=("--metrics-port", str(port)))
     keys, _ = store_prefix(a, 4, salt=20)
@@ -392,6 +395,45 @@ def test_a_master_restart_is_counted_and_the_store_comes_back(daemons: DaemonFac
     again, expected = store_prefix(a, 4, salt=21)
     assert_loads(a, again, expected)
     until(lambda: written(a) == 2 * 4, timeout=10, what="the objects written since the reset, counted")
+    _keeper_killed(a, again, [r["store"]["master_resets"] for r in read_status(a.instance)["ranks"]])
+
+
+def _keeper_killed(a: Host, keys: list[bytes], resets: list[int]) -> None:
+    """The keeper of ``a`` (holding ``keys``) killed -9 while its daemon runs (its host's objects go with it):
+    status says so, then counts the store available again with no task sent, a new keeper started by the
+    idle checks (a start inside a task could overrun its store timeout), the loss logged, ``objects`` 0 and
+    ``master_resets`` going on from ``resets`` (a counter, though the new keeper counts from 0); store tasks
+    work; the old prefix is a miss, never an error; nothing holds the dead keeper's segment memory."""
+    old = keeper_pid(a)
+    os.kill(old, signal.SIGKILL)
+    until(lambda: not alive(old), timeout=10, what="the keeper's death")
+
+    # Found by the idle checks, with no task; available again, a new keeper started, also with none.
+    until(lambda: not all(availability(a.instance)), timeout=10, what="the keeper's death in status")
+    until(lambda: all(availability(a.instance)), timeout=30, what="the store available again with no task sent")
+    assert keeper_pid(a) != old
+    ranks = read_status(a.instance)["ranks"]
+    assert [r["store"]["objects"] for r in ranks] == [0, 0] and [r["store"]["master_resets"] for r in ranks] == resets
+    assert "the Mooncake keeper was replaced" in a.daemon.log()
+
+    def stores() -> bool:
+        try:
+            store_prefix(a, 4, salt=41)
+            return True
+        except rc.StoreUnavailable:
+            return False
+
+    until(stores, timeout=60, what="store tasks with a new keeper")
+    assert keeper_pid(a) != old
+    found, loaded, _ = load_prefix(a, keys)  # the master lists the dead segment's objects for client_ttl
+    assert loaded == 0 and found in (0, len(keys))
+    again, expected = store_prefix(a, 4, salt=42)
+    assert_loads(a, again, expected)
+    for worker in (r["pid"] for r in read_status(a.instance)["ranks"]):
+        agents = Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
+        for agent in agents:
+            maps = Path(f"/proc/{agent}/maps").read_text()
+            assert maps.count(f"kvcached-mooncake-{a.instance} ") == 1, "an agent maps the dead keeper's segment"
 
 
 def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
@@ -481,49 +523,3 @@ def test_doctor_shows_the_keeper_and_clean_lets_a_dead_hosts_keeper_go(
     until(lambda: not alive(keeper), timeout=15, what="the keeper of a cleaned instance quitting")
     assert keeper_check(daemons, a)["mooncake_keeper"]["measured"]["running"] is False
     assert not list(a.run_dir().glob(f"{a.instance}.mooncake.*")), "a keeper's file (socket, lock, log) was left"
-
-
-def test_a_keeper_killed_under_a_running_daemon_is_replaced(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
-    """The keeper killed -9 while its daemon runs (its host's objects go with it; the master restarted once
-    before: ``master_resets`` goes on from 1, a counter): status says so, then
-    counts the store available again with no task sent, a new keeper started by the idle checks (a start
-    inside a task could overrun its store timeout); store tasks work; the old prefix is a miss, never an
-    error; nothing holds the dead keeper's segment memory."""
-    a = start_host(daemons, mooncake)
-    store_prefix(a, 4, salt=39)
-    resets = lambda: [r["store"]["master_resets"] for r in read_status(a.instance)["ranks"]]  # noqa: E731
-    mooncake.stop()
-    mooncake.start()
-    until(lambda: resets() == [1, 1], timeout=30, what="the master's restart counted")
-    until(lambda: all(availability(a.instance)), timeout=30, what="the segment mounted on the new master")
-    keys, _ = store_prefix(a, 4, salt=40)
-    old = keeper_pid(a)
-    os.kill(old, signal.SIGKILL)
-    until(lambda: not alive(old), timeout=10, what="the keeper's death")
-
-    # Found by the idle checks, with no task; available again, a new keeper started, also with none.
-    until(lambda: not all(availability(a.instance)), timeout=10, what="the keeper's death in status")
-    until(lambda: all(availability(a.instance)), timeout=30, what="the store available again with no task sent")
-    assert keeper_pid(a) != old
-    assert [r["store"]["objects"] for r in read_status(a.instance)["ranks"]] == [0, 0]  # gone with the old keeper
-    assert "the Mooncake keeper was replaced" in a.daemon.log()
-    assert resets() == [1, 1]  # a counter: the new keeper's count goes on from the old one's
-
-    def stores() -> bool:
-        try:
-            store_prefix(a, 4, salt=41)
-            return True
-        except rc.StoreUnavailable:
-            return False
-
-    until(stores, timeout=60, what="store tasks with a new keeper")
-    assert keeper_pid(a) != old
-    found, loaded, _ = load_prefix(a, keys)  # the master lists the dead segment's objects for client_ttl
-    assert loaded == 0 and found in (0, len(keys))
-    again, expected = store_prefix(a, 4, salt=42)
-    assert_loads(a, again, expected)
-    for worker in (r["pid"] for r in read_status(a.instance)["ranks"]):
-        agents = Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
-        for agent in agents:
-            maps = Path(f"/proc/{agent}/maps").read_text()
-            assert maps.count(f"kvcached-mooncake-{a.instance} ") == 1, "an agent maps the dead keeper's segment"
