@@ -408,8 +408,8 @@ def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: Moonca
     rank counts its store available again within seconds, with no task sent, connected (its keeper started
     by the idle checks), and the store works at the first task. A master
     that then dies while no store task runs is found within seconds too (the keeper checks it each second);
-    store, lookup and load fail with a clear error while swaps go on; once the master is back the store is
-    available and works again, a load landing the bytes stored."""
+    store, lookup and load fail with a clear error while swaps go on. (A master back from a restart:
+    ``test_mooncake_hosts.py::test_a_master_restart_then_a_keeper_killed_are_counted_and_the_store_comes_back``.)"""
     mooncake.stop()
     port = free_port()
     daemon = daemons.start(ranks=2, args=[*FLAGS, *mooncake.args(), "--metrics-port", str(port)])
@@ -448,21 +448,7 @@ def test_mooncake_master_down_then_back(daemons: DaemonFactory, mooncake: Moonca
         assert tasks.swap_out(None, [1, 2], [0, 1]).blocks == 2
         assert tasks.swap_in(None, [0, 1], [7, 8]).blocks == 2
         assert daemon.proc.poll() is None
-        mooncake.start()
-        becomes(daemon.instance, [True, True], "the master back")
-        deadline = time.monotonic() + 60
-        while True:  # the new master forgot every object: store them again
-            try:
-                tasks.store(None, [1, 2], keys)
-                break
-            except rc.TaskFailed:
-                assert time.monotonic() < deadline, "the store did not recover within 60 s of the master's return"
-                time.sleep(0.5)
-        expected = blocks(caches[0], [1, 2])
-        assert tasks.load(None, keys, [9, 10]).blocks == 2
-        assert blocks(caches[0], [9, 10]) == expected
-    ranks = read_status(daemon.instance)["ranks"]
-    assert ranks[0]["store"]["errors"] >= 3 and availability(daemon.instance) == [True] * 2
+    assert read_status(daemon.instance)["ranks"][0]["store"]["errors"] >= 3
     assert daemon.stop() == 0
 
 

@@ -97,14 +97,20 @@ class TaskServer:
             self.stats.count(tasks_refused=1)
             return reply(op, Status.INVALID, task_id, {"field": exc.field, "message": exc.message})
         except StoreUnavailable as exc:
-            self.store_failures += 1
+            self._store_failed()
             body = {"message": f"storage backend unavailable: {exc}", "store_unavailable": True}
             return reply(op, Status.FAILED, task_id, body)
         except Exception as exc:
             if op in (Op.STORE, Op.LOAD, Op.LOOKUP) or flags & FLAG_KEYS:
-                self.store_failures += 1
+                self._store_failed()
             self.log.exception("task failed", op=op, task_id=task_id)
             return reply(op, Status.FAILED, task_id, {"message": f"{type(exc).__name__}: {exc}"})
+
+    def _store_failed(self) -> None:
+        """Count a store task that failed, in status by the time its client has the reply."""
+        self.store_failures += 1
+        if self.store is not None:
+            self._mirror_store_counters()
 
     def _hello(self, client: Client, task_id: int, payload: bytes) -> bytes:
         try:
