@@ -149,6 +149,8 @@ class MooncakeStore(Store):
         not answering (a frozen master: a call would wait out the store timeout)."""
         link = self._ensure()
         if not ping and link.stats.get("master_up") is False:
+            self._call("ping", names=[])  # the keeper's word now: tasks without a pause leave no idle check
+        if not ping and link.stats.get("master_up") is False:
             self._note_failure()
             raise StoreUnavailable(
                 f"the Mooncake master {self.keeper.master} does not answer its keeper's checks (stopped? "
