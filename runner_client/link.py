@@ -97,18 +97,24 @@ class Daemons:
                 time.sleep(0.01)
 
     def retire(self, connection: Connection) -> None:
-        """Keep ``connection`` (to a daemon followed away from) until ``close``."""
+        """Keep ``connection`` (to a daemon followed away from) until ``close`` (closed at once after it)."""
         with self.lock:
-            self._old_connections.append(connection)
+            if not self.closed:
+                self._old_connections.append(connection)
+                return
+        connection.close()
 
-    def close(self) -> None:
-        """Close the old connections and unmap every block. Idempotent."""
+    def close(self, close_links: Callable[[], None]) -> None:
+        """Mark the client closed, close the old connections, then the links' (``close_links``: after the
+        mark, so that a connection a thread opens meanwhile is closed by that thread, as ``RankLink`` checks
+        the mark before it keeps one), and unmap every block. Idempotent."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
             for connection in self._old_connections:
                 connection.close()
+        close_links()
         for block in (*self._old_blocks, self.block):
             block.close()
 

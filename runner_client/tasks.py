@@ -295,11 +295,11 @@ class CacheTasks:
 
     def close(self) -> None:
         """Close every connection and unmap the control block. Idempotent; later calls raise ``InvalidTask``."""
-        if self._daemons.closed:
-            return
+        self._daemons.close(self._close_links)
+
+    def _close_links(self) -> None:
         for link in self._links:
             link.close()
-        self._daemons.close()
 
     def __enter__(self) -> CacheTasks:
         return self
