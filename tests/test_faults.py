@@ -240,14 +240,14 @@ def test_a_store_agent_replaced_while_the_master_is_frozen_costs_nothing_once_it
 ) -> None:
     """The master frozen while no task runs. Rank 1, idle: its store shows unavailable within seconds (the keeper's
     check of the master is held) and its store tasks fail at once, not after the store timeout. Rank 0: its store
-    agent killed meanwhile, and its successor's buffer refused by the keeper (Mooncake's registration of it, held,
-    fails half-way, as did its unregistration of the killed agent's: both regions stay registered in Mooncake for
-    good, and a buffer mapped there again was refused forever, the store unavailable until a final stop). Once the
-    master answers, store tasks sent without a pause (no idle second in which an agent would hear the master is
-    back) work on both ranks at once; the log said when the store became unavailable and available again. Frozen
-    again, the daemon killed -9 and its control block removed (the instance gone for good): the keeper quits
-    within seconds all the same (a check of the master that it holds is not where the keeper looks for its
-    instance, and its last unmount waits 2 s at most)."""
+    agent killed meanwhile; Mooncake cannot unregister its buffer (nor register its successor's) while the master
+    is frozen, and keeps those regions registered for good: a buffer mapped there again was refused forever, the
+    store unavailable until a final stop. Once the master answers, store tasks sent without a pause (no idle
+    second in which an agent would hear the master is back) work on both ranks at once, and again after the next
+    agent is killed (its successor's buffer mapped where the first's was); the log said when the store became
+    unavailable and available again. Frozen again, the daemon killed -9 and its control block removed (the
+    instance gone for good): the keeper quits within seconds all the same (a check of the master that it holds is
+    not where the keeper looks for its instance, and its last unmount waits 2 s at most)."""
     assert mooncake.proc is not None
     daemon = daemons.start(ranks=2, args=[*geometry(), *mooncake.args(), "--store-timeout", "2"])
     daemon.wait_ready()
@@ -263,9 +263,12 @@ def test_a_store_agent_replaced_while_the_master_is_frozen_costs_nothing_once_it
             with pytest.raises(rc.StoreUnavailable, match="does not answer its keeper's checks"):
                 tasks.store(1, [2], keys(2)[1:])
             assert time.monotonic() - began < 1.5  # not the store timeout: the keeper found the master down
-            until(lambda: "could not register" in keeper_log.read_text(), timeout=60, what="the new agent refused")
+            until(lambda: "could not unregister" in keeper_log.read_text(), timeout=60, what="the old buffer held")
         # A task every 20 ms from the thaw on: no idle second in which an agent would hear the master is back.
         until(lambda: _stores(tasks, 2), timeout=30, what="store tasks once the master answers")
+        (agent,) = (int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split())
+        os.kill(agent, signal.SIGKILL)  # its successor's buffer is mapped where the first agent's was
+        until(lambda: _stores(tasks, 3), timeout=30, what="store tasks with the next agent")
     until(lambda: availability(daemon.instance) == [True, True], timeout=30, what="the store available again")
     assert pids(daemon.instance)[0] == worker
     log = daemon.log()

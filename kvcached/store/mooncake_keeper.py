@@ -318,7 +318,8 @@ class Keeper:
     def _forget_buffer(self, buffer: mmap.mmap | None) -> None:
         if buffer is not None:
             with contextlib.suppress(Exception):
-                self.client.unregister_buffer(address(buffer))
+                if self.client.unregister_buffer(address(buffer)) != 0:  # its region stays held (``_adopt_buffer``)
+                    self.log.warning("could not unregister an agent's buffer", bytes=len(buffer))
             with contextlib.suppress(BufferError):
                 buffer.close()
 
