@@ -245,25 +245,31 @@ def test_a_store_agent_replaced_while_the_master_is_frozen_costs_nothing_once_it
     store unavailable until a final stop. Once the master answers, store tasks sent without a pause (no idle
     second in which an agent would hear the master is back) work on both ranks at once, and again after the next
     agent is killed (its successor's buffer mapped where the first's was); the log said when the store became
-    unavailable and available again. Frozen again, the daemon killed -9 and its control block removed (the
-    instance gone for good): the keeper quits within seconds all the same (a check of the master that it holds is
-    not where the keeper looks for its instance, and its last unmount waits 2 s at most)."""
+    unavailable and available again. Meanwhile another daemon killed -9 and its control block removed (its
+    instance gone for good): its keeper quits within seconds, the master frozen all the while (a check of the
+    master that it holds is not where the keeper looks for its instance, and its last unmount waits 2 s at most)."""
     assert mooncake.proc is not None
-    daemon = daemons.start(ranks=2, args=[*geometry(), *mooncake.args(), "--store-timeout", "2"])
+    args = [*geometry(), *mooncake.args(), "--store-timeout", "2"]
+    daemon, gone = daemons.start(ranks=2, args=args), daemons.start(ranks=1, args=args)
     daemon.wait_ready()
     keeper_log = daemons.run_dir / f"{daemon.instance}.mooncake.log"
     with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
         until(lambda: _stores(tasks, 1), timeout=60, what="the store connected")
+        until(lambda: availability(gone.instance) == [True], timeout=60, what="the other daemon's store connected")
+        (keeper,) = keepers_of(gone.instance)
         worker = pids(daemon.instance)[0]
         (agent,) = (int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split())
         with frozen(mooncake.proc.pid):
             os.kill(agent, signal.SIGKILL)
+            gone.kill9()
+            remove_entries(gone.instance)
             until(lambda: availability(daemon.instance) == [False, False], timeout=15, what="an idle store down")
             began = time.monotonic()
             with pytest.raises(rc.StoreUnavailable, match="does not answer its keeper's checks"):
                 tasks.store(1, [2], keys(2)[1:])
             assert time.monotonic() - began < 1.5  # not the store timeout: the keeper found the master down
             until(lambda: "could not unregister" in keeper_log.read_text(), timeout=60, what="the old buffer held")
+            until(lambda: not keeper.alive(), timeout=20, what="the keeper of an instance gone, its master frozen")
         # A task every 20 ms from the thaw on: no idle second in which an agent would hear the master is back.
         until(lambda: _stores(tasks, 2), timeout=30, what="store tasks once the master answers")
         (agent,) = (int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split())
@@ -273,11 +279,6 @@ def test_a_store_agent_replaced_while_the_master_is_frozen_costs_nothing_once_it
     assert pids(daemon.instance)[0] == worker
     log = daemon.log()
     assert "attention store unavailable" in log and "attention store available again" in log
-    (keeper,) = keepers_of(daemon.instance)
-    with frozen(mooncake.proc.pid):
-        daemon.kill9()
-        remove_entries(daemon.instance)
-        until(lambda: not keeper.alive(), timeout=20, what="the keeper of an instance gone, its master frozen")
 
 
 def _stores(tasks: rc.CacheTasks, block: int) -> bool:
