@@ -150,12 +150,12 @@ class MooncakeStore(Store):
         link = self._ensure()
         if not ping and link.stats.get("master_up") is False:
             self._call("ping", names=[])  # the keeper's word now: tasks without a pause leave no idle check
-        if not ping and link.stats.get("master_up") is False:
-            self._note_failure()
-            raise StoreUnavailable(
-                f"the Mooncake master {self.keeper.master} does not answer its keeper's checks (stopped? "
-                "overloaded?); store tasks fail until it does"
-            )
+            if link.stats.get("master_up") is False:
+                self.counters.unavailable = 1  # (no probe of the master's port per task: the keeper said it)
+                raise StoreUnavailable(
+                    f"the Mooncake master {self.keeper.master} does not answer its keeper's checks (stopped? "
+                    "overloaded?); store tasks fail until it does"
+                )
         if self.away_until:
             now = time.monotonic()
             if now < self.away_until:

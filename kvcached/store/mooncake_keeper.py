@@ -52,7 +52,7 @@ from kvcached.store.mooncake_net import free_port, host_port, probe_port
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
-#: Seconds between the keeper's checks (marker object, instance), made by a thread of their own.
+#: Seconds between the keeper's checks: of the master (a watcher thread's) and of its instance (``serve``'s).
 TICK_S = 1.0
 #: How long the keeper's last act, unmounting its segment, may wait on the master before it exits anyway.
 UNMOUNT_S = 2.0

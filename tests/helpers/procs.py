@@ -32,11 +32,16 @@ class Proc:
 def proc(pid: int) -> Proc | None:
     """Process ``pid``, or None when there is none."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat(Path(f"/proc/{pid}/stat"))
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return None
     return Proc(pid, int(fields[1]), int(fields[3]), int(fields[19]), fields[0], command)
+
+
+def _stat(path: Path) -> list[str]:
+    """The fields of a ``stat`` file of /proc after the command's name (the state letter first)."""
+    return path.read_text().rsplit(")", 1)[1].split()
 
 
 def descendants(pid: int) -> dict[int, Proc]:
@@ -81,6 +86,5 @@ def _thread_states(pid: int) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                stat = (task / "stat").read_text()
-                states.append(stat[stat.rfind(")") + 2])
+                states.append(_stat(task / "stat")[0])
     return states
