@@ -18,6 +18,7 @@ import pytest
 
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, unique_instance
+from tests.helpers.procs import why_hung
 
 
 def test_start_on_a_terminal_shows_per_rank_progress(daemons: DaemonFactory) -> None:
@@ -76,7 +77,7 @@ def test_status_watch_refreshes_with_rates_until_interrupted(daemons: DaemonFact
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=daemons.env(),
+        env=daemons.env(PYTHONFAULTHANDLER="1"),
         cwd=ROOT,
     )
     lines: list[str] = []
@@ -88,7 +89,11 @@ def test_status_watch_refreshes_with_rates_until_interrupted(daemons: DaemonFact
             assert time.monotonic() < deadline and watch.poll() is None, "".join(lines)
             time.sleep(0.05)
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(20) == 0, watch.stderr.read() if watch.stderr else ""
+        try:
+            code = watch.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"status --watch still ran 20 s after SIGINT:\n{why_hung(watch)}")
+        assert code == 0, watch.stderr.read() if watch.stderr else ""
         reader.join(20)
     finally:
         stop.set()

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,3 +89,25 @@ def _thread_states(pid: int) -> list[str]:
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 states.append(_stat(task / "stat")[0])
     return states
+
+
+def why_hung(popen: subprocess.Popen[str]) -> str:
+    """What a process that would not end shows: its state and signal masks from /proc, each thread's wait
+    channel, then (sent SIGABRT) what Python's fault handler printed of every thread's stack on its
+    stderr, a pipe, when the process was started with ``PYTHONFAULTHANDLER=1``. The process ends."""
+    wanted = ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt", "Threads")
+    lines = []
+    with contextlib.suppress(OSError):
+        status = Path(f"/proc/{popen.pid}/status").read_text().splitlines()
+        lines = [line for line in status if line.split(":")[0] in wanted]
+        for task in Path(f"/proc/{popen.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                lines.append(f"thread {task.name}: {_stat(task / 'stat')[0]} {(task / 'wchan').read_text()}")
+    popen.send_signal(signal.SIGABRT)
+    try:
+        popen.wait(10)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+    stderr = popen.stderr.read() if popen.stderr else ""
+    return "\n".join(lines) + "\n" + stderr[-8000:]
