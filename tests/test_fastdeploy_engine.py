@@ -140,13 +140,16 @@ class Engine:
         return "".join(self.output_files[p.pid].read_text(errors="replace") for p in procs)
 
     def until(self, check: Any, what: str, timeout: float = 30.0) -> Any:
+        """``check()`` once true; fails when not within ``timeout`` or when a drop-in has exited before a
+        check that was false (seen exited before the check: one that ``check`` waits to see exit passes)."""
         deadline = time.monotonic() + timeout
         while True:
+            exited = [proc for proc in self.dropins if proc.poll() is not None]
             got = check()
             if got:
                 return got
-            for proc in self.dropins:
-                assert proc.poll() is None, f"a drop-in exited ({proc.returncode}):\n{self.output(proc)}"
+            if exited:
+                raise AssertionError(f"a drop-in exited ({exited[0].returncode}):\n{self.output(exited[0])}")
             assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
             time.sleep(0.005)
 

@@ -385,6 +385,9 @@ def test_a_master_restart_then_a_keeper_killed_are_counted_and_the_store_comes_b
         timeout=60,
         what="each rank's status counting the master's restart",
     )
+    # Counted at the check that finds the marker gone; available once a put lands again (the master takes
+    # puts only once the segment is mounted on it again): with no task sent, by the idle checks.
+    until(lambda: all(availability(a.instance)), timeout=30, what="the store available again with no task sent")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         metrics = response.read().decode()
     counted = re.search(r'kvcached_store_master_resets_total\{rank="0"\} ([0-9.]+)', metrics)

@@ -220,15 +220,17 @@ class LineEngine:
         return proc
 
     def until(self, check: Any, what: str, timeout: float = 60.0) -> Any:
+        """``check()`` once true (see ``Engine.until`` in tests/test_fastdeploy_engine.py)."""
         deadline = time.monotonic() + timeout
-        while not (got := check()):
-            for proc in self.dropins:
-                if proc.poll() is not None:
-                    output = proc.stdout.read() if proc.stdout else ""
-                    raise AssertionError(f"a drop-in exited ({proc.returncode}):\n{output}")
+        while True:
+            exited = [proc for proc in self.dropins if proc.poll() is not None]
+            if got := check():
+                return got
+            if exited:
+                output = exited[0].stdout.read() if exited[0].stdout else ""
+                raise AssertionError(f"a drop-in exited ({exited[0].returncode}):\n{output}")
             assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
             time.sleep(0.005)
-        return got
 
     def task(self, item: Any, results: int = 1) -> list[Any]:
         """Put a task and collect ``results`` done signals, as ``recv_data_transfer_result`` reads them."""
