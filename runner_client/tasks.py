@@ -56,6 +56,8 @@ from runner_client.link import FOLLOW_S, MAX_RESENDS, Daemons, Memory, RankLink,
 __all__ = ["FOLLOW_S", "MAX_IN_FLIGHT", "MAX_RESENDS", "CacheTasks", "TaskHandle", "TaskResult"]
 
 _INT32_MAX = 2**31 - 1
+#: The longest timeout taken (about three years): longer ones overflow the clocks a wait uses.
+MAX_TIMEOUT_S = 1e8
 P = ParamSpec("P")
 #: The task methods ``submit`` takes.
 _SUBMITTABLE = ("swap_out", "swap_in", "store", "load")
@@ -134,7 +136,7 @@ class TaskHandle:
                 f"instance {instance!r}: this CacheTasks was closed before the {self._op.name} task's "
                 "result was read, so whether it ran is unknown; read results before close()"
             )
-        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        deadline = time.monotonic() + (self._timeout if timeout is None else _seconds(timeout, poll=True))
         if not self._reading.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TaskTimeout(
                 f"instance {instance!r}: no reply within the timeout (another thread still waits for this "
@@ -175,9 +177,7 @@ class CacheTasks:
 
     def __init__(self, instance: str | None = None, *, timeout: float = 60.0) -> None:
         self.instance = instance_or_default(instance)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidArgument("timeout", f"must be a number of seconds > 0, got {timeout!r}")
-        self.timeout = float(timeout)
+        self.timeout = _seconds(timeout)
         view = open_instance(self.instance)
         if view is None or view.header is None:
             if view is not None:
@@ -373,7 +373,7 @@ class CacheTasks:
         if (refused := too_large(task.op, task.flags, len(task.payload))) is not None:
             raise InvalidTask(*refused)
         links = self._ranks(task.rank)
-        seconds = self.timeout if task.timeout is None else task.timeout
+        seconds = self.timeout if task.timeout is None else _seconds(task.timeout)
         deadline = time.monotonic() + seconds
         parts = [(link, link.send(task.op, task.payload, task.flags, task.targets, deadline)) for link in links]
         return TaskHandle(self._daemons, task.op, parts, seconds)
@@ -402,6 +402,16 @@ class CacheTasks:
         return array.astype(np.int64, copy=False)
 
 
+def _seconds(timeout: object, *, poll: bool = False) -> float:
+    """A timeout argument as seconds; ``InvalidArgument`` unless it is a number in (0, ``MAX_TIMEOUT_S``]
+    (``poll``: any number up to that, a ``result()`` that looks without waiting)."""
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not ok or not (timeout <= MAX_TIMEOUT_S and (poll or timeout > 0)):  # type: ignore[operator]
+        low = "a number of seconds" if poll else "a number of seconds > 0"
+        raise InvalidArgument("timeout", f"must be {low} and <= {MAX_TIMEOUT_S:.0e}, got {timeout!r}")
+    return float(timeout)  # type: ignore[arg-type]
+
+
 def _ready_memory(view: InstanceView, rank: int) -> Memory | None:
     """The memory ``rank``'s record names when it is READY in the view's generation (None otherwise)."""
     record, header = view.record(rank), view.header
@@ -423,7 +433,10 @@ def _same_length(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], src_field
 def _keys(keys: Sequence[bytes], count: int | None) -> bytes:
     if isinstance(keys, (bytes, str)):
         raise InvalidTask("keys", "must be a list of keys (from runner_client.block_keys), not one bytes object")
-    keys = list(keys)
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise InvalidTask("keys", f"must be a list of keys (from runner_client.block_keys), got {keys!r:.40}") from None
     if count is not None and len(keys) != count:
         raise InvalidTask("keys", f"{len(keys)} keys for {count} blocks: one key per block")
     for i, key in enumerate(keys):
