@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import struct
@@ -16,10 +17,11 @@ import pytest
 
 import runner_client as rc
 from kvcached.protocol.control import ControlBlock
-from kvcached.protocol.messages import REQUEST, Op, request
+from kvcached.protocol.messages import REQUEST, Op, Status, request
 from kvcached.protocol.names import task_socket_path
 from kvcached.status import read_status
 from tests.conftest import Daemon, DaemonFactory, arena_digests, run_runner, runner_result
+from tests.test_frames import read_reply
 
 GEOMETRY: dict[str, Any] = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=4, num_blocks=16, num_cpu_blocks=8)
 FP8 = ["--num-layers", "3", "--num-blocks", "16", "--num-cpu-blocks", "8", "--dtype", "int8", "--block-wise-fp8"]
@@ -189,6 +191,30 @@ def test_garbage_and_disconnects_do_not_hurt_the_daemon(fp8_daemon: Daemon) -> N
     assert read_status(instance)["ranks"][0]["swap"]["tasks_refused"] >= 4
 
 
+def test_a_hello_nested_past_the_stack_or_for_another_daemon_is_refused(fp8_daemon: Daemon) -> None:
+    """A HELLO whose JSON nests past the parser's stack is INVALID (field ``hello``), not a failed task with a
+    traceback in the log that any client of the uid could fill; a HELLO that expects another daemon, even
+    after a good one, is INVALID and leaves the connection unable to send tasks until a good HELLO."""
+    instance = fp8_daemon.instance
+    generation = read_status(instance)["generation"]
+    path = str(task_socket_path(read_status_run_dir(instance), instance, 0))
+    hello = json.dumps({"generation": generation}).encode()
+    swap = request(Op.SWAP_OUT, 4, np.array([1, 1], dtype="<i4").tobytes())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(request(Op.HELLO, 1, b"[" * 100_000))
+        _, status, _, body = read_reply(s)
+        assert (status, json.loads(body)["field"]) == (Status.INVALID, "hello"), body
+        for frame in (request(Op.HELLO, 2, hello), swap, request(Op.HELLO, 3, b'{"generation": "0"}'), swap):
+            s.sendall(frame)
+        replies = [read_reply(s) for _ in range(4)]
+        assert [r[1] for r in replies] == [Status.OK, Status.OK, Status.INVALID, Status.INVALID], replies
+        assert json.loads(replies[3][3])["field"] == "hello", "a task after a HELLO for another daemon"
+    assert "RecursionError" not in fp8_daemon.log() and "task failed" not in fp8_daemon.log()
+    assert fp8_daemon.proc.poll() is None
+
+
 def read_status_run_dir(instance: str) -> str:
     block = ControlBlock.open(instance)
     assert block is not None
@@ -250,6 +276,33 @@ def test_wait_argument_works_deprecated_and_submit_takes_only_task_methods(fp8_d
             assert tasks.swap_in(0, [3], [4]).blocks == 1
     swaps = [r["swap"] for r in read_status(fp8_daemon.instance)["ranks"]]
     assert swaps[0]["swap_out_tasks"] == 2 and swaps[0]["swap_in_tasks"] == 2
+
+
+def test_a_timeout_that_is_not_a_time_or_keys_that_are_not_keys_are_refused_before_anything_is_sent(
+    fp8_daemon: Daemon,
+) -> None:
+    """A task timeout of inf, 1e12 (past what a wait can count), nan, 0, a bool or a string raises
+    InvalidArgument naming ``timeout`` and sends nothing (an inf once moved the blocks, then raised an
+    OverflowError); so does one given to the client or to ``result``; keys that are not a list raise
+    InvalidTask naming ``keys``. A result looked at with timeout 0 polls."""
+    with rc.CacheTasks(fp8_daemon.instance, timeout=10) as tasks:
+        for timeout in (float("inf"), 1e12, float("nan"), 0, -1, True, "1"):
+            with pytest.raises(rc.InvalidArgument) as info:
+                tasks.swap_in(0, [1], [1], timeout=timeout)  # type: ignore[arg-type]
+            assert info.value.field == "timeout"
+            if timeout not in (0, -1):
+                with pytest.raises(rc.InvalidArgument):
+                    rc.CacheTasks(fp8_daemon.instance, timeout=timeout)  # type: ignore[arg-type]
+        handle = tasks.submit(tasks.swap_out, 0, [1], [1])
+        with pytest.raises(rc.InvalidArgument):
+            handle.result(timeout=float("inf"))
+        assert handle.result(timeout=10).blocks == 1 and handle.result(timeout=0).blocks == 1
+        for keys in (5, None):
+            with pytest.raises(rc.InvalidTask) as task_info:
+                tasks.lookup(keys)  # type: ignore[arg-type]
+            assert task_info.value.field == "keys"
+    swap = read_status(fp8_daemon.instance)["ranks"][0]["swap"]
+    assert (swap["swap_in_tasks"], swap["swap_out_tasks"]) == (0, 1), swap
 
 
 def test_daemon_gone_during_tasks(daemons: DaemonFactory) -> None:

@@ -115,10 +115,11 @@ class TaskServer:
     def _hello(self, client: Client, task_id: int, payload: bytes) -> bytes:
         try:
             theirs = json.loads(payload).get("generation")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested past the stack
             raise InvalidTask("hello", "payload must be a JSON object with the generation") from None
         ours = f"{self.generation:016x}"
         if theirs != ours:
+            client.greeted = False  # a client that expects another daemon sends nothing more to this one
             raise InvalidTask("generation", f"client expects generation {theirs}, this daemon is {ours}")
         client.greeted = True
         spec = self.engine.spec
