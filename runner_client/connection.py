@@ -73,6 +73,7 @@ class Connection:
         self.unwanted: collections.deque[int] = collections.deque()
         self.forgotten: set[int] = set()
         self.buf = bytearray()
+        self.worker_pid = 0  # the worker that took the connection (SO_PEERCRED)
         try:
             check_owner(f"task socket {path}", os.stat(path), owner=owner)
         except FileNotFoundError:
@@ -104,7 +105,7 @@ class Connection:
         sock.settimeout(self.timeout)
         try:
             sock.connect(path)
-            peer_uid = peer_credentials(sock)[1]
+            self.worker_pid, peer_uid, _ = peer_credentials(sock)
             if peer_uid != owner:
                 raise NotTrusted(f"the process serving {path} runs as uid {peer_uid}, not the daemon's uid {owner}")
         except PermissionError:

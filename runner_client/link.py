@@ -43,6 +43,8 @@ from runner_client.connection import MAX_IN_FLIGHT, Closed, Connection, Full
 FOLLOW_S = 10.0
 #: Times a task the daemon did not run (NOT_RUN: it was handing over) is sent again.
 MAX_RESENDS = 4
+#: How long a task whose connection ended waits, at most, for the rank's record to say why (``_settle``).
+SETTLE_S = 1.0
 
 #: What names a rank's memory in its record: (device backend, descriptor, CPU pool).
 Memory = tuple[str, dict[str, Any], str]
@@ -278,8 +280,9 @@ class RankLink:
         """Before a connection opens: the daemon is alive and the rank READY in its generation, on the
         memory this client knows. RECOVERING (a worker being replaced, or reopening adopted memory) and
         EMPTY (a block just published) are waited for until ``deadline``; KEPT, or a dead daemon that left
-        the rank whole, is followed to the next daemon; any other state is refused. Later tasks need no
-        check: a worker that answers is alive."""
+        the rank whole, is followed to the next daemon; FAILED raises ``RankFailed``, STOPPING (the daemon
+        releases the cache) ``DaemonGone``, any other state (ALLOCATING) ``InvalidTask``. Later tasks need
+        no check: a worker that answers is alive."""
         while True:
             header = self.daemons.header
             alive = is_alive(header.daemon_pid, header.daemon_start)
@@ -295,6 +298,12 @@ class RankLink:
                     continue
             if not alive:
                 raise DaemonGone(f"instance {self.instance!r}: daemon pid {header.daemon_pid} is gone")
+            if record is not None and record.state is State.STOPPING:
+                raise DaemonGone(
+                    f"instance {self.instance!r}: the daemon (pid {header.daemon_pid}) is stopping and releasing "
+                    f"the cache (kvcached stop): start it again (kvcached start --instance {self.instance}), then "
+                    "re-attach with initialize_kv_cache and open a new CacheTasks"
+                )
             if record is not None and record.state not in (State.RECOVERING, State.EMPTY):
                 raise InvalidTask("rank", f"rank {self.rank} of {self.instance!r} is {record.state.name}, not READY")
             if time.monotonic() >= deadline:
@@ -335,13 +344,11 @@ class RankLink:
         return record is not None and record.state is state
 
     def _lost(self, op: Op, targets: tuple[int, ...], connection: Connection | None) -> Exception:
-        """The error for a task whose connection ended: the daemon died or handed over, the rank failed, or
-        its worker died (and is being replaced) during the task."""
+        """The error for a task whose connection ended: the daemon is stopping, handed over or died, the
+        rank failed, or its worker died (and is being replaced) during the task."""
         if connection is not None:
             self._drop(connection)
-        header = self.daemons.header
-        alive = is_alive(header.daemon_pid, header.daemon_start)
-        record = self._record(self.daemons.block)
+        alive, record = self._settle(connection)
         if record is not None and record.state is State.FAILED:
             return RankFailed(f"instance {self.instance!r} rank {self.rank}: {record.error}")
         handed_over = record is not None and record.state is State.KEPT
@@ -354,17 +361,36 @@ class RankLink:
             if targets
             else "nothing it wrote is half-done (store objects are whole or absent)"
         )
-        if not alive or handed_over:
-            what = "handed its memory over (kvcached restart or stop --keep)" if handed_over else "died"
-            return TaskLost(
-                f"{where}: the daemon {what} during the {op.name} task; {undefined}. "
-                "Later tasks go to the daemon that adopts the memory.",
-                rank=self.rank,
-                blocks=targets,
-            )
+        if record is not None and record.state is State.STOPPING:
+            why = "the daemon is stopping and releasing the cache (kvcached stop); later tasks raise DaemonGone"
+        elif handed_over:
+            why = "the daemon handed its memory over (kvcached restart, stop --keep); later tasks go to the next one"
+        elif not alive:
+            why = "the daemon died; later tasks go to the daemon that adopts the memory"
+        elif connection is not None and record is not None and record.worker_pid == connection.worker_pid:
+            why = "the worker closed the connection (it may be dying, its supervisor not yet told)"
+        else:
+            why = "the worker died and is being replaced on the same memory; later tasks are served"
         return TaskLost(
-            f"{where}: the worker died during the {op.name} task and is being replaced on the same memory; "
-            f"{undefined}. Later tasks are served.",
+            f"{where}: the {op.name} task ended unanswered: {why}. {undefined[0].upper()}{undefined[1:]}.",
             rank=self.rank,
             blocks=targets,
         )
+
+    def _settle(self, connection: Connection | None) -> tuple[bool, Record | None]:
+        """Whether the daemon lives, and the rank's record, once they tell what ended ``connection``. The
+        supervisor marks a dead worker's rank RECOVERING within milliseconds (its replacement has another
+        pid), but a daemon killed -9 looks alive for as long as the kernel takes to end it, and its workers
+        die with it: while the rank still reads READY under the worker that held the connection, looked at
+        again for up to ``SETTLE_S``."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            header = self.daemons.header
+            alive = is_alive(header.daemon_pid, header.daemon_start)
+            record = self._record(self.daemons.block)
+            unsettled = record is None or (
+                connection is not None and record.state is State.READY and record.worker_pid == connection.worker_pid
+            )
+            if not alive or not unsettled or time.monotonic() >= deadline:
+                return alive, record
+            time.sleep(0.005)

@@ -134,6 +134,7 @@ def test_kill9_while_two_runners_swap_then_start_adopts(daemons: DaemonFactory) 
             for failure in report["failures"]:  # a task in flight at the kill: TaskLost naming its blocks
                 if not (late and failure["type"] == "DaemonGone"):
                     assert failure["type"] == "TaskLost" and failure["blocks"] == cpu, failure
+                    assert "the daemon died" in failure["error"], "a daemon's death told as a worker's"
             assert runner.ask("check", blocks=blocks, seed=rank)["ok"], "a runner's view changed"
             assert runner.ask("valid") == {"ok": True, "valid": True, "generation": status["generation"]}
             assert runner.ask("swap_in", cpu=cpu[:8], dst=list(range(200, 208)))["blocks"] == 8

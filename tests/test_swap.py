@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -322,6 +323,36 @@ def test_daemon_gone_during_tasks(daemons: DaemonFactory) -> None:
     tasks.close()
     daemons.start(daemon.instance, ranks=1).wait_ready()  # reclaims the killed run's objects
     assert os.path.exists(f"/dev/shm/kvcached.{daemon.instance}")
+
+
+def test_a_stop_under_a_stream_of_swaps_is_daemon_gone_never_the_callers_mistake(daemons: DaemonFactory) -> None:
+    """`kvcached stop` while a thread swaps: a task cut off raises TaskLost saying the daemon stops, every
+    later one DaemonGone saying so; never InvalidTask (it was "rank 0 is STOPPING, not READY", as if the
+    caller had erred)."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    errors: list[Exception] = []
+    done = threading.Event()
+    with rc.CacheTasks(daemon.instance, timeout=10) as tasks:
+
+        def swapping() -> None:
+            while len(errors) < 20:
+                try:
+                    tasks.swap_out(0, [1, 2], [1, 2])
+                    done.set()
+                except rc.KVCacheError as exc:
+                    errors.append(exc)
+
+        thread = threading.Thread(target=swapping)
+        thread.start()
+        assert done.wait(20), "no swap went through"
+        daemons.cli("stop", "--instance", daemon.instance)
+        thread.join(60)
+        assert not thread.is_alive(), "the tasks after the stop hung"
+    assert all(isinstance(exc, (rc.TaskLost, rc.DaemonGone)) for exc in errors), errors
+    assert isinstance(errors[-1], rc.DaemonGone), errors[-1]
+    for exc in errors:
+        assert "stop" in str(exc) or "is gone" in str(exc), exc
 
 
 def test_workers_run_with_streaming_store_tunables_on_the_numpy_path(daemons: DaemonFactory) -> None:
