@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -168,3 +169,47 @@ def test_doctor_clean_removes_what_a_dead_instances_mooncake_keeper_left(daemons
     assert not sock_path.exists() and not lock.exists() and not log.exists(), check
     files = sorted([lock.name, log.name, sock_path.name])
     assert check["verdict"] == "ok" and sorted(check["measured"]["store_files"]) == files
+
+
+def test_a_start_by_another_user_of_a_running_name_says_it_runs_and_whose_it_is(daemons: DaemonFactory) -> None:
+    """Another user's `kvcached start` of a name a daemon runs under: exit 3 (already running), naming the
+    daemon's pid and uid; not exit 5 with advice to remove the lock file in /dev/shm, which is the running
+    daemon's, not a squatter's. The start runs in a fork dropped to the neighbour's uid (the interpreter
+    may live where that uid cannot read it)."""
+    needs_root("the neighbour is another uid")
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    home = Path(tempfile.mkdtemp(prefix="kvcached-neighbour-"))
+    try:
+        os.chown(home, NEIGHBOUR, NEIGHBOUR)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 99
+            try:
+                from kvcached import cli, running  # noqa: F401 (imported while the interpreter's files can be read)
+                from kvcached.daemon import supervisor  # noqa: F401
+
+                os.setgroups([])
+                os.setgid(NEIGHBOUR)
+                os.setuid(NEIGHBOUR)
+                os.environ.update(KVCACHED_RUN_DIR=str(home / "run"), XDG_CACHE_HOME=str(home / "cache"))
+                log = os.open(home / "log", os.O_WRONLY | os.O_CREAT, 0o600)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # not pytest's capture
+                cli.main(["start", "--instance", daemon.instance, "--ranks", "1"])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 98
+            except BaseException as exc:
+                os.write(2, f"{exc!r}".encode())  # the child's own failure, for the assertion's message
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        said = (home / "log").read_text()
+    finally:
+        shutil.rmtree(home)
+    assert os.waitstatus_to_exitcode(status) == 3, said
+    assert f"(pid {daemon.pid}, a daemon of uid {os.geteuid()}," in said and "rm " not in said, said
+    assert daemon.proc.poll() is None

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from kvcached.protocol.errors import ResourceError
-from kvcached.protocol.proc import is_alive, self_identity
+from kvcached.protocol.proc import is_alive, self_identity, start_time
 
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -35,11 +35,13 @@ class Holder:
 
 
 class Locked(Exception):
-    """The lock is held by another process (``holder``, when its line could be read)."""
+    """The lock is held by another process (``holder``, when its line could be read; ``owner``: the uid
+    of a daemon of another user that holds it)."""
 
-    def __init__(self, holder: Holder | None) -> None:
+    def __init__(self, holder: Holder | None, owner: int | None = None) -> None:
         super().__init__(f"held by pid {holder.pid}" if holder else "held by another process")
         self.holder = holder
+        self.owner = owner
 
 
 def prepare_run_dir(directory: Path, gid: int | None = None) -> None:
@@ -77,6 +79,7 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
     while True:
         squatted = why_not_a_lock(path)
         if squatted:
+            _raise_if_another_users_daemon(path)
             raise ResourceError(squatted)
         try:
             fd = os.open(path, _OPEN_FLAGS, mode)
@@ -108,6 +111,16 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
     pid, started = self_identity()
     os.write(fd, f"{pid} {started}\n".encode())
     return fd
+
+
+def _raise_if_another_users_daemon(path: Path) -> None:
+    """Raise ``Locked`` when the file at ``path`` is a plain file whose owner's live daemon holds it (as
+    /proc/locks lists it): the name is taken by a running instance of that user, not squatted."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        pid = flock_holder(path) if stat.S_ISREG(st.st_mode) else None
+        if pid is not None and not why_not_daemon(pid, st.st_uid, path):
+            raise Locked(Holder(pid, start_time(pid) or 0), owner=st.st_uid)
 
 
 def why_not_a_lock(path: Path) -> str:

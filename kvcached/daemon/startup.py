@@ -112,9 +112,11 @@ class Locks:
             self.fds[where] = lockfile.acquire(where, mode=mode, gid=gid)
         except lockfile.Locked as locked:
             who = f"pid {locked.holder.pid}" if locked.holder else "another process"
+            then = f"use another --instance name, or `kvcached stop --instance {self.instance}`"
+            if locked.owner is not None:
+                who, then = f"{who}, a daemon of uid {locked.owner},", "the name is that user's: use another one"
             raise Fatal(
-                f"instance {self.instance!r} is already running ({who} holds {where}); "
-                f"use another --instance name, or `kvcached stop --instance {self.instance}`",
+                f"instance {self.instance!r} is already running ({who} holds {where}); {then}",
                 EXIT_ALREADY_RUNNING,
             ) from None
 
