@@ -182,10 +182,17 @@ class CacheTasks:
         if view is None or view.header is None:
             if view is not None:
                 view.close()
-            raise DaemonGone(f"instance {self.instance!r}: no daemon is running")
+            raise DaemonGone(
+                f"instance {self.instance!r}: no daemon is running: start one (kvcached start --instance "
+                f"{self.instance}), then open a CacheTasks"
+            )
         if not view.alive:
             view.close()
-            raise DaemonGone(f"instance {self.instance!r}: daemon pid {view.header.daemon_pid} is not running")
+            raise DaemonGone(
+                f"instance {self.instance!r}: daemon pid {view.header.daemon_pid} is not running (stopped with "
+                f"--keep, or killed: its memory waits for the next `kvcached start --instance {self.instance}` to "
+                "adopt it); open a CacheTasks once it runs (one opened before follows the next daemon by itself)"
+            )
         self._daemons = Daemons(self.instance, view)
         self._links = [
             RankLink(rank, self._daemons, self.timeout, _ready_memory(view, rank))

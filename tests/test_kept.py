@@ -113,6 +113,8 @@ def test_stop_keep_while_ranks_recover_keeps_the_memory(daemons: DaemonFactory) 
     done = daemons.cli("stop", "--keep", "--instance", instance)
     assert done.returncode == 0 and "memory is kept" in done.stdout, done.stdout + done.stderr
     assert {r["state"] for r in read_status(instance)["ranks"]} == {"KEPT"}
+    with pytest.raises(rc.DaemonGone, match=f"waits for the next `kvcached start --instance {instance}`"):
+        rc.CacheTasks(instance)  # a client opened now is told the memory waits, and what starts it
     adopted_whole(daemons, instance, before)
     fresh = daemons.start(instance, ranks=2, env=daemons.env(KVCACHED_FAULT="worker-allocating:sleep=60"))
     fresh.wait_state("ALLOCATING")
