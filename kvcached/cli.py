@@ -455,8 +455,9 @@ def restart(instance: str | None, timeout: float) -> None:
     reopened the memory, then drain and hand each rank over: the gap is tens of milliseconds. Tasks cut
     off are answered NOT_RUN and CacheTasks sends them again. Waits until every rank is READY again; exit
     0 when the memory was adopted, 1 otherwise (the reason is printed). Refused, the daemon serving on
-    (exit 1, the reason printed), while a rank is not READY or when the configuration does not load as
-    the next image would read it (`start --check-config`). A daemon still waiting for the engine's
+    (exit 1, the reason printed), while a rank is not READY or when the configuration, as the next image
+    would read it (`start --check-config`), does not load or gives other ranks, device backend or geometry
+    than the memory has (the next image could not adopt it). A daemon still waiting for the engine's
     geometry (--geometry engine) holds no memory: it waits again, exit 0.
     """
     from kvcached import running

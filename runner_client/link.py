@@ -94,7 +94,8 @@ class Daemons:
                     raise DaemonGone(
                         f"instance {self.instance!r}: daemon pid {old.daemon_pid} (generation {old.generation:016x}) "
                         f"stopped, and no daemon took its memory over within {limit - began:.1f}s; "
-                        f"start one with `kvcached start --instance {self.instance}` (one of the same configuration adopts the memory)"
+                        f"start one with `kvcached start --instance {self.instance}` (one of the same "
+                        "configuration adopts the memory)"
                     )
                 time.sleep(0.01)
 

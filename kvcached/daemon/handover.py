@@ -129,14 +129,14 @@ def take(claim: Claim, instance: str, strays: list[int], log: logs.Logger) -> tu
 def why_no_restart(records: list[Record], handing_over: bool, preflight: Preflight | None) -> str:
     """Why a restart cannot be done now ("" when it can): a rank not READY (the daemon is still starting, or
     replacing a worker), the last image's workers still handing over, or a next image that could not
-    load its configuration (``preflight``)."""
+    load its configuration, or could not adopt the memory with it (``preflight``)."""
     waiting = [f"{r.rank} {r.state.name}" for r in records if r.state is not State.READY]
     if waiting:
         return f"not every rank is READY (rank {', '.join(waiting)}): try again once they are"
     if handing_over:
         return "the last restart's workers are still handing their ranks over: try again in a moment"
     why = preflight() if preflight is not None else ""
-    return f"the next image cannot start: {why}" if why else ""
+    return f"the daemon the restart would execute refuses the configuration: {why}" if why else ""
 
 
 def take_workers(claim: Claim, block: ControlBlock, strays: list[int], log: logs.Logger) -> dict[int, Worker]:
