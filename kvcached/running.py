@@ -20,6 +20,7 @@ from kvcached.daemon import faults, lockfile
 from kvcached.daemon.errors import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, Outcome, read_outcomes, refusal_path
 from kvcached.daemon.lockfile import holder
+from kvcached.protocol.control import State
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_lock_path, lock_path
@@ -168,10 +169,24 @@ def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: floa
         if (ours is not None or not queued) and snapshot["generation"] not in replaced and done:
             return snapshot, time.monotonic() - began
         if not is_alive(pid, started):
-            raise click.ClickException(f"instance {name}: daemon pid {pid} exited while restarting (see its log)")
+            raise click.ClickException(_exited(name, pid))
         if time.monotonic() >= began + timeout:
             raise click.ClickException(f"instance {name}: not READY again within {timeout:.0f}s (see its log)")
         time.sleep(0.02)
+
+
+def _exited(name: str, pid: int) -> str:
+    """The error of a ``kvcached restart`` whose daemon exited instead: a stop that came first (its memory
+    released, or kept for the next start), or an end that its log explains."""
+    left = guarded(read_instance, name, ranks=None, live=False)
+    if left is None:
+        return f"instance {name}: daemon pid {pid} stopped instead of restarting (a stop came first): the cache is gone"
+    if left.records and all(record.state is State.KEPT for record in left.records.values()):
+        return (
+            f"instance {name}: daemon pid {pid} stopped instead of restarting (a stop --keep came first); its memory "
+            f"is kept for the next `kvcached start --instance {name}`"
+        )
+    return f"instance {name}: daemon pid {pid} exited while restarting (see its log)"
 
 
 def _decision(outcomes: list[Outcome], sent_ns: int, before: str | None) -> tuple[Outcome | None, bool]:

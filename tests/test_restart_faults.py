@@ -52,15 +52,17 @@ def test_a_stop_sent_while_the_restart_is_checked_is_honoured(daemons: DaemonFac
     """The signal of `stop` (or `stop --keep`) sent while the restarting daemon checks its next image (sent
     by the test itself, so that it lands while the check runs, which a CLI starting up on a loaded machine
     may miss) is not dropped: the daemon ends as the stop asks, keeping the memory for the next start with
-    --keep, releasing it without."""
+    --keep, releasing it without; `restart` says which, not that the daemon exited unexplained."""
     daemon = daemons.start()
     daemon.wait_ready()
     restarting = restart_cli(daemons, daemon.instance)
     wait_for_preflight(daemon.pid)
     os.kill(daemon.pid, KEEP_SIGNAL if keep else signal.SIGTERM)
-    restarting.communicate(timeout=40)
+    said, _ = restarting.communicate(timeout=40)
     assert daemon.exit_code(20) == 0, daemon.log()
     assert "a stop came while the restart was checked" in daemon.log()
+    assert restarting.returncode == 1 and "stopped instead of restarting" in said, said
+    assert ("memory is kept for the next" in said) == keep and ("the cache is gone" in said) != keep, said
     if keep:
         assert {rank["state"] for rank in read_status(daemon.instance)["ranks"]} == {"KEPT"}
         again = daemons.start(daemon.instance)
