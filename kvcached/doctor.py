@@ -47,11 +47,11 @@ from kvcached.protocol.instance import open_instance, read_instance
 from kvcached.protocol.layout import cpu_pool_bytes, size_text
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
-    SHM_DIR,
     control_name,
     instance_lock_path,
     instance_shm_entries,
     lock_path,
+    shm_path,
     task_socket_path,
 )
 from kvcached.protocol.ownership import DAEMON_OWNS_WITH, cache_owner, explain_owner
@@ -319,7 +319,7 @@ def hidden_owner(instance: str) -> int | None:
         return None  # a squatter's: the leftovers check says so
     except AccessDenied:
         try:
-            return (SHM_DIR / control_name(instance).lstrip("/")).lstat().st_uid
+            return (shm_path(control_name(instance))).lstat().st_uid
         except OSError:
             return None
     except KVCacheError:
@@ -380,7 +380,7 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     if live_pid is not None:
         checks.append(Check("leftovers", OK, f"{counted(len(names), 'object')}, all of the live daemon", measured))
     elif squatters:  # a start leaves them alone; only one at the control block's name stops it
-        control = SHM_DIR / control_name(config.instance).lstrip("/")
+        control = shm_path(control_name(config.instance))
         blocking = any(path in (control, lock) for path, _ in found.squatters)
         figure = f"{counted(len(squatters), 'object')} under our names, not ours" + ("" if blocking else ": left alone")
         checks.append(Check("leftovers", FAIL if blocking else WARN, figure, measured, "; ".join(squatters)))

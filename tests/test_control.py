@@ -75,14 +75,15 @@ def test_header_unpublished_until_magic(instance: str) -> None:
     [(0, b"NOTOURS!", "not a kvcached control block"), (8, struct.pack("<I", 99), "format version 99")],
 )
 def test_foreign_or_other_version_is_protocol_error(instance: str, offset: int, data: bytes, message: str) -> None:
-    """Bad magic or another format version is a ProtocolError, never parsed as ours."""
+    """Bad magic or another format version is a ProtocolError naming the file, never parsed as ours."""
     block = ControlBlock.create(instance, generation=5, spec=SPEC, num_ranks=1, daemon_pid=1, daemon_start=1)
     block._buf[offset : offset + len(data)] = data
     try:
         reader = ControlBlock.open(instance)
         assert reader is not None
-        with pytest.raises(ProtocolError, match=message):
+        with pytest.raises(ProtocolError, match=message) as info:
             reader.header()
+        assert str(info.value).startswith(f"/dev/shm/kvcached.{instance}"), info.value
         reader.close()
     finally:
         block.unlink()

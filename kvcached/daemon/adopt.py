@@ -40,7 +40,7 @@ from kvcached.memory.shm import why_not_ours
 from kvcached.protocol.control import ControlBlock, Record, State, control_block_bytes
 from kvcached.protocol.errors import KVCacheError, TornRead
 from kvcached.protocol.layout import LAYOUT_VERSION, cpu_pool_bytes
-from kvcached.protocol.names import SHM_DIR
+from kvcached.protocol.names import shm_path
 from kvcached.protocol.proc import is_alive
 from kvcached.protocol.spec import CacheSpec
 
@@ -200,7 +200,7 @@ def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
         for tier in tiers:
             name = request.shm_name(tier)
             if why_not_ours(name, 0) is None:  # absent or someone else's: left as it is
-                access.apply(SHM_DIR / name.lstrip("/"), None if tier == "dev" else PRIVATE_MODE)
+                access.apply(shm_path(name), None if tier == "dev" else PRIVATE_MODE)
 
 
 def start_note(verdict: Adoption | Refusal | None, squatters: list[Path], *, handed_over: bool) -> str:

@@ -46,10 +46,10 @@ from kvcached.protocol.errors import ResourceError, SignalError
 from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
-    SHM_DIR,
     control_name,
     instance_lock_path,
     lock_path,
+    shm_path,
     task_socket_path,
 )
 from kvcached.protocol.ownership import DAEMON_OWNS_WITH, cache_owner, explain_owner
@@ -193,7 +193,7 @@ def _refuse_the_unusable(found: Leftovers, instance: str, log: logs.Logger) -> P
             f"than {lock_path(instance).parent}",
             EXIT_ALREADY_RUNNING,
         )
-    control = SHM_DIR / control_name(instance).lstrip("/")
+    control = shm_path(control_name(instance))
     for path, why in found.squatters:
         if path == control:
             raise Fatal(why, EXIT_RESOURCES)

@@ -66,7 +66,7 @@ from kvcached.fastdeploy.flags import ReadyFlags
 from kvcached.protocol.control import ControlBlock, Record, State
 from kvcached.protocol.errors import ProtocolError, SignalError
 from kvcached.protocol.layout import cpu_pool_bytes
-from kvcached.protocol.names import SHM_DIR, lock_path, task_socket_path
+from kvcached.protocol.names import lock_path, shm_path, task_socket_path
 
 #: The supervisor's loop turns at least this often.
 TICK_S = 0.25
@@ -245,7 +245,7 @@ class Supervisor:
         # Nothing was published yet: remove what the dead worker half-made and allocate again.
         request = self._plan(slot.rank).tier_request()
         self.backend.release(request)
-        unlink_entries([SHM_DIR / request.shm_name(tier).lstrip("/") for tier in ("dev", "cpu", "keys")])
+        unlink_entries([shm_path(request.shm_name(tier)) for tier in ("dev", "cpu", "keys")])
         self.log.warning("restarting rank worker's allocation", rank=slot.rank, reason=why)
         self._spawn(slot, State.ALLOCATING)
 

@@ -22,7 +22,7 @@ from kvcached.memory import register, shm
 from kvcached.memory.base import Array, Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest
 from kvcached.protocol.errors import AccessDenied, InvalidArgument, ProtocolError, ResourceError
 from kvcached.protocol.layout import device_arena_bytes, device_slots, device_views
-from kvcached.protocol.names import SHM_DIR
+from kvcached.protocol.names import shm_path
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import admitted
 
@@ -177,7 +177,7 @@ class HostBackend(DeviceBackend):
         except posix_ipc.ExistentialError:
             raise ProtocolError(f"rank {local_rank}: published arena {name} does not exist") from None
         except posix_ipc.PermissionsError:
-            raise AccessDenied(f"{name}: permission denied: {admitted(SHM_DIR / name.lstrip('/'))}") from None
+            raise AccessDenied(f"{shm_path(name)}: permission denied: {admitted(shm_path(name))}") from None
         return HostAttached(spec, mapping, framework)
 
 

@@ -60,7 +60,7 @@ import posix_ipc
 
 from kvcached.protocol.errors import AccessDenied, ProtocolError, TornRead
 from kvcached.protocol.layout import round_up
-from kvcached.protocol.names import SHM_DIR, control_name, staged_control_name
+from kvcached.protocol.names import control_name, shm_path, staged_control_name
 from kvcached.protocol.packing import Table
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import STATS_SIZE, StatsSlot
@@ -353,7 +353,7 @@ class ControlBlock:
         except posix_ipc.ExistentialError:
             return None
         except posix_ipc.PermissionsError:
-            raise AccessDenied(f"{name}: permission denied: {admitted(SHM_DIR / name.lstrip('/'))}") from None
+            raise AccessDenied(f"{shm_path(name)}: permission denied: {admitted(shm_path(name))}") from None
         try:
             stat = os.fstat(shm.fd)
             check_owner(f"control block /dev/shm{name}", stat)
@@ -379,7 +379,7 @@ class ControlBlock:
         """Give a staged block its public name. With ``replace`` it is renamed over the block there (an
         earlier run's, whose memory this one adopts: a kill at any moment leaves one whole block under
         the name, never none); else linked there, failing with ``FileExistsError`` if the name is taken."""
-        staged, public = SHM_DIR / self.name.lstrip("/"), SHM_DIR / self.public_name.lstrip("/")
+        staged, public = shm_path(self.name), shm_path(self.public_name)
         if replace:
             os.rename(staged, public)
         else:
@@ -404,27 +404,27 @@ class ControlBlock:
         if self._header is not None:
             return self._header
         if len(self._buf) < HEADER_SIZE:
-            raise ProtocolError(f"{self.name}: too small to be a kvcached control block")
+            raise ProtocolError(f"{shm_path(self.name)}: too small to be a kvcached control block")
         raw = _HEADER.unpack(self._buf)
         if raw["magic"] != MAGIC:
-            raise ProtocolError(f"{self.name}: not a kvcached control block (magic {raw['magic']!r})")
+            raise ProtocolError(f"{shm_path(self.name)}: not a kvcached control block (magic {raw['magic']!r})")
         version, num_ranks, spec_length = raw["version"], raw["num_ranks"], raw["spec_length"]
         sizes = (raw["header_size"], raw["record_size"], raw["stats_size"])
         if version != VERSION or sizes != (HEADER_SIZE, RECORD_SIZE, STATS_SIZE):
             raise ProtocolError(
-                f"{self.name}: control block format version {version} "
+                f"{shm_path(self.name)}: control block format version {version} "
                 f"(header {sizes[0]}, record {sizes[1]}); this client speaks version {VERSION}"
             )
         if not 1 <= num_ranks <= MAX_RANKS or len(self._buf) < HEADER_SIZE + (RECORD_SIZE + STATS_SIZE) * num_ranks:
-            raise ProtocolError(f"{self.name}: rank count {num_ranks} does not fit the block")
+            raise ProtocolError(f"{shm_path(self.name)}: rank count {num_ranks} does not fit the block")
         if spec_length > _EXTENSION_OFFSET - _SPEC_OFFSET:
-            raise ProtocolError(f"{self.name}: spec length {spec_length} does not fit the header")
+            raise ProtocolError(f"{shm_path(self.name)}: spec length {spec_length} does not fit the header")
         try:
             spec = json.loads(bytes(self._buf[_SPEC_OFFSET : _SPEC_OFFSET + spec_length]))
         except ValueError as exc:
-            raise ProtocolError(f"{self.name}: spec in header is not JSON: {exc}") from None
+            raise ProtocolError(f"{shm_path(self.name)}: spec in header is not JSON: {exc}") from None
         if not isinstance(spec, dict):
-            raise ProtocolError(f"{self.name}: spec in header is not an object")
+            raise ProtocolError(f"{shm_path(self.name)}: spec in header is not an object")
         extension = _EXTENSION.unpack(self._buf, _EXTENSION_OFFSET)
         note_start = _EXTENSION_OFFSET + _EXTENSION.size
         note = bytes(self._buf[note_start : note_start + min(extension["note_length"], MAX_NOTE)])
@@ -464,7 +464,7 @@ class ControlBlock:
                     return Record.unpack(body)
             if attempt > 16:
                 os.sched_yield()
-        raise TornRead(f"{self.name}: rank {rank} record changing or half-written")
+        raise TornRead(f"{shm_path(self.name)}: rank {rank} record changing or half-written")
 
     def write(self, rank: int, record: Record) -> None:
         """Write ``record`` as ``rank``'s record under the seqlock. Writer only; one writer per block."""

@@ -96,6 +96,11 @@ def instance_shm_entries(instance: str) -> list[Path]:
     return sorted(found)
 
 
+def shm_path(name: str) -> Path:
+    """Where POSIX shared memory object ``name`` ("/kvcached...") lies: under /dev/shm."""
+    return SHM_DIR / name.lstrip("/")
+
+
 def posix_name(entry: Path) -> tuple[str, bool]:
     """The POSIX name of a /dev/shm entry and whether it is a semaphore."""
     if entry.name.startswith("sem."):

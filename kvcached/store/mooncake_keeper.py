@@ -44,7 +44,7 @@ import time
 from typing import Any
 
 from kvcached import logs
-from kvcached.protocol.names import SHM_DIR, control_name
+from kvcached.protocol.names import control_name, shm_path
 from kvcached.protocol.trust import peer_credentials
 from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, meminfo, segment_refusal, send
 from kvcached.store.mooncake_memory import address, is_int, mapped_spans, populate, spans
@@ -69,7 +69,7 @@ class InstanceWatch:
     """Whether the instance is gone for good: no control block in /dev/shm for ``GONE_AFTER_S``."""
 
     def __init__(self, instance: str) -> None:
-        self.path = SHM_DIR / control_name(instance).lstrip("/")
+        self.path = shm_path(control_name(instance))
         self.since: float | None = None  # when the block was first seen missing
 
     def gone(self) -> bool:
