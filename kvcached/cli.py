@@ -353,7 +353,7 @@ def _instance_option(fn: Any) -> Any:
 
 @main.command(context_settings=_CONTEXT, short_help="Show each rank's state and figures.")
 @_instance_option
-@click.option("--json", "as_json", is_flag=True, help="One JSON object (see kvcached.status) instead of a table.")
+@click.option("--json", "as_json", is_flag=True, help="JSON (see kvcached.status), not a table (--watch: one a line).")
 @click.option("--watch", is_flag=True, help="Refresh the table (with swap/store rates) until interrupted.")
 @click.option(
     "--interval",
@@ -374,6 +374,8 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
     if watch:
         _watch(name, interval, as_json)
         return
+    if click.get_current_context().get_parameter_source("interval") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--interval is the period of --watch: add --watch, or leave --interval out")
     snapshot = guarded(read_status, name)
     click.echo(json.dumps(snapshot) if as_json else render(snapshot))
     sys.exit(0 if is_ready(snapshot) else 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import pty
 import select
@@ -240,3 +241,23 @@ def test_every_benchmark_answers_help_with_what_it_measures(script: str) -> None
     paragraphs = [" ".join(part.split()) for part in doc.split("\n\n") if part.strip()]
     shown = " ".join(result.stdout.split())
     assert len(paragraphs) > 0 and all(part in shown for part in paragraphs), result.stdout[:400]
+
+
+def test_status_watch_json_is_one_object_a_line_and_interval_needs_watch(daemons: DaemonFactory) -> None:
+    """`status --watch --json` writes one JSON object a line (a stream a program reads line by line);
+    `--interval` without `--watch` is a usage error (exit 2) rather than silently ignored."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    args = ["status", "--watch", "--json", "--interval", "0.05", "--instance", daemon.instance]
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "kvcached.cli", *args], stdout=subprocess.PIPE, text=True, env=daemons.env(), cwd=ROOT
+    )
+    try:
+        assert watch.stdout is not None
+        frames = [json.loads(watch.stdout.readline()) for _ in range(3)]
+    finally:
+        watch.kill()
+        watch.wait()
+    assert [(f["instance"], f["ranks"][0]["state"]) for f in frames] == [(daemon.instance, "READY")] * 3
+    lone = daemons.cli("status", "--interval", "2", "--instance", daemon.instance)
+    assert lone.returncode == 2 and "--interval is the period of --watch" in lone.stderr, lone.stderr
