@@ -181,6 +181,8 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
             raise ConfigError(fatal.reason) from None
         loads = f"({counted(config.ranks, 'rank')}, {config.memory})"
         click.echo(f"instance {config.instance}: the configuration loads {loads}")
+        for warning in unknown_variables():
+            click.echo(f"warning: {warning}", err=True)
         return
     _use_streaming_stores()
     logs.configure(level, json=None if log_format == "auto" else log_format == "json")

@@ -391,9 +391,13 @@ def test_help_reads_as_written(daemons: DaemonFactory, command: str) -> None:
         assert "mooncake, none" in backend and "default: none]" in backend and "default: off" not in backend
 
 
-def test_check_config_counts_one_rank_as_one(daemons: DaemonFactory) -> None:
-    done = daemons.cli("start", "--instance", unique_instance(), "--ranks", "1", "--check-config")
+def test_check_config_counts_one_rank_as_one_and_warns_of_a_misspelt_variable(daemons: DaemonFactory) -> None:
+    """`start --check-config` says what loads, and warns (as the start's log and doctor do) of a KVCACHED_
+    variable that is no setting, naming the one meant; the configuration still loads (exit 0)."""
+    env = daemons.env(KVCACHED_NUM_BLOCK="5")
+    done = daemons.cli("start", "--instance", unique_instance(), "--ranks", "1", "--check-config", env=env)
     assert done.returncode == 0 and "(1 rank, host)" in done.stdout, done.stdout
+    assert "KVCACHED_NUM_BLOCK is not a kvcached setting: ignored; did you mean KVCACHED_NUM_BLOCKS?" in done.stderr
 
 
 def test_a_configuration_start_refuses_fails_its_checks_too(daemons: DaemonFactory) -> None:
