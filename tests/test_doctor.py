@@ -184,6 +184,10 @@ def test_leftovers_of_a_killed_daemon_are_reported_then_cleaned(daemons: DaemonF
     _, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--num-blocks", "9")
     check = by_name(document)["leftovers"]
     assert check["verdict"] == "warn" and "num_blocks was 8, this configuration has 9" in check["figure"], check
+    store = ("--storage-backend", "file", "--storage-path", str(daemons.tmp_path / "store"))
+    _, document = doctor(daemons, "--instance", daemon.instance, *SMALL, *store)  # a store added: the spec differs
+    check = by_name(document)["leftovers"]
+    assert check["verdict"] == "warn" and "storage_backend was None, this configuration has 'file'" in check["figure"]
     assert shm_entries(daemon.instance) == left, "without --clean nothing is removed"
     code, document = doctor(daemons, "--instance", daemon.instance, *SMALL, "--clean")
     check = by_name(document)["leftovers"]
