@@ -283,8 +283,9 @@ class CacheTasks:
     def submit(self, task: Callable[P, TaskResult], /, *args: P.args, **kwargs: P.kwargs) -> TaskHandle:
         """Send ``task`` (this client's ``swap_out``, ``swap_in``, ``store`` or ``load``, with its arguments)
         and return its ``TaskHandle`` at once, without waiting for the reply: tasks submitted one after
-        another are pipelined. The arguments are checked as the blocking call checks them
-        (``InvalidTask``)::
+        another are pipelined. What the client can check (a rank, lists of different lengths, keys) raises
+        ``InvalidTask`` here; what the daemon checks (ids against its pool sizes, a repeated target) comes
+        from ``result()``, as the blocking call would have raised it, nothing moved::
 
             handles = [tasks.submit(tasks.swap_out, None, [i], [i]) for i in range(4)]
             results = [handle.result() for handle in handles]

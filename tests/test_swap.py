@@ -271,6 +271,10 @@ def test_wait_argument_works_deprecated_and_submit_takes_only_task_methods(fp8_d
             assert info.value.field == "task"
         with pytest.raises(rc.InvalidArgument, match="submit never waits"):
             tasks.submit(tasks.swap_out, 0, [1], [1], wait=False)
+        refused = tasks.submit(tasks.swap_out, 0, [999], [0])  # the daemon checks ids: its refusal is the result
+        with pytest.raises(rc.InvalidTask) as info:
+            refused.result(timeout=10)
+        assert info.value.field == "device_block_ids", info.value
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert tasks.submit(tasks.swap_out, 0, [3], [3]).result(timeout=10).blocks == 1
