@@ -57,13 +57,14 @@ class Harness:
         return theirs
 
     def pump(self, rounds: int = 200) -> None:
-        """Let the server handle what is ready, until nothing is."""
+        """Let the server handle what is ready, until nothing is (as the worker's loop does)."""
         for _ in range(rounds):
             events = self.selector.select(timeout=0)
-            if not events:
+            if not events and not self.server.backlog:
                 return
             for key, mask in events:
                 key.data(mask)
+            self.server.run_backlog()
 
     def counters(self) -> dict[str, int]:
         return self.stats.counters()
@@ -176,6 +177,46 @@ def test_a_client_that_never_reads_stops_being_read_and_stalls_only_itself(harne
         harness.pump()
     ids = [REPLY.unpack_from(received, n * size)[3] for n in range(count)]
     assert ids == list(range(count)) and len(harness.seen) == count + 1
+
+
+def test_connections_take_turns_and_a_pipelined_flood_waits_behind_the_others(harness: Harness) -> None:
+    """A client that pipelined 1,000 requests has ``run_batch`` of them run per turn: another client's
+    request, sent after the flood was read, runs after a few turns of it, not after all of it (it waited
+    behind every request a flooder had sent: 15 s behind 300 such clients); the flood runs whole and in
+    order with nothing more sent, and its replies all come."""
+    flood, other = harness.connect(), harness.connect()
+    count = 1000
+    flood.sendall(b"".join(request(Op.LOOKUP, task_id, b"k") for task_id in range(count)))
+    harness.pump(rounds=1)
+    assert 0 < len(harness.seen) <= 2 * LIMITS.run_batch, len(harness.seen)
+    other.sendall(request(Op.SWAP_IN, 10**6, b"x"))
+    harness.pump()
+    order = [r.task_id for r in harness.seen]
+    assert order.index(10**6) <= 4 * LIMITS.run_batch, order.index(10**6)
+    assert [t for t in order if t != 10**6] == list(range(count))
+    assert read_reply(other)[2] == 10**6
+    assert [read_reply(flood)[2] for _ in range(count)] == list(range(count))
+
+
+def test_requests_left_buffered_behind_a_full_output_run_once_the_client_reads(harness: Harness) -> None:
+    """A client whose replies filled ``out_cap`` while more of its requests lay buffered, all of them sent:
+    once it reads its replies, the buffered ones run and are answered without it sending anything more."""
+    client = harness.connect()
+    (served,) = harness.server.conns.values()
+    served.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # replies pile up in its outbuf
+    payload = b"p" * 512
+    count = 300  # 160 KiB of replies: past out_cap (64 KiB); the requests fit the input budget
+    client.sendall(b"".join(request(Op.SWAP_OUT, task_id, payload) for task_id in range(count)))
+    harness.pump()
+    assert len(harness.seen) < count, "every request ran although the replies were not read"
+    client.setblocking(False)
+    received, size = bytearray(), REPLY.size + len(payload)
+    deadline = time.monotonic() + 30
+    while len(received) < count * size and time.monotonic() < deadline:
+        with contextlib.suppress(BlockingIOError):
+            received += client.recv(1 << 20)
+        harness.pump()
+    assert [REPLY.unpack_from(received, n * size)[3] for n in range(len(received) // size)] == list(range(count))
 
 
 def test_large_frames_reserve_the_input_budget_and_wait_for_room(harness: Harness) -> None:

@@ -19,7 +19,10 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   in reserve for it; a peer that is neither the daemon's user nor in its group is answered REFUSED
   ("access") before a byte of it is read;
 * a malformed frame (bad magic, a payload over ``MAX_PAYLOAD``) is answered INVALID and closes that
-  connection only.
+  connection only;
+* connections take turns: at most ``RUN_BATCH`` requests of one run before the others' (a client that
+  pipelines thousands waits behind them, not they behind it); one with more buffered is not read again
+  until they have run (``backlog``: the worker's loop gives each a turn after its selector's events).
 
 The budget's bookkeeping, over all connections::
 
@@ -62,6 +65,8 @@ IDLE_EVICT_S = 1.0
 FD_HEADROOM = 64
 #: Connections accepted per wake-up of the listener, so that tasks keep being served.
 ACCEPT_BATCH = 64
+#: Requests of one connection run per turn.
+RUN_BATCH = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,6 +78,7 @@ class Limits:
     recv_chunk: int = RECV_CHUNK
     partial_idle_s: float = PARTIAL_IDLE_S
     idle_evict_s: float = IDLE_EVICT_S
+    run_batch: int = RUN_BATCH
 
 
 class Request(NamedTuple):
@@ -84,40 +90,27 @@ class Request(NamedTuple):
     payload: bytes
 
 
+NO_REQUEST = Request(0, 0, 0, b"")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
 class Client:
     """One client connection: its socket, unparsed and unsent bytes, and what it waits for. ``greeted`` is
-    the executor's: set once the client's HELLO was accepted."""
+    the executor's: set once the client's HELLO was accepted. Compared (and hashed) by identity."""
 
-    __slots__ = (
-        "active",
-        "events",
-        "filled",
-        "frame",
-        "frame_header",
-        "greeted",
-        "inbuf",
-        "need",
-        "outbuf",
-        "partial_since",
-        "reserved",
-        "sock",
-        "starved",
-    )
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.inbuf = bytearray()
-        self.outbuf = bytearray()
-        self.greeted = False
-        self.starved = False  # waiting for the input budget
-        self.reserved = 0  # bytes of INPUT_BUDGET its unfinished large frame holds
-        self.frame: bytearray | None = None  # that frame's payload, filled in place
-        self.frame_header = Request(0, 0, 0, b"")  # that frame's header (payload empty)
-        self.filled = 0
-        self.need = 0  # the length of a large frame waiting for room in the budget
-        self.partial_since = 0.0  # when the unfinished frame in inbuf started (0: none)
-        self.events = 0  # what the selector watches now
-        self.active = time.monotonic()  # when it last sent a request
+    sock: socket.socket
+    inbuf: bytearray = dataclasses.field(default_factory=bytearray)
+    outbuf: bytearray = dataclasses.field(default_factory=bytearray)
+    greeted: bool = False
+    starved: bool = False  # waiting for the input budget
+    reserved: int = 0  # bytes of INPUT_BUDGET its unfinished large frame holds
+    frame: bytearray | None = None  # that frame's payload, filled in place
+    frame_header: Request = NO_REQUEST  # that frame's header (payload empty)
+    filled: int = 0
+    need: int = 0  # the length of a large frame waiting for room in the budget
+    partial_since: float = 0.0  # when the unfinished frame in inbuf started (0: none)
+    events: int = 0  # what the selector watches now
+    active: float = dataclasses.field(default_factory=time.monotonic)  # when it last sent a request
 
     def next_request(self) -> tuple[int, int] | None:
         """``(op, payload length)`` of the whole request buffered after the one being run, whose payload is
@@ -164,6 +157,7 @@ class FrameServer:
         self.buffered = 0  # bytes in every connection's inbuf
         self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
         self.starved: set[Client] = set()  # connections not read until the budget has room
+        self.backlog: set[Client] = set()  # connections with whole requests left after their turn
         self.scratch = bytearray(self.limits.recv_chunk)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
         self.max_connections = max_connections or connection_limit()
@@ -264,7 +258,7 @@ class FrameServer:
     def _watch(self, client: Client) -> None:
         """Point the selector at what ``client`` waits for now."""
         events = 0
-        if len(client.outbuf) <= self.limits.out_cap and not client.starved:
+        if len(client.outbuf) <= self.limits.out_cap and not client.starved and client not in self.backlog:
             events |= selectors.EVENT_READ
         if client.outbuf:
             events |= selectors.EVENT_WRITE
@@ -287,6 +281,7 @@ class FrameServer:
             self.buffered -= len(client.inbuf) + client.filled
             self.reserved -= client.reserved
             self.starved.discard(client)
+            self.backlog.discard(client)
             self._feed_starved()
         sock.close()
 
@@ -295,9 +290,12 @@ class FrameServer:
         client = self.conns.get(sock.fileno())
         if client is None:
             return
-        if events & selectors.EVENT_WRITE and not self._flush(client):
-            self.close(sock)
-            return
+        if events & selectors.EVENT_WRITE:
+            if not self._flush(client):
+                self.close(sock)
+                return
+            if len(client.outbuf) <= self.limits.out_cap and _whole_request(client):
+                self.backlog.add(client)  # its replies drained: the requests it sent meanwhile run
         if events & selectors.EVENT_READ and not self._on_readable(client):
             self.close(sock)
             return
@@ -354,15 +352,32 @@ class FrameServer:
             client.filled += got
         else:
             client.inbuf += self.scratch_view[:got]
+        return self._turn(client)
+
+    def _turn(self, client: Client) -> bool:
+        """Run the requests of ``client``'s turn, send what the socket takes; False when it should close."""
         ok = self._run_frames(client)
         pending = client.inbuf or client.frame is not None
         client.partial_since = (client.partial_since or time.monotonic()) if pending else 0.0
         self._feed_starved()
         return ok and self._flush(client)
 
+    def run_backlog(self) -> None:
+        """Give each connection with whole requests left after its last turn another (the worker's loop
+        calls this after each round of its selector's events; it does not wait while ``backlog`` holds one)."""
+        for client in list(self.backlog):
+            self.backlog.discard(client)
+            if self.conns.get(client.sock.fileno()) is not client:
+                continue  # closed meanwhile
+            if self._turn(client):
+                self._watch(client)
+            else:
+                self.close(client.sock)
+
     def _run_frames(self, client: Client) -> bool:
-        """Run every whole frame buffered; False when the connection should close (a malformed frame)."""
-        while True:
+        """Run the whole frames buffered, ``run_batch`` at most (more left: the connection joins the
+        ``backlog``); False when the connection should close (a malformed frame)."""
+        for _ in range(self.limits.run_batch):
             if client.frame is not None:  # a large frame, filled in place
                 if client.filled < len(client.frame):
                     return True
@@ -385,6 +400,9 @@ class FrameServer:
             if length > self.limits.recv_chunk:  # a large frame: reserve its whole length, or wait for room
                 self._reserve(client, Request(op, flags, task_id, b""), length)
             return True
+        if _whole_request(client):
+            self.backlog.add(client)
+        return True
 
     def _malformed(self, client: Client, op: int, task_id: int, magic: bytes, length: int) -> None:
         """Answer a frame that is not one of ours INVALID (its connection closes next)."""
@@ -461,16 +479,18 @@ class FrameServer:
                 self._watch(client)
 
 
+def _whole_request(client: Client) -> bool:
+    """Whether a whole request of ``client`` is buffered."""
+    if client.frame is not None:
+        return client.filled == len(client.frame)
+    if len(client.inbuf) < REQUEST.size:
+        return False
+    length: int = REQUEST.unpack_from(client.inbuf)[4]
+    return len(client.inbuf) >= REQUEST.size + length
+
+
 def connection_limit() -> int:
     """Connections a worker accepts: what its open-file limit leaves after ``FD_HEADROOM``."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = 1 << 16 if soft == resource.RLIM_INFINITY else soft
     return max(8, min(1 << 16, limit - FD_HEADROOM))
-
-
-def raise_file_limit() -> None:
-    """Raise the soft open-file limit to the hard one (the usual 1024 is low for a busy rank)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import mmap
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -45,7 +46,7 @@ from kvcached.copy_engine import DeviceBlocks, SwapEngine
 from kvcached.daemon import channel, faults, server
 from kvcached.daemon.channel import DRAIN_S
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES, WorkerFailure
-from kvcached.daemon.frames import FrameServer, raise_file_limit
+from kvcached.daemon.frames import FrameServer
 from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.plan import WorkerPlan
 from kvcached.daemon.store_agent import StoreCalls
@@ -410,11 +411,13 @@ class Service:
         next_chores = 0.0
         while True:
             self.stats.progressed()
-            events = self.selector.select(timeout=DRAIN_QUIET_S if self.draining_until else LOOP_S)
+            idle = DRAIN_QUIET_S if self.draining_until else LOOP_S
+            events = self.selector.select(timeout=0 if self.frames.backlog else idle)
             for key, mask in events:
                 key.data(mask)
                 if self.status is not None:
                     return self.status
+            self.frames.run_backlog()  # a turn for each connection with requests left after its last
             now = time.monotonic()
             if self.draining_until and ((not events and not self.frames.sending()) or now >= self.draining_until):
                 self.frames.flush_all(DRAIN_S)
@@ -434,3 +437,11 @@ class Service:
             self.draining_until = time.monotonic() + DRAIN_S
         elif message is None or isinstance(message, channel.Stop):
             self.status = EXIT_OK
+
+
+def raise_file_limit() -> None:
+    """Raise the soft open-file limit to the hard one (the usual 1024 is low for a busy rank)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
