@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from kvcached.protocol.control import ControlBlock
-from kvcached.protocol.errors import AccessDenied, DaemonGone, NotTrusted, TaskFailed
+from kvcached.protocol.errors import AccessDenied, DaemonGone, NotTrusted
 from kvcached.protocol.messages import REPLY, REPLY_MAGIC, Op, Status, parse_reply_body, request
 from kvcached.protocol.trust import admitted, check_owner, peer_credentials
 
@@ -40,6 +40,10 @@ class Closed(Exception):
     """The rank's connection ended (EOF or reset), or its socket is not there."""
 
 
+class AtCapacity(Exception):
+    """The worker refused the connection: it has as many open as it takes, none of them idle."""
+
+
 class Full(Exception):
     """``MAX_IN_FLIGHT`` replies were unread and none came by the sender's deadline: nothing was sent, and
     the connection is as it was."""
@@ -52,7 +56,7 @@ class Connection:
 
     Raises, when it opens: ``Closed`` (no socket, or closed at once), ``NotTrusted`` (the socket or the
     process serving it is not the daemon's user's), ``AccessDenied`` (this user may not connect, or the
-    worker refused it), ``DaemonGone`` (the worker refused the HELLO: another generation), ``TaskFailed``
+    worker refused it), ``DaemonGone`` (the worker refused the HELLO: another generation), ``AtCapacity``
     (the worker is at its connection cap)."""
 
     def __init__(self, path: str, rank: int, block: ControlBlock, timeout: float, by: float | None = None) -> None:
@@ -177,7 +181,7 @@ class Connection:
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
         """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way; while
         another thread reads, its reply is taken as soon as that thread has read it. Raises ``Closed``,
-        ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``TaskFailed`` for a refusal."""
+        ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``AtCapacity`` for a refusal."""
         with self.arrived:
             while task_id not in self.early:
                 if self.read_lock.acquire(blocking=False):
@@ -254,7 +258,7 @@ class Connection:
         del self.buf[: REPLY.size + length]
         if status == Status.REFUSED:
             if body.get("reason") == "capacity":
-                raise TaskFailed(f"rank {self.rank}: the worker refused the connection: {body.get('message')}")
+                raise AtCapacity(f"rank {self.rank}: the worker refused the connection: {body.get('message')}")
             raise AccessDenied(f"rank {self.rank}: the daemon refused this client: {body.get('message')}")
         self.read += 1
         with self.arrived:

@@ -37,7 +37,7 @@ from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.messages import Op, Status
 from kvcached.protocol.names import task_socket_path
 from kvcached.protocol.proc import is_alive
-from runner_client.connection import MAX_IN_FLIGHT, Closed, Connection, Full
+from runner_client.connection import MAX_IN_FLIGHT, AtCapacity, Closed, Connection, Full
 
 #: How long, at most, a task waits for the next daemon after the one it talked to died or handed over.
 FOLLOW_S = 10.0
@@ -194,7 +194,8 @@ class RankLink:
     # -- the connection ---------------------------------------------------------------------------------
 
     def _connect(self, deadline: float) -> Connection:
-        """The rank's open connection to the current daemon, opened (after the READY check) if need be."""
+        """The rank's open connection to the current daemon, opened (after the READY check) if need be; a
+        worker at its connection cap is asked again until ``deadline``."""
         with self._lock:
             connection = self._connection
             if connection is not None and connection.block is self.daemons.block:
@@ -202,6 +203,7 @@ class RankLink:
             if connection is not None:  # opened to a daemon followed away from
                 self.daemons.retire(connection)
                 self._connection = None
+        full: TaskFailed | None = None  # the last refusal for want of room
         while True:
             self._check_ready(deadline)
             path = str(task_socket_path(self.daemons.header.run_dir, self.instance, self.rank))
@@ -209,8 +211,14 @@ class RankLink:
                 connection = Connection(path, self.rank, self.daemons.block, self.timeout, by=deadline)
             except (AccessDenied, TaskFailed):
                 raise
+            except AtCapacity as exc:  # room comes as its connections close or go idle: asked again
+                full = TaskFailed(f"instance {self.instance!r} {exc}; no room within the task's timeout")
+                time.sleep(max(0.0, min(0.05, deadline - time.monotonic())))
+                continue
             except TimeoutError:  # the worker took the connection and did not answer its HELLO in time
                 if time.monotonic() >= deadline:
+                    if full is not None:
+                        raise full from None
                     raise TaskTimeout(
                         f"instance {self.instance!r} rank {self.rank}: the worker did not answer a new "
                         "connection within the task's timeout"

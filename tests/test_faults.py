@@ -495,6 +495,39 @@ def test_two_thousand_idle_connections_at_nofile_1024_leave_the_daemon_serving(d
     assert pids(daemon.instance) == [status["ranks"][0]["pid"]] and read_status(daemon.instance)["alive"]
 
 
+def test_a_worker_at_its_connection_cap_is_asked_again_until_the_tasks_timeout(daemons: DaemonFactory) -> None:
+    """A worker holding as many connections as its open-file limit leaves it, none idle (each has a frame
+    begun): a new client's task is refused room, and asks again until its timeout (it failed at once),
+    then fails saying so; once the hogs close, a task is served, the worker the same."""
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))  # the worker takes 136 connections
+
+    daemon = daemons.start(ranks=1, popen={"preexec_fn": low_limit})
+    status = daemon.wait_ready()
+    path = str(task_socket_path(daemons.run_dir, daemon.instance, 0))
+    hogs = []
+    try:
+        for _ in range(150):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            sock.sendall(b"KVT1")  # a request begun: not idle, so never closed to make room
+            hogs.append(sock)
+        started = time.monotonic()
+        with rc.CacheTasks(daemon.instance, timeout=1.5) as tasks, pytest.raises(rc.TaskFailed, match="no room"):
+            tasks.swap_out(0, [1], [1])
+        assert time.monotonic() - started >= 1.4, "refused at once, not asked again until the timeout"
+        closer = threading.Timer(1.0, lambda: [sock.close() for sock in hogs])
+        closer.start()
+        with rc.CacheTasks(daemon.instance, timeout=20) as tasks:
+            assert tasks.swap_out(0, [1], [1]).blocks == 1
+        closer.join()
+    finally:
+        for sock in hogs:
+            sock.close()
+    assert pids(daemon.instance) == [status["ranks"][0]["pid"]] and read_status(daemon.instance)["alive"]
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -744,13 +777,13 @@ def test_status_of_a_tampered_control_block_is_a_message_not_a_traceback(daemons
 
 def cli_as(uid: int, *args: str) -> str:
     """Run the kvcached CLI in a child that dropped to ``uid`` (no exec: the interpreter may live where other
-    users cannot read it): "exit N: <output>", or the traceback an operator would have seen."""
+    users cannot read it): "exit N: <output>", or the traceback an operator would have seen. Imported
+    here, before the fork: the child's uid may not read the interpreter's own modules."""
+    from click.testing import CliRunner
+
+    from kvcached.cli import main
 
     def action() -> str:
-        from click.testing import CliRunner
-
-        from kvcached.cli import main
-
         result = CliRunner().invoke(main, list(args))
         if result.exception is not None and not isinstance(result.exception, SystemExit):
             return "Traceback: " + repr(result.exception)
