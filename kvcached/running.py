@@ -176,17 +176,14 @@ def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: floa
 
 
 def _exited(name: str, pid: int) -> str:
-    """The error of a ``kvcached restart`` whose daemon exited instead: a stop that came first (its memory
-    released, or kept for the next start), or an end that its log explains."""
+    """The error of a ``kvcached restart`` whose daemon exited instead: a stop that came first released its
+    memory, or it is kept for the next start (a stop --keep came first, or the log says why)."""
     left = guarded(read_instance, name, ranks=None, live=False)
     if left is None:
         return f"instance {name}: daemon pid {pid} stopped instead of restarting (a stop came first): the cache is gone"
-    if left.records and all(record.state is State.KEPT for record in left.records.values()):
-        return (
-            f"instance {name}: daemon pid {pid} stopped instead of restarting (a stop --keep came first); its memory "
-            f"is kept for the next `kvcached start --instance {name}`"
-        )
-    return f"instance {name}: daemon pid {pid} exited while restarting (see its log)"
+    kept = left.records and all(record.state is State.KEPT for record in left.records.values())
+    memory = f"; its memory is kept for the next `kvcached start --instance {name}`" if kept else ""
+    return f"instance {name}: daemon pid {pid} exited instead of restarting (a stop --keep, or see its log){memory}"
 
 
 def _decision(outcomes: list[Outcome], sent_ns: int, before: str | None) -> tuple[Outcome | None, bool]:

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from kvcached.protocol.control import ControlBlock
+from kvcached.protocol.control import ControlBlock, Record
 from kvcached.protocol.errors import AccessDenied, DaemonGone, NotTrusted
 from kvcached.protocol.messages import REPLY, REPLY_MAGIC, Op, Status, parse_reply_body, request
 from kvcached.protocol.trust import admitted, check_owner, peer_credentials
@@ -78,6 +78,7 @@ class Connection:
         self.forgotten: set[int] = set()
         self.buf = bytearray()
         self.worker_pid = 0  # the worker that took the connection (SO_PEERCRED)
+        self.verdict: tuple[bool, Record | None] | None = None  # once it ended: the daemon alive, the record
         try:
             check_owner(f"task socket {path}", os.stat(path), owner=owner)
         except FileNotFoundError:

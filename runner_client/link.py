@@ -281,7 +281,7 @@ class RankLink:
         except Closed:
             if self._read(connection.block, State.KEPT):  # it answers every task it ran before it closes
                 return Status.NOT_RUN, {"message": "closed unanswered by a daemon handing over"}
-            raise self._lost(sent.op, sent.targets, connection) from None
+            raise self._lost(sent.op, sent.targets, connection, deadline) from None
 
     # -- ready, follow, lost ----------------------------------------------------------------------------
 
@@ -352,19 +352,22 @@ class RankLink:
         record = self._record(block)
         return record is not None and record.state is state
 
-    def _lost(self, op: Op, targets: tuple[int, ...], connection: Connection | None) -> Exception:
+    def _lost(
+        self, op: Op, targets: tuple[int, ...], connection: Connection | None, deadline: float = 0.0
+    ) -> Exception:
         """The error for a task whose connection ended: the daemon is stopping, handed over or died, the
         rank failed, or its worker died (and is being replaced) during the task."""
         if connection is not None:
             self._drop(connection)
-        alive, record = self._settle(connection)
+        alive, record = self._settle(connection, deadline)
         if record is not None and record.state is State.FAILED:
             return RankFailed(f"instance {self.instance!r} rank {self.rank}: {record.error}")
         handed_over = record is not None and record.state is State.KEPT
         where = f"instance {self.instance!r} rank {self.rank}"
+        if op is Op.HELLO and alive:  # the worker is being replaced, under a supervisor that does not run
+            return TaskTimeout(f"{where}: the daemon's worker could not be reached on its task socket in time")
         if op is Op.HELLO:
-            why = "is gone" if not alive else "cannot be reached on its task socket"
-            return DaemonGone(f"{where}: the daemon's worker {why}")
+            return DaemonGone(f"{where}: the daemon's worker is gone")
         undefined = (
             f"its target {('CPU' if op is Op.SWAP_OUT else 'device')} blocks {list(targets)} are undefined"
             if targets
@@ -386,13 +389,16 @@ class RankLink:
             blocks=targets,
         )
 
-    def _settle(self, connection: Connection | None) -> tuple[bool, Record | None]:
+    def _settle(self, connection: Connection | None, deadline: float) -> tuple[bool, Record | None]:
         """Whether the daemon lives, and the rank's record, once they tell what ended ``connection``. The
         supervisor marks a dead worker's rank RECOVERING within milliseconds (its replacement has another
         pid), but a daemon killed -9 looks alive for as long as the kernel takes to end it, and its workers
         die with it: while the rank still reads READY under the worker that held the connection, looked at
-        again for up to ``SETTLE_S``."""
-        deadline = time.monotonic() + SETTLE_S
+        again for up to ``SETTLE_S``, within the task's ``deadline``. Once per connection: the tasks it
+        carried after the first take its verdict."""
+        if connection is not None and connection.verdict is not None:
+            return connection.verdict
+        until = min(time.monotonic() + SETTLE_S, deadline)
         while True:
             header = self.daemons.header
             alive = is_alive(header.daemon_pid, header.daemon_start)
@@ -400,6 +406,8 @@ class RankLink:
             unsettled = record is None or (
                 connection is not None and record.state is State.READY and record.worker_pid == connection.worker_pid
             )
-            if not alive or not unsettled or time.monotonic() >= deadline:
+            if not alive or not unsettled or time.monotonic() >= until:
+                if connection is not None:
+                    connection.verdict = alive, record
                 return alive, record
             time.sleep(0.005)

@@ -916,3 +916,27 @@ def test_two_mooncake_masters_at_once(tmp_path: Path) -> None:
     finally:
         for master in masters:
             master.stop()
+
+
+def test_tasks_lost_together_are_told_at_once_and_within_their_timeout(daemons: DaemonFactory) -> None:
+    """Twenty tasks in flight on one connection whose worker is killed while the supervisor is stopped (the
+    rank reads READY under the dead worker, nobody there to mark it): each raises TaskLost; the rank's record
+    is looked at once per connection, for at most the first task's timeout (each task waited a second: 20 s
+    in all), and the others take that verdict at once."""
+    daemon = daemons.start(ranks=1)
+    worker = daemon.wait_ready()["ranks"][0]["pid"]
+    with rc.CacheTasks(daemon.instance, timeout=30) as tasks:
+        assert tasks.swap_out(0, [1], [1]).blocks == 1  # the connection is open
+        with frozen(daemon.pid):
+            halt(worker)
+            handles = [tasks.submit(tasks.swap_out, 0, [1], [1]) for _ in range(20)]
+            os.kill(worker, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(rc.TaskLost):
+                handles[0].result(timeout=0.3)
+            first = time.monotonic() - started
+            for handle in handles[1:]:
+                with pytest.raises(rc.TaskLost, match="the worker closed the connection"):
+                    handle.result(timeout=30)
+            took = time.monotonic() - started
+    assert first < 5 and took < 10, (first, took)  # generous: they took 20 s

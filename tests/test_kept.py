@@ -160,16 +160,14 @@ def test_restart_of_a_daemon_started_with_fresh_keeps_the_cache(daemons: DaemonF
 
 
 def test_a_restart_into_a_configuration_that_does_not_load_is_refused(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """The configuration file broken before `kvcached restart`, then changed to another geometry: each
-    restart is refused with the reason (exit 1), the daemon serves on in the same generation; fixed, the
-    restart goes through."""
+    """The configuration file broken before `kvcached restart`: the restart is refused with the reason (exit
+    1), the daemon serves on in the same generation; fixed, the restart goes through."""
     config = tmp_path / "kv.toml"
-    geometry = "num_layers = 2\nkv_heads = 2\nhead_dim = 16\nblock_size = 4\nnum_cpu_blocks = 4\n"
-    config.write_text(geometry + "num_blocks = 8\n")
+    config.write_text("num_blocks = 8\n")
     instance = unique_instance()
-    daemon = daemons.start(instance, ranks=2, args=["--config", str(config)], small=False)
+    daemon = daemons.start(instance, ranks=2, args=["--config", str(config)])
     first = daemon.wait_ready()
-    config.write_text(geometry + "num_block = 8\n")
+    config.write_text("num_block = 8\n")
     done = daemons.cli("restart", "--instance", instance)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "restart refused, the daemon serves on" in done.stderr and "num_block: unknown key" in done.stderr
@@ -177,13 +175,7 @@ def test_a_restart_into_a_configuration_that_does_not_load_is_refused(daemons: D
     assert status["alive"] and status["generation"] == first["generation"] and daemon.proc.poll() is None
     with rc.CacheTasks(instance) as tasks:
         assert tasks.swap_out(0, [1], [1]).blocks == 1
-    config.write_text(geometry + "num_blocks = 16\n")
-    done = daemons.cli("restart", "--instance", instance)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "num_blocks was 8, this configuration has 16" in done.stderr, done.stderr
-    assert "could not adopt the cache" in done.stderr and "cannot start" not in done.stderr, done.stderr
-    assert read_status(instance)["generation"] == first["generation"] and daemon.proc.poll() is None
-    config.write_text(geometry + "num_blocks = 8\n")
+    config.write_text("num_blocks = 8\n")
     done = daemons.cli("restart", "--instance", instance)
     assert done.returncode == 0 and "adopted from generation" in done.stdout, done.stdout + done.stderr
     assert daemon.stop() == 0

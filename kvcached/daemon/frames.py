@@ -320,13 +320,13 @@ class FrameServer:
                 continue
 
     def tick(self, now: float) -> None:
-        """Close connections whose unfinished frame stalled for ``PARTIAL_IDLE_S``."""
+        """Close connections whose unfinished frame, or requests left behind replies the client does not
+        read, stalled for ``PARTIAL_IDLE_S``."""
         limit = self.limits.partial_idle_s
         stalled = [c for c in self.conns.values() if c.partial_since and now - c.partial_since > limit]
         for client in stalled:
-            self.log.warning(
-                "closing a connection that left a frame unfinished", seconds=round(now - client.partial_since)
-            )
+            why = "stopped reading its replies" if _whole_request(client) else "left a frame unfinished"
+            self.log.warning(f"closing a connection that {why}", seconds=round(now - client.partial_since))
             self.close(client.sock)
 
     # -- reading, under the input budget --------------------------------------------------------------

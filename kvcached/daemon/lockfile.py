@@ -142,6 +142,26 @@ def why_not_a_lock(path: Path) -> str:
     )
 
 
+def still_ours(path: Path, fd: int) -> bool:
+    """Whether ``fd`` (a descriptor an earlier image of this process left open across its exec) is this
+    user's lock file at ``path`` and this process holds its lock: then it is taken as it is."""
+    try:
+        st, there = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    if (
+        not stat.S_ISREG(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or (st.st_dev, st.st_ino) != (there.st_dev, there.st_ino)
+    ):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by this open file already: granted at once
+    except OSError:
+        return False
+    return True
+
+
 def release(path: Path, fd: int) -> None:
     """Remove the lock file, then drop the lock (in that order: a starter that opened the old file sees
     it unlinked and retries)."""

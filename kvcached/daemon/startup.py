@@ -77,14 +77,20 @@ def check_fault_plan() -> None:
         raise Fatal(str(exc), EXIT_CONFIG) from None
 
 
+#: The lock files' descriptors an image hands the next across a restart's exec ("<fd> <path>" lines).
+LOCKS_ENV = "KVCACHED_HELD_LOCKS"
+
+
 class Locks:
     """The lock files a supervisor holds for its whole life: ``<run_dir>/<instance>.lock``, then the
     instance's own (one daemon per instance on the host, whatever run directory each was given: a second
-    one's reclaim must never see the first one's fresh objects as leftovers). ``held`` once the first is."""
+    one's reclaim must never see the first one's fresh objects as leftovers). ``held`` once the first is.
+    A restart hands them, held, to the next image (``pass_on``): the name is never free in between."""
 
     def __init__(self, instance: str) -> None:
         self.instance = instance
         self.fds: dict[Path, int] = {}
+        self.inherited = _inherited_locks()
 
     @property
     def held(self) -> bool:
@@ -108,6 +114,13 @@ class Locks:
             raise Fatal(str(exc), EXIT_RESOURCES) from None
 
     def _take(self, where: Path, *, mode: int = 0o600, gid: int | None = None) -> None:
+        fd = self.inherited.pop(where, None)
+        if fd is not None:
+            if lockfile.still_ours(where, fd):
+                os.set_inheritable(fd, False)
+                self.fds[where] = fd
+                return
+            os.close(fd)
         try:
             self.fds[where] = lockfile.acquire(where, mode=mode, gid=gid)
         except lockfile.Locked as locked:
@@ -125,6 +138,25 @@ class Locks:
         for path, fd in reversed(self.fds.items()):
             lockfile.release(path, fd)
         self.fds.clear()
+
+    def pass_on(self) -> None:
+        """Keep them held, and open across the exec of a restart, for the next image (``LOCKS_ENV``); if
+        the exec fails the process ends and the files are free to the next start."""
+        for fd in self.fds.values():
+            os.set_inheritable(fd, True)
+        os.environ[LOCKS_ENV] = "".join(f"{fd} {path}\n" for path, fd in self.fds.items())
+        self.fds.clear()
+
+
+def _inherited_locks() -> dict[Path, int]:
+    """The lock descriptors the image before left this one (``LOCKS_ENV``, removed from the environment:
+    no child sees it); those not taken by ``Locks._take`` stay open until this process ends."""
+    held: dict[Path, int] = {}
+    for line in os.environ.pop(LOCKS_ENV, "").splitlines():
+        fd, _, path = line.partition(" ")
+        if fd.isdigit() and path:
+            held[Path(path)] = int(fd)
+    return held
 
 
 def reclaim(

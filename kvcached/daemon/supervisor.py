@@ -455,7 +455,9 @@ class Supervisor:
                 path.unlink(missing_ok=True)
         if not asked.restart:  # else the next image's restart signals are decided after this one's
             handover.refusal_path(self.run_dir, self.instance).unlink(missing_ok=True)
-        self.locks.release()
+            self.locks.release()
+        else:
+            self.locks.pass_on()  # held across the exec: nobody takes the name in between
 
     def _keep_or_release(self, keep: bool) -> None:
         block, self.block = self.block, None

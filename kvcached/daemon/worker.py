@@ -419,7 +419,8 @@ class Service:
                     return self.status
             self.frames.run_backlog()  # a turn for each connection with requests left after its last
             now = time.monotonic()
-            if self.draining_until and ((not events and not self.frames.sending()) or now >= self.draining_until):
+            quiet = not events and not self.frames.sending() and not self.frames.backlog
+            if self.draining_until and (quiet or now >= self.draining_until):
                 self.frames.flush_all(DRAIN_S)
                 self.log.info("drained: stopping for the next daemon", connections=len(self.frames.conns))
                 return EXIT_OK
