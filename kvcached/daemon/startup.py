@@ -118,6 +118,8 @@ class Locks:
         if fd is not None:
             if lockfile.still_ours(where, fd):
                 os.set_inheritable(fd, False)
+                os.fchmod(fd, mode)  # as a file made now would be: a restart may change or drop --group
+                os.fchown(fd, -1, os.getegid() if gid is None else gid)
                 self.fds[where] = fd
                 return
             os.close(fd)
