@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 
 from kvcached.protocol.errors import ResourceError
@@ -267,12 +268,16 @@ def process_uid(pid: int) -> int | None:
     return None
 
 
-def is_kvcached_daemon(pid: int) -> bool:
+def is_kvcached_daemon(pid: int, retry: int = 100) -> bool:
     """Whether process ``pid`` runs ``kvcached start`` (``kvcached`` or ``python -m kvcached.cli``)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return False
+    if argv == [""] and retry > 0 and process_uid(pid) is not None:
+        # Empty while the process executes a new image (a restart's execv): look again once it has one.
+        time.sleep(0.01)
+        return is_kvcached_daemon(pid, retry - 1)
     for at, arg in enumerate(argv):
         if arg == "kvcached.cli" or os.path.basename(arg) == "kvcached":
             return "start" in argv[at + 1 :]

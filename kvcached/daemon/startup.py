@@ -115,7 +115,7 @@ class Locks:
 
     def _take(self, where: Path, *, mode: int = 0o600, gid: int | None = None) -> None:
         fd = self.inherited.pop(where, None)
-        if fd is not None:
+        if fd is not None and _handed_on(fd):  # else not one an image left open for this one: not ours to close
             if lockfile.still_ours(where, fd):
                 os.set_inheritable(fd, False)
                 os.fchmod(fd, mode)  # as a file made now would be: a restart may change or drop --group
@@ -156,9 +156,21 @@ def _inherited_locks() -> dict[Path, int]:
     held: dict[Path, int] = {}
     for line in os.environ.pop(LOCKS_ENV, "").splitlines():
         fd, _, path = line.partition(" ")
-        if fd.isdigit() and path:
+        if fd.isascii() and fd.isdigit() and len(fd) < 10 and path:
             held[Path(path)] = int(fd)
     return held
+
+
+def _handed_on(fd: int) -> bool:
+    """Whether ``fd`` can be a lock descriptor ``Locks.pass_on`` left open across the exec: above the standard
+    three, open, and inheritable (every descriptor this image opened itself is not: a garbage or hostile
+    ``LOCKS_ENV`` must not make it close its own epoll, pipes, stdout or stderr)."""
+    if fd <= 2:
+        return False
+    try:
+        return os.get_inheritable(fd)
+    except OSError:
+        return False
 
 
 def reclaim(
