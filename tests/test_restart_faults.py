@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+import runner_client as rc
 from kvcached.daemon import lockfile
 from kvcached.daemon.requests import KEEP_SIGNAL
 from kvcached.protocol.names import instance_lock_path
 from kvcached.status import read_status
-from tests.conftest import ROOT, DaemonFactory, MooncakeMaster, free_port, shm_entries
+from tests.conftest import ROOT, DaemonFactory, MooncakeMaster, free_port, shm_entries, unique_instance
 from tests.test_mooncake_hosts import FLAGS, alive, keeper_pid, restart_daemon, start_host, store_prefix, until
 
 
@@ -222,4 +223,23 @@ def test_the_names_locks_stay_held_across_a_restart(daemons: DaemonFactory) -> N
         watcher.join()
     assert restarted.returncode == 0 and "adopted from" in restarted.stdout, restarted.stdout + restarted.stderr
     assert not seen, sorted(set(seen))
+    assert "KVCACHED_HELD_LOCKS" not in daemon.log(), "the handover's variable warned of as unknown"
     assert daemon.stop() == 0 and not any(path.exists() for path in locks)
+
+
+@pytest.mark.parametrize("fd", ["2", "3", "4", "1000", "99999999999999999999", "\u00b2"])
+def test_a_garbled_held_locks_variable_changes_nothing_of_a_start(daemons: DaemonFactory, fd: str) -> None:
+    """``KVCACHED_HELD_LOCKS`` naming descriptors no image left (stderr, the start's own epoll or pipes, one
+    not open, a number past any, not a number) at a plain start: nothing of it is closed or taken (the
+    start crashed, or lost its log into the lock file); the daemon serves and stops cleanly."""
+    instance = unique_instance()
+    lock = instance_lock_path(instance)
+    env = daemons.env(KVCACHED_HELD_LOCKS=f"{fd} {lock}\n{fd} {daemons.run_dir / f'{instance}.lock'}\n")
+    daemon = daemons.start(instance, ranks=1, env=env, executed=True)
+    daemon.wait_ready()
+    with rc.CacheTasks(instance) as tasks:
+        assert tasks.swap_out(0, [1], [1]).blocks == 1
+    said = daemon.log()
+    assert '"event": "all ranks ready"' in said and "Traceback" not in said, said  # its log still goes to stderr
+    assert daemon.stop() == 0
+    assert not lock.exists()

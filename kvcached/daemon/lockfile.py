@@ -225,8 +225,8 @@ def flock_holder(path: Path, locks: str = "/proc/locks") -> int | None:
 def why_not_daemon(pid: int, owner: int, lock: Path) -> str:
     """Why process ``pid`` is not to be trusted as the daemon whose lock is ``lock`` and whose files ``owner``
     (a uid) owns ("" when it is): it must run as ``owner``, be ``kvcached start`` (or the image a restart
-    executed), and hold the flock on ``lock`` as the kernel lists it; between a restart's two images nobody
-    holds it, and the first two checks suffice. A file anyone else could write names no pid worth a
+    executed), and hold the flock on ``lock`` as the kernel lists it (held across a restart's exec too;
+    when nobody holds it, the first two checks suffice). A file anyone else could write names no pid worth a
     signal: the callers check the files first (``why_untrusted_file``)."""
     uid = process_uid(pid)
     if uid is None:
@@ -268,16 +268,18 @@ def process_uid(pid: int) -> int | None:
     return None
 
 
-def is_kvcached_daemon(pid: int, retry: int = 100) -> bool:
-    """Whether process ``pid`` runs ``kvcached start`` (``kvcached`` or ``python -m kvcached.cli``)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return False
-    if argv == [""] and retry > 0 and process_uid(pid) is not None:
-        # Empty while the process executes a new image (a restart's execv): look again once it has one.
+def is_kvcached_daemon(pid: int) -> bool:
+    """Whether process ``pid`` runs ``kvcached start`` (``kvcached`` or ``python -m kvcached.cli``). A
+    command line read empty while the process lives is read again for up to a second: a restart's
+    ``execv`` leaves it so for a moment, the daemon holding its locks all the while."""
+    for _ in range(100):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            return False
+        if argv != [""] or process_uid(pid) is None:
+            break
         time.sleep(0.01)
-        return is_kvcached_daemon(pid, retry - 1)
     for at, arg in enumerate(argv):
         if arg == "kvcached.cli" or os.path.basename(arg) == "kvcached":
             return "start" in argv[at + 1 :]

@@ -115,14 +115,14 @@ class Locks:
 
     def _take(self, where: Path, *, mode: int = 0o600, gid: int | None = None) -> None:
         fd = self.inherited.pop(where, None)
-        if fd is not None and _handed_on(fd):  # else not one an image left open for this one: not ours to close
-            if lockfile.still_ours(where, fd):
-                os.set_inheritable(fd, False)
-                os.fchmod(fd, mode)  # as a file made now would be: a restart may change or drop --group
-                os.fchown(fd, -1, os.getegid() if gid is None else gid)
-                self.fds[where] = fd
-                return
-            os.close(fd)
+        # Only a descriptor that is this user's lock file there, locked by this process, is taken; any
+        # other is left as it is (a garbage variable must not close a descriptor of this image's).
+        if fd is not None and _handed_on(fd) and lockfile.still_ours(where, fd):
+            os.set_inheritable(fd, False)
+            os.fchmod(fd, mode)  # as a file made now would be: a restart may change or drop --group
+            os.fchown(fd, -1, os.getegid() if gid is None else gid)
+            self.fds[where] = fd
+            return
         try:
             self.fds[where] = lockfile.acquire(where, mode=mode, gid=gid)
         except lockfile.Locked as locked:
