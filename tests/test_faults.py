@@ -42,6 +42,7 @@ from kvcached.protocol.messages import MAX_PAYLOAD, REQUEST, REQUEST_MAGIC, Op, 
 from kvcached.protocol.names import control_name, task_socket_path
 from kvcached.status import read_status
 from tests.conftest import (
+    Daemon,
     DaemonFactory,
     MooncakeMaster,
     arena_digests,
@@ -463,6 +464,17 @@ def test_a_send_to_a_frozen_worker_times_out(daemons: DaemonFactory) -> None:
             os.kill(status["ranks"][0]["pid"], signal.SIGCONT)
 
 
+def _at_file_limit(daemons: DaemonFactory, files: int) -> tuple[Daemon, dict[str, Any], str]:
+    """A one-rank daemon started under an open-file limit of ``files``: it, its status, rank 0's socket."""
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+    daemon = daemons.start(ranks=1, popen={"preexec_fn": low_limit})
+    status = daemon.wait_ready()
+    return daemon, status, str(task_socket_path(daemons.run_dir, daemon.instance, 0))
+
+
 def test_two_thousand_idle_connections_at_nofile_1024_leave_the_daemon_serving(daemons: DaemonFactory) -> None:
     """Why 3: under an open-file limit of 1024, 2,000 idle connections do not crash the worker
     (it used to die of EMFILE): the idle ones are closed to make room, a new client is served, the worker
@@ -471,13 +483,7 @@ def test_two_thousand_idle_connections_at_nofile_1024_leave_the_daemon_serving(d
     if hard != resource.RLIM_INFINITY and hard < 2200:
         pytest.skip(f"this process may open at most {hard} files")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
-
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
-
-    daemon = daemons.start(ranks=1, popen={"preexec_fn": low_limit})
-    status = daemon.wait_ready()
-    path = str(task_socket_path(daemons.run_dir, daemon.instance, 0))
+    daemon, status, path = _at_file_limit(daemons, 1024)
     idle = []
     try:
         for _ in range(2000):
@@ -499,13 +505,7 @@ def test_a_worker_at_its_connection_cap_is_asked_again_until_the_tasks_timeout(d
     """A worker holding as many connections as its open-file limit leaves it, none idle (each has a frame
     begun): a new client's task is refused room, and asks again until its timeout (it failed at once),
     then fails saying so; once the hogs close, a task is served, the worker the same."""
-
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))  # the worker takes 136 connections
-
-    daemon = daemons.start(ranks=1, popen={"preexec_fn": low_limit})
-    status = daemon.wait_ready()
-    path = str(task_socket_path(daemons.run_dir, daemon.instance, 0))
+    daemon, status, path = _at_file_limit(daemons, 200)  # the worker takes 136 connections
     hogs = []
     try:
         for _ in range(150):
