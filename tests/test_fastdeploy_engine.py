@@ -29,7 +29,7 @@ import pytest
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port, unique_devices, zygote
 from tests.helpers.fastdeploy_double import FMQDouble
-from tests.helpers.fastdeploy_src import pieces
+from tests.helpers.fastdeploy_src import pieces, told
 from tests.helpers.shared_daemons import shared_daemons
 from tests.helpers.zygote import ZygoteChild
 
@@ -89,7 +89,8 @@ class Engine:
         return [int(v) for v in self.signals[name].value]
 
     def arguments(self, rank: int, **changes: str) -> list[str]:
-        """``cache_transfer_manager.py``'s command line as launch_cache_manager builds it (~296-321)."""
+        """``cache_transfer_manager.py``'s command line as launch_cache_manager builds it (~296-321), and what
+        the patched launcher tells the drop-in (``told``)."""
         args = {
             "device_id": str(rank),
             "rank": str(rank),
@@ -115,7 +116,7 @@ class Engine:
             "model_path": str(self.tmp_path),
         }
         args.update(changes)
-        return [part for key, value in args.items() for part in (f"--{key}", value)]
+        return [part for key, value in args.items() for part in (f"--{key}", value)] + told()
 
     def launch(self, rank: int, **changes: str) -> subprocess.Popen[bytes] | ZygoteChild:
         """A drop-in for ``rank``; its output (stdout and stderr) goes to a file: ``output``."""

@@ -35,7 +35,7 @@ import pytest
 
 from kvcached.fastdeploy.lines import KNOWN_LINES, Line, read_tree
 from tests.conftest import ROOT, free_port
-from tests.helpers.fastdeploy_src import pieces, source
+from tests.helpers.fastdeploy_src import pieces, source, told
 
 #: What is exported of each commit: the package and what its pre-commit hooks read.
 EXPORTED = ("fastdeploy", ".pre-commit-config.yaml", "pyproject.toml", ".flake8")
@@ -175,7 +175,7 @@ class LineEngine:
     FLAGS = ("kv_cache_status", "cache_task_broadcast_signal", "cache_task_is_paused")
 
     def __init__(self, fd: types.SimpleNamespace, commit: str, tree: Path, instance: str, ranks: int) -> None:
-        self.fd, self.tree, self.instance, self.ranks = fd, tree, instance, ranks
+        self.fd, self.tree, self.instance, self.ranks, self.commit = fd, tree, instance, ranks, commit
         self.suffix = ipc_suffix()
         self.port = free_port()
         socket = ENGINE_SOCKET[commit] and bool(fd.envs.FD_ENGINE_TASK_QUEUE_WITH_SHM)
@@ -205,7 +205,7 @@ class LineEngine:
         """The drop-in as the patched launcher starts it, reading the same FastDeploy tree."""
         full = [*args, "--rank", str(rank), "--device_id", str(rank), "--mp_num", str(self.ranks)]
         full += ["--cache_queue_port", str(self.port), "--pod_ip", "127.0.0.1"]
-        full += ["--engine_worker_queue_port", str(self.suffix)]
+        full += ["--engine_worker_queue_port", str(self.suffix), *told(self.commit, self.address)]
         env = dict(os.environ, KVCACHED_INSTANCE=self.instance, FD_TEST_CONTROL_DIR=str(control))
         env["FASTDEPLOY_SRC"] = str(self.tree)
         proc = subprocess.Popen(
