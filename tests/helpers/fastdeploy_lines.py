@@ -15,7 +15,9 @@ one drop-in process per rank run against the same tree.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -86,21 +88,28 @@ def _copy_plain(src: Path, into: Path) -> dict[str, Path]:
     return {}
 
 
-@pytest.fixture(scope="session")
-def line_trees() -> Iterator[dict[str, Path]]:
-    """``{commit: tree}`` for every known line FASTDEPLOY_SRC holds; skips, saying what it needs, if none."""
+@functools.cache
+def exported() -> dict[str, Path]:
+    """``{commit: tree}`` of every known line FASTDEPLOY_SRC holds, exported once per test process into a
+    directory removed when the process exits; empty without FASTDEPLOY_SRC."""
     src = source()
     if src is None:
-        pytest.skip(NEEDS)
+        return {}
     into = Path(tempfile.mkdtemp(prefix="kvcached-fd-lines-"))
-    try:
-        found = {line.commit: tree for line in KNOWN_LINES if (tree := _export(src, line, into)) is not None}
-        found = found or _copy_plain(src, into)
-        if not found:
-            pytest.skip(f"FASTDEPLOY_SRC={src} holds none of them: {NEEDS}")
-        yield found
-    finally:
-        shutil.rmtree(into, ignore_errors=True)
+    atexit.register(shutil.rmtree, into, ignore_errors=True)
+    found = {line.commit: tree for line in KNOWN_LINES if (tree := _export(src, line, into)) is not None}
+    return found or _copy_plain(src, into)
+
+
+@pytest.fixture(scope="session")
+def line_trees() -> dict[str, Path]:
+    """``{commit: tree}`` for every known line FASTDEPLOY_SRC holds; skips, saying what it needs, if none."""
+    if source() is None:
+        pytest.skip(NEEDS)
+    found = exported()
+    if not found:
+        pytest.skip(f"FASTDEPLOY_SRC={source()} holds none of them: {NEEDS}")
+    return found
 
 
 PATCHES = {line.commit: ROOT / "patches" / line.patch for line in KNOWN_LINES}

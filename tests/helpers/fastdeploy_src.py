@@ -82,19 +82,19 @@ def checkout(what: str = "this") -> Path:
     return root
 
 
-def patched_files() -> list[str]:
-    return re.findall(r"^\+\+\+ b/(\S+)$", PATCH.read_text(), re.MULTILINE)
+def patched_files(patch: Path = PATCH) -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), re.MULTILINE)
 
 
-def patched_tree(root: Path, into: Path) -> list[str]:
-    """Copy the files the patch touches (with their packages' ``__init__`` files and the hooks'
+def patched_tree(root: Path, into: Path, patch: Path = PATCH) -> list[str]:
+    """Copy the files ``patch`` touches (with their packages' ``__init__`` files and the hooks'
     configuration) from ``root`` into ``into`` and apply the patch there; the patched files."""
-    files = patched_files()
+    files = patched_files(patch)
     packages = {str(parent / "__init__.py") for f in files for parent in Path(f).parents if parent != Path(".")}
     for relative in (*files, *HOOK_CONFIG, *sorted(packages)):  # isort tells first-party code by its packages
         (into / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / relative, into / relative)
-    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=into, capture_output=True, text=True, check=False)
+    applied = subprocess.run(["git", "apply", str(patch)], cwd=into, capture_output=True, text=True, check=False)
     assert applied.returncode == 0, applied.stderr
     return files
 
