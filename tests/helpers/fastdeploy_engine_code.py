@@ -139,8 +139,7 @@ class EngineProcess:
     def dropin_log(self, since: dict[Path, int] | None = None) -> str:
         """The drop-ins' logs; ``since``: only what was written after that ``log_mark``."""
         return "".join(
-            p.read_text(errors="replace")[(since or {}).get(p, 0) :]
-            for p in sorted(self.log_dir.glob(DROPIN_LOGS))
+            p.read_text(errors="replace")[(since or {}).get(p, 0) :] for p in sorted(self.log_dir.glob(DROPIN_LOGS))
         )
 
     def log_mark(self) -> dict[Path, int]:
