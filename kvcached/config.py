@@ -332,9 +332,7 @@ class DaemonConfig:
         if gid is not None and os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
             raise InvalidConfig("group", source("group"), f"this user is not in group {gid}: it cannot give it objects")
         _resolved(resolve_user, values, "engine_user", source)  # still checked: a wrong value stays an error
-        ignored = tuple(
-            f"{source(name)}: deprecated, does nothing: {IGNORED_WHY}" for name in DEPRECATED if name in raw
-        )
+        ignored = tuple(f"{source(n)}: deprecated, does nothing: {IGNORED_WHY}" for n in DEPRECATED if n in raw)
         devices = values["devices"] or tuple(range(ranks))
         if len(devices) != ranks:
             raise InvalidConfig(

@@ -124,15 +124,22 @@ def apply_patch(tree: Path, commit: str, dest: Path) -> subprocess.CompletedProc
     )
 
 
-@pytest.fixture(scope="session")
-def patched_trees(line_trees: dict[str, Path]) -> dict[str, Path]:
-    """``{commit: tree}`` of every line present with its kvcached patch applied (beside ``line_trees``)."""
+@functools.cache
+def patched_exports() -> dict[str, Path]:
+    """``{commit: tree}`` of every exported line with its kvcached patch applied (beside the export), made once
+    per test process."""
     found = {}
-    for commit, tree in line_trees.items():
+    for commit, tree in exported().items():
         done = apply_patch(tree, commit, tree.parent / f"{commit}-patched")
         assert done.returncode == 0, f"{PATCHES[commit].name} does not apply to {commit}: {done.stderr}"
         found[commit] = tree.parent / f"{commit}-patched"
     return found
+
+
+@pytest.fixture(scope="session")
+def patched_trees(line_trees: dict[str, Path]) -> dict[str, Path]:
+    """``{commit: tree}`` of every line present with its kvcached patch applied (beside ``line_trees``)."""
+    return patched_exports()
 
 
 def ipc_suffix() -> int:
