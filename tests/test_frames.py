@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import selectors
 import socket
 import threading
@@ -17,13 +18,29 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import structlog.testing
 
 from kvcached import logs
 from kvcached.access import Access
 from kvcached.daemon.frames import Client, FrameServer, Limits, Request
-from kvcached.protocol.messages import MAX_PAYLOAD, REPLY, REQUEST, REQUEST_MAGIC, Op, Status, reply, request
+from kvcached.protocol.messages import (
+    MAX_PAYLOAD,
+    REPLY,
+    REQUEST,
+    REQUEST_MAGIC,
+    TASK_RESULT,
+    Op,
+    Status,
+    pack_ids,
+    reply,
+    request,
+)
+from kvcached.protocol.names import task_socket_path
 from kvcached.protocol.stats import STATS_SIZE, StatsSlot
+from kvcached.status import read_status
+from tests.conftest import DaemonFactory
 
 LIMITS = Limits(out_cap=64 << 10, input_budget=256 << 10, recv_chunk=16 << 10, partial_idle_s=30.0, idle_evict_s=0.2)
 
@@ -365,3 +382,123 @@ def test_stop_listening_refuses_newcomers_and_serves_those_connected(tmp_path: P
     connected.sendall(request(Op.SWAP_OUT, 4, b"x"))
     h.pump()
     assert read_reply(connected)[2] == 4
+
+
+def test_a_half_closed_connection_gets_every_reply_of_what_it_sent(harness: Harness) -> None:
+    """A client sends 5,000 requests, closes its sending side and reads until the end: all 5,000 replies come,
+    in order, although most were queued behind replies it had not read yet; then the connection closes."""
+    client = harness.connect()
+    (served,) = harness.server.conns.values()
+    served.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    count = 5000
+
+    def send_then_half_close() -> None:
+        client.sendall(b"".join(request(Op.LOOKUP, task_id, b"k" * 32) for task_id in range(count)))
+        client.shutdown(socket.SHUT_WR)
+
+    sender = threading.Thread(target=send_then_half_close, daemon=True)
+    sender.start()
+    received = bytearray()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        harness.pump(rounds=5)
+        if not select.select([client], [], [], 0)[0]:
+            continue
+        chunk = client.recv(1 << 20)
+        if not chunk:
+            break
+        received += chunk
+    sender.join(10)
+    size = REPLY.size + 32
+    assert len(received) == count * size
+    assert [REPLY.unpack_from(received, n * size)[3] for n in range(count)] == list(range(count))
+    assert harness.server.conns == {}, "closed once everything it sent was answered"
+
+
+def test_replies_a_client_never_takes_are_logged_by_task(harness: Harness) -> None:
+    """A client that sends requests and closes its socket without reading: the replies that cannot be delivered
+    are logged with their tasks, and the server serves on."""
+    client = harness.connect()
+    (served,) = harness.server.conns.values()
+    served.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client.sendall(b"".join(request(Op.LOOKUP, task_id, b"p" * 512) for task_id in range(200)))
+    harness.pump()
+    client.close()
+    with structlog.testing.capture_logs() as logged:
+        harness.pump()
+    assert harness.server.conns == {}
+    lost = next(line for line in logged if line["event"].startswith("replies not delivered"))
+    ran = len(harness.seen)  # those whose replies fit the output cap; the rest were never taken
+    assert lost["replies"] > 0 and lost["tasks"] == list(range(ran - lost["replies"], ran))[:8], lost
+    other = harness.connect()
+    other.sendall(request(Op.LOOKUP, 7, b"k"))
+    harness.pump()
+    assert read_reply(other)[2] == 7
+
+
+class MovingHarness(Harness):
+    """A frame server whose tasks report moving as many bytes as their payload says (a u64): the turns are
+    ordered by what the tasks move."""
+
+    def execute(self, client: Client, req: Request) -> bytes:
+        self.seen.append(req)
+        moved = int.from_bytes(req.payload[:8], "little")
+        return reply(req.op, Status.OK, req.task_id, TASK_RESULT.pack(1, moved, 0))
+
+
+def test_a_client_pipelining_large_tasks_costs_another_at_most_one_turn() -> None:
+    """Four clients pipeline tasks that each move 64 MiB; a fifth sends a small task now and then: each small
+    task runs after at most one large task (the one under way), never behind a round of the four; the large
+    ones take turns, one each, and all of them run."""
+    harness = MovingHarness()
+    heavy = [harness.connect() for _ in range(4)]
+    light = harness.connect()
+    large = (64 << 20).to_bytes(8, "little")
+    for n, sock in enumerate(heavy):
+        sock.sendall(b"".join(request(Op.SWAP_OUT, 1000 * n + i, large) for i in range(20)))
+    harness.pump(rounds=3)
+    waits = []
+    for i in range(10):
+        before = len(harness.seen)
+        light.sendall(request(Op.SWAP_OUT, 10**6 + i, (4096).to_bytes(8, "little")))
+        harness.pump(rounds=3)
+        order = [r.task_id for r in harness.seen[before:]]
+        waits.append(order.index(10**6 + i))
+        assert read_reply(light)[2] == 10**6 + i
+    assert max(waits) <= 1, waits
+    harness.pump(rounds=200)
+    ran = [r.task_id for r in harness.seen if r.task_id < 10**6]
+    assert sorted(ran) == sorted(1000 * n + i for n in range(4) for i in range(20))
+    firsts = [ran.index(1000 * n) for n in range(4)]
+    assert max(firsts) < 8, f"each heavy client got its turn early: {firsts}"
+
+
+def test_a_worker_answers_5000_pipelined_swaps_of_a_half_closed_connection(daemons: DaemonFactory) -> None:
+    """A real rank worker: HELLO, 5,000 pipelined one-block swap-outs sent without reading a reply,
+    ``shutdown(SHUT_WR)``, then read until the end: 5,001 replies, every swap answered OK, in order (a client
+    pattern of other languages: send everything, half-close, read to EOF)."""
+    daemon = daemons.start(ranks=1)
+    status = daemon.wait_ready()
+    count = 5000
+    frames = [request(Op.HELLO, 0, json.dumps({"generation": status["generation"]}).encode())]
+    ids = np.arange(count, dtype=np.int64) % 4
+    frames += [request(Op.SWAP_OUT, i + 1, pack_ids(ids[i : i + 1], ids[i : i + 1])) for i in range(count)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(str(task_socket_path(daemons.run_dir, daemon.instance, 0)))
+        sock.sendall(b"".join(frames))  # reading nothing meanwhile: the replies queue in the worker
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 60
+        while read_status(daemon.instance)["ranks"][0]["swap"]["swap_out_tasks"] < count:  # ran, answers queued
+            assert time.monotonic() < deadline, "the swaps did not all run within 60 s"
+            time.sleep(0.05)
+        received = bytearray()
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+    answers = []
+    while received:
+        _, op, status_code, task_id, length = REPLY.unpack_from(received)
+        answers.append((op, status_code, task_id))
+        del received[: REPLY.size + length]
+    assert answers[0][:2] == (Op.HELLO, Status.OK)
+    assert answers[1:] == [(Op.SWAP_OUT, Status.OK, i + 1) for i in range(count)]

@@ -20,9 +20,17 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   ("access") before a byte of it is read;
 * a malformed frame (bad magic, a payload over ``MAX_PAYLOAD``) is answered INVALID and closes that
   connection only;
-* connections take turns: at most ``RUN_BATCH`` requests of one run before the others' (a client that
-  pipelines thousands waits behind them, not they behind it); one with more buffered is not read again
-  until they have run (``backlog``: the worker's loop gives each a turn after its selector's events).
+* connections take turns, fair by the bytes their tasks move as well as by requests: a turn is at most
+  ``RUN_BATCH`` requests, and ends after the task that brings its bytes moved to ``TURN_BYTES`` (a single
+  task larger than that is a turn of its own). Whole requests wait in the ``backlog``, read but not run; the
+  worker's loop runs one turn per pass, of the connection that has moved the fewest bytes (``served``; a
+  connection that comes back from idle starts level with the last one served, and goes first among equals),
+  so a client pipelining large tasks costs another client's task at most the turn under way, and a client
+  that pipelines thousands waits behind the others, not they behind it. A connection in the backlog is not
+  read again until its turn;
+* a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every
+  request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
+  gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
 
 The budget's bookkeeping, over all connections::
 
@@ -34,6 +42,7 @@ The budget's bookkeeping, over all connections::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -47,7 +56,7 @@ from typing import NamedTuple
 
 from kvcached.access import Access, peer_of
 from kvcached.logs import Logger
-from kvcached.protocol.messages import MAX_PAYLOAD, REQUEST, REQUEST_MAGIC, Op, Status, reply
+from kvcached.protocol.messages import MAX_PAYLOAD, REPLY, REQUEST, REQUEST_MAGIC, TASK_RESULT, Op, Status, reply
 from kvcached.protocol.stats import StatsSlot
 
 RECV_CHUNK = 1 << 20
@@ -67,6 +76,10 @@ FD_HEADROOM = 64
 ACCEPT_BATCH = 64
 #: Requests of one connection run per turn.
 RUN_BATCH = 64
+#: Bytes moved (as the tasks' replies say) after which a connection's turn ends.
+TURN_BYTES = 4 << 20
+#: Undelivered replies named by task in the log line of a connection closed with replies queued.
+NAMED_LOST = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +92,7 @@ class Limits:
     partial_idle_s: float = PARTIAL_IDLE_S
     idle_evict_s: float = IDLE_EVICT_S
     run_batch: int = RUN_BATCH
+    turn_bytes: int = TURN_BYTES
 
 
 class Request(NamedTuple):
@@ -111,6 +125,13 @@ class Client:
     partial_since: float = 0.0  # when the unfinished frame in inbuf started (0: none)
     events: int = 0  # what the selector watches now
     active: float = dataclasses.field(default_factory=time.monotonic)  # when it last sent a request
+    eof: bool = False  # the client closed its sending side: no more requests come
+    served: int = 0  # bytes its tasks moved, as turns are ordered by (see the module docstring)
+    fresh: bool = True  # back from idle since its last turn: first among equals
+    #: (task id, end of its reply in all the bytes queued so far) of each reply not wholly sent yet.
+    unsent: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
+    queued: int = 0  # reply bytes queued since the connection opened
+    sent: int = 0  # of which sent
 
     def next_request(self) -> tuple[int, int] | None:
         """``(op, payload length)`` of the whole request buffered after the one being run, whose payload is
@@ -157,7 +178,9 @@ class FrameServer:
         self.buffered = 0  # bytes in every connection's inbuf
         self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
         self.starved: set[Client] = set()  # connections not read until the budget has room
-        self.backlog: set[Client] = set()  # connections with whole requests left after their turn
+        #: Connections with whole requests waiting for their turn, in the order they joined (an ordered set).
+        self.backlog: dict[Client, None] = {}
+        self.level = 0  # ``served`` of the connection served last: where one back from idle starts
         self.scratch = bytearray(self.limits.recv_chunk)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
         self.max_connections = max_connections or connection_limit()
@@ -200,7 +223,7 @@ class FrameServer:
     def serve(self, sock: socket.socket) -> Client:
         """Serve ``sock``, a connected client (accepted here, its peer allowed; or one end of a socket pair)."""
         sock.setblocking(False)
-        client = Client(sock)
+        client = Client(sock, served=self.level)
         self.conns[sock.fileno()] = client
         self._watch(client)
         self.stats.count(connections=1)
@@ -258,7 +281,12 @@ class FrameServer:
     def _watch(self, client: Client) -> None:
         """Point the selector at what ``client`` waits for now."""
         events = 0
-        if len(client.outbuf) <= self.limits.out_cap and not client.starved and client not in self.backlog:
+        if (
+            len(client.outbuf) <= self.limits.out_cap
+            and not client.starved
+            and not client.eof
+            and client not in self.backlog
+        ):
             events |= selectors.EVENT_READ
         if client.outbuf:
             events |= selectors.EVENT_WRITE
@@ -273,15 +301,23 @@ class FrameServer:
         client.events = events
 
     def close(self, sock: socket.socket) -> None:
-        """Forget and close a connection."""
+        """Forget and close a connection (logging the replies it leaves undelivered, by task)."""
         client = self.conns.pop(sock.fileno(), None)
         if client is not None:
+            if client.unsent:
+                lost = [task_id for task_id, _ in client.unsent]
+                self.log.warning(
+                    "replies not delivered: the connection closed",
+                    replies=len(lost),
+                    tasks=lost[:NAMED_LOST],
+                    client_closed=client.eof,
+                )
             if client.events:
                 self.selector.unregister(sock)
             self.buffered -= len(client.inbuf) + client.filled
             self.reserved -= client.reserved
             self.starved.discard(client)
-            self.backlog.discard(client)
+            self.backlog.pop(client, None)
             self._feed_starved()
         sock.close()
 
@@ -295,11 +331,23 @@ class FrameServer:
                 self.close(sock)
                 return
             if len(client.outbuf) <= self.limits.out_cap and _whole_request(client):
-                self.backlog.add(client)  # its replies drained: the requests it sent meanwhile run
+                self._wait_turn(client)  # its replies drained: the requests it sent meanwhile run
         if events & selectors.EVENT_READ and not self._on_readable(client):
             self.close(sock)
             return
+        if self._finished(client):
+            self.close(sock)
+            return
         self._watch(client)
+
+    def _finished(self, client: Client) -> bool:
+        """Whether a connection whose client sent its last request has nothing left: every whole request run,
+        every reply sent (a frame it left unfinished can never run, and is logged)."""
+        if not client.eof or client.outbuf or _whole_request(client) or client in self.backlog:
+            return False
+        if client.inbuf or client.frame is not None:
+            self.log.warning("a client closed its connection with a frame unfinished: it was not run")
+        return True
 
     def sending(self) -> bool:
         """Whether a reply is still queued for a client."""
@@ -316,6 +364,7 @@ class FrameServer:
                 client.sock.settimeout(max(0.001, deadline - time.monotonic()))
                 client.sock.sendall(client.outbuf)
                 client.outbuf.clear()
+                client.unsent.clear()
             except OSError:
                 continue
 
@@ -344,18 +393,30 @@ class FrameServer:
             return True
         except OSError:
             got = 0
-        if not got:
-            return False
+        if not got:  # end of input: what it sent still runs, and its replies go out (``_finished``)
+            client.eof = True
+            return self._turn(client) if not self.backlog else self._wait_turn(client)
         client.active = time.monotonic()
         self.buffered += got
         if client.frame is not None:
             client.filled += got
         else:
             client.inbuf += self.scratch_view[:got]
+        if self.backlog and _whole_request(client):
+            return self._wait_turn(client)  # others wait for their turn: this one takes its place among them
         return self._turn(client)
+
+    def _wait_turn(self, client: Client) -> bool:
+        """Put ``client`` in the backlog if it has a whole request (levelled up when it comes from idle)."""
+        if _whole_request(client) and client not in self.backlog:
+            client.fresh = client.served <= self.level
+            client.served = max(client.served, self.level)
+            self.backlog[client] = None
+        return True
 
     def _turn(self, client: Client) -> bool:
         """Run the requests of ``client``'s turn, send what the socket takes; False when it should close."""
+        self.level, client.fresh = client.served, False
         ok = self._run_frames(client)
         pending = client.inbuf or client.frame is not None
         client.partial_since = (client.partial_since or time.monotonic()) if pending else 0.0
@@ -363,21 +424,28 @@ class FrameServer:
         return ok and self._flush(client)
 
     def run_backlog(self) -> None:
-        """Give each connection with whole requests left after its last turn another (the worker's loop
-        calls this after each round of its selector's events; it does not wait while ``backlog`` holds one)."""
-        for client in list(self.backlog):
-            self.backlog.discard(client)
+        """Run one turn of the connection in the backlog that has moved the fewest bytes (the worker's loop
+        calls this after each round of its selector's events, and does not wait while ``backlog`` holds one:
+        requests that arrive meanwhile are read before the next turn)."""
+        while self.backlog:
+            client = min(self.backlog, key=lambda c: (c.served, not c.fresh))
+            self.backlog.pop(client, None)
             if self.conns.get(client.sock.fileno()) is not client:
                 continue  # closed meanwhile
-            if self._turn(client):
-                self._watch(client)
-            else:
+            if not self._turn(client) or self._finished(client):
                 self.close(client.sock)
+            else:
+                self._watch(client)
+            return
 
     def _run_frames(self, client: Client) -> bool:
-        """Run the whole frames buffered, ``run_batch`` at most (more left: the connection joins the
-        ``backlog``); False when the connection should close (a malformed frame)."""
+        """Run the whole frames buffered, a turn at most (``run_batch`` requests, ``turn_bytes`` moved: more
+        left, the connection joins the ``backlog``); False when the connection should close (a malformed
+        frame)."""
+        start = client.served
         for _ in range(self.limits.run_batch):
+            if client.served - start >= self.limits.turn_bytes:
+                break
             if client.frame is not None:  # a large frame, filled in place
                 if client.filled < len(client.frame):
                     return True
@@ -401,7 +469,7 @@ class FrameServer:
                 self._reserve(client, Request(op, flags, task_id, b""), length)
             return True
         if _whole_request(client):
-            self.backlog.add(client)
+            self.backlog[client] = None
         return True
 
     def _malformed(self, client: Client, op: int, task_id: int, magic: bytes, length: int) -> None:
@@ -411,7 +479,7 @@ class FrameServer:
             if magic != REQUEST_MAGIC
             else f"payload of {length} bytes exceeds the limit of {MAX_PAYLOAD} bytes per task: split it"
         )
-        client.outbuf += reply(op, Status.INVALID, task_id, {"field": "frame", "message": why})
+        self._queue(client, reply(op, Status.INVALID, task_id, {"field": "frame", "message": why}))
         self.stats.count(tasks_refused=1)
         self._flush(client)
 
@@ -446,8 +514,19 @@ class FrameServer:
         """Execute one request and queue its reply; False when the client stopped reading its replies (then
         its requests are not taken until it does)."""
         client.partial_since = 0.0
-        client.outbuf += self.execute(client, request)
+        answer = self.execute(client, request)
+        self._queue(client, answer)
+        _, op, status, _, length = REPLY.unpack_from(answer)
+        if status == Status.OK and op != Op.HELLO and length == TASK_RESULT.size:
+            client.served += TASK_RESULT.unpack_from(answer, REPLY.size)[1]  # the bytes it moved
         return len(client.outbuf) <= self.limits.out_cap
+
+    @staticmethod
+    def _queue(client: Client, answer: bytes) -> None:
+        """Queue one reply frame for ``client``, remembering its task until it is wholly sent."""
+        client.outbuf += answer
+        client.queued += len(answer)
+        client.unsent.append((REPLY.unpack_from(answer)[3], client.queued))
 
     def _flush(self, client: Client) -> bool:
         """Send what the socket takes now; False when the client is gone."""
@@ -456,9 +535,12 @@ class FrameServer:
                 sent = client.sock.send(client.outbuf)
             except BlockingIOError:
                 return True
-            except OSError:  # the client left: its replies are lost, the rank serves on
+            except OSError:  # the client left: its replies are lost (``close`` logs them), the rank serves on
                 return False
             del client.outbuf[:sent]
+            client.sent += sent
+            while client.unsent and client.unsent[0][1] <= client.sent:
+                client.unsent.popleft()
         return True
 
     def _starve(self, client: Client) -> None:

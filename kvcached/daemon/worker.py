@@ -417,7 +417,7 @@ class Service:
                 key.data(mask)
                 if self.status is not None:
                     return self.status
-            self.frames.run_backlog()  # a turn for each connection with requests left after its last
+            self.frames.run_backlog()  # one turn, of the connection with whole requests that has moved least
             now = time.monotonic()
             quiet = not events and not self.frames.sending() and not self.frames.backlog
             if self.draining_until and (quiet or now >= self.draining_until):
