@@ -189,10 +189,10 @@ def _exited(name: str, pid: int) -> str:
 def _decision(outcomes: list[Outcome], sent_ns: int, before: str | None) -> tuple[Outcome | None, bool]:
     """The daemon's decision on a restart signal sent at ``sent_ns`` to generation ``before`` (None while
     not made), and whether that generation had accepted another restart already (``queued``: the next
-    image decides). A release before records refusals alone, without the generation."""
+    image decides)."""
     queued = any(o.refused is None and o.generation == before and o.at_ns < sent_ns for o in outcomes)
     for outcome in outcomes:
-        by_before = outcome.generation in (None, before)
+        by_before = outcome.generation == before
         if outcome.at_ns >= sent_ns and by_before != queued:
             return outcome, queued
     return None, queued
@@ -200,7 +200,7 @@ def _decision(outcomes: list[Outcome], sent_ns: int, before: str | None) -> tupl
 
 def _refused(name: str, refusal: Outcome, before: str | None) -> str:
     """The error of a ``kvcached restart`` whose signal ``refusal`` refused."""
-    if refusal.generation not in (None, before):
+    if refusal.generation != before:
         return (
             f"instance {name}: restart refused, the daemon serves on: it came while an earlier restart was under "
             f"way, and the daemon that one started (generation {refusal.generation}) refused it: {refusal.refused}. "

@@ -31,9 +31,8 @@ import dataclasses
 import functools
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, cast
+from typing import Any, ParamSpec
 
 import numpy as np
 
@@ -61,13 +60,6 @@ MAX_TIMEOUT_S = 1e8
 P = ParamSpec("P")
 #: The task methods ``submit`` takes.
 _SUBMITTABLE = ("swap_out", "swap_in", "store", "load")
-
-
-class _Unset:
-    """The default of the deprecated ``wait=`` argument (so that passing it at all can be warned about)."""
-
-
-_UNSET = _Unset()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -214,14 +206,13 @@ class CacheTasks:
         *,
         keys: Sequence[bytes] | None = None,
         timeout: float | None = None,
-        wait: bool | _Unset = _UNSET,
     ) -> TaskResult:
         """Copy device blocks to CPU pool blocks (all layers) on ``rank`` (None: every rank).
 
         With ``keys`` (one per block, from ``block_keys``) the blocks are also written to the attention
-        store (write-through). ``wait=False`` (deprecated: use ``submit``) returns a ``TaskHandle``.
+        store (write-through). ``submit`` sends it without waiting.
         """
-        return self._run(self._swap_out(rank, device_block_ids, cpu_block_ids, keys=keys, timeout=timeout), wait)
+        return self._send(self._swap_out(rank, device_block_ids, cpu_block_ids, keys=keys, timeout=timeout)).result()
 
     def swap_in(
         self,
@@ -230,10 +221,9 @@ class CacheTasks:
         device_block_ids: Sequence[int],
         *,
         timeout: float | None = None,
-        wait: bool | _Unset = _UNSET,
     ) -> TaskResult:
         """Copy CPU pool blocks to device blocks (all layers) on ``rank`` (None: every rank)."""
-        return self._run(self._swap_in(rank, cpu_block_ids, device_block_ids, timeout=timeout), wait)
+        return self._send(self._swap_in(rank, cpu_block_ids, device_block_ids, timeout=timeout)).result()
 
     def store(
         self,
@@ -242,7 +232,6 @@ class CacheTasks:
         keys: Sequence[bytes],
         *,
         timeout: float | None = None,
-        wait: bool | _Unset = _UNSET,
     ) -> TaskResult:
         """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``).
 
@@ -250,7 +239,7 @@ class CacheTasks:
         bytes newly written. Raises ``StoreUnavailable`` (a ``TaskFailed``) when the store's backend cannot
         be reached or did not answer within ``--store-timeout``.
         """
-        return self._run(self._store(rank, device_block_ids, keys, timeout=timeout), wait)
+        return self._send(self._store(rank, device_block_ids, keys, timeout=timeout)).result()
 
     def load(
         self,
@@ -259,7 +248,6 @@ class CacheTasks:
         device_block_ids: Sequence[int],
         *,
         timeout: float | None = None,
-        wait: bool | _Unset = _UNSET,
     ) -> TaskResult:
         """Read the longest stored prefix of ``keys`` into ``device_block_ids`` (all layers).
 
@@ -269,7 +257,7 @@ class CacheTasks:
         first ``blocks``. No block outside ``device_block_ids`` changes. Raises ``StoreUnavailable`` (a
         ``TaskFailed``) when the store's backend cannot be reached or did not answer in time.
         """
-        return self._run(self._load(rank, keys, device_block_ids, timeout=timeout), wait)
+        return self._send(self._load(rank, keys, device_block_ids, timeout=timeout)).result()
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading ``keys`` the store holds for every rank of the instance.
@@ -296,8 +284,6 @@ class CacheTasks:
             raise InvalidArgument(
                 "task", f"must be one of this CacheTasks' methods {', '.join(_SUBMITTABLE)}; got {task!r}"
             )
-        if "wait" in kwargs:
-            raise InvalidArgument("wait", "submit never waits: call result() on the handle it returns")
         build: Callable[..., _Task] = getattr(self, f"_{name}")
         return self._send(build(*args, **kwargs))
 
@@ -316,20 +302,6 @@ class CacheTasks:
         self.close()
 
     # -- internals --------------------------------------------------------------------------------------
-
-    def _run(self, task: _Task, wait: bool | _Unset) -> TaskResult:
-        """Send ``task`` and wait for it; with the deprecated ``wait=False``, return its handle (which the
-        task methods' annotations do not say: that use is on its way out)."""
-        if not isinstance(wait, _Unset):
-            warnings.warn(
-                "CacheTasks' wait= argument is deprecated: the task methods wait; "
-                "tasks.submit(tasks.<method>, ...) returns a TaskHandle",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            if not wait:
-                return cast(TaskResult, self._send(task))
-        return self._send(task).result()
 
     def _swap_out(
         self,

@@ -181,10 +181,13 @@ def test_a_restart_whose_configuration_changed_the_geometry_is_refused_up_front(
     assert daemon.proc.poll() is None
 
 
-@pytest.mark.parametrize("value", ["[" * 100_000, '{"workers": ' * 5_000, "x" * 100_000, '{"generation": "zz"}'])
+@pytest.mark.parametrize(
+    "value", ["[" * 100_000, '{"workers": ' * 5_000, "x" * 100_000, '{"generation": "zz"}', '{"0": [1, 4]}']
+)
 def test_a_garbled_handover_value_is_refused_and_the_start_goes_on(daemons: DaemonFactory, value: str) -> None:
-    """KVCACHED_HANDOVER that no image writes (nested deeper than Python's stack, too long, garbage) is ignored,
-    said in the log, and the daemon starts as any start does."""
+    """KVCACHED_HANDOVER that no image writes (nested deeper than Python's stack, too long, garbage, the form
+    without a generation that an earlier release wrote) is ignored, said in the log, and the daemon starts as
+    any start does."""
     daemon = daemons.start(ranks=1, env=daemons.env(KVCACHED_HANDOVER=value))
     daemon.wait_ready()
     assert "ignoring KVCACHED_HANDOVER: not what an earlier image writes" in daemon.log()

@@ -254,23 +254,17 @@ def test_handle_result_and_status_counters(fp8_daemon: Daemon, daemons: DaemonFa
     assert "(8 blocks)" in table and "4 (4 blk" in table and "p50 <= " in table
 
 
-def test_wait_argument_works_deprecated_and_submit_takes_only_task_methods(fp8_daemon: Daemon) -> None:
-    """The task methods' ``wait=`` keeps working with a DeprecationWarning pointing at the caller (False: a
-    handle, True: the result); ``submit`` takes only this client's swap_out, swap_in, store and load, never
-    ``wait=``, and sends nothing when refused; the plain calls warn about nothing."""
+def test_submit_takes_only_task_methods_and_wait_is_gone(fp8_daemon: Daemon) -> None:
+    """``submit`` takes only this client's swap_out, swap_in, store and load, and sends nothing when refused;
+    the task methods take no ``wait=`` any more (removed: ``submit`` returns a handle); the plain calls warn
+    about nothing."""
     with rc.CacheTasks(fp8_daemon.instance) as tasks, rc.CacheTasks(fp8_daemon.instance) as other:
-        with pytest.warns(DeprecationWarning, match=r"tasks.submit\(tasks.<method>") as caught:
-            handle = tasks.swap_out(0, [1], [1], wait=False)
-        assert caught[0].filename == __file__
-        assert isinstance(handle, rc.TaskHandle) and handle.result(timeout=10).blocks == 1
-        with pytest.warns(DeprecationWarning):
-            assert tasks.swap_in(0, [1], [2], wait=True).blocks == 1
+        with pytest.raises(TypeError, match="wait"):
+            tasks.swap_out(0, [1], [1], wait=False)  # type: ignore[call-arg]
         for task, args in ((tasks.lookup, ([b"k" * 32],)), (other.swap_out, (0, [1], [1])), (print, ())):
             with pytest.raises(rc.InvalidArgument) as info:
                 tasks.submit(task, *args)  # type: ignore[arg-type]
             assert info.value.field == "task"
-        with pytest.raises(rc.InvalidArgument, match="submit never waits"):
-            tasks.submit(tasks.swap_out, 0, [1], [1], wait=False)
         refused = tasks.submit(tasks.swap_out, 0, [999], [0])  # the daemon checks ids: its refusal is the result
         with pytest.raises(rc.InvalidTask) as info:
             refused.result(timeout=10)
@@ -280,7 +274,7 @@ def test_wait_argument_works_deprecated_and_submit_takes_only_task_methods(fp8_d
             assert tasks.submit(tasks.swap_out, 0, [3], [3]).result(timeout=10).blocks == 1
             assert tasks.swap_in(0, [3], [4]).blocks == 1
     swaps = [r["swap"] for r in read_status(fp8_daemon.instance)["ranks"]]
-    assert swaps[0]["swap_out_tasks"] == 2 and swaps[0]["swap_in_tasks"] == 2
+    assert swaps[0]["swap_out_tasks"] == 1 and swaps[0]["swap_in_tasks"] == 1  # the refused one counts nowhere
 
 
 def test_a_timeout_that_is_not_a_time_or_keys_that_are_not_keys_are_refused_before_anything_is_sent(

@@ -6,9 +6,7 @@ The image that restarts (same pid, the code installed now) passes ``HANDOVER_ENV
     {"generation": "<16 hex digits>", "workers": {"<rank>": [pid, channel fd], ...}}
 
 ``generation`` is the restarting image's; ``workers`` are its rank workers that go on serving until the
-next image's have reopened the memory (empty where the backend's memory dies with its worker). An image
-of the release before passed ``{"<rank>": [pid, channel fd]}`` alone: taken too, without the
-generation's check (an upgrade from it hands its workers over like any restart). The next
+next image's have reopened the memory (empty where the backend's memory dies with its worker). The next
 image honours it only when the instance's control block was published by an earlier image of this very
 process (daemon pid and start time: they survive ``execv``) in that generation; and a worker only when it
 is a child of this process, that block's record of the rank names its pid, and the descriptor is a
@@ -66,10 +64,9 @@ Preflight = Callable[[], str]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Claim:
-    """What ``HANDOVER_ENV`` says, not yet checked: the generation (None from an image of a release before
-    it was passed: ``{"<rank>": [pid, fd]}``) and rank -> (pid, descriptor)."""
+    """What ``HANDOVER_ENV`` says, not yet checked: the generation and rank -> (pid, descriptor)."""
 
-    generation: int | None
+    generation: int
     workers: dict[int, tuple[int, int]]
 
 
@@ -83,9 +80,8 @@ def claim_from_env(log: logs.Logger) -> Claim | None:
         if len(text) > MAX_HANDOVER:
             raise ValueError(f"{len(text)} characters")
         data = json.loads(text)
-        generation = int(data["generation"], 16) if "workers" in data else None
-        listed = data.get("workers", data)
-        workers = {int(rank): (int(pid), int(fd)) for rank, (pid, fd) in listed.items()}
+        generation = int(data["generation"], 16)
+        workers = {int(rank): (int(pid), int(fd)) for rank, (pid, fd) in data["workers"].items()}
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # nested past Python's stack too
         log.warning(f"ignoring {HANDOVER_ENV}: not what an earlier image writes", value=text[:200])
         return None
@@ -107,7 +103,7 @@ def from_this_process(claim: Claim, block: ControlBlock | None) -> bool:
         header = block.header()
     except KVCacheError:
         return False
-    same = claim.generation is None or header.generation == claim.generation
+    same = header.generation == claim.generation
     return (header.daemon_pid, header.daemon_start) == self_identity() and same
 
 
@@ -322,7 +318,7 @@ class Outcome:
     """A daemon image's decision on a restart signal: accepted (``refused`` is None) or refused, and why."""
 
     at_ns: int  # wall clock, when it was decided
-    generation: str | None  # the deciding image's generation (16 hex digits); None from a release before
+    generation: str  # the deciding image's generation (16 hex digits)
     refused: str | None
 
 
@@ -333,7 +329,7 @@ def refusal_path(run_dir: str | Path, instance: str) -> Path:
 
 def record_outcome(path: Path, generation: int, refused: str | None = None) -> None:
     """Add a decision of the image of ``generation`` to ``path`` (the last ``OUTCOMES_KEPT``), atomically,
-    mode 0600. ``at_ns`` and ``reason`` at the top name the last refusal, as a release before wrote it."""
+    mode 0600."""
     now = time.time_ns()
     try:
         data = json.loads(path.read_text())
@@ -342,10 +338,6 @@ def record_outcome(path: Path, generation: int, refused: str | None = None) -> N
         data, outcomes = {}, []
     outcomes.append({"at_ns": now, "generation": f"{generation:016x}", "reason": refused})
     record: dict[str, Any] = {"outcomes": outcomes}
-    if refused is not None:
-        record.update(at_ns=now, reason=refused)
-    elif "reason" in data:
-        record.update(at_ns=data.get("at_ns"), reason=data["reason"])
     temporary = path.with_name(path.name + ".new")
     with contextlib.suppress(OSError):
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -355,14 +347,11 @@ def record_outcome(path: Path, generation: int, refused: str | None = None) -> N
 
 
 def read_outcomes(path: Path) -> list[Outcome]:
-    """The decisions recorded at ``path``, oldest first; a release before's lone refusal is one of unknown
-    generation."""
+    """The decisions recorded at ``path``, oldest first."""
     try:
         data = json.loads(path.read_text())
-        if "outcomes" not in data:
-            return [Outcome(int(data["at_ns"]), None, str(data["reason"]))]
         return [
-            Outcome(int(o["at_ns"]), o.get("generation"), None if o.get("reason") is None else str(o["reason"]))
+            Outcome(int(o["at_ns"]), str(o["generation"]), None if o.get("reason") is None else str(o["reason"]))
             for o in data["outcomes"]
         ]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
