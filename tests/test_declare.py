@@ -72,6 +72,9 @@ def test_a_declaration_the_daemon_cannot_hold_is_refused_and_it_waits_on(daemons
         rc.wait_until_ready(instance, 0, timeout=10, declare=spec(num_cpu_blocks=0))
     assert refused.value.field == "num_cpu_blocks" and "the runner owns the cache" in str(refused.value)
     assert read_status(instance)["ranks"][0]["state"] == "EMPTY"
+    with pytest.raises(rc.CacheLayoutMismatch) as refused:  # no pool, and a store this daemon does not have
+        rc.wait_until_ready(instance, 0, timeout=10, declare=spec(num_cpu_blocks=0, storage_backend="file"))
+    assert refused.value.field == "storage_backend" and "this daemon has none" in str(refused.value)
     rc.initialize_kv_cache(spec(), 0, instance=instance, timeout=30).close()
 
 

@@ -410,6 +410,8 @@ def test_a_patch_left_out_of_the_cache_messager_is_named_before_two_copies(
     )
     assert applied.returncode == 0, applied.stderr
     checks = doctor(daemons, tree, "--instance", instance, *SMALL, "--role", "prefill")
+    patch = checks["fastdeploy_patch"]  # partly applied: the fix starts from a clean tree (git apply fails else)
+    assert patch["measured"]["state"] == "partly applied" and "git checkout -- fastdeploy" in patch["advice"], patch
     assert (
         checks["fastdeploy_messager"]["verdict"] == "fail"
         and f"{messager}:996" in checks["fastdeploy_messager"]["figure"]
@@ -449,8 +451,45 @@ def test_what_the_drop_in_refuses_it_knows_from_its_arguments_alone() -> None:
     from kvcached.protocol.errors import InvalidSpec, OwnershipConflict
 
     with pytest.raises(OwnershipConflict, match="FastDeploy runs on gpu here"):
-        guard.refuse(parse_args(["--num_cpu_blocks", "8"]), "gpu")
+        guard.refuse_platform("gpu")
     with pytest.raises(InvalidSpec, match="routing replay is on"):
-        guard.refuse(parse_args(["--routing_replay_config", '{"enable_routing_replay": true}']), "xpu")
-    guard.refuse(parse_args(["--routing_replay_config", '{"enable_routing_replay": false}']), "xpu")
-    guard.refuse(parse_args([]), None)
+        guard.refuse(parse_args(["--routing_replay_config", '{"enable_routing_replay": true}']))
+    guard.refuse(parse_args(["--routing_replay_config", '{"enable_routing_replay": false}']))
+    guard.refuse_platform("xpu")
+    guard.refuse_platform(None)
+
+
+MTP = '{"method": "mtp"}'
+
+
+@pytest.mark.parametrize(
+    ("arguments", "environment", "named"),
+    [
+        (["--routing_replay_config", '{"enable_routing_replay": true}'], {}, "--routing_replay_config"),
+        (["--rank", "5", "--mp_num", "2"], {}, "--rank"),
+        (
+            ["--local_data_parallel_id", "1", "--speculative_config", '{"method": "mtp"}'],
+            {},
+            "--local_data_parallel_id",
+        ),
+        ([], {"KVCACHED_WAIT_S": "soon"}, "KVCACHED_WAIT_S"),
+    ],
+)
+def test_what_is_refused_from_the_command_line_is_refused_before_fastdeploy_is_imported(
+    tmp_path: Path, arguments: list[str], environment: dict[str, str], named: str
+) -> None:
+    """Refusals the drop-in can make from its arguments and environment alone come first: where FastDeploy
+    is not importable at all (the real adapter, no ``fastdeploy`` package) they still exit 4 naming the
+    argument, not 1 for the missing FastDeploy."""
+    base = ["--key_cache_shape", "4,2,4,16", "--value_cache_shape", "4,2,4,16", "--num_layers", "2"]
+    ran = subprocess.run(
+        [sys.executable, "-m", "kvcached.fastdeploy.transfer_manager", *base, *arguments, *told()],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "KVCACHED_INSTANCE": "kvt-x", **environment},
+    )
+    assert ran.returncode == 4, ran.stderr
+    assert f"Error: {named}" in ran.stderr and "not importable" not in ran.stderr, ran.stderr

@@ -247,7 +247,7 @@ def test_the_drop_ins_help_says_what_it_is_what_it_reads_and_how_it_exits() -> N
     assert f"at start (default: {transfer_manager.WAIT_S:.0f})" in shown
     assert f"as unservable (default: {transfer_manager.TASK_S:.0f})" in shown
     statuses = {0, 2, transfer_manager.EXIT_UNAVAILABLE, transfer_manager.EXIT_MISMATCH}
-    listed = shown[shown.index("exit status:") :]
+    listed = shown[shown.index("exit status") :]
     assert {int(n) for n in re.findall(r"^  (\d) ", listed, flags=re.MULTILINE)} == statuses
 
 

@@ -100,6 +100,10 @@ def judge(config: DaemonConfig, spec: CacheSpec) -> DaemonConfig | Refusal:
     except InvalidSpec as exc:
         return exc.field, None, getattr(spec, exc.field, None), exc.message
     if cache_owner(declared.spec) == "runner":
+        ours = config.spec.storage_backend
+        if spec.storage_backend and spec.storage_backend != ours:  # the store it counts on is not this daemon's
+            why = f"the spec declares store {spec.storage_backend}, this daemon has {ours or 'none'}: start it with it"
+            return "storage_backend", ours, spec.storage_backend, why
         why = f"{explain_owner(declared.spec)}: the runner owns the cache, kvcached has nothing to hold"
         return "num_cpu_blocks", "> 0 (or a store, or a prefill/decode role)", spec.num_cpu_blocks, why
     need, per_rank = declared.shm_need()

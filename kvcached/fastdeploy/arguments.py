@@ -129,14 +129,18 @@ environment:
                                  take beyond that before it counts as past its deadline (default: 30)
   KVCACHED_DAEMON_USER           a user (name or uid) trusted besides this one and root
 
-exit status:
+exit status (docs/fastdeploy.md lists every path):
   0  the engine went away (its queue is gone): nothing left to serve
-  1  the rank cannot be served: kvcached's rank not ready in time, a daemon that made the memory anew,
-     a FAILED rank, a task past its deadline (the patched engine stops)
-  2  usage: an argument FastDeploy's own parser would refuse too
-  4  refused before anything moved: a launch without the patch's --kvcached-* arguments, a store
-     backend, geometry, device or platform that differs from the daemon's (named by FastDeploy's
-     argument), routing replay, a setting that is no number, an unreadable version.yaml"""
+  1  the rank cannot be served: FastDeploy not importable here; kvcached's rank not READY in time,
+     FAILED, or its daemon refusing this user; a task part past its deadline, a swap-in that cannot
+     be done, a daemon that made the memory anew, a storage write still running as 2.6's engine stops
+     waiting, a wait on an engine that is gone (the patched engine stops)
+  2  usage: an argument FastDeploy's own parser would refuse too, or a --kvcached-* value not read
+  4  refused before anything moved, checked in this order: a launch without the patch's --kvcached-*
+     arguments; routing replay; --rank outside --mp_num; MTP in a data-parallel group but the first; a
+     KVCACHED_* setting that is no number of seconds; an unreadable version.yaml; then, with FastDeploy
+     imported, a platform other than XPU; then, against the daemon, a store backend, geometry or device
+     that differs from the daemon's (named by FastDeploy's argument)"""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -177,10 +177,11 @@ def check_patch(tree: Tree) -> Check:
     figure = f"{tree.line.patch}: {tree.patch.verdict}"
     if tree.patch.verdict == "applied":
         return Check("fastdeploy_patch", OK, figure, measured)
+    clean = "" if tree.patch.verdict == "not applied" else "git checkout -- fastdeploy (a clean tree first), then "
     advice = (
-        f"cd {tree.root} && git apply {path} (then reinstall FastDeploy if it runs from an installed package): "
-        "without it the engine starts its own cache_transfer_manager.py, which allocates the whole cache beside "
-        "kvcached's"
+        f"cd {tree.root} && {clean}git apply {path} (then reinstall FastDeploy if it runs from an installed "
+        "package): without it the engine starts its own cache_transfer_manager.py, which allocates the whole "
+        "cache beside kvcached's"
     )
     return Check("fastdeploy_patch", FAIL, figure, measured, advice)
 

@@ -36,9 +36,8 @@ def platform_refusal(platform: str | None) -> str | None:
     )
 
 
-def refuse(args: argparse.Namespace, platform: str | None) -> None:
-    """Raise before the drop-in serves a rank it must not: ``OwnershipConflict`` for a platform kvcached has
-    no device backend for, ``InvalidSpec`` for routing replay."""
+def refuse(args: argparse.Namespace) -> None:
+    """Raise ``InvalidSpec`` for routing replay (from the arguments alone, before FastDeploy is imported)."""
     routing: Any = getattr(args, "routing_replay_config", None) or {}
     if isinstance(routing, dict) and routing.get("enable_routing_replay"):
         raise InvalidSpec(
@@ -46,6 +45,10 @@ def refuse(args: argparse.Namespace, platform: str | None) -> None:
             "routing replay is on: FastDeploy's transfer manager moves each block's routing data with it, the "
             "kvcached drop-in does not; run without --enable-routing-replay, or without kvcached",
         )
+
+
+def refuse_platform(platform: str | None) -> None:
+    """Raise ``OwnershipConflict`` for a platform kvcached has no device backend for."""
     refusal = platform_refusal(platform)
     if refusal is not None:
         raise OwnershipConflict(refusal)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import sys
@@ -373,14 +374,10 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
     wait for the rank (rank 0: every rank of the group) to be READY. The daemon's spec and whether the rank
     has a CPU pool. Raises ``InvalidSpec`` naming FastDeploy's argument, or ``KVCacheError``."""
     ranks = group_ranks(args)
-    if not 0 <= args.rank < len(ranks):
-        raise InvalidSpec("rank", f"must be 0..{args.mp_num - 1} for --mp_num {args.mp_num}, got {args.rank}")
     own = ranks[args.rank]
     store = _daemon_store(instance, own, wait_s)
     check_store(args, store)  # the store first: a wrong one declares nothing
     declared = declared_spec(args, store)
-    if args.local_data_parallel_id and declared.mtp_layers:
-        raise InvalidSpec("local_data_parallel_id", mtp_names_differ(args.local_data_parallel_id, args.rank, own))
     try:
         for rank in [own] + ([r for r in ranks if r != own] if args.rank == 0 else []):
             rc.wait_until_ready(instance, rank, timeout=wait_s, declare=declared)
@@ -398,16 +395,40 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
     return CacheSpec.from_dict(published), published.get("num_cpu_blocks", 0) > 0
 
 
-def _prepare(args: argparse.Namespace, fd: FastDeploy, instance: str) -> tuple[float, float, bool, str]:
-    """Everything checked before the drop-in joins the queue: what it cannot serve (``guard``), its settings,
-    the key prefix, kvcached's rank. The task deadline, the queue's slack beyond it, whether the rank has a
-    CPU pool, the key prefix. Raises what ``main`` turns into an exit status."""
-    guard.refuse(args, fd.platform)  # first: nothing declared to or waited on from the daemon before
-    wait_s, task_s = env_seconds("KVCACHED_WAIT_S", WAIT_S), env_seconds("KVCACHED_TASK_DEADLINE_S", TASK_S)
-    slack_s = env_seconds("KVCACHED_QUEUE_SLACK_S", SLACK_S)
-    prefix = key_prefix(args.model_path) or ""
-    _, has_pool = attach(args, instance, wait_s)
-    return task_s, slack_s, has_pool, prefix
+@dataclasses.dataclass(frozen=True, slots=True)
+class Told:
+    """What the drop-in knows before it imports FastDeploy: the line's facts, the instance, its deadlines (the
+    task's, the queue's slack beyond it, the wait for kvcached's rank) and the weights' key prefix."""
+
+    facts: LineFacts
+    instance: str
+    wait_s: float
+    task_s: float
+    slack_s: float
+    prefix: str
+
+
+def told(args: argparse.Namespace) -> Told:
+    """Everything the drop-in checks from its command line and environment alone, before it imports FastDeploy
+    or asks the daemon anything: the patch's facts first, then routing replay, the rank's place in its group,
+    MTP in a data-parallel group, the deadlines, the weights' key prefix. Raises ``InvalidSpec`` (or another
+    refusal ``main`` turns into exit status 4) naming the argument or variable."""
+    facts = line_facts(args)  # first: a launcher that tells nothing is not kvcached's
+    guard.refuse(args)
+    ranks = group_ranks(args)
+    if not 0 <= args.rank < len(ranks):
+        raise InvalidSpec("rank", f"must be 0..{args.mp_num - 1} for --mp_num {args.mp_num}, got {args.rank}")
+    if args.local_data_parallel_id and declared_spec(args, None).mtp_layers:
+        why = mtp_names_differ(args.local_data_parallel_id, args.rank, ranks[args.rank])
+        raise InvalidSpec("local_data_parallel_id", why)
+    return Told(
+        facts=facts,
+        instance=instance_or_default(),
+        wait_s=env_seconds("KVCACHED_WAIT_S", WAIT_S),
+        task_s=env_seconds("KVCACHED_TASK_DEADLINE_S", TASK_S),
+        slack_s=env_seconds("KVCACHED_QUEUE_SLACK_S", SLACK_S),
+        prefix=key_prefix(args.model_path) or "",
+    )
 
 
 def _refused(rank: int, exc: KVCacheError) -> int:
@@ -423,10 +444,10 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s kvcached.fastdeploy: %(message)s")
     try:
-        facts = line_facts(args)  # first: a launcher that tells nothing is not kvcached's
-    except InvalidSpec as exc:
+        known = told(args)
+    except (OwnershipConflict, InvalidConfig, InvalidSpec) as exc:
         return _refused(args.rank, exc)
-    log.info("launched by kvcached's patch of FastDeploy %s: %s", facts.line, facts)
+    log.info("launched by kvcached's patch of FastDeploy %s: %s", known.facts.line, known.facts)
     if args.create_cache_tensor:
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
     try:
@@ -437,15 +458,17 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         print(f"Error: {why}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     try:
-        instance = instance_or_default()
-        task_s, slack_s, has_pool, prefix = _prepare(args, fd, instance)
+        guard.refuse_platform(fd.platform)  # then nothing is declared to or waited on from the daemon
+        _, has_pool = attach(args, known.instance, known.wait_s)
     except (OwnershipConflict, InvalidConfig, InvalidSpec) as exc:
         return _refused(args.rank, exc)
     except KVCacheError as exc:
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(args, fd, instance, facts, task_s=task_s, key_prefix=prefix, slack_s=slack_s)
+    manager = TransferManager(
+        args, fd, known.instance, known.facts, task_s=known.task_s, key_prefix=known.prefix, slack_s=known.slack_s
+    )
     manager.announce(has_pool)
     return manager.run()
 
