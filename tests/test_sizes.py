@@ -1,15 +1,19 @@
-"""Every room stays small enough to read: no file under kvcached/ or runner_client/ over 500 lines, no
-function over 60 (measured on the source with ``ast``: from ``def`` to its last line, decorators aside)."""
+"""Every room stays small enough to read: a file under kvcached/ or runner_client/ over 500 lines, or a
+function over 60 (measured on the source with ``ast``: from ``def`` to its last line, decorators aside), is a
+warning, not a failure: modules are cut by what belongs together, never to satisfy a counter. A file over the
+limit says why in one sentence of its module docstring, beginning ``Over 500 lines:``; that is checked."""
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 from tests.conftest import ROOT
 
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
+REASON = f"Over {MAX_FILE_LINES} lines:"
 
 
 def sources() -> list[Path]:
@@ -30,9 +34,15 @@ def oversized(text: str, name: str) -> list[str]:
     return found
 
 
-def test_no_file_over_500_lines_and_no_function_over_60() -> None:
-    found = [line for path in sources() for line in oversized(path.read_text(), path.relative_to(ROOT).as_posix())]
-    assert found == []
+def test_files_over_500_lines_and_functions_over_60_are_warned_of_and_a_long_file_says_why() -> None:
+    unexplained = []
+    for path in sources():
+        text = path.read_text()
+        for line in oversized(text, path.relative_to(ROOT).as_posix()):
+            warnings.warn(line, stacklevel=1)
+        if len(text.splitlines()) > MAX_FILE_LINES and REASON not in (ast.get_docstring(ast.parse(text)) or ""):
+            unexplained.append(path.relative_to(ROOT).as_posix())
+    assert unexplained == [], f"each says why it is long, in a sentence beginning {REASON!r}"
 
 
 def test_the_measure_counts_a_whole_function_and_a_whole_file() -> None:

@@ -32,6 +32,9 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
   gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
 
+Over 500 lines: the input budget, the turns and each connection's life are one piece of bookkeeping over the
+same connections, and a split would have each half reach into the other's.
+
 The budget's bookkeeping, over all connections::
 
     buffered   bytes held in every connection's ``inbuf`` and large-frame buffer
