@@ -27,7 +27,7 @@ import time
 import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State
-from kvcached.protocol.declare import declare
+from kvcached.protocol.declare import ACCEPTED, BUSY, declare
 from kvcached.protocol.errors import (
     AccessDenied,
     CacheLayoutMismatch,
@@ -45,6 +45,8 @@ from kvcached.protocol.waiters import mark_waiting
 log = logging.getLogger("runner_client")
 
 SLICE_S = 0.25
+#: Seconds one declaration may take at most (less when the wait's deadline is nearer).
+DECLARE_S = 5.0
 POLL_ABSENT_S = 0.05
 LOG_EVERY_S = 5.0
 
@@ -200,10 +202,15 @@ class _Waiter:
         assert self.block is not None
         header = self.header
         if header.awaits_geometry:
-            self._describe("waiting for the engine to declare the geometry", time.time_ns())
-            if declare(header.run_dir, self.instance, self.rank, self.declared, owner_uid=self.block.owner_uid):
+            seconds = min(DECLARE_S, max(0.01, self.deadline - time.monotonic()))  # never past the deadline
+            answer = declare(
+                header.run_dir, self.instance, self.rank, self.declared, owner_uid=self.block.owner_uid, timeout=seconds
+            )
+            if answer == ACCEPTED:
                 self.declared_to = header.generation
                 log.info("declared the geometry to instance=%s: %s", self.instance, self.declared)
+            busy = " (the declaration socket is busy: asking again)" if answer == BUSY else ""
+            self._describe(f"waiting for the engine to declare the geometry{busy}", time.time_ns())
             return
         differs = self.declared.first_difference(header.spec, CacheSpec.DECLARED_FIELDS)
         if differs is not None:

@@ -305,3 +305,114 @@ def test_stop_keep_of_a_daemon_waiting_for_the_geometry_says_there_was_nothing_t
     assert done.returncode == 0 and "waiting for the engine's geometry and held no cache" in done.stdout, done
     assert daemon.exit_code(30) == 0
     assert shm_entries(daemon.instance) == []
+
+
+def test_a_declaration_of_millions_of_layers_is_refused_by_name_and_costs_nothing(daemons: DaemonFactory) -> None:
+    """A spec of ten million layers (small in bytes: one head of one element a block) is refused naming
+    ``num_layers`` at once: the daemon builds nothing per layer, stays up, and takes the next declaration."""
+    daemon = waiting(daemons)
+    path = declare_socket_path(daemons.run_dir, daemon.instance)
+    for field in ("num_layers", "mtp_layers"):
+        huge = {**spec(kv_heads=1, head_dim=1, block_size=1, num_blocks=1).to_dict(), field: 10**7}
+        started = time.monotonic()
+        reply = json.loads(exchange(path, json.dumps({"spec": huge}).encode() + b"\n").split(b"\n")[0])
+        assert time.monotonic() - started < 5 and reply["field"] == field and "at most" in reply["message"], reply
+    assert daemon.proc.poll() is None
+    with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=30) as cache:
+        assert cache.key_caches[0].shape == (20, 2, 4, 16)
+
+
+def test_a_full_listening_queue_is_busy_and_the_declarer_asks_again(daemons: DaemonFactory) -> None:
+    """The supervisor not scheduled and its listening queue full (65 connections): a runner's declaration finds
+    no room, which is busy, not an error; it asks again and attaches once the daemon runs."""
+    daemon = waiting(daemons)
+    path = declare_socket_path(daemons.run_dir, daemon.instance)
+    held: list[socket.socket] = []
+    errors: list[BaseException] = []
+
+    def attach() -> None:
+        try:
+            rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=30).close()
+        except BaseException as exc:  # the test's verdict
+            errors.append(exc)
+
+    try:
+        with frozen(daemon, 2.0):
+            for _ in range(80):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    sock.connect(str(path))
+                except BlockingIOError:
+                    sock.close()
+                    break
+                held.append(sock)
+            runner = threading.Thread(target=attach)
+            runner.start()
+            time.sleep(0.5)
+            assert errors == [], "a full queue raised instead of asking again"
+        runner.join(40)
+    finally:
+        for sock in held:
+            sock.close()
+    assert not runner.is_alive() and errors == []
+
+
+def test_a_neighbour_reconnecting_silent_connections_cannot_hold_the_socket(daemons: DaemonFactory) -> None:
+    """A process of the daemon's user that keeps as many silent connections open as the daemon serves, and
+    opens a new one each time one is closed: a runner's declaration still gets in (the silent ones make room
+    for a declarer that speaks) and attaches well within its deadline."""
+    daemon = waiting(daemons)
+    path = str(declare_socket_path(daemons.run_dir, daemon.instance))
+    stop = threading.Event()
+
+    def loris() -> None:
+        open_: list[socket.socket] = []
+        while not stop.is_set():
+            open_ = [s for s in open_ if s.fileno() >= 0 and not _closed_by_peer(s)]
+            while len(open_) < MAX_OPEN + 8 and not stop.is_set():
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.connect(path)
+                except OSError:
+                    sock.close()
+                    break
+                open_.append(sock)
+            time.sleep(0.01)
+        for sock in open_:
+            sock.close()
+
+    attacker = threading.Thread(target=loris, daemon=True)
+    attacker.start()
+    try:
+        time.sleep(1.0)
+        started = time.monotonic()
+        with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=20) as cache:
+            assert cache.key_caches[0].shape == (20, 2, 4, 16)
+        assert time.monotonic() - started < 10
+    finally:
+        stop.set()
+        attacker.join(10)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the daemon answered or closed ``sock`` (then it is closed here too)."""
+    try:
+        sock.recv(4096, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass
+    sock.close()
+    return True
+
+
+def test_a_wait_never_outlasts_its_deadline_on_a_daemon_that_does_not_answer(daemons: DaemonFactory) -> None:
+    """The supervisor stopped: a declaring wait of 1 s raises CacheNotReady after about 1 s, not after the
+    five seconds one declaration may take."""
+    daemon = waiting(daemons)
+    with frozen(daemon, 0.0):
+        started = time.monotonic()
+        with pytest.raises(rc.CacheNotReady):
+            rc.wait_until_ready(daemon.instance, 0, timeout=1.0, declare=spec())
+        assert time.monotonic() - started < 3

@@ -29,7 +29,7 @@ from kvcached.copy_engine import SwapEngine
 from kvcached.fastdeploy.names import TENSOR_NAMES
 from kvcached.memory.base import TierRequest
 from kvcached.memory.xpu import PaddleXpuRuntime, exports
-from kvcached.protocol.errors import BackendUnavailable
+from kvcached.protocol.errors import BackendUnavailable, InvalidArgument, ProtocolError
 from tests.conftest import (
     ROOT,
     DaemonFactory,
@@ -244,6 +244,39 @@ def test_xpu_ipc_records_are_removed_at_stop_and_reclaimed_after_kill9(daemons: 
     assert '"reclaimed objects of an earlier run"' in daemon.log()  # the CPU pools are adopted, the records not
     assert all(p.exists() for p in records), "the new worker exports the device tier it made anew"
     assert daemon.stop() == 0 and not any(p.exists() for p in records)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{layer[0]}_{rank}",
+        "{layer.real}_{rank}",
+        "{layer:>200000000}_{rank}",
+        "k\x00{layer}_{rank}",
+        "kvcached.victim_{layer}_{rank}",
+        "../k{layer}_{rank}",
+        "k_{rank}",
+        "{",
+        7,
+    ],
+)
+def test_names_that_are_not_a_templates_are_refused_by_name_wherever_they_come_from(template: object) -> None:
+    """A name template with an index, an attribute, a format, a NUL, kvcached's own prefix, a path, no
+    ``{layer}``, bad braces or no string at all: ``name_tensors`` refuses it naming ``names``; a runner reading
+    it from a descriptor gets ``ProtocolError`` before anything is attached; a start reclaiming a killed run's
+    records finds no file to remove by it (nothing outside the tensors' own names is touched)."""
+    from kvcached.memory.xpu import XpuBackend, name_tensors
+
+    templates = {**TENSOR_NAMES, "key": template}
+    with pytest.raises(InvalidArgument) as refused:
+        name_tensors(templates)  # type: ignore[arg-type]
+    assert refused.value.field == "names"
+    spec = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
+    descriptor = {"device": 0, "local_rank": 0, "pid": 1, "names": templates}
+    backend = XpuBackend()
+    with pytest.raises(ProtocolError, match="names"):
+        backend.attach(spec, descriptor, 0, "paddle", owner=os.geteuid())
+    assert backend.leftovers(spec, descriptor) == []
 
 
 def test_xpu_memory_without_an_xpu_is_a_clear_startup_error(daemons: DaemonFactory) -> None:

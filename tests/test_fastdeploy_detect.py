@@ -345,11 +345,24 @@ def test_a_launch_without_what_the_patch_tells_is_refused_by_name(tmp_path: Path
     done = dropin(["--rank", "0", "--mp_num", "2", *facts[:at], *facts[at + 2 :]], env)
     assert done.returncode == 4, done.stdout + done.stderr
     assert f"Error: {missing}: missing" in done.stderr and "patches/fastdeploy-<commit>-kvcached.patch" in done.stderr
-    for value, why in (("ftp", "'tcp' or the cache queue's Unix socket path"), ("-5", "seconds (> 0")):
-        flag = "--kvcached-queue" if value == "ftp" else "--kvcached-write-wait"
+    socket_path = "'tcp' or the cache queue's Unix socket path"
+    for flag, value, why in (
+        ("--kvcached-queue", "ftp", socket_path),
+        ("--kvcached-queue", "/dev/shm/" + "q" * 120 + ".sock", socket_path),  # past a socket path's 107 bytes
+        ("--kvcached-queue", "/dev/shm/q\n.sock", socket_path),
+        ("--kvcached-write-wait", "-5", "seconds (more than 10"),
+        ("--kvcached-write-wait", "5", "seconds (more than 10"),  # ended before the engine's margin: refused
+        ("--kvcached-line", "\x1b[31mforged", "a git commit"),
+    ):
         at = facts.index(flag)
         done = dropin(["--rank", "0", *facts[:at], flag, value, *facts[at + 2 :]], env)
         assert done.returncode == 2 and flag in done.stderr and why in done.stderr, done.stderr
+    for changed, why in (
+        ([*facts, "--kvcached-queue", "/dev/shm/other.sock"], "--kvcached-queue given twice"),  # contradictions
+        ([part.replace("--kvcached-line", "--kvcached-l") for part in facts], "unrecognized arguments"),
+    ):
+        done = dropin(["--rank", "0", *changed], env)
+        assert done.returncode == 2 and why in done.stderr, done.stderr
 
 
 # -- the line from the tree, the splitwise messager, the platform ---------------------------------------

@@ -55,8 +55,12 @@ from kvcached.protocol.spec import CacheSpec
 WAITING_NOTE = "waiting for the engine to declare the geometry (--geometry engine)"
 #: Seconds one declaring connection may take to send its whole spec.
 READ_S = 2.0
-#: Declaring connections served at once; one past it is answered busy and closed at once.
+#: Declaring connections served at once. Past it, the one that has sent nothing for the longest (at least
+#: ``SILENT_S``: a declarer sends its spec as it connects) is answered busy and closed to make room, else the
+#: newcomer is: a neighbour holding the slots with connections that never speak, however often it reconnects,
+#: loses them to the declarers that speak.
 MAX_OPEN = 32
+SILENT_S = 0.1
 #: The answer to a connection past ``MAX_OPEN``: not a refusal, the declarer asks again.
 BUSY = {"accepted": False, "busy": True, "message": f"{MAX_OPEN} declarations under way; ask again"}
 
@@ -157,6 +161,7 @@ class _Declaring:
     peer: Peer
     deadline: float
     data: bytearray = dataclasses.field(default_factory=bytearray)
+    heard: float = dataclasses.field(default_factory=time.monotonic)  # when it connected or last sent a byte
 
 
 class Declarations:
@@ -191,11 +196,13 @@ class Declarations:
         """Accept new connections, read what the others sent, answer each whole message, close connections
         past their time: the configuration of an accepted declaration, if one was (after it, each message
         is judged against it)."""
+        accepted = None
+        for fd in [fd for fd in readable if fd in self.open]:  # first: what is sent is never a silent slot
+            accepted = self._receive(self.open[fd], config, accepted) or accepted
         if self.sock.fileno() in readable:
             self._accept()
-        accepted = None
-        for fd in [fd for fd in readable if fd in self.open]:
-            accepted = self._receive(self.open[fd], config, accepted) or accepted
+            for fd in [fd for fd in self.open if fd not in readable]:  # the new ones: most sent as they came
+                accepted = self._receive(self.open[fd], config, accepted) or accepted
         now = time.monotonic()
         for fd, late in list(self.open.items()):
             if now >= late.deadline:
@@ -216,15 +223,25 @@ class Declarations:
             peer = peer_of(conn)
             if not self.access.allows(peer):
                 self.log.warning("declaration refused: not the daemon's user or group", pid=peer.pid, uid=peer.uid)
-                conn.close()
+                why = f"uid {peer.uid} is neither the daemon's user nor in its group"
+                _answer(conn, {"accepted": False, "field": "access", "message": why})
                 continue
-            if len(self.open) >= MAX_OPEN:
-                with contextlib.suppress(OSError):
-                    conn.send(json.dumps(BUSY).encode() + b"\n", socket.MSG_DONTWAIT)
-                conn.close()
+            if len(self.open) >= MAX_OPEN and not self._evict_silent():
+                _answer(conn, BUSY)
                 continue
             conn.setblocking(False)
             self.open[conn.fileno()] = _Declaring(conn, peer, time.monotonic() + READ_S)
+
+    def _evict_silent(self) -> bool:
+        """Close the connection that has sent nothing for the longest, answering it busy, if that is at least
+        ``SILENT_S``; whether one was."""
+        now = time.monotonic()
+        fd, quiet = min(((fd, d) for fd, d in self.open.items()), key=lambda item: item[1].heard)
+        if now - quiet.heard < SILENT_S:
+            return False
+        self.open.pop(fd)
+        _answer(quiet.conn, BUSY)
+        return True
 
     def _receive(
         self, declaring: _Declaring, config: DaemonConfig, accepted: DaemonConfig | None
@@ -239,6 +256,7 @@ class Declarations:
         except OSError:
             chunk = b""
         declaring.data += chunk
+        declaring.heard = time.monotonic()
         if chunk and b"\n" not in declaring.data and len(declaring.data) <= MAX_MESSAGE:
             return None
         try:
@@ -252,7 +270,11 @@ class Declarations:
     def _judge(
         self, fd: int, peer: Peer, spec: CacheSpec, config: DaemonConfig, accepted: DaemonConfig | None
     ) -> DaemonConfig | None:
-        verdict = judge(config, spec) if accepted is None else same(accepted, spec)
+        try:
+            verdict = judge(config, spec) if accepted is None else same(accepted, spec)
+        except Exception as exc:  # a spec no check foresaw: refused, the daemon waits on
+            self.log.exception("declaration refused: it could not be judged", pid=peer.pid)
+            verdict = "spec", None, None, f"it could not be judged: {exc!r:.200}"
         if isinstance(verdict, DaemonConfig):
             self._close(fd, {"accepted": True})
             if accepted is None:
@@ -265,10 +287,7 @@ class Declarations:
 
     def _close(self, fd: int, reply: dict[str, object]) -> None:
         """Answer (as far as the socket takes it at once: a reply is small) and close."""
-        declaring = self.open.pop(fd)
-        with contextlib.suppress(OSError):
-            declaring.conn.send(json.dumps(reply, default=str).encode() + b"\n")
-        declaring.conn.close()
+        _answer(self.open.pop(fd).conn, reply)
 
     def close(self, accepted: DaemonConfig | None = None) -> None:
         """Stop listening. With ``accepted``, every declaration already sent (on an open connection, or one
@@ -311,6 +330,13 @@ def await_declaration(
     finally:
         point.close(accepted if isinstance(accepted, DaemonConfig) else None)
     return accepted
+
+
+def _answer(conn: socket.socket, reply: dict[str, object]) -> None:
+    """Send ``reply`` if the socket takes it at once (it is small), and close."""
+    with contextlib.suppress(OSError):
+        conn.send(json.dumps(reply, default=str).encode() + b"\n", socket.MSG_DONTWAIT)
+    conn.close()
 
 
 def _readable(fds: list[int], timeout: float) -> list[int]:

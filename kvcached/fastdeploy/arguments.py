@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,10 +73,29 @@ class LineFacts:
     write_wait_s: float | None
 
 
-def _queue(value: str) -> str:
-    if value == "tcp" or (value.startswith("/") and "\0" not in value):
+#: Bytes of a Unix socket path, at most (``sun_path`` holds 108 with its terminating NUL).
+MAX_SOCKET_PATH = 107
+#: Seconds before the engine stops waiting for a write by which every part of it has ended (or the rank
+#: ends): the patched launcher looks at its drop-ins every second.
+ENGINE_MARGIN_S = 5.0
+#: The shortest wait for a storage write an engine may be said to have: a write is bounded to end
+#: ``2 * ENGINE_MARGIN_S`` before the engine stops waiting.
+MIN_WRITE_WAIT_S = 2 * ENGINE_MARGIN_S
+
+
+def _line(value: str) -> str:
+    if re.fullmatch(r"[0-9a-f]{7,40}", value):
         return value
-    raise argparse.ArgumentTypeError(f"'tcp' or the cache queue's Unix socket path (absolute), got {value!r}")
+    raise argparse.ArgumentTypeError(f"a git commit (7 to 40 lower-case hex digits), got {value[:60]!r}")
+
+
+def _queue(value: str) -> str:
+    if value == "tcp" or (value.startswith("/") and value.isprintable() and len(os.fsencode(value)) <= MAX_SOCKET_PATH):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"'tcp' or the cache queue's Unix socket path (absolute, printable, at most {MAX_SOCKET_PATH} bytes), "
+        f"got {value[:120]!r}"
+    )
 
 
 def _wait(value: str) -> float | None:
@@ -85,9 +105,20 @@ def _wait(value: str) -> float | None:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not 0 < seconds <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"seconds (> 0, at most {MAX_SECONDS:g}) or 'none', got {value!r}")
+    if not MIN_WRITE_WAIT_S < seconds <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"seconds (more than {MIN_WRITE_WAIT_S:g}, at most {MAX_SECONDS:g}) or 'none', got {value[:60]!r}"
+        )
     return seconds
+
+
+class _Once(argparse.Action):
+    """Stores a ``--kvcached-*`` value, refusing the argument given twice (a launcher contradicting itself)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, *_: Any) -> None:
+        if hasattr(namespace, self.dest):
+            parser.error(f"{self.option_strings[0]} given twice")
+        setattr(namespace, self.dest, values)
 
 
 def line_facts(args: argparse.Namespace) -> LineFacts:
@@ -131,11 +162,13 @@ environment:
 
 exit status (docs/fastdeploy.md lists every path):
   0  the engine went away (its queue is gone): nothing left to serve
-  1  the rank cannot be served: FastDeploy not importable here; kvcached's rank not READY in time,
-     FAILED, or its daemon refusing this user; a task part past its deadline, a swap-in that cannot
-     be done, a daemon that made the memory anew, a storage write still running as 2.6's engine stops
-     waiting, a wait on an engine that is gone (the patched engine stops)
-  2  usage: an argument FastDeploy's own parser would refuse too, or a --kvcached-* value not read
+  1  the rank cannot be served: FastDeploy not importable here; the engine's queue not reachable;
+     kvcached's rank not READY in time, FAILED, or its daemon refusing this user; a task part past
+     its deadline, a swap-in that cannot be done, a daemon that made the memory anew, a storage write
+     still running as 2.6's engine stops waiting, a wait on an engine that is gone (the patched
+     engine stops)
+  2  usage: an argument FastDeploy's own parser would refuse too, or a --kvcached-* argument given
+     twice or with a value it cannot take
   4  refused before anything moved, checked in this order: a launch without the patch's --kvcached-*
      arguments; routing replay; --rank outside --mp_num; MTP in a data-parallel group but the first; a
      KVCACHED_* setting that is no number of seconds; an unreadable version.yaml; then, with FastDeploy
@@ -148,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     types, defaults and choices, so that the engine can launch this module in its place; and ``FACTS``."""
     parser = argparse.ArgumentParser(
         prog="python -m kvcached.fastdeploy.transfer_manager",
+        allow_abbrev=False,  # a launcher writes the names whole
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -181,24 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     # replay (kvcached.fastdeploy.guard), accepted when it does not; absent from the namespace when not given.
     parser.add_argument("--routing_replay_config", type=json.loads, default=argparse.SUPPRESS)
     told = parser.add_argument_group("what kvcached's patch of the line tells the drop-in (all required)")
+    once: dict[str, Any] = {"default": argparse.SUPPRESS, "action": _Once}
+    told.add_argument("--kvcached-line", type=_line, metavar="COMMIT", help="the commit the patch is for", **once)
+    told.add_argument("--kvcached-queue", type=_queue, metavar="tcp|SOCKET", help="where the queue is", **once)
     told.add_argument(
-        "--kvcached-line", default=argparse.SUPPRESS, metavar="COMMIT", help="the commit the patch was made against"
+        "--kvcached-write-reports", choices=WRITE_REPORTS, help="who answers a storage write (2.6: every-rank)", **once
     )
     told.add_argument(
-        "--kvcached-queue", type=_queue, default=argparse.SUPPRESS, metavar="tcp|SOCKET", help="where the queue is"
-    )
-    told.add_argument(
-        "--kvcached-write-reports",
-        choices=WRITE_REPORTS,
-        default=argparse.SUPPRESS,
-        help="who answers a storage write (2.6: every-rank)",
-    )
-    told.add_argument(
-        "--kvcached-write-wait",
-        type=_wait,
-        default=argparse.SUPPRESS,
-        metavar="SECONDS|none",
-        help="the engine's wait for a storage write",
+        "--kvcached-write-wait", type=_wait, metavar="SECONDS|none", help="the engine's wait for a write", **once
     )
     return parser
 

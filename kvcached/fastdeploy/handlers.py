@@ -40,14 +40,10 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, Protocol
 
-from kvcached.fastdeploy.arguments import LineFacts, key_prefix, store_key
+from kvcached.fastdeploy.arguments import ENGINE_MARGIN_S, LineFacts, key_prefix, store_key
 from kvcached.fastdeploy.mover import Done, Mover, Outcome
 
 log = logging.getLogger("kvcached.fastdeploy")
-
-#: Seconds before the engine stops waiting for a write by which every part of it has ended (or the rank
-#: ends): the patched launcher looks at its drop-ins every second.
-ENGINE_MARGIN_S = 5.0
 
 
 class Malformed(ValueError):

@@ -466,9 +466,16 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(
-        args, fd, known.instance, known.facts, task_s=known.task_s, key_prefix=known.prefix, slack_s=known.slack_s
-    )
+    try:
+        manager = TransferManager(
+            args, fd, known.instance, known.facts, task_s=known.task_s, key_prefix=known.prefix, slack_s=known.slack_s
+        )
+    except (OSError, EOFError) as exc:  # the engine's queue (or its flags) are not where the launcher said
+        where = known.facts.queue_socket or f"{args.pod_ip}:{args.cache_queue_port}"
+        why = f"the engine's cache queue at {where} (or its flags) cannot be reached: {exc!r:.200}"
+        log.error("rank %d cannot be served: %s", args.rank, why)
+        print(f"Error: {why}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     manager.announce(has_pool)
     return manager.run()
 

@@ -35,6 +35,7 @@ import ctypes
 import dataclasses
 import importlib
 import os
+import string
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,7 +47,7 @@ from kvcached.memory import register
 from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest, TierSwap
 from kvcached.protocol.errors import BackendUnavailable, InvalidArgument, ProtocolError
 from kvcached.protocol.layout import PLANES, cpu_planes, device_slots
-from kvcached.protocol.names import SHM_DIR
+from kvcached.protocol.names import PREFIX, SHM_DIR
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
 
@@ -73,19 +74,46 @@ def name_tensors(templates: Mapping[str, str]) -> None:
     _templates = checked
 
 
+#: The fields a name template may use, each plainly (``{layer}``: no index, attribute, conversion or format).
+FIELDS = frozenset({"layer", "rank", "device"})
+#: Longest name a template may give (a file name in /dev/shm).
+MAX_NAME = 200
+
+
 def _checked(templates: object) -> dict[str, str]:
+    """``templates`` as one name template per kind, each with ``{layer}`` and ``{rank}`` (so that no two tensors
+    share a name) and no field but ``FIELDS``, giving a file name that is not one of kvcached's own. Raises
+    ``InvalidArgument`` naming ``names`` for anything else (whatever it is: a descriptor may be garbage)."""
     if not isinstance(templates, Mapping) or set(templates) != set(KINDS):
-        got = sorted(templates) if isinstance(templates, Mapping) else type(templates).__name__
+        got = sorted(map(str, templates)) if isinstance(templates, Mapping) else type(templates).__name__
         raise InvalidArgument("names", f"one template per tensor kind {list(KINDS)}; got {got}")
     for kind, template in templates.items():
+        if not isinstance(template, str):
+            raise InvalidArgument("names", f"{kind}: a template is a string, got {type(template).__name__}")
         try:
-            name = str(template).format(layer=0, rank=0, device=0)
-        except (KeyError, IndexError, ValueError) as exc:
-            why = f"{kind}: {template!r} may use {{layer}}, {{rank}}, {{device}}: {exc}"
-            raise InvalidArgument("names", why) from None
-        if not name or "/" in name:
-            raise InvalidArgument("names", f"{kind}: {template!r} must give a non-empty name without '/'")
+            fields = {(field, spec, conversion) for _, field, spec, conversion in string.Formatter().parse(template)}
+        except ValueError as exc:
+            raise InvalidArgument("names", f"{kind}: {template[:80]!r}: {exc}") from None
+        used = {field for field, _, _ in fields if field is not None}
+        plain = all(not spec and conversion is None for field, spec, conversion in fields if field is not None)
+        name = template.format(layer=0, rank=0, device=0) if used <= FIELDS and plain else ""
+        if not (plain and {"layer", "rank"} <= used <= FIELDS) or not _plain_name(name):
+            raise InvalidArgument(
+                "names",
+                f"{kind}: {template[:80]!r} must use {{layer}} and {{rank}} (and may use {{device}}), nothing else, "
+                f"and give a file name of at most {MAX_NAME} characters that is not kvcached's",
+            )
     return {kind: str(templates[kind]) for kind in KINDS}
+
+
+def _plain_name(name: str) -> bool:
+    """A name for a file of its own in /dev/shm: printable, no '/', not a dot name, not in kvcached's names."""
+    return (
+        0 < len(name) <= MAX_NAME
+        and name.isprintable()
+        and "/" not in name
+        and not name.startswith((".", PREFIX, "sem."))
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ connection, JSON lines both ways, and one of three answers::
     <- {"accepted": false, "field": F, "daemon": D, "declared": V, "message": M}      refused, by name
     <- {"accepted": false, "busy": true, "message": M}         too many declarations at once: ask again
 
-Busy is never a refusal: ``declare`` returns False for it, as for a daemon no longer listening, and the waiter
-asks again on its next look (``runner_client.wait``), within its own deadline.
+Busy is never a refusal: ``declare`` answers ``BUSY`` for it (and for a listening queue that is full), and the
+waiter asks again on its next look (``runner_client.wait``), within its own deadline, saying so while it waits.
 
 A declaration that arrives once the spec is published is judged against the header: equal (every field of
 ``CacheSpec.DECLARED_FIELDS``, ``CacheSpec.first_difference``) adopts; different is refused by name. The
@@ -41,10 +41,14 @@ def declare_socket_path(run_dir: str | Path, instance: str) -> Path:
     return Path(run_dir) / f"{instance}.declare.sock"
 
 
-def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_uid: int, timeout: float = 5.0) -> bool:
-    """Declare ``spec`` (for rank ``rank``) to the daemon of ``instance`` waiting in ``run_dir``. True:
-    accepted; False: ask again (the daemon is busy, or not listening any more: it may have taken another
-    declaration; look at its next block).
+#: What ``declare`` answers: the daemon took the spec; it is busy (ask again); it is not listening any more (it
+#: may have taken another declaration: look at its next block).
+ACCEPTED, BUSY, GONE = "accepted", "busy", "gone"
+
+
+def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_uid: int, timeout: float = 5.0) -> str:
+    """Declare ``spec`` (for rank ``rank``) to the daemon of ``instance`` waiting in ``run_dir``, within
+    ``timeout`` seconds: ``ACCEPTED``, ``BUSY`` or ``GONE``.
     Raises ``CacheLayoutMismatch`` when it refuses, naming the field, ``AccessDenied`` when this user may not
     connect, and ``InvalidSpec`` when the listener is not the daemon's user (``owner_uid``)."""
     path = declare_socket_path(run_dir, instance)
@@ -54,7 +58,9 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         try:
             sock.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError):
-            return False
+            return GONE
+        except BlockingIOError:  # its listening queue is full: as busy as a busy answer
+            return BUSY
         except PermissionError:
             raise AccessDenied(f"{path}: permission denied: {admitted(path)}") from None
         peer_uid = peer_credentials(sock)[1]
@@ -63,13 +69,15 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         sock.sendall(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")
         reply = read_message(sock, timeout)
     except (TimeoutError, ConnectionResetError, BrokenPipeError):
-        return False
+        return GONE
     finally:
         sock.close()
-    if reply is None or reply.get("busy") is True:
-        return False
+    if reply is not None and reply.get("busy") is True:
+        return BUSY
+    if reply is None:
+        return GONE
     if reply.get("accepted") is True:
-        return True
+        return ACCEPTED
     raise CacheLayoutMismatch(
         str(reply.get("field")),
         reply.get("daemon"),

@@ -31,6 +31,9 @@ _BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 #: Largest arena one rank may ask for: the user address space of x86-64 (128 TiB).
 MAX_RANK_BYTES = 1 << 47
+#: Most layers a spec may have, the model's and the MTP layers each (models have a few hundred at most): the
+#: layout holds an entry per layer and tensor kind, so a declaration cannot make the daemon build millions.
+MAX_LAYERS = 4096
 
 _POSITIVE_FIELDS = ("num_layers", "kv_heads", "head_dim", "block_size", "num_blocks")
 
@@ -91,6 +94,9 @@ class CacheSpec:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
         _check_int("mtp_layers", self.mtp_layers, minimum=0)
+        for name in ("num_layers", "mtp_layers"):
+            if getattr(self, name) > MAX_LAYERS:
+                raise InvalidSpec(name, f"must be at most {MAX_LAYERS}, got {getattr(self, name)}")
         _check_int("mtp_num_blocks", self.mtp_num_blocks, minimum=0)
         if 0 < self.mtp_num_blocks < self.num_blocks:
             raise InvalidSpec(
