@@ -88,7 +88,7 @@ CORE: tuple[Knob, ...] = (
         "instance",
         _instance,
         DEFAULT_INSTANCE,
-        f"Instance name ({INSTANCE_RULE}): several daemons per host run under different names.",
+        f"Instance name ({INSTANCE_RULE}); one daemon per name on the host.",
         "NAME",
     ),
     Knob("memory", _memory, "host", "Device-tier backend.", "BACKEND"),
@@ -96,10 +96,9 @@ CORE: tuple[Knob, ...] = (
         "geometry",
         knobs.choice(GEOMETRY_SOURCES),
         "config",
-        "Where the cache's geometry comes from. config: the flags below. engine: the engine's first runner or "
-        "FastDeploy drop-in declares it (FastDeploy's own block count, after its profile run) and the ranks "
-        "wait until then; later declarations that differ are refused by name. With engine, set only memory, "
-        "store and service options.",
+        "config: the options below. engine: the engine's first runner or FastDeploy drop-in declares it "
+        "(FastDeploy's own block count, after its profile run) and the ranks wait until then; a later "
+        "declaration that differs is refused by name. With engine, set none of the options below.",
         "FROM",
         choices=GEOMETRY_SOURCES,
     ),
@@ -114,9 +113,9 @@ CORE: tuple[Knob, ...] = (
         "storage_backend",
         _storage,
         None,
-        "Attention store; any but none makes the daemon the owner. A backend's options (file backend: ..., "
-        "mooncake backend: ... below) are refused (exit 4) unless it is the one set here, or they were set "
-        "lower down than it (flags over KVCACHED_* over the config file).",
+        "Attention store; any but none makes the daemon the owner. A backend's options (its section below) "
+        "are refused (exit 4) unless it is the one set here, or they were set lower down than it (flags over "
+        "KVCACHED_* over the config file).",
         "BACKEND",
     ),
     Knob(
@@ -194,7 +193,7 @@ CORE: tuple[Knob, ...] = (
         knobs.boolean,
         False,
         "Never adopt the memory an earlier run of this instance left (killed, or stopped with --keep): reclaim "
-        "it and allocate anew. By default a start adopts it when it is ours, of the same spec and consistent.",
+        "it and allocate anew.",
         switch=True,
     ),
     Knob(
@@ -215,6 +214,51 @@ CORE: tuple[Knob, ...] = (
         "USER",
     ),
 )
+
+#: ``kvcached start --help`` in sections, in this order, the knobs of each in theirs; each store backend's
+#: options make a section of their own after ``Tiers``. The knobs of ``INTERNAL`` exist for tests and
+#: diagnosis: they work as every other (flag, variable, file key), and only ``--help-all`` shows them.
+SECTIONS: Mapping[str, tuple[str, ...]] = {
+    "Instance": ("instance", "ranks", "memory", "devices"),
+    "Geometry": (
+        "geometry",
+        "num_layers",
+        "kv_heads",
+        "head_dim",
+        "block_size",
+        "dtype",
+        "num_blocks",
+        "role",
+        "mla",
+        "block_wise_fp8",
+        "scale_dtype",
+        "mtp_layers",
+        "mtp_num_blocks",
+    ),
+    "Tiers": ("num_cpu_blocks", "storage_backend"),
+    "Service": ("group", "metrics_port", "metrics_address"),
+    "Advanced": ("fresh", "store_timeout", "ipc_suffix", "engine_user"),
+    "For tests and diagnosis": ("worker_timeout", "stop_timeout", "huge_pages"),
+}
+INTERNAL = "For tests and diagnosis"
+
+
+def sections() -> dict[str, tuple[Knob, ...]]:
+    """Every knob by its --help section, in order: ``SECTIONS``, each store backend's options after ``Tiers``
+    (``"<Name> store (--storage-backend <name>)"``), and a core knob no section names under ``Advanced``."""
+    every = {knob.name: knob for knob in knobs_all()}
+    named = {name for names in SECTIONS.values() for name in names}
+    found: dict[str, tuple[Knob, ...]] = {}
+    for title, names in SECTIONS.items():
+        extra = tuple(k for k in CORE if k.name not in named) if title == "Advanced" else ()
+        found[title] = tuple(every[name] for name in names) + tuple(every[k.name] for k in extra)
+        if title == "Tiers":
+            for backend in store.all_backends():
+                own = tuple(every[k.name] for k in backend.options if k.name not in named)
+                named |= {k.name for k in own}
+                found[f"{backend.name.capitalize()} store (--storage-backend {backend.name})"] = own
+    return found
+
 
 #: In ``DaemonConfig.build``'s ``ignore``: leave the store backend's options unchecked.
 STORE_OPTIONS = "store options"

@@ -379,7 +379,7 @@ def test_help_reads_as_written(daemons: DaemonFactory, command: str) -> None:
     assert shown.returncode == 0, shown.stderr
     for line in shown.stdout.splitlines():
         text = re.sub(r"^\s*(?:-\S.*?|\w+)\s{2,}", "", line).strip()
-        assert "  " not in text, line
+        assert "  " not in text or text.startswith("kvcached "), line  # an example's comments line up
     if not command:  # the command list gives each one whole, not cut off with "..."
         listed = shown.stdout.split("Commands:", 1)[1]
         assert "..." not in listed and all(name in listed for name in ("start", "status", "stop", "restart")), listed

@@ -337,8 +337,8 @@ class FileBackend(StoreBackend):
             "storage_path",
             knobs.optional_text,
             None,
-            "file backend: directory of the objects. [default: $CACHE_DIRECTORY/<instance>/store, else "
-            "${XDG_CACHE_HOME:-~/.cache}/kvcached/<instance>/store]",
+            "file backend: directory of the objects. [default: ~/.cache/kvcached/<instance>/store ($XDG_CACHE_HOME "
+            "for ~/.cache; under systemd $CACHE_DIRECTORY/<instance>/store)]",
             metavar="DIR",
         ),
         knobs.Knob(
