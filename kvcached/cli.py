@@ -493,7 +493,7 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
 
     Exit status 0 when the daemon is alive and every rank is READY, 1 otherwise (--watch: 0 on Ctrl-C).
     """
-    from kvcached.running import guarded
+    from kvcached.running import did_you_mean, guarded
     from kvcached.status import is_ready, read_status, render
 
     name = _instance(instance)
@@ -502,8 +502,9 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
         return
     if click.get_current_context().get_parameter_source("interval") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--interval is the period of --watch: add --watch, or leave --interval out")
-    snapshot = guarded(read_status, name)
-    click.echo(json.dumps(snapshot) if as_json else render(snapshot))
+    snapshot = guarded(read_status, name, any_owner=os.geteuid() == 0)
+    hint = "" if as_json or snapshot["running"] else did_you_mean(name)
+    click.echo(json.dumps(snapshot) if as_json else render(snapshot) + hint)
     sys.exit(0 if is_ready(snapshot) else 1)
 
 
@@ -517,7 +518,7 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
     try:
         while True:
             now = time.monotonic()
-            snapshot = guarded(read_status, instance)
+            snapshot = guarded(read_status, instance, any_owner=os.geteuid() == 0)
             if as_json:
                 frame = json.dumps(snapshot)
             else:
@@ -530,6 +531,22 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
             time.sleep(max(0.0, interval - (time.monotonic() - now)))
     except KeyboardInterrupt:
         return
+
+
+@main.command(name="list", context_settings=_CONTEXT, short_help="List this host's instances.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list (see kvcached.status.list_instances), not a table.")
+def list_command(as_json: bool) -> None:
+    """List the instances of this host: state, ranks, owner, memory held in /dev/shm, and whether the
+    daemon runs. Root sees every user's; another user its own, and those of the users it trusts whose
+    control block it may read (a --group member sees the service's)."""
+    from kvcached.protocol.errors import KVCacheError
+    from kvcached.status import list_instances, render_list
+
+    try:
+        found = list_instances()
+    except KVCacheError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(found) if as_json else render_list(found))
 
 
 @main.command(context_settings=_CONTEXT, short_help="Stop a running daemon (--keep: keep its memory).")
@@ -550,7 +567,8 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     name = _instance(instance)
     target = running.daemon_of(name)
     if target is None:
-        click.echo(f"instance {name}: not running{running.left_behind(name)}")
+        left = running.left_behind(name)
+        click.echo(f"instance {name}: not running{left or running.did_you_mean(name)}")
         return
     pid, started = target
     waiting = keep and running.awaits_geometry_now(name)
@@ -596,8 +614,17 @@ def restart(instance: str | None, timeout: float) -> None:
     target = running.daemon_of(name)
     if target is None:
         start = "kvcached start" if name == DEFAULT_INSTANCE else f"kvcached start --instance {name}"
-        raise click.ClickException(f"instance {name}: not running; start it with `{start}`")
+        hint = running.did_you_mean(name) or f"; start it with `{start}`"
+        raise click.ClickException(f"instance {name}: not running{hint}")
     pid, started = target
+    ignored = running.not_applied(pid)
+    if ignored:
+        raise ConfigError(
+            f"instance {name}: nothing was restarted: {', '.join(ignored)} is set here, and a restart keeps the "
+            "daemon's own arguments and environment, so it would not apply. To apply it, stop the daemon and "
+            "start it with it (another geometry makes the cache anew), or put it in the daemon's --config file "
+            "and restart; else unset it here"
+        )
     snapshot, took = running.wait_restarted(name, pid, started, RESTART_SIGNAL, timeout)
     note = snapshot.get("note") or ""
     click.echo(f"instance {name}: restarted (pid {pid}) in {took:.2f}s, generation {snapshot['generation']}: {note}")

@@ -373,11 +373,21 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
             )
         )
     else:
-        checks.append(Check("live_instance", OK, f"no daemon runs instance {config.instance!r}", {"pid": None}))
+        from kvcached.running import did_you_mean
+
+        figure = f"no daemon runs instance {config.instance!r}{did_you_mean(config.instance)}"
+        checks.append(Check("live_instance", OK, figure, {"pid": None}))
     names = [str(p) for p in found.left]
     squatters = [why for _, why in found.squatters]
     measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
-    if live_pid is not None:
+    if live_pid is not None and clean:
+        figure = f"--clean removed nothing: instance {config.instance!r} is running (pid {live_pid})"
+        advice = (
+            f"its {counted(len(names), 'object')} are the live daemon's: `kvcached stop --instance "
+            f"{config.instance}` stops it and removes them (--keep keeps them for the next start)"
+        )
+        checks.append(Check("leftovers", FAIL, figure, measured, advice))
+    elif live_pid is not None:
         checks.append(Check("leftovers", OK, f"{counted(len(names), 'object')}, all of the live daemon", measured))
     elif squatters:  # a start leaves them alone; only one at the control block's name stops it
         control = shm_path(control_name(config.instance))

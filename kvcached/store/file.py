@@ -262,8 +262,26 @@ class FileStore(Store):
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 if not self._evict_for_disk():
-                    why = f"{exc.strerror}; the store has nothing left to evict: other files fill the disk"
-                    raise type(exc)(exc.errno, why) from None
+                    raise type(exc)(exc.errno, f"{exc.strerror}; {self._full_disk()}") from None
+
+    def _full_disk(self) -> str:
+        """Why a full disk left this rank nothing to evict, and what to do: whose files fill it (this
+        store's, all ranks counted, or others')."""
+        root = self.dir.parent
+        ours = 0
+        for directory, _, files in os.walk(root):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    ours += os.lstat(os.path.join(directory, name)).st_blocks * 512
+        disk = shutil.disk_usage(root)
+        held = f"{size_text(ours)} of the {size_text(disk.used)} used on the disk of {root} are this store's"
+        if ours * 2 >= disk.used:
+            return (
+                f"this store's own objects fill the disk ({held}: the other ranks' share and this task's own "
+                f"blocks, which this rank does not evict): lower --storage-capacity below what the disk holds "
+                f"({size_text(disk.total)}), or give the store a larger disk"
+            )
+        return f"the store has nothing left to evict: other files fill the disk ({held})"
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
         """Read the leading indexed keys' objects, several at once, each straight into its target and
@@ -359,8 +377,22 @@ class FileBackend(StoreBackend):
                 "storage_capacity",
                 f"{capacity} bytes cannot hold one block per rank ({smallest} bytes for {ranks} ranks)",
             )
-        path = values.get("storage_path") or str(default_storage_path(instance))
-        return {"storage_path": str(Path(path).expanduser().absolute()), "storage_capacity": capacity}
+        given = values.get("storage_path")
+        path = Path(given or default_storage_path(instance)).expanduser().absolute()
+        existing = _nearest_existing(path)
+        if existing != path and not os.access(existing, os.W_OK | os.X_OK):
+            home = Path.home()
+            default = (
+                ""
+                if given
+                else f" (the default, under HOME={home}" + ("" if home.exists() else ", which does not exist") + ")"
+            )
+            raise InvalidSpec(
+                "storage_path",
+                f"cannot make {path}{default}: {existing} is not writable by this user; set --storage-path to a "
+                "directory it may write",
+            )
+        return {"storage_path": str(path), "storage_capacity": capacity}
 
     def open(
         self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
