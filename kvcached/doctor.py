@@ -79,11 +79,17 @@ def check_variable(warning: str) -> Check:
 def run_dir_of(config: DaemonConfig) -> Path:
     """The run directory of the live daemon of ``config.instance`` (its control block says), else the one
     a start here would use."""
+    return _run_dir_and_user(config)[0]
+
+
+def _run_dir_and_user(config: DaemonConfig) -> tuple[Path, int]:
+    """The run directory ``run_dir_of`` names, and the uid it must belong to: the live daemon's, else this
+    user's."""
     with contextlib.suppress(KVCacheError, OSError):
         found = read_instance(config.instance)
         if found is not None and found.header.run_dir:
-            return Path(found.header.run_dir)
-    return lock_path(config.instance).parent
+            return Path(found.header.run_dir), found.owner_uid
+    return lock_path(config.instance).parent, os.geteuid()
 
 
 def has_ipc_lock() -> bool:
@@ -277,16 +283,16 @@ def check_remove_ipc(uid: int | None = None, patterns: tuple[str, ...] = LOGIND_
 
 
 def check_run_dir(config: DaemonConfig) -> Check:
-    directory = run_dir_of(config)
+    directory, owner = _run_dir_and_user(config)
     try:
-        return _check_run_dir(config, directory)
+        return _check_run_dir(config, directory, owner)
     except PermissionError as exc:  # a directory above it this user may not search
         measured = {"path": str(directory), "exists": None}
         figure = f"{directory}: this user may not look into {exc.filename}"
         return Check("run_dir", FAIL, figure, measured, "run kvcached as a user who may, or set KVCACHED_RUN_DIR")
 
 
-def _check_run_dir(config: DaemonConfig, directory: Path) -> Check:
+def _check_run_dir(config: DaemonConfig, directory: Path, owner: int) -> Check:
     longest = task_socket_path(directory, config.instance, config.ranks - 1)
     measured: dict[str, Any] = {"path": str(directory), "exists": directory.exists()}
     if len(str(longest).encode()) > MAX_SOCKET_PATH:
@@ -303,8 +309,8 @@ def _check_run_dir(config: DaemonConfig, directory: Path) -> Check:
     mode = st.st_mode & 0o777
     measured.update(owner_uid=st.st_uid, mode=f"{mode:o}")
     figure = f"{directory} owner uid {st.st_uid} mode {mode:o}"
-    if st.st_uid != os.geteuid():
-        return Check("run_dir", FAIL, figure, measured, "it must belong to the daemon's user")
+    if st.st_uid != owner:
+        return Check("run_dir", FAIL, figure, measured, f"it must belong to the daemon's user (uid {owner})")
     if mode & 0o002:
         return Check("run_dir", WARN, figure, measured, f"anyone may write into it: chmod o-w {directory}")
     return Check("run_dir", OK, figure, measured)

@@ -40,14 +40,15 @@ from kvcached.protocol.instance import open_instance
 from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import control_name, instance_lock_path, instances_in_shm, shm_path
 from kvcached.protocol.stats import StatsSlot, latency_marks
-from kvcached.protocol.trust import trusted_uids, user_name
+from kvcached.protocol.trust import check_owner, trusted_uids, user_name
 from kvcached.protocol.waiters import count_waiters
 
 
 def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
     """Snapshot of ``instance``; ``running`` False (and no ranks) when there is no published block. With
     ``any_owner`` (root's ``kvcached status``) an instance of any user is read, its owner named, instead of
-    one of an untrusted user being refused (a view, never a use: nothing of it is mapped but its block)."""
+    one of an untrusted user being refused (a view, never a use: nothing of it is mapped but its block);
+    an untrusted user's block that no daemon published or is starting is still refused (``NotTrusted``)."""
     status: dict[str, Any] = {
         "instance": instance,
         "running": False,
@@ -65,6 +66,8 @@ def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
         return status
     with view:
         header, block = view.header, view.block
+        if header is None and any_owner and not _starting(instance, block.owner_uid):
+            check_owner(f"control block {control}", os.stat(control))  # no daemon's: refused as a runner does
         status.update(running=True, owner_uid=block.owner_uid)
         if header is None:
             return status
@@ -284,6 +287,14 @@ def list_instances() -> list[dict[str, Any]]:
             continue
         found.append(_listed(instance, entries, control, owner))
     return found
+
+
+def _starting(instance: str, owner: int) -> bool:
+    """Whether a process of uid ``owner`` holds the instance's lock (a daemon that has not published yet)."""
+    from kvcached.daemon.lockfile import flock_holder, process_uid
+
+    pid = flock_holder(instance_lock_path(instance))
+    return pid is not None and process_uid(pid) == owner
 
 
 def _owner(control: Path, entries: list[Path]) -> int:
