@@ -799,6 +799,8 @@ def cli_as(uid: int, *args: str) -> str:
     here, before the fork: the child's uid may not read the interpreter's own modules."""
     from click.testing import CliRunner
 
+    import kvcached.doctor
+    import kvcached.fastdeploy.doctor  # noqa: F401 - the commands' own imports, before the fork too
     from kvcached.cli import main
 
     def action() -> str:

@@ -379,7 +379,10 @@ class FileBackend(StoreBackend):
             )
         given = values.get("storage_path")
         path = Path(given or default_storage_path(instance)).expanduser().absolute()
-        existing = _nearest_existing(path)
+        try:
+            existing = _nearest_existing(path)
+        except OSError as exc:  # a name the kernel cannot even look at (too long, a loop of links)
+            raise InvalidSpec("storage_path", f"{path}: {exc.strerror}") from None
         if existing != path and not os.access(existing, os.W_OK | os.X_OK):
             home = Path.home()
             default = (
