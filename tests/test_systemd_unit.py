@@ -31,11 +31,13 @@ LEFT_OUT = re.compile(r"^(systemctl|usermod)\b")
 
 
 def install_steps(checkout: Path) -> list[str]:
-    """The README's install block, one command per line: ``sudo`` dropped (this runs as root), the
-    checkout's path for ``/path/to/kvcached``, ``systemctl`` and ``usermod`` lines left out."""
-    (block,) = [b for b in blocks(ROOT / "systemd" / "README.md") if b.info == "sh needs-systemd"]
+    """The README's install blocks (kvcached's, then the Mooncake master's), one command per line: ``sudo``
+    dropped (this runs as root), the checkout's path for ``/path/to/kvcached``, ``systemctl`` and
+    ``usermod`` lines left out."""
+    found = [b for b in blocks(ROOT / "systemd" / "README.md") if b.info == "sh needs-systemd"]
+    assert len(found) == 2, "systemd/README.md's install blocks changed: update this test"
     steps = []
-    for line in block.text.splitlines():
+    for line in "".join(block.text for block in found).splitlines():
         command = line.split("#")[0].strip()
         parts = [part.strip().removeprefix("sudo ") for part in command.split("&&")]
         parts = [part.replace("/path/to/kvcached", str(checkout)) for part in parts if not LEFT_OUT.match(part)]
@@ -92,12 +94,16 @@ def install_on_overlays(directory: Path) -> Installed | None:
     before = host_state()
     checkout = scratch_checkout(directory / "kvcached")
     steps = install_steps(checkout)
-    assert any(s.startswith("systemd-analyze verify") for s in steps), steps
+    assert [s for s in steps if s.startswith("systemd-analyze verify")] == [
+        "systemd-analyze verify kvcached@default.service",
+        "systemd-analyze verify mooncake-master.service",
+    ], steps
     mounts = overlays(directory, "work")
     checks = [
         "getent passwd kvcached && getent group kvcached",
         "test -x /usr/local/bin/kvcached && /usr/local/bin/kvcached start --help >/dev/null",
         "test -f /usr/local/share/doc/kvcached/systemd.md",
+        "test -x /opt/kvcached/bin/mooncake_master",  # the unit's ExecStart=
         # The installed kvcached reads the installed config, group included (it exists now).
         "/opt/kvcached/bin/python -c 'from pathlib import Path; from kvcached.config import DaemonConfig; "
         'c = DaemonConfig.build({}, Path("/etc/kvcached/default.toml")); print("config ok", c.ranks, c.gid)\'',
@@ -120,8 +126,9 @@ def test_the_install_steps_verify_on_a_fresh_host() -> None:
     installed: Installed = headstart.take("systemd-install")
     installed.check()
     result = installed.result
-    said = result.stderr.split("+ systemd-analyze verify")[1].split("\n+ ")[0].splitlines()[1:]
-    assert not [line for line in said if line.strip()], f"systemd-analyze verify warned: {said}"
+    for verified in result.stderr.split("+ systemd-analyze verify")[1:]:
+        said = verified.split("\n+ ")[0].splitlines()[1:]
+        assert not [line for line in said if line.strip()], f"systemd-analyze verify warned: {said}"
     assert re.search(r"config ok 8 \d+", result.stdout + result.stderr), (result.stdout + result.stderr)[-2000:]
     assert host_state() == installed.before, "the install steps changed the host itself"
 

@@ -4,7 +4,7 @@ Served by ``prometheus_client``'s WSGI application on a thread of the supervisor
 other path is 404, naming the one that is served), started once the first rank
 workers are forked (replacements are forked while it runs: a fork copies only the forking thread). Every
 scrape reads the control block (records under their seqlock, the workers' counters and histograms) and
-/proc/locks (waiting runners): no state of its own, nothing to keep in step.
+/proc/locks (waiting runners) and /dev/shm's size: no state of its own but the time it began, nothing to keep in step.
 
 Metrics (labels in braces):
 
