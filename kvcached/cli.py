@@ -604,7 +604,9 @@ def restart(instance: str | None, timeout: float) -> None:
     (exit 1, the reason printed), while a rank is not READY or when the configuration, as the next image
     would read it (`start --check-config`), does not load or gives other ranks, device backend or geometry
     than the memory has (the next image could not adopt it). A daemon still waiting for the engine's
-    geometry (--geometry engine) holds no memory: it waits again, exit 0.
+    geometry (--geometry engine) holds no memory: it waits again, exit 0. A configuration variable set here
+    that the daemon's environment has not (KVCACHED_NUM_BLOCKS=64 kvcached restart) is refused, nothing
+    restarted (exit 4): a restart keeps the daemon's own arguments and environment.
     """
     from kvcached import running
     from kvcached.daemon.requests import RESTART_SIGNAL

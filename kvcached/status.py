@@ -1,8 +1,9 @@
-"""What ``kvcached status`` reports: a snapshot of an instance, read from its control block only.
+"""What ``kvcached status`` reports: a snapshot of an instance, read from its control block only; and what
+``kvcached list`` reports of every instance of the host (``list_instances``).
 
 The JSON shape is a public interface (scripts parse it)::
 
-    {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234,
+    {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234, "owner_uid": 999,
      "adopted_from": "3e07..." or null, "note": "adopted from generation 3e07... (its daemon died)",
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
@@ -12,11 +13,13 @@ The JSON shape is a public interface (scripts parse it)::
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
                           "corrupt": 0, "errors": 0, "master_resets": 0, "available": true},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
-                         "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
+                         "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2, "swap_failures": 0}},
+               ...],
      "spec": {...}}
 
-``adopted_from`` is the generation whose memory this daemon adopted when it started (null: it allocated
-its own); ``note`` says so, or why it did not adopt an earlier run's memory ("" when there was none).
+``owner_uid`` is the uid whose control block it is. ``adopted_from`` is the generation whose memory this
+daemon adopted when it started (null: it allocated its own); ``note`` says so, or why it did not adopt an
+earlier run's memory ("" when there was none).
 ``waiting`` is the number of runner processes waiting for that rank to become READY right now.
 ``reserved`` and ``total`` are the bytes the rank's worker has reserved so far and will hold in all (the
 allocation's progress); ``latency`` the task durations per operation, from the rank's histograms.

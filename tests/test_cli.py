@@ -45,7 +45,7 @@ def test_status_json_shape_and_exit_status(daemons: DaemonFactory) -> None:
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     readme = " ".join((ROOT / "README.md").read_text().split())
     documented = readme.split("`kvcached status --json` prints one object: ")[1].split(". The shape")[0]
-    top = {"instance", "running", "alive", "generation", "pid", "spec", "adopted_from", "note", "ranks"}
+    top = {"instance", "running", "alive", "generation", "pid", "owner_uid", "spec", "adopted_from", "note", "ranks"}
     assert set(data) == top and all(f"`{key}`" in documented for key in top), "README's list of keys"
     rank_keys = documented.split("a list of `{")[1].split("}`")[0].split(", ")
     for r in data["ranks"]:

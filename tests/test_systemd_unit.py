@@ -95,7 +95,7 @@ def install_on_overlays(directory: Path) -> Installed | None:
     checkout = scratch_checkout(directory / "kvcached")
     steps = install_steps(checkout)
     assert [s for s in steps if s.startswith("systemd-analyze verify")] == [
-        "systemd-analyze verify kvcached@default.service",
+        "systemd-analyze verify kvcached@main.service",
         "systemd-analyze verify mooncake-master.service",
     ], steps
     mounts = overlays(directory, "work")
@@ -106,7 +106,7 @@ def install_on_overlays(directory: Path) -> Installed | None:
         "test -x /opt/kvcached/bin/mooncake_master",  # the unit's ExecStart=
         # The installed kvcached reads the installed config, group included (it exists now).
         "/opt/kvcached/bin/python -c 'from pathlib import Path; from kvcached.config import DaemonConfig; "
-        'c = DaemonConfig.build({}, Path("/etc/kvcached/default.toml")); print("config ok", c.ranks, c.gid)\'',
+        'c = DaemonConfig.build({}, Path("/etc/kvcached/main.toml")); print("config ok", c.ranks, c.gid)\'',
     ]
     script = "\n".join(["set -euxo pipefail", *mounts, *steps, *checks])
     result = headstart.run(
@@ -147,7 +147,7 @@ group=$(sed -n 's/^Group=//p' $unit)
 install -d -o "$user" -g "$group" -m "$(sed -n 's/^RuntimeDirectoryMode=//p' $unit)" \
     "/run/$(sed -n 's/^RuntimeDirectory=//p' $unit)"
 install -d -o "$user" -g "$group" "/var/cache/$(sed -n 's/^CacheDirectory=//p' $unit)"
-cp /etc/kvcached/default.toml "/etc/kvcached/$I.toml"
+cp /etc/kvcached/main.toml "/etc/kvcached/$I.toml"
 useradd --no-create-home --shell /usr/sbin/nologin kvt-engine
 usermod -aG "$group" kvt-engine   # the README's step for ENGINE_USER
 useradd --no-create-home --shell /usr/sbin/nologin kvt-intruder
