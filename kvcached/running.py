@@ -169,14 +169,18 @@ def not_applied(pid: int) -> list[str]:
 
 def did_you_mean(name: str) -> str:
     """``"; did you mean NAME?"`` for the instance on this host whose name is closest to ``name`` (a typo of
-    a name that is not there), else "". Numbered siblings (``fd-1`` for ``fd-3``) are no typo of each other."""
+    a name that has nothing on this host), else "". Numbered siblings (``fd-1`` for ``fd-3``) are no typo of
+    each other."""
     import difflib
     import re
 
     from kvcached.protocol.names import instances_in_shm
 
+    found = instances_in_shm()
+    if name in found:  # no typo: an instance of that name left something here
+        return ""
     shape = re.sub(r"\d+", "#", name)
-    others = [other for other in instances_in_shm() if re.sub(r"\d+", "#", other) != shape]
+    others = [other for other in found if re.sub(r"\d+", "#", other) != shape]
     close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
 

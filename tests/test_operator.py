@@ -174,7 +174,7 @@ def test_ctrl_c_of_the_demo_runner_while_it_waits_ends_it_without_a_traceback(da
 
 def test_a_mistyped_instance_is_answered_with_the_name_meant(daemons: DaemonFactory) -> None:
     """stop, status, restart and doctor of a name no instance has, next to one that runs: each names the one
-    meant (stop still exits 0: nothing of that name runs)."""
+    meant (stop still exits 0: nothing of that name runs); a name that left memory here is no typo."""
     daemon = daemons.start(f"{unique_instance()}-quickstart", ranks=1)
     daemon.wait_ready()
     typo = daemon.instance.replace("quickstart", "quikcstart")
@@ -189,6 +189,13 @@ def test_a_mistyped_instance_is_answered_with_the_name_meant(daemons: DaemonFact
     (live,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "live_instance"]
     assert f"did you mean {daemon.instance}?" in live["figure"], live
     assert daemons.cli("status", "--instance", daemon.instance).returncode == 0, "the instance meant serves on"
+    other = daemons.start(daemon.instance.replace("quickstart", "quikcstart"), ranks=1)  # the typo, kept
+    other.wait_ready()
+    assert daemons.cli("stop", "--keep", "--instance", other.instance).returncode == 0
+    doctor = daemons.cli("doctor", "--instance", other.instance, "--json")
+    (live,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "live_instance"]
+    assert "did you mean" not in live["figure"], live  # its kept memory is there: a name, not a typo
+    assert daemons.cli("doctor", "--clean", "--instance", other.instance).returncode in (0, 1)  # releases it
 
 
 def test_doctor_clean_of_a_running_instance_says_it_removed_nothing(daemons: DaemonFactory) -> None:
