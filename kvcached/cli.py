@@ -79,7 +79,7 @@ def _at_least(value: float, least: float, flag: str) -> float:
     return value
 
 
-#: The section of ``kvcached start --help`` whose options only ``--help-all`` shows.
+#: The context's ``meta`` key ``--help-all`` sets: show every section, the internal one too.
 HELP_ALL = "help_all"
 
 
@@ -263,7 +263,7 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
 
     \b
       kvcached start --ranks 8                            # host memory, the default geometry
-      kvcached start --config /etc/kvcached/default.toml  # what the systemd unit runs
+      kvcached start --instance main --config /etc/kvcached/main.toml   # what kvcached@main runs
       kvcached start --ranks 8 --memory xpu --devices 0,1,2,3,4,5,6,7 --geometry engine   # FastDeploy
       kvcached start --ranks 8 --check-config             # does it load? exit 0, or 4 and why
 

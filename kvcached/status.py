@@ -64,7 +64,8 @@ def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
         "ranks": [],
     }
     control = shm_path(control_name(instance))
-    view = open_instance(instance, owner=_owner(control, []) if any_owner else None)
+    owner = _owner(control, []) if any_owner else -1
+    view = open_instance(instance, owner=owner if owner >= 0 else None)
     if view is None:
         return status
     with view:
