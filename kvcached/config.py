@@ -215,26 +215,35 @@ CORE: tuple[Knob, ...] = (
     ),
 )
 
+
+#: In ``DaemonConfig.build``'s ``ignore``: leave the store backend's options unchecked.
+STORE_OPTIONS = "store options"
+
+#: Knob -> CacheSpec field, for the knobs that describe the cache.
+SPEC_FIELDS: Mapping[str, str] = {
+    "num_layers": "num_layers",
+    "kv_heads": "kv_heads",
+    "head_dim": "head_dim",
+    "block_size": "block_size",
+    "dtype": "dtype",
+    "num_blocks": "num_blocks",
+    "num_cpu_blocks": "num_cpu_blocks",
+    "storage_backend": "storage_backend",
+    "role": "splitwise_role",
+    "block_wise_fp8": "block_wise_fp8",
+    "mla": "mla",
+    "scale_dtype": "scale_dtype",
+    "mtp_layers": "mtp_layers",
+    "mtp_num_blocks": "mtp_num_blocks",
+}
+_KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
+
 #: ``kvcached start --help`` in sections, in this order, the knobs of each in theirs; each store backend's
 #: options make a section of their own after ``Tiers``. The knobs of ``INTERNAL`` exist for tests and
 #: diagnosis: they work as every other (flag, variable, file key), and only ``--help-all`` shows them.
 SECTIONS: Mapping[str, tuple[str, ...]] = {
     "Instance": ("instance", "ranks", "memory", "devices"),
-    "Geometry": (
-        "geometry",
-        "num_layers",
-        "kv_heads",
-        "head_dim",
-        "block_size",
-        "dtype",
-        "num_blocks",
-        "role",
-        "mla",
-        "block_wise_fp8",
-        "scale_dtype",
-        "mtp_layers",
-        "mtp_num_blocks",
-    ),
+    "Geometry": ("geometry", *(name for name in SPEC_FIELDS if name not in ("num_cpu_blocks", "storage_backend"))),
     "Tiers": ("num_cpu_blocks", "storage_backend"),
     "Service": ("group", "metrics_port", "metrics_address"),
     "Advanced": ("fresh", "store_timeout", "ipc_suffix", "engine_user"),
@@ -258,29 +267,6 @@ def sections() -> dict[str, tuple[Knob, ...]]:
                 named |= {k.name for k in own}
                 found[f"{backend.name.capitalize()} store (--storage-backend {backend.name})"] = own
     return found
-
-
-#: In ``DaemonConfig.build``'s ``ignore``: leave the store backend's options unchecked.
-STORE_OPTIONS = "store options"
-
-#: Knob -> CacheSpec field, for the knobs that describe the cache.
-SPEC_FIELDS: Mapping[str, str] = {
-    "num_layers": "num_layers",
-    "kv_heads": "kv_heads",
-    "head_dim": "head_dim",
-    "block_size": "block_size",
-    "dtype": "dtype",
-    "num_blocks": "num_blocks",
-    "num_cpu_blocks": "num_cpu_blocks",
-    "storage_backend": "storage_backend",
-    "role": "splitwise_role",
-    "block_wise_fp8": "block_wise_fp8",
-    "mla": "mla",
-    "scale_dtype": "scale_dtype",
-    "mtp_layers": "mtp_layers",
-    "mtp_num_blocks": "mtp_num_blocks",
-}
-_KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 
 
 def _geometry_from(where: str, given: list[tuple[str, str]]) -> None:

@@ -123,6 +123,14 @@ def test_stop_of_a_killed_instance_says_what_it_left(daemons: DaemonFactory) -> 
     assert again.stdout.strip() == f"instance {daemon.instance}: not running", again.stdout
 
 
+def demo_runner(daemons: DaemonFactory, *args: str) -> subprocess.Popen[str]:
+    """README's demo runner, started as a reader starts it, its output piped."""
+    command = [sys.executable, "scripts/demo_runner.py", *args]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemons.env(), cwd=ROOT
+    )
+
+
 def test_the_demo_runner_started_before_the_daemon_says_what_it_waits_for(daemons: DaemonFactory) -> None:
     """The README's demo runner started first: one line on stderr names the instance it waits for and that no
     daemon runs it; once the daemon is started, it attaches, exit 0, without saying it again."""
@@ -130,14 +138,7 @@ def test_the_demo_runner_started_before_the_daemon_says_what_it_waits_for(daemon
     daemons.instances.add(instance)
     geometry = ["--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
     geometry += ["--num-blocks", "8", "--num-cpu-blocks", "4"]
-    runner = subprocess.Popen(
-        [sys.executable, "scripts/demo_runner.py", "--instance", instance, "--rank", "1", "--timeout", "60", *geometry],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=daemons.env(),
-        cwd=ROOT,
-    )
+    runner = demo_runner(daemons, "--instance", instance, "--rank", "1", "--timeout", "60", *geometry)
     try:
         assert runner.stderr is not None
         said = runner.stderr.readline()
@@ -154,14 +155,7 @@ def test_ctrl_c_of_the_demo_runner_while_it_waits_ends_it_without_a_traceback(da
     """The demo runner waiting for a daemon that is not there, interrupted as Ctrl-C does (SIGINT): one line
     says so, exit 130, no traceback."""
     instance = unique_instance()
-    runner = subprocess.Popen(
-        [sys.executable, "scripts/demo_runner.py", "--instance", instance, "--rank", "0", "--timeout", "60"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=daemons.env(),
-        cwd=ROOT,
-    )
+    runner = demo_runner(daemons, "--instance", instance, "--rank", "0", "--timeout", "60")
     try:
         assert runner.stderr is not None
         assert "no daemon runs it" in runner.stderr.readline()
