@@ -273,6 +273,8 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     from kvcached import logs, running
     from kvcached.config import unknown_variables
     from kvcached.daemon.supervisor import Supervisor
+    from kvcached.fastdeploy.names import TENSOR_NAMES
+    from kvcached.memory.xpu import name_tensors
 
     level = _choice(log_level, LEVELS, "log_level", "--log-level", "KVCACHED_LOG_LEVEL")
     formats = ("auto", "json", "console")
@@ -290,10 +292,11 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
             raise ConfigError(fatal.reason) from None
         loads = f"({counted(config.ranks, 'rank')}, {config.memory})"
         click.echo(f"instance {config.instance}: the configuration loads {loads}")
-        for warning in unknown_variables():
+        for warning in [*config.ignored, *unknown_variables()]:
             click.echo(f"warning: {warning}", err=True)
         return
     _use_streaming_stores()
+    name_tensors(TENSOR_NAMES)  # the xpu backend exports under FastDeploy's names: its processes attach by them
     logs.configure(level, json=None if log_format == "auto" else log_format == "json")
     for warning in unknown_variables():
         logs.get("kvcached.cli").warning("environment", warning=warning)

@@ -21,7 +21,6 @@ A TOML file uses the knob names (the flag names with underscores), all at top le
     group = "kvcached"    # runners of this group may use the instance; default: owner only
     metrics_port = 9464   # Prometheus metrics on http://metrics_address:metrics_port/metrics; 0: off
     metrics_address = "127.0.0.1"
-    ipc_suffix = 8021     # keep FastDeploy's cache_ready_signal.<N> / swap_space_ready_signal.<N> in step
 
 ``knobs()`` lists every knob (core ones here, each store backend's from its module); the CLI's options are
 generated from it. An invalid value is an ``InvalidConfig`` that names where it came from (the flag, the
@@ -80,6 +79,14 @@ def _storage(value: Any) -> str | None:
 
 #: Where the geometry comes from: the configuration, or the engine's declaration (``--geometry engine``).
 GEOMETRY_SOURCES = ("config", "engine")
+
+#: What a start says of a deprecated knob that is set (``DaemonConfig.ignored``).
+IGNORED_WHY = (
+    "FastDeploy's ready flags are written by FastDeploy's own processes and kvcached's drop-in, one writer per "
+    "flag; the daemon writes none (docs/fastdeploy.md, who writes FastDeploy's flags)"
+)
+#: Knobs kept so that existing command lines and files still start; set, each is named in a warning.
+DEPRECATED = ("ipc_suffix", "engine_user")
 
 #: The knobs of the daemon itself, in --help order. Spec knobs carry the CacheSpec field they set.
 CORE: tuple[Knob, ...] = (
@@ -200,19 +207,10 @@ CORE: tuple[Knob, ...] = (
         "ipc_suffix",
         knobs.integer(0, what="a non-negative integer (the engine's port)"),
         None,
-        "FastDeploy compatibility: keep cache_ready_signal.N and swap_space_ready_signal.N (int32 per rank in "
-        "/dev/shm) at 1 exactly while each rank is READY, so an unmodified engine's wait sees this daemon. N is "
-        "the engine's ipc suffix (its worker queue port). [default: off]",
+        f"Deprecated, does nothing: {IGNORED_WHY}",
         "N",
     ),
-    Knob(
-        "engine_user",
-        knobs.name_or_id,
-        None,
-        "FastDeploy compatibility (--ipc-suffix): the user (name or uid) the engine runs as, whose flag segments "
-        "the daemon follows besides its own user's and root's (another user's are left alone). [default: none]",
-        "USER",
-    ),
+    Knob("engine_user", knobs.name_or_id, None, f"Deprecated, does nothing: {IGNORED_WHY}", "USER"),
 )
 
 
@@ -314,14 +312,14 @@ class DaemonConfig:
     gid: int | None = None
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
-    ipc_suffix: int | None = None
     devices: tuple[int, ...] = ()
     worker_timeout: float = 10.0
     stop_timeout: float = 5.0
     store_timeout: float = 10.0
     fresh: bool = False
     huge_pages: bool = True
-    engine_uid: int | None = None
+    #: One sentence per deprecated knob that is set (``DEPRECATED``): a start logs each, and does nothing more.
+    ignored: tuple[str, ...] = ()
     #: "engine": ``spec`` is provisional until the engine declares one (``declared``).
     geometry: str = "config"
 
@@ -363,7 +361,8 @@ class DaemonConfig:
         gid = _resolved(resolve_group, values, "group", source)
         if gid is not None and os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
             raise InvalidConfig("group", source("group"), f"this user is not in group {gid}: it cannot give it objects")
-        engine_uid = _resolved(resolve_user, values, "engine_user", source)
+        _resolved(resolve_user, values, "engine_user", source)  # still checked: a wrong value stays an error
+        ignored = tuple(f"{source(n)}: deprecated, does nothing: {IGNORED_WHY}" for n in DEPRECATED if n in raw)
         devices = values["devices"] or tuple(range(ranks))
         if len(devices) != ranks:
             raise InvalidConfig(
@@ -381,14 +380,13 @@ class DaemonConfig:
             gid=gid,
             metrics_port=values["metrics_port"],
             metrics_address=values["metrics_address"],
-            ipc_suffix=values["ipc_suffix"],
             devices=devices,
             worker_timeout=values["worker_timeout"],
             stop_timeout=values["stop_timeout"],
             store_timeout=values["store_timeout"],
             fresh=values["fresh"],
             huge_pages=values["huge_pages"] == "auto",
-            engine_uid=engine_uid,
+            ignored=ignored,
             geometry=values["geometry"],
         )
 

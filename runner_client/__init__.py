@@ -12,7 +12,6 @@ numpy and posix_ipc only: no click, no structlog, no daemon code. It never confi
 the ``runner_client`` logger.
 """
 
-from kvcached.fastdeploy.names import export_name, exports, spec_from_fastdeploy
 from kvcached.protocol.errors import (
     AccessDenied,
     CacheLayoutMismatch,
@@ -64,10 +63,7 @@ __all__ = [
     "TaskTimeout",
     "block_keys",
     "cache_owner",
-    "export_name",
-    "exports",
     "initialize_kv_cache",
     "should_create_cache",
-    "spec_from_fastdeploy",
     "wait_until_ready",
 ]

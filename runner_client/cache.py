@@ -250,7 +250,9 @@ def _create_here(spec: CacheSpec, local_rank: int, profile: bool, instance: str,
                 "daemon the owner), or stop the daemon."
             )
         )
-    own = memory.private_cache(spec, framework)
+    from kvcached.memory.host import private_attached  # here: a runner that attaches pays nothing for it
+
+    own = private_attached(spec, framework)
     log.info("runner creates its own kv cache: %s (%d bytes)", explain_owner(spec, profile), own.nbytes)
     return KVCache(
         owner="runner",

@@ -133,6 +133,8 @@ class Engine:
         self, instance: str, env: dict[str, str], tp: int, work: Path, port: int, layout: tuple[int, ...]
     ) -> list[subprocess.Popen[bytes]]:
         """One drop-in per rank (``tests/helpers/fd_dropin.py``) with the launcher's arguments for ``layout``."""
+        from tests.helpers.fastdeploy_src import told
+
         blocks, kv_heads, block_size, head_dim, layers, cpu = layout
         shape = f"{blocks},{kv_heads},{block_size},{head_dim}"
         control = work / "control"
@@ -159,6 +161,7 @@ class Engine:
                         for key, value in {**common, "rank": r, "device_id": r}.items()
                         for part in (f"--{key}", str(value))
                     ),
+                    *told(),
                 ],
                 env=env,
                 stdout=subprocess.DEVNULL,

@@ -3,11 +3,15 @@ allocates exactly that, refuses a different one by name, keeps it across a resta
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import resource
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -186,7 +190,7 @@ def test_a_flood_of_silent_declarers_costs_only_their_connections(daemons: Daemo
             sock.settimeout(5)
         time.sleep(0.5)
         assert daemon.proc.poll() is None, daemon.log()[-2000:]
-        busy = [sock for sock in flood[MAX_OPEN * 2 :: 50] if b"declarations under way" in sock.recv(4096)]
+        busy = [sock for sock in flood[MAX_OPEN * 2 :: 50] if b'"busy": true' in sock.recv(4096)]
         assert busy, "connections past MAX_OPEN are answered busy"
     finally:
         for sock in flood:
@@ -194,6 +198,66 @@ def test_a_flood_of_silent_declarers_costs_only_their_connections(daemons: Daemo
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=30) as cache:
         assert cache.key_caches[0].shape == (20, 2, 4, 16)
+
+
+@contextlib.contextmanager
+def frozen(daemon: Daemon, seconds: float) -> Iterator[None]:
+    """The daemon's supervisor stopped (SIGSTOP) while the block runs, then for the rest of ``seconds``, then
+    resumed: as a loaded host leaves it unscheduled."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        yield
+        time.sleep(max(0.0, seconds - (time.monotonic() - started)))
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+
+
+def test_forty_declarers_of_one_spec_while_the_supervisor_is_not_scheduled_all_attach(daemons: DaemonFactory) -> None:
+    """40 runners declare the same spec while the supervisor is stopped for a second: past the 32 connections
+    it serves at once the rest are told busy, never refused, ask again within their deadline, and all 40 find
+    their rank READY."""
+    daemon = waiting(daemons)
+    errors: list[BaseException] = []
+
+    def declare(rank: int) -> None:
+        try:
+            rc.wait_until_ready(daemon.instance, rank, timeout=60, declare=spec())
+        except BaseException as exc:  # the test's own verdict: any error fails it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=declare, args=(i % 2,)) for i in range(40)]
+    with frozen(daemon, 1.0):
+        for thread in threads:
+            thread.start()
+    for thread in threads:
+        thread.join(90)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert [r["state"] for r in read_status(daemon.instance)["ranks"]] == ["READY", "READY"]
+
+
+def test_two_different_declarations_at_once_one_accepted_one_refused_on_the_socket(daemons: DaemonFactory) -> None:
+    """Two declarations of different specs sent while the supervisor is not scheduled reach it together: on
+    the raw socket exactly one is answered accepted and the other refused, naming the field that differs."""
+    daemon = waiting(daemons)
+    path = declare_socket_path(daemons.run_dir, daemon.instance)
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        with frozen(daemon, 0.5):
+            for sock, blocks in zip(socks, (20, 24), strict=True):
+                sock.settimeout(30)
+                sock.connect(str(path))
+                sock.sendall(json.dumps({"spec": spec(num_blocks=blocks).to_dict()}).encode() + b"\n")
+        replies = [json.loads(sock.recv(4096).split(b"\n")[0]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert sorted(reply["accepted"] for reply in replies) == [False, True], replies
+    refused = next(reply for reply in replies if not reply["accepted"])
+    assert refused["field"] == "num_blocks" and "another declaration was accepted first" in refused["message"]
+    taken = 20 if replies[0]["accepted"] else 24
+    assert daemon.wait_ready()["spec"]["num_blocks"] == taken
 
 
 def exchange(path: Path, raw: bytes) -> bytes:

@@ -26,8 +26,9 @@ import tests.plugins.filemem
 import tests.plugins.xpu_double
 from kvcached import memory
 from kvcached.copy_engine import SwapEngine
-from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime
+from kvcached.fastdeploy.names import TENSOR_NAMES
 from kvcached.memory.base import TierRequest
+from kvcached.memory.xpu import PaddleXpuRuntime, exports
 from kvcached.protocol.errors import BackendUnavailable
 from tests.conftest import (
     ROOT,
@@ -194,7 +195,7 @@ def test_xpu_double_exports_fastdeploy_names_shapes_dtypes(tmp_path: Path) -> No
         tier = Tier("xpu-double", spec, tmp_path)
         try:
             exported = tests.plugins.xpu_double.XpuRuntimeDouble.exported
-            expected = rc.exports(spec, local_rank=LOCAL_RANK, device_id=DEVICE_ID)
+            expected = exports(spec, TENSOR_NAMES, local_rank=LOCAL_RANK, device_id=DEVICE_ID)
             assert sorted(exported) == sorted(e.name for e in expected), name
             for e in expected:
                 assert tuple(exported[e.name].shape) == e.shape
@@ -231,7 +232,7 @@ def test_xpu_ipc_records_are_removed_at_stop_and_reclaimed_after_kill9(daemons: 
     daemon = daemons.start(ranks=2, args=args, env=env)
     daemon.wait_ready(timeout=60)
     spec = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
-    records = [Path("/dev/shm") / e.name for rank in (0, 1) for e in rc.exports(spec, rank, devices[rank])]
+    records = [Path("/dev/shm") / e.name for rank in (0, 1) for e in exports(spec, TENSOR_NAMES, rank, devices[rank])]
     assert len(records) == 8 and all(p.exists() for p in records)
     daemon.kill9()
     assert all(p.exists() for p in records), "a killed run leaves them"

@@ -35,11 +35,8 @@ PUBLIC = [
     "TaskTimeout",
     "block_keys",
     "cache_owner",
-    "export_name",
-    "exports",
     "initialize_kv_cache",
     "should_create_cache",
-    "spec_from_fastdeploy",
     "wait_until_ready",
 ]
 

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,228 +13,72 @@ import numpy as np
 import pytest
 
 import runner_client as rc
+from kvcached.fastdeploy.names import TENSOR_NAMES, spec_from_fastdeploy
+from kvcached.memory.xpu import exports
 from kvcached.protocol.names import SHM_DIR
 from kvcached.status import read_status
-from tests.conftest import ROOT, DaemonFactory, run_runner, runner_result, wait_for_line
+from tests.conftest import DaemonFactory, run_runner, runner_result
+from tests.helpers.fastdeploy_src import pieces
 
 SMALL = rc.CacheSpec(num_layers=2, kv_heads=2, head_dim=16, block_size=4, num_blocks=8, num_cpu_blocks=4)
 
-# -- IPCSignal ------------------------------------------------------------------------------------------
+# -- FastDeploy's flags: the daemon writes none ------------------------------------------------------------
 
 
-class EngineSignal:
-    """DOUBLE of FastDeploy's IPCSignal as its engine uses it: SharedMemory(f"{name}.{suffix}"), an int32
-    [ranks] view. ``create=True`` takes FastDeploy's steps in its order (``ipc_signal.py`` lines 99-104 at
-    e53f5184): ``shared_memory_exists`` (an open and a close), then ``SharedMemory(name).unlink()`` through
-    a descriptor just opened, then an exclusive create; ``pause`` seconds pass between the unlink and the
-    create (an engine preempted there), and ``late`` seconds between the create and the engine's initial
-    write of 0 (lines 105-106)."""
-
-    def __init__(
-        self, name: str, suffix: int, ranks: int, *, create: bool, pause: float = 0.0, late: float = 0.0
-    ) -> None:
-        self.shm_name = f"{name}.{suffix}"
-        if create:
-            try:
-                probe = shared_memory.SharedMemory(name=self.shm_name)
-            except FileNotFoundError:
-                pass
-            else:
-                resource_tracker.unregister(probe._name, "shared_memory")  # type: ignore[attr-defined]
-                probe.close()
-                shared_memory.SharedMemory(name=self.shm_name).unlink()
-                time.sleep(pause)
-            self.shm = shared_memory.SharedMemory(name=self.shm_name, create=True, size=4 * ranks)
-        else:
-            self.shm = shared_memory.SharedMemory(name=self.shm_name)
-        resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-        self.value: np.ndarray[Any, Any] = np.ndarray((ranks,), dtype=np.int32, buffer=self.shm.buf)
-        if create:
-            time.sleep(late)
-            self.value[:] = 0
-
-    def close(self) -> None:
-        del self.value
-        self.shm.close()
+def busy(seconds: float) -> None:
+    """Spin for ``seconds``: load a core as another tenant of the host would."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
 
 
-@pytest.fixture
-def suffix(daemons: DaemonFactory) -> Iterator[int]:
-    """A unique ipc suffix; its segments are removed after the test, once its daemons are stopped (a
-    daemon still running would link a name removed before it back)."""
-    value = 40000 + (os.getpid() * 7 + time.monotonic_ns()) % 20000
-    yield value
-    for daemon in daemons.daemons:  # a test that failed midway left its daemon running
-        if daemon.proc.poll() is None:
-            daemon.stop()
-    for name in ("cache_ready_signal", "swap_space_ready_signal"):
-        (SHM_DIR / f"{name}.{value}").unlink(missing_ok=True)
-
-
-def until(check: Callable[[], bool], timeout: float = 20, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.01)
-
-
-def test_engine_created_flags_follow_ready_through_kill9_and_restart(daemons: DaemonFactory, suffix: int) -> None:
-    """The engine creates the flags first; the daemon attaches. 1 exactly while READY; a stale 1 of a
-    killed run is 0 again before the restarted daemon's ranks are READY; 0 after stop."""
-    cache = EngineSignal("cache_ready_signal", suffix, 2, create=True)
-    swap = EngineSignal("swap_space_ready_signal", suffix, 2, create=True)
-    try:
-        cache.value[:] = 1  # what a killed run would have left
-        slow = daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=1")
-        args = ["--ipc-suffix", str(suffix)]
-        daemon = daemons.start(ranks=2, args=args, env=slow)
-        daemon.wait_state("ALLOCATING")
-        assert list(cache.value) == [0, 0], "a stale 1 is visible while the ranks allocate"
-        daemon.wait_ready()
-        until(lambda: list(cache.value) == [1, 1] and list(swap.value) == [1, 1], what="flags at READY")
-        daemon.kill9()
-        assert list(cache.value) == [1, 1], "(nothing is left to clear them between kill -9 and restart)"
-        restarted = daemons.start(daemon.instance, ranks=2, args=args, env=slow)
-        restarted.wait_state("RECOVERING")  # it adopts the killed run's memory
-        assert list(cache.value) == [0, 0] and list(swap.value) == [0, 0]
-        restarted.wait_ready()
-        until(lambda: list(cache.value) == [1, 1], what="flags at READY after restart")
-        # the engine re-creates a signal (IPCSignal(create=True)) while the daemon runs
-        cache.close()
-        cache = EngineSignal("cache_ready_signal", suffix, 2, create=True)
-        until(lambda: list(cache.value) == [1, 1], timeout=5, what="flags written into the re-created segment")
-        assert restarted.stop() == 0
-        assert list(cache.value) == [0, 0] and list(swap.value) == [0, 0]
-        assert (SHM_DIR / f"cache_ready_signal.{suffix}").exists(), "the engine's segment is not ours to remove"
-    finally:
-        cache.close()
-        swap.close()
-
-
-def test_an_engine_preempted_inside_its_create_finds_the_name_free_and_the_flags_right(
-    daemons: DaemonFactory, suffix: int
+def test_the_engine_recreates_its_flags_3000_times_beside_the_daemon_and_never_finds_a_name_taken(
+    daemons: DaemonFactory,
 ) -> None:
-    """IPCSignal(create=True) opens the segment, unlinks it, creates the name exclusively, then writes its
-    initial 0s: an engine preempted between the unlink and the create for up to 0.6 s still finds the
-    name free (the daemon links a name a reader's exit took away back within milliseconds, but not one
-    the engine is re-creating); one preempted before its initial write, after the daemon wrote the
-    segment, reads 1 for every READY rank again soon after."""
-    daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix)])
-    daemon.wait_ready()
-    for pause in (0.05, 0.3, 0.6):
-        EngineSignal("cache_ready_signal", suffix, 2, create=True, pause=pause).close()  # FileExistsError if taken
-    last = EngineSignal("cache_ready_signal", suffix, 2, create=True, pause=0.3, late=0.5)
+    """FastDeploy's own ``IPCSignal(create=True)`` (unlink, then an exclusive create) on both flag names, 3,000
+    times each, while a daemon started with the deprecated ``--ipc-suffix``/``--engine-user`` runs and two busy
+    processes per core load the host: not one create fails, and the daemon never holds either name (nothing of
+    it is mapped in the daemon's processes). The start says the options are ignored, naming them."""
+    fd = pieces()
+    suffix = 40000 + (os.getpid() * 7 + time.monotonic_ns()) % 20000
+    names = [f"{name}.{suffix}" for name in ("cache_ready_signal", "swap_space_ready_signal")]
+    load = [multiprocessing.get_context("fork").Process(target=busy, args=(120,)) for _ in range(2 * os.cpu_count())]
+    daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix), "--engine-user", "root"])
     try:
-        until(lambda: list(last.value) == [1, 1], timeout=5, what="the daemon writes into the newest segment")
-        assert daemon.stop() == 0
-    finally:
-        last.close()
-
-
-def test_daemon_created_flags_and_a_replaced_worker(daemons: DaemonFactory, suffix: int) -> None:
-    """No engine yet: the daemon creates both flags (what an engine attaching with create=False reads); a
-    rank whose worker dies stays 1 (its memory is intact while the worker is replaced); a rank that fails
-    reads 0; what the daemon created is removed when it stops."""
-    daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix), "--num-cpu-blocks", "0", "--role", "decode"])
-    status = daemon.wait_ready()
-    reader = EngineSignal("cache_ready_signal", suffix, 2, create=False)
-    swap = EngineSignal("swap_space_ready_signal", suffix, 2, create=False)
-    try:
-        until(lambda: list(reader.value) == [1, 1], what="READY flags")
-        assert list(swap.value) == [0, 0], "no CPU pool: swap space is never ready"
-        os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
-        until(lambda: read_status(daemon.instance)["ranks"][1]["pid"] != status["ranks"][1]["pid"], what="replaced")
-        assert list(reader.value) == [1, 1], "the cache never went away"
         daemon.wait_ready()
-        assert daemon.stop() == 0
-        assert list(reader.value) == [0, 0]
-    finally:
-        reader.close()
-        swap.close()
-    assert not (SHM_DIR / f"cache_ready_signal.{suffix}").exists()
-    assert not (SHM_DIR / f"swap_space_ready_signal.{suffix}").exists()
-
-
-def _reader(*args: object) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "helpers" / "fd_reader.py"), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-
-
-def test_flags_cannot_strand_a_waiter(daemons: DaemonFactory, suffix: int) -> None:
-    """The engine created the flags; a FastDeploy waiter waits on them; during ALLOCATING short-lived
-    FastDeploy readers come and go (each one's resource tracker unlinks the name): the name comes back as
-    the same segment each time and the next reader attaches; at READY both the waiter and the engine's own
-    mapping read 1 within 1 s; after `kvcached stop` the engine's names still exist and read 0."""
-    engine = EngineSignal("cache_ready_signal", suffix, 2, create=True)
-    swap = EngineSignal("swap_space_ready_signal", suffix, 2, create=True)
-    inode = (SHM_DIR / f"cache_ready_signal.{suffix}").stat().st_ino
-    readers: list[subprocess.Popen[str]] = []
-    try:
-        daemon = daemons.start(
-            ranks=2, args=["--ipc-suffix", str(suffix)], env=daemons.env(KVCACHED_FAULT="worker-before-ready:sleep=4")
-        )
-        daemon.wait_state("ALLOCATING")
-        waiter = _reader("wait", "cache_ready_signal", suffix, 2, 1)
-        readers.append(waiter)
-        wait_for_line(waiter, "attached")  # waiting before the short-lived readers come and go
-        public = SHM_DIR / f"cache_ready_signal.{suffix}"
-        for _ in range(4):
-            # A reader's exit unlinks the name (its tracker): back soon, the same segment. A reader started
-            # before its tracker ran can find it gone (kvcached's flags.py says why): not asserted here.
-            short = _reader("once", "cache_ready_signal", suffix, 2)
-            assert short.wait(30) == 0, short.communicate()
-            until(lambda: public.exists() and public.stat().st_ino == inode, timeout=3, what="the same segment")
-        status = daemon.wait_ready()
-        ready = time.monotonic_ns()
-        out, _ = waiter.communicate(timeout=30)
-        saw = int(out.strip().splitlines()[-1])
-        assert saw - ready < 1e9, "the waiter saw READY more than 1 s late"
-        until(lambda: list(engine.value) == [1, 1], timeout=1, what="the engine's own mapping")
-        assert status["alive"] and daemon.stop() == 0
-        assert (SHM_DIR / f"cache_ready_signal.{suffix}").exists(), "the engine's name is not kvcached's to unlink"
-        assert list(engine.value) == [0, 0] and list(swap.value) == [0, 0]
-        fresh = EngineSignal("cache_ready_signal", suffix, 2, create=False)
-        assert list(fresh.value) == [0, 0]
-        fresh.close()
-    finally:
-        for reader in readers:  # a waiter of a failed test would wait for ever
-            if reader.poll() is None:
-                reader.kill()
-                reader.wait()
-        engine.close()
-        swap.close()
-
-
-def test_the_engine_recreating_its_flags_never_finds_the_name_taken(daemons: DaemonFactory, suffix: int) -> None:
-    """IPCSignal(create=True) unlinks the name and creates it exclusively: the daemon, which links a name
-    that went away back, must leave it free for that moment. 300 re-creations in a row, none refused; the
-    last segment reads 1 for every READY rank."""
-    daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix)])
-    daemon.wait_ready()
-    for _ in range(300):
-        signal_ = EngineSignal("cache_ready_signal", suffix, 2, create=True)  # FileExistsError if taken
-        signal_.close()
-    last = EngineSignal("cache_ready_signal", suffix, 2, create=True)
-    try:
-        until(lambda: list(last.value) == [1, 1], timeout=5, what="the daemon writes into the newest segment")
+        assert "--ipc-suffix: deprecated, does nothing" in daemon.log()
+        assert "--engine-user: deprecated, does nothing" in daemon.log()
+        for process in load:
+            process.start()
+        failures = []
+        for i in range(3000):
+            for name in ("cache_ready_signal", "swap_space_ready_signal"):
+                try:
+                    signal = fd.IPCSignal(
+                        name=name, array=np.full([2], i % 2, dtype=np.int32), dtype=np.int32, suffix=suffix, create=True
+                    )
+                except FileExistsError as exc:
+                    failures.append((i, name, str(exc)))
+                    continue
+                assert list(signal.value) == [i % 2] * 2, "the engine's own values, written by nobody else"
+                signal.clear()
+        assert failures == []
+        pids = [daemon.proc.pid, *(int(p) for p in daemon_children(daemon.proc.pid))]
+        mapped = [line for pid in pids for line in Path(f"/proc/{pid}/maps").read_text().splitlines()]
+        assert not [line for line in mapped if any(name in line for name in names)]
         assert daemon.stop() == 0
     finally:
-        last.close()
+        for process in load:
+            if process.is_alive():
+                process.kill()
+            process.join(10)
+        for name in names:
+            (SHM_DIR / name).unlink(missing_ok=True)
 
 
-def test_too_small_engine_flags_are_a_clear_error(daemons: DaemonFactory, suffix: int) -> None:
-    small = EngineSignal("cache_ready_signal", suffix, 1, create=True)
-    try:
-        daemon = daemons.start(ranks=2, args=["--ipc-suffix", str(suffix)])
-        assert daemon.exit_code(timeout=30) == 5
-        assert "--ranks match the engine's tensor-parallel size" in daemon.log()
-    finally:
-        small.close()
+def daemon_children(pid: int) -> list[str]:
+    """The pids of ``pid``'s child processes (its rank workers)."""
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
 
 
 def test_bounded_wait_replaces_the_sleep_loop(daemons: DaemonFactory) -> None:
@@ -412,8 +252,8 @@ def test_export_names_shapes_dtypes_match_fastdeploy(
     FASTDEPLOY_SRC naming a checkout of e53f5184, each cited line is read there and must hold that code."""
     changes = dict(changes)
     mla = changes.pop("mla", False)
-    spec = rc.spec_from_fastdeploy(fd_config(cpu=16, **changes), 1, mla=mla, platform=platform)
-    got = [(e.name, e.shape, e.dtype) for e in rc.exports(spec, local_rank=1, device_id=1)]
+    spec = spec_from_fastdeploy(fd_config(cpu=16, **changes), 1, mla=mla, platform=platform)
+    got = [(e.name, e.shape, e.dtype) for e in exports(spec, TENSOR_NAMES, local_rank=1, device_id=1)]
     assert got == expected
     source = os.environ.get("FASTDEPLOY_SRC")
     for name in cited:
@@ -427,7 +267,7 @@ def test_export_names_shapes_dtypes_match_fastdeploy(
 def test_spec_from_fastdeploy_follows_the_same_condition_and_per_rank_heads() -> None:
     for changes in ({}, {"cpu": 8}, {"backend": "mooncake"}, {"role": "prefill"}):
         config = fd_config(**changes)
-        spec = rc.spec_from_fastdeploy(config, 0)
+        spec = spec_from_fastdeploy(config, 0)
         fd_creates = rc.should_create_cache(
             False,
             config.cache_config.num_cpu_blocks,
@@ -435,19 +275,19 @@ def test_spec_from_fastdeploy_follows_the_same_condition_and_per_rank_heads() ->
             config.scheduler_config.splitwise_role,
         )
         assert (rc.cache_owner(spec) == "runner") == fd_creates, changes
-    assert rc.spec_from_fastdeploy(fd_config(kv_heads=2, tp=8), 7).kv_heads == 1, "never below 1 (FastDeploy #3717)"
+    assert spec_from_fastdeploy(fd_config(kv_heads=2, tp=8), 7).kv_heads == 1, "never below 1 (FastDeploy #3717)"
     with pytest.raises(rc.InvalidSpec) as info:
-        rc.spec_from_fastdeploy(fd_config(backend="attention_store"), 0)
+        spec_from_fastdeploy(fd_config(backend="attention_store"), 0)
     assert info.value.field == "kvcache_storage_backend"
     with pytest.raises(rc.InvalidArgument) as info:
-        rc.spec_from_fastdeploy(fd_config(), 4)
+        spec_from_fastdeploy(fd_config(), 4)
     assert info.value.field == "local_rank"
 
 
 def test_runner_attaches_with_a_spec_from_fastdeploy(daemons: DaemonFactory) -> None:
     """The spec read from a FastDeploy config attaches to a daemon started with the same geometry."""
     config = fd_config(layers=2, kv_heads=4, tp=2, head_dim=16, block_size=4, blocks=8, cpu=4)
-    spec = rc.spec_from_fastdeploy(config, 1)
+    spec = spec_from_fastdeploy(config, 1)
     geometry = ["--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
     daemon = daemons.start(ranks=2, small=False, args=[*geometry, "--num-blocks", "8", "--num-cpu-blocks", "4"])
     daemon.wait_ready()

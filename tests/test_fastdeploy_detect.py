@@ -18,7 +18,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvcached.fastdeploy import patchfile
@@ -26,7 +25,8 @@ from kvcached.fastdeploy.condition import Config, read_condition
 from kvcached.fastdeploy.lines import QueueRule
 from tests.conftest import ROOT, DaemonFactory
 from tests.helpers import fastdeploy_lines, headstart
-from tests.helpers.fastdeploy_lines import apply_patch, tree_of
+from tests.helpers.fastdeploy_lines import tree_of
+from tests.helpers.fastdeploy_src import told
 
 line_trees, patched_trees = fastdeploy_lines.line_trees, fastdeploy_lines.patched_trees  # session fixtures
 
@@ -189,40 +189,6 @@ def test_doctor_finds_the_installed_package(
     assert checks["fastdeploy_patch"]["measured"]["state"] == "applied"
 
 
-def test_drop_in_refuses_a_runner_that_makes_its_own_copy(
-    daemons: DaemonFactory, line_trees: dict[str, Path], tmp_path: Path
-) -> None:
-    """Acceptance: a 2.6 tree whose launcher is patched but whose runner is not (its hunk left out): the drop-in
-    exits 4 naming the double allocation and the runner's line, before it joins the queue or sets a flag."""
-    tree = tmp_path / "fd"
-    assert apply_patch(tree_of(line_trees, "41677b9a6"), "41677b9a6", tree).returncode == 0
-    runner = "fastdeploy/worker/xpu_model_runner.py"
-    shutil.copy(tree_of(line_trees, "41677b9a6") / runner, tree / runner)  # the runner hunk did not apply
-    daemon = daemons.start(ranks=2, small=False, args=SMALL[2:])
-    daemon.wait_ready()
-    with fastdeploy_lines.fastdeploy_modules(tree) as fd:
-        suffix = fastdeploy_lines.ipc_suffix()
-        flags = {
-            name: fd.IPCSignal(
-                name=name, array=np.zeros([2], dtype=np.int32), dtype=np.int32, suffix=suffix, create=True
-            )
-            for name in ("cache_ready_signal", "cache_transfer_inited_signal")
-        }
-        try:
-            args = ["--rank", "0", "--mp_num", "2", "--num_layers", "2", "--key_cache_shape", "16,2,4,16"]
-            args += ["--value_cache_shape", "16,2,4,16", "--num_cpu_blocks", "8", "--cache_queue_port", "1"]
-            args += ["--engine_worker_queue_port", str(suffix)]
-            env = dict(daemons.env(), KVCACHED_INSTANCE=daemon.instance, FASTDEPLOY_SRC=str(tree))
-            env["FD_TEST_CONTROL_DIR"] = str(tmp_path)
-            done = dropin(args, env)
-            assert done.returncode == 4, done.stdout + done.stderr
-            assert "double allocation" in done.stderr and "xpu_model_runner.py:1256" in done.stderr, done.stderr
-            assert [int(v) for f in flags.values() for v in f.value] == [0, 0, 0, 0]
-        finally:
-            for flag in flags.values():
-                flag.shm.unlink()
-
-
 # -- without FastDeploy ---------------------------------------------------------------------------------
 
 
@@ -277,9 +243,9 @@ def test_hunks_are_applied_applicable_or_in_conflict(tmp_path: Path) -> None:
     assert patchfile.state(tree, patch).files == {"f.py": (patchfile.CONFLICT,)}
 
 
-def test_the_queue_address_is_formed_as_the_line_forms_it() -> None:
+def test_doctor_reads_the_queue_rule_as_the_line_forms_it() -> None:
     """TCP unless the line's manager has a socket and the variable (or its default) says so; a value int()
-    cannot read is an error naming the variable."""
+    cannot read is an error naming the variable (``kvcached doctor``'s reading; the drop-in is told)."""
     socket = QueueRule(socket="/dev/shm/fd_task_queue_{port}.sock", default=1)
     assert socket.address("10.0.0.1", 8021, {}) == "/dev/shm/fd_task_queue_8021.sock"
     assert socket.address("10.0.0.1", 8021, {"FD_ENGINE_TASK_QUEUE_WITH_SHM": "0"}) == ("10.0.0.1", 8021)
@@ -304,7 +270,7 @@ def test_drop_in_refuses_routing_replay(daemons: DaemonFactory, tmp_path: Path) 
     env = dict(daemons.env(), KVCACHED_INSTANCE=daemon.instance, FD_TEST_CONTROL_DIR=str(tmp_path))
     args = ["--rank", "0", "--mp_num", "2", "--num_layers", "2", "--key_cache_shape", "16,2,4,16"]
     args += ["--value_cache_shape", "16,2,4,16", "--num_cpu_blocks", "8"]
-    args += ["--routing_replay_config", '{"enable_routing_replay": true}']
+    args += ["--routing_replay_config", '{"enable_routing_replay": true}', *told("41677b9a6")]
     done = dropin(args, env)
     assert done.returncode == 4 and "--routing_replay_config: routing replay is on" in done.stderr, done.stderr
 
@@ -368,14 +334,22 @@ def test_an_installed_kvcached_finds_its_patches(installed: tuple[Path, Path], t
     )
 
 
-def test_drop_in_refuses_a_queue_switch_fastdeploy_cannot_read(patched_trees: dict[str, Path], tmp_path: Path) -> None:
-    """FD_ENGINE_TASK_QUEUE_WITH_SHM=yes: FastDeploy's own int() would fail on it; the drop-in exits 4 naming
-    the variable, before it waits for kvcached or joins the queue."""
-    tree = tree_of(patched_trees, "564c78d78")
-    env = dict(os.environ, FASTDEPLOY_SRC=str(tree), FD_ENGINE_TASK_QUEUE_WITH_SHM="yes")
-    env.update(KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path), KVCACHED_WAIT_S="1")
-    done = dropin(["--rank", "0", "--mp_num", "2"], env)
-    assert done.returncode == 4 and "FD_ENGINE_TASK_QUEUE_WITH_SHM='yes'" in done.stderr, done.stderr
+@pytest.mark.parametrize("missing", ["--kvcached-line", "--kvcached-queue", "--kvcached-write-wait"])
+def test_a_launch_without_what_the_patch_tells_is_refused_by_name(tmp_path: Path, missing: str) -> None:
+    """A drop-in started without one of the arguments each line's patch passes (an unpatched or foreign
+    launcher, or an earlier kvcached's patch) exits 4 naming it and the patch to apply, before it imports
+    FastDeploy, waits for kvcached or joins the queue (no daemon runs here: it would wait for one)."""
+    facts = told()
+    at = facts.index(missing)
+    env = dict(os.environ, KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path), KVCACHED_WAIT_S="600")
+    done = dropin(["--rank", "0", "--mp_num", "2", *facts[:at], *facts[at + 2 :]], env)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert f"Error: {missing}: missing" in done.stderr and "patches/fastdeploy-<commit>-kvcached.patch" in done.stderr
+    for value, why in (("ftp", "'tcp' or the cache queue's Unix socket path"), ("-5", "seconds (> 0")):
+        flag = "--kvcached-queue" if value == "ftp" else "--kvcached-write-wait"
+        at = facts.index(flag)
+        done = dropin(["--rank", "0", *facts[:at], flag, value, *facts[at + 2 :]], env)
+        assert done.returncode == 2 and flag in done.stderr and why in done.stderr, done.stderr
 
 
 # -- the line from the tree, the splitwise messager, the platform ---------------------------------------
@@ -427,7 +401,7 @@ def test_a_patch_left_out_of_the_cache_messager_is_named_before_two_copies(
 ) -> None:
     """2.6 with kvcached's patch applied except its cache_messager.py part: in a prefill or decode role the
     launcher starts FastDeploy's messager, which allocates the whole cache (cache_messager.py:996 on 2.6).
-    The drop-in refuses by name (exit 4) before it waits or joins the queue, and doctor fails it."""
+    doctor fails it by name for such a daemon, and warns for a mixed one."""
     tree = shutil.copytree(tree_of(line_trees, "41677b9a6"), tmp_path / "fd")
     messager = "fastdeploy/cache_manager/cache_messager.py"
     patch = str(fastdeploy_lines.PATCHES["41677b9a6"])
@@ -435,11 +409,6 @@ def test_a_patch_left_out_of_the_cache_messager_is_named_before_two_copies(
         ["git", "apply", f"--exclude={messager}", patch], cwd=tree, capture_output=True, check=False
     )
     assert applied.returncode == 0, applied.stderr
-    env = dict(os.environ, FASTDEPLOY_SRC=str(tree), KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path))
-    for role in ("prefill", "decode"):
-        done = dropin(["--rank", "0", "--mp_num", "2", "--splitwise_role", role, "--num_cpu_blocks", "8"], env)
-        assert done.returncode == 4, done.stdout + done.stderr
-        assert f"{messager}:996" in done.stderr and "double allocation" in done.stderr and role in done.stderr
     checks = doctor(daemons, tree, "--instance", instance, *SMALL, "--role", "prefill")
     assert (
         checks["fastdeploy_messager"]["verdict"] == "fail"
@@ -449,72 +418,39 @@ def test_a_patch_left_out_of_the_cache_messager_is_named_before_two_copies(
     assert mixed["verdict"] == "warn" and "prefill or decode" in mixed["figure"]
 
 
-#: Read from each line's GPU runner: e53f5184 worker/gpu_model_runner.py:1439 (the fixed condition already);
-#: 41677b9a6 :1537 and 564c78d78 :1599 (after #7471: the runner creates its own cache with CPU swap only).
-GPU_RUNNER = {"e53f5184": (1439, False), "41677b9a6": (1537, True), "564c78d78": (1599, True)}
-
-
 @pytest.mark.parametrize("commit", COMMITS)
 def test_a_gpu_host_is_refused_by_name(
     daemons: DaemonFactory, instance: str, patched_trees: dict[str, Path], tmp_path: Path, commit: str
 ) -> None:
     """kvcached has no GPU device backend, and its patches leave FastDeploy's GPU runner as it is: on a host
     where FastDeploy runs on GPUs (its ``current_platform``: the STUB of the test adapter says gpu) the drop-in
-    refuses, naming the GPU runner's condition; doctor fails when paddlepaddle-gpu is what is installed (a
-    DOUBLE of its distribution's metadata)."""
+    refuses by name; doctor fails when paddlepaddle-gpu is what is installed (a DOUBLE of its distribution's
+    metadata)."""
     tree = tree_of(patched_trees, commit)
-    line, creates = GPU_RUNNER[commit]
     env = dict(os.environ, FASTDEPLOY_SRC=str(tree), KVCACHED_INSTANCE="kvt-none", FD_TEST_CONTROL_DIR=str(tmp_path))
     env["KVCACHED_TEST_FD_PLATFORM"] = "gpu"
-    done = dropin(["--rank", "0", "--mp_num", "2", "--num_cpu_blocks", "8"], env)
+    done = dropin(["--rank", "0", "--mp_num", "2", "--num_cpu_blocks", "8", *told(commit)], env)
     assert done.returncode == 4, done.stdout + done.stderr
-    assert "FastDeploy runs on gpu here" in done.stderr and f"gpu_model_runner.py:{line}" in done.stderr
-    assert ("creates its own KV cache" in done.stderr) == creates
+    assert "FastDeploy runs on gpu here" in done.stderr and "no gpu device backend" in done.stderr
     site = tmp_path / "site" / "paddlepaddle_gpu-3.0.0.dist-info"
     site.mkdir(parents=True)
     (site / "METADATA").write_text("Metadata-Version: 2.1\nName: paddlepaddle-gpu\nVersion: 3.0.0\n")
     checks = doctor(daemons, tree, "--instance", instance, *SMALL, PYTHONPATH=str(site.parent))
     platform = checks["fastdeploy_platform"]
-    assert platform["verdict"] == "fail" and f"gpu_model_runner.py:{line}" in platform["figure"], platform
+    assert platform["verdict"] == "fail" and "FastDeploy runs on gpu here" in platform["figure"], platform
     assert platform["measured"] == {"platform": "gpu", "distribution": "paddlepaddle-gpu"}
 
 
-def test_messager_and_platform_refusals_without_fastdeploy(tmp_path: Path) -> None:
-    """On a tree the test writes (a launcher with kvcached's call, a messager and a GPU runner without): a
-    prefill role is refused naming the messager's loop, a gpu platform naming the GPU runner's condition,
-    and the drop-in serves (no refusal) on xpu in the mixed role."""
+def test_what_the_drop_in_refuses_it_knows_from_its_arguments_alone() -> None:
+    """Without any FastDeploy tree: a gpu platform is refused by name, routing replay too, and xpu with routing
+    replay off serves."""
     from kvcached.fastdeploy import guard
     from kvcached.fastdeploy.arguments import parse_args
-    from kvcached.fastdeploy.lines import read_tree
-    from kvcached.protocol.errors import OwnershipConflict
+    from kvcached.protocol.errors import InvalidSpec, OwnershipConflict
 
-    files = {
-        "fastdeploy/cache_manager/cache_transfer_manager.py": "",
-        "fastdeploy/cache_manager/prefix_cache_manager.py": (
-            'KVCACHED_INSTANCE = 1\nentry = " -m kvcached.fastdeploy.transfer_manager"\n'
-        ),
-        "fastdeploy/cache_manager/cache_messager.py": "def main():\n    for i in range(args.num_layers):\n        i\n",
-        "fastdeploy/worker/xpu_model_runner.py": (
-            "import os\nclass R:\n    def initialize_kv_cache(self, profile=False):\n"
-            '        if os.environ.get("KVCACHED_INSTANCE"):\n            import runner_client\n'
-            '        create_cache_tensor = profile or self.s.splitwise_role == "mixed"\n'
-        ),
-        "fastdeploy/worker/gpu_model_runner.py": (
-            "class G:\n    def initialize_kv_cache(self, profile=False):\n"
-            "        create_cache_tensor = profile or not (\n"
-            '            self.c.kvcache_storage_backend or self.s.splitwise_role != "mixed"\n        )\n'
-        ),
-    }
-    for relative, text in files.items():
-        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / relative).write_text(text)
-    tree = read_tree(tmp_path)
-    assert tree.launcher_patched and tree.runner_patched and not tree.messager_patched
-    with pytest.raises(OwnershipConflict, match=r"cache_messager\.py:2: its loop over the layers"):
-        guard.refuse(parse_args(["--splitwise_role", "prefill", "--num_cpu_blocks", "8"]), tree, "xpu", {})
-    with pytest.raises(OwnershipConflict, match=r"gpu_model_runner\.py:3: create_cache_tensor") as refused:
-        guard.refuse(parse_args(["--num_cpu_blocks", "8"]), tree, "gpu", {})
-    assert "creates its own KV cache with no profile, CPU swap (8 blocks)" in str(refused.value)
     with pytest.raises(OwnershipConflict, match="FastDeploy runs on gpu here"):
-        guard.refuse(parse_args(["--num_cpu_blocks", "8"]), None, "gpu", {})
-    guard.refuse(parse_args(["--num_cpu_blocks", "8"]), tree, "xpu", {})
+        guard.refuse(parse_args(["--num_cpu_blocks", "8"]), "gpu")
+    with pytest.raises(InvalidSpec, match="routing replay is on"):
+        guard.refuse(parse_args(["--routing_replay_config", '{"enable_routing_replay": true}']), "xpu")
+    guard.refuse(parse_args(["--routing_replay_config", '{"enable_routing_replay": false}']), "xpu")
+    guard.refuse(parse_args([]), None)

@@ -25,6 +25,7 @@ from kvcached.fastdeploy.arguments import (
 )
 from kvcached.protocol.errors import InvalidSpec
 from tests.conftest import ROOT
+from tests.helpers.fastdeploy_src import told
 from tests.helpers.procs import halt
 
 LAUNCH = [
@@ -255,7 +256,7 @@ def test_without_fastdeploy_the_drop_in_says_so_and_exits_1_without_a_traceback(
     args = ["--rank", "0", "--mp_num", "2", "--engine_worker_queue_port", "1", "--cache_queue_port", "2"]
     shape = ["--key_cache_shape", "4,2,4,16", "--value_cache_shape", "4,2,4,16", "--num_layers", "2"]
     ran = subprocess.run(
-        [sys.executable, "-m", "kvcached.fastdeploy.transfer_manager", *args, *shape],
+        [sys.executable, "-m", "kvcached.fastdeploy.transfer_manager", *args, *shape, *told()],
         check=False,
         capture_output=True,
         text=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,9 +28,11 @@ import numpy as np
 import pytest
 
 import runner_client as rc
+from kvcached.daemon.declare import MAX_OPEN
+from kvcached.protocol.declare import declare_socket_path
 from tests.conftest import ROOT, DaemonFactory, free_port, unique_devices, zygote
 from tests.helpers.fastdeploy_double import FMQDouble
-from tests.helpers.fastdeploy_src import pieces
+from tests.helpers.fastdeploy_src import pieces, told
 from tests.helpers.shared_daemons import shared_daemons
 from tests.helpers.zygote import ZygoteChild
 
@@ -89,7 +92,8 @@ class Engine:
         return [int(v) for v in self.signals[name].value]
 
     def arguments(self, rank: int, **changes: str) -> list[str]:
-        """``cache_transfer_manager.py``'s command line as launch_cache_manager builds it (~296-321)."""
+        """``cache_transfer_manager.py``'s command line as launch_cache_manager builds it (~296-321), and what
+        the patched launcher tells the drop-in (``told``)."""
         args = {
             "device_id": str(rank),
             "rank": str(rank),
@@ -115,7 +119,7 @@ class Engine:
             "model_path": str(self.tmp_path),
         }
         args.update(changes)
-        return [part for key, value in args.items() for part in (f"--{key}", value)]
+        return [part for key, value in args.items() for part in (f"--{key}", value)] + told()
 
     def launch(self, rank: int, **changes: str) -> subprocess.Popen[bytes] | ZygoteChild:
         """A drop-in for ``rank``; its output (stdout and stderr) goes to a file: ``output``."""
@@ -350,6 +354,33 @@ def test_a_queue_item_the_drop_in_cannot_read_is_logged_and_the_next_task_served
     engine.close()
     logs = engine.output()
     assert "not a task (it cannot be read" in logs and "kvcached_test_engine_only" in logs, logs[-2000:]
+
+
+def test_a_drop_in_start_beside_thirty_two_silent_declarers_declares_serves_and_exits_0(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """A neighbour of the daemon's user holds as many silent connections to the declaration socket as the daemon
+    serves at once: the drop-ins of a ``--geometry engine`` daemon are told busy (never a wrong geometry), ask
+    again, declare, serve a swap, and exit 0 once the engine is gone."""
+    store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store")]
+    daemon = daemons.start(ranks=TP, small=False, args=["--geometry", "engine", *store])
+    daemon.wait_state("EMPTY")
+    silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(MAX_OPEN)]
+    made = Engine(tmp_path, daemon.instance)
+    try:
+        for sock in silent:
+            sock.connect(str(declare_socket_path(daemons.run_dir, daemon.instance)))
+        dropins = [made.launch(rank) for rank in range(TP)]
+        made.until(lambda: made.value("cache_transfer_inited_signal") == [1] * TP, "the drop-ins serve", 60)
+        status = made.fd.CacheStatus
+        done = made.task((status.SWAP2CPU, "t1", [11], [1], [0]))
+        assert done[0][1:] == ("t1", [11], [1], [0])
+        made.server.manager.shutdown()  # the engine is gone
+        assert [proc.wait(60) for proc in dropins] == [0] * TP, made.output()
+    finally:
+        for sock in silent:
+            sock.close()
+        made.close()
 
 
 def test_a_device_id_other_than_the_ranks_device_is_refused(daemons: DaemonFactory, tmp_path: Path) -> None:

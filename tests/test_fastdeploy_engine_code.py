@@ -96,6 +96,22 @@ class TestOneLaunchedEngine:
         assert "refused by kvcached" in engine.dropin_log(since=mark)
         engine.call("swap", event="SWAP2CPU", task_id="next", gpu=[5], cpu=[3], nodes=None)
 
+    def test_the_drop_ins_obey_the_patch_and_read_no_fastdeploy_source(self, shared: Shared) -> None:
+        """The drop-ins were started by the line's patched launcher, which told them the line and where its
+        queue is (its Unix socket on 2.6 and develop 2026-05-20, TCP on e53f5184), and they ran on a FastDeploy
+        of compiled modules only: none of its sources, no transfer manager, launcher, runner or version file."""
+        engine, commit = shared.engine, shared.engine.config["commit"]
+        package = Path(engine.config["model_dir"]) / "dropin" / "fastdeploy"
+        files = sorted(p.relative_to(package).as_posix() for p in package.rglob("*") if p.is_file())
+        assert files and all(name.endswith(".pyc") for name in files), files
+        stems = {Path(name).stem for name in files}
+        assert not stems & {"cache_transfer_manager", "prefix_cache_manager", "xpu_model_runner", "version"}, files
+        told = next(line for line in engine.dropin_log().splitlines() if "launched by kvcached's patch" in line)
+        assert f"FastDeploy {commit}: LineFacts(line='{commit}'" in told, told
+        port = engine.config["queue_port"]
+        socket = f"'/dev/shm/fd_task_queue_{port}.sock'" if engine.config["engine_socket"] else "None"
+        assert f"queue_socket={socket}" in told, told
+
     def test_sleep_and_wakeup_answer_200_through_the_engines_own_waiter(self, shared: Shared) -> None:
         """The engine's control waiter (its FMQ) gets 200 from every rank for sleep and wakeup, saying that
         kvcached keeps the cache; an unknown method is still a 400 the waiter raises on."""

@@ -2,11 +2,11 @@
 other one (``FASTDEPLOY_SRC``: a git clone holding the lines; see ``tests/helpers/fastdeploy_lines.py``).
 
 For each line, the engine side is that line's ``engine_cache_queue.py`` and ``ipc_signal.py``, listening where
-that line's engine listens (its own ``envs.py`` reads ``FD_ENGINE_TASK_QUEUE_WITH_SHM``); the drop-ins read
-the same tree and must find it there by themselves. Swaps move the right bytes; a storage write is
-reported as that line's engine collects it (2.6: every rank, the blocks the store holds; the others: rank
-0, the blocks written), a storage read by every rank. On e53f5184 the cache queue has no socket: with the
-variable set, engine and drop-in stay on TCP.
+that line's engine listens (its own ``envs.py`` reads ``FD_ENGINE_TASK_QUEUE_WITH_SHM``); the drop-ins are told
+where by what the line's patch passes them (``told``: the patch's own lines, run on the launcher's address).
+Swaps move the right bytes; a storage write is reported as that line's engine collects it (2.6: every rank,
+the blocks the store holds; the others: rank 0, the blocks written), a storage read by every rank. On
+e53f5184 the cache queue has no socket: with the variable set, engine and drop-in stay on TCP.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvcached.fastdeploy.lines import read_tree
 from tests.conftest import DaemonFactory
 from tests.helpers import fastdeploy_lines
 from tests.helpers.fastdeploy_lines import LineEngine, fastdeploy_modules, tree_of
+from tests.helpers.fastdeploy_src import told
 
 line_trees, patched_trees = fastdeploy_lines.line_trees, fastdeploy_lines.patched_trees  # session fixtures
 
@@ -153,10 +154,20 @@ def test_each_line_drives_the_drop_in_over_its_transport(
             cache.close()
 
 
-def test_each_lines_wait_for_a_storage_write_is_read_from_its_tree(line_trees: dict[str, Path]) -> None:
-    """2.6's engine stops waiting for a storage write after 60 s and reuses the blocks
-    (``wait_write_storage_task(timeout=60.0)``); the other lines wait until it is reported. The drop-in
-    bounds a write by what the tree says (``kvcached.fastdeploy.handlers.Handlers.write``)."""
-    expected = {"e53f5184": None, "41677b9a6": 60.0, "564c78d78": None}
+def test_each_lines_patch_tells_the_drop_in_what_its_tree_does(line_trees: dict[str, Path]) -> None:
+    """What each line's patch tells the drop-in agrees with that line's own source, as ``kvcached doctor`` reads
+    it: 2.6's engine stops waiting for a storage write after 60 s and reuses the blocks
+    (``wait_write_storage_task(timeout=60.0)``) and collects one report per rank; the other lines wait until
+    rank 0's report comes; the queue is on the line's Unix socket when its manager has one. A line that changed
+    under its patch fails here."""
+    expected = {"e53f5184": (None, "rank0"), "41677b9a6": (60.0, "every-rank"), "564c78d78": (None, "rank0")}
     for commit, tree in line_trees.items():
-        assert read_tree(tree).write_wait_s == expected.get(commit), commit
+        read = read_tree(tree)
+        told_socket = dict(zip(*[iter(told(commit, "/dev/shm/fd_task_queue_1.sock"))] * 2, strict=True))
+        wait, reports = expected[commit]
+        assert read.write_wait_s == wait and (told_socket["--kvcached-write-wait"] == "none") == (wait is None)
+        assert wait is None or float(told_socket["--kvcached-write-wait"]) == wait
+        assert told_socket["--kvcached-write-reports"] == reports
+        assert (reports == "every-rank") == read.writes_reported_by_every_rank, commit
+        assert (told_socket["--kvcached-queue"] != "tcp") == (read.queue.socket is not None), commit
+        assert told_socket["--kvcached-line"] == commit

@@ -1,25 +1,20 @@
 """The FastDeploy patch (patches/fastdeploy-e53f5184-kvcached.patch) against FastDeploy's own code: it applies
-to the checkout FASTDEPLOY_SRC names, every patched file compiles and passes FastDeploy's own pre-commit
-hooks (the versions its .pre-commit-config.yaml pins, run with its configuration), and the drop-in takes
-exactly the arguments FastDeploy's engine passes. Skipped, saying so, without a checkout (FastDeploy is not
-on the package index; its code is not copied here) or without the pinned hooks (``KVCACHED_TEST_FD_HOOKS``:
-a directory holding their executables, e.g. a virtual environment's ``bin``)."""
+to the checkout FASTDEPLOY_SRC names and every patched file compiles (each line's own pre-commit hooks run in
+``tests/test_fastdeploy_patches.py``), and the drop-in takes exactly the arguments FastDeploy's engine passes,
+besides what the patch tells it. Skipped, saying so, without a checkout (FastDeploy is not on the package index;
+its code is not copied here)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import py_compile
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from kvcached.fastdeploy.arguments import LATER_ARGUMENTS, build_parser
+from kvcached.fastdeploy.arguments import FACTS, LATER_ARGUMENTS, build_parser
 from tests.helpers.fastdeploy_src import PATCH, checkout, patched_tree
 
 
@@ -47,53 +42,10 @@ def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> No
     assert "from kvcached.fastdeploy.runner import messager_cache" in messager
 
 
-def pinned_hooks(root: Path) -> dict[str, str]:
-    """The hook -> version FastDeploy's .pre-commit-config.yaml pins (its ``rev`` per repository)."""
-    config = (root / ".pre-commit-config.yaml").read_text()
-    repos = r"repo: https://github.com/(?:psf|PyCQA|astral-sh)/([\w-]+?)(?:\.git)?\s+rev: v?([\d.]+)"
-    pins = dict(re.findall(repos, config))
-    return {{"ruff-pre-commit": "ruff"}.get(name, name): version for name, version in pins.items()}
-
-
-def hook(name: str, version: str) -> str:
-    """The executable of hook ``name`` at ``version`` (``KVCACHED_TEST_FD_HOOKS``, else PATH); skip if absent
-    or of another version."""
-    where = os.environ.get("KVCACHED_TEST_FD_HOOKS")
-    found = shutil.which(name, path=where) if where else shutil.which(name)
-    if found is None:
-        pytest.skip(f"{name} {version} (FastDeploy's pinned hook) not found: set KVCACHED_TEST_FD_HOOKS to its bin")
-    out = subprocess.run([found, "--version"], capture_output=True, text=True, check=False).stdout
-    if version not in out:
-        pytest.skip(f"{found} is not {name} {version}, the version FastDeploy pins: {out.strip()[:80]}")
-    return found
-
-
-def test_the_patched_files_pass_fastdeploys_own_hooks(tmp_path: Path) -> None:
-    """black (line length 119), isort and flake8 with FastDeploy's configuration, and its ruff with the
-    arguments its pre-commit passes, all at the versions it pins, find nothing in the patched files."""
-    root = checkout("the FastDeploy patch's tests")
-    pins = pinned_hooks(root)
-    assert set(pins) == {"black", "isort", "flake8", "ruff"}, pins
-    files = patched_tree(root, tmp_path)
-    commands = {
-        "black": ["--check", "--diff"],
-        "isort": ["--check-only", "--diff"],
-        "flake8": [],
-        "ruff": ["check", "--line-length=120", "--config", "pyproject.toml"],
-    }
-    for name, args in commands.items():
-        command = [hook(name, pins[name]), *args, *files]
-        ran = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
-        assert ran.returncode == 0, f"{name} {pins[name]}:\n{ran.stdout}{ran.stderr}"
-    for relative in files:  # pre-commit-hooks: trailing-whitespace, end-of-file-fixer
-        text = (tmp_path / relative).read_text()
-        assert text.endswith("\n") and not text.endswith("\n\n"), relative
-        assert not re.search(r"[ \t]+$", text, re.MULTILINE), relative
-
-
 def test_the_drop_in_takes_exactly_the_transfer_managers_arguments() -> None:
     """Every option of cache_transfer_manager.py's parse_args (FastDeploy's own file) is one of the drop-in's
-    and the other way round, with the same defaults; every option the engine's launch command passes parses."""
+    and the other way round (but for what the patch tells the drop-in, ``FACTS``, whose hyphenated names none of
+    FastDeploy's can take), with the same defaults; every option the engine's launch command passes parses."""
     root = checkout("the FastDeploy patch's tests")
     source_text = (root / "fastdeploy/cache_manager/cache_transfer_manager.py").read_text()
     parse = source_text[source_text.index("def parse_args") : source_text.index("args = parser.parse_args()")]
@@ -101,7 +53,7 @@ def test_the_drop_in_takes_exactly_the_transfer_managers_arguments() -> None:
     flags = set(re.findall(r'add_argument\(\s*"(--\w+)"', parse))
     parser = build_parser()
     ours = {action.option_strings[0]: action.default for action in parser._actions if action.option_strings[0] != "-h"}
-    ours = {flag: default for flag, default in ours.items() if flag not in LATER_ARGUMENTS}  # later lines' own
+    ours = {flag: default for flag, default in ours.items() if flag not in (*LATER_ARGUMENTS, *FACTS)}
     assert flags and set(ours) == flags, set(ours) ^ flags
     for flag, default in theirs.items():
         literal = default.strip().rstrip(")")
@@ -121,7 +73,7 @@ def test_the_xpu_swap_calls_fastdeploys_op_with_its_arguments_in_its_order() -> 
     transfer manager calls it (cache_transfer_manager.py: seven arguments, mode 0 device to host)."""
     import inspect
 
-    from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime
+    from kvcached.memory.xpu import PaddleXpuRuntime
 
     root = checkout("the FastDeploy patch's tests")
     op = (root / "custom_ops/xpu_ops/src/ops/swap_cache_batch.cc").read_text()

@@ -1,5 +1,6 @@
-"""The house reads top-down: no module imports from a part above its own (checked on the source, imports
-inside functions included), and the check itself is shown to catch one planted in a copy of the tree."""
+"""The house reads top-down: no module imports from a part above its own, and no modules import each other in
+a loop (checked on the source, imports inside functions and under ``TYPE_CHECKING`` included); each check is
+shown to catch one planted in a copy of the tree."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Parts from the floor up. A module belongs to the longest part its name starts with; it may import its
-#: own part and the parts below it, never one above. ``kvcached.fastdeploy`` spans three floors: FastDeploy's
-#: names and shapes and its XPU ops sit low (the runner and the xpu backend use them), its ready flags
-#: beside the daemon that keeps them, and the rest (the drop-in for its cache transfer manager, the runner
-#: hooks, the adapter, the doctor of a FastDeploy tree) on the top floor: a client of the daemon, as the CLI
-#: is, that reaches it through ``runner_client`` and the protocol only.
+#: own part and the parts below it, never one above. FastDeploy is a guest on the top floor, whole: the drop-in
+#: for its cache transfer manager, the runner hooks, the adapter, its names and the doctor of a FastDeploy tree
+#: are clients of the daemon, as the CLI is, that reach it through ``runner_client`` and the protocol only.
+#: Below, FastDeploy is known only as data given through extension points (the names the xpu backend exports
+#: under: ``kvcached.memory.xpu.name_tensors``, which ``kvcached start`` calls).
 LAYERS: list[tuple[str, ...]] = [
-    ("kvcached.protocol", "kvcached.fastdeploy.names"),
+    ("kvcached.protocol",),
     (
         "kvcached.plugins",
         "kvcached.knobs",
@@ -28,13 +29,12 @@ LAYERS: list[tuple[str, ...]] = [
         "kvcached.logs",
         "kvcached.native",
         "kvcached.variables",
-        "kvcached.fastdeploy.xpu_ops",
     ),
     ("kvcached.memory", "kvcached.store"),
     ("runner_client",),
     ("kvcached.copy_engine",),
     ("kvcached.config", "kvcached.config_file"),
-    ("kvcached.daemon", "kvcached.fastdeploy.flags"),
+    ("kvcached.daemon",),
     ("kvcached.status", "kvcached.doctor", "kvcached.running"),
     ("kvcached.cli", "kvcached.fastdeploy"),
 ]
@@ -49,7 +49,7 @@ SEPARATE = {
     ("kvcached.fastdeploy", "kvcached.daemon"),
 }
 #: What the runner's package may import of kvcached: what a runner needs to attach, nothing of the daemon.
-RUNNER_MAY_IMPORT = ("kvcached.protocol", "kvcached.memory", "kvcached.plugins", "kvcached.fastdeploy.names")
+RUNNER_MAY_IMPORT = ("kvcached.protocol", "kvcached.memory", "kvcached.plugins")
 THIRD_PARTY_ON_THE_FLOOR = {"numpy", "posix_ipc"}
 
 
@@ -104,8 +104,73 @@ def upward_imports(root: Path) -> list[str]:
     return wrong
 
 
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Each of our modules under ``root`` -> the modules of ours it imports (a name imported from a package
+    counts as its module when it is one, else as the package)."""
+    found = dict([*modules(root, "kvcached"), *modules(root, "runner_client")])
+    graph: dict[str, set[str]] = {}
+    for module, path in found.items():
+        targets = set()
+        for name in imports_of(path, module):
+            target = name
+            while target and target not in found:
+                target = target.rpartition(".")[0]
+            if target and target != module and target.split(".")[0] in ("kvcached", "runner_client"):
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def import_loops(root: Path) -> list[list[str]]:
+    """Every set of modules that import each other in a loop (strongly connected, more than one), sorted."""
+    graph = module_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(loops)
+
+
 def test_no_import_runs_up_a_floor() -> None:
     assert upward_imports(ROOT) == []
+
+
+def test_no_modules_import_each_other_in_a_loop() -> None:
+    assert import_loops(ROOT) == []
+
+
+def test_a_loop_planted_in_a_copy_is_caught(tmp_path: Path) -> None:
+    """A copy of the tree where the drop-in's handlers import the manager back (under ``TYPE_CHECKING`` too)
+    fails the check, naming exactly those two modules."""
+    for top in ("kvcached", "runner_client"):
+        shutil.copytree(ROOT / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    target = tmp_path / "kvcached/fastdeploy/handlers.py"
+    planted = "if TYPE_CHECKING:\n    from kvcached.fastdeploy import transfer_manager\n"
+    target.write_text("from typing import TYPE_CHECKING\n" + target.read_text() + "\n" + planted)
+    assert import_loops(tmp_path) == [["kvcached.fastdeploy.handlers", "kvcached.fastdeploy.transfer_manager"]]
 
 
 @pytest.mark.parametrize(
@@ -118,14 +183,14 @@ def test_no_import_runs_up_a_floor() -> None:
             "runner_client.cache imports kvcached.fastdeploy.transfer_manager",
         ),
         (
-            "kvcached/fastdeploy/xpu_ops.py",
-            "from runner_client.tasks import CacheTasks\n",
-            "kvcached.fastdeploy.xpu_ops imports runner_client.tasks.CacheTasks",
+            "kvcached/memory/xpu.py",
+            "from kvcached.fastdeploy.names import TENSOR_NAMES\n",
+            "kvcached.memory.xpu imports kvcached.fastdeploy.names.TENSOR_NAMES",
         ),
         (
-            "kvcached/memory/xpu.py",
-            "from kvcached.fastdeploy.mover import Mover\n",
-            "kvcached.memory.xpu imports kvcached.fastdeploy.mover.Mover",
+            "kvcached/daemon/supervisor.py",
+            "from kvcached.fastdeploy import guard\n",
+            "kvcached.daemon.supervisor imports kvcached.fastdeploy.guard",
         ),
         (
             "kvcached/fastdeploy/mover.py",

@@ -9,9 +9,12 @@ any other), calls ``await_declaration`` when it adopted nothing:
 1. it publishes a control block whose spec names the store backend only, every rank EMPTY (``Pending``),
    so runners, the FastDeploy drop-in and ``kvcached status`` see a live daemon and where it listens;
 2. it serves ``<run_dir>/<instance>.declare.sock`` (``Declarations``): each connection, from the daemon's
-   user or its ``--group`` (peer credentials), sends one spec; ``judge`` refuses one by name when the
-   fixed condition gives the runner the cache, when the store's options or /dev/shm cannot hold it, and
-   accepts the first that fits;
+   user or its ``--group`` (peer credentials), sends one spec and gets one of three answers: accepted,
+   refused (naming the field: ``judge`` refuses one when the fixed condition gives the runner the cache,
+   when the store's options or /dev/shm cannot hold it), or busy (more than ``MAX_OPEN`` connections at
+   once: the declarer asks again, within its own deadline). The first that fits is accepted; every other
+   declaration whose message the daemon holds is then judged against it, equal accepted, different refused
+   by name, so that two different declarations arriving together are never both accepted;
 3. on acceptance it marks every rank KEPT (waiters look for the next block), removes that block, and the
    supervisor starts as if the spec had been configured: the next block publishes it.
 
@@ -52,8 +55,10 @@ from kvcached.protocol.spec import CacheSpec
 WAITING_NOTE = "waiting for the engine to declare the geometry (--geometry engine)"
 #: Seconds one declaring connection may take to send its whole spec.
 READ_S = 2.0
-#: Declaring connections served at once; one past it is answered "busy" and closed at once.
+#: Declaring connections served at once; one past it is answered busy and closed at once.
 MAX_OPEN = 32
+#: The answer to a connection past ``MAX_OPEN``: not a refusal, the declarer asks again.
+BUSY = {"accepted": False, "busy": True, "message": f"{MAX_OPEN} declarations under way; ask again"}
 
 Refusal = tuple[str, object, object, str]  # field, the daemon's value, the declared value, why
 
@@ -77,6 +82,15 @@ def held(config: DaemonConfig) -> DaemonConfig:
         return config.declared(CacheSpec.from_dict(published))
     except InvalidSpec:
         return config
+
+
+def same(accepted: DaemonConfig, spec: CacheSpec) -> DaemonConfig | Refusal:
+    """``accepted`` when ``spec`` equals the declaration it took (every declared field), else why not."""
+    differs = spec.first_difference(accepted.spec.to_dict(), CacheSpec.DECLARED_FIELDS)
+    if differs is None:
+        return accepted
+    field, theirs, ours = differs
+    return field, theirs, ours, f"another declaration was accepted first: {field} is {theirs!r} in it, {ours!r} here"
 
 
 def judge(config: DaemonConfig, spec: CacheSpec) -> DaemonConfig | Refusal:
@@ -171,13 +185,13 @@ class Declarations:
 
     def serve(self, readable: list[int], config: DaemonConfig) -> DaemonConfig | None:
         """Accept new connections, read what the others sent, answer each whole message, close connections
-        past their time: the configuration of an accepted declaration, if one was."""
+        past their time: the configuration of an accepted declaration, if one was (after it, each message
+        is judged against it)."""
         if self.sock.fileno() in readable:
             self._accept()
         accepted = None
         for fd in [fd for fd in readable if fd in self.open]:
-            found = self._receive(self.open[fd], config)
-            accepted = accepted or found
+            accepted = self._receive(self.open[fd], config, accepted) or accepted
         now = time.monotonic()
         for fd, late in list(self.open.items()):
             if now >= late.deadline:
@@ -202,15 +216,17 @@ class Declarations:
                 continue
             if len(self.open) >= MAX_OPEN:
                 with contextlib.suppress(OSError):
-                    busy = {"accepted": False, "field": "spec", "message": f"{MAX_OPEN} declarations under way; retry"}
-                    conn.send(json.dumps(busy).encode() + b"\n", socket.MSG_DONTWAIT)
+                    conn.send(json.dumps(BUSY).encode() + b"\n", socket.MSG_DONTWAIT)
                 conn.close()
                 continue
             conn.setblocking(False)
             self.open[conn.fileno()] = _Declaring(conn, peer, time.monotonic() + READ_S)
 
-    def _receive(self, declaring: _Declaring, config: DaemonConfig) -> DaemonConfig | None:
-        """Read what is there; once the message is whole (or cannot be), judge and answer it."""
+    def _receive(
+        self, declaring: _Declaring, config: DaemonConfig, accepted: DaemonConfig | None
+    ) -> DaemonConfig | None:
+        """Read what is there; once the message is whole (or cannot be), judge and answer it (against
+        ``accepted`` once a declaration was)."""
         fd = declaring.conn.fileno()
         try:
             chunk = declaring.conn.recv(4096)
@@ -227,13 +243,16 @@ class Declarations:
             self.log.warning("declaration refused", pid=declaring.peer.pid, field=exc.field, reason=exc.message)
             self._close(fd, {"accepted": False, "field": exc.field, "message": str(exc)})
             return None
-        return self._judge(fd, declaring.peer, spec, config)
+        return self._judge(fd, declaring.peer, spec, config, accepted)
 
-    def _judge(self, fd: int, peer: Peer, spec: CacheSpec, config: DaemonConfig) -> DaemonConfig | None:
-        verdict = judge(config, spec)
+    def _judge(
+        self, fd: int, peer: Peer, spec: CacheSpec, config: DaemonConfig, accepted: DaemonConfig | None
+    ) -> DaemonConfig | None:
+        verdict = judge(config, spec) if accepted is None else same(accepted, spec)
         if isinstance(verdict, DaemonConfig):
             self._close(fd, {"accepted": True})
-            self.log.info("geometry declared", pid=peer.pid, spec=json.dumps(verdict.spec.to_dict()))
+            if accepted is None:
+                self.log.info("geometry declared", pid=peer.pid, spec=json.dumps(verdict.spec.to_dict()))
             return verdict
         field, ours, theirs, why = verdict
         self.log.warning("declaration refused", pid=peer.pid, field=field, reason=why)
@@ -247,9 +266,16 @@ class Declarations:
             declaring.conn.send(json.dumps(reply, default=str).encode() + b"\n")
         declaring.conn.close()
 
-    def close(self) -> None:
-        """Stop listening. Connections still open are closed unanswered: their declarers look for the block
-        that follows (``kvcached.protocol.declare.declare`` returns False) and judge against it."""
+    def close(self, accepted: DaemonConfig | None = None) -> None:
+        """Stop listening. With ``accepted``, every declaration already sent (on an open connection, or one
+        still in the listening backlog) is answered against it first; the rest are closed unanswered: their
+        declarers look for the block that follows (``kvcached.protocol.declare.declare`` returns False) and
+        judge against it."""
+        if accepted is not None:
+            self._accept()
+            for fd, declaring in list(self.open.items()):
+                if fd in self.open:
+                    self._receive(declaring, accepted, accepted)
         for declaring in self.open.values():
             declaring.conn.close()
         self.open.clear()
@@ -279,7 +305,7 @@ def await_declaration(
         finally:
             pending.retire(handed_on=isinstance(accepted, DaemonConfig))
     finally:
-        point.close()
+        point.close(accepted if isinstance(accepted, DaemonConfig) else None)
     return accepted
 
 

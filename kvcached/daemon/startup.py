@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import posix_ipc
-
 from kvcached import logs, native, store
 from kvcached.access import Access
 from kvcached.checks import counted
@@ -39,10 +37,9 @@ from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_nee
 from kvcached.daemon.errors import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
 from kvcached.daemon.handover import Handover, refusal_path
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
-from kvcached.fastdeploy.flags import ReadyFlags
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock
-from kvcached.protocol.errors import ResourceError, SignalError
+from kvcached.protocol.errors import ResourceError
 from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import (
     MAX_SOCKET_PATH,
@@ -272,21 +269,6 @@ def check_store(config: DaemonConfig, log: logs.Logger) -> None:
         log.warning("attention store", warning=warning)
 
 
-def open_fastdeploy_flags(config: DaemonConfig, access: Access, log: logs.Logger) -> ReadyFlags | None:
-    """FastDeploy's ready flags (``--ipc-suffix``), every rank 0 before anything can be READY; None without."""
-    if config.ipc_suffix is None:
-        return None
-    flags = ReadyFlags(config.instance, config.ipc_suffix, config.ranks, access, config.engine_uid)
-    try:
-        flags.open()
-    except (SignalError, posix_ipc.Error, OSError) as exc:
-        flags.close()
-        raise Fatal(f"--ipc-suffix: {exc}", EXIT_RESOURCES) from None
-    for warning in flags.take_warnings():
-        log.warning("FastDeploy's ready flags", reason=warning)
-    return flags
-
-
 def log_start(config: DaemonConfig, note: str, log: logs.Logger) -> None:
     log.info(
         "starting",
@@ -298,6 +280,8 @@ def log_start(config: DaemonConfig, note: str, log: logs.Logger) -> None:
         copy_engine=native.describe(),
         **({"note": note} if note else {}),
     )
+    for ignored in config.ignored:
+        log.warning("option ignored", reason=ignored)
 
 
 def stage_block(

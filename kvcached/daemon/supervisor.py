@@ -6,8 +6,8 @@ the only writer of the header and the records (each worker writes its own stats 
 judged by). Signal handlers only enqueue (Python writes the signal number to a wake-up pipe); the main
 loop waits on a selector whose every key carries the callback for its kind of event: the wake-up pipe
 (``_on_signals``; the signals and what each asks are in ``kvcached.daemon.requests``), a worker's channel
-(``_on_worker``), a channel of the last image's worker (``kvcached.daemon.handover``), FastDeploy's ready
-flags (``_keep_fastdeploy_flags``). SIGUSR1 logs each rank.
+(``_on_worker``), a channel of the last image's worker (``kvcached.daemon.handover``). SIGUSR1 logs each
+rank.
 
 How it ends (``_cleanup``) depends on what it was asked: a stop releases everything; the keep signal, and
 any end the operator did not ask for, keep the memory for the next start; a restart keeps it and, where
@@ -62,9 +62,8 @@ from kvcached.daemon.ranks import (
 from kvcached.daemon.reclaim import unlink_entries
 from kvcached.daemon.requests import RESTART_SIGNAL
 from kvcached.daemon.wakeup import Requests
-from kvcached.fastdeploy.flags import ReadyFlags
 from kvcached.protocol.control import ControlBlock, Record, State
-from kvcached.protocol.errors import ProtocolError, SignalError
+from kvcached.protocol.errors import ProtocolError
 from kvcached.protocol.layout import cpu_pool_bytes
 from kvcached.protocol.names import lock_path, shm_path, task_socket_path
 
@@ -100,7 +99,6 @@ class Supervisor:
         self.on_progress = on_progress
         self.access = Access.for_daemon(config.gid)
         self.metrics = startup.MetricsEndpoint(config, self.log)  # --metrics-port
-        self.ready_flags: ReadyFlags | None = None  # FastDeploy's flags, when --ipc-suffix is set
         self.arena_id = 0  # the generation that allocated the memory (ours, or the adopted one's)
         self.adoption: Adoption | None = None
         self.note = ""  # what the header tells `kvcached status` about the start
@@ -173,9 +171,6 @@ class Supervisor:
             self.config, self.spec = got, got.spec
         startup.check_space(self.config, self.adoption)
         startup.check_store(self.config, self.log)
-        self.ready_flags = startup.open_fastdeploy_flags(self.config, self.access, self.log)
-        if self.ready_flags is not None and self.ready_flags.fileno() >= 0:
-            self._watch(self.ready_flags.fileno(), self._keep_fastdeploy_flags)
         self.generation = secrets.randbits(64) | 1
         self.arena_id = self.adoption.arena_id if self.adoption is not None else self.generation
         structlog.contextvars.bind_contextvars(generation=f"{self.generation:016x}")
@@ -291,20 +286,9 @@ class Supervisor:
     # -- records --------------------------------------------------------------------------------------
 
     def _set(self, slot: RankSlot, **changes: Any) -> None:
-        """Update ``slot``'s record (posting its semaphore when the state changed); keep FastDeploy's flags
-        in step."""
+        """Update ``slot``'s record (posting its semaphore when the state changed)."""
         assert self.block is not None
-        if slot.update(self.block, **changes) and self.ready_flags is not None:
-            self.ready_flags.update([self._has_cache(r) for r in self.records], has_pool=self.spec.num_cpu_blocks > 0)
-
-    def _has_cache(self, record: Record) -> bool:
-        """Whether rank ``record.rank`` has its device cache now (what FastDeploy's ready flag says): READY,
-        or RECOVERING on device memory that outlived the worker it replaces (not yet, while this daemon
-        reopens what it adopted: runners may attach only once it is READY)."""
-        if record.state is State.READY:
-            return True
-        recovering = record.state is State.RECOVERING and self.all_ready_logged
-        return recovering and self.backend.outlives_worker
+        slot.update(self.block, **changes)
 
     def _progress_text(self) -> str:
         return progress_text(self.records, self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec))
@@ -323,8 +307,7 @@ class Supervisor:
         tick = min(TICK_S, self.notify.ping_interval() or TICK_S)
         while True:
             self.notify.ping_if_due()
-            due = self.ready_flags.due() if self.ready_flags is not None else None
-            for key, _ in self.selector.select(timeout=tick if due is None else min(tick, due)):
+            for key, _ in self.selector.select(timeout=tick):
                 status = key.data()
                 if status is not None:
                     return int(status)
@@ -332,17 +315,6 @@ class Supervisor:
             self.metrics.retry_if_due()
             self._reap()
             self._check_progress(tick)
-            self._keep_fastdeploy_flags()
-
-    def _keep_fastdeploy_flags(self) -> None:
-        if self.ready_flags is None:
-            return
-        try:
-            self.ready_flags.tick()
-        except (SignalError, posix_ipc.Error, OSError) as exc:
-            self.log.warning("cannot keep FastDeploy's ready flags in step", reason=str(exc))
-        for warning in self.ready_flags.take_warnings():
-            self.log.warning("FastDeploy's ready flags", reason=warning)
 
     def _on_signals(self) -> int | None:
         """The wake-up pipe: EXIT_OK when a signal asks the daemon to end (``kvcached.daemon.wakeup``)."""
@@ -443,10 +415,6 @@ class Supervisor:
             self._leave_workers_serving()
         else:
             self._stop_workers(drain=keep)
-        if self.ready_flags is not None:
-            self._unwatch(self.ready_flags.fileno())
-            self.ready_flags.close()
-            self.ready_flags = None
         if not self.locks.held:
             return  # we never owned the instance: touch nothing
         self._keep_or_release(keep)

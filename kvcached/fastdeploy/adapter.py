@@ -6,29 +6,20 @@ queue its control responses go back on (``FMQ``). ``FastDeploy`` lists those cal
 makes them with FastDeploy's own modules (on a host where FastDeploy is installed); the tests give the
 drop-in FastDeploy's own ``engine_cache_queue.py`` and ``ipc_signal.py`` from a checkout, or a double
 written from them, through the same interface. So the translation logic is tested without FastDeploy
-installed, and nothing else of kvcached imports FastDeploy.
-
-The cache queue's transport is the adapter's business: ``cache_queue`` is given the address the engine's
-arguments name, ``(pod_ip, cache_queue_port)``, and connects where the FastDeploy line at hand has its own
-transfer manager connect (``queue_address``): from 2.6 on (#7567) the Unix socket
-``/dev/shm/fd_task_queue_{cache_queue_port}.sock`` while ``FD_ENGINE_TASK_QUEUE_WITH_SHM`` (default 1) is
-set, else TCP; on e53f5184 always TCP. ``tree`` is that line as ``kvcached.fastdeploy.lines`` reads it.
+installed, and nothing else of kvcached imports FastDeploy. Nothing of FastDeploy is read as source: where
+the cache queue is comes from the patched launcher (``kvcached.fastdeploy.arguments.line_facts``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Protocol
 
 import numpy as np
-
-from kvcached.fastdeploy.lines import TCP_ONLY, Tree, installed_root, read_tree
 
 log = logging.getLogger("kvcached.fastdeploy")
 
@@ -70,14 +61,12 @@ class FastDeploy(Protocol):
 
     #: ``cache_manager/cache_data.py``'s ``CacheStatus`` (SWAP2CPU, SWAP2GPU, GPU2STORAGE, STORAGE2GPU, CTRL).
     CacheStatus: type[Enum]
-    #: The FastDeploy tree in use (None: none to read; the drop-in then behaves as with e53f5184).
-    tree: Tree | None
     #: FastDeploy's platform, as it tells it (``current_platform.device_name``: "xpu", "gpu", ...; None: unknown).
     platform: str | None
 
-    def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> CacheQueue:
-        """Join the engine's cache queue as client ``client_id`` of ``num_client``. ``address`` is
-        ``(pod_ip, cache_queue_port)``; the transport is the line's (``queue_address``)."""
+    def cache_queue(self, address: tuple[str, int] | str, num_client: int, client_id: int) -> CacheQueue:
+        """Join the engine's cache queue at ``address`` (``(pod_ip, cache_queue_port)``, or the Unix socket the
+        launcher named) as client ``client_id`` of ``num_client``."""
 
     def signal(self, name: str, ranks: int, suffix: int) -> np.ndarray[Any, Any]:
         """Attach the engine's int32 flag array ``name.suffix`` (``IPCSignal(create=False)``), so that this
@@ -88,16 +77,6 @@ class FastDeploy(Protocol):
 
     def control_response(self, request_id: str, error_code: int, error_message: str) -> Any:
         """A ``ControlResponse``."""
-
-
-def queue_address(
-    tree: Tree | None, address: tuple[str, int], environ: Mapping[str, str] = os.environ
-) -> tuple[str, int] | str:
-    """Where the line's own transfer manager connects, given ``(pod_ip, cache_queue_port)``: a TCP address
-    or a Unix socket path. Raises ``ValueError`` naming ``FD_ENGINE_TASK_QUEUE_WITH_SHM`` if FastDeploy
-    could not read it either."""
-    rule = tree.queue if tree is not None else TCP_ONLY
-    return rule.address(address[0], address[1], environ)
 
 
 def fastdeploy_platform() -> str | None:
@@ -122,16 +101,12 @@ class RealFastDeploy:
         self._fmq: Any = importlib.import_module("fastdeploy.inter_communicator.fmq")
         self._queue_class, self._signal_class = queue.EngineCacheQueue, signal.IPCSignal
         self.CacheStatus: type[Enum] = data.CacheStatus
-        self.tree: Tree | None = None
-        root = installed_root()
-        with contextlib.suppress(FileNotFoundError):  # a package without the transfer manager: e53f5184's rule
-            self.tree = read_tree(root) if root is not None else None
         self.platform = fastdeploy_platform()
         self._keep: list[Any] = []
 
-    def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> CacheQueue:
+    def cache_queue(self, address: tuple[str, int] | str, num_client: int, client_id: int) -> CacheQueue:
         queue: CacheQueue = self._queue_class(
-            address=queue_address(self.tree, address),
+            address=address,
             is_server=False,
             num_client=num_client,
             client_id=client_id,

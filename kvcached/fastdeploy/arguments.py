@@ -1,4 +1,4 @@
-"""The drop-in's command line (``cache_transfer_manager.py``'s, exactly) and what it says about the cache.
+"""The drop-in's command line (``cache_transfer_manager.py``'s, plus what the patch tells it) and what it says.
 
 FastDeploy's launcher (``prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184 ~296-326) passes
 the geometry it computed after profiling: ``--key_cache_shape blocks,kv_heads,block_size,head_dim``, an
@@ -7,11 +7,18 @@ empty ``--value_cache_shape`` for MLA, ``--num_layers``, ``--speculative_config`
 ``--kvcache_storage_backend``. ``declared_spec`` turns them into the ``CacheSpec`` the drop-in declares
 to a daemon started with ``--geometry engine``; ``check_against`` refuses a daemon that holds another
 cache, naming FastDeploy's argument, before anything moves.
+
+Each line's kvcached patch adds what that line's launcher knows and the drop-in must obey (``FACTS``, hyphenated:
+FastDeploy's own arguments use underscores, so the names cannot collide): which line it is, where the cache
+queue is (the launcher's own address of it), how the engine collects a storage write and how long it waits
+for one. ``line_facts`` reads them; a launch without them is not one of kvcached's patched launchers and is
+refused by name. Nothing of FastDeploy's source is read: a new line's patch states its own facts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -42,6 +49,65 @@ ARGUMENT_OF = {
 
 #: Arguments later lines' ``cache_transfer_manager.py`` added to e53f5184's.
 LATER_ARGUMENTS = ("--routing_replay_config",)
+#: What each line's patch tells the drop-in (``line_facts``), in the order the patches pass them.
+FACTS = ("--kvcached-line", "--kvcached-queue", "--kvcached-write-reports", "--kvcached-write-wait")
+#: ``--kvcached-write-reports``: who answers a storage write, and with which blocks.
+WRITE_REPORTS = ("rank0", "every-rank")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LineFacts:
+    """What the patched launcher of a FastDeploy line tells its drop-ins."""
+
+    #: The commit the line's patch was made against (``--kvcached-line``): named in the drop-in's log.
+    line: str
+    #: The cache queue's Unix socket (the launcher's own address of it), or None: TCP at
+    #: ``(--pod_ip, --cache_queue_port)`` (``--kvcached-queue tcp``).
+    queue_socket: str | None
+    #: Every rank answers a storage write, listing the blocks the store holds (2.6); else rank 0 answers,
+    #: listing those it wrote (``--kvcached-write-reports every-rank|rank0``).
+    writes_reported_by_every_rank: bool
+    #: Seconds the engine waits for a storage write before it goes on and reuses the blocks (2.6: 60), or
+    #: None: it waits until the write is reported (``--kvcached-write-wait SECONDS|none``).
+    write_wait_s: float | None
+
+
+def _queue(value: str) -> str:
+    if value == "tcp" or (value.startswith("/") and "\0" not in value):
+        return value
+    raise argparse.ArgumentTypeError(f"'tcp' or the cache queue's Unix socket path (absolute), got {value!r}")
+
+
+def _wait(value: str) -> float | None:
+    if value == "none":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"seconds (> 0, at most {MAX_SECONDS:g}) or 'none', got {value!r}")
+    return seconds
+
+
+def line_facts(args: argparse.Namespace) -> LineFacts:
+    """The facts the patched launcher passed. Raises ``InvalidSpec`` naming the first one missing: then the
+    drop-in was started by another launcher (an unpatched one, someone's own, or an earlier kvcached patch),
+    whose ways it cannot know."""
+    for flag in FACTS:
+        if not hasattr(args, flag[2:].replace("-", "_")):
+            raise InvalidSpec(
+                flag[2:],
+                f"missing: kvcached's patch for each FastDeploy line passes {', '.join(FACTS)} to the drop-in, so "
+                "this launch is not from a launcher patched by this kvcached. Apply the patch of your FastDeploy "
+                "line (patches/fastdeploy-<commit>-kvcached.patch; `kvcached doctor --fastdeploy` names it)",
+            )
+    return LineFacts(
+        line=args.kvcached_line,
+        queue_socket=None if args.kvcached_queue == "tcp" else args.kvcached_queue,
+        writes_reported_by_every_rank=args.kvcached_write_reports == "every-rank",
+        write_wait_s=args.kvcached_write_wait,
+    )
 
 
 DESCRIPTION = """\
@@ -61,7 +127,6 @@ environment:
                                  as unservable (default: 60)
   KVCACHED_QUEUE_SLACK_S         seconds a wait on the engine (a queue call, the pause handshake) may
                                  take beyond that before it counts as past its deadline (default: 30)
-  FD_ENGINE_TASK_QUEUE_WITH_SHM  the cache queue's transport, as this FastDeploy line reads it
   KVCACHED_DAEMON_USER           a user (name or uid) trusted besides this one and root
 
 exit status:
@@ -69,14 +134,14 @@ exit status:
   1  the rank cannot be served: kvcached's rank not ready in time, a daemon that made the memory anew,
      a FAILED rank, a task past its deadline (the patched engine stops)
   2  usage: an argument FastDeploy's own parser would refuse too
-  4  refused before anything moved: a store backend, geometry, device or platform that differs from
-     the daemon's (named by FastDeploy's argument), a FastDeploy runner that would allocate its own
-     copy, a setting that is no number, an unreadable version.yaml"""
+  4  refused before anything moved: a launch without the patch's --kvcached-* arguments, a store
+     backend, geometry, device or platform that differs from the daemon's (named by FastDeploy's
+     argument), routing replay, a setting that is no number, an unreadable version.yaml"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names,
-    types, defaults and choices, so that the engine can launch this module in its place."""
+    types, defaults and choices, so that the engine can launch this module in its place; and ``FACTS``."""
     parser = argparse.ArgumentParser(
         prog="python -m kvcached.fastdeploy.transfer_manager",
         description=DESCRIPTION,
@@ -111,6 +176,26 @@ def build_parser() -> argparse.ArgumentParser:
     # The 2.6 line's (r3_eos_2.6 41677b9a6, cache_transfer_manager.py:134); refused when it enables routing
     # replay (kvcached.fastdeploy.guard), accepted when it does not; absent from the namespace when not given.
     parser.add_argument("--routing_replay_config", type=json.loads, default=argparse.SUPPRESS)
+    told = parser.add_argument_group("what kvcached's patch of the line tells the drop-in (all required)")
+    told.add_argument(
+        "--kvcached-line", default=argparse.SUPPRESS, metavar="COMMIT", help="the commit the patch was made against"
+    )
+    told.add_argument(
+        "--kvcached-queue", type=_queue, default=argparse.SUPPRESS, metavar="tcp|SOCKET", help="where the queue is"
+    )
+    told.add_argument(
+        "--kvcached-write-reports",
+        choices=WRITE_REPORTS,
+        default=argparse.SUPPRESS,
+        help="who answers a storage write (2.6: every-rank)",
+    )
+    told.add_argument(
+        "--kvcached-write-wait",
+        type=_wait,
+        default=argparse.SUPPRESS,
+        metavar="SECONDS|none",
+        help="the engine's wait for a storage write",
+    )
     return parser
 
 

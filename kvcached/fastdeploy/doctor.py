@@ -20,7 +20,8 @@ this order:
 - ``fastdeploy_v1_cache_manager`` (only with ``ENABLE_V1_KVCACHE_MANAGER`` set, on a line that has it): a
   warning: FastDeploy then starts no transfer manager, so kvcached's CPU pool and store serve nothing.
 
-Nothing of FastDeploy is imported: its files are read (``kvcached.fastdeploy.lines``).
+Nothing of FastDeploy is imported: its files are read (``kvcached.fastdeploy.lines``). Only here: the
+drop-in, which decides, reads none of them (the patched launcher tells it what it needs).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvcached.checks import FAIL, OK, WARN, Check
 from kvcached.fastdeploy import guard
-from kvcached.fastdeploy.condition import Unknown
+from kvcached.fastdeploy.condition import Config, Unknown
 from kvcached.fastdeploy.lines import (
     KNOWN_LINES,
     MESSAGER,
@@ -49,6 +51,58 @@ from kvcached.protocol.spec import CacheSpec
 
 #: ``--fastdeploy`` values that are not paths.
 AUTO, NONE = "auto", "none"
+
+
+def engine_config(spec: CacheSpec) -> Config:
+    """The configuration a runner decides on after its profile run, for a daemon of ``spec``."""
+    return Config(
+        profile=False,
+        num_cpu_blocks=spec.num_cpu_blocks,
+        kvcache_storage_backend=spec.storage_backend or None,
+        splitwise_role=spec.splitwise_role,
+    )
+
+
+def double_allocation(tree: Tree, config: Config) -> str | None:
+    """Why ``tree``'s XPU runner would allocate a second copy of a cache kvcached owns under ``config``, or
+    None when it would not (or kvcached does not own it, or it cannot be told: see ``tree.runner.unknown``)."""
+    if config.fixed() or tree.runner_patched:
+        return None
+    try:
+        creates = tree.runner.creates(config)
+    except Unknown:
+        return None
+    if not creates:
+        return None
+    runner = tree.runner
+    where = f"{runner.path}:{runner.line}" if runner.line else runner.path
+    fix = (
+        f"apply kvcached's patch {tree.line.patch} (its runner part)"
+        if tree.line
+        else "make the runner decide through runner_client.cache_owner"
+    )
+    return (
+        f"double allocation: FastDeploy's XPU runner ({where}: create_cache_tensor = {runner.source}) creates "
+        f"its own KV cache with {config.describe()}, while kvcached owns this cache by the fixed condition: "
+        f"two copies of the whole cache. {fix}, or run this engine without kvcached"
+    )
+
+
+def messager_double(tree: Tree, splitwise_role: str) -> str | None:
+    """Why ``tree``'s cache messager would allocate a second copy in ``splitwise_role``, or None."""
+    if splitwise_role == "mixed" or tree.messager_patched:
+        return None
+    path = tree.root / MESSAGER
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    found = re.search(r"^\s*for i in range\(args\.num_layers", text, re.MULTILINE)
+    where = f"{MESSAGER}:{text.count(chr(10), 0, found.start()) + 1}" if found else MESSAGER
+    fix = f"apply kvcached's patch {tree.line.patch} whole (its cache_messager.py part)" if tree.line else "patch it"
+    return (
+        f"double allocation: FastDeploy's cache messager ({where}: its loop over the layers), which the launcher "
+        f"starts in the {splitwise_role} role, creates its own KV cache and exports it under the names kvcached's "
+        f"tensors have (set_data_ipc), while kvcached owns this cache: two copies of the whole cache. {fix}, "
+        "or run this engine without kvcached"
+    )
 
 
 def checks(spec: CacheSpec, where: str | None = AUTO, environ: Mapping[str, str] = os.environ) -> list[Check]:
@@ -68,7 +122,7 @@ def checks(spec: CacheSpec, where: str | None = AUTO, environ: Mapping[str, str]
         advice = "give --fastdeploy a FastDeploy checkout (the directory holding fastdeploy/) or its installed package"
         return [Check("fastdeploy_line", FAIL, str(exc), {"path": str(root)}, advice)]
     found = [check_line(tree), check_patch(tree), check_queue(tree, environ), check_runner(tree, spec)]
-    more = (check_messager(tree, spec), check_platform(tree, spec, installed_platform()), check_v1(tree, environ))
+    more = (check_messager(tree, spec), check_platform(installed_platform()), check_v1(tree, environ))
     return found + [check for check in more if check is not None]
 
 
@@ -182,8 +236,7 @@ def check_runner(tree: Tree, spec: CacheSpec) -> Check:
     if tree.runner_patched:
         figure = f"with KVCACHED_INSTANCE set kvcached decides, by the fixed condition; without it, {own}"
         return Check("fastdeploy_runner", OK, figure, measured)
-    config = guard.engine_config(spec.num_cpu_blocks, spec.storage_backend, spec.splitwise_role)
-    double = guard.double_allocation(tree, config)
+    double = double_allocation(tree, engine_config(spec))
     if double is not None:
         return Check("fastdeploy_runner", FAIL, double, measured, "apply the patch (fastdeploy_patch above)")
     if differences:
@@ -199,7 +252,7 @@ def check_messager(tree: Tree, spec: CacheSpec) -> Check | None:
     if tree.messager_patched or not tree.launcher_patched:
         return None
     measured = {"path": MESSAGER, "patched": False, "role": spec.splitwise_role}
-    double = guard.messager_double(tree, spec.splitwise_role)
+    double = messager_double(tree, spec.splitwise_role)
     if double is not None:
         return Check("fastdeploy_messager", FAIL, double, measured, "apply the patch whole (fastdeploy_patch above)")
     figure = f"{MESSAGER} is not patched: in a prefill or decode role it allocates the whole cache beside kvcached's"
@@ -224,14 +277,13 @@ def installed_platform() -> tuple[str, str] | None:
     return None
 
 
-def check_platform(tree: Tree, spec: CacheSpec, found: tuple[str, str] | None) -> Check | None:
-    """FastDeploy's platform here (``found``), and what its runner for it does with kvcached's cache."""
+def check_platform(found: tuple[str, str] | None) -> Check | None:
+    """FastDeploy's platform here (``found``): kvcached serves it on XPU only."""
     if found is None:
         return None
     platform, distribution = found
     measured = {"platform": platform, "distribution": distribution}
-    config = guard.engine_config(spec.num_cpu_blocks, spec.storage_backend, spec.splitwise_role)
-    refusal = guard.platform_refusal(tree, platform, config)
+    refusal = guard.platform_refusal(platform)
     if refusal is None:
         return Check("fastdeploy_platform", OK, f"FastDeploy runs on {platform} ({distribution} installed)", measured)
     advice = "run FastDeploy on a Kunlun XPU host to use kvcached; the drop-in refuses to serve on this one"

@@ -17,12 +17,19 @@ block that did not move:
 * ``STORAGE2GPU`` (~2153-2163): every rank reports the GPU ids loaded and the engine takes the shortest;
   here the blocks every rank loaded (``[]`` when none), put once per rank. The engine recomputes the rest
   and recycles their blocks (~880).
-* ``GPU2STORAGE`` (~2164-2168): the ids written (``[]`` when none); the engine only wakes its waiter.
+* ``GPU2STORAGE`` (~2164-2168): the ids written (``[]`` when none); the engine only wakes its waiter. On
+  2.6 (``--kvcached-write-reports every-rank``) every rank answers, each with the task's blocks the store now
+  holds (the prefix found stored and the blocks written), the engine keeping the shortest and counting it
+  against the task's blocks (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458, ``cache_transfer_manager.py``
+  ~1303-1305 there).
 
 Storage is FastDeploy's manager's (``cache_transfer_manager.py`` ``read_storage_task`` ~758-830,
 ``write_back_storage_task`` ~947-1025): one key per full block; a read loads the stored prefix into the
 first GPU ids (the engine allocates a block for a partial last one, and hashes none for it), a write
 stores the blocks past the prefix already stored.
+
+The handlers reach the drop-in that runs them through ``Engine`` alone (its queue, its end, its control
+answers, its pause): they know nothing else of ``kvcached.fastdeploy.transfer_manager``.
 """
 
 from __future__ import annotations
@@ -30,15 +37,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import Any, Protocol
 
-from kvcached.fastdeploy.arguments import key_prefix, store_key
-from kvcached.fastdeploy.lines import storage_write_reports
+from kvcached.fastdeploy.arguments import LineFacts, key_prefix, store_key
 from kvcached.fastdeploy.mover import Done, Mover, Outcome
-from kvcached.fastdeploy.queue import put_results
-
-if TYPE_CHECKING:
-    from kvcached.fastdeploy.transfer_manager import TransferManager
 
 log = logging.getLogger("kvcached.fastdeploy")
 
@@ -58,18 +61,44 @@ def block_ids(value: object, what: str) -> list[int]:
     return list(value)
 
 
+class Engine(Protocol):
+    """What the handlers need of the drop-in that runs them."""
+
+    def put_results(self, items: list[Any]) -> None:
+        """Put ``items`` on the engine's result queue (a bounded wait on the engine)."""
+
+    def end(self, why: str) -> None:
+        """The rank cannot be served: say why and end the process."""
+
+    def respond(self, request_id: str, code: int, message: str) -> None:
+        """Answer a control request on every rank's control queue."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class Handlers:
     """Rank 0's execution of the group's tasks and its answers to control requests."""
 
-    def __init__(self, manager: TransferManager, mover: Mover | None, prefix: str = "") -> None:
-        self.m, self.mover = manager, mover
-        self.status = manager.fd.CacheStatus
+    def __init__(
+        self,
+        engine: Engine,
+        mover: Mover | None,
+        status: type[Enum],
+        facts: LineFacts,
+        *,
+        n_ranks: int,
+        task_s: float,
+        model_path: str | None,
+        prefix: str = "",
+    ) -> None:
+        self.engine, self.mover, self.status, self.facts = engine, mover, status, facts
+        self.n_ranks, self.task_s, self.model_path = n_ranks, task_s, model_path
         self.key_prefix = prefix
-        self.sleeping = False
 
     def _put(self, item: tuple[Any, ...], copies: int = 1) -> None:
-        with self.m.waits.on("the engine's cache queue (a task result)", self.m.queue_s, engine=True):
-            put_results(self.m.queue, [item] * copies)
+        self.engine.put_results([item] * copies)
 
     # -- swaps ----------------------------------------------------------------------------------------
 
@@ -109,9 +138,9 @@ class Handlers:
             log.error("%s not done: %s; reported with nothing moved (the engine keeps its GPU copies)", what, done.why)
             self._put((event, task_id, [], [], []))
             if done.outcome is Outcome.UNSERVABLE:
-                self.m.end(done.why)
+                self.engine.end(done.why)
             return
-        self.m.end(f"{what} cannot be done ({done.why}); FastDeploy would read those GPU blocks as moved")
+        self.engine.end(f"{what} cannot be done ({done.why}); FastDeploy would read those GPU blocks as moved")
 
     # -- storage --------------------------------------------------------------------------------------
 
@@ -128,7 +157,7 @@ class Handlers:
         loaded = gpu_ids[: done.blocks]
         self._storage_failed("read", task, done, len(loaded))
         result = (self.status.STORAGE2GPU, task.task_id, task.keys, loaded)  # type: ignore[attr-defined]
-        self._put(result, copies=self.m.n_ranks)  # the engine waits for one per rank and takes the shortest
+        self._put(result, copies=self.n_ranks)  # the engine waits for one per rank and takes the shortest
 
     def write(self, task: Any, taken: float | None = None) -> None:
         """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store;
@@ -146,7 +175,7 @@ class Handlers:
         store_keys = [store_key(k, self.key_prefix) for k in keys]
         started = taken if taken is not None else time.monotonic()
         seconds, by = self._timeout(task), None
-        engine_wait = self.m.fd.tree.write_wait_s if self.m.fd.tree is not None else None
+        engine_wait = self.facts.write_wait_s
         if engine_wait is not None:
             by = started + engine_wait - ENGINE_MARGIN_S
             seconds = min(seconds, engine_wait - 2 * ENGINE_MARGIN_S)
@@ -160,9 +189,11 @@ class Handlers:
             return
         written = gpu_ids[stored : stored + done.blocks]
         self._storage_failed("write", task, done, len(written))
-        held = gpu_ids[: stored + len(written)]  # 2.6: every rank reports what the store holds
-        for report in storage_write_reports(self.m.fd.tree, self.m.n_ranks, held, written):
-            self._put((self.status.GPU2STORAGE, task.task_id, task.keys, report))  # type: ignore[attr-defined]
+        result = (self.status.GPU2STORAGE, task.task_id, task.keys)  # type: ignore[attr-defined]
+        if self.facts.writes_reported_by_every_rank:  # each the task's blocks the store holds
+            self._put((*result, gpu_ids[: stored + len(written)]), copies=self.n_ranks)
+        else:
+            self._put((*result, written))
 
     @staticmethod
     def _task(task: Any) -> tuple[list[str], list[int]]:
@@ -173,7 +204,7 @@ class Handlers:
 
     def _timeout(self, task: Any) -> float:
         timeout = getattr(task, "timeout", None)
-        return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else self.m.task_s
+        return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else self.task_s
 
     def _storage_failed(self, what: str, task: Any, done: Done, blocks: int) -> None:
         if done.outcome is not Outcome.MOVED:
@@ -182,7 +213,7 @@ class Handlers:
     def _end_if_unservable(self, done: Done) -> bool:
         """End the rank, reporting nothing, when a part may still write (or the rank cannot be served)."""
         if done.outcome is Outcome.UNSERVABLE:
-            self.m.end(done.why)
+            self.engine.end(done.why)
             return True
         return False
 
@@ -194,8 +225,8 @@ class Handlers:
         method = request.get_method() if hasattr(request, "get_method") else getattr(request, "method", None)
         code, message = 200, "Success"
         handler = {
-            "pause": self.m.pause,
-            "resume": self.m.resume,
+            "pause": self.engine.pause,
+            "resume": self.engine.resume,
             "update_weights": self.refresh_key_prefix,
             "sleep": self._sleep,
             "wakeup": self._wakeup,
@@ -208,12 +239,12 @@ class Handlers:
             except Exception as exc:
                 code, message = 500, f"Failed to execute {method}: {exc}"
         log.log(logging.INFO if code == 200 else logging.ERROR, "control %s: %d %s", method, code, message)
-        self.m.respond(self.m.fd.control_response(request.request_id, code, message))
+        self.engine.respond(request.request_id, code, message)
 
     def refresh_key_prefix(self) -> None:
         """The weights' version may have changed (``update_weights``, ``resume``): new weights, new keys. As
         FastDeploy's ``_update_key_prefix``, the prefix stays as it is while there is no version.yaml."""
-        found = key_prefix(self.m.args.model_path)
+        found = key_prefix(self.model_path)
         if found is not None:
             self.key_prefix = found
 

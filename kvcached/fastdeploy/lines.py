@@ -1,4 +1,5 @@
-"""Which FastDeploy a host runs, and what that line does where kvcached meets it. Read, never imported.
+"""Which FastDeploy a host runs, and what that line does where kvcached meets it, for ``kvcached doctor``.
+Read, never imported; the drop-in reads none of it (each line's patch tells it what it needs).
 
 FastDeploy changed at kvcached's seam within weeks, differently per line (the repository
 ``gongshaotian/FastDeploy`` holds all three as commits)::
@@ -36,7 +37,6 @@ MANAGER = "fastdeploy/cache_manager/cache_transfer_manager.py"
 LAUNCHER = "fastdeploy/cache_manager/prefix_cache_manager.py"
 #: The splitwise cache messager: it allocates the whole cache unless kvcached's hunk is in it.
 MESSAGER = "fastdeploy/cache_manager/cache_messager.py"
-GPU_RUNNER = "fastdeploy/worker/gpu_model_runner.py"
 ENVS = "fastdeploy/envs.py"
 SHM_VARIABLE = "FD_ENGINE_TASK_QUEUE_WITH_SHM"
 V1_VARIABLE = "ENABLE_V1_KVCACHE_MANAGER"
@@ -108,10 +108,6 @@ class QueueRule:
         return f"Unix socket {where} ({setting})" if self.uses_socket(environ) else f"TCP ({setting})"
 
 
-#: e53f5184's rule, and the one a drop-in without a FastDeploy tree to read follows.
-TCP_ONLY = QueueRule(socket=None, default=None)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tree:
     """What a FastDeploy tree says about itself where kvcached meets it."""
@@ -134,8 +130,6 @@ class Tree:
     commit: str | None = None
     #: The splitwise cache messager attaches kvcached's cache when KVCACHED_INSTANCE is set (else it allocates).
     messager_patched: bool = False
-    #: The GPU runner's own condition (kvcached's patches leave it as it is: no GPU device backend).
-    gpu_runner: RunnerCondition | None = None
     #: How ``line`` was told: "commit" (the checkout's git commit) or "files" (its patch fits them best).
     told_by: str = "files"
     #: Another line's kvcached patch, applied to this tree (a patch of the wrong line).
@@ -320,18 +314,6 @@ def read_tree(path: Path) -> Tree:
         has_v1_cache_manager=f'"{V1_VARIABLE}"' in _read(root, ENVS),
         version=version[0] if version else None,
         commit=commit,
-        gpu_runner=read_condition(root, GPU_RUNNER),
         told_by=told_by,
         foreign=foreign,
     )
-
-
-def storage_write_reports(tree: Tree | None, ranks: int, held: list[int], written: list[int]) -> list[list[int]]:
-    """The block-id lists of the ``GPU2STORAGE`` results a storage write is answered with, as the line's
-    engine collects them: on 2.6 one per rank, each the task's blocks the store now holds (``held``: the
-    prefix found stored and the blocks written), the engine keeping the shortest and counting it against the
-    task's blocks (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458, ``cache_transfer_manager.py``
-    ~1303-1305 there); on the other lines one, the blocks written (e53f5184 ~1015-1021)."""
-    if tree is not None and tree.writes_reported_by_every_rank:
-        return [held] * ranks
-    return [written]

@@ -1,5 +1,9 @@
 """FastDeploy's names, shapes and dtypes for a rank's KV cache, and a ``CacheSpec`` read from its config.
 
+``TENSOR_NAMES`` is what the daemon gives the xpu backend to export under (``kvcached.memory.xpu.name_tensors``,
+called by ``kvcached start``), so that FastDeploy's own processes (the MTP proposer, the cache messager) find
+kvcached's tensors by FastDeploy's names; ``spec_from_fastdeploy`` is what the patched runner declares.
+
 Read from FastDeploy's code at develop ``e53f5184`` (2026-04-15); ``tests/test_fastdeploy.py`` keeps a
 table of every case with the file and line each was read from, and checks those lines when a checkout is
 named by ``FASTDEPLOY_SRC``. Per layer ``i`` of a rank (``local_rank = rank % tensor_parallel_size``) on
@@ -27,47 +31,20 @@ name                                       shape                                
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 from kvcached.protocol.errors import InvalidArgument, InvalidSpec
-from kvcached.protocol.layout import device_slots
 from kvcached.protocol.spec import CacheSpec
 
-#: Our tensor kind -> FastDeploy's name prefix.
-NAME_PREFIX = {
-    "key": "key_caches",
-    "value": "value_caches",
-    "key_scale": "key_cache_scales",
-    "value_scale": "value_cache_scales",
+#: FastDeploy's IPC name of each tensor kind (``kvcached.memory.xpu.KINDS``), e.g. ``key_caches_3_rank1.device1``.
+TENSOR_NAMES = {
+    "key": "key_caches_{layer}_rank{rank}.device{device}",
+    "value": "value_caches_{layer}_rank{rank}.device{device}",
+    "key_scale": "key_cache_scales_{layer}_rank{rank}.device{device}",
+    "value_scale": "value_cache_scales_{layer}_rank{rank}.device{device}",
 }
 PLATFORMS = ("xpu", "gpu")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Export:
-    """One tensor as FastDeploy's runner names and expects it."""
-
-    name: str
-    kind: str
-    layer: int
-    shape: tuple[int, ...]
-    dtype: str
-
-
-def export_name(kind: str, layer: int, local_rank: int, device_id: int) -> str:
-    """FastDeploy's IPC name of one tensor, e.g. ``key_caches_3_rank1.device1``."""
-    return f"{NAME_PREFIX[kind]}_{layer}_rank{local_rank}.device{device_id}"
-
-
-def exports(spec: CacheSpec, local_rank: int, device_id: int) -> list[Export]:
-    """Every tensor of one rank (the model's layers, then the MTP layers), in layer order: key, value, key
-    scale, value scale per layer."""
-    return [
-        Export(export_name(slot.kind, slot.layer, local_rank, device_id), slot.kind, slot.layer, slot.shape, slot.dtype)
-        for slot in device_slots(spec)
-    ]
 
 
 def _get(obj: Any, path: str, default: Any = None) -> Any:

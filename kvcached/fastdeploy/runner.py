@@ -25,6 +25,7 @@ from typing import Any
 
 import runner_client as rc
 from kvcached.fastdeploy.arguments import env_seconds, group_ranks, mtp_names_differ
+from kvcached.fastdeploy.names import spec_from_fastdeploy
 from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_or_default
@@ -82,7 +83,7 @@ def xpu_kv_cache(
         full: Any = paddle.full
         layers = int(fd_config.model_config.num_hidden_layers)
         return [full(shape=shape, fill_value=0, dtype=cache_type) for _ in range(layers) for shape in shapes]
-    spec = rc.spec_from_fastdeploy(fd_config, local_rank, num_blocks=num_blocks, platform="xpu")
+    spec = spec_from_fastdeploy(fd_config, local_rank, num_blocks=num_blocks, platform="xpu")
     if rc.cache_owner(spec) != "daemon":
         return None
     rank = kvcached_rank(fd_config, local_rank)

@@ -1,12 +1,16 @@
 """A drop-in for FastDeploy's cache transfer manager that allocates nothing: kvcached owns the cache.
 
-    KVCACHED_INSTANCE=fd python -m kvcached.fastdeploy.transfer_manager <cache_transfer_manager.py's arguments>
+    KVCACHED_INSTANCE=fd python -m kvcached.fastdeploy.transfer_manager <cache_transfer_manager.py's arguments> \
+        --kvcached-line COMMIT --kvcached-queue tcp|SOCKET --kvcached-write-reports rank0|every-rank \
+        --kvcached-write-wait SECONDS|none
 
 FastDeploy's engine starts one ``cache_transfer_manager.py`` per tensor-parallel rank when CPU swap or a
 storage backend is on (``cache_manager/prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184
 ~178-345); with ``--create_cache_tensor`` each allocates the rank's whole KV cache, a second copy beside
-kvcached's. This module takes exactly the same arguments and serves the engine's side of the protocol
-through kvcached instead (the instance is ``KVCACHED_INSTANCE``, default ``default``):
+kvcached's. This module takes the same arguments, plus what the line's kvcached patch tells it of that
+line (``kvcached.fastdeploy.arguments.line_facts``: a launch without them is refused by name), and serves the
+engine's side of the protocol through kvcached instead (the instance is ``KVCACHED_INSTANCE``, default
+``default``). It reads no FastDeploy source:
 
 1. it checks FastDeploy's arguments against the daemon (``kvcached.fastdeploy.arguments``): the store
    backend, then the geometry, which it declares to a daemon started with ``--geometry engine`` (the
@@ -48,6 +52,7 @@ from kvcached.fastdeploy import guard
 from kvcached.fastdeploy.adapter import FastDeploy, RealFastDeploy
 from kvcached.fastdeploy.arguments import (
     ARGUMENT_OF,
+    LineFacts,
     build_parser,
     check_against,
     check_store,
@@ -55,13 +60,14 @@ from kvcached.fastdeploy.arguments import (
     env_seconds,
     group_ranks,
     key_prefix,
+    line_facts,
     mtp_names_differ,
     parse_args,
     store_key,
 )
 from kvcached.fastdeploy.handlers import Handlers, Malformed
 from kvcached.fastdeploy.mover import Mover
-from kvcached.fastdeploy.queue import take_for_group
+from kvcached.fastdeploy.queue import put_results, take_for_group
 from kvcached.fastdeploy.waits import Launcher, Waits
 from kvcached.protocol.errors import (
     CacheLayoutMismatch,
@@ -113,17 +119,19 @@ class TransferManager:
         args: argparse.Namespace,
         fd: FastDeploy,
         instance: str,
+        facts: LineFacts,
+        *,
         task_s: float = TASK_S,
         key_prefix: str = "",
-        *,
         slack_s: float = SLACK_S,
     ) -> None:
         self.args, self.fd, self.instance = args, fd, instance
         self.rank, self.n_ranks = args.rank, args.mp_num
         self.task_s, self.queue_s = task_s, task_s + slack_s
         self.waits = Waits(self.rank, self._expire, Launcher.find())
+        address = facts.queue_socket or (args.pod_ip, args.cache_queue_port)
         with self.waits.on("the engine's cache queue (connecting)", self.queue_s, engine=True):
-            self.queue = fd.cache_queue((args.pod_ip, args.cache_queue_port), self.n_ranks, self.rank)
+            self.queue = fd.cache_queue(address, self.n_ranks, self.rank)
         suffix, ranks = args.engine_worker_queue_port, args.mp_num
         self.cache_ready = fd.signal("cache_ready_signal", ranks, suffix)
         self.swap_space_ready = fd.signal("swap_space_ready_signal", ranks, suffix)
@@ -137,7 +145,16 @@ class TransferManager:
             else []
         )
         mover = Mover(instance, group_ranks(args), task_s) if self.serving else None
-        self.handlers = Handlers(self, mover, key_prefix)
+        self.handlers = Handlers(
+            self,
+            mover,
+            fd.CacheStatus,
+            facts,
+            n_ranks=self.n_ranks,
+            task_s=task_s,
+            model_path=args.model_path,
+            prefix=key_prefix,
+        )
         self.kinds = self._kinds()
         self.pools = {
             name: concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -172,10 +189,15 @@ class TransferManager:
 
     # -- the transfer loop (cache_transfer_manager.py do_data_transfer, ~1192-1320) ----------------------
 
-    def respond(self, response: Any) -> None:
+    def respond(self, request_id: str, code: int, message: str) -> None:
         """A control response, on the control queue of every rank of the group."""
+        response = self.fd.control_response(request_id, code, message)
         for put in self.responders:
             put(response)
+
+    def put_results(self, items: list[Any]) -> None:
+        """Task results on the engine's queue, in one call."""
+        self._call(lambda: put_results(self.queue, items))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         with self.waits.on("the engine's cache queue", self.queue_s, engine=True):
@@ -377,10 +399,10 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
 
 
 def _prepare(args: argparse.Namespace, fd: FastDeploy, instance: str) -> tuple[float, float, bool, str]:
-    """Everything checked before the drop-in joins the queue: the FastDeploy it runs with (``guard``), its
-    settings, the key prefix, kvcached's rank. The task deadline, the queue's slack beyond it, whether the
-    rank has a CPU pool, the key prefix. Raises what ``main`` turns into an exit status."""
-    guard.refuse(args, fd.tree, fd.platform)  # first: nothing declared to or waited on from the daemon before
+    """Everything checked before the drop-in joins the queue: what it cannot serve (``guard``), its settings,
+    the key prefix, kvcached's rank. The task deadline, the queue's slack beyond it, whether the rank has a
+    CPU pool, the key prefix. Raises what ``main`` turns into an exit status."""
+    guard.refuse(args, fd.platform)  # first: nothing declared to or waited on from the daemon before
     wait_s, task_s = env_seconds("KVCACHED_WAIT_S", WAIT_S), env_seconds("KVCACHED_TASK_DEADLINE_S", TASK_S)
     slack_s = env_seconds("KVCACHED_QUEUE_SLACK_S", SLACK_S)
     prefix = key_prefix(args.model_path) or ""
@@ -388,10 +410,23 @@ def _prepare(args: argparse.Namespace, fd: FastDeploy, instance: str) -> tuple[f
     return task_s, slack_s, has_pool, prefix
 
 
+def _refused(rank: int, exc: KVCacheError) -> int:
+    """Log and print why the drop-in refuses to serve ``rank`` (an argument by its flag); the exit status."""
+    named = f"--{exc}" if isinstance(exc, InvalidSpec) and not exc.field.isupper() else f"{exc}"
+    log.error("refusing to serve rank %d: %s", rank, named)
+    print(f"Error: {named}", file=sys.stderr)
+    return EXIT_MISMATCH
+
+
 def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -> int:
-    """Entry point: parse FastDeploy's arguments, check and wait for kvcached's rank, serve."""
+    """Entry point: parse FastDeploy's arguments and the line's facts, check and wait for kvcached's rank, serve."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s kvcached.fastdeploy: %(message)s")
+    try:
+        facts = line_facts(args)  # first: a launcher that tells nothing is not kvcached's
+    except InvalidSpec as exc:
+        return _refused(args.rank, exc)
+    log.info("launched by kvcached's patch of FastDeploy %s: %s", facts.line, facts)
     if args.create_cache_tensor:
         log.warning("--create_cache_tensor ignored: kvcached owns the cache; nothing is allocated here")
     try:
@@ -404,20 +439,13 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
     try:
         instance = instance_or_default()
         task_s, slack_s, has_pool, prefix = _prepare(args, fd, instance)
-    except (OwnershipConflict, InvalidConfig) as exc:
-        log.error("refusing to serve rank %d: %s", args.rank, exc)
-        print(f"Error: {exc}", file=sys.stderr)
-        return EXIT_MISMATCH
-    except InvalidSpec as exc:
-        named = f"{exc}" if exc.field.isupper() else f"--{exc}"  # an environment variable, or an argument
-        log.error("refusing to serve rank %d: %s", args.rank, named)
-        print(f"Error: {named}", file=sys.stderr)
-        return EXIT_MISMATCH
+    except (OwnershipConflict, InvalidConfig, InvalidSpec) as exc:
+        return _refused(args.rank, exc)
     except KVCacheError as exc:
         log.error("kvcached rank %d is not available: %s", args.rank, exc)
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    manager = TransferManager(args, fd, instance, task_s, prefix, slack_s=slack_s)
+    manager = TransferManager(args, fd, instance, facts, task_s=task_s, key_prefix=prefix, slack_s=slack_s)
     manager.announce(has_pool)
     return manager.run()
 

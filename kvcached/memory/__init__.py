@@ -8,9 +8,8 @@ modules are imported on first use (a runner pays only for the backend it attache
 
 from __future__ import annotations
 
-from kvcached.memory.base import Attached, DeviceBackend
+from kvcached.memory.base import DeviceBackend
 from kvcached.plugins import Registry
-from kvcached.protocol.spec import CacheSpec
 
 _REGISTRY: Registry[DeviceBackend] = Registry(
     "memory", "device backend", {"host": "kvcached.memory.host", "xpu": "kvcached.memory.xpu"}
@@ -19,11 +18,3 @@ register = _REGISTRY.register
 get = _REGISTRY.get
 names = _REGISTRY.names
 load_builtin = _REGISTRY.load_builtin
-
-
-def private_cache(spec: CacheSpec, framework: str) -> Attached:
-    """The cache of a runner that owns it (the fixed condition says "runner"): this process's own memory,
-    laid out as a device arena and viewed as ``framework`` tensors; nothing is published or shared."""
-    from kvcached.memory.host import private_attached
-
-    return private_attached(spec, framework)

@@ -1,35 +1,38 @@
-"""The ``xpu`` device backend: a rank's device tier in Kunlun XPU memory, exported the way FastDeploy's
-runner attaches it.
+"""The ``xpu`` device backend: a rank's device tier in Kunlun XPU memory, exported under names a runner
+attaches by.
 
 Per rank the worker allocates, on its XPU device, one paddle tensor per layer and kind (key, value,
-scales), zero-filled, with FastDeploy's shapes and dtypes, and exports each under FastDeploy's name
-(``kvcached.fastdeploy.names``) with FastDeploy's ``set_data_ipc``. A runner attaches each by name with
-``share_external_data``. Swaps and store tasks move block rows between those tensors and the CPU pool.
+scales), zero-filled, and exports each under a name (``set_data_ipc``). The names are data this backend is
+given (``name_tensors``: one template per tensor kind, with ``{layer}``, ``{rank}`` and ``{device}``; the CLI
+gives FastDeploy's, so that FastDeploy's own processes find the tensors) and publishes in each rank's
+descriptor, so a runner attaches (``share_external_data``) by the names the daemon used. Swaps and store tasks
+move block rows between those tensors and the CPU pool.
 
-Swaps between the tensors and the CPU pool are one call of FastDeploy's ``swap_cache_all_layers`` per
-tensor kind (key, value, scales), straight between device memory and the pool, as FastDeploy's own
-transfer manager makes them. For that the pool is laid out in planes (``kvcached.protocol.layout``), one
-per tensor, each layer's CPU blocks at the device block's stride. What it costs: a block's record for
-the attention store is gathered from every plane (one copy per tensor instead of one per block), and the
-store path still goes through host arrays (``XpuPiece.read``/``write``).
+Swaps between the tensors and the CPU pool are one call of the XPU ops' ``swap_cache_all_layers`` per
+tensor kind (key, value, scales), straight between device memory and the pool. For that the pool is laid
+out in planes (``kvcached.protocol.layout``), one per tensor, each layer's CPU blocks at the device block's
+stride. What it costs: a block's record for the attention store is gathered from every plane (one copy per
+tensor instead of one per block), and the store path still goes through host arrays
+(``XpuPiece.read``/``write``).
 
-The descriptor a runner attaches with: ``{"device": d, "local_rank": r, "pid": p}`` (the names follow
-from the device, the rank and the spec; ``pid`` is the worker that allocated the tensors, so a tier made
-anew never publishes the descriptor of the one before it).
+The descriptor a runner attaches with: ``{"device": d, "local_rank": r, "pid": p, "names": {kind:
+template}}`` (``pid`` is the worker that allocated the tensors, so a tier made anew never publishes the
+descriptor of the one before it).
 
-Everything that needs the hardware goes through ``XpuRuntime``. The real one calls FastDeploy's XPU ops
-(``kvcached.fastdeploy.xpu_ops.PaddleXpuRuntime``); it checks that paddle has XPU support and that
-FastDeploy's XPU ops are importable, and otherwise fails with what to install. There is no fallback to
-host memory: ``--memory xpu`` without an XPU is an error. Device memory belongs to the worker process that
-allocated it: it does not outlive that process. A replaced worker, or a daemon that adopts an earlier
-one's memory, makes the device tier anew (zeroed); the CPU pool and the store, in host memory and on disk,
-are kept.
+Everything that needs the hardware goes through ``XpuRuntime``. The real one (``PaddleXpuRuntime``) is
+paddle on ``XPUPlace`` and the XPU ops of ``OPS_MODULE`` (``set_data_ipc``, ``share_external_data``,
+``swap_cache_all_layers``: FastDeploy's XPU build is what provides them); it checks that both import and
+otherwise fails with what to install. There is no fallback to host memory: ``--memory xpu`` without an XPU
+is an error. Device memory belongs to the worker process that allocated it: it does not outlive that
+process. A replaced worker, or a daemon that adopts an earlier one's memory, makes the device tier anew
+(zeroed); the CPU pool and the store, in host memory and on disk, are kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -39,14 +42,106 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvcached.checks import FAIL, OK, Check
-from kvcached.fastdeploy.names import Export, exports
-from kvcached.fastdeploy.xpu_ops import PaddleXpuRuntime, ipc_record, ops_present
 from kvcached.memory import register
 from kvcached.memory.base import Attached, DeviceBackend, DeviceTier, Piece, Progress, TierRequest, TierSwap
 from kvcached.protocol.errors import BackendUnavailable, InvalidArgument, ProtocolError
-from kvcached.protocol.layout import PLANES, cpu_planes
+from kvcached.protocol.layout import PLANES, cpu_planes, device_slots
+from kvcached.protocol.names import SHM_DIR
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import check_owner
+
+OPS_MODULE = "fastdeploy.model_executor.ops.xpu"
+#: The ops a runner and the daemon need to share tensors.
+SHARING_OPS = ("set_data_ipc", "share_external_data")
+INSTALL_HINT = (
+    "install paddlepaddle-xpu (Kunlun's wheel index, matching the XPU runtime; IPC needs runtime major 5) "
+    f"and fastdeploy-xpu, whose {OPS_MODULE} provides set_data_ipc"
+)
+#: Every tensor kind a tier may hold, each needing a name template.
+KINDS = ("key", "value", "key_scale", "value_scale")
+#: The names this process's tiers export under (``name_tensors``); None until given.
+_templates: dict[str, str] | None = None
+
+
+def name_tensors(templates: Mapping[str, str]) -> None:
+    """Name the tensors the xpu tiers of this process export: one template per kind of ``KINDS``, with
+    ``{layer}``, ``{rank}`` (the rank's local rank) and ``{device}``. The daemon's entry point gives them
+    before any tier is made; a runner never needs to (it reads them from the rank's descriptor). Raises
+    ``InvalidArgument`` naming a kind without a template or a template with another field."""
+    checked = _checked(templates)
+    global _templates
+    _templates = checked
+
+
+def _checked(templates: object) -> dict[str, str]:
+    if not isinstance(templates, Mapping) or set(templates) != set(KINDS):
+        got = sorted(templates) if isinstance(templates, Mapping) else type(templates).__name__
+        raise InvalidArgument("names", f"one template per tensor kind {list(KINDS)}; got {got}")
+    for kind, template in templates.items():
+        try:
+            name = str(template).format(layer=0, rank=0, device=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            why = f"{kind}: {template!r} may use {{layer}}, {{rank}}, {{device}}: {exc}"
+            raise InvalidArgument("names", why) from None
+        if not name or "/" in name:
+            raise InvalidArgument("names", f"{kind}: {template!r} must give a non-empty name without '/'")
+    return {kind: str(templates[kind]) for kind in KINDS}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Export:
+    """One tensor of a tier as it is exported: its name, kind, layer, shape and dtype."""
+
+    name: str
+    kind: str
+    layer: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def exports(spec: CacheSpec, templates: Mapping[str, str], local_rank: int, device_id: int) -> list[Export]:
+    """Every tensor of one rank, in layer order (the model's layers, then the MTP layers): key, value, key
+    scale, value scale per layer, each named by its kind's template."""
+    return [
+        Export(
+            templates[slot.kind].format(layer=slot.layer, rank=local_rank, device=device_id),
+            slot.kind,
+            slot.layer,
+            slot.shape,
+            slot.dtype,
+        )
+        for slot in device_slots(spec)
+    ]
+
+
+def ipc_record(name: str) -> Path:
+    """The file ``set_data_ipc`` leaves in /dev/shm for the tensor it exported under ``name``
+    (``custom_ops/xpu_ops/src/ops/xpu_multiprocess.h:50`` opens it with O_CREAT): it outlives the process
+    that exported, so whoever exported removes it."""
+    return SHM_DIR / name
+
+
+def _import_paddle_xpu() -> tuple[Any, Any]:
+    try:
+        paddle: Any = importlib.import_module("paddle")
+    except ImportError as exc:
+        raise BackendUnavailable(f"--memory xpu needs paddle with XPU support ({exc}): {INSTALL_HINT}") from None
+    if not paddle.is_compiled_with_xpu():
+        raise BackendUnavailable(f"--memory xpu: this paddle ({paddle.__version__}) has no XPU support: {INSTALL_HINT}")
+    try:
+        ops: Any = importlib.import_module(OPS_MODULE)
+    except ImportError as exc:
+        raise BackendUnavailable(f"--memory xpu: the XPU ops are missing ({exc}): {INSTALL_HINT}") from None
+    return paddle, ops
+
+
+def ops_present() -> dict[str, bool] | str:
+    """Which of ``SHARING_OPS`` the XPU ops module has, or why it does not import."""
+    try:
+        ops = importlib.import_module(OPS_MODULE)
+    except ImportError as exc:
+        return str(exc)
+    return {name: hasattr(ops, name) for name in SHARING_OPS}
 
 
 class XpuRuntime(Protocol):
@@ -77,6 +172,42 @@ class XpuRuntime(Protocol):
         1 host to device. All tensors of one call have one dtype."""
 
 
+class PaddleXpuRuntime:
+    """The real runtime: paddle on ``XPUPlace`` and the XPU ops of ``OPS_MODULE``."""
+
+    def __init__(self) -> None:
+        self.paddle, self.ops = _import_paddle_xpu()
+
+    def allocate(self, device_id: int, shape: tuple[int, ...], dtype: str) -> Any:
+        self.paddle.set_device(f"xpu:{device_id}")
+        return self.paddle.full(shape=list(shape), fill_value=0, dtype=dtype)
+
+    def export(self, tensor: Any, name: str) -> None:
+        self.ops.set_data_ipc(tensor, name)
+
+    def attach(self, device_id: int, name: str, shape: tuple[int, ...], dtype: str) -> Any:
+        self.paddle.set_device(f"xpu:{device_id}")
+        empty = self.paddle.empty(shape=[], dtype=dtype)
+        # use_ipc=False, as FastDeploy's XPU runner attaches (worker/xpu_model_runner.py:1280 at e53f5184):
+        # the op then wraps the exporter's raw device pointer from the shm record instead of opening an
+        # XPU IPC handle (custom_ops/xpu_ops/src/ops/share_external_data.cc:31-42).
+        return self.ops.share_external_data(empty, name, list(shape), False)
+
+    def swap_all_layers(  # noqa: PLR0917 - the op's arguments, in order
+        self,
+        tensors: list[Any],
+        cpu_ptrs: list[int],
+        max_cpu_blocks: int,
+        device_ids: list[int],
+        cpu_ids: list[int],
+        device_id: int,
+        mode: int,
+    ) -> None:
+        # The op FastDeploy's transfer manager calls (cache_manager/cache_transfer_manager.py:1349 at
+        # e53f5184), with the same arguments: its PD_BUILD_OP(swap_cache_all_layers) in swap_cache_batch.cc.
+        self.ops.swap_cache_all_layers(tensors, cpu_ptrs, max_cpu_blocks, device_ids, cpu_ids, device_id, mode)
+
+
 class XpuPiece:
     """One exported tensor as rows of bytes, one row per block (``paddle.view`` as uint8, no copy)."""
 
@@ -102,13 +233,15 @@ class XpuPiece:
 class XpuTier(DeviceTier):
     """One rank's device tier on an XPU: the tensors, their exports, and their pieces."""
 
-    def __init__(self, spec: CacheSpec, local_rank: int, device_id: int, runtime: XpuRuntime) -> None:
+    def __init__(
+        self, spec: CacheSpec, local_rank: int, device_id: int, runtime: XpuRuntime, names: Mapping[str, str]
+    ) -> None:
         self.spec = spec
         self.runtime = runtime
         self.device_id = device_id
-        self.descriptor = {"device": device_id, "local_rank": local_rank, "pid": os.getpid()}
+        self.descriptor = {"device": device_id, "local_rank": local_rank, "pid": os.getpid(), "names": dict(names)}
         self.nbytes = spec.device_bytes
-        self.exports: list[Export] = exports(spec, local_rank, device_id)
+        self.exports: list[Export] = exports(spec, names, local_rank, device_id)
         self.tensors: dict[str, Any] = {}
         self.pieces: list[Piece] = []
         column = 0
@@ -179,18 +312,24 @@ class XpuBackend(DeviceBackend):
         return spec.device_bytes
 
     def create(self, request: TierRequest, progress: Progress) -> DeviceTier:
-        tier = XpuTier(request.spec, request.rank, request.device_id, self.runtime())
+        if _templates is None:
+            raise BackendUnavailable("xpu: no names to export the tensors under (the daemon's entry point gives them)")
+        tier = XpuTier(request.spec, request.rank, request.device_id, self.runtime(), _templates)
         progress(tier.nbytes)
         return tier
 
     def leftovers(self, spec: CacheSpec, descriptor: Mapping[str, Any]) -> list[Path]:
         """The records ``set_data_ipc`` writes, one /dev/shm file per exported tensor (``ipc_record``); they
         outlive the process that exported, so the daemon removes them at stop, and a start reclaims a
-        killed run's."""
+        killed run's. The names are the descriptor's, else those this process exports under."""
         device, local_rank = descriptor.get("device"), descriptor.get("local_rank")
         if not isinstance(device, int) or not isinstance(local_rank, int):
             return []
-        records = [ipc_record(export.name) for export in exports(spec, local_rank, device)]
+        try:
+            names = _checked(descriptor.get("names", _templates))
+        except InvalidArgument:
+            return []
+        records = [ipc_record(export.name) for export in exports(spec, names, local_rank, device)]
         return [record for record in records if record.exists()]
 
     def attach(
@@ -202,11 +341,15 @@ class XpuBackend(DeviceBackend):
         if not isinstance(device, int):
             raise ProtocolError(f"rank {local_rank}: xpu descriptor {dict(descriptor)} lacks the device")
         try:
+            names = _checked(descriptor.get("names"))
+        except InvalidArgument as exc:
+            raise ProtocolError(f"rank {local_rank}: xpu descriptor {dict(descriptor)}: {exc}") from None
+        try:
             runtime = self.runtime()
         except BackendUnavailable as exc:
             raise InvalidArgument("framework", f"attaching an xpu cache: {exc}") from None
         tensors: dict[str, list[Any]] = {"key": [], "value": [], "key_scale": [], "value_scale": []}
-        for export in exports(spec, local_rank, device):
+        for export in exports(spec, names, local_rank, device):
             record = ipc_record(export.name)
             with contextlib.suppress(FileNotFoundError):  # set_data_ipc's record of the handle; absent: attach fails
                 check_owner(f"IPC record {record}", os.stat(record), owner=owner)

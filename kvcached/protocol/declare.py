@@ -5,11 +5,15 @@ geometry (FastDeploy fixes its block count only after profiling). It publishes a
 header spec names the store backend only (``Header.awaits_geometry``) and listens on
 ``<run_dir>/<instance>.declare.sock`` until the engine's first runner or cache-transfer drop-in declares
 the spec; then it allocates exactly that and publishes it in the next control block. One exchange per
-connection, JSON lines both ways::
+connection, JSON lines both ways, and one of three answers::
 
     -> {"spec": {...CacheSpec fields...}}
     <- {"accepted": true}                                      the daemon allocates this spec
-    <- {"accepted": false, "field": F, "daemon": D, "declared": V, "message": M}
+    <- {"accepted": false, "field": F, "daemon": D, "declared": V, "message": M}      refused, by name
+    <- {"accepted": false, "busy": true, "message": M}         too many declarations at once: ask again
+
+Busy is never a refusal: ``declare`` returns False for it, as for a daemon no longer listening, and the waiter
+asks again on its next look (``runner_client.wait``), within its own deadline.
 
 A declaration that arrives once the spec is published is judged against the header: equal (every field of
 ``CacheSpec.DECLARED_FIELDS``, ``CacheSpec.first_difference``) adopts; different is refused by name. The
@@ -39,8 +43,8 @@ def declare_socket_path(run_dir: str | Path, instance: str) -> Path:
 
 def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_uid: int, timeout: float = 5.0) -> bool:
     """Declare ``spec`` (for rank ``rank``) to the daemon of ``instance`` waiting in ``run_dir``. True:
-    accepted; False: the daemon is not listening (any more: it may have taken another declaration; look at
-    its next block).
+    accepted; False: ask again (the daemon is busy, or not listening any more: it may have taken another
+    declaration; look at its next block).
     Raises ``CacheLayoutMismatch`` when it refuses, naming the field, ``AccessDenied`` when this user may not
     connect, and ``InvalidSpec`` when the listener is not the daemon's user (``owner_uid``)."""
     path = declare_socket_path(run_dir, instance)
@@ -62,7 +66,7 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         return False
     finally:
         sock.close()
-    if reply is None:
+    if reply is None or reply.get("busy") is True:
         return False
     if reply.get("accepted") is True:
         return True

@@ -24,8 +24,7 @@
     ├── BackendUnavailable              a device backend cannot run on this host; says what to install
     └── ResourceError (OSError)         the host lacks what the daemon needs, or someone else holds it
         ├── ShmFull                     /dev/shm has no room (ENOSPC while reserving)
-        ├── StoreBusy                   another daemon holds the store's directory (flock)
-        └── SignalError                 one of FastDeploy's flag segments cannot be used (size, owner)
+        └── StoreBusy                   another daemon holds the store's directory (flock)
 
 ``runner_client`` re-exports the ones a runner meets; runners catch these, never bare ``RuntimeError``.
 The daemon maps the others to its exit statuses (``kvcached.daemon.errors``).
@@ -199,7 +198,3 @@ class ShmFull(ResourceError):
 
 class StoreBusy(ResourceError):
     """Raised when another kvcached daemon holds the store's directory."""
-
-
-class SignalError(ResourceError):
-    """Raised when one of FastDeploy's flag segments cannot be used (too small, someone else's)."""

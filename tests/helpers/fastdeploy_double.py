@@ -79,10 +79,11 @@ class ControlResponse:
 
 
 class IPCSignal:
-    """DOUBLE of ``fastdeploy/inter_communicator/ipc_signal.py`` ``IPCSignal`` (lines 44-112): a
+    """DOUBLE of ``fastdeploy/inter_communicator/ipc_signal.py`` ``IPCSignal`` (lines 44-116): a
     ``SharedMemory(f"{name}.{suffix}")`` viewed as ``array``'s shape and dtype; ``create=True`` unlinks an
-    existing one first; ``create=False`` attaches and raises FileNotFoundError when it is missing. Like
-    FastDeploy's, it keeps Python's resource tracker registration: the process's exit unlinks the name."""
+    existing one first; ``create=False`` attaches and raises FileNotFoundError when it is missing; ``clear``
+    closes and unlinks it. Like FastDeploy's, it keeps Python's resource tracker registration: the process's
+    exit unlinks the name."""
 
     def __init__(self, name: str, array: np.ndarray[Any, Any], dtype: Any, suffix: int, create: bool = True) -> None:
         name = f"{name}.{suffix}"
@@ -95,6 +96,11 @@ class IPCSignal:
         else:
             self.shm = SharedMemory(name=name)
             self.value = np.ndarray(array.shape, dtype=array.dtype, buffer=self.shm.buf)
+
+    def clear(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.shm.close()
+            self.shm.unlink()
 
 
 _BARRIERS = (

@@ -1,5 +1,7 @@
 """Machinery for the tests that drive FastDeploy's own engine code (``tests/helpers/fd_engine.py``) against the drop-in
-and a real daemon: the patched checkout, the engine process and its commands, the runner's views."""
+and a real daemon, on each FastDeploy line: its patched tree, the engine process and its commands, the runner's
+views. The drop-ins the engine launches are given a FastDeploy that holds only the modules they import, without
+their sources (``tests.helpers.fastdeploy_shell.dropin_package``)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,18 @@ import pytest
 
 import runner_client as rc
 from tests.conftest import ROOT, DaemonFactory, free_port
-from tests.helpers.fastdeploy_shell import shell_dir
-from tests.helpers.fastdeploy_src import checkout, patched_tree
+from tests.helpers.fastdeploy_lines import ENGINE_SOCKET, NEEDS, PATCHES, exported
+from tests.helpers.fastdeploy_shell import dropin_package
+from tests.helpers.fastdeploy_src import checkout, patched_tree, source
 from tests.helpers.shared_daemons import shared_daemons
 
 #: A realistic geometry: 16 layers, 2 ranks, a file store.
 GEOMETRY = {"tp": 2, "layers": 16, "kv_heads": 2, "head_dim": 64, "block_size": 16, "blocks": 64, "cpu_blocks": 32}
+#: The lines whose engine code the tests drive.
+COMMITS = tuple(ENGINE_SOCKET)
+#: The drop-ins' logs as the lines' launchers name them: ``launch_cache_transfer_manager_<device>.log`` (e53f5184,
+#: 41677b9a6), ``cache_manager_<device>.log`` (564c78d78).
+DROPIN_LOGS = "*cache*manager_*.log"
 
 
 def fastdeploy_checkout() -> Path:
@@ -37,6 +45,18 @@ def fastdeploy_checkout() -> Path:
     return root
 
 
+def fastdeploy_line(commit: str) -> Path:
+    """The tree of FastDeploy line ``commit`` (exported from FASTDEPLOY_SRC) with pyzmq importable, or skip
+    saying what is missing."""
+    if source() is None:
+        pytest.skip(NEEDS)
+    pytest.importorskip("zmq", reason="FastDeploy's FMQ (control responses) needs pyzmq")
+    tree = exported().get(commit)
+    if tree is None:
+        pytest.skip(f"FASTDEPLOY_SRC does not hold {commit}: {NEEDS}")
+    return tree
+
+
 def patched(root: Path, into: Path) -> Path:
     """The files the patch touches, patched, under ``into`` (found before the checkout's)."""
     patched_tree(root, into)
@@ -44,23 +64,28 @@ def patched(root: Path, into: Path) -> Path:
 
 
 class EngineProcess:
-    """``tests/helpers/fd_engine.py``: FastDeploy's engine code in a process of its own, one command at a time."""
+    """``tests/helpers/fd_engine.py``: the engine code of FastDeploy line ``commit`` in a process of its own, one
+    command at a time; the drop-ins it launches get ``dropin_package``'s FastDeploy."""
 
-    def __init__(self, tmp: Path, instance: str, env: dict[str, str], **geometry: Any) -> None:
-        root = fastdeploy_checkout()
+    def __init__(
+        self, tmp: Path, instance: str, env: dict[str, str], commit: str = "e53f5184", **geometry: Any
+    ) -> None:
+        root = fastdeploy_line(commit)
         self.config = {**GEOMETRY, **geometry, "queue_port": free_port(), "storage": geometry.get("storage", "file")}
         self.config["suffix"] = 20000 + free_port() % 40000
         self.config["model_dir"] = str(tmp)
+        self.config["engine_socket"], self.config["commit"] = ENGINE_SOCKET[commit], commit
         self.log_dir = tmp / "fdlog"
         self.log_dir.mkdir(exist_ok=True)
-        shell = shell_dir(root, patched(root, tmp / "patched"), tmp / "shell", ROOT)
+        patched_tree(root, tmp / "patched", PATCHES[commit])
+        package = dropin_package(root, tmp / "dropin", ROOT)
         env = dict(
             env,
             FASTDEPLOY_SRC=str(root),
             KVCACHED_TEST_FD_PATCHED=str(tmp / "patched"),
             FD_LOG_DIR=str(self.log_dir),
             KVCACHED_INSTANCE=instance,
-            PYTHONPATH=f"{shell}{os.pathsep}{ROOT}",
+            PYTHONPATH=f"{package}{os.pathsep}{ROOT}",
         )
         self.err = tmp / "engine.err"
         with open(self.err, "w") as err:
@@ -114,13 +139,12 @@ class EngineProcess:
     def dropin_log(self, since: dict[Path, int] | None = None) -> str:
         """The drop-ins' logs; ``since``: only what was written after that ``log_mark``."""
         return "".join(
-            p.read_text(errors="replace")[(since or {}).get(p, 0) :]
-            for p in sorted(self.log_dir.glob("launch_cache_transfer_manager_*"))
+            p.read_text(errors="replace")[(since or {}).get(p, 0) :] for p in sorted(self.log_dir.glob(DROPIN_LOGS))
         )
 
     def log_mark(self) -> dict[Path, int]:
         """Where each drop-in's log ends now (for ``dropin_log``)."""
-        return {p: len(p.read_text(errors="replace")) for p in self.log_dir.glob("launch_cache_transfer_manager_*")}
+        return {p: len(p.read_text(errors="replace")) for p in self.log_dir.glob(DROPIN_LOGS)}
 
     def diagnostics(self) -> str:
         return f"engine stderr:\n{self.err.read_text(errors='replace')[-4000:]}\ndrop-ins:\n{self.dropin_log()[-6000:]}"
@@ -151,6 +175,7 @@ class EngineProcess:
                 os.kill(pid, signal.SIGKILL)
         for path in Path("/dev/shm").glob(f"fmq_ctrl_c2e_rank*_{self.config['queue_port']}.ipc"):
             path.unlink(missing_ok=True)
+        Path(f"/dev/shm/fd_task_queue_{self.config['queue_port']}.sock").unlink(missing_ok=True)
         for name in (
             "cache_ready_signal",
             "swap_space_ready_signal",
@@ -207,16 +232,17 @@ def engine_and_daemon(
     daemon_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     daemon_env: dict[str, str] | None = None,
+    commit: str = "e53f5184",
     **geometry: Any,
 ) -> Iterator[tuple[EngineProcess, Any]]:
     """A 2-rank daemon (by default ``--geometry engine`` with a file store; its environment with
-    ``daemon_env`` added) and FastDeploy's engine code (its environment, and so the drop-ins', with ``env``
-    added)."""
-    fastdeploy_checkout()
+    ``daemon_env`` added) and the engine code of FastDeploy line ``commit`` (its environment, and so the
+    drop-ins', with ``env`` added)."""
+    fastdeploy_line(commit)
     args = daemon_args if daemon_args is not None else ["--geometry", "engine"]
     args = [*args, "--storage-backend", "file", "--storage-path", str(tmp / "store")]
     daemon = daemons.start(ranks=2, small=False, args=args, env=daemons.env(**(daemon_env or {})))
-    engine = EngineProcess(tmp, daemon.instance, daemons.env(**(env or {})), **geometry)
+    engine = EngineProcess(tmp, daemon.instance, daemons.env(**(env or {})), commit, **geometry)
     try:
         yield engine, daemon
     finally:
@@ -233,13 +259,13 @@ class Shared:
     launched: dict[str, Any]
 
 
-@pytest.fixture(scope="class")
-def shared_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
-    """``engine_and_daemon`` with its defaults, launched, for the tests of a class: its own run directory,
-    its daemon stopped and its objects in /dev/shm checked (a leak fails) after the class's last test (its
-    idle drop-ins poll the queue: they live no longer than that)."""
-    tmp = tmp_path_factory.mktemp("shared-engine")
-    with shared_daemons(tmp) as factory, engine_and_daemon(factory, tmp) as (engine, daemon):
+@pytest.fixture(scope="class", params=COMMITS)
+def shared_engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """``engine_and_daemon`` with its defaults on each line, launched, for the tests of a class: its own run
+    directory, its daemon stopped and its objects in /dev/shm checked (a leak fails) after the class's last
+    test (its idle drop-ins poll the queue: they live no longer than that)."""
+    tmp = tmp_path_factory.mktemp(f"shared-engine-{request.param}")
+    with shared_daemons(tmp) as factory, engine_and_daemon(factory, tmp, commit=request.param) as (engine, daemon):
         yield Shared(engine, daemon, engine.call("launch"))
 
 

@@ -15,7 +15,9 @@ one drop-in process per rank run against the same tree.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -35,7 +37,7 @@ import pytest
 
 from kvcached.fastdeploy.lines import KNOWN_LINES, Line, read_tree
 from tests.conftest import ROOT, free_port
-from tests.helpers.fastdeploy_src import pieces, source
+from tests.helpers.fastdeploy_src import pieces, source, told
 
 #: What is exported of each commit: the package and what its pre-commit hooks read.
 EXPORTED = ("fastdeploy", ".pre-commit-config.yaml", "pyproject.toml", ".flake8")
@@ -86,21 +88,28 @@ def _copy_plain(src: Path, into: Path) -> dict[str, Path]:
     return {}
 
 
-@pytest.fixture(scope="session")
-def line_trees() -> Iterator[dict[str, Path]]:
-    """``{commit: tree}`` for every known line FASTDEPLOY_SRC holds; skips, saying what it needs, if none."""
+@functools.cache
+def exported() -> dict[str, Path]:
+    """``{commit: tree}`` of every known line FASTDEPLOY_SRC holds, exported once per test process into a
+    directory removed when the process exits; empty without FASTDEPLOY_SRC."""
     src = source()
     if src is None:
-        pytest.skip(NEEDS)
+        return {}
     into = Path(tempfile.mkdtemp(prefix="kvcached-fd-lines-"))
-    try:
-        found = {line.commit: tree for line in KNOWN_LINES if (tree := _export(src, line, into)) is not None}
-        found = found or _copy_plain(src, into)
-        if not found:
-            pytest.skip(f"FASTDEPLOY_SRC={src} holds none of them: {NEEDS}")
-        yield found
-    finally:
-        shutil.rmtree(into, ignore_errors=True)
+    atexit.register(shutil.rmtree, into, ignore_errors=True)
+    found = {line.commit: tree for line in KNOWN_LINES if (tree := _export(src, line, into)) is not None}
+    return found or _copy_plain(src, into)
+
+
+@pytest.fixture(scope="session")
+def line_trees() -> dict[str, Path]:
+    """``{commit: tree}`` for every known line FASTDEPLOY_SRC holds; skips, saying what it needs, if none."""
+    if source() is None:
+        pytest.skip(NEEDS)
+    found = exported()
+    if not found:
+        pytest.skip(f"FASTDEPLOY_SRC={source()} holds none of them: {NEEDS}")
+    return found
 
 
 PATCHES = {line.commit: ROOT / "patches" / line.patch for line in KNOWN_LINES}
@@ -115,15 +124,22 @@ def apply_patch(tree: Path, commit: str, dest: Path) -> subprocess.CompletedProc
     )
 
 
-@pytest.fixture(scope="session")
-def patched_trees(line_trees: dict[str, Path]) -> dict[str, Path]:
-    """``{commit: tree}`` of every line present with its kvcached patch applied (beside ``line_trees``)."""
+@functools.cache
+def patched_exports() -> dict[str, Path]:
+    """``{commit: tree}`` of every exported line with its kvcached patch applied (beside the export), made once
+    per test process."""
     found = {}
-    for commit, tree in line_trees.items():
+    for commit, tree in exported().items():
         done = apply_patch(tree, commit, tree.parent / f"{commit}-patched")
         assert done.returncode == 0, f"{PATCHES[commit].name} does not apply to {commit}: {done.stderr}"
         found[commit] = tree.parent / f"{commit}-patched"
     return found
+
+
+@pytest.fixture(scope="session")
+def patched_trees(line_trees: dict[str, Path]) -> dict[str, Path]:
+    """``{commit: tree}`` of every line present with its kvcached patch applied (beside ``line_trees``)."""
+    return patched_exports()
 
 
 def ipc_suffix() -> int:
@@ -175,7 +191,7 @@ class LineEngine:
     FLAGS = ("kv_cache_status", "cache_task_broadcast_signal", "cache_task_is_paused")
 
     def __init__(self, fd: types.SimpleNamespace, commit: str, tree: Path, instance: str, ranks: int) -> None:
-        self.fd, self.tree, self.instance, self.ranks = fd, tree, instance, ranks
+        self.fd, self.tree, self.instance, self.ranks, self.commit = fd, tree, instance, ranks, commit
         self.suffix = ipc_suffix()
         self.port = free_port()
         socket = ENGINE_SOCKET[commit] and bool(fd.envs.FD_ENGINE_TASK_QUEUE_WITH_SHM)
@@ -205,7 +221,7 @@ class LineEngine:
         """The drop-in as the patched launcher starts it, reading the same FastDeploy tree."""
         full = [*args, "--rank", str(rank), "--device_id", str(rank), "--mp_num", str(self.ranks)]
         full += ["--cache_queue_port", str(self.port), "--pod_ip", "127.0.0.1"]
-        full += ["--engine_worker_queue_port", str(self.suffix)]
+        full += ["--engine_worker_queue_port", str(self.suffix), *told(self.commit, self.address)]
         env = dict(os.environ, KVCACHED_INSTANCE=self.instance, FD_TEST_CONTROL_DIR=str(control))
         env["FASTDEPLOY_SRC"] = str(self.tree)
         proc = subprocess.Popen(

@@ -20,15 +20,24 @@ packages are shells: ``fastdeploy``, ``fastdeploy.cache_manager``, ``fastdeploy.
 * ``fastdeploy.model_executor.layers.attention``: STUB ``get_attention_backend``, an attention backend whose
   ``get_kv_cache_shape`` gives FastDeploy's layout ``[blocks, kv_heads, block_size, head_dim]``;
 * ``fastdeploy.platforms``: STUB ``current_platform`` with ``device_name`` "xpu" (FastDeploy's asks paddle
-  what it was compiled for, and XPU hardware cannot exist here), or ``KVCACHED_TEST_FD_PLATFORM``'s value.
+  what it was compiled for, and XPU hardware cannot exist here), or ``KVCACHED_TEST_FD_PLATFORM``'s value;
+* ``fastdeploy.trace.trace_logger`` (2.6, develop 2026-05-20): STUB ``print`` that records nothing (the trace
+  logger imports the API server's metrics).
 
 And, for latency only, the TCP connections of Python's ``multiprocessing`` (FastDeploy's cache queue is a
 ``BaseManager``) are opened with ``TCP_NODELAY`` (``nodelay_clients``): what is sent and received is unchanged.
 
-``install(root, patched)`` makes them importable in this process (idempotent); ``shell_dir`` writes a
-``fastdeploy`` package that does the same in a subprocess put on ``PYTHONPATH`` (the drop-in, launched by
-FastDeploy's own ``launch_cache_manager``, then runs ``RealFastDeploy`` over FastDeploy's own modules).
-``patched`` is a directory holding patched copies of FastDeploy files; they are found before the checkout's.
+``install(root, patched)`` makes them importable in this process (idempotent; the engine's, in
+``tests/helpers/fd_engine.py``). ``patched`` is a directory holding patched copies of FastDeploy files; they are
+found before the checkout's.
+
+``dropin_package`` writes what a drop-in is given instead: a FastDeploy package holding only the modules the
+drop-in imports (``DROPIN_MODULES``: its queue, flags, task types, FMQ and what they import), compiled and
+without their sources (``.pyc`` beside nothing else: no ``cache_transfer_manager.py``, ``envs.py``,
+``prefix_cache_manager.py``, runners or ``version.txt`` to read), with the STUBS above for ``fastdeploy.utils``,
+``fastdeploy.platforms`` and ``fastdeploy.engine.request`` (FastDeploy's own ``ControlRequest`` and
+``ControlResponse``, compiled too). The drop-in, launched by FastDeploy's own ``launch_cache_manager``, runs
+``RealFastDeploy`` over it: it must do all it does from what the patched launcher tells it.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import importlib
 import logging
 import multiprocessing.connection
 import os
+import py_compile
 import socket
 import sys
 import types
@@ -53,6 +63,7 @@ STUBS = (
     "fastdeploy.cache_manager.ops",
     "fastdeploy.model_executor.layers.attention",
     "fastdeploy.platforms",
+    "fastdeploy.trace.trace_logger",
 )
 _SHELLS = (
     "fastdeploy",
@@ -63,6 +74,7 @@ _SHELLS = (
     "fastdeploy.metrics",
     "fastdeploy.worker",
     "fastdeploy.spec_decode",
+    "fastdeploy.trace",
 )
 
 
@@ -157,6 +169,7 @@ def _stubs(root: Path) -> None:
     _module("fastdeploy.model_executor.layers.attention", get_attention_backend=lambda: AttentionBackendStub)
     platform = types.SimpleNamespace(device_name=os.environ.get("KVCACHED_TEST_FD_PLATFORM", "xpu"))
     _module("fastdeploy.platforms", current_platform=platform)
+    _module("fastdeploy.trace.trace_logger", print=lambda *_a, **_k: None)
     package = _module("fastdeploy.inter_communicator", __path__=[str(root / "fastdeploy/inter_communicator")])
     for name in ("engine_cache_queue", "ipc_signal", "ipc_signal_const"):
         module = importlib.import_module(f"fastdeploy.inter_communicator.{name}")
@@ -200,15 +213,63 @@ def install(root: Path, patched: Path | None = None) -> None:
     _stubs(root)
 
 
-def shell_dir(root: Path, patched: Path | None, into: Path, repository: Path) -> Path:
-    """A directory to put first on ``PYTHONPATH``: its ``fastdeploy`` package installs this shell."""
+#: FastDeploy's modules the drop-in imports (``kvcached.fastdeploy.adapter.RealFastDeploy``, and unpickling the
+#: storage tasks), and the one they import in turn (``fmq`` reads ``envs``): all ``dropin_package`` holds.
+DROPIN_MODULES = (
+    "fastdeploy/inter_communicator/engine_cache_queue.py",
+    "fastdeploy/inter_communicator/ipc_signal.py",
+    "fastdeploy/inter_communicator/fmq.py",
+    "fastdeploy/cache_manager/cache_data.py",
+    "fastdeploy/cache_manager/cache_tasks.py",
+    "fastdeploy/envs.py",
+)
+_DROPIN_INIT = """\
+import logging, os, sys, types
+
+def _module(name, **attributes):
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    sys.modules[name] = module
+    return module
+
+_log = logging.getLogger("fastdeploy")
+_module(  # STUB: loggers
+    "fastdeploy.utils",
+    get_logger=lambda name, *_a, **_k: logging.getLogger("fastdeploy." + name),
+    **{name: _log for name in ("llm_logger", "console_logger", "fmq_logger", "data_processor_logger")},
+)
+_module(  # STUB: FastDeploy asks paddle what it was compiled for; XPU hardware cannot exist here
+    "fastdeploy.platforms",
+    current_platform=types.SimpleNamespace(device_name=os.environ.get("KVCACHED_TEST_FD_PLATFORM", "xpu")),
+)
+sys.path.insert(1, REPOSITORY)
+from tests.helpers.fastdeploy_shell import nodelay_clients
+
+nodelay_clients()
+"""
+
+
+def _compiled(source: str, name: str, target: Path) -> None:
+    """``source`` compiled to ``target`` (a ``.pyc`` Python imports where no ``.py`` is beside it)."""
+    written = target.with_suffix(".py")
+    written.write_text(source)
+    py_compile.compile(str(written), cfile=str(target), dfile=name, doraise=True)
+    written.unlink()
+
+
+def dropin_package(root: Path, into: Path, repository: Path) -> Path:
+    """A directory to put first on the drop-ins' ``PYTHONPATH``: see the module docstring."""
     package = into / "fastdeploy"
-    package.mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text(
-        "import sys\n"
-        f"sys.path.insert(1, {str(repository)!r})\n"
-        "from pathlib import Path\n"
-        "from tests.helpers.fastdeploy_shell import install\n"
-        f"install(Path({str(root)!r}), {None if patched is None else f'Path({str(patched)!r})'})\n"
-    )
+    for directory in ("", "inter_communicator", "cache_manager", "engine"):
+        (package / directory).mkdir(parents=True, exist_ok=True)
+        init = _DROPIN_INIT.replace("REPOSITORY", repr(str(repository))) if not directory else ""
+        _compiled(init, f"fastdeploy/{directory}/__init__.py", package / directory / "__init__.pyc")
+    for relative in DROPIN_MODULES:
+        target = into / relative.replace(".py", ".pyc")
+        py_compile.compile(str(root / relative), cfile=str(target), dfile=relative, doraise=True)
+    tree = ast.parse((root / "fastdeploy/engine/request.py").read_text())
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("ControlRequest", "ControlResponse")]
+    header = "from typing import Any, Dict, Optional\n\nfrom fastdeploy import envs\n\nJSONResponse = None\n\n"
+    request = header + "\n\n".join(ast.unparse(c) for c in classes) + "\n\n\nclass Request:\n    'STUB'\n"
+    _compiled(request, "fastdeploy/engine/request.py", package / "engine" / "request.pyc")
     return into

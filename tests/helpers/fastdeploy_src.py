@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import textwrap
 import types
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -22,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcached.fastdeploy.adapter import queue_address
-from kvcached.fastdeploy.lines import read_tree
+from kvcached.fastdeploy import patchfile
 from tests.helpers import fastdeploy_double as double
 from tests.helpers.fastdeploy_shell import install
 
@@ -42,10 +42,31 @@ def source() -> Path | None:
     return Path(path) if path else None
 
 
-PATCH = Path(__file__).resolve().parents[2] / "patches" / "fastdeploy-e53f5184-kvcached.patch"
+ROOT = Path(__file__).resolve().parents[2]
+PATCH = ROOT / "patches" / "fastdeploy-e53f5184-kvcached.patch"
 COMMIT = "e53f5184"
 #: FastDeploy's configuration files its hooks read (black and isort: pyproject.toml; flake8: .flake8).
 HOOK_CONFIG = ("pyproject.toml", ".flake8", ".pre-commit-config.yaml")
+
+
+def told(commit: str = COMMIT, address: tuple[str, int] | str = ("127.0.0.1", 0)) -> list[str]:
+    """The arguments the patched launcher of ``commit`` passes its drop-ins beyond FastDeploy's own
+    (``--kvcached-line ...``), computed by the patch's own added lines (the launcher hunk, executed with
+    ``KVCACHED_INSTANCE`` set and the launcher's own cache queue address ``address``, as FastDeploy forms it:
+    ``(pod_ip, port)`` or the Unix socket path): what a test that plays that launcher passes."""
+    path = ROOT / "patches" / f"fastdeploy-{commit}-kvcached.patch"
+    hunk = next(h for h in patchfile.parse(path.read_text()) if any("--kvcached-line" in line for line in h.after))
+    start = next(i for i, line in enumerate(hunk.after) if "KVCACHED_INSTANCE" in line and "=" in line)
+    end = next(i for i, line in enumerate(hunk.after) if line.lstrip().startswith("entry ="))
+    namespace: dict[str, Any] = {
+        "os": types.SimpleNamespace(environ={"KVCACHED_INSTANCE": "set"}),
+        "engine_cache_queue_address": address,
+        "py_path": "cache_transfer_manager.py",
+    }
+    exec(textwrap.dedent("\n".join(hunk.after[start : end + 1])), namespace)
+    words: list[str] = namespace["entry"].split()
+    assert words[:2] == ["-m", "kvcached.fastdeploy.transfer_manager"], words
+    return words[2:]
 
 
 def checkout(what: str = "this") -> Path:
@@ -61,19 +82,19 @@ def checkout(what: str = "this") -> Path:
     return root
 
 
-def patched_files() -> list[str]:
-    return re.findall(r"^\+\+\+ b/(\S+)$", PATCH.read_text(), re.MULTILINE)
+def patched_files(patch: Path = PATCH) -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), re.MULTILINE)
 
 
-def patched_tree(root: Path, into: Path) -> list[str]:
-    """Copy the files the patch touches (with their packages' ``__init__`` files and the hooks'
+def patched_tree(root: Path, into: Path, patch: Path = PATCH) -> list[str]:
+    """Copy the files ``patch`` touches (with their packages' ``__init__`` files and the hooks'
     configuration) from ``root`` into ``into`` and apply the patch there; the patched files."""
-    files = patched_files()
+    files = patched_files(patch)
     packages = {str(parent / "__init__.py") for f in files for parent in Path(f).parents if parent != Path(".")}
     for relative in (*files, *HOOK_CONFIG, *sorted(packages)):  # isort tells first-party code by its packages
         (into / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / relative, into / relative)
-    applied = subprocess.run(["git", "apply", str(PATCH)], cwd=into, capture_output=True, text=True, check=False)
+    applied = subprocess.run(["git", "apply", str(patch)], cwd=into, capture_output=True, text=True, check=False)
     assert applied.returncode == 0, applied.stderr
     return files
 
@@ -102,16 +123,14 @@ class AdapterForTests:
     def __init__(self, directory: Path) -> None:
         self.fd = pieces()
         self.CacheStatus = self.fd.CacheStatus
-        root = source()
-        self.tree = read_tree(root) if root is not None else None  # the line, as the real adapter reads it
         # DOUBLE of FastDeploy's platform (``current_platform.device_name``): XPU hardware cannot exist here.
         self.platform: str | None = os.environ.get("KVCACHED_TEST_FD_PLATFORM", "xpu")
         self.directory = directory
         self._keep: list[Any] = []
 
-    def cache_queue(self, address: tuple[str, int], num_client: int, client_id: int) -> Any:
+    def cache_queue(self, address: tuple[str, int] | str, num_client: int, client_id: int) -> Any:
         return self.fd.EngineCacheQueue(
-            address=queue_address(self.tree, address),
+            address=address,
             is_server=False,
             num_client=num_client,
             client_id=client_id,

@@ -2,11 +2,12 @@
 
     python tests/helpers/fd_engine.py CONFIG_JSON        (stdin: one JSON command a line; stdout: one JSON reply a line)
 
-It loads FastDeploy's files from ``FASTDEPLOY_SRC`` (``tests/helpers/fastdeploy_shell.py``: its STUBS are listed
-there), the patched ``prefix_cache_manager.py`` from ``KVCACHED_TEST_FD_PATCHED``, creates the flags and the
-cache queue server as ``engine/common_engine.py`` does (~392-486), builds FastDeploy's ``PrefixCacheManager``
-and runs its ``launch_cache_manager``, which launches kvcached's drop-in (``sys.executable -m
-kvcached.fastdeploy.transfer_manager``, FastDeploy's modules found through the shell on ``PYTHONPATH``).
+It loads the files of the FastDeploy line at ``FASTDEPLOY_SRC`` (``tests/helpers/fastdeploy_shell.py``: its STUBS
+are listed there), the patched ``prefix_cache_manager.py`` from ``KVCACHED_TEST_FD_PATCHED``, creates the flags
+and the cache queue server as that line's ``engine/common_engine.py`` does (~392-486, over TCP or its Unix
+socket), builds FastDeploy's ``PrefixCacheManager`` and runs its ``launch_cache_manager``, which launches
+kvcached's drop-in (``sys.executable -m kvcached.fastdeploy.transfer_manager``) with what the patch tells it; the
+drop-in finds the sourceless FastDeploy of ``dropin_package`` on ``PYTHONPATH``.
 Then each command calls FastDeploy's own code: ``issue_swap_task``, ``request_match_blocks``,
 ``write_cache_to_storage_decode``, and ``_wait_for_control_responses`` (``common_engine.py``, its source taken
 at run time) over FastDeploy's FMQ. The config objects are built from CONFIG_JSON (STUBS of FDConfig's parts:
@@ -97,9 +98,14 @@ class Engine:
                 ("kv_cache_status", 1),
             )
         }
-        self.server = EngineCacheQueue(  # common_engine.py ~479-486
-            address=("127.0.0.1", c["queue_port"]), is_server=True, num_client=tp, client_id=-1
-        )
+        from fastdeploy import envs
+
+        # common_engine.py start_worker_queue_service: e53f5184 ~475-483 TCP; 41677b9a6 ~468-474 and 564c78d78
+        # ~467-474 the Unix socket while the line's envs says FD_ENGINE_TASK_QUEUE_WITH_SHM
+        socket = c["engine_socket"] and bool(envs.FD_ENGINE_TASK_QUEUE_WITH_SHM)
+        port = c["queue_port"]
+        address = f"/dev/shm/fd_task_queue_{port}.sock" if socket else ("127.0.0.1", port)
+        self.server = EngineCacheQueue(address=address, is_server=True, num_client=tp, client_id=-1)
         self.manager = PrefixCacheManager(self.config, tp, splitwise_role="mixed", local_data_parallel_id=0)
         self.waiter = None
 

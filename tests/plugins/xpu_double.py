@@ -7,7 +7,8 @@ it with O_CREAT), ``attach`` hands the recorded tensor back (so "another process
 ``swap_all_layers`` does what FastDeploy's op does (``custom_ops/xpu_ops/src/ops/swap_cache_batch.cc``:
 its bounds checks, then per tensor each block to or from ``cpu_ptrs[i] + cpu_id * bytes per block``)
 with numpy, recording each call.
-Registered as the test-only backend ``xpu-double``.
+Registered as the test-only backend ``xpu-double``; the tiers it makes in this process export under
+FastDeploy's names, as a daemon's do.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvcached import memory
-from kvcached.memory.xpu import XpuBackend
+from kvcached.fastdeploy.names import TENSOR_NAMES
+from kvcached.memory.xpu import XpuBackend, name_tensors
 
 
 class XpuRuntimeDouble:
@@ -79,3 +81,4 @@ class XpuDoubleBackend(XpuBackend):
 
 
 memory.register(XpuDoubleBackend(runtime=XpuRuntimeDouble))
+name_tensors(TENSOR_NAMES)  # as ``kvcached start`` does: tiers made in a test's own process are named too
