@@ -104,11 +104,11 @@ _TERMS = 27
 
 
 class SectionedCommand(click.Command):
-    """A command whose --help shows its options in sections, in the order they were declared; the internal
-    section (``kvcached.config.INTERNAL``) and the environment's other variables only with --help-all."""
+    """A command whose --help shows its options in sections, in the order they were declared; the hidden
+    sections (``kvcached.config.HIDDEN``) and the environment's other variables only with --help-all."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from kvcached.config import INTERNAL
+        from kvcached.config import HIDDEN
         from kvcached.variables import OTHER_VARIABLES
 
         every = bool(ctx.meta.get(HELP_ALL))
@@ -116,7 +116,7 @@ class SectionedCommand(click.Command):
         for param in self.get_params(ctx):
             section = getattr(param, "section", "Help")
             record = param.get_help_record(ctx)
-            if record is not None and (every or section != INTERNAL):
+            if record is not None and (every or section not in HIDDEN):
                 found.setdefault(section, []).append(record)
         found["Help"] = found.pop("Help", [])
         if every:

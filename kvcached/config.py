@@ -236,18 +236,21 @@ SPEC_FIELDS: Mapping[str, str] = {
 }
 _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 
+#: The section of the knobs that exist for tests and diagnosis.
+INTERNAL = "For tests and diagnosis"
 #: ``kvcached start --help`` in sections, in this order, the knobs of each in theirs; each store backend's
-#: options make a section of their own after ``Tiers``. The knobs of ``INTERNAL`` exist for tests and
-#: diagnosis: they work as every other (flag, variable, file key), and only ``--help-all`` shows them.
+#: options make a section of their own after ``Tiers``. The knobs of the ``HIDDEN`` sections (for tests and
+#: diagnosis; deprecated) work as every other (flag, variable, file key), and only ``--help-all`` shows them.
 SECTIONS: Mapping[str, tuple[str, ...]] = {
     "Instance": ("instance", "ranks", "memory", "devices"),
     "Geometry": ("geometry", *(name for name in SPEC_FIELDS if name not in ("num_cpu_blocks", "storage_backend"))),
     "Tiers": ("num_cpu_blocks", "storage_backend"),
     "Service": ("group", "metrics_port", "metrics_address"),
-    "Advanced": ("fresh", "store_timeout", "ipc_suffix", "engine_user"),
-    "For tests and diagnosis": ("worker_timeout", "stop_timeout", "huge_pages"),
+    "Advanced": ("fresh", "store_timeout"),
+    INTERNAL: ("worker_timeout", "stop_timeout", "huge_pages"),
+    "Deprecated": DEPRECATED,
 }
-INTERNAL = "For tests and diagnosis"
+HIDDEN = (INTERNAL, "Deprecated")
 
 
 def sections() -> dict[str, tuple[Knob, ...]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvcached.config import INTERNAL, SECTIONS, DaemonConfig, knobs_all, sections
+from kvcached.config import HIDDEN, SECTIONS, DaemonConfig, knobs_all, sections
 from kvcached.variables import OTHER_PREFIXES, OTHER_VARIABLES, unknown
 from tests.conftest import ROOT, DaemonFactory, unique_instance
 
@@ -37,8 +37,9 @@ def test_start_help_is_in_sections_and_its_first_screen_says_how_to_run_it(daemo
     assert screen.startswith("Usage: kvcached start [OPTIONS]") and "kvcached start --ranks 8 " in screen, screen
     assert all(option in screen for option in FIRST), screen
     assert "--help-all" in screen, "the first screen names the switch that shows the rest"
-    internal = [knob.flag for knob in sections()[INTERNAL]]
-    assert internal and not [flag for flag in internal if flag in shown.stdout], internal
+    hidden = [knob.flag for section in HIDDEN for knob in sections()[section]]
+    assert "--worker-timeout" in hidden and "--ipc-suffix" in hidden, hidden
+    assert not [flag for flag in hidden if flag in shown.stdout], hidden
     for title in ("Geometry:", "Tiers:", "Service:"):  # each knob under its heading
         part = shown.stdout.split(f"\n{title}\n", 1)[1].split("\n\n", 1)[0]
         expected = [knob.flag for knob in sections()[title.rstrip(":")]]
@@ -51,7 +52,7 @@ def test_help_all_shows_every_option_with_its_variable_and_the_other_variables(d
     shown = daemons.cli("start", "--help-all")
     assert shown.returncode == 0, shown.stderr
     text = " ".join(shown.stdout.split())
-    assert f"{INTERNAL}:" in shown.stdout
+    assert all(f"\n{section}:\n" in shown.stdout for section in HIDDEN), HIDDEN
     for knob in knobs_all():
         assert f"{knob.flag} " in text and f"env: {knob.env};" in text, knob.name
     environment = text.split("Environment (besides each option's own variable):", 1)[1]
