@@ -236,39 +236,6 @@ SPEC_FIELDS: Mapping[str, str] = {
 }
 _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 
-#: The section of the knobs that exist for tests and diagnosis.
-INTERNAL = "For tests and diagnosis"
-#: ``kvcached start --help`` in sections, in this order, the knobs of each in theirs; each store backend's
-#: options make a section of their own after ``Tiers``. The knobs of the ``HIDDEN`` sections (for tests and
-#: diagnosis; deprecated) work as every other (flag, variable, file key), and only ``--help-all`` shows them.
-SECTIONS: Mapping[str, tuple[str, ...]] = {
-    "Instance": ("instance", "ranks", "memory", "devices"),
-    "Geometry": ("geometry", *(name for name in SPEC_FIELDS if name not in ("num_cpu_blocks", "storage_backend"))),
-    "Tiers": ("num_cpu_blocks", "storage_backend"),
-    "Service": ("group", "metrics_port", "metrics_address"),
-    "Advanced": ("fresh", "store_timeout"),
-    INTERNAL: ("worker_timeout", "stop_timeout", "huge_pages"),
-    "Deprecated": DEPRECATED,
-}
-HIDDEN = (INTERNAL, "Deprecated")
-
-
-def sections() -> dict[str, tuple[Knob, ...]]:
-    """Every knob by its --help section, in order: ``SECTIONS``, each store backend's options after ``Tiers``
-    (``"<Name> store (--storage-backend <name>)"``), and a core knob no section names under ``Advanced``."""
-    every = {knob.name: knob for knob in knobs_all()}
-    named = {name for names in SECTIONS.values() for name in names}
-    found: dict[str, tuple[Knob, ...]] = {}
-    for title, names in SECTIONS.items():
-        extra = tuple(k for k in CORE if k.name not in named) if title == "Advanced" else ()
-        found[title] = tuple(every[name] for name in names) + tuple(every[k.name] for k in extra)
-        if title == "Tiers":
-            for backend in store.all_backends():
-                own = tuple(every[k.name] for k in backend.options if k.name not in named)
-                named |= {k.name for k in own}
-                found[f"{backend.name.capitalize()} store (--storage-backend {backend.name})"] = own
-    return found
-
 
 def _geometry_from(where: str, given: list[tuple[str, str]]) -> None:
     """With ``--geometry engine`` (``where``) the geometry is the engine's to declare: a geometry knob set

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvcached.config import HIDDEN, SECTIONS, DaemonConfig, knobs_all, sections
+from kvcached.config import DaemonConfig, knobs_all
+from kvcached.options import HIDDEN, SECTIONS, sections
 from kvcached.variables import OTHER_PREFIXES, OTHER_VARIABLES, unknown
 from tests.conftest import ROOT, DaemonFactory, unique_instance
 

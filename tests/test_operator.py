@@ -169,9 +169,9 @@ def test_ctrl_c_of_the_demo_runner_while_it_waits_ends_it_without_a_traceback(da
 def test_a_mistyped_instance_is_answered_with_the_name_meant(daemons: DaemonFactory) -> None:
     """stop, status, restart and doctor of a name no instance has, next to one that runs: each names the one
     meant (stop still exits 0: nothing of that name runs); a name that left memory here is no typo."""
-    daemon = daemons.start(f"{unique_instance()}-quickstart", ranks=1)
+    daemon = daemons.start(f"{unique_instance()}-mop", ranks=1)  # short: the socket paths
     daemon.wait_ready()
-    typo = daemon.instance.replace("quickstart", "quikcstart")
+    typo = daemon.instance.replace("mop", "mpo")
     hint = f"not running; did you mean {daemon.instance}?"
     stop = daemons.cli("stop", "--instance", typo)
     assert stop.returncode == 0 and hint in stop.stdout, stop.stdout
@@ -183,7 +183,7 @@ def test_a_mistyped_instance_is_answered_with_the_name_meant(daemons: DaemonFact
     (live,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "live_instance"]
     assert f"did you mean {daemon.instance}?" in live["figure"], live
     assert daemons.cli("status", "--instance", daemon.instance).returncode == 0, "the instance meant serves on"
-    other = daemons.start(daemon.instance.replace("quickstart", "quikcstart"), ranks=1)  # the typo, kept
+    other = daemons.start(typo, ranks=1)  # the typo, kept
     other.wait_ready()
     assert daemons.cli("stop", "--keep", "--instance", other.instance).returncode == 0
     doctor = daemons.cli("doctor", "--instance", other.instance, "--json")
