@@ -132,7 +132,7 @@ def printed(expected: str, output: str, names: Mapping[str, str]) -> list[str]:
     of spaces for one: a table's columns are as wide as its widest cell), each of ``names``' values (the
     test's instance names) read as its key (the name the document wrote)."""
     actual = output
-    for written, used in names.items():
+    for written, used in sorted(names.items(), key=lambda item: -len(item[1])):  # kvt-1-10 before kvt-1-1
         actual = actual.replace(used, written)
     missing = []
     for line in expected.splitlines():
