@@ -25,8 +25,15 @@ from click.core import ParameterSource
 from kvcached import plugins
 from kvcached.checks import counted
 from kvcached.daemon.errors import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
-from kvcached.knobs import Knob
 from kvcached.logs import LEVELS
+from kvcached.options import (
+    START_EPILOG,
+    SectionedCommand,
+    config_options,
+    doctor_options,
+    help_all_option,
+    start_options,
+)
 from kvcached.protocol.errors import InvalidConfig, InvalidSpec
 from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_ENV, INSTANCE_RULE, check_instance, instance_or_default
 
@@ -69,37 +76,6 @@ def _at_least(value: float, least: float, flag: str) -> float:
     return value
 
 
-def _knob_option(knob: Knob) -> Callable[[Any], Any]:
-    """A click option for ``knob`` that passes the value through as written (the config parses it)."""
-    default = str(knob.default).lower() if knob.switch else knob.default
-    if knob.default is None:
-        default = "none" if "none" in (knob.choices or ()) else "off"
-    choices = f" One of: {', '.join(knob.choices)}." if knob.choices else ""
-    text = f"{knob.help}{choices} [env: {knob.env}; default: {default}]"
-    if "[default:" in knob.help:
-        text = f"{knob.help.replace('[default:', f'[env: {knob.env}; default:')}{choices}"
-    if knob.switch:
-        name = knob.name.replace("_", "-")
-        return click.option(f"--{name}/--no-{name}", knob.name, default=None, help=text)
-    return click.option(knob.flag, knob.name, default=None, metavar=knob.metavar, help=text)
-
-
-def config_options(fn: Any) -> Any:
-    """The configuration options of ``start``, shared by ``doctor`` (same names, same environment)."""
-    from kvcached.config import knobs_all
-
-    for knob in reversed(knobs_all()):
-        fn = _knob_option(knob)(fn)
-    return click.option(
-        "--config",
-        "config_file",
-        type=Path,
-        envvar="KVCACHED_CONFIG",
-        help="TOML file with any of these options (knob names: the flags' names with underscores). "
-        "[env: KVCACHED_CONFIG]",
-    )(fn)
-
-
 def _source(param: str, flag: str, variable: str, value: object) -> str:
     """Where the current command's ``param`` came from, as an operator wrote it: the variable with its
     value, or the flag."""
@@ -126,40 +102,26 @@ def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-@main.command(context_settings=_CONTEXT, short_help="Run the daemon in the foreground.")
+@main.command(
+    cls=SectionedCommand,
+    context_settings=_CONTEXT,
+    short_help="Run the daemon in the foreground.",
+    epilog=START_EPILOG,
+)
 @config_options
-@click.option(
-    "--log-level",
-    default="info",
-    envvar="KVCACHED_LOG_LEVEL",
-    metavar="LEVEL",
-    help=f"One of: {', '.join(LEVELS)}. [env: KVCACHED_LOG_LEVEL; default: info]",
-)
-@click.option(
-    "--log-format",
-    default="auto",
-    envvar="KVCACHED_LOG_FORMAT",
-    metavar="FORMAT",
-    help="auto: console on a TTY, else JSON; json; console. [env: KVCACHED_LOG_FORMAT; default: auto]",
-)
-@click.option(
-    "--check-config",
-    is_flag=True,
-    help="Check that this configuration loads, and exit: 0, or 4 with what is wrong. `kvcached restart` runs "
-    "it (the code installed now, the daemon's arguments) before the daemon stops.",
-)
+@start_options
+@help_all_option
 def start(config_file: Path | None, log_level: str, log_format: str, check_config: bool, **values: Any) -> None:
     """Run the daemon in the foreground until SIGTERM / SIGINT (or `kvcached stop`).
 
-    Precedence: flags > KVCACHED_* environment > --config file > defaults. The defaults make the
-    daemon the owner (a modest CPU swap pool) and reserve 48 MiB of /dev/shm per rank.
+    \b
+      kvcached start --ranks 8                            # host memory, the default geometry
+      kvcached start --instance main --config /etc/kvcached/main.toml   # what kvcached@main runs
+      kvcached start --ranks 8 --memory xpu --devices 0,1,2,3,4,5,6,7 --geometry engine   # FastDeploy
+      kvcached start --ranks 8 --check-config             # does it load? exit 0, or 4 and why
 
-    A start adopts the memory an earlier run of the instance left (killed, or stopped with `stop --keep`)
-    when it is ours, of the same spec and consistent: the KV blocks survive, runners keep their views.
-    Otherwise it reclaims that memory and says why (log, `status`). --fresh reclaims it, at this start
-    (a `kvcached restart` of this daemon adopts). Objects of other users under the instance's names are
-    reported and left alone; a daemon that ends without being told to stop keeps the memory.
-
+    Each option is also a variable (--num-blocks: KVCACHED_NUM_BLOCKS) and a --config key (num_blocks):
+    flags > KVCACHED_* > --config file > defaults. --help-all shows the options for tests and diagnosis too.
     """
     from kvcached import logs, running
     from kvcached.config import unknown_variables
@@ -201,9 +163,6 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     if handover is not None:  # `kvcached restart`: the same command, the code installed now
         running.execute_again(handover)
     _exit_now(status)
-
-
-start.help = inspect.cleandoc(start.help or "") + "\n\n\b\n" + EXIT_STATUS_HELP
 
 
 def _exit_now(status: int) -> NoReturn:
@@ -252,20 +211,14 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
     return show
 
 
-@main.command(context_settings=_CONTEXT, short_help="Check this host and a configuration before a start.")
+@main.command(
+    cls=SectionedCommand,
+    context_settings=_CONTEXT,
+    short_help="Check this host and a configuration before a start.",
+)
+@doctor_options
 @config_options
-@click.option(
-    "--json", "as_json", is_flag=True, help="One JSON object (documented in kvcached.doctor) instead of a table."
-)
-@click.option("--clean", is_flag=True, help="Reclaim the leftovers of a dead instance (never a live one's).")
-@click.option(
-    "--fastdeploy",
-    default="auto",
-    metavar="PATH|auto|none",
-    help="The FastDeploy to check against: a checkout or an installed package's directory; auto: the "
-    "installed fastdeploy package, if any. Names its line, whether kvcached's patch is applied, the cache "
-    "queue's transport, and whether its runner would allocate a second copy. [default: auto]",
-)
+@help_all_option
 def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str, **values: Any) -> None:
     """Check this host for the configuration `start` would use, before it fails.
 
@@ -372,7 +325,7 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
 
     Exit status 0 when the daemon is alive and every rank is READY, 1 otherwise (--watch: 0 on Ctrl-C).
     """
-    from kvcached.running import guarded
+    from kvcached.running import did_you_mean, guarded
     from kvcached.status import is_ready, read_status, render
 
     name = _instance(instance)
@@ -381,8 +334,9 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
         return
     if click.get_current_context().get_parameter_source("interval") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--interval is the period of --watch: add --watch, or leave --interval out")
-    snapshot = guarded(read_status, name)
-    click.echo(json.dumps(snapshot) if as_json else render(snapshot))
+    snapshot = guarded(read_status, name, any_owner=os.geteuid() == 0)
+    hint = "" if as_json or snapshot["running"] else did_you_mean(name)
+    click.echo(json.dumps(snapshot) if as_json else render(snapshot) + hint)
     sys.exit(0 if is_ready(snapshot) else 1)
 
 
@@ -396,7 +350,7 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
     try:
         while True:
             now = time.monotonic()
-            snapshot = guarded(read_status, instance)
+            snapshot = guarded(read_status, instance, any_owner=os.geteuid() == 0)
             if as_json:
                 frame = json.dumps(snapshot)
             else:
@@ -409,6 +363,22 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
             time.sleep(max(0.0, interval - (time.monotonic() - now)))
     except KeyboardInterrupt:
         return
+
+
+@main.command(name="list", context_settings=_CONTEXT, short_help="List this host's instances.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list (see kvcached.status.list_instances), not a table.")
+def list_command(as_json: bool) -> None:
+    """List the instances of this host: state, ranks, owner, memory held in /dev/shm, and whether the
+    daemon runs. Root sees every user's; another user its own, and those of the users it trusts whose
+    control block it may read (a --group member sees the service's)."""
+    from kvcached.protocol.errors import KVCacheError
+    from kvcached.status import list_instances, render_list
+
+    try:
+        found = list_instances()
+    except KVCacheError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(found) if as_json else render_list(found))
 
 
 @main.command(context_settings=_CONTEXT, short_help="Stop a running daemon (--keep: keep its memory).")
@@ -429,7 +399,8 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     name = _instance(instance)
     target = running.daemon_of(name)
     if target is None:
-        click.echo(f"instance {name}: not running{running.left_behind(name)}")
+        left = running.left_behind(name)
+        click.echo(f"instance {name}: not running{left or running.did_you_mean(name)}")
         return
     pid, started = target
     waiting = keep and running.awaits_geometry_now(name)
@@ -465,7 +436,9 @@ def restart(instance: str | None, timeout: float) -> None:
     (exit 1, the reason printed), while a rank is not READY or when the configuration, as the next image
     would read it (`start --check-config`), does not load or gives other ranks, device backend or geometry
     than the memory has (the next image could not adopt it). A daemon still waiting for the engine's
-    geometry (--geometry engine) holds no memory: it waits again, exit 0.
+    geometry (--geometry engine) holds no memory: it waits again, exit 0. A configuration variable set here
+    that the daemon's environment has not (KVCACHED_NUM_BLOCKS=64 kvcached restart) is refused, nothing
+    restarted (exit 4): a restart keeps the daemon's own arguments and environment.
     """
     from kvcached import running
     from kvcached.daemon.requests import RESTART_SIGNAL
@@ -475,8 +448,17 @@ def restart(instance: str | None, timeout: float) -> None:
     target = running.daemon_of(name)
     if target is None:
         start = "kvcached start" if name == DEFAULT_INSTANCE else f"kvcached start --instance {name}"
-        raise click.ClickException(f"instance {name}: not running; start it with `{start}`")
+        hint = running.did_you_mean(name) or f"; start it with `{start}`"
+        raise click.ClickException(f"instance {name}: not running{hint}")
     pid, started = target
+    ignored = running.not_applied(pid)
+    if ignored:
+        raise ConfigError(
+            f"instance {name}: nothing was restarted: {', '.join(ignored)} is set here, and a restart keeps the "
+            "daemon's own arguments and environment, so it would not apply. To apply it, stop the daemon and "
+            "start it with it (another geometry makes the cache anew), or put it in the daemon's --config file "
+            "and restart; else unset it here"
+        )
     snapshot, took = running.wait_restarted(name, pid, started, RESTART_SIGNAL, timeout)
     note = snapshot.get("note") or ""
     click.echo(f"instance {name}: restarted (pid {pid}) in {took:.2f}s, generation {snapshot['generation']}: {note}")
@@ -496,4 +478,4 @@ def _instance(instance: str | None) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(main(prog_name="kvcached"))

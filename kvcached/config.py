@@ -95,7 +95,7 @@ CORE: tuple[Knob, ...] = (
         "instance",
         _instance,
         DEFAULT_INSTANCE,
-        f"Instance name ({INSTANCE_RULE}): several daemons per host run under different names.",
+        f"Instance name ({INSTANCE_RULE}); one daemon per name on the host.",
         "NAME",
     ),
     Knob("memory", _memory, "host", "Device-tier backend.", "BACKEND"),
@@ -103,10 +103,9 @@ CORE: tuple[Knob, ...] = (
         "geometry",
         knobs.choice(GEOMETRY_SOURCES),
         "config",
-        "Where the cache's geometry comes from. config: the flags below. engine: the engine's first runner or "
-        "FastDeploy drop-in declares it (FastDeploy's own block count, after its profile run) and the ranks "
-        "wait until then; later declarations that differ are refused by name. With engine, set only memory, "
-        "store and service options.",
+        "config: the options below. engine: the engine's first runner or FastDeploy drop-in declares it "
+        "(FastDeploy's own block count, after its profile run) and the ranks wait until then; a later "
+        "declaration that differs is refused by name. With engine, set none of the options below.",
         "FROM",
         choices=GEOMETRY_SOURCES,
     ),
@@ -121,9 +120,9 @@ CORE: tuple[Knob, ...] = (
         "storage_backend",
         _storage,
         None,
-        "Attention store; any but none makes the daemon the owner. A backend's options (file backend: ..., "
-        "mooncake backend: ... below) are refused (exit 4) unless it is the one set here, or they were set "
-        "lower down than it (flags over KVCACHED_* over the config file).",
+        "Attention store; any but none makes the daemon the owner. A backend's options (its section below) "
+        "are refused (exit 4) unless it is the one set here, or they were set lower down than it (flags over "
+        "KVCACHED_* over the config file).",
         "BACKEND",
     ),
     Knob(
@@ -201,7 +200,7 @@ CORE: tuple[Knob, ...] = (
         knobs.boolean,
         False,
         "Never adopt the memory an earlier run of this instance left (killed, or stopped with --keep): reclaim "
-        "it and allocate anew. By default a start adopts it when it is ours, of the same spec and consistent.",
+        "it and allocate anew.",
         switch=True,
     ),
     Knob(
@@ -213,6 +212,7 @@ CORE: tuple[Knob, ...] = (
     ),
     Knob("engine_user", knobs.name_or_id, None, f"Deprecated, does nothing: {IGNORED_WHY}", "USER"),
 )
+
 
 #: In ``DaemonConfig.build``'s ``ignore``: leave the store backend's options unchecked.
 STORE_OPTIONS = "store options"

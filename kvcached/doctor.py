@@ -55,6 +55,7 @@ from kvcached.protocol.names import (
     task_socket_path,
 )
 from kvcached.protocol.ownership import DAEMON_OWNS_WITH, cache_owner, explain_owner
+from kvcached.running import did_you_mean
 
 #: linux/capability.h
 CAP_IPC_LOCK = 14
@@ -76,14 +77,14 @@ def check_variable(warning: str) -> Check:
     return Check("config", WARN, warning, {"variable": name}, f"fix its name, or unset {name}")
 
 
-def run_dir_of(config: DaemonConfig) -> Path:
-    """The run directory of the live daemon of ``config.instance`` (its control block says), else the one
-    a start here would use."""
+def run_dir_of(config: DaemonConfig) -> tuple[Path, int]:
+    """The run directory of the live daemon of ``config.instance`` (its control block says) and that daemon's
+    uid; else the one a start here would use, and this user's."""
     with contextlib.suppress(KVCacheError, OSError):
         found = read_instance(config.instance)
         if found is not None and found.header.run_dir:
-            return Path(found.header.run_dir)
-    return lock_path(config.instance).parent
+            return Path(found.header.run_dir), found.owner_uid
+    return lock_path(config.instance).parent, os.geteuid()
 
 
 def has_ipc_lock() -> bool:
@@ -162,7 +163,7 @@ def _held_by_a_dead_run(config: DaemonConfig) -> tuple[int, str | None]:
     """Bytes of /dev/shm the instance's own objects occupy when no daemon of it lives, and whether the next
     start adopts them (``kept``: judged as a start judges) or reclaims them (``dead run``); (0, None) else."""
     try:
-        found = inspect_instance(config.instance, run_dir_of(config))
+        found = inspect_instance(config.instance, run_dir_of(config)[0])
     except (OSError, KVCacheError):
         return 0, None
     foreign = {path for path, _ in found.squatters}
@@ -277,16 +278,16 @@ def check_remove_ipc(uid: int | None = None, patterns: tuple[str, ...] = LOGIND_
 
 
 def check_run_dir(config: DaemonConfig) -> Check:
-    directory = run_dir_of(config)
+    directory, owner = run_dir_of(config)
     try:
-        return _check_run_dir(config, directory)
+        return _check_run_dir(config, directory, owner)
     except PermissionError as exc:  # a directory above it this user may not search
         measured = {"path": str(directory), "exists": None}
         figure = f"{directory}: this user may not look into {exc.filename}"
         return Check("run_dir", FAIL, figure, measured, "run kvcached as a user who may, or set KVCACHED_RUN_DIR")
 
 
-def _check_run_dir(config: DaemonConfig, directory: Path) -> Check:
+def _check_run_dir(config: DaemonConfig, directory: Path, owner: int) -> Check:
     longest = task_socket_path(directory, config.instance, config.ranks - 1)
     measured: dict[str, Any] = {"path": str(directory), "exists": directory.exists()}
     if len(str(longest).encode()) > MAX_SOCKET_PATH:
@@ -303,8 +304,8 @@ def _check_run_dir(config: DaemonConfig, directory: Path) -> Check:
     mode = st.st_mode & 0o777
     measured.update(owner_uid=st.st_uid, mode=f"{mode:o}")
     figure = f"{directory} owner uid {st.st_uid} mode {mode:o}"
-    if st.st_uid != os.geteuid():
-        return Check("run_dir", FAIL, figure, measured, "it must belong to the daemon's user")
+    if st.st_uid != owner:
+        return Check("run_dir", FAIL, figure, measured, f"it must belong to the daemon's user (uid {owner})")
     if mode & 0o002:
         return Check("run_dir", WARN, figure, measured, f"anyone may write into it: chmod o-w {directory}")
     return Check("run_dir", OK, figure, measured)
@@ -352,7 +353,7 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     owner = hidden_owner(config.instance)
     if owner is not None and owner != os.geteuid():
         return check_hidden_instance(config, owner)
-    run_dir = run_dir_of(config)
+    run_dir = run_dir_of(config)[0]
     found = inspect_instance(config.instance, run_dir)
     lock = instance_lock_path(config.instance)
     squatted = lockfile.why_not_a_lock(lock)
@@ -360,24 +361,18 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
         found.squatters.append((lock, squatted))
     starting = lockfile.held_by(run_dir / lock_path(config.instance).name)
     live_pid = found.live_pid or (starting.pid if starting is not None else None)
-    checks = []
-    if live_pid is not None:
-        checks.append(
-            Check(
-                "live_instance",
-                FAIL,
-                f"instance {config.instance!r} is running (pid {live_pid})",
-                {"pid": live_pid},
-                f"`kvcached status --instance {config.instance}` shows how it runs; for a new daemon pick another "
-                f"--instance, or `kvcached stop --instance {config.instance}` first",
-            )
-        )
-    else:
-        checks.append(Check("live_instance", OK, f"no daemon runs instance {config.instance!r}", {"pid": None}))
+    checks = [_live_check(config.instance, live_pid)]
     names = [str(p) for p in found.left]
     squatters = [why for _, why in found.squatters]
     measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
-    if live_pid is not None:
+    if live_pid is not None and clean:
+        figure = f"--clean removed nothing: instance {config.instance!r} is running (pid {live_pid})"
+        advice = (
+            f"its {counted(len(names), 'object')} are the live daemon's: `kvcached stop --instance "
+            f"{config.instance}` stops it and removes them (--keep keeps them for the next start)"
+        )
+        checks.append(Check("leftovers", FAIL, figure, measured, advice))
+    elif live_pid is not None:
         checks.append(Check("leftovers", OK, f"{counted(len(names), 'object')}, all of the live daemon", measured))
     elif squatters:  # a start leaves them alone; only one at the control block's name stops it
         control = shm_path(control_name(config.instance))
@@ -404,6 +399,19 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
             objects = counted(len(names), "object")
             checks.append(Check("leftovers", WARN, f"{objects} of a dead run{why}", measured, advice))
     return checks
+
+
+def _live_check(instance: str, pid: int | None) -> Check:
+    """``live_instance``: the daemon of ``instance`` that runs (``pid``), or none (a name none has: a typo?)."""
+    if pid is None:
+        return Check(
+            "live_instance", OK, f"no daemon runs instance {instance!r}{did_you_mean(instance)}", {"pid": None}
+        )
+    advice = (
+        f"`kvcached status --instance {instance}` shows how it runs; for a new daemon pick another --instance, "
+        f"or `kvcached stop --instance {instance}` first"
+    )
+    return Check("live_instance", FAIL, f"instance {instance!r} is running (pid {pid})", {"pid": pid}, advice)
 
 
 def _clean(instance: str, found: Leftovers, run_dir: Path, measured: dict[str, Any]) -> Check:

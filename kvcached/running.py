@@ -141,6 +141,50 @@ def left_behind(name: str) -> str:
     )
 
 
+def not_applied(pid: int) -> list[str]:
+    """The configuration variables set in this environment that a restart of daemon ``pid`` would not apply
+    (a restart keeps the daemon's own arguments and environment, ``/proc/<pid>/environ``), each as
+    ``NAME=VALUE (the daemon's: ...)``; ``KVCACHED_INSTANCE`` picks the instance and is not among them."""
+    from kvcached.config import knobs_all
+    from kvcached.protocol.names import INSTANCE_ENV
+
+    names = {knob.env for knob in knobs_all()} | {"KVCACHED_CONFIG", "KVCACHED_LOG_LEVEL", "KVCACHED_LOG_FORMAT"}
+    mine = {name: os.environ[name] for name in sorted(names - {INSTANCE_ENV}) if os.environ.get(name)}
+    if not mine:
+        return []
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        theirs: dict[str, str] | None = None
+    else:
+        theirs = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+    if theirs is None:
+        return [f"{name}={value} (the daemon's: unreadable)" for name, value in mine.items()]
+    return [
+        f"{name}={value} (the daemon's: {theirs.get(name, 'unset')})"
+        for name, value in mine.items()
+        if theirs.get(name) != value
+    ]
+
+
+def did_you_mean(name: str) -> str:
+    """``"; did you mean NAME?"`` for the instance on this host whose name is closest to ``name`` (a typo of
+    a name that has nothing on this host), else "". Numbered siblings (``fd-1`` for ``fd-3``) are no typo of
+    each other."""
+    import difflib
+    import re
+
+    from kvcached.protocol.names import instances_in_shm
+
+    found = instances_in_shm()
+    if name in found:  # no typo: an instance of that name left something here
+        return ""
+    shape = re.sub(r"\d+", "#", name)
+    others = [other for other in found if re.sub(r"\d+", "#", other) != shape]
+    close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def run_dir_of(name: str) -> Path:
     """The run directory the live daemon of ``name`` publishes (where it writes a refused restart's reason)."""
     found = guarded(read_instance, name, live=False)

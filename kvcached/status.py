@@ -1,8 +1,9 @@
-"""What ``kvcached status`` reports: a snapshot of an instance, read from its control block only.
+"""What ``kvcached status`` reports: a snapshot of an instance, read from its control block only; and what
+``kvcached list`` reports of every instance of the host (``list_instances``).
 
 The JSON shape is a public interface (scripts parse it)::
 
-    {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234,
+    {"instance": "default", "running": true, "alive": true, "generation": "9f1c...", "pid": 1234, "owner_uid": 999,
      "adopted_from": "3e07..." or null, "note": "adopted from generation 3e07... (its daemon died)",
      "ranks": [{"rank": 0, "state": "READY", "pid": 1235, "heartbeat_age_s": 0.4, "bytes": 50331648,
                 "bytes_device": 33554432, "bytes_cpu": 16777216, "since": "2026-11-29T18:59:01",
@@ -12,11 +13,13 @@ The JSON shape is a public interface (scripts parse it)::
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
                           "corrupt": 0, "errors": 0, "master_resets": 0, "available": true},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
-                         "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2}}, ...],
+                         "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2, "swap_failures": 0}},
+               ...],
      "spec": {...}}
 
-``adopted_from`` is the generation whose memory this daemon adopted when it started (null: it allocated
-its own); ``note`` says so, or why it did not adopt an earlier run's memory ("" when there was none).
+``owner_uid`` is the uid whose control block it is. ``adopted_from`` is the generation whose memory this
+daemon adopted when it started (null: it allocated its own); ``note`` says so, or why it did not adopt an
+earlier run's memory ("" when there was none).
 ``waiting`` is the number of runner processes waiting for that rank to become READY right now.
 ``reserved`` and ``total`` are the bytes the rank's worker has reserved so far and will hold in all (the
 allocation's progress); ``latency`` the task durations per operation, from the rank's histograms.
@@ -29,34 +32,47 @@ found it; store tasks fail meanwhile, swaps go on.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from kvcached.protocol.control import Header, Record, State
+from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.layout import size_text
+from kvcached.protocol.names import control_name, instance_lock_path, instances_in_shm, shm_path
 from kvcached.protocol.stats import StatsSlot, latency_marks
+from kvcached.protocol.trust import check_owner, trusted_uids, user_name
 from kvcached.protocol.waiters import count_waiters
 
 
-def read_status(instance: str) -> dict[str, Any]:
-    """Snapshot of ``instance``; ``running`` False (and no ranks) when there is no published block."""
+def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
+    """Snapshot of ``instance``; ``running`` False (and no ranks) when there is no published block. With
+    ``any_owner`` (root's ``kvcached status``) an instance of any user is read, its owner named, instead of
+    one of an untrusted user being refused (a view, never a use: nothing of it is mapped but its block);
+    an untrusted user's block that no daemon published or is starting is still refused (``NotTrusted``)."""
     status: dict[str, Any] = {
         "instance": instance,
         "running": False,
         "alive": False,
         "generation": None,
         "pid": None,
+        "owner_uid": None,
         "adopted_from": None,
         "note": "",
         "ranks": [],
     }
-    view = open_instance(instance)
+    control = shm_path(control_name(instance))
+    owner = _owner(control, []) if any_owner else -1
+    view = open_instance(instance, owner=owner if owner >= 0 else None)
     if view is None:
         return status
     with view:
         header, block = view.header, view.block
-        status["running"] = True
+        if header is None and any_owner and not _starting(instance, block.owner_uid):
+            check_owner(f"control block {control}", os.stat(control))  # no daemon's: refused as a runner does
+        status.update(running=True, owner_uid=block.owner_uid)
         if header is None:
             return status
         now = time.monotonic_ns()
@@ -204,6 +220,9 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
     if not status["alive"] and status["ranks"] and all(r["state"] == State.KEPT.name for r in status["ranks"]):
         daemon = "stopped, its memory kept for the next start to adopt"
     lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
+    if status.get("owner_uid") not in (None, os.geteuid()):
+        owner = user_name(status["owner_uid"])
+        lines[0] += f"  owner uid {status['owner_uid']}" + (f" ({owner})" if owner else "")
     if status.get("note"):
         lines.append(status["note"])
     rates = previous is not None and previous.get("generation") == status["generation"]
@@ -245,3 +264,125 @@ def _row(r: dict[str, Any], dead: bool = False) -> list[str]:
         r.get("since") or "-",
         r.get("error") or "",
     ]
+
+
+def list_instances() -> list[dict[str, Any]]:
+    """``kvcached list``: the host's instances this user may see, by name. Root sees every one; another
+    user those of its own uid and those of a user it trusts (root, the service user, ``KVCACHED_DAEMON_USER``)
+    whose control block it may read (a ``--group`` member sees the service's). Each::
+
+        {"instance": "default", "owner_uid": 999, "owner": "kvcached", "state": "READY",
+         "states": {"READY": 8}, "ranks": 8, "memory_bytes": 402685952, "daemon_running": true,
+         "pid": 1234, "generation": "9f1c...", "note": ""}
+
+    ``state`` sums the ranks up: their common state (``READY``, ``KEPT``, ...), ``MIXED`` (``states`` counts
+    them), ``AWAITING GEOMETRY`` (``--geometry engine``), ``DEAD`` (its daemon died: ``states`` are what its
+    ranks were), ``STARTING`` (no block published yet), ``LEFTOVERS`` (objects without a control block) or
+    ``UNREADABLE`` (``note`` says why). ``memory_bytes``
+    is what its objects in /dev/shm occupy; ``daemon_running`` whether its daemon (pid and start time) runs.
+    """
+    me = os.geteuid()
+    trusted = trusted_uids() if me else frozenset()
+    found = []
+    for instance, entries in instances_in_shm().items():
+        control = shm_path(control_name(instance))
+        owner = _owner(control, entries)
+        if me and owner != me and not (owner in trusted and os.access(control, os.R_OK)):
+            continue
+        found.append(_listed(instance, entries, control, owner))
+    return found
+
+
+def _starting(instance: str, owner: int) -> bool:
+    """Whether a process of uid ``owner`` holds the instance's lock (a daemon that has not published yet)."""
+    from kvcached.daemon.lockfile import flock_holder, process_uid
+
+    pid = flock_holder(instance_lock_path(instance))
+    return pid is not None and process_uid(pid) == owner
+
+
+def _owner(control: Path, entries: list[Path]) -> int:
+    """Whose an instance is: its control block's owner, else its first entry's."""
+    for path in (control, *entries):
+        try:
+            return path.lstat().st_uid
+        except OSError:
+            continue
+    return -1
+
+
+def _listed(instance: str, entries: list[Path], control: Path, owner: int) -> dict[str, Any]:
+    """One instance as ``list_instances`` shows it."""
+    from kvcached.daemon.lockfile import flock_holder
+
+    held = 0
+    for path in entries:
+        try:
+            held += path.lstat().st_blocks * 512
+        except OSError:
+            continue
+    pid = flock_holder(instance_lock_path(instance))
+    item: dict[str, Any] = {
+        "instance": instance,
+        "owner_uid": owner,
+        "owner": user_name(owner),
+        "state": "STARTING" if pid is not None else "LEFTOVERS",
+        "states": {},
+        "ranks": None,
+        "memory_bytes": held,
+        "daemon_running": pid is not None,
+        "pid": pid,
+        "generation": None,
+        "note": "",
+    }
+    try:
+        view = open_instance(instance, owner=owner) if control.exists() else None
+    except KVCacheError as exc:
+        item.update(state="UNREADABLE", note=str(exc))
+        return item
+    if view is None:
+        return item
+    with view:
+        header = view.header
+        if header is None:
+            return item
+        states: dict[str, int] = {}
+        for rank in range(header.num_ranks):
+            record = view.record(rank)
+            name = record.state.name if record is not None else "UNKNOWN"
+            states[name] = states.get(name, 0) + 1
+        alive = view.alive
+        item.update(
+            states=states,
+            ranks=header.num_ranks,
+            daemon_running=alive,
+            pid=header.daemon_pid if alive else None,
+            generation=f"{header.generation:016x}",
+            note=header.note,
+        )
+    item["state"] = next(iter(states)) if len(states) == 1 else "MIXED"
+    if alive and states == {State.EMPTY.name: header.num_ranks} and "num_blocks" not in header.spec:
+        item["state"] = "AWAITING GEOMETRY"
+    elif not alive and item["state"] != State.KEPT.name:
+        item["state"] = "DEAD"  # what its ranks were is history (``states``)
+    return item
+
+
+def render_list(instances: list[dict[str, Any]]) -> str:
+    """``kvcached list`` as a table for people."""
+    if not instances:
+        return "no kvcached instance on this host that this user may see"
+    rows = [("instance", "state", "ranks", "owner", "memory", "daemon")]
+    for item in instances:
+        state = item["state"]
+        if state in ("MIXED", "DEAD"):
+            ranks = ", ".join(f"{count} {name}" for name, count in item["states"].items())
+            state = f"DEAD, was {ranks}" if state == "DEAD" else ranks
+        owner = f"{item['owner_uid']}" + (f" ({item['owner']})" if item["owner"] else "")
+        daemon = f"running (pid {item['pid']})" if item["daemon_running"] else "not running"
+        ranks = "-" if item["ranks"] is None else str(item["ranks"])
+        rows.append((item["instance"], state, ranks, owner, _size(item["memory_bytes"]), daemon))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    notes = [f"{item['instance']}: {item['note']}" for item in instances if item["state"] == "UNREADABLE"]
+    return "\n".join(lines + notes)

@@ -8,7 +8,7 @@ condition says the runner owns it), print what it got and how long it waited.
 Geometry flags mirror `kvcached start` and default to its defaults; the runner's spec must match the
 daemon's, or attaching fails with CacheLayoutMismatch naming the field. It prints what it attached and
 warnings; --verbose adds runner_client's INFO log lines. Started before the daemon, it says once (on
-stderr) which instance it waits for, then waits.
+stderr) which instance it waits for, then waits; Ctrl-C ends the wait (exit 130, no traceback).
 """
 
 from __future__ import annotations
@@ -95,4 +95,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C while it waits: said in one line, the shell's status for SIGINT
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -606,6 +606,23 @@ def test_a_full_disk_evicts_as_a_full_capacity_does(daemons: DaemonFactory, smal
     assert store["evictions"] > 0 and store["objects"] < 64
 
 
+def test_a_disk_full_of_the_stores_own_objects_says_so(daemons: DaemonFactory, small_disk: Path) -> None:
+    """A disk the store's own objects fill (rank 1's, which rank 0 does not evict): rank 0's store fails
+    saying so, with the disk's size and what to lower, not that other files fill the disk."""
+    args = [*geometry(num_blocks=64), "--storage-backend", "file", "--storage-path", str(small_disk / "s")]
+    daemon = daemons.start(ranks=2, args=[*args, "--storage-capacity", "1GiB", "--head-dim", "1024"])
+    daemon.wait_ready()
+    many = keys(64, "own")
+    with rc.CacheTasks(daemon.instance) as tasks:
+        for start in range(0, 64, 8):  # rank 1 alone: it evicts its own as the disk fills
+            tasks.store(1, list(range(start, start + 8)), many[start : start + 8])
+        with pytest.raises(rc.TaskFailed) as failed:
+            tasks.store(0, [0], keys(1, "rank 0"))
+    said = str(failed.value)
+    assert "this store's own objects fill the disk" in said and "lower --storage-capacity" in said, said
+    assert "other files" not in said and "4.0 MiB" in said, said
+
+
 def test_a_failed_write_through_changes_no_cpu_block(daemons: DaemonFactory, small_disk: Path) -> None:
     """Why 4: swap_out(keys=...) whose store fails (a full disk with nothing to evict) fails with nothing
     changed: the CPU pool is byte for byte what it was; the failure is counted."""
@@ -621,8 +638,9 @@ def test_a_failed_write_through_changes_no_cpu_block(daemons: DaemonFactory, sma
         fill(cache, 3)
         digests = arena_digests(daemon.instance)
         cpu = [name for name in digests if name.endswith(".cpu")]
-        with pytest.raises(rc.TaskFailed):
+        with pytest.raises(rc.TaskFailed) as failed:
             tasks.swap_out(0, [1, 2], [0, 1], keys=keys(2, "wt"))
+        assert "other files fill the disk" in str(failed.value), failed.value  # the ballast, not the store
         assert {n: arena_digests(daemon.instance)[n] for n in cpu} == {n: digests[n] for n in cpu}
     assert read_status(daemon.instance)["ranks"][0]["store"]["errors"] >= 1
 
@@ -781,6 +799,8 @@ def cli_as(uid: int, *args: str) -> str:
     here, before the fork: the child's uid may not read the interpreter's own modules."""
     from click.testing import CliRunner
 
+    import kvcached.doctor
+    import kvcached.fastdeploy.doctor  # noqa: F401 - the commands' own imports, before the fork too
     from kvcached.cli import main
 
     def action() -> str:

@@ -1,4 +1,4 @@
-"""``tests/helpers/headstart.py`` does what README says of it, in a pytest session of its own.
+"""``tests/helpers/headstart.py`` does what docs/contributing.md says of it, in a pytest session of its own.
 
 In one test process the jobs the selected tests take begin as the first test starts, before the first test
 that takes one, in a background thread, their commands at the lowest CPU priority; a job still running when

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcached.config", "kvcached.config_file"),
     ("kvcached.daemon",),
     ("kvcached.status", "kvcached.doctor", "kvcached.running"),
-    ("kvcached.cli", "kvcached.fastdeploy"),
+    ("kvcached.cli", "kvcached.options", "kvcached.fastdeploy"),
 ]
 #: The floor: shared with runner_client, so it imports the standard library, numpy and posix_ipc only.
 FLOOR = [(0, part) for part in LAYERS[0]]

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 import runner_client as rc
-from tests.conftest import ROOT, DaemonFactory, unique_instance
+from kvcached.status import read_status
+from tests.conftest import ROOT, DaemonFactory, shm_entries, unique_instance
 from tests.helpers.procs import why_hung
 
 
@@ -122,6 +123,14 @@ def test_stop_of_a_killed_instance_says_what_it_left(daemons: DaemonFactory) -> 
     assert again.stdout.strip() == f"instance {daemon.instance}: not running", again.stdout
 
 
+def demo_runner(daemons: DaemonFactory, *args: str) -> subprocess.Popen[str]:
+    """README's demo runner, started as a reader starts it, its output piped."""
+    command = [sys.executable, "scripts/demo_runner.py", *args]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemons.env(), cwd=ROOT
+    )
+
+
 def test_the_demo_runner_started_before_the_daemon_says_what_it_waits_for(daemons: DaemonFactory) -> None:
     """The README's demo runner started first: one line on stderr names the instance it waits for and that no
     daemon runs it; once the daemon is started, it attaches, exit 0, without saying it again."""
@@ -129,14 +138,7 @@ def test_the_demo_runner_started_before_the_daemon_says_what_it_waits_for(daemon
     daemons.instances.add(instance)
     geometry = ["--num-layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
     geometry += ["--num-blocks", "8", "--num-cpu-blocks", "4"]
-    runner = subprocess.Popen(
-        [sys.executable, "scripts/demo_runner.py", "--instance", instance, "--rank", "1", "--timeout", "60", *geometry],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=daemons.env(),
-        cwd=ROOT,
-    )
+    runner = demo_runner(daemons, "--instance", instance, "--rank", "1", "--timeout", "60", *geometry)
     try:
         assert runner.stderr is not None
         said = runner.stderr.readline()
@@ -147,6 +149,95 @@ def test_the_demo_runner_started_before_the_daemon_says_what_it_waits_for(daemon
         runner.kill()
     assert runner.returncode == 0 and "attached KVCache(owner='daemon'" in out, out + rest
     assert "no daemon runs it" not in rest, rest
+
+
+def test_ctrl_c_of_the_demo_runner_while_it_waits_ends_it_without_a_traceback(daemons: DaemonFactory) -> None:
+    """The demo runner waiting for a daemon that is not there, interrupted as Ctrl-C does (SIGINT): one line
+    says so, exit 130, no traceback."""
+    instance = unique_instance()
+    runner = demo_runner(daemons, "--instance", instance, "--rank", "0", "--timeout", "60")
+    try:
+        assert runner.stderr is not None
+        assert "no daemon runs it" in runner.stderr.readline()
+        runner.send_signal(signal.SIGINT)
+        out, rest = runner.communicate(timeout=30)
+    finally:
+        runner.kill()
+    assert runner.returncode == 130 and rest.strip() == "interrupted", out + rest
+
+
+def test_a_mistyped_instance_is_answered_with_the_name_meant(daemons: DaemonFactory) -> None:
+    """stop, status, restart and doctor of a name no instance has, next to one that runs: each names the one
+    meant (stop still exits 0: nothing of that name runs); a name that left memory here is no typo."""
+    daemon = daemons.start(f"{unique_instance()}-mop", ranks=1)  # short: the socket paths
+    daemon.wait_ready()
+    typo = daemon.instance.replace("mop", "mpo")
+    hint = f"not running; did you mean {daemon.instance}?"
+    stop = daemons.cli("stop", "--instance", typo)
+    assert stop.returncode == 0 and hint in stop.stdout, stop.stdout
+    status = daemons.cli("status", "--instance", typo)
+    assert status.returncode == 1 and hint in status.stdout, status.stdout
+    restart = daemons.cli("restart", "--instance", typo)
+    assert restart.returncode == 1 and hint in restart.stderr, restart.stderr
+    doctor = daemons.cli("doctor", "--instance", typo, "--json")
+    (live,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "live_instance"]
+    assert f"did you mean {daemon.instance}?" in live["figure"], live
+    assert daemons.cli("status", "--instance", daemon.instance).returncode == 0, "the instance meant serves on"
+    other = daemons.start(typo, ranks=1)  # the typo, kept
+    other.wait_ready()
+    assert daemons.cli("stop", "--keep", "--instance", other.instance).returncode == 0
+    doctor = daemons.cli("doctor", "--instance", other.instance, "--json")
+    (live,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "live_instance"]
+    assert "did you mean" not in live["figure"], live  # its kept memory is there: a name, not a typo
+    assert daemons.cli("doctor", "--clean", "--instance", other.instance).returncode in (0, 1)  # releases it
+
+
+def test_doctor_clean_of_a_running_instance_says_it_removed_nothing(daemons: DaemonFactory) -> None:
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    before = shm_entries(daemon.instance)
+    done = daemons.cli("doctor", "--clean", "--instance", daemon.instance, "--ranks", "1")
+    assert done.returncode == 1, done.stdout
+    said = " ".join(done.stdout.split())
+    assert f"FAIL leftovers --clean removed nothing: instance '{daemon.instance}' is running (pid {daemon.pid})" in said
+    assert f"`kvcached stop --instance {daemon.instance}` stops it and removes them" in said, said
+    assert shm_entries(daemon.instance) == before and daemon.wait_ready()
+
+
+def test_restart_refuses_a_configuration_variable_it_would_not_apply(daemons: DaemonFactory) -> None:
+    """KVCACHED_NUM_BLOCKS=64 beside `kvcached restart`: refused by name (exit 4), nothing restarted, since
+    a restart keeps the daemon's own environment; the daemon's own value beside it restarts as ever."""
+    env = daemons.env(KVCACHED_NUM_BLOCKS="8")
+    daemon = daemons.start(ranks=1, env=env, executed=True)  # executed: /proc/<pid>/environ is its own
+    before = daemon.wait_ready()["generation"]
+    refused = daemons.cli("restart", "--instance", daemon.instance, env=daemons.env(KVCACHED_NUM_BLOCKS="64"))
+    assert refused.returncode == 4, refused.stdout + refused.stderr
+    assert "nothing was restarted: KVCACHED_NUM_BLOCKS=64 (the daemon's: 8) is set here" in refused.stderr
+    assert "stop the daemon and start it with it" in refused.stderr
+    assert read_status(daemon.instance)["generation"] == before
+    done = daemons.cli("restart", "--instance", daemon.instance, env=env)
+    assert done.returncode == 0 and "adopted from generation" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_home_that_does_not_exist_names_storage_path(daemons: DaemonFactory) -> None:
+    """A user whose HOME does not exist (nobody's /nonexistent) starting a file store at its default path:
+    refused before anything starts (exit 4) naming --storage-path and why; doctor fails its config check so."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run as nobody")
+    instance = unique_instance()
+    daemons.instances.add(instance)
+    env = {k: v for k, v in daemons.env(HOME="/nonexistent").items() if k not in ("XDG_CACHE_HOME", "CACHE_DIRECTORY")}
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+    args = ["--instance", instance, "--ranks", "1", "--storage-backend", "file"]
+    said = (
+        f"--storage-path: cannot make /nonexistent/.cache/kvcached/{instance}/store (the default, under "
+        "HOME=/nonexistent, which does not exist)"
+    )
+    started = daemons.cli("start", *args, env=env, prefix=as_nobody)
+    assert started.returncode == 4 and said in started.stderr and "Traceback" not in started.stderr, started.stderr
+    doctor = daemons.cli("doctor", *args, "--json", env=env, prefix=as_nobody)
+    config = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "config"]
+    assert [c["verdict"] for c in config] == ["fail"] and said in config[0]["figure"], config
 
 
 def test_a_store_larger_than_the_disk_is_warned_about_at_start(daemons: DaemonFactory, tmp_path: Path) -> None:

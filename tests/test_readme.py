@@ -32,9 +32,13 @@ no language, right after a block that ran (a blank line between at most)
     Skipped, saying why: a Kunlun XPU host; systemd as PID 1 and root (``tests/test_systemd_unit.py``
     installs the unit into a scratch root and verifies it).
 
-Any other info string fails: a new block must say how it runs. The daemons run under an instance name of
-the test's own (``KVCACHED_INSTANCE``, which ``kvcached`` and ``runner_client`` read) and a run directory
-of its own, and nothing of them is left in /dev/shm.
+Any other info string fails: a new block must say how it runs. Each document runs under instance names of
+its own, as its readers run it beside the quickstart's daemon: README.md under ``default`` (the quickstart's),
+every other document under the names its blocks write (``--instance fd``, ``instance="fd"``,
+``KVCACHED_INSTANCE=fd``, ``kvcached@main``), no two documents under the same name. The test runs each name
+as a name of its own (``default``: ``KVCACHED_INSTANCE``, which ``kvcached`` and ``runner_client`` read;
+each written name: a unique one in its place, read back as written in what the blocks print), in a run
+directory of its own, and nothing of them is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcached.protocol.names import DEFAULT_INSTANCE
 from kvcached.protocol.ownership import should_create_cache
 from kvcached.status import awaits_geometry, is_ready, read_status
 from tests.conftest import ROOT, leftovers_after_kill9, remove_entries, shm_entries, unique_instance
@@ -68,6 +73,8 @@ SKIPPED = {
     "needs-systemd": "needs systemd as PID 1 and root (tests/test_systemd_unit.py verifies the unit)",
 }
 RUN = {"sh", "sh quickstart", "sh daemon", "python", "python condition"}
+#: The blocks a reader runs: here, or on a host the test cannot be.
+STEPS = RUN | {f"sh {kind}" for kind in SKIPPED}
 KINDS = {*RUN, "", "toml", "sh synopsis", *(f"sh {k}" for k in SKIPPED)}
 FENCE = re.compile(r"^```(.*)$")
 #: Numbers and hex ids in expected output match any such token.
@@ -120,16 +127,36 @@ def blocks(path: Path, text: str | None = None) -> list[Block]:
     return found
 
 
-def printed(expected: str, output: str, instance: str) -> list[str]:
-    """The lines of ``expected`` that do not appear in ``output`` (numbers and hex ids as wildcards)."""
-    actual = output.replace(instance, "default")
+def printed(expected: str, output: str, names: Mapping[str, str]) -> list[str]:
+    """The lines of ``expected`` that do not appear in ``output`` (numbers and hex ids as wildcards, any run
+    of spaces for one: a table's columns are as wide as its widest cell), each of ``names``' values (the
+    test's instance names) read as its key (the name the document wrote)."""
+    actual = output
+    for written, used in sorted(names.items(), key=lambda item: -len(item[1])):  # kvt-1-10 before kvt-1-1
+        actual = actual.replace(used, written)
     missing = []
     for line in expected.splitlines():
         if line.strip():
-            pattern = r"[0-9a-f.]+".join(re.escape(part) for part in VARYING.split(line.strip()))
-            if not re.search(pattern, actual):
+            words = [r"[0-9a-f.]+".join(re.escape(part) for part in VARYING.split(word)) for word in line.split()]
+            if not re.search(r"\s+".join(words), actual):
                 missing.append(line)
     return missing
+
+
+#: Where a block writes an instance's name: ``--instance NAME``, ``KVCACHED_INSTANCE=NAME``,
+#: ``instance="NAME"`` (or ``'NAME'``), ``kvcached@NAME``.
+WRITTEN = re.compile(r"(--instance[ =]|KVCACHED_INSTANCE=|instance=[\"']|kvcached@)([A-Za-z0-9_][A-Za-z0-9_-]*)")
+
+
+def instance_names(path: Path) -> set[str]:
+    """The instance names the blocks of ``path`` that run (or are a host's steps) write; a synopsis's are
+    placeholders."""
+    return {match.group(2) for block in blocks(path) if block.info in STEPS for match in WRITTEN.finditer(block.text)}
+
+
+def renamed(text: str, names: Mapping[str, str]) -> str:
+    """``text`` with each instance name it writes replaced by the test's own for it."""
+    return WRITTEN.sub(lambda m: m.group(1) + names.get(m.group(2), m.group(2)), text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +182,9 @@ class Session:
         self.built = built
         self.env = env
         self.instance = env["KVCACHED_INSTANCE"]
+        #: written name -> the test's: ``default`` is the session's; a document's own names are added
+        #: as ``run_document`` meets them.
+        self.names = {DEFAULT_INSTANCE: self.instance}
         self.daemon: subprocess.Popen[bytes] | None = None
         self.daemon_log = checkout.parent / "daemon.log"
         self.python: subprocess.Popen[str] | None = None
@@ -193,9 +223,11 @@ class Session:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        named = re.search(r"--instance[ =](\S+)", command)
+        instance = named.group(1) if named else self.instance
         deadline = time.monotonic() + timeout
         while True:
-            status = read_status(self.instance)
+            status = read_status(instance)
             if is_ready(status) or awaits_geometry(status):
                 return
             assert self.daemon.poll() is None, f"exited {self.daemon.returncode}:\n{self.daemon_log.read_text()}"
@@ -267,14 +299,17 @@ def run_document(path: Path, session: Session) -> list[str]:
     skipped = []
     last: Block | None = None
     last_output: str | None = None
-    for block in blocks(path):
+    for name in sorted(instance_names(path) - set(session.names)):
+        session.names[name] = unique_instance()
+    for written in blocks(path):
+        block = dataclasses.replace(written, text=renamed(written.text, session.names))
         assert block.info in KINDS, f"{block.where}: unknown info string {block.info!r}; allowed: {sorted(KINDS)}"
         output: str | None = None
         try:
             kind = block.info.split()[-1] if block.info else ""
             if block.info == "":
                 if last is not None and last_output is not None and block.line - last.end <= 2:
-                    missing = printed(block.text, last_output, session.instance)
+                    missing = printed(written.text, last_output, session.names)
                     assert not missing, f"not printed by {last.where}: {missing}\n{last_output}"
             elif block.info == "sh quickstart":
                 setup, test_command = [line for line in block.text.splitlines() if line.strip()]
@@ -298,7 +333,7 @@ def run_document(path: Path, session: Session) -> list[str]:
             elif kind in SKIPPED:
                 skipped.append(f"{block.where}: {SKIPPED[kind]}")
         except AssertionError as failure:
-            raise AssertionError(f"{block.where} ({block.info or 'output'}):\n{block.text}\n{failure}") from None
+            raise AssertionError(f"{block.where} ({block.info or 'output'}):\n{written.text}\n{failure}") from None
         last, last_output = block, output
     return skipped
 
@@ -365,8 +400,9 @@ def session_for(checkout: Path, built: Built | None = None) -> Iterator[Session]
         yield session
     finally:
         session.close()
-        left = shm_entries(instance)
-        remove_entries(instance)
+        left = [entry for used in session.names.values() for entry in shm_entries(used)]
+        for used in session.names.values():
+            remove_entries(used)
         assert not left, f"left in /dev/shm: {left}"
 
 
@@ -436,14 +472,15 @@ def test_scripts_test_passes_its_arguments_to_pytest() -> None:
     script = (ROOT / "scripts" / "test").read_text()
     assert re.search(r'^\.venv/bin/pytest .*"\$@"$', script, flags=re.MULTILINE), "the pytest line changed"
     assert 'if [ "${1:-}" = "--install-system-packages" ]; then' in script and "    shift\n" in script
-    assert "`scripts/test -k readme`" in (ROOT / "README.md").read_text()
+    assert "`scripts/test -k readme`" in (ROOT / "docs" / "contributing.md").read_text()
 
 
-def layout_tree(readme: Path) -> set[str]:
-    """The paths README's layout block names: an indented tree, two spaces a level, folders ending in /."""
-    text = readme.read_text()
+def layout_tree(document: Path) -> set[str]:
+    """The paths a layout block names (its section ``## Layout``): an indented tree, two spaces a level,
+    folders ending in /."""
+    text = document.read_text()
     section = text[text.index("## Layout\n") :]
-    block = next(b for b in blocks(readme, section) if b.info == "")
+    block = next(b for b in blocks(document, section) if b.info == "")
     named: set[str] = set()
     folders: list[str] = []
     for line in block.text.splitlines():
@@ -459,9 +496,9 @@ def layout_tree(readme: Path) -> set[str]:
     return named
 
 
-def test_readme_layout_names_every_module() -> None:
-    """Every Python and C file of kvcached/ and runner_client/ is in README's layout, and nothing that is
-    not there: the list stays true as modules come and go."""
+def test_the_layout_names_every_module() -> None:
+    """Every Python and C file of kvcached/ and runner_client/ is in docs/contributing.md's layout, and
+    nothing that is not there: the list stays true as modules come and go."""
     tracked = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "kvcached", "runner_client"],
         cwd=ROOT,
@@ -470,9 +507,25 @@ def test_readme_layout_names_every_module() -> None:
         check=True,
     ).stdout.split()
     modules = {name for name in tracked if name.endswith((".py", ".c")) and (ROOT / name).is_file()}
-    named = {path for path in layout_tree(ROOT / "README.md") if path.endswith((".py", ".c"))}
-    assert not modules - named, f"README's layout does not name: {sorted(modules - named)}"
-    assert not named - modules, f"README's layout names what is not there: {sorted(named - modules)}"
+    named = {path for path in layout_tree(ROOT / "docs" / "contributing.md") if path.endswith((".py", ".c"))}
+    assert not modules - named, f"the layout does not name: {sorted(modules - named)}"
+    assert not named - modules, f"the layout names what is not there: {sorted(named - modules)}"
+
+
+def test_each_document_runs_under_instance_names_of_its_own() -> None:
+    """Run in any order, or beside the quickstart's daemon (instance ``default``), no document's example is
+    refused as "already running": only README writes or implies ``default``, and no two documents write the
+    same name; every document whose blocks start a daemon or attach names its instance."""
+    written = {path: instance_names(path) for path in DOCS}
+    assert DEFAULT_INSTANCE not in set().union(*(names for path, names in written.items() if path.name != "README.md"))
+    for first, second in itertools.combinations(DOCS, 2):
+        shared = written[first] & written[second]
+        assert not shared, f"{first.name} and {second.name} both run instance {sorted(shared)}"
+    for path in DOCS[1:]:
+        for block in (b for b in blocks(path) if b.info in STEPS):
+            unnamed = "kvcached start" in block.text and not WRITTEN.search(block.text)
+            unnamed = unnamed or ("initialize_kv_cache(" in block.text and "instance=" not in block.text)
+            assert not unnamed, f"{block.where}: names no instance, so runs as the quickstart's default"
 
 
 def test_architecture_names_every_module() -> None:

@@ -156,7 +156,7 @@ def test_test_only_store_backend_plugs_in_with_its_own_option(daemons: DaemonFac
     """A store backend from one plugin module and one registration: its option is a flag, an environment
     variable and a TOML key, is checked with the source named, shows in doctor, and the store works."""
     env = daemons.env(KVCACHED_PLUGINS="tests.plugins.memstore")
-    help_text = daemons.cli("start", "--help", env=env).stdout
+    help_text = daemons.cli("start", "--help-all", env=env).stdout
     assert "--testmem-objects" in help_text and "KVCACHED_TESTMEM_OBJECTS" in help_text and "testmem" in help_text
     bad = daemons.cli(
         "start", "--instance", "kvt-never", "--storage-backend", "testmem", "--testmem-objects", "x", env=env

@@ -4,7 +4,7 @@ Served by ``prometheus_client``'s WSGI application on a thread of the supervisor
 other path is 404, naming the one that is served), started once the first rank
 workers are forked (replacements are forked while it runs: a fork copies only the forking thread). Every
 scrape reads the control block (records under their seqlock, the workers' counters and histograms) and
-/proc/locks (waiting runners): no state of its own, nothing to keep in step.
+/proc/locks (waiting runners) and /dev/shm's size: no state of its own but the time it began, nothing to keep in step.
 
 Metrics (labels in braces):
 
@@ -14,7 +14,10 @@ Metrics (labels in braces):
 - ``kvcached_tier_bytes{rank,tier}`` with tier ``device`` or ``cpu``
 - ``kvcached_tasks_total{rank,op}``, ``kvcached_task_blocks_total{rank,op}``, ``kvcached_task_bytes_total{rank,op}``
   with op ``swap_out``, ``swap_in``, ``store``, ``load``; ``kvcached_task_duration_seconds{rank,op}`` histogram
-- ``kvcached_lookup_tasks_total{rank}``, ``kvcached_tasks_refused_total{rank}``, ``kvcached_connections_total{rank}``
+- ``kvcached_lookup_tasks_total{rank}``, ``kvcached_tasks_refused_total{rank}``, ``kvcached_connections_total{rank}``,
+  ``kvcached_swap_failures_total{rank}`` (swap tasks that failed while they ran)
+- ``kvcached_start_time_seconds`` (when this daemon image began serving: a start, or a restart's exec),
+  ``kvcached_dev_shm_size_bytes``, ``kvcached_dev_shm_free_bytes`` (the host's /dev/shm, at the scrape)
 - ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}`` (objects
   loaded and verified), ``..._misses_total`` (loads that stopped before their last key: one per such load;
   a lookup counts nothing), ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``,
@@ -24,6 +27,7 @@ Metrics (labels in braces):
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 import time
@@ -38,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from kvcached.protocol.control import ControlBlock, State
 from kvcached.protocol.errors import TornRead
+from kvcached.protocol.names import SHM_DIR
 from kvcached.protocol.stats import LATENCY_BUCKETS_S, LATENCY_OPS
 from kvcached.protocol.waiters import count_waiters
 
@@ -47,6 +52,7 @@ _TASK_FIGURES: list[Simple] = [
     (CounterMetricFamily, "kvcached_lookup_tasks", "Lookup tasks.", "lookup_tasks"),
     (CounterMetricFamily, "kvcached_tasks_refused", "Tasks and connections refused.", "tasks_refused"),
     (CounterMetricFamily, "kvcached_connections", "Client connections accepted.", "connections"),
+    (CounterMetricFamily, "kvcached_swap_failures", "Swap tasks that failed while they ran.", "swap_failures"),
 ]
 #: The same, with a store.
 _STORE_FIGURES: list[Simple] = [
@@ -84,6 +90,7 @@ class ControlBlockCollector(Collector):
         self.instance = instance
         self.block = block
         self.memory = memory
+        self.started = time.time()
 
     def collect(self) -> Iterator[Any]:
         header = self.block.header()
@@ -94,6 +101,14 @@ class ControlBlockCollector(Collector):
         backend = header.spec.get("storage_backend") or "none"
         info.add_metric([self.instance, f"{header.generation:016x}", self.memory, backend], 1)
         yield info
+        yield GaugeMetricFamily(
+            "kvcached_start_time_seconds", "Unix time this daemon image began serving.", value=self.started
+        )
+        shm = os.statvfs(SHM_DIR)
+        yield GaugeMetricFamily("kvcached_dev_shm_size_bytes", "Size of /dev/shm.", value=shm.f_blocks * shm.f_frsize)
+        yield GaugeMetricFamily(
+            "kvcached_dev_shm_free_bytes", "Bytes of /dev/shm free to this daemon.", value=shm.f_bavail * shm.f_frsize
+        )
         yield from self._records(ranks)
         waiting = GaugeMetricFamily("kvcached_waiting_runners", "Runners waiting for the rank.", labels=["rank"])
         for label, count in zip(ranks, count_waiters(self.instance, header.num_ranks), strict=True):

@@ -101,6 +101,8 @@ class TaskServer:
             body = {"message": f"storage backend unavailable: {exc}", "store_unavailable": True}
             return reply(op, Status.FAILED, task_id, body)
         except Exception as exc:
+            if op in (Op.SWAP_OUT, Op.SWAP_IN):
+                self.stats.count(swap_failures=1)
             if op in (Op.STORE, Op.LOAD, Op.LOOKUP) or flags & FLAG_KEYS:
                 self._store_failed()
             self.log.exception("task failed", op=op, task_id=task_id)

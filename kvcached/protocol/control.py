@@ -343,10 +343,11 @@ class ControlBlock:
         self._buf[start : start + len(note_bytes)] = note_bytes
 
     @classmethod
-    def open(cls, instance: str) -> ControlBlock | None:
+    def open(cls, instance: str, *, owner: int | None = None) -> ControlBlock | None:
         """Map the instance's block read-only; None if there is none (or it is not sized yet). The header
         may still be unpublished (``published`` is False): a daemon is starting. A block that belongs to an
-        untrusted user, or is writable by others, is refused before it is mapped (``NotTrusted``)."""
+        untrusted user (with ``owner``: to anyone but that uid), or is writable by others, is refused before
+        it is mapped (``NotTrusted``)."""
         name = control_name(instance)
         try:
             shm = posix_ipc.SharedMemory(name, read_only=True)
@@ -356,7 +357,7 @@ class ControlBlock:
             raise AccessDenied(f"{shm_path(name)}: permission denied: {admitted(shm_path(name))}") from None
         try:
             stat = os.fstat(shm.fd)
-            check_owner(f"control block /dev/shm{name}", stat)
+            check_owner(f"control block /dev/shm{name}", stat, owner=owner)
             if stat.st_size < HEADER_SIZE:
                 return None  # created but not sized yet: a daemon in its first microseconds
             mm = mmap.mmap(shm.fd, stat.st_size, prot=mmap.PROT_READ)

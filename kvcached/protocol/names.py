@@ -96,6 +96,21 @@ def instance_shm_entries(instance: str) -> list[Path]:
     return sorted(found)
 
 
+def instances_in_shm() -> dict[str, list[Path]]:
+    """Every instance with an entry in /dev/shm, whoever made it, and its entries (as
+    ``instance_shm_entries`` lists them): the names are host-wide, readable by all."""
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return {}
+    found: dict[str, list[Path]] = {}
+    for name in names:
+        parts = name.removeprefix("sem.").split(".")
+        if len(parts) > 1 and parts[0] == PREFIX and _INSTANCE_RE.fullmatch(parts[1]):
+            found.setdefault(parts[1], []).append(SHM_DIR / name)
+    return found
+
+
 def shm_path(name: str) -> Path:
     """Where POSIX shared memory object ``name`` ("/kvcached...") lies: under /dev/shm."""
     return SHM_DIR / name.lstrip("/")

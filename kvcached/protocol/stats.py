@@ -48,6 +48,8 @@ STAT_NAMES: tuple[str, ...] = (
     "progress",
     "store_master_resets",
     "store_unavailable",
+    # Swap tasks that failed while they ran (a refusal before anything moved is ``tasks_refused``).
+    "swap_failures",
 )
 #: u64 index in a stats slot where the latency histograms begin (room for 64 counters before it).
 LATENCY_INDEX = 64

@@ -1,10 +1,12 @@
 """Whom a runner trusts: before it maps or talks to anything under an instance's names, the object must
 belong to a trusted user and must not be writable by others.
 
-Trusted: the runner's own user, root, and the user named by ``KVCACHED_DAEMON_USER`` (a name or a uid:
-the service user of a daemon the runner reaches through ``--group``). An impostor that created the
-control block, a semaphore, an arena or a socket under the instance's names before the daemon started is
-refused with ``NotTrusted`` naming the object, its owner and mode, before a byte is mapped or sent.
+Trusted: the runner's own user, root, the service user (the owner of ``/run/kvcached``, which only root
+can make: systemd makes it for the unit's ``User=``, ``RuntimeDirectory=kvcached``), and the user named by
+``KVCACHED_DAEMON_USER`` (a name or a uid: a daemon's user the runner reaches through ``--group`` without
+the unit). The same holds for the CLI (``status``, ``list``, ``stop``, ``doctor``). An impostor that created
+the control block, a semaphore, an arena or a socket under the instance's names before the daemon started
+is refused with ``NotTrusted`` naming the object, its owner and mode, before a byte is mapped or sent.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import stat
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvcached.protocol.errors import InvalidSpec, NotTrusted
@@ -31,9 +34,29 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+#: The run directory of ``systemd/kvcached@.service`` (``RuntimeDirectory=kvcached``): its owner is the
+#: unit's ``User=``, the service user.
+SERVICE_RUN_DIR = Path("/run/kvcached")
+
+
+def service_uid(path: Path = SERVICE_RUN_DIR) -> int | None:
+    """The owner of ``path`` when only root can have given it to them: a directory, not a link, writable by
+    nobody but its owner, in a directory of root's that nobody else may write (``/run``); else None."""
+    try:
+        parent, st = os.lstat(path.parent), os.lstat(path)
+    except OSError:
+        return None
+    if parent.st_uid != 0 or parent.st_mode & 0o022 or not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o022:
+        return None
+    return st.st_uid
+
+
 def trusted_uids() -> frozenset[int]:
     """The uids whose objects a runner uses."""
     uids = {os.geteuid(), 0}
+    service = service_uid()
+    if service is not None:
+        uids.add(service)
     named = os.environ.get(ENV, "").strip()
     if named:
         try:
@@ -51,8 +74,9 @@ def check_owner(what: str, st: os.stat_result, *, owner: int | None = None) -> N
     if st.st_uid not in allowed:
         who = f"uid {owner}" if owner is not None else f"uids {', '.join(map(str, sorted(allowed)))}"
         raise NotTrusted(
-            f"{what} belongs to uid {st.st_uid}, not to the daemon's user ({who}): refusing to use it. "
-            f"An impostor may have made it; remove it, or set {ENV} to the daemon's user."
+            f"{what} belongs to uid {st.st_uid}{_name(pwd.getpwuid, st.st_uid, 'pw_name')}, not to the daemon's "
+            f"user ({who}): refusing to use it. An impostor may have made it; remove it, or set {ENV} to the "
+            "daemon's user."
         )
     if st.st_mode & stat.S_IWOTH and not stat.S_ISSOCK(st.st_mode):
         raise NotTrusted(
@@ -77,6 +101,14 @@ def admitted(path: object) -> str:
         f"the daemon admits its own user, uid {st.st_uid}{_name(pwd.getpwuid, st.st_uid, 'pw_name')}, and {group}; "
         f"this process runs as uid {os.geteuid()} in groups {groups}"
     )
+
+
+def user_name(uid: int) -> str | None:
+    """The login name of ``uid``, or None where it has none on this host."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
 
 
 def _name(lookup: Callable[[int], Any], number: int, field: str) -> str:

@@ -35,7 +35,6 @@ import errno
 import fcntl
 import itertools
 import os
-import pwd
 import shutil
 import stat
 from collections.abc import Mapping, Sequence
@@ -49,6 +48,7 @@ from kvcached.protocol.errors import InvalidSpec, StoreBusy, StoreUnavailable
 from kvcached.protocol.spec import CacheSpec
 from kvcached.store import register
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend, StoreCounters
+from kvcached.store.filedirs import default_storage_path, full_disk, nearest_existing, unsafe_directory
 from kvcached.store.fileio import MISSING, READ_FLAGS, Pending, Reader, Writer, write_temporary
 from kvcached.store.landing import Targets
 
@@ -262,8 +262,7 @@ class FileStore(Store):
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 if not self._evict_for_disk():
-                    why = f"{exc.strerror}; the store has nothing left to evict: other files fill the disk"
-                    raise type(exc)(exc.errno, why) from None
+                    raise type(exc)(exc.errno, f"{exc.strerror}; {full_disk(self.dir.parent)}") from None
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
         """Read the leading indexed keys' objects, several at once, each straight into its target and
@@ -318,15 +317,6 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def default_storage_path(instance: str) -> Path:
-    """``$CACHE_DIRECTORY/<instance>/store`` under systemd (CacheDirectory=), else the user's cache directory."""
-    base = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
-    if not base:
-        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        base = str(Path(base) / "kvcached")
-    return Path(base) / instance / "store"
-
-
 class FileBackend(StoreBackend):
     """The ``file`` backend (see the module docstring)."""
 
@@ -337,8 +327,8 @@ class FileBackend(StoreBackend):
             "storage_path",
             knobs.optional_text,
             None,
-            "file backend: directory of the objects. [default: $CACHE_DIRECTORY/<instance>/store, else "
-            "${XDG_CACHE_HOME:-~/.cache}/kvcached/<instance>/store]",
+            "file backend: directory of the objects. [default: ~/.cache/kvcached/<instance>/store ($XDG_CACHE_HOME "
+            "for ~/.cache; under systemd $CACHE_DIRECTORY/<instance>/store)]",
             metavar="DIR",
         ),
         knobs.Knob(
@@ -359,8 +349,25 @@ class FileBackend(StoreBackend):
                 "storage_capacity",
                 f"{capacity} bytes cannot hold one block per rank ({smallest} bytes for {ranks} ranks)",
             )
-        path = values.get("storage_path") or str(default_storage_path(instance))
-        return {"storage_path": str(Path(path).expanduser().absolute()), "storage_capacity": capacity}
+        given = values.get("storage_path")
+        path = Path(given or default_storage_path(instance)).expanduser().absolute()
+        try:
+            existing = nearest_existing(path)
+        except OSError as exc:  # a name the kernel cannot even look at (too long, a loop of links)
+            raise InvalidSpec("storage_path", f"{path}: {exc.strerror}") from None
+        if existing != path and not os.access(existing, os.W_OK | os.X_OK):
+            home = Path.home()
+            default = (
+                ""
+                if given
+                else f" (the default, under HOME={home}" + ("" if home.exists() else ", which does not exist") + ")"
+            )
+            raise InvalidSpec(
+                "storage_path",
+                f"cannot make {path}{default}: {existing} is not writable by this user; set --storage-path to a "
+                "directory it may write",
+            )
+        return {"storage_path": str(path), "storage_capacity": capacity}
 
     def open(
         self, options: Mapping[str, Any], *, identity: ObjectIdentity, rank: int, ranks: int, log: Logger
@@ -373,7 +380,7 @@ class FileBackend(StoreBackend):
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         path, capacity = Path(options["storage_path"]), options["storage_capacity"]
-        existing = _nearest_existing(path)
+        existing = nearest_existing(path)
         free = shutil.disk_usage(existing).free
         holders = _held_ranks(path, ranks)
         measured = {"path": str(path), "free_bytes": free, "capacity_bytes": capacity, "held_ranks": holders}
@@ -392,88 +399,13 @@ class FileBackend(StoreBackend):
 
     def start_warnings(self, options: Mapping[str, Any], ranks: int) -> list[str]:
         path, capacity = Path(options["storage_path"]), options["storage_capacity"]
-        free = shutil.disk_usage(_nearest_existing(path)).free
+        free = shutil.disk_usage(nearest_existing(path)).free
         if free >= capacity:
             return []
         return [
             f"--storage-capacity {size_text(capacity)} exceeds the {size_text(free)} free on the disk of {path}: "
             "the disk fills before the store evicts (stores then fail with ENOSPC, the rank serves on)"
         ]
-
-
-def unsafe_directory(path: Path) -> str | None:
-    """Why ``path`` (a store or rank directory) may not hold this daemon's objects, or None. Every load
-    serves what the directory holds, so nobody but the daemon's user may write it: it must be this user's
-    own and closed to group and others (the store never shares it: runners read blocks from the cache,
-    not from the store), and each directory above it must be root's or this user's, writable by others
-    only with the sticky bit (else another user could move it away and put their own in its place)."""
-    uid = os.geteuid()
-    if (why := _unsafe_link(path, uid)) is not None:
-        return why
-    resolved = path.resolve()
-    st = os.stat(resolved)
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{path} is not a directory"
-    if st.st_uid != uid or st.st_mode & 0o022:
-        return (
-            f"{path} is owned by {_user(st.st_uid)} with mode {stat.S_IMODE(st.st_mode):04o}; a store directory "
-            f"must be owned by the daemon's user, {_user(uid)}, and writable by nobody else (whoever can write it "
-            f"can plant objects that loads serve): `chown {uid} {path} && chmod go-w {path}`, or give another "
-            "--storage-path"
-        )
-    for above in resolved.parents:
-        st = os.stat(above)
-        if st.st_uid not in (0, uid) or _open_to_others(st):
-            return (
-                f"{above}, above the store directory {path}, is owned by {_user(st.st_uid)} with mode "
-                f"{stat.S_IMODE(st.st_mode):04o}: another user could put a directory of their own in the store's "
-                f"place; make it root's or {_user(uid)}'s and closed to others (or sticky, as /tmp is), or give "
-                "another --storage-path"
-            )
-    return None
-
-
-def _unsafe_link(path: Path, uid: int) -> str | None:
-    """Why a symbolic link on the way to ``path`` (followed as the kernel does, link by link) could be turned
-    elsewhere by another user, or None: each link must be root's or this user's, in a directory another user
-    cannot change (root's or this user's, writable by others only with the sticky bit)."""
-    parts, here, hops = list(Path(os.path.abspath(path)).parts), Path("/"), 0
-    while parts:
-        name = parts.pop(0)
-        step = Path(name) if name == "/" else here.parent if name == ".." else here / name
-        if not step.is_symlink():
-            here = step
-            continue
-        hops += 1
-        link, holder = os.lstat(step), os.stat(here)
-        if hops > 40:
-            return f"{path}: too many symbolic links on the way"
-        if link.st_uid not in (0, uid) or holder.st_uid not in (0, uid) or _open_to_others(holder):
-            return (
-                f"{step}, a symbolic link on the way to the store directory {path}, is owned by "
-                f"{_user(link.st_uid)} in {here}, owned by {_user(holder.st_uid)} with mode "
-                f"{stat.S_IMODE(holder.st_mode):04o}: another user could point it elsewhere; give the resolved "
-                "--storage-path, or make the link and its directory root's or the daemon's user's"
-            )
-        parts = [*Path(os.readlink(step)).parts, *parts]  # a relative target goes on from ``here``
-    return None
-
-
-def _open_to_others(st: os.stat_result) -> bool:
-    return bool(st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX)
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
 
 
 def _held_ranks(path: Path, ranks: int) -> list[int]:

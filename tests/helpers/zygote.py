@@ -168,7 +168,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
 
 def main() -> None:
-    channel = socket.socket(fileno=int(os.environ.pop("KVCACHED_ZYGOTE_FD")))
+    channel = socket.socket(fileno=int(os.environ.pop("KVCACHED_TEST_ZYGOTE_FD")))
     channel.send(json.dumps({"read": _preload(KINDS[sys.argv[1]])}).encode())
     child = _serve(channel)
     if child is not None:
@@ -187,7 +187,7 @@ class Zygote:
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the zygote's output, for errors; nothing on disk
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-        env = {**self.env, "KVCACHED_ZYGOTE_FD": str(theirs.fileno())}
+        env = {**self.env, "KVCACHED_TEST_ZYGOTE_FD": str(theirs.fileno())}
         self.proc = subprocess.Popen(
             [*die_with_us(), sys.executable, "-m", "tests.helpers.zygote", kind, *KINDS[kind].names],
             env=env,
