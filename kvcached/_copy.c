@@ -11,37 +11,73 @@
  * destination lines they overwrite: a swap writes memory it will not read soon, and at 16 KiB pieces
  * glibc's memcpy would not stream (its threshold cannot go below 16448 bytes). Other pieces, other CPUs
  * and other architectures use memcpy. Nothing here depends on Python.
+ *
+ * Streams: such pieces of equal width, BATCH at a time in the order they come, are copied 128 bytes of
+ * each in turn rather than one after the other. Pieces of shuffled blocks lie far apart, and the hardware
+ * prefetchers start again at each 4 KiB page of each: one piece at a time, the memory waits at every page;
+ * BATCH pieces keep BATCH streams of loads in flight. Measured at FastDeploy's TP8 geometry (16 KiB pieces,
+ * shuffled ids): a gather one piece at a time ran at 0.57 of a sequential copy, four at a time at 1.04
+ * (docs/benchmarks.md).
  */
 #include <stdint.h>
 #include <string.h>
 
+#define BATCH 4
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-__attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *src, int64_t n) {
-    for (int64_t i = 0; i < n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
+/* Pieces waiting to be streamed: k of them, each width bytes. */
+typedef struct {
+    char *dst[BATCH];
+    const char *src[BATCH];
+    int k;
+    int64_t width;
+} batch_t;
+
+__attribute__((target("avx2"))) static void stream_avx2(const batch_t *b) {
+    for (int64_t i = 0; i < b->width; i += 128) {
+        for (int j = 0; j < b->k; j++) {
+            const char *src = b->src[j] + i;
+            char *dst = b->dst[j] + i;
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)src);
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+            __m256i w2 = _mm256_loadu_si256((const __m256i *)(src + 64));
+            __m256i w3 = _mm256_loadu_si256((const __m256i *)(src + 96));
+            _mm256_stream_si256((__m256i *)dst, w0);
+            _mm256_stream_si256((__m256i *)(dst + 32), w1);
+            _mm256_stream_si256((__m256i *)(dst + 64), w2);
+            _mm256_stream_si256((__m256i *)(dst + 96), w3);
+        }
     }
 }
 
-static void stream_sse2(char *dst, const char *src, int64_t n) {
-    for (int64_t i = 0; i < n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+static void stream_sse2(const batch_t *b) {
+    for (int64_t i = 0; i < b->width; i += 64) {
+        for (int j = 0; j < b->k; j++) {
+            const char *src = b->src[j] + i;
+            char *dst = b->dst[j] + i;
+            __m128i w0 = _mm_loadu_si128((const __m128i *)src);
+            __m128i w1 = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i w2 = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i w3 = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, w0);
+            _mm_stream_si128((__m128i *)(dst + 16), w1);
+            _mm_stream_si128((__m128i *)(dst + 32), w2);
+            _mm_stream_si128((__m128i *)(dst + 48), w3);
+        }
     }
+}
+
+static void flush(batch_t *b, int avx2) {
+    if (b->k) {
+        if (avx2) {
+            stream_avx2(b);
+        } else {
+            stream_sse2(b);
+        }
+    }
+    b->k = 0;
 }
 #endif
 
@@ -60,6 +96,7 @@ int64_t kv_copy_blocks(int64_t npieces, const uint64_t *src_base, const int64_t 
     int64_t moved = 0;
 #if defined(__x86_64__)
     int avx2 = streaming && __builtin_cpu_supports("avx2");
+    batch_t batch = {.k = 0, .width = 0};
 #endif
     for (int64_t i = 0; i < n; i++) {
         for (int64_t p = 0; p < npieces; p++) {
@@ -69,10 +106,14 @@ int64_t kv_copy_blocks(int64_t npieces, const uint64_t *src_base, const int64_t 
             moved += w;
 #if defined(__x86_64__)
             if (streaming && ((uintptr_t)d & 31) == 0 && (w & 127) == 0) {
-                if (avx2) {
-                    stream_avx2(d, s, w);
-                } else {
-                    stream_sse2(d, s, w);
+                if (batch.k && batch.width != w) {
+                    flush(&batch, avx2);
+                }
+                batch.dst[batch.k] = d;
+                batch.src[batch.k] = s;
+                batch.width = w;
+                if (++batch.k == BATCH) {
+                    flush(&batch, avx2);
                 }
                 continue;
             }
@@ -82,6 +123,7 @@ int64_t kv_copy_blocks(int64_t npieces, const uint64_t *src_base, const int64_t 
     }
 #if defined(__x86_64__)
     if (streaming) {
+        flush(&batch, avx2);
         _mm_sfence(); /* the streamed stores are visible before the task is answered */
     }
 #endif
