@@ -25,7 +25,7 @@ from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_lock_path, lock_path
 from kvcached.protocol.proc import is_alive
-from kvcached.status import awaits_geometry, is_ready, read_status
+from kvcached.status import awaits_geometry, is_ready, printable, read_status
 
 if TYPE_CHECKING:
     from kvcached.config import DaemonConfig
@@ -149,6 +149,7 @@ def not_applied(pid: int) -> list[str]:
     from kvcached.protocol.names import INSTANCE_ENV
 
     names = {knob.env for knob in knobs_all()} | {"KVCACHED_CONFIG", "KVCACHED_LOG_LEVEL", "KVCACHED_LOG_FORMAT"}
+    names |= {"KVCACHED_PLUGINS"}
     mine = {name: os.environ[name] for name in sorted(names - {INSTANCE_ENV}) if os.environ.get(name)}
     if not mine:
         return []
@@ -157,11 +158,12 @@ def not_applied(pid: int) -> list[str]:
     except OSError:
         theirs: dict[str, str] | None = None
     else:
-        theirs = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+        text = os.fsdecode(raw)  # as os.environ decodes it: the same bytes compare equal
+        theirs = dict(item.split("=", 1) for item in text.split("\0") if "=" in item)
     if theirs is None:
         return [f"{name}={value} (the daemon's: unreadable)" for name, value in mine.items()]
     return [
-        f"{name}={value} (the daemon's: {theirs.get(name, 'unset')})"
+        printable(f"{name}={value} (the daemon's: {theirs.get(name, 'unset')})")
         for name, value in mine.items()
         if theirs.get(name) != value
     ]
@@ -174,11 +176,12 @@ def did_you_mean(name: str) -> str:
     import difflib
     import re
 
-    from kvcached.protocol.names import instances_in_shm
+    from kvcached.protocol.names import instance_shm_entries
+    from kvcached.status import visible_instances
 
-    found = instances_in_shm()
-    if name in found:  # no typo: an instance of that name left something here
+    if instance_shm_entries(name):  # no typo: an instance of that name left something here
         return ""
+    found = [instance for instance, _, _, _ in visible_instances()]  # no name `list` would not show
     shape = re.sub(r"\d+", "#", name)
     others = [other for other in found if re.sub(r"\d+", "#", other) != shape]
     close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
@@ -197,8 +200,15 @@ def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: floa
     The daemon's decision on this signal (the first it records after the signal was sent: see
     ``handover.record_outcome``) says which: a signal that came after the daemon had accepted another
     restart is decided by the image that restart starts, and only a generation after that image's counts.
-    A refusal, the daemon's exit, or ``timeout`` is an error saying so."""
-    before = guarded(read_status, name)["generation"]
+    A refusal, the daemon's exit, or ``timeout`` is an error saying so; so is a daemon that has not published
+    its own generation yet (it is starting: it would refuse, and its decision could not be told apart)."""
+    current = guarded(read_status, name)
+    if not current["alive"] or current["pid"] != pid:
+        raise click.ClickException(
+            f"instance {name}: restart refused, the daemon (pid {pid}) is still starting: "
+            "run `kvcached restart` again once every rank is READY"
+        )
+    before = current["generation"]
     decisions = refusal_path(run_dir_of(name), name)
     sent_ns = time.time_ns()
     began = time.monotonic()

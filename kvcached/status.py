@@ -32,6 +32,7 @@ found it; store tasks fail meanwhile, swaps go on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
         now = time.monotonic_ns()
         waiting = count_waiters(instance, header.num_ranks)
         status.update(
-            alive=view.alive,
+            alive=_daemon_alive(view, instance, block.owner_uid),
             generation=f"{header.generation:016x}",
             pid=header.daemon_pid,
             adopted_from=f"{header.adopted_from:016x}" if header.adopted_from else None,
@@ -220,11 +221,12 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
     if not status["alive"] and status["ranks"] and all(r["state"] == State.KEPT.name for r in status["ranks"]):
         daemon = "stopped, its memory kept for the next start to adopt"
     lines = [f"instance {name}  generation {status['generation']}  daemon pid {status['pid']} {daemon}"]
+    # what a block says may be anyone's writing (root's view of another user's): shown, never obeyed
     if status.get("owner_uid") not in (None, os.geteuid()):
         owner = user_name(status["owner_uid"])
         lines[0] += f"  owner uid {status['owner_uid']}" + (f" ({owner})" if owner else "")
     if status.get("note"):
-        lines.append(status["note"])
+        lines.append(printable(status["note"]))
     rates = previous is not None and previous.get("generation") == status["generation"]
     before = {r["rank"]: r for r in previous["ranks"]} if rates and previous else {}
     rows: list[tuple[str, ...]] = [(*_COLUMNS[:-2], *_RATES, *_COLUMNS[-2:]) if rates else _COLUMNS]
@@ -236,6 +238,12 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character (an escape sequence's ESC, a bell, a newline) shown as
+    ``\\xNN``: a terminal shows it, never obeys it."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
 def _row(r: dict[str, Any], dead: bool = False) -> list[str]:
@@ -259,10 +267,10 @@ def _row(r: dict[str, Any], dead: bool = False) -> list[str]:
         pool,
         _swaps(swap, "swap_out", r.get("latency")),
         _swaps(swap, "swap_in", r.get("latency")),
-        _store_cell(r.get("store")),
+        printable(_store_cell(r.get("store"))),
         str(swap.get("tasks_refused", 0)),
         r.get("since") or "-",
-        r.get("error") or "",
+        printable(r.get("error") or ""),
     ]
 
 
@@ -281,6 +289,12 @@ def list_instances() -> list[dict[str, Any]]:
     ``UNREADABLE`` (``note`` says why). ``memory_bytes``
     is what its objects in /dev/shm occupy; ``daemon_running`` whether its daemon (pid and start time) runs.
     """
+    return [_listed(instance, entries, control, owner) for instance, entries, control, owner in visible_instances()]
+
+
+def visible_instances() -> list[tuple[str, list[Path], Path, int]]:
+    """(name, its entries in /dev/shm, its control block's path, its owner) of each instance this user may
+    see (``list_instances``'s rule)."""
     me = os.geteuid()
     trusted = trusted_uids() if me else frozenset()
     found = []
@@ -289,8 +303,18 @@ def list_instances() -> list[dict[str, Any]]:
         owner = _owner(control, entries)
         if me and owner != me and not (owner in trusted and os.access(control, os.R_OK)):
             continue
-        found.append(_listed(instance, entries, control, owner))
+        found.append((instance, entries, control, owner))
     return found
+
+
+def _daemon_alive(view: Any, instance: str, owner: int) -> bool:
+    """Whether the block's daemon runs: its pid and start time match a live process (``view.alive``) that is
+    ``kvcached start`` of the block's owner holding the instance's lock (a block anyone wrote could name
+    any live process)."""
+    from kvcached.daemon.lockfile import why_not_daemon
+
+    header = view.header
+    return bool(view.alive) and not why_not_daemon(header.daemon_pid, owner, instance_lock_path(instance))
 
 
 def _starting(instance: str, owner: int) -> bool:
@@ -317,10 +341,9 @@ def _listed(instance: str, entries: list[Path], control: Path, owner: int) -> di
 
     held = 0
     for path in entries:
-        try:
-            held += path.lstat().st_blocks * 512
-        except OSError:
-            continue
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            held += st.st_blocks * 512 if st.st_uid == owner else 0  # another user's object is not its memory
     pid = flock_holder(instance_lock_path(instance))
     item: dict[str, Any] = {
         "instance": instance,
@@ -336,33 +359,37 @@ def _listed(instance: str, entries: list[Path], control: Path, owner: int) -> di
         "note": "",
     }
     try:
-        view = open_instance(instance, owner=owner) if control.exists() else None
-    except KVCacheError as exc:
+        view = open_instance(instance, owner=owner) if control.exists() or control.is_symlink() else None
+        if view is None:
+            return item
+        with view:
+            header = view.header
+            if header is None:
+                return item
+            states: dict[str, int] = {}
+            torn = False
+            for rank in range(header.num_ranks):
+                record = None if torn else view.record(rank, attempts=64)  # one torn record: the block is mid-write
+                torn = record is None
+                name = record.state.name if record is not None else "UNKNOWN"
+                states[name] = states.get(name, 0) + 1
+            alive = _daemon_alive(view, instance, owner)
+            item.update(
+                states=states,
+                ranks=header.num_ranks,
+                daemon_running=alive or pid is not None,
+                pid=header.daemon_pid if alive else pid,
+                generation=f"{header.generation:016x}",
+                note=header.note,
+            )
+    except KVCacheError as exc:  # anything at the name that is not a block of ours: this row alone says so
         item.update(state="UNREADABLE", note=str(exc))
         return item
-    if view is None:
-        return item
-    with view:
-        header = view.header
-        if header is None:
-            return item
-        states: dict[str, int] = {}
-        for rank in range(header.num_ranks):
-            record = view.record(rank)
-            name = record.state.name if record is not None else "UNKNOWN"
-            states[name] = states.get(name, 0) + 1
-        alive = view.alive
-        item.update(
-            states=states,
-            ranks=header.num_ranks,
-            daemon_running=alive,
-            pid=header.daemon_pid if alive else None,
-            generation=f"{header.generation:016x}",
-            note=header.note,
-        )
     item["state"] = next(iter(states)) if len(states) == 1 else "MIXED"
     if alive and states == {State.EMPTY.name: header.num_ranks} and "num_blocks" not in header.spec:
         item["state"] = "AWAITING GEOMETRY"
+    elif not alive and pid is not None:
+        item["state"] = "STARTING"  # a daemon holds the lock: it adopts what this block describes
     elif not alive and item["state"] != State.KEPT.name:
         item["state"] = "DEAD"  # what its ranks were is history (``states``)
     return item
@@ -384,5 +411,5 @@ def render_list(instances: list[dict[str, Any]]) -> str:
         rows.append((item["instance"], state, ranks, owner, _size(item["memory_bytes"]), daemon))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    notes = [f"{item['instance']}: {item['note']}" for item in instances if item["state"] == "UNREADABLE"]
+    notes = [f"{item['instance']}: {printable(item['note'])}" for item in instances if item["state"] == "UNREADABLE"]
     return "\n".join(lines + notes)

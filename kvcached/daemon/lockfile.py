@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvcached.protocol.errors import ResourceError
+from kvcached.protocol.names import open_plain
 from kvcached.protocol.proc import is_alive, self_identity, start_time
 
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -174,7 +175,7 @@ def release(path: Path, fd: int) -> None:
 def holder(path: Path) -> Holder | None:
     """The identity written in the lock file at ``path`` (held or not), or None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_plain(path)
     except OSError:
         return None
     try:
@@ -187,7 +188,7 @@ def held_by(path: Path) -> Holder | None:
     """The process holding the lock at ``path`` right now (a daemon starting up, before its control
     block exists), or None when nobody holds it. A holder whose line is not written yet reads pid -1."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_plain(path)
     except OSError:
         return None
     try:

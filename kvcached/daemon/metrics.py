@@ -185,7 +185,10 @@ def only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr (the daemon's log is structured)."""
+    """No access log on stderr (the daemon's log is structured); a connection that sends nothing for
+    ``timeout`` seconds is closed (each connection holds a thread: idle ones must not pile up)."""
+
+    timeout = 10
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -60,7 +60,7 @@ import posix_ipc
 
 from kvcached.protocol.errors import AccessDenied, ProtocolError, TornRead
 from kvcached.protocol.layout import round_up
-from kvcached.protocol.names import control_name, shm_path, staged_control_name
+from kvcached.protocol.names import control_name, open_plain, shm_path, staged_control_name
 from kvcached.protocol.packing import Table
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.stats import STATS_SIZE, StatsSlot
@@ -350,19 +350,21 @@ class ControlBlock:
         it is mapped (``NotTrusted``)."""
         name = control_name(instance)
         try:
-            shm = posix_ipc.SharedMemory(name, read_only=True)
-        except posix_ipc.ExistentialError:
+            fd = open_plain(shm_path(name))
+        except FileNotFoundError:
             return None
-        except posix_ipc.PermissionsError:
+        except PermissionError:
             raise AccessDenied(f"{shm_path(name)}: permission denied: {admitted(shm_path(name))}") from None
+        except OSError as exc:  # a link, a FIFO, a directory, a socket at the name: no block of ours
+            raise ProtocolError(f"{shm_path(name)}: not a kvcached control block ({exc.strerror})") from None
         try:
-            stat = os.fstat(shm.fd)
+            stat = os.fstat(fd)
             check_owner(f"control block /dev/shm{name}", stat, owner=owner)
             if stat.st_size < HEADER_SIZE:
                 return None  # created but not sized yet: a daemon in its first microseconds
-            mm = mmap.mmap(shm.fd, stat.st_size, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, stat.st_size, prot=mmap.PROT_READ)
         finally:
-            shm.close_fd()
+            os.close(fd)
         return cls(name, mm, False, stat.st_ino, stat.st_uid)
 
     def close(self) -> None:
@@ -422,7 +424,7 @@ class ControlBlock:
             raise ProtocolError(f"{shm_path(self.name)}: spec length {spec_length} does not fit the header")
         try:
             spec = json.loads(bytes(self._buf[_SPEC_OFFSET : _SPEC_OFFSET + spec_length]))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ProtocolError(f"{shm_path(self.name)}: spec in header is not JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise ProtocolError(f"{shm_path(self.name)}: spec in header is not an object")

@@ -23,8 +23,10 @@ the name of a new generation.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 
@@ -109,6 +111,18 @@ def instances_in_shm() -> dict[str, list[Path]]:
         if len(parts) > 1 and parts[0] == PREFIX and _INSTANCE_RE.fullmatch(parts[1]):
             found.setdefault(parts[1], []).append(SHM_DIR / name)
     return found
+
+
+def open_plain(path: Path | str, flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` (an object under /dev/shm, or a lock file) as a plain file, or raise: ``OSError`` as
+    ``os.open`` does (``FileNotFoundError``, ``PermissionError``, ``ELOOP`` for a symbolic link) and
+    ``IsADirectoryError``-like ``OSError`` for anything that is not a regular file (a FIFO, a socket, a
+    directory: anyone may make one at any name, and an open of a FIFO would wait for a writer forever)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
 
 
 def shm_path(name: str) -> Path:

@@ -12,7 +12,7 @@ import os
 import struct
 from pathlib import Path
 
-from kvcached.protocol.names import control_name, shm_path
+from kvcached.protocol.names import control_name, open_plain, shm_path
 
 #: ``struct flock`` on 64-bit Linux: type, whence, (pad), start, len, pid, (pad).
 _FLOCK = struct.Struct("hh4xqqi4x")
@@ -22,7 +22,7 @@ def mark_waiting(instance: str, rank: int) -> int | None:
     """Take a read lock on byte ``rank`` of the control block, held by the returned descriptor until it is
     closed (or the process dies); None if that is not possible (no block, no permission, no OFD locks)."""
     try:
-        fd = os.open(shm_path(control_name(instance)), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_plain(shm_path(control_name(instance)))
     except OSError:
         return None
     try:
