@@ -63,6 +63,10 @@ SLICE_S = 0.1
 ABANDON_AFTER = 6
 #: The calls that read or write device blocks (``direct``).
 DIRECT_CALLS = ("put_blocks", "load_blocks")
+#: After an agent could not open its store, the next one starts this much later, twice as late after each
+#: failure in a row, at most ``RETRY_MAX_S``.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
 
 
 class Frames:
@@ -132,6 +136,11 @@ class StoreCalls:
         self.frames = Frames()
         self.next_seq = 1
         self.waiting_for: tuple[int, float, str] | None = None  # a call that timed out: (seq, since, method)
+        #: Why the last agent could not open its store (None: it opened, or is still opening the first time),
+        #: and when the next agent starts (None: one runs), ``retry_s`` after the one that failed.
+        self.open_error: str | None = None
+        self.retry_at: float | None = None
+        self.retry_s = RETRY_FIRST_S
         self._spawn()
 
     # -- the agent's life -----------------------------------------------------------------------------
@@ -149,7 +158,7 @@ class StoreCalls:
         theirs.close()
         ours.setblocking(False)
         self.pid, self.sock, self.frames = pid, ours, Frames()
-        self.opened, self.waiting_for = False, None
+        self.opened, self.waiting_for, self.retry_at = False, None, None
         self.counters = dataclasses.replace(self.counters, unavailable=1)  # until the store is open
 
     def _kill_agent(self, why: str) -> None:
@@ -161,6 +170,28 @@ class StoreCalls:
         if self.sock is not None:
             self.sock.close()
         self._spawn()
+
+    def _could_not_open(self) -> None:
+        """The agent said why it could not open its store, and exited: reap it; the next one starts
+        ``retry_s`` later (doubled for the one after, if it fails too). The reason is logged once (again only
+        when it changes); store tasks fail with it meanwhile."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.retry_at = time.monotonic() + self.retry_s
+        self.retry_s = min(RETRY_MAX_S, 2 * self.retry_s)
+
+    def _not_open(self) -> str:
+        """What a store task is told while the store cannot open."""
+        when = "" if self.retry_at is None else f" (trying again in {max(0.0, self.retry_at - time.monotonic()):.0f}s)"
+        return f"the {self.name} store cannot open: {self.open_error}{when}"
+
+    def _retry(self) -> None:
+        """Start the next agent once its time has come."""
+        if self.retry_at is not None and time.monotonic() >= self.retry_at:
+            self._spawn()
 
     def wait_open(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the store to open; raise what opening raised (``StoreBusy``,
@@ -196,6 +227,9 @@ class StoreCalls:
         within the deadline. Raises ``StoreUnavailable`` when the store is not open yet, still busy with a
         call that timed out, or makes no progress for ``timeout`` seconds; re-raises the store's errors."""
         self._drain()
+        self._retry()
+        if self.open_error is not None and not self.opened:
+            raise StoreUnavailable(self._not_open())
         if self.waiting_for is not None:
             seq, since, what = self.waiting_for
             stuck = time.monotonic() - since
@@ -231,15 +265,17 @@ class StoreCalls:
                 raise StoreUnavailable(why)
 
     def maintain(self) -> None:
-        """Take in what the agent sent meanwhile (counters after its idle checks), without waiting."""
+        """Take in what the agent sent meanwhile (counters after its idle checks), without waiting; start the
+        next agent when one that could not open its store waited its time."""
         self._drain()
+        self._retry()
 
     @property
     def unavailable(self) -> bool:
         """Whether store tasks fail now: the store found its backend unavailable, or a call that timed out
         (a frozen master) still holds the agent (the agent's own counters, sent between calls, cannot say
         so while it is held)."""
-        return bool(self.counters.unavailable) or self.waiting_for is not None
+        return bool(self.counters.unavailable) or self.waiting_for is not None or self.retry_at is not None
 
     def _result(self, message: tuple[Any, ...]) -> Any:
         _, _, ok, value, counters = message
@@ -261,9 +297,19 @@ class StoreCalls:
         if kind == "opened":
             _, error, counters = message
             if error is not None:
+                if error[1] != self.open_error:
+                    self.log.error(
+                        "attention store cannot open; store tasks fail, trying again with a back-off",
+                        backend=self.name,
+                        reason=error[1],
+                    )
+                self.open_error = error[1]
                 self._result(("reply", 0, False, error, counters))
             self.counters = StoreCounters(**counters)
             self.opened = True
+            if self.open_error is not None:
+                self.log.info("attention store open again", backend=self.name)
+            self.open_error, self.retry_s = None, RETRY_FIRST_S
             if self.waiting_for is not None and self.waiting_for[0] == 0:
                 self.waiting_for = None
         elif kind == "counters":
@@ -278,7 +324,7 @@ class StoreCalls:
         idle) has already been replaced by ``_receive``: that costs nothing more, and the next call finds
         the new agent opened or still opening."""
         try:
-            while (message := self._receive(0.0)) is not None:
+            while self.sock is not None and (message := self._receive(0.0)) is not None:
                 with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
                     self._absorb(message)
         except StoreUnavailable:
@@ -315,6 +361,9 @@ class StoreCalls:
                 continue
             except OSError:  # a reset: the agent died with our call unread
                 chunk = b""
+            if not chunk and self.open_error is not None and not self.opened:  # it said why, and exited
+                self._could_not_open()
+                raise StoreUnavailable(self._not_open())
             if not chunk:  # the agent died: start another; this call fails
                 self._kill_agent("it exited")
                 raise StoreUnavailable(f"the {self.name} store agent died; a new one is starting")
