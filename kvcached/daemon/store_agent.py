@@ -63,10 +63,8 @@ SLICE_S = 0.1
 ABANDON_AFTER = 6
 #: The calls that read or write device blocks (``direct``).
 DIRECT_CALLS = ("put_blocks", "load_blocks")
-#: After an agent could not open its store, the next one starts this much later, twice as late after each
-#: failure in a row, at most ``RETRY_MAX_S``.
-RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 60.0
+#: After an agent could not open its store the next starts this much later, twice as late after each failure.
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0
 
 
 class Frames:
@@ -136,8 +134,7 @@ class StoreCalls:
         self.frames = Frames()
         self.next_seq = 1
         self.waiting_for: tuple[int, float, str] | None = None  # a call that timed out: (seq, since, method)
-        #: Why the last agent could not open its store (None: it opened, or is still opening the first time),
-        #: and when the next agent starts (None: one runs), ``retry_s`` after the one that failed.
+        #: Why the last agent could not open its store, when the next starts (None: one runs), and the back-off.
         self.open_error: str | None = None
         self.retry_at: float | None = None
         self.retry_s = RETRY_FIRST_S
@@ -172,26 +169,19 @@ class StoreCalls:
         self._spawn()
 
     def _could_not_open(self) -> None:
-        """The agent said why it could not open its store, and exited: reap it; the next one starts
-        ``retry_s`` later (doubled for the one after, if it fails too). The reason is logged once (again only
-        when it changes); store tasks fail with it meanwhile."""
+        """The agent said why it could not open its store (logged once: ``_absorb``), and exited: reap it; the
+        next starts ``retry_s`` later (``_drain``), twice as late after each failure in a row."""
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        self.retry_at = time.monotonic() + self.retry_s
+        assert self.sock is not None
+        self.sock.close()
+        self.sock, self.retry_at = None, time.monotonic() + self.retry_s
         self.retry_s = min(RETRY_MAX_S, 2 * self.retry_s)
 
     def _not_open(self) -> str:
         """What a store task is told while the store cannot open."""
         when = "" if self.retry_at is None else f" (trying again in {max(0.0, self.retry_at - time.monotonic()):.0f}s)"
         return f"the {self.name} store cannot open: {self.open_error}{when}"
-
-    def _retry(self) -> None:
-        """Start the next agent once its time has come."""
-        if self.retry_at is not None and time.monotonic() >= self.retry_at:
-            self._spawn()
 
     def wait_open(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the store to open; raise what opening raised (``StoreBusy``,
@@ -227,7 +217,6 @@ class StoreCalls:
         within the deadline. Raises ``StoreUnavailable`` when the store is not open yet, still busy with a
         call that timed out, or makes no progress for ``timeout`` seconds; re-raises the store's errors."""
         self._drain()
-        self._retry()
         if self.open_error is not None and not self.opened:
             raise StoreUnavailable(self._not_open())
         if self.waiting_for is not None:
@@ -265,10 +254,8 @@ class StoreCalls:
                 raise StoreUnavailable(why)
 
     def maintain(self) -> None:
-        """Take in what the agent sent meanwhile (counters after its idle checks), without waiting; start the
-        next agent when one that could not open its store waited its time."""
+        """Take in what the agent sent meanwhile (counters after its idle checks), without waiting."""
         self._drain()
-        self._retry()
 
     @property
     def unavailable(self) -> bool:
@@ -298,11 +285,7 @@ class StoreCalls:
             _, error, counters = message
             if error is not None:
                 if error[1] != self.open_error:
-                    self.log.error(
-                        "attention store cannot open; store tasks fail, trying again with a back-off",
-                        backend=self.name,
-                        reason=error[1],
-                    )
+                    self.log.error("attention store cannot open", backend=self.name, reason=error[1])
                 self.open_error = error[1]
                 self._result(("reply", 0, False, error, counters))
             self.counters = StoreCounters(**counters)
@@ -320,15 +303,17 @@ class StoreCalls:
                 self.waiting_for = None  # the stuck call finished: the store takes calls again
 
     def _drain(self) -> None:
-        """Take in every message already received, without waiting. An agent found dead here (killed while
-        idle) has already been replaced by ``_receive``: that costs nothing more, and the next call finds
-        the new agent opened or still opening."""
+        """Take in every message already received, without waiting; start the next agent when one that could
+        not open its store waited its back-off. An agent found dead here (killed while idle) has already been
+        replaced by ``_receive``: that costs nothing more, and the next call finds it opened or opening."""
         try:
             while self.sock is not None and (message := self._receive(0.0)) is not None:
                 with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
                     self._absorb(message)
         except StoreUnavailable:
             pass
+        if self.retry_at is not None and time.monotonic() >= self.retry_at:  # after one that could not open
+            self._spawn()
 
     # -- framing --------------------------------------------------------------------------------------
 

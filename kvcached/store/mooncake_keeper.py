@@ -25,11 +25,15 @@ long as the master does not answer, is then killed by its launcher; a running on
 the master answers or not (its last unmount waits ``UNMOUNT_S`` at most). Every second a watcher thread also
 checks a small pinned marker object in its segment: when the master no longer knows it, the master has
 forgotten every object (it restarted without ``--enable_snapshot_restore``), which is counted
-(``master_resets``) and logged; Mooncake has no call to register bytes already in a segment, so those objects
-were misses until stored again. Now the keeper puts them back itself (``kvcached.store.mooncake_republish``):
-it indexes what its agents store, keeps copies of it once the master forgot, and puts them back at
-``--mooncake-republish-rate``; every put into the segment (an agent's, a put back) waits while the copies
-are taken (``Gate``), and first checks the master when it was last found away or not for ``TICK_S``.
+(``master_resets``) and logged; so is an absence of the master after which it lacks some of the objects
+this host stored. Mooncake has no call to register bytes already in a segment: the keeper puts those objects
+back itself (``kvcached.store.mooncake_republish``): it indexes what its agents store, keeps copies of it once
+the master forgot, and puts them back at ``--mooncake-republish-rate``; every put into the segment (an
+agent's, a put back) waits while the copies are taken (``Gate``), and first checks the master when it was
+last found away, or not found for ``2 * TICK_S``.
+
+Over 500 lines: one process's state (its client, its segment, the agents' sessions, its watch of the master,
+what the put back asks of it) and its launcher, which only this module's ``main`` runs.
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from kvcached import logs
@@ -53,7 +56,7 @@ from kvcached.protocol.trust import peer_credentials
 from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, meminfo, segment_refusal, send
 from kvcached.store.mooncake_memory import address, is_int, mapped_spans, populate, spans
 from kvcached.store.mooncake_net import free_port, master_endpoint, probe_port
-from kvcached.store.mooncake_republish import BATCH_BYTES, SPARE_BYTES, Republisher
+from kvcached.store.mooncake_republish import BATCH_BYTES, SPARE_BYTES, Gate, Republisher
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
@@ -84,40 +87,6 @@ class InstanceWatch:
         now = time.monotonic()
         self.since = now if self.since is None else self.since
         return now - self.since >= GONE_AFTER_S
-
-
-class Gate:
-    """Puts into the segment (any number at once) against the copies of what the master forgot (alone)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.puts = 0
-        self.closed = False
-
-    @contextlib.contextmanager
-    def put(self) -> Iterator[None]:
-        with self.cond:
-            self.cond.wait_for(lambda: not self.closed)
-            self.puts += 1
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.puts -= 1
-                self.cond.notify_all()
-
-    @contextlib.contextmanager
-    def alone(self) -> Iterator[None]:
-        with self.cond:
-            self.cond.wait_for(lambda: not self.closed)
-            self.closed = True
-            self.cond.wait_for(lambda: self.puts == 0)
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.closed = False
-                self.cond.notify_all()
 
 
 class Keeper:

@@ -1,34 +1,25 @@
 """What a Mooncake keeper puts back when its master forgets: ``Republisher``, the index it keeps meanwhile.
 
-A master restarted without a snapshot, a standby promoted by Mooncake's HA, or a master restored from an
-older snapshot forgets objects whose bytes still lie in this host's segment. Mooncake has no call to
-register bytes already in a segment, and once the segment is mounted on the master again its space is
-handed to new objects (from its start: the first put after a restart lands over the oldest bytes). So,
-while the master knows them, the keeper keeps an **index** of the objects this host's agents stored whose
-copy lies in its segment: by name, their offset, size and replica count, most recently used last (stored,
-or found here by a load of this host)::
+A master restarted without a snapshot, a standby promoted by Mooncake's HA or a master back from an older
+snapshot forgets objects whose bytes still lie in this host's segment; Mooncake cannot register them again,
+and hands their space to new objects (the first put after a restart lands over the oldest bytes). So, while
+the master knows them, the keeper indexes the objects its agents stored in its segment, most recently used
+last (stored, or found here by a load of this host), never more bytes than the segment::
 
     entries  name -> (offset, size, replicas)     insertion order = least to most recently used
     at       offset -> name                       an object at an offset a newer one took is dropped
 
-The index never holds more bytes than the segment (the least recently used go first). When the keeper
-finds its master has forgotten (``master_forgot``), with no put landing meanwhile, it copies every
-indexed object out of the segment into **kept copies**, memory of its own (anonymous chunks of
-``CHUNK_BYTES``, each returned once its objects are back), most recently used first, as far as the memory
-available allows; then a thread puts them back in that order, at ``rate`` bytes a second at most:
+Once the master forgot (``master_forgot``; no put lands meanwhile: ``Gate``), the forgotten ones are copied
+into memory of the keeper's own, most recently used first, as far as the memory available allows, in chunks
+each returned once its objects are back; a thread puts them back in that order at ``rate`` bytes a second::
 
     pending  name -> Kept(chunk, start, size, replicas)   most recently used first
 
-Each object is checked before it goes (header and checksum against its name, ``check``): bytes the master
-handed to another object before the copy are never put back under this name. One the master has again
-(restored from a snapshot, or put back by an engine or by its other holder) is skipped. A store of this
-host asking for a pending name (``settle``, before its ``exists``) has it put back first, from the kept
-copy: no object is written twice. A second loss starts it over: what was put back meanwhile is indexed
-again (it lies in the segment) and copied out with the rest; what is pending stays kept. A put that finds
-the master away leaves its objects pending; a put back is done once the object is indexed again.
-
-Only this host's own share: objects another host placed here (replicas, a full segment of theirs) are
-that host's to put back, each once, with the replicas it asked for.
+Each is checked in the buffer it goes from (header and checksum against its name: bytes the master gave
+another object before the copy never go back under this name); one the master has again is skipped; a store
+of this host asking for a pending name (``settle``, before its ``exists``) has it put back at once, and
+writes nothing. A second loss starts over: what went back is indexed again and copied out with the rest,
+what is pending stays kept. Only this host's share: objects another host placed here are that host's.
 """
 
 from __future__ import annotations
@@ -91,6 +82,40 @@ class Segment(Protocol):
         """A registered buffer of ``size`` bytes at least, and its address."""
 
 
+class Gate:
+    """Puts into the segment (any number at once) against the copies of what the master forgot (alone)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.puts = 0
+        self.closed = False
+
+    @contextlib.contextmanager
+    def put(self) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.closed)
+            self.puts += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.puts -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.closed)
+            self.closed = True
+            self.cond.wait_for(lambda: self.puts == 0)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.closed = False
+                self.cond.notify_all()
+
+
 def rank_of(name: str) -> int | None:
     found = NAME.match(name)
     return int(found.group(3)) if found else None
@@ -124,7 +149,8 @@ class Chunk:
     def release(self) -> None:
         self.left -= 1
         if self.left == 0:
-            self.memory.close()
+            with contextlib.suppress(BufferError):  # a view still held: the memory goes with the last reference
+                self.memory.close()
 
 
 @dataclasses.dataclass(slots=True)
@@ -193,6 +219,7 @@ class Republisher:
         with self.cond:
             for name in names:
                 self._drop(name)
+                self.sent.discard(name)
                 kept = self.pending.pop(name, None)
                 if kept is not None:
                     self._count(name, pending=-1, pending_bytes=-kept.size)
@@ -290,7 +317,7 @@ class Republisher:
                 stopping.wait(RETRY_S)
                 continue
             try:
-                with self._taken(self._next_batch()) as batch:
+                with self._taken(self._next_batch()) as batch, self.sending:
                     done = self._put_back(batch)
             except Exception as exc:  # (a buffer Mooncake would not register...): tried again later
                 self.log.warning("putting back what the master forgot failed; trying again", reason=str(exc))
@@ -310,7 +337,7 @@ class Republisher:
             self.cond.wait_for(lambda: not self.busy.intersection(names), timeout=60)
             mine = [name for name in names if name in self.pending]
         try:
-            with self._taken(mine) as batch:
+            with self._taken(mine) as batch, self.sending:
                 self._put_back(batch)
         except Exception as exc:  # the thread tries them again; the store goes on
             self.log.warning("putting back what a store asked for failed", reason=str(exc))
@@ -355,17 +382,11 @@ class Republisher:
     def _put_back(self, batch: list[tuple[str, Kept]]) -> bool:
         """Put back ``batch`` (taken): skip what the master has, check the rest, put it, index what landed here.
         What is finished leaves ``batch`` (the rest goes back to pending). False when the master did not
-        answer, or forgot again meanwhile: what was put is then told from what was there by ``sent``. One at a
-        time (the thread's, a store's ``settle``): they share the registered buffer objects go back from."""
-        if not batch:
-            return True
-        with self.sending:
-            return self._send(batch)
-
-    def _send(self, batch: list[tuple[str, Kept]]) -> bool:
+        answer, or forgot again meanwhile: what was put is then told from what was there by ``sent``. Called
+        holding ``sending``: put backs (the thread's, a store's ``settle``) share the buffer they go from."""
         with self.cond:
             losses = self.losses
-        flags = self.segment.exists([name for name, _ in batch])
+        flags = self.segment.exists([name for name, _ in batch]) if batch else []
         if any(flag < 0 for flag in flags):
             return False
         put: list[tuple[str, Kept]] = []  # on the master: put by this or an earlier try
@@ -392,8 +413,7 @@ class Republisher:
                 ptrs.append(address + at)
                 at += kept.size
         if send:
-            names = [name for name, _ in send]
-            codes = self.segment.put(names, ptrs, [kept.size for _, kept in send], send[0][1].replicas)
+            codes = self.segment.put([n for n, _ in send], ptrs, [k.size for _, k in send], send[0][1].replicas)
             if any(code <= RPC_FAILED for code in codes) or (any(codes) and not self.segment.takes_puts()):
                 return False  # the master is away, or back without this segment yet (it forgot again)
             for (name, kept), code in zip(send, codes, strict=True):
