@@ -102,3 +102,28 @@ def test_a_secret_file_removed_fails_store_tasks_saying_why_and_the_store_comes_
     assert_loads(v, keys, expected)
     again, stored = store_prefix(v, 4, salt=83)
     assert_loads(v, again, stored)
+
+
+def test_a_restart_takes_the_secret_the_file_holds_then_and_refuses_a_file_gone(
+    daemons: DaemonFactory, mooncake: MooncakeMaster, tmp_path: Path
+) -> None:
+    """`kvcached restart` reads the secret file as the next run will (its configuration check, then the new
+    run's start): with the file removed it is refused naming the file, and the daemon serves on with the
+    secret it has; with another secret in the file every rank of the restarted daemon uses that one (the
+    prefix stored under the old secret is a miss, and stays for the hosts that hold it)."""
+    v_file, g_file = secret(tmp_path, "v.secret"), secret(tmp_path, "g.secret")
+    v = start_host(daemons, mooncake, extra=("--mooncake-secret-file", str(v_file)))
+    g = start_host(daemons, mooncake, extra=("--mooncake-secret-file", str(g_file)))
+    keys, expected = store_prefix(g, 8, salt=84)
+    v_file.unlink()
+    refused = daemons.cli("restart", "--instance", v.instance, env=v.env)
+    assert refused.returncode == 1 and str(v_file) in refused.stdout + refused.stderr, refused
+    assert_loads(v, keys, expected)
+    secret(tmp_path, "v.secret", ANOTHER)
+    restarted = daemons.cli("restart", "--instance", v.instance, env=v.env)
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    assert load_prefix(v, keys)[1] == 0, "the restarted daemon still reads the old secret's objects"
+    after, stored = store_prefix(v, 8, salt=85)
+    assert_loads(v, after, stored)
+    assert load_prefix(g, after)[1] == 0, "another secret's objects loaded"
+    assert_loads(g, keys, expected)
