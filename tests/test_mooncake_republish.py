@@ -20,7 +20,7 @@ import runner_client as rc
 from kvcached.protocol.spec import CacheSpec
 from kvcached.status import read_status, render
 from kvcached.store.mooncake_republish import Republisher
-from tests.conftest import DaemonFactory, MooncakeMaster, free_port
+from tests.conftest import DaemonFactory, MooncakeMaster, availability, free_port
 from tests.helpers.procs import halt
 from tests.test_mooncake_hosts import (
     GEOMETRY,
@@ -354,3 +354,17 @@ def test_a_master_back_from_an_absence_missing_some_objects_gets_them_back(
     (event,) = keeper_events(a, "the Mooncake master forgot 8 objects of this segment")
     assert event["level"] == "warning"
     assert_loads(b, keys, expected)
+
+
+def test_a_rate_of_0_puts_nothing_back(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """With --mooncake-republish-rate 0 the keeper keeps and puts back nothing: after the master's restart the
+    prefix stays a miss (no error), the reset is counted and every put back figure stays 0."""
+    a = start_host(daemons, mooncake, extra=("--mooncake-republish-rate", "0"))
+    keys, _ = store_prefix(a, 8, salt=66)
+    mooncake.stop()
+    mooncake.start()
+    until(lambda: all(r["store"]["master_resets"] == 1 for r in read_status(a.instance)["ranks"]), 30, "the reset")
+    until(lambda: all(availability(a.instance)), 30, "the store available again")
+    time.sleep(2)  # (a put back would have begun by now)
+    assert load_prefix(a, keys)[:2] == (0, 0)
+    assert all(not any(f.values()) for f in republish(a)), republish(a)
