@@ -141,15 +141,21 @@ def test_a_daemon_restarted_while_its_keeper_puts_back_loses_nothing(
 ) -> None:
     """Acceptance 2: A's daemon restarted (`kvcached restart`) while its keeper is putting its objects back: the
     keeper (the same process) goes on, and B loads A's whole prefix byte for byte; every object was put back
-    exactly once (64 a rank), none skipped or failed, and A's engine stored nothing again."""
+    exactly once (64 a rank), none skipped or failed, and A's engine stored nothing again. B's lookups and
+    loads all along are misses or ``StoreUnavailable``, never another error or a wrong block."""
     a, b = start_host(daemons, mooncake, extra=SLOW), start_host(daemons, mooncake)
     keys, expected = store_prefix(a, 64, salt=61)
-    mooncake.stop()
-    mooncake.start()
-    midway(a, 64)
-    restarted = daemons.cli("restart", "--instance", a.instance, env=a.env)
-    assert restarted.returncode == 0, restarted.stderr
-    until(lambda: back(a, 64), 30, "A's objects all back")
+    looker = Looker(b, keys, expected)  # B's lookups and loads all along: misses, never an error or a wrong block
+    looker.start()
+    try:
+        mooncake.stop()
+        mooncake.start()
+        midway(a, 64)
+        restarted = daemons.cli("restart", "--instance", a.instance, env=a.env)
+        assert restarted.returncode == 0, restarted.stderr
+        until(lambda: back(a, 64), 30, "A's objects all back")
+    finally:
+        looker.stop()
     assert_loads(b, keys, expected)
     assert [(f["skipped"], f["failed"]) for f in republish(a)] == [(0, 0)] * 2
     assert written(a) == 0
@@ -160,16 +166,26 @@ def test_a_second_master_reset_during_the_put_back_starts_it_over(
 ) -> None:
     """Acceptance 2: the master reset again while A's keeper is putting back what it forgot the first time: the
     keeper starts over with every object once (what it put back meanwhile copied out of the segment again, what
-    was still to go kept), and B then loads the whole prefix byte for byte; nothing failed, nothing skipped."""
+    was still to go kept), and B then loads the whole prefix byte for byte; nothing failed, nothing skipped;
+    B's lookups and loads all along are misses or ``StoreUnavailable``, never another error or a wrong block."""
     a, b = start_host(daemons, mooncake, extra=SLOW), start_host(daemons, mooncake)
     keys, expected = store_prefix(a, 64, salt=62)
-    mooncake.stop()
-    mooncake.start()
-    midway(a, 64)
-    mooncake.stop()
-    mooncake.start()
-    until(lambda: all(r["store"]["master_resets"] == 2 for r in read_status(a.instance)["ranks"]), 30, "2 resets")
-    until(lambda: all(f["to_go"] == 0 for f in republish(a)), 60, "A's objects all back")
+    looker = Looker(b, keys, expected)
+    looker.start()
+    try:
+        mooncake.stop()
+        mooncake.start()
+        midway(a, 64)
+        mooncake.stop()
+        mooncake.start()
+
+        def resets() -> bool:
+            return all(r["store"]["master_resets"] == 2 for r in read_status(a.instance)["ranks"])
+
+        until(resets, 30, "2 resets")
+        until(lambda: all(f["to_go"] == 0 for f in republish(a)), 60, "A's objects all back")
+    finally:
+        looker.stop()
     assert [e["objects"] for e in keeper_events(a, "the master forgot this segment's objects")] == [128, 128]
     assert_loads(b, keys, expected)
     assert [(f["skipped"], f["failed"]) for f in republish(a)] == [(0, 0)] * 2
