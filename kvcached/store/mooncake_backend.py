@@ -30,6 +30,9 @@ from kvcached.store.secret import read_secret, secret_file
 #: Where the configured options keep the key read from the secret file (never published: workers and store
 #: agents inherit it).
 SECRET_KEY = "mooncake_secret"
+#: Bytes a second the keeper puts back at most, by default (docs/benchmarks.md: what the host's own tasks keep
+#: of their throughput beside it).
+REPUBLISH_RATE = "128MiB"
 #: The metadata servers Mooncake's transfer engine connects to, by the scheme that names each.
 METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://", "rediss://")
 
@@ -74,7 +77,7 @@ class MooncakeBackend(StoreBackend):
         knobs.Knob(
             "mooncake_republish_rate",
             knobs.size,
-            "256MiB",
+            REPUBLISH_RATE,
             "mooncake backend: bytes a second the host's keeper puts back at most, once the master forgot its "
             "objects (a restart, a failover); 0: nothing is put back.",
             "BYTES",
@@ -134,7 +137,7 @@ class MooncakeBackend(StoreBackend):
             "mooncake_segment": segment,
             "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
             "mooncake_host": values.get("mooncake_host") or None,
-            "mooncake_republish_rate": knobs.size(values.get("mooncake_republish_rate", "256MiB")),
+            "mooncake_republish_rate": knobs.size(values.get("mooncake_republish_rate", REPUBLISH_RATE)),
             **_secret(values),
             "instance": instance,
         }
