@@ -8,10 +8,10 @@ Needs the ``etcd`` binary: skipped with the reason where it is missing, but fail
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvcached.status import read_status
-from tests.conftest import DaemonFactory, free_port
+from tests.conftest import ROOT, DaemonFactory, free_port
 from tests.helpers.zygote import die_with_us
 from tests.test_mooncake_hosts import assert_loads, start_host, store_prefix, until, written
 from tests.test_mooncake_republish import Looker, back, keeper_events
@@ -40,17 +40,11 @@ def etcd_binary() -> str:
 
 
 def listening(port: int) -> bool:
-    with contextlib.suppress(OSError), socket_to(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
         return True
-    return False
-
-
-@contextlib.contextmanager
-def socket_to(port: int) -> Iterator[None]:
-    import socket
-
-    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-        yield
+    except OSError:
+        return False
 
 
 class HAMaster:
@@ -183,3 +177,18 @@ def test_the_hosts_follow_the_promoted_standby_and_put_their_objects_back_into_i
         if step == 1:
             first.start()  # at its address again: a standby under the second
             until(lambda: first.said("role=standby"), 60, "the first master back as a standby")
+
+
+def test_without_etcd_the_ha_test_skips_saying_why_unless_the_run_requires_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No etcd: a skip naming the package and how to install it; where the run requires it (scripts/test
+    --install-system-packages, as CI runs it, installs etcd-server and says so) a failure."""
+    script = (ROOT / "scripts" / "test").read_text()
+    installing = script.split('if [ "$install_system" = yes ]; then', 1)[1].split("elif", 1)[0]
+    assert "missing+=(etcd-server)" in installing and f"export {NEEDS_ETCD}=1" in installing
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv(NEEDS_ETCD, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="Debian's etcd-server"):
+        etcd_binary()
+    monkeypatch.setenv(NEEDS_ETCD, "1")
+    with pytest.raises(pytest.fail.Exception, match="this run requires it"):
+        etcd_binary()
