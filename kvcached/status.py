@@ -11,7 +11,9 @@ The JSON shape is a public interface (scripts parse it)::
                 "latency": {"swap_out": {"count": 3, "p50_s": 0.0005, "p99_s": 0.001}, "swap_in": ..., "store": ...,
                             "load": ...},   (bucket upper bounds; null without tasks)
                 "store": {"backend": "file", "objects": 120, "bytes": ..., "hits": 40, "misses": 3, "evictions": 0,
-                          "corrupt": 0, "errors": 0, "master_resets": 0, "available": true},   (null without a store)
+                          "corrupt": 0, "errors": 0, "master_resets": 0, "available": true,
+                          "republish": {"to_go": 0, "to_go_bytes": 0, "done": 0, "done_bytes": 0, "skipped": 0,
+                                        "failed": 0, "rate_bytes_s": 0}},   (null without a store)
                 "swap": {"swap_out_tasks": 3, "swap_out_blocks": 96, "swap_out_bytes": ..., "swap_out_ns": ...,
                          "swap_in_tasks": ..., ..., "tasks_refused": 0, "connections": 2, "swap_failures": 0}},
                ...],
@@ -138,6 +140,15 @@ def _store_view(backend: str | None, stats: dict[str, int]) -> dict[str, Any] | 
         "errors": stats["store_errors"],
         "master_resets": stats["store_master_resets"],
         "available": not stats["store_unavailable"],
+        "republish": {
+            "to_go": stats["store_republish_pending"],
+            "to_go_bytes": stats["store_republish_pending_bytes"],
+            "done": stats["store_republish_done"],
+            "done_bytes": stats["store_republish_done_bytes"],
+            "skipped": stats["store_republish_skipped"],
+            "failed": stats["store_republish_failed"],
+            "rate_bytes_s": stats["store_republish_rate"],
+        },
     }
 
 
@@ -175,7 +186,19 @@ def _store_cell(store: dict[str, Any] | None) -> str:
         f"{store['misses']} evict {store['evictions']}"
         + (f" err {store['errors']}" if store["errors"] else "")
         + (f" master reset {store['master_resets']}" if store.get("master_resets") else "")
+        + _republish_text(store.get("republish") or {})
         + ("" if store.get("available", True) else " UNAVAILABLE")
+    )
+
+
+def _republish_text(figures: dict[str, int]) -> str:
+    """What the store puts back after its index forgot it, when it put back anything."""
+    if not any(figures.get(k) for k in ("to_go", "done", "skipped", "failed")):
+        return ""
+    return (
+        f" put back {figures['done']} ({_size(figures['done_bytes'])}) skipped {figures['skipped']} failed "
+        f"{figures['failed']} to go {figures['to_go']} ({_size(figures['to_go_bytes'])}) at "
+        f"{size_text(figures['rate_bytes_s'])}/s"
     )
 
 

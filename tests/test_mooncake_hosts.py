@@ -372,12 +372,12 @@ def test_a_master_restart_then_a_keeper_killed_are_counted_and_the_store_comes_b
     daemons: DaemonFactory, mooncake: MooncakeMaster
 ) -> None:
     """Acceptance point 3: a master restarted without a snapshot forgets every object; the host's keeper
-    notices (every rank's status and the metrics count it in master_resets), the old prefix is a miss (no
-    error), and new stores and loads work again without restarting anything of kvcached. Then the keeper
-    killed -9 while its daemon runs (its host's objects go with it): see ``_keeper_killed``."""
+    notices (every rank's status and the metrics count it in master_resets) and puts the old prefix back (no
+    store of it counted), and new stores and loads work again without restarting anything of kvcached. Then
+    the keeper killed -9 while its daemon runs (its host's objects go with it): see ``_keeper_killed``."""
     port = free_port()
     a = start_host(daemons, mooncake, extra=("--metrics-port", str(port)))
-    keys, _ = store_prefix(a, 4, salt=20)
+    keys, before = store_prefix(a, 4, salt=20)
     mooncake.stop()
     mooncake.start()
     until(
@@ -394,7 +394,8 @@ def test_a_master_restart_then_a_keeper_killed_are_counted_and_the_store_comes_b
     assert counted and float(counted.group(1)) >= 1, metrics
     ranks = read_status(a.instance)["ranks"]
     assert [(r["store"]["objects"], r["store"]["bytes"]) for r in ranks] == [(0, 0)] * 2, "forgotten objects counted"
-    assert load_prefix(a, keys)[:2] == (0, 0)
+    until(lambda: load_prefix(a, keys)[:2] == (4, 4), timeout=10, what="the old prefix put back by the keeper")
+    assert_loads(a, keys, before)
     again, expected = store_prefix(a, 4, salt=21)
     assert_loads(a, again, expected)
     until(lambda: written(a) == 2 * 4, timeout=10, what="the objects written since the reset, counted")
@@ -439,12 +440,10 @@ def _keeper_killed(a: Host, keys: list[bytes], resets: list[int]) -> None:
             assert maps.count(f"kvcached-mooncake-{a.instance} ") == 1, "an agent maps the dead keeper's segment"
 
 
-def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
-    """Bytes of an object changed in place in its segment (memory gone bad, a stale index pointing at reused
-    memory): the load reports the blocks before it, each byte for byte, and counts it corrupt."""
-    a, b = start_host(daemons, mooncake), start_host(daemons, mooncake)
-    keys, expected = store_prefix(a, 8, salt=30)
-    keeper = keeper_pid(a)
+def damage(host: Host, block: bytes) -> None:
+    """Change 8 bytes of the object in ``host``'s segment whose payload holds ``block`` (its first 128 bytes:
+    a block's key bytes of layer 0), as memory gone bad would."""
+    keeper = keeper_pid(host)
     segment = next(
         Path(f"/proc/{keeper}/fd/{fd}")
         for fd in os.listdir(f"/proc/{keeper}/fd")
@@ -452,11 +451,18 @@ def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, moonc
     )
     with open(segment, "r+b") as f:
         data = f.read()
-        fifth = expected[0][4 * len(expected[0]) // 8 : 5 * len(expected[0]) // 8]
-        where = data.find(fifth[:128])  # the fifth block's key bytes of layer 0
-        assert where > 0, "the fifth block's bytes are not in rank 0's segment"
+        where = data.find(block[:128])
+        assert where > 0 and data.count(block[:128]) == 1, "the block's bytes are not in the segment once"
         f.seek(where + 100)
         f.write(b"\x00" * 8 if data[where + 100 : where + 108] != b"\x00" * 8 else b"\x01" * 8)
+
+
+def test_a_corrupted_object_in_a_segment_is_a_miss(daemons: DaemonFactory, mooncake: MooncakeMaster) -> None:
+    """Bytes of an object changed in place in its segment (memory gone bad, a stale index pointing at reused
+    memory): the load reports the blocks before it, each byte for byte, and counts it corrupt."""
+    a, b = start_host(daemons, mooncake), start_host(daemons, mooncake)
+    keys, expected = store_prefix(a, 8, salt=30)
+    damage(a, expected[0][4 * len(expected[0]) // 8 : 5 * len(expected[0]) // 8])  # rank 0's fifth block
     with attached(b) as caches:
         outside = block_bytes(caches, list(range(8, BLOCKS)))
     _, loaded, got = load_prefix(b, keys)

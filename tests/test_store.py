@@ -559,6 +559,21 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
             "--mooncake-master: must be HOST:PORT (a port from 1 to 65535)",
         ),
         (
+            ["--storage-backend", "mooncake", "--mooncake-master", "etcd://h:1;h", "--mooncake-metadata", "etcd://h:1"],
+            "--mooncake-master: must be HOST:PORT (a port from 1 to 65535), or etcd://HOST:PORT[;HOST:PORT...]",
+        ),
+        (
+            ["--storage-backend", "mooncake", "--mooncake-master", "redis://h:1", "--mooncake-metadata", "etcd://h:1"],
+            "(the etcd servers of Mooncake's HA masters); got 'redis://h:1'",
+        ),
+        (
+            [
+                *("--storage-backend", "mooncake", "--mooncake-master", "h:1"),
+                *("--mooncake-metadata", "http://h:1/m", "--mooncake-republish-rate", "fast"),
+            ],
+            "--mooncake-republish-rate: must be a size in bytes",
+        ),
+        (
             ["--storage-backend", "mooncake", "--mooncake-master", "h:1", "--mooncake-metadata", "http://h:abc/m"],
             "--mooncake-metadata: the port after the host must be a number from 1 to 65535",
         ),

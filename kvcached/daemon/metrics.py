@@ -22,6 +22,9 @@ Metrics (labels in braces):
   loaded and verified), ``..._misses_total`` (loads that stopped before their last key: one per such load;
   a lookup counts nothing), ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``,
   ``..._master_resets_total``, ``kvcached_store_unavailable{rank}`` (1 while the backend does not answer)
+- putting back what the store's master forgot: ``kvcached_store_republish_pending_objects{rank}``,
+  ``..._pending_bytes``, ``kvcached_store_republished_objects_total{rank}``, ``..._bytes_total``,
+  ``kvcached_store_republish_skipped_total``, ``..._failed_total``, ``kvcached_store_republish_rate_bytes{rank}``
 """
 
 from __future__ import annotations
@@ -79,6 +82,48 @@ _STORE_FIGURES: list[Simple] = [
         "kvcached_store_unavailable",
         "1 while the store's backend does not answer (its last call or idle check), else 0.",
         "store_unavailable",
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcached_store_republish_pending_objects",
+        "Objects the store's master forgot, still to put back.",
+        "store_republish_pending",
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcached_store_republish_pending_bytes",
+        "Bytes the store's master forgot, still to put back.",
+        "store_republish_pending_bytes",
+    ),
+    (
+        CounterMetricFamily,
+        "kvcached_store_republished_objects",
+        "Objects put back after the store's master forgot them.",
+        "store_republish_done",
+    ),
+    (
+        CounterMetricFamily,
+        "kvcached_store_republished_bytes",
+        "Bytes put back after the store's master forgot them.",
+        "store_republish_done_bytes",
+    ),
+    (
+        CounterMetricFamily,
+        "kvcached_store_republish_skipped",
+        "Objects not put back: the store's master had them again.",
+        "store_republish_skipped",
+    ),
+    (
+        CounterMetricFamily,
+        "kvcached_store_republish_failed",
+        "Objects that could not be put back (damaged, no room, no memory to keep them).",
+        "store_republish_failed",
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcached_store_republish_rate_bytes",
+        "Bytes a second put back since the store's master last forgot.",
+        "store_republish_rate",
     ),
 ]
 

@@ -38,6 +38,7 @@ from kvcached.protocol.messages import (
     unpack_keyed,
 )
 from kvcached.protocol.stats import StatsSlot
+from kvcached.store.base import REPUBLISH_COUNTERS, StoreCounters
 
 #: Keys of a client's next load passed to the store ahead of it (more than a store looks up at once).
 AHEAD_KEYS = 64
@@ -67,6 +68,7 @@ class TaskServer:
         self.keys = keys
         self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
         self.store_was_unavailable = False  # what the log last said of it (``_mirror_store_counters``)
+        self.republishing = False  # what the log last said of putting back what the store's master forgot
         self.handing_over = False  # tasks are answered NOT_RUN: the next daemon runs them
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
@@ -325,7 +327,9 @@ class TaskServer:
             store_corrupt=c.corrupt,
             store_master_resets=c.master_resets,
             store_unavailable=int(self.store.unavailable),
+            **{f"store_{name}": getattr(c, name) for name in REPUBLISH_COUNTERS},
         )
+        self._log_republish(c)
         if self.store.unavailable != self.store_was_unavailable and self.store.opened:
             self.store_was_unavailable = self.store.unavailable
             if self.store_was_unavailable:
@@ -334,6 +338,24 @@ class TaskServer:
                 )
             else:
                 self.log.info("attention store available again", backend=self.store.name)
+
+    def _log_republish(self, c: StoreCounters) -> None:
+        """Say when the store starts putting back this rank's objects its index forgot, and when it is done."""
+        if c.republish_pending and not self.republishing:
+            self.log.warning(
+                "the store's master forgot this rank's objects: they are being put back",
+                objects=c.republish_pending,
+                bytes=c.republish_pending_bytes,
+            )
+        elif self.republishing and not c.republish_pending:
+            self.log.info(
+                "the objects the store's master forgot are back",
+                done=c.republish_done,
+                skipped=c.republish_skipped,
+                failed=c.republish_failed,
+                rate=c.republish_rate,
+            )
+        self.republishing = bool(c.republish_pending)
 
 
 def _next_load(client: Client) -> list[bytes]:

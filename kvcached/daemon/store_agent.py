@@ -63,6 +63,8 @@ SLICE_S = 0.1
 ABANDON_AFTER = 6
 #: The calls that read or write device blocks (``direct``).
 DIRECT_CALLS = ("put_blocks", "load_blocks")
+#: After an agent could not open its store the next starts this much later, twice as late after each failure.
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0
 
 
 class Frames:
@@ -132,6 +134,10 @@ class StoreCalls:
         self.frames = Frames()
         self.next_seq = 1
         self.waiting_for: tuple[int, float, str] | None = None  # a call that timed out: (seq, since, method)
+        #: Why the last agent could not open its store, when the next starts (None: one runs), and the back-off.
+        self.open_error: str | None = None
+        self.retry_at: float | None = None
+        self.retry_s = RETRY_FIRST_S
         self._spawn()
 
     # -- the agent's life -----------------------------------------------------------------------------
@@ -149,7 +155,7 @@ class StoreCalls:
         theirs.close()
         ours.setblocking(False)
         self.pid, self.sock, self.frames = pid, ours, Frames()
-        self.opened, self.waiting_for = False, None
+        self.opened, self.waiting_for, self.retry_at = False, None, None
         self.counters = dataclasses.replace(self.counters, unavailable=1)  # until the store is open
 
     def _kill_agent(self, why: str) -> None:
@@ -161,6 +167,21 @@ class StoreCalls:
         if self.sock is not None:
             self.sock.close()
         self._spawn()
+
+    def _could_not_open(self) -> None:
+        """The agent said why it could not open its store (logged once: ``_absorb``), and exited: reap it; the
+        next starts ``retry_s`` later (``_drain``), twice as late after each failure in a row."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        assert self.sock is not None
+        self.sock.close()
+        self.sock, self.retry_at = None, time.monotonic() + self.retry_s
+        self.retry_s = min(RETRY_MAX_S, 2 * self.retry_s)
+
+    def _not_open(self) -> str:
+        """What a store task is told while the store cannot open."""
+        when = "" if self.retry_at is None else f" (trying again in {max(0.0, self.retry_at - time.monotonic()):.0f}s)"
+        return f"the {self.name} store cannot open: {self.open_error}{when}"
 
     def wait_open(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the store to open; raise what opening raised (``StoreBusy``,
@@ -196,6 +217,8 @@ class StoreCalls:
         within the deadline. Raises ``StoreUnavailable`` when the store is not open yet, still busy with a
         call that timed out, or makes no progress for ``timeout`` seconds; re-raises the store's errors."""
         self._drain()
+        if self.open_error is not None and not self.opened:
+            raise StoreUnavailable(self._not_open())
         if self.waiting_for is not None:
             seq, since, what = self.waiting_for
             stuck = time.monotonic() - since
@@ -239,7 +262,7 @@ class StoreCalls:
         """Whether store tasks fail now: the store found its backend unavailable, or a call that timed out
         (a frozen master) still holds the agent (the agent's own counters, sent between calls, cannot say
         so while it is held)."""
-        return bool(self.counters.unavailable) or self.waiting_for is not None
+        return bool(self.counters.unavailable) or self.waiting_for is not None or self.retry_at is not None
 
     def _result(self, message: tuple[Any, ...]) -> Any:
         _, _, ok, value, counters = message
@@ -261,9 +284,15 @@ class StoreCalls:
         if kind == "opened":
             _, error, counters = message
             if error is not None:
+                if error[1] != self.open_error:
+                    self.log.error("attention store cannot open", backend=self.name, reason=error[1])
+                self.open_error = error[1]
                 self._result(("reply", 0, False, error, counters))
             self.counters = StoreCounters(**counters)
             self.opened = True
+            if self.open_error is not None:
+                self.log.info("attention store open again", backend=self.name)
+            self.open_error, self.retry_s = None, RETRY_FIRST_S
             if self.waiting_for is not None and self.waiting_for[0] == 0:
                 self.waiting_for = None
         elif kind == "counters":
@@ -274,15 +303,17 @@ class StoreCalls:
                 self.waiting_for = None  # the stuck call finished: the store takes calls again
 
     def _drain(self) -> None:
-        """Take in every message already received, without waiting. An agent found dead here (killed while
-        idle) has already been replaced by ``_receive``: that costs nothing more, and the next call finds
-        the new agent opened or still opening."""
+        """Take in every message already received, without waiting; start the next agent when one that could
+        not open its store waited its back-off. An agent found dead here (killed while idle) has already been
+        replaced by ``_receive``: that costs nothing more, and the next call finds it opened or opening."""
         try:
-            while (message := self._receive(0.0)) is not None:
+            while self.sock is not None and (message := self._receive(0.0)) is not None:
                 with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
                     self._absorb(message)
         except StoreUnavailable:
             pass
+        if self.retry_at is not None and time.monotonic() >= self.retry_at:  # after one that could not open
+            self._spawn()
 
     # -- framing --------------------------------------------------------------------------------------
 
@@ -315,6 +346,9 @@ class StoreCalls:
                 continue
             except OSError:  # a reset: the agent died with our call unread
                 chunk = b""
+            if not chunk and self.open_error is not None and not self.opened:  # it said why, and exited
+                self._could_not_open()
+                raise StoreUnavailable(self._not_open())
             if not chunk:  # the agent died: start another; this call fails
                 self._kill_agent("it exited")
                 raise StoreUnavailable(f"the {self.name} store agent died; a new one is starting")

@@ -50,6 +50,13 @@ STAT_NAMES: tuple[str, ...] = (
     "store_unavailable",
     # Swap tasks that failed while they ran (a refusal before anything moved is ``tasks_refused``).
     "swap_failures",
+    "store_republish_pending",
+    "store_republish_pending_bytes",
+    "store_republish_done",
+    "store_republish_done_bytes",
+    "store_republish_skipped",
+    "store_republish_failed",
+    "store_republish_rate",
 )
 #: u64 index in a stats slot where the latency histograms begin (room for 64 counters before it).
 LATENCY_INDEX = 64

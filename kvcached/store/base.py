@@ -9,20 +9,22 @@ scales of that block, as in the CPU pool; ``spec.block_bytes`` long)::
 
     0 magic "KVCBLOCK" | 8 format version u32 | 12 header size u32 | 16 payload bytes u64
     24 geometry digest 16B | 40 block key 32B | 72 rank u32 | 76 flags u32 | 80 xxh3-64 of payload u64
-    88 tag 16B (``FLAG_TAGGED`` only) | .. 128 zero
+    88 tag 16B (``FLAG_TAGGED`` only) | 104 key id 8B (``FLAG_TAGGED`` only) | .. 128 zero
 
 With a secret (``ObjectIdentity.secret``, the Mooncake backend's ``--mooncake-secret-file``) every header
-carries a keyed BLAKE2b tag of its first 88 bytes (so of the key, rank, geometry and payload checksum)
-and a header without the tag of the same secret is refused: a writer without the secret cannot make an
+carries a keyed BLAKE2b tag of its first 88 bytes (so of the key, rank, geometry and payload checksum),
+and the id of the key that made it (a hash of the key: it tells keys apart, it reveals nothing of one).
+A header without a tag this reader's key makes is refused: a writer without the secret cannot make an
 object a reader serves. Without one, headers carry no tag and tags are not checked.
 
 An object is served only if every header field matches what this rank expects and the checksum holds;
 anything else (truncated, foreign, corrupted, written for another geometry or rank) is a miss, and the
-backend removes it when it can. A load reports only a verified prefix: an object is checked in the pass
-that lands it (``kvcached.store.landing``), so the target block of an object that fails, and the targets
-after it, may hold bytes of the load that are not reported; those blocks were handed over as free
-receivers, and the engine uses only the blocks a load reports. Nothing outside a load's targets is
-written.
+backend removes it when it can, but for one tagged under another key (``OTHER_KEY``: another secret, a
+host of the same cluster that has not taken a new one yet): a miss, left for the readers that hold it. A
+load reports only a verified prefix: an object is checked in the pass that lands it
+(``kvcached.store.landing``), so the target block of an object that fails, and the targets after it, may
+hold bytes of the load that are not reported; those blocks were handed over as free receivers, and the
+engine uses only the blocks a load reports. Nothing outside a load's targets is written.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ HEADER_SIZE = 128
 #: Header flag: a keyed tag of the header's fields follows them (``TAG_SIZE`` bytes).
 FLAG_TAGGED = 1
 TAG_SIZE = 16
+KEY_ID_SIZE = 8
+#: How ``verify_header``'s answer begins for an object tagged under another key (never removed).
+OTHER_KEY = "tagged under another secret"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,15 +76,21 @@ class ObjectIdentity:
             MAGIC, FORMAT_VERSION, HEADER_SIZE, self.payload, self.digest, key, self.rank, flags, checksum
         )
         if self.secret is not None:
-            packed += self._tag(packed)
+            packed += self._tag(packed) + self.key_id()
         return packed.ljust(HEADER_SIZE, b"\0")
 
     def _tag(self, fields: bytes) -> bytes:
         assert self.secret is not None
         return hashlib.blake2b(fields, digest_size=TAG_SIZE, key=self.secret, person=b"kvcached-header").digest()
 
+    def key_id(self) -> bytes:
+        """The id of this identity's key, as headers carry it."""
+        assert self.secret is not None
+        return hashlib.blake2b(self.secret, digest_size=KEY_ID_SIZE, person=b"kvcached-key-id").digest()
+
     def verify_header(self, key: bytes, head: memoryview, size: int) -> str | None:
-        """None if ``head`` is the header of a ``size``-byte object for ``key`` on this rank, else why not."""
+        """None if ``head`` is the header of a ``size``-byte object for ``key`` on this rank, else why not (for one
+        tagged under another key, a reason that begins with ``OTHER_KEY``)."""
         if len(head) < HEADER_SIZE:
             return f"truncated: {size} bytes"
         magic, version, header_size, payload, digest, got_key, rank, flags, _checksum = HEADER.unpack_from(head)
@@ -95,8 +106,12 @@ class ObjectIdentity:
             return f"truncated: {size - HEADER_SIZE} of {payload} payload bytes"
         if self.secret is not None:
             tag = bytes(head[HEADER.size : HEADER.size + TAG_SIZE])
-            if not flags & FLAG_TAGGED or not hmac.compare_digest(tag, self._tag(bytes(head[: HEADER.size]))):
-                return "not tagged with the store's secret: written by someone without it"
+            if flags & FLAG_TAGGED and hmac.compare_digest(tag, self._tag(bytes(head[: HEADER.size]))):
+                return None
+            key_id = bytes(head[HEADER.size + TAG_SIZE : HEADER.size + TAG_SIZE + KEY_ID_SIZE])
+            if flags & FLAG_TAGGED and key_id != self.key_id():  # (all zero: a header from before key ids)
+                return f"{OTHER_KEY} (key id {key_id.hex()}; this host's is {self.key_id().hex()})"
+            return "not tagged with the store's secret: written by someone without it"
         return None
 
 
@@ -132,6 +147,20 @@ class StoreCounters:
     #: 1 while the backend does not answer, as the last call or idle check found it (a Mooncake master or
     #: metadata server that refuses connections, a keeper that cannot be reached); else 0.
     unavailable: int = 0
+    #: Putting back what the store's index forgot (a Mooncake master's restart or failover: the keeper's
+    #: ``Republisher``), this rank's share: objects and bytes to go, done, skipped (the index had them
+    #: again), failed, and the bytes a second since the loss.
+    republish_pending: int = 0
+    republish_pending_bytes: int = 0
+    republish_done: int = 0
+    republish_done_bytes: int = 0
+    republish_skipped: int = 0
+    republish_failed: int = 0
+    republish_rate: int = 0
+
+
+#: The ``StoreCounters`` of putting back what the index forgot (each mirrored as ``store_<name>``).
+REPUBLISH_COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters) if f.name.startswith("republish_"))
 
 
 def _no_progress() -> None:

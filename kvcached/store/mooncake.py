@@ -23,7 +23,8 @@ Availability: a quick TCP probe of master and metadata server comes first; while
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
 once per ``RETRY_S``) and the rank keeps serving its device and CPU tiers. A master that restarts comes
 back by itself (the keeper's client mounts its segment again); what the master forgot is counted in
-``master_resets`` and leaves ``objects`` and ``bytes`` (they count again from 0).
+``master_resets`` and leaves ``objects`` and ``bytes`` (they count again from 0), and the keeper puts this
+host's share of it back (``kvcached.store.mooncake_republish``; each rank's ``republish_*`` counters).
 """
 
 from __future__ import annotations
@@ -41,10 +42,18 @@ from kvcached.logs import Logger
 from kvcached.protocol.errors import StoreUnavailable
 from kvcached.protocol.layout import round_up
 from kvcached.store import landing
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreCounters, header_checksum
+from kvcached.store.base import (
+    HEADER_SIZE,
+    OTHER_KEY,
+    REPUBLISH_COUNTERS,
+    ObjectIdentity,
+    Store,
+    StoreCounters,
+    header_checksum,
+)
 from kvcached.store.landing import Targets
 from kvcached.store.mooncake_link import KeeperConfig, KeeperLink, open_link
-from kvcached.store.mooncake_net import host_port, metadata_endpoint, probe_port
+from kvcached.store.mooncake_net import master_endpoint, metadata_endpoint, probe_port
 
 RETRY_S = 1.0
 #: The option naming the secret file of the headers' tags.
@@ -67,7 +76,7 @@ class MooncakeStore(Store):
         self.keeper = keeper
         self.replicas = replicas
         metadata = metadata_endpoint(keeper.metadata)
-        self.endpoints = [host_port(keeper.master, 50051), *([metadata] if metadata else [])]
+        self.endpoints = [master_endpoint(keeper.master), *([metadata] if metadata else [])]
         self.object_bytes = HEADER_SIZE + identity.payload
         self.slot = round_up(self.object_bytes)
         self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while landing
@@ -94,6 +103,7 @@ class MooncakeStore(Store):
         #: (names, when sent) while its reply is not collected.
         self.expected: list[str] = []
         self.ahead: tuple[list[str], float] | None = None
+        self.other_keys: set[str] = set()  # the other secrets' objects met, each logged once
         try:
             self._ensure()
         except StoreUnavailable as exc:
@@ -196,6 +206,9 @@ class MooncakeStore(Store):
         if resets > self.counters.master_resets:  # the master forgot every object, in any segment
             self.counters.objects = self.counters.bytes = 0
         self.counters.master_resets = resets
+        mine = stats.get("republish", {}).get(str(self.identity.rank), {})
+        for name in REPUBLISH_COUNTERS:  # the keeper's ``mooncake_republish.Figures`` of this rank
+            setattr(self.counters, name, int(mine.get(name.removeprefix("republish_"), 0)))
 
     def _name(self, key: bytes) -> str:
         return f"{self.prefix}{key.hex()}/r{self.identity.rank}"
@@ -400,7 +413,11 @@ class MooncakeStore(Store):
         if landed < len(digests):
             why = "checksum mismatch"
         self.counters.hits += landed
-        if why is not None:
+        if why is not None and why.startswith(OTHER_KEY):  # another secret's: a miss here, kept for its readers
+            if why not in self.other_keys:
+                self.other_keys.add(why)
+                self.log.warning("store object under another secret: a miss, left in place", reason=why)
+        elif why is not None:
             damaged.append(keys[window.start + landed])
             self.log.warning("store object unusable, removing", key=damaged[-1].hex(), reason=why)
             self.counters.corrupt += 1

@@ -18,15 +18,21 @@ from kvcached.store.base import HEADER_SIZE, ObjectIdentity, Store, StoreBackend
 from kvcached.store.mooncake import SECRET, MooncakeStore
 from kvcached.store.mooncake_link import KeeperConfig, meminfo, release, segment_refusal
 from kvcached.store.mooncake_net import (
-    host_port,
     http_answers,
     local_address,
+    master_endpoint,
     metadata_endpoint,
     metadata_port,
     reachable,
 )
 from kvcached.store.secret import read_secret, secret_file
 
+#: Where the configured options keep the key read from the secret file (never published: workers and store
+#: agents inherit it).
+SECRET_KEY = "mooncake_secret"
+#: Bytes a second the keeper puts back at most, by default (docs/benchmarks.md: what the host's own tasks keep
+#: of their throughput beside it).
+REPUBLISH_RATE = "128MiB"
 #: The metadata servers Mooncake's transfer engine connects to, by the scheme that names each.
 METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://", "rediss://")
 
@@ -69,6 +75,14 @@ class MooncakeBackend(StoreBackend):
             "FILE",
         ),
         knobs.Knob(
+            "mooncake_republish_rate",
+            knobs.size,
+            REPUBLISH_RATE,
+            "mooncake backend: bytes a second the host's keeper puts back at most, once the master forgot its "
+            "objects (a restart, a failover); 0: nothing is put back.",
+            "BYTES",
+        ),
+        knobs.Knob(
             "mooncake_host",
             knobs.optional_text,
             None,
@@ -89,8 +103,13 @@ class MooncakeBackend(StoreBackend):
                 "(docs/mooncake.md says how to start a master)",
             )
         master = str(values["mooncake_master"])
-        if not _port(master.rpartition(":")[2]):
-            raise InvalidSpec("mooncake_master", f"must be HOST:PORT (a port from 1 to 65535), got {master!r}")
+        servers = master.removeprefix("etcd://").split(";")
+        if "://" in master.removeprefix("etcd://") or not all(_port(server.rpartition(":")[2]) for server in servers):
+            raise InvalidSpec(
+                "mooncake_master",
+                "must be HOST:PORT (a port from 1 to 65535), or etcd://HOST:PORT[;HOST:PORT...] (the etcd servers of "
+                f"Mooncake's HA masters); got {master!r}",
+            )
         metadata = str(values["mooncake_metadata"])
         if metadata != "P2PHANDSHAKE" and not metadata.startswith(METADATA_SCHEMES):
             raise InvalidSpec(
@@ -118,7 +137,8 @@ class MooncakeBackend(StoreBackend):
             "mooncake_segment": segment,
             "mooncake_replicas": int(values.get("mooncake_replicas") or 1),
             "mooncake_host": values.get("mooncake_host") or None,
-            "mooncake_secret_file": secret_file(SECRET, values.get("mooncake_secret_file")),
+            "mooncake_republish_rate": knobs.size(values.get("mooncake_republish_rate", REPUBLISH_RATE)),
+            **_secret(values),
             "instance": instance,
         }
 
@@ -132,10 +152,11 @@ class MooncakeBackend(StoreBackend):
             master=master,
             metadata=options["mooncake_metadata"],
             segment_bytes=ranks * options["mooncake_segment"],
-            host=options.get("mooncake_host") or local_address(*host_port(master, 50051)),
+            host=options.get("mooncake_host") or local_address(*master_endpoint(master)),
+            republish_rate=options.get("mooncake_republish_rate", 0),
         )
         if options.get("mooncake_secret_file"):
-            identity = dataclasses.replace(identity, secret=read_secret(SECRET, options["mooncake_secret_file"]))
+            identity = dataclasses.replace(identity, secret=_kept_secret(options, log))
         return MooncakeStore(identity=identity, keeper=keeper, replicas=options.get("mooncake_replicas", 1), log=log)
 
     def release(self, options: Mapping[str, Any], *, instance: str) -> None:
@@ -163,7 +184,7 @@ class MooncakeBackend(StoreBackend):
     def _master_checks(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         """Whether the master and its metadata server take connections and, for an HTTP metadata server (in
         the master's process), answer a request: a frozen master takes connections and answers nothing."""
-        endpoints = {"master": host_port(options["mooncake_master"], 50051)}
+        endpoints = {"master": master_endpoint(options["mooncake_master"])}
         if (metadata := metadata_endpoint(options["mooncake_metadata"])) is not None:
             endpoints["metadata"] = metadata
         up = {name: reachable(*hp) for name, hp in endpoints.items()}
@@ -208,6 +229,30 @@ class MooncakeBackend(StoreBackend):
             advice = "the next start replaces it (its objects leave the store): start with the options it has"
             return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)
         return Check("mooncake_keeper", OK, f"{figure} (the next start keeps it)", measured)
+
+
+def _secret(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The secret file (an absolute path) and the key read from it, read once per daemon run: a configuration
+    configured again (the engine declaring its geometry) keeps the key it has."""
+    if isinstance(values.get(SECRET_KEY), bytes):
+        return {SECRET: values[SECRET], SECRET_KEY: values[SECRET_KEY]}
+    found = secret_file(SECRET, values.get(SECRET))
+    return {SECRET: None} if found is None else {SECRET: found[0], SECRET_KEY: found[1]}
+
+
+def _kept_secret(options: Mapping[str, Any], log: Logger) -> bytes:
+    """The key this daemon run read at its start (every store agent of every rank uses it, whatever the file
+    holds now). The file must still be there and closed to others (a store agent opening checks it as the
+    start did: ``InvalidSpec`` says why not); one that holds another secret now is logged, and waits for the
+    next start (``kvcached restart``)."""
+    key: bytes = options[SECRET_KEY]
+    if read_secret(SECRET, options[SECRET]) != key:
+        log.warning(
+            "the secret file holds another secret now: this daemon run keeps the one it started with (a restart "
+            "takes the new one)",
+            path=options[SECRET],
+        )
+    return key
 
 
 def _times(count: int) -> str:

@@ -25,8 +25,15 @@ long as the master does not answer, is then killed by its launcher; a running on
 the master answers or not (its last unmount waits ``UNMOUNT_S`` at most). Every second a watcher thread also
 checks a small pinned marker object in its segment: when the master no longer knows it, the master has
 forgotten every object (it restarted without ``--enable_snapshot_restore``), which is counted
-(``master_resets``) and logged; Mooncake has no call to register bytes already in a segment, so those objects
-are misses.
+(``master_resets``) and logged; so is an absence of the master after which it lacks some of the objects
+this host stored. Mooncake has no call to register bytes already in a segment: the keeper puts those objects
+back itself (``kvcached.store.mooncake_republish``): it indexes what its agents store, keeps copies of it once
+the master forgot, and puts them back at ``--mooncake-republish-rate``; every put into the segment (an
+agent's, a put back) waits while the copies are taken (``Gate``), and first checks the master when it was
+last found away, or not found for ``2 * TICK_S``.
+
+Over 500 lines: one process's state (its client, its segment, the agents' sessions, its watch of the master,
+what the put back asks of it) and its launcher, which only this module's ``main`` runs.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ from kvcached.protocol.names import control_name, shm_path
 from kvcached.protocol.trust import peer_credentials
 from kvcached.store.mooncake_link import PROTOCOL, KeeperConfig, Receiver, meminfo, segment_refusal, send
 from kvcached.store.mooncake_memory import address, is_int, mapped_spans, populate, spans
-from kvcached.store.mooncake_net import free_port, host_port, probe_port
+from kvcached.store.mooncake_net import free_port, master_endpoint, probe_port
+from kvcached.store.mooncake_republish import BATCH_BYTES, SPARE_BYTES, Gate, Republisher
 
 #: Seconds without the instance's control block after which the keeper quits by itself.
 GONE_AFTER_S = 2.0
@@ -106,6 +114,15 @@ class Keeper:
         self.marked = False  # the master knows the marker object
         self.checking_since: float | None = None  # when the watcher's check of the master began, while it runs
         self.segment_ids: list[str] = []  # the master's names of the mounted segment
+        #: The segment as this process reads it (what the master forgot is copied out of it).
+        self.segment = memoryview(mmap.mmap(self.segment_fd, config.segment_bytes, prot=mmap.PROT_READ))
+        self.gate = Gate()
+        self.checking = threading.Lock()  # one check of the master at a time
+        self.suspect = True  # the master was last found away, or a put failed: check it before the next put
+        self.was_away = False  # a check found the master away since the last that found it up
+        self.confirmed_at = 0.0  # when a check last found the marker
+        self.republisher = Republisher(self, config.segment_bytes, config.republish_rate)
+        self.put_buffer: tuple[mmap.mmap, int] | None = None  # registered: where objects go back from
 
     # -- start --------------------------------------------------------------------------------------
 
@@ -156,6 +173,7 @@ class Keeper:
         ``TICK_S``: a master that does not answer holds the watcher, not this."""
         assert self.listener is not None
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
+        threading.Thread(target=self.republisher.run, args=(self.quitting,), name="republish", daemon=True).start()
         while not self.quitting.is_set():
             select.select([self.listener.fileno(), self.wake_r], [], [], TICK_S)
             self._check_instance()
@@ -178,7 +196,7 @@ class Keeper:
     def _watch(self) -> None:
         while not self.quitting.wait(TICK_S):
             try:
-                self._tick()
+                self._check_master()
             except Exception as exc:  # a check that failed is tried again a second later
                 self.log.warning("keeper check failed", reason=str(exc))
 
@@ -195,6 +213,9 @@ class Keeper:
                 try:
                     if op == "hello":
                         buffer = self._adopt_buffer(fds, buffer)
+                        rate = request.get("republish_rate")
+                        if isinstance(rate, int) and not isinstance(rate, bool) and rate >= 0:
+                            self.republisher.rate = rate
                         result: Any = self._hello()
                         fd_out = (self.segment_fd,)
                     elif op == "info":
@@ -260,20 +281,72 @@ class Keeper:
             raise ValueError("names: must be a list of strings")
         if op == "ping":
             return None
-        if op == "exists":
-            return self.client.batch_is_exist(names)
+        if op == "exists":  # (a store asks first: one the keeper is putting back is put back now, once)
+            self.republisher.settle(names)
+            return self.exists(names)
         if op == "locate":
             return self._locate(names)
         if op == "remove":  # with force: at once, even while a read lease (ours, just taken) is still running
+            self.republisher.forget(names)
             return [self.client.remove(name, bool(request.get("force"))) for name in names]
         if op not in ("put", "get"):
             raise ValueError(f"unknown request {op!r}")
         if buffer is None:
             raise ValueError(f"{op} before hello")
         ptrs, sizes = spans(address(buffer), len(buffer), len(names), request.get("offsets"), request.get("sizes"))
-        if op == "put":
-            return self.client.batch_put_from(names, ptrs, sizes, self._placement(request.get("replicas")))
-        return self.client.batch_get_into(names, ptrs, sizes)
+        if op == "get":
+            return self.client.batch_get_into(names, ptrs, sizes)
+        replicas = request.get("replicas")
+        self._placement(replicas)  # checked before anything is put
+        assert isinstance(replicas, int)
+        codes = self.put(names, ptrs, sizes, replicas)
+        stored = [name for name, code in zip(names, codes, strict=True) if code == 0]
+        if stored and self.republisher.rate:
+            found = self.located(stored) or {}
+            self.republisher.stored({name: place for name, (place, _) in found.items() if place}, replicas)
+        return codes
+
+    # -- what the republisher needs (``mooncake_republish.Segment``) ------------------------------------------
+
+    def takes_puts(self) -> bool:
+        return self.marked
+
+    def put(self, names: list[str], ptrs: list[int], sizes: list[int], replicas: int) -> list[int]:
+        """Put objects into the store (this segment first): after a check of the master when it was last
+        found away, or not found for a while (what it forgot is copied out before a put lands over it), and
+        never while those copies are taken."""
+        if self.suspect or time.monotonic() - self.confirmed_at > 2 * TICK_S:
+            with contextlib.suppress(Exception):  # (a master that does not answer fails the put itself)
+                self._check_master()
+        with self.gate.put():
+            codes: list[int] = self.client.batch_put_from(names, ptrs, sizes, self._placement(replicas))
+        if any(code != 0 for code in codes):
+            self.suspect = True
+        return codes
+
+    def exists(self, names: list[str]) -> list[int]:
+        flags: list[int] = self.client.batch_is_exist(names)
+        return flags
+
+    def located(self, names: list[str]) -> dict[str, tuple[tuple[int, int] | None, int]] | None:
+        found = self.client.batch_get_replica_desc(names)
+        if not found and min(self.client.batch_is_exist(names[:1])) < 0:
+            return None
+        return {name: (self._here(found[name]), sum(r.is_memory_replica() for r in found[name])) for name in found}
+
+    def remove(self, names: list[str]) -> None:
+        self.client.batch_remove(names, True)
+
+    def staging(self, size: int) -> tuple[memoryview, int]:
+        if self.put_buffer is None or len(self.put_buffer[0]) < size:
+            if self.put_buffer is not None:
+                self.client.unregister_buffer(self.put_buffer[1])
+            buffer = mmap.mmap(-1, max(size, BATCH_BYTES))
+            self.put_buffer = (buffer, address(buffer))
+            if self.client.register_buffer(self.put_buffer[1], len(buffer)) != 0:
+                self.put_buffer = None
+                raise RuntimeError(f"Mooncake could not register a buffer of {len(buffer)} bytes")
+        return memoryview(self.put_buffer[0]), self.put_buffer[1]
 
     def _placement(self, replicas: Any) -> Any:
         from mooncake.store import ReplicateConfig
@@ -293,26 +366,29 @@ class Keeper:
         if absent and min(self.client.batch_is_exist(absent[:1])) < 0:  # not there, or the master is away?
             raise RuntimeError(f"the Mooncake master {self.config.master} does not answer")
         where: list[list[Any]] = []
+        here: dict[str, tuple[int, int]] = {}
         for name in names:
-            place: list[Any] = ["missing"]
-            for replica in found.get(name, ()):
-                if not replica.is_memory_replica():
-                    continue
-                buffer = replica.get_memory_descriptor().buffer_descriptor
-                offset = self._offset(buffer.transport_endpoint, buffer.buffer_address, buffer.size)
-                if offset is not None:
-                    place = ["local", offset, buffer.size]
-                    break
-                place = ["remote"]
-            where.append(place)
+            replicas = found.get(name, ())
+            place = self._here(replicas)
+            if place is not None:
+                here[name] = place
+                where.append(["local", *place])
+            else:
+                where.append(["remote"] if any(r.is_memory_replica() for r in replicas) else ["missing"])
+        self.republisher.seen(here)
         return where
 
-    def _offset(self, endpoint: str, address: int, size: int) -> int | None:
-        if endpoint != self.hostname:
-            return None
-        for start, end, offset in self.spans:
-            if start <= address and address + size <= end:
-                return offset + address - start
+    def _here(self, replicas: Any) -> tuple[int, int] | None:
+        """(offset, size) of the whole copy in this segment among an object's ``replicas``, if there is one."""
+        for replica in replicas:
+            if not replica.is_memory_replica():
+                continue
+            buffer = replica.get_memory_descriptor().buffer_descriptor
+            if buffer.transport_endpoint != self.hostname:
+                continue
+            for start, end, offset in self.spans:
+                if start <= buffer.buffer_address and buffer.buffer_address + buffer.size <= end:
+                    return offset + buffer.buffer_address - start, buffer.size
         return None
 
     def _forget_buffer(self, buffer: mmap.mmap | None) -> None:
@@ -335,39 +411,74 @@ class Keeper:
             self.log.info("the keeper's socket was removed; nobody can reach it any more: quitting")
             self.stop()
 
-    def _tick(self) -> None:
-        """Whether the master still knows this segment's objects."""
-        self.checking_since = time.monotonic()  # the probe's name lookup may hang too
-        try:
-            # A master whose port refuses is gone: said at once (a call to it takes Mooncake seconds to fail).
-            refused = probe_port(*host_port(self.config.master, 50051)) is False
-            (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
-            if flag == 0 and self.marked:  # counted once per loss: the marker is put again below
-                self.stats["master_resets"] += 1
-                self.log.warning(
-                    "the Mooncake master has forgotten this segment's objects (restarted without snapshot "
-                    "restore?); they are misses from now on",
-                    master=self.config.master,
-                )
-            if flag == 0:
-                self._put_marker()
-        except Exception:
-            self.stats["master_up"] = False  # a check that failed found no master that answers
-            raise
-        finally:
-            self.checking_since = None
-        # Up: the master knows the marker, or took it again just now (a master back from a restart takes puts
-        # only once the segment is mounted on it again: until then, puts fail).
-        self.stats["master_up"] = flag == 1 or (flag == 0 and self.marked)
+    def _check_master(self) -> None:
+        """Whether the master still knows this segment's objects: its marker, and, when the master was away (a
+        restart, a failover), what this host stored: when it forgot them (all, or those after an older
+        snapshot it came back from), they are copied out before any put lands (the republisher puts them back)
+        and the marker put again. One check at a time: a put that asks for one while another runs waits."""
+        with self.checking:
+            self.checking_since = began = time.monotonic()  # the probe's name lookup may hang too
+            try:
+                # A master whose port refuses is gone: said at once (a call takes Mooncake seconds to fail).
+                refused = probe_port(*master_endpoint(self.config.master)) is False
+                (flag,) = (-1,) if refused else self.client.batch_is_exist([self._marker_name()])
+                away = self.was_away or time.monotonic() - began > HELD_S  # (a master that did not answer for long)
+                if (flag == 0 and self.marked) or (flag == 1 and away):  # (the marker is put again below)
+                    self._forgot(every=flag == 0)
+                if flag == 0:
+                    self._put_marker()
+            except Exception:
+                self.stats["master_up"] = False  # a check that failed found no master that answers
+                self.suspect = self.was_away = True
+                raise
+            finally:
+                self.checking_since = None
+            # Up: the master knows the marker, or took it again just now (a master back from a restart takes
+            # puts only once the segment is mounted on it again: until then, puts fail).
+            self.stats["master_up"] = flag == 1 or (flag == 0 and self.marked)
+            self.suspect = not self.stats["master_up"]
+            self.was_away = flag < 0 or (self.was_away and not self.stats["master_up"])
+            if self.stats["master_up"]:
+                self.confirmed_at = time.monotonic()
+
+    def _missing(self) -> list[str]:
+        """The objects of the index the master does not know (after it was away: an older snapshot restored)."""
+        names = self.republisher.indexed()
+        missing: list[str] = []
+        for start in range(0, len(names), 1024):
+            chunk = names[start : start + 1024]
+            flags = self.client.batch_is_exist(chunk)
+            if any(flag < 0 for flag in flags):
+                raise RuntimeError(f"the Mooncake master {self.config.master} does not answer")
+            missing += [name for name, flag in zip(chunk, flags, strict=True) if flag == 0]
+        return missing
+
+    def _forgot(self, *, every: bool) -> None:
+        """The master forgot every object (``every``: its marker is gone), or it was away and may have come back
+        from an older snapshot: what it forgot of the index is copied out, no put landing meanwhile, for the
+        republisher; each such loss counted as a reset and logged."""
+        with self.gate.alone():
+            names = None if every else self._missing()
+            if names == []:
+                return
+            self.stats["master_resets"] += 1
+            what = "every object" if names is None else f"{len(names)} objects"
+            self.log.warning(f"the Mooncake master forgot {what} of this segment", master=self.config.master)
+            self.republisher.master_forgot(self.segment, self._spare_memory(), names)
+
+    def _spare_memory(self) -> int:
+        """Memory the copies of what the master forgot may take: what is available, less ``SPARE_BYTES``."""
+        return max(0, meminfo().get("MemAvailable", 0) - SPARE_BYTES)
 
     def _stats(self) -> dict[str, Any]:
         """The figures each reply carries. While the master holds the watcher's check longer than
         ``HELD_S`` (a frozen master takes connections and answers nothing, for Mooncake's 30 s), it is not
         up, whatever the last check found."""
+        stats = {**self.stats, "republish": self.republisher.report()}
         since = self.checking_since
         if since is not None and time.monotonic() - since > HELD_S:
-            return {**self.stats, "master_up": False}
-        return self.stats  # itself: the watcher changes its values, never its keys, while a reply is framed
+            stats["master_up"] = False
+        return stats
 
     def _socket_is_ours(self) -> bool:
         """Whether the socket path still leads to this keeper (a newer keeper may have replaced it)."""

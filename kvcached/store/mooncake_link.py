@@ -64,6 +64,9 @@ class KeeperConfig:
     segment_bytes: int
     #: This host's address as other hosts reach it (the keeper picks the transfer port itself).
     host: str
+    #: Bytes a second the keeper puts back at most once the master forgot (0: none); a running keeper takes
+    #: each agent's value as it connects, and is not replaced for it.
+    republish_rate: int = 0
 
     def path(self, suffix: str) -> Path:
         return Path(self.run_dir) / f"{check_instance(self.instance)}.mooncake.{suffix}"
@@ -225,7 +228,8 @@ def _connect(path: Path, timeout: float) -> socket.socket | None:
 
 
 def _hello(sock: socket.socket, config: KeeperConfig, buffer_fd: int) -> tuple[dict[str, Any], int]:
-    send(sock, {"op": "hello", "version": PROTOCOL, "config": config.identity()}, (buffer_fd,))
+    hello = {"op": "hello", "version": PROTOCOL, "config": config.identity(), "republish_rate": config.republish_rate}
+    send(sock, hello, (buffer_fd,))
     receiver = Receiver(sock)
     reply = receiver.receive()
     fds = receiver.take_fds()

@@ -36,6 +36,14 @@ def metadata_endpoint(address: str) -> tuple[str, int] | None:
     return host or "127.0.0.1", int(metadata_port(address))
 
 
+def master_endpoint(address: str) -> tuple[str, int]:
+    """The (host, port) to probe for ``--mooncake-master``: the master's (``HOST:PORT``), or under Mooncake's
+    HA (``etcd://HOST:PORT[;HOST:PORT...]``) the first etcd server's, through which clients find the leader."""
+    if "://" in address:
+        return metadata_endpoint(address) or ("127.0.0.1", 2379)
+    return host_port(address, 50051)
+
+
 def local_address(host: str, port: int) -> str:
     """The address of this host on the route to ``host`` (what other hosts reach it by, as a rule)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

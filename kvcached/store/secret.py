@@ -49,10 +49,10 @@ def read_secret(field: str, path: str | Path) -> bytes:
     return hashlib.blake2b(secret, digest_size=32, person=b"kvcached-secret").digest()
 
 
-def secret_file(field: str, value: object) -> str | None:
-    """The configured secret file as an absolute path, checked now (``read_secret``); None when not set."""
+def secret_file(field: str, value: object) -> tuple[str, bytes] | None:
+    """The configured secret file as an absolute path, and the key read from it (``read_secret``); None when
+    not set."""
     if not value:
         return None
     path = Path(str(value)).expanduser().absolute()
-    read_secret(field, path)
-    return str(path)
+    return str(path), read_secret(field, path)
