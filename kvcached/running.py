@@ -24,7 +24,7 @@ from kvcached.protocol.control import State
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
 from kvcached.protocol.names import instance_lock_path, lock_path
-from kvcached.protocol.proc import is_alive
+from kvcached.protocol.proc import is_alive, until
 from kvcached.status import awaits_geometry, is_ready, printable, read_status
 
 if TYPE_CHECKING:
@@ -100,14 +100,11 @@ def send(name: str, pid: int, signum: int) -> None:
 
 def wait_exit(name: str, pid: int, started: int, timeout: float) -> None:
     """Until daemon ``pid`` has exited; an error after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while is_alive(pid, started):
-        if time.monotonic() >= deadline:
-            raise click.ClickException(
-                f"instance {name}: daemon pid {pid} still running after {timeout:.0f}s; try again or kill -9 it "
-                "(the next start adopts or reclaims what it leaves)"
-            )
-        time.sleep(0.05)
+    if not until(lambda: not is_alive(pid, started), timeout, every=0.05):
+        raise click.ClickException(
+            f"instance {name}: daemon pid {pid} still running after {timeout:.0f}s; try again or kill -9 it "
+            "(the next start adopts or reclaims what it leaves)"
+        )
 
 
 def awaits_geometry_now(name: str) -> bool:

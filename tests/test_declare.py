@@ -13,12 +13,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import runner_client as rc
 from kvcached.config import DaemonConfig
 from kvcached.daemon.declare import MAX_OPEN, READ_S
+from kvcached.protocol import framing
 from kvcached.protocol.declare import declare_socket_path
 from kvcached.protocol.errors import InvalidConfig
 from kvcached.status import awaits_geometry, read_status
@@ -116,12 +118,13 @@ def test_geometry_options_with_geometry_engine_are_refused_by_name() -> None:
 
 
 class Dribbler:
-    """A declaring connection of the daemon's own user that sends one byte every 0.5 s: each byte well within
-    any per-read timeout, the whole message never."""
+    """A declaring connection of the daemon's own user that sends the head of a 300-byte frame, then one byte
+    every 0.5 s: each byte well within any per-read timeout, the whole message never."""
 
     def __init__(self, path: Path) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
+        self.sock.sendall(framing.HEAD.pack(300))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._dribble, daemon=True)
         self.thread.start()
@@ -193,7 +196,7 @@ def test_a_flood_of_silent_declarers_costs_only_their_connections(daemons: Daemo
             sock.settimeout(5)
         time.sleep(0.5)
         assert daemon.proc.poll() is None, daemon.log()[-2000:]
-        busy = [sock for sock in flood[MAX_OPEN * 2 :: 50] if b'"busy": true' in sock.recv(4096)]
+        busy = [sock for sock in flood[MAX_OPEN * 2 :: 50] if reply_of(sock.recv(4096)).get("busy") is True]
         assert busy, "connections past MAX_OPEN are answered busy"
     finally:
         for sock in flood:
@@ -251,8 +254,8 @@ def test_two_different_declarations_at_once_one_accepted_one_refused_on_the_sock
             for sock, blocks in zip(socks, (20, 24), strict=True):
                 sock.settimeout(30)
                 sock.connect(str(path))
-                sock.sendall(json.dumps({"spec": spec(num_blocks=blocks).to_dict()}).encode() + b"\n")
-        replies = [json.loads(sock.recv(4096).split(b"\n")[0]) for sock in socks]
+                framing.send(sock, framing.encode({"spec": spec(num_blocks=blocks).to_dict()}))
+        replies = [reply_of(sock.recv(4096)) for sock in socks]
     finally:
         for sock in socks:
             sock.close()
@@ -263,34 +266,47 @@ def test_two_different_declarations_at_once_one_accepted_one_refused_on_the_sock
     assert daemon.wait_ready()["spec"]["num_blocks"] == taken
 
 
+def reply_of(data: bytes) -> dict[str, Any]:
+    """The daemon's answer, read as its own reader would (one frame of JSON)."""
+    reader = framing.Reader(framing.DECLARATION, "declaration")
+    reader.feed(data)
+    body = reader.next()
+    assert body is not None, data
+    return framing.decode(body, "declaration")
+
+
 def exchange(path: Path, raw: bytes) -> bytes:
-    """Send ``raw`` on a declaring connection and read the reply."""
+    """Send ``raw`` on a declaring connection, close its sending side and read the reply."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(READ_S + 10)
         sock.connect(str(path))
         sock.sendall(raw)
+        sock.shutdown(socket.SHUT_WR)
         return sock.recv(4096)
 
 
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        (b"[" * 10000 + b"\n", b"nested too deep"),
-        (b"[" * 100000 + b"\n", b"at most 16384 bytes"),
-        (b'{"spec": 5}\n', b"must be a JSON object of CacheSpec fields; got int"),
-        (b"\xff\xfe\n", b"not JSON"),
+        (framing.frame(b"[" * 10000), "nested too deep"),
+        (framing.HEAD.pack(100000) + b"[" * 4096, "a frame of 100000 bytes; at most 16384"),
+        (b'{"spec": {"num_layers": 2}}\n', "a declaration is one frame (a u32 length, then JSON"),
+        (framing.frame(b'{"spec": 5}'), "must be a JSON object of CacheSpec fields; got int"),
+        (framing.frame(b"\xff\xfe"), "not JSON"),
+        (framing.frame(b'{"spec": {"num_layers"'), "not JSON"),
+        (framing.HEAD.pack(300) + b"{", "the connection ended before a whole declaration"),
     ],
 )
 def test_a_malformed_declaration_is_refused_and_costs_only_itself(
-    daemons: DaemonFactory, raw: bytes, message: bytes
+    daemons: DaemonFactory, raw: bytes, message: str
 ) -> None:
-    """A declaration nested deeper than the parser goes, longer than a message may be, or not a spec at all
-    is refused to its sender, naming ``spec`` and what a declaration is; the daemon goes on waiting and
-    takes the next declaration."""
+    """A declaration nested deeper than the parser goes, longer than a message may be, a line of JSON (not a
+    frame), cut short by the end of its connection, or not a spec at all is refused to its sender, naming
+    ``spec`` and what a declaration is; the daemon goes on waiting and takes the next declaration."""
     daemon = waiting(daemons)
     path = declare_socket_path(daemons.run_dir, daemon.instance)
-    reply = exchange(path, raw)
-    assert b'"accepted": false, "field": "spec"' in reply and message in reply, reply
+    reply = reply_of(exchange(path, raw))
+    assert (reply["accepted"], reply["field"]) == (False, "spec") and message in reply["message"], reply
     assert daemon.proc.poll() is None, daemon.log()[-3000:]
     assert read_status(daemon.instance)["ranks"][0]["state"] == "EMPTY"
     with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=20) as cache:
@@ -315,7 +331,7 @@ def test_a_declaration_of_millions_of_layers_is_refused_by_name_and_costs_nothin
     for field in ("num_layers", "mtp_layers"):
         huge = {**spec(kv_heads=1, head_dim=1, block_size=1, num_blocks=1).to_dict(), field: 10**7}
         started = time.monotonic()
-        reply = json.loads(exchange(path, json.dumps({"spec": huge}).encode() + b"\n").split(b"\n")[0])
+        reply = reply_of(exchange(path, framing.frame(json.dumps({"spec": huge}).encode())))
         assert time.monotonic() - started < 5 and reply["field"] == field and "at most" in reply["message"], reply
     assert daemon.proc.poll() is None
     with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=30) as cache:

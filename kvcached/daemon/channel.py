@@ -13,20 +13,19 @@
                                                            for at most ``DRAIN_S``
                            Serve()                         after Prepared: the rank is yours, serve it
 
-On the wire a message is a JSON object whose ``"t"`` names its type; ``send`` and ``recv`` are the only
-functions that see that encoding.
+On the wire a message is a packet holding a JSON object (``kvcached.protocol.framing``) whose ``"t"`` names
+its type; ``send`` and ``recv`` are the only functions that see that encoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import socket
 from typing import Any
 
+from kvcached.protocol import framing
 from kvcached.protocol.errors import ProtocolError
 
-MAX_PACKET = 1 << 16
 #: The longest a worker told ``Stop(drain=True)`` goes on answering its clients before it exits.
 DRAIN_S = 1.0
 
@@ -82,20 +81,20 @@ _TYPES: dict[str, type[Any]] = {
 def send(sock: socket.socket, message: Message) -> None:
     """Send one message as one packet (raises ``OSError`` when the peer is gone)."""
     body = {"t": type(message).__name__.lower(), **dataclasses.asdict(message)}
-    sock.send(json.dumps(body, separators=(",", ":")).encode())
+    sock.send(framing.encode(body))
 
 
 def recv(sock: socket.socket) -> Message | None:
     """Receive one message; None on EOF (the peer is gone). A packet that is not one of ours raises
     ``ProtocolError``."""
     try:
-        data = sock.recv(MAX_PACKET)
+        data = sock.recv(framing.CHANNEL)
     except ConnectionResetError:
         return None
     if not data:
         return None
+    body = framing.decode(data, "worker channel")
     try:
-        body = json.loads(data)
         cls = _TYPES[body.pop("t")]
         message: Message = cls(**body)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

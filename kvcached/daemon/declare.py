@@ -43,8 +43,9 @@ from kvcached.daemon import requests
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.ranks import create_semaphores, remove_semaphores
 from kvcached.memory.shm import shm_free_bytes
+from kvcached.protocol import framing
 from kvcached.protocol.control import ControlBlock, Record, State
-from kvcached.protocol.declare import MAX_MESSAGE, declare_socket_path, parse_declaration
+from kvcached.protocol.declare import WHAT, declare_socket_path, parse_declaration
 from kvcached.protocol.errors import InvalidSpec, KVCacheError
 from kvcached.protocol.instance import open_instance
 from kvcached.protocol.ownership import cache_owner, explain_owner
@@ -160,7 +161,7 @@ class _Declaring:
     conn: socket.socket
     peer: Peer
     deadline: float
-    data: bytearray = dataclasses.field(default_factory=bytearray)
+    frames: framing.Reader = dataclasses.field(default_factory=lambda: framing.Reader(framing.DECLARATION, WHAT))
     heard: float = dataclasses.field(default_factory=time.monotonic)  # when it connected or last sent a byte
 
 
@@ -255,12 +256,14 @@ class Declarations:
             return None
         except OSError:
             chunk = b""
-        declaring.data += chunk
+        declaring.frames.feed(chunk)
         declaring.heard = time.monotonic()
-        if chunk and b"\n" not in declaring.data and len(declaring.data) <= MAX_MESSAGE:
-            return None
         try:
-            spec = parse_declaration(bytes(declaring.data))
+            spec = parse_declaration(declaring.frames)
+            if spec is None and not chunk:
+                raise InvalidSpec("spec", "the connection ended before a whole declaration")
+            if spec is None:
+                return None
         except InvalidSpec as exc:
             self.log.warning("declaration refused", pid=declaring.peer.pid, field=exc.field, reason=exc.message)
             self._close(fd, {"accepted": False, "field": exc.field, "message": str(exc)})
@@ -335,7 +338,7 @@ def await_declaration(
 def _answer(conn: socket.socket, reply: dict[str, object]) -> None:
     """Send ``reply`` if the socket takes it at once (it is small), and close."""
     with contextlib.suppress(OSError):
-        conn.send(json.dumps(reply, default=str).encode() + b"\n", socket.MSG_DONTWAIT)
+        conn.send(framing.frame(framing.encode(reply)), socket.MSG_DONTWAIT)
     conn.close()
 
 

@@ -36,6 +36,7 @@ from kvcached.logs import Logger
 from kvcached.protocol.control import ControlBlock, Record, State
 from kvcached.protocol.errors import ProtocolError
 from kvcached.protocol.names import SHM_DIR, semaphore_name
+from kvcached.protocol.proc import end
 from kvcached.protocol.stats import StatsSlot
 
 if TYPE_CHECKING:
@@ -183,9 +184,9 @@ def stop_children(children: Iterable[Child], *, grace_s: float, drain: bool) -> 
     deadline = time.monotonic() + grace_s + (channel.DRAIN_S if drain else 0.0)
     for child in stopping:
         if not child.ready:
-            wait_or_kill(child.pid, 0.0)
+            end([child.pid], 0.0, child=True)
         elif not (drain and closed_by(child.channel, deadline)):
-            wait_or_kill(child.pid, deadline)
+            end([child.pid], deadline - time.monotonic(), child=True)
         child.channel.close()
 
 
@@ -202,24 +203,6 @@ def closed_by(sock: socket.socket, deadline: float) -> bool:
         except ProtocolError:
             return False
     return False
-
-
-def wait_or_kill(pid: int, deadline: float) -> None:
-    """Reap child ``pid``, killing it at ``deadline``."""
-    while True:
-        try:
-            done, _status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
-            return
-        if time.monotonic() >= deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            return
-        time.sleep(0.01)
 
 
 def describe_exit(status: int) -> str:

@@ -23,7 +23,7 @@ rows the worker then copies into the device tier (only the rows of the verified 
 never touches device memory, so a call that finishes after its task was given up on cannot change a
 block another task has since reused.
 
-Calls and replies are pickled tuples in frames of a u64 length (``Frames``, the one codec of both ends).
+Calls and replies are pickled tuples, one a frame (``kvcached.protocol.framing``).
 
 The agent also checks its store for trouble outside any call (``Store.check``) once a second when idle,
 and sends the store's counters with every reply.
@@ -39,7 +39,6 @@ import pickle
 import select
 import signal
 import socket
-import struct
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -51,9 +50,10 @@ from kvcached.daemon import faults
 from kvcached.logs import Logger
 from kvcached.memory import shm
 from kvcached.native import Side
+from kvcached.protocol import framing
 from kvcached.protocol.errors import StoreBusy, StoreUnavailable
 from kvcached.protocol.layout import round_up
-from kvcached.protocol.proc import die_with_parent
+from kvcached.protocol.proc import die_with_parent, end
 from kvcached.store.base import Store, StoreCounters
 from kvcached.store.landing import Targets
 
@@ -67,34 +67,19 @@ DIRECT_CALLS = ("put_blocks", "load_blocks")
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0
 
 
-class Frames:
-    """The store agent's wire codec, used by both ends: ``pack`` a message into a frame (a u64 length and a
-    pickle); ``feed`` received bytes and take whole messages with ``next``."""
+def _frame(message: Any) -> bytes:
+    """``message`` as one frame of the agent's channel (a pickle: both ends are this program)."""
+    return framing.frame(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-    HEAD = struct.Struct("<Q")
 
-    def __init__(self) -> None:
-        self.buffer = bytearray()
+def _reader() -> framing.Reader:
+    return framing.Reader(framing.AGENT, "store agent")
 
-    @classmethod
-    def pack(cls, message: Any) -> bytes:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        return cls.HEAD.pack(len(data)) + data
 
-    def feed(self, data: bytes) -> None:
-        self.buffer += data
-
-    def next(self) -> Any | None:
-        """The next whole message received, or None."""
-        if len(self.buffer) < self.HEAD.size:
-            return None
-        (length,) = self.HEAD.unpack_from(self.buffer)
-        end = self.HEAD.size + length
-        if len(self.buffer) < end:
-            return None
-        message = pickle.loads(bytes(self.buffer[self.HEAD.size : end]))
-        del self.buffer[:end]
-        return message
+def _next(frames: framing.Reader) -> Any | None:
+    """The next whole message ``frames`` holds, or None."""
+    body = frames.next()
+    return None if body is None else pickle.loads(body)
 
 
 class StoreCalls:
@@ -131,7 +116,7 @@ class StoreCalls:
         self.opened = False
         self.pid = 0
         self.sock: socket.socket | None = None
-        self.frames = Frames()
+        self.frames = _reader()
         self.next_seq = 1
         self.waiting_for: tuple[int, float, str] | None = None  # a call that timed out: (seq, since, method)
         #: Why the last agent could not open its store, when the next starts (None: one runs), and the back-off.
@@ -154,7 +139,7 @@ class StoreCalls:
                 os._exit(0)
         theirs.close()
         ours.setblocking(False)
-        self.pid, self.sock, self.frames = pid, ours, Frames()
+        self.pid, self.sock, self.frames = pid, ours, _reader()
         self.opened, self.waiting_for, self.retry_at = False, None, None
         self.counters = dataclasses.replace(self.counters, unavailable=1)  # until the store is open
 
@@ -180,7 +165,7 @@ class StoreCalls:
 
     def _not_open(self) -> str:
         """What a store task is told while the store cannot open."""
-        when = "" if self.retry_at is None else f" (trying again in {max(0.0, self.retry_at - time.monotonic()):.0f}s)"
+        when = "" if self.retry_at is None else f" (trying again in {max(0.0, self.retry_at - time.monotonic()):.1f}s)"
         return f"the {self.name} store cannot open: {self.open_error}{when}"
 
     def wait_open(self, seconds: float) -> None:
@@ -203,12 +188,7 @@ class StoreCalls:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-        with contextlib.suppress(ChildProcessError, ProcessLookupError):
-            deadline = time.monotonic() + (5 if self.opened else 0)
-            while time.monotonic() < deadline and os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                time.sleep(0.01)
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
+        end([self.pid], 5 if self.opened else 0, child=True)
 
     # -- calls ----------------------------------------------------------------------------------------
 
@@ -322,7 +302,7 @@ class StoreCalls:
         self.sock.setblocking(True)
         self.sock.settimeout(self.timeout_s)
         try:
-            self.sock.sendall(Frames.pack(message))
+            self.sock.sendall(_frame(message))
         except OSError:
             self._kill_agent("cannot send it a call")
             raise StoreUnavailable(f"the {self.name} store agent did not take the call; it was restarted") from None
@@ -334,7 +314,7 @@ class StoreCalls:
         assert self.sock is not None
         deadline = time.monotonic() + seconds
         while True:
-            message = self.frames.next()
+            message = _next(self.frames)
             if message is not None:
                 assert isinstance(message, tuple)
                 return message
@@ -365,7 +345,7 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
 
     def send(message: Any) -> None:
         try:
-            sock.sendall(Frames.pack(message))
+            sock.sendall(_frame(message))
         except OSError:
             os._exit(0)  # the worker is gone
 
@@ -403,7 +383,7 @@ def _serve(
 ) -> NoReturn:
     """Serve calls until the worker closes its end; between calls, check the store once a second.
     ``calling[0]`` names the method under way (for the ``load-step`` fault)."""
-    frames = Frames()
+    frames = _reader()
     last = dataclasses.asdict(store.counters)
     while True:
         if not select.select([sock], [], [], 1.0)[0]:
@@ -423,7 +403,7 @@ def _serve(
                 store.close()
             os._exit(0)
         frames.feed(chunk)
-        while (message := frames.next()) is not None:
+        while (message := _next(frames)) is not None:
             seq, method, args = message
             calling[0] = method
             try:

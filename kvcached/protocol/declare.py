@@ -5,7 +5,7 @@ geometry (FastDeploy fixes its block count only after profiling). It publishes a
 header spec names the store backend only (``Header.awaits_geometry``) and listens on
 ``<run_dir>/<instance>.declare.sock`` until the engine's first runner or cache-transfer drop-in declares
 the spec; then it allocates exactly that and publishes it in the next control block. One exchange per
-connection, JSON lines both ways, and one of three answers::
+connection, a frame of JSON each way (``kvcached.protocol.framing``), and one of three answers::
 
     -> {"spec": {...CacheSpec fields...}}
     <- {"accepted": true}                                      the daemon allocates this spec
@@ -22,18 +22,17 @@ daemon's own store backend always wins over the declared one (the caller checks 
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec
+from kvcached.protocol import framing
+from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec, ProtocolError
 from kvcached.protocol.spec import CacheSpec
 from kvcached.protocol.trust import admitted, peer_credentials
 
-#: Bytes of one message, at most (a spec is a few hundred).
-MAX_MESSAGE = 16384
+WHAT = "declaration"
 
 
 def declare_socket_path(run_dir: str | Path, instance: str) -> Path:
@@ -66,7 +65,7 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         peer_uid = peer_credentials(sock)[1]
         if peer_uid != owner_uid:
             raise InvalidSpec("declare", f"{path} is served by uid {peer_uid}, not the daemon's uid {owner_uid}")
-        sock.sendall(json.dumps({"spec": spec.to_dict()}).encode() + b"\n")
+        framing.send(sock, framing.encode({"spec": spec.to_dict()}))
         reply = read_message(sock, timeout)
     except (TimeoutError, ConnectionResetError, BrokenPipeError):
         return GONE
@@ -89,48 +88,26 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
 
 
 def read_message(sock: socket.socket, seconds: float) -> dict[str, Any] | None:
-    """One JSON object ending in a newline (at most ``MAX_MESSAGE`` bytes), whole within ``seconds`` (else
-    ``TimeoutError``, however the bytes trickle in), or None for anything else."""
-    deadline = time.monotonic() + seconds
-    data = b""
-    while b"\n" not in data and len(data) <= MAX_MESSAGE:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return parse_message(data)
-
-
-def parse_message(data: bytes) -> dict[str, Any] | None:
-    """The JSON object of ``data``'s first line, or None when it is not one (not JSON, not an object,
-    nested deeper than the parser goes)."""
+    """One message, whole within ``seconds`` (else ``TimeoutError``, however the bytes trickle in), or None
+    for anything else (the end of the stream, a frame that is not a JSON object)."""
     try:
-        message = json.loads(data.split(b"\n", 1)[0])
-    except (ValueError, RecursionError):
+        return framing.decode(framing.Reader(framing.DECLARATION, WHAT).receive(sock, time.monotonic() + seconds), WHAT)
+    except (ProtocolError, ConnectionError):
         return None
-    return message if isinstance(message, dict) else None
 
 
-def parse_declaration(data: bytes) -> CacheSpec:
-    """The spec a declaring connection sent in ``data`` (everything it sent, its first line the message).
-    Raises ``InvalidSpec`` naming the field and what is allowed: ``spec`` for a message that is too long,
-    not JSON, nested too deep, or whose ``spec`` is not an object; a spec field otherwise."""
-    line = data.split(b"\n", 1)[0]
-    if len(line) > MAX_MESSAGE:
-        raise InvalidSpec("spec", f"a declaration is one line of at most {MAX_MESSAGE} bytes; got more")
-    form = 'one line of JSON, {"spec": {...CacheSpec fields...}}'
+def parse_declaration(reader: framing.Reader) -> CacheSpec | None:
+    """The spec of the whole declaration ``reader`` holds, or None while it is not whole. Raises
+    ``InvalidSpec`` naming the field and what is allowed: ``spec`` for a frame that is too long, not JSON,
+    nested too deep, or whose ``spec`` is not an object; a spec field otherwise."""
+    form = 'one frame (a u32 length, then JSON {"spec": {...CacheSpec fields...}})'
     try:
-        message = json.loads(line)
-    except RecursionError:
-        raise InvalidSpec("spec", f"nested too deep; a declaration is {form}") from None
-    except ValueError as exc:
-        raise InvalidSpec("spec", f"not JSON ({exc}); a declaration is {form}") from None
-    if not isinstance(message, dict):
-        raise InvalidSpec("spec", f"a declaration is {form}; got a JSON {type(message).__name__}")
+        body = reader.next()
+        if body is None:
+            return None
+        message = framing.decode(body, WHAT)
+    except ProtocolError as exc:
+        raise InvalidSpec("spec", f"{exc}; a declaration is {form}") from None
     spec = message.get("spec")
     if not isinstance(spec, dict):
         raise InvalidSpec("spec", f"must be a JSON object of CacheSpec fields; got {type(spec).__name__}")

@@ -2,13 +2,20 @@
 
 The start time is field 22 of ``/proc/<pid>/stat`` (clock ticks since boot). A zombie (state Z or X)
 counts as dead: it will never publish again, even though its pid is still taken. Also here: a child's
-request to die with its parent.
+request to die with its parent, the one polling wait (``until``), and the end of a process given a grace
+(``end``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def start_time(pid: int) -> int | None:
@@ -53,3 +60,40 @@ def die_with_parent(parent: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     return os.getppid() == parent
+
+
+def until(ready: Callable[[], T], seconds: float, every: float = 0.01) -> T:
+    """``ready()``, called every ``every`` seconds until it returns a true value, for ``seconds`` at most
+    (it is called at least once, and once more as time runs out): its last value."""
+    deadline = time.monotonic() + seconds
+    while not (value := ready()) and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(every, left))
+    return value
+
+
+def _exited(pid: int, child: bool) -> bool:
+    """Whether ``pid`` has exited (a ``child`` reaped by this call)."""
+    if not child:
+        return start_time(pid) is None
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
+
+
+def end(pids: list[int], seconds: float, *, child: bool) -> None:
+    r"""Give the processes ``pids`` ``seconds`` to exit, then SIGKILL those still there (``child``\ ren are
+    reaped, whatever became of them)."""
+    running = list(pids)
+
+    def gone() -> bool:
+        running[:] = [pid for pid in running if not _exited(pid, child)]
+        return not running
+
+    until(gone, seconds)
+    for pid in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if child:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)

@@ -9,7 +9,7 @@ every host across ``kvcached restart``, ``stop --keep`` and a kill -9 of the dae
     <run_dir>/<instance>.mooncake.lock   flock held while a store agent finds or starts it
     <run_dir>/<instance>.mooncake.log    its log (and Mooncake's)
 
-Wire format: a frame is a u32 length and a JSON object. A request is ``{"op": ..., ...}``, a reply
+Wire format: a frame (``kvcached.protocol.framing``) holds a JSON object. A request is ``{"op": ..., ...}``, a reply
 ``{"ok": true, "result": ..., "stats": {...}}`` or ``{"ok": false, "error": text}``; replies come in
 the order of the requests. ``hello`` carries one file descriptor each way: the agent's batch buffer (a
 memfd the keeper maps and registers with its client, where ``put`` reads and ``get`` writes objects),
@@ -26,24 +26,21 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvcached.checks import size_text
-from kvcached.protocol.errors import StoreUnavailable
+from kvcached.protocol import framing
+from kvcached.protocol.errors import ProtocolError, StoreUnavailable
 from kvcached.protocol.names import check_instance
+from kvcached.protocol.proc import end
 from kvcached.protocol.trust import peer_credentials
 
 #: Bumped when a request or reply changes meaning: a keeper of another version is replaced.
 PROTOCOL = 1
-_FRAME = struct.Struct("<I")
-#: A frame longer than this is refused (a peer speaking something else).
-MAX_FRAME = 64 << 20
 #: How long a keeper may take to start (connect to the master, map and register its segment).
 START_TIMEOUT_S = 60.0
 #: How long a keeper may take to let go of its segment when told to quit, before it is killed.
@@ -89,56 +86,27 @@ class KeeperConfig:
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
-    """Send one frame (and ``fds`` with its first byte)."""
-    data = json.dumps(message).encode()
-    frame = _FRAME.pack(len(data)) + data
-    if fds:
-        sent = socket.send_fds(sock, [frame], list(fds))
-        frame = frame[sent:]
-    if frame:
-        sock.sendall(frame)
+    """Send one message (and ``fds`` with it)."""
+    framing.send(sock, framing.encode(message), fds)
 
 
 class Receiver:
-    """Whole frames (and the descriptors that came with them) from one stream socket."""
+    """Whole messages (and the descriptors that came with them) from one stream socket."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.buffer = bytearray()
-        self.fds: list[int] = []
-
-    def frame(self) -> dict[str, Any] | None:
-        """The next whole frame already received, or None."""
-        if len(self.buffer) < _FRAME.size:
-            return None
-        (length,) = _FRAME.unpack_from(self.buffer)
-        if length > MAX_FRAME:
-            raise ConnectionError(f"a frame of {length} bytes: not a kvcached keeper peer")
-        if len(self.buffer) < _FRAME.size + length:
-            return None
-        message = json.loads(bytes(self.buffer[_FRAME.size : _FRAME.size + length]))
-        del self.buffer[: _FRAME.size + length]
-        if not isinstance(message, dict):
-            raise ConnectionError("a frame that is not a JSON object")
-        return message
-
-    def fill(self) -> None:
-        """Read what the socket has (blocking per its timeout); ConnectionError at EOF."""
-        data, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, 4)
-        self.fds += fds
-        if not data:
-            raise ConnectionError("the peer closed the connection")
-        self.buffer += data
+        self.reader = framing.Reader(framing.KEEPER, "keeper link")
 
     def receive(self) -> dict[str, Any]:
-        """The next frame, waiting for it."""
-        while (message := self.frame()) is None:
-            self.fill()
-        return message
+        """The next message, waiting for it (per the socket's timeout); ConnectionError at the end of the
+        stream or for a frame that is not the link's."""
+        try:
+            return framing.decode(self.reader.receive(self.sock, fds=True), "keeper link")
+        except ProtocolError as exc:
+            raise ConnectionError(str(exc)) from None
 
     def take_fds(self) -> list[int]:
-        fds, self.fds = self.fds, []
-        return fds
+        return self.reader.take_fds()
 
 
 # -- the agent's side ---------------------------------------------------------------------------------
@@ -263,7 +231,7 @@ def open_link(config: KeeperConfig, buffer_fd: int, log: Any) -> KeeperLink:
                 wanted=config.identity(),
             )
             os.close(segment_fd)
-            _wait_gone([_quit(sock)], QUIT_TIMEOUT_S)
+            end([_quit(sock)], QUIT_TIMEOUT_S, child=False)
         spawn(config)
         sock = _connect(config.path("sock"), REPLY_TIMEOUT_S)
         if sock is None:
@@ -312,25 +280,6 @@ def _quit(sock: socket.socket) -> int:
     return pid
 
 
-def _wait_gone(pids: list[int], seconds: float) -> None:
-    """Wait until every process of ``pids`` has exited; kill those still there after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if not _gone(pid)]
-        time.sleep(0.02)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
-
-
 def info(run_dir: Path, instance: str) -> dict[str, Any] | None:
     """What the instance's keeper says of itself (``hello``'s fields and its stats), or None if none
     answers."""
@@ -364,7 +313,7 @@ def release(run_dir: Path, instance: str) -> int:
         with contextlib.suppress(OSError, ConnectionError, ValueError):
             Receiver(sock).receive()
         sock.close()
-    _wait_gone([pid for pid, _ in pids], QUIT_TIMEOUT_S)
+    end([pid for pid, _ in pids], QUIT_TIMEOUT_S, child=False)
     for suffix in ("lock", "log"):
         (run_dir / f"{instance}.mooncake.{suffix}").unlink(missing_ok=True)
     return len(pids)
