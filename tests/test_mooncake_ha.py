@@ -91,10 +91,11 @@ class HAMaster:
 
 
 class HACluster:
-    """etcd and two HA masters under it; ``args`` are a host's store flags, pointed at them through etcd."""
+    """etcd and two HA masters under it; ``args`` are a host's store flags, pointed at them through etcd (a
+    server that is down first in the list)."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.client, peer = free_port(), free_port()
+        self.client, peer, self.dead = free_port(), free_port(), free_port()
         urls = (f"http://127.0.0.1:{self.client}", f"http://127.0.0.1:{peer}")
         with open(tmp_path / "etcd.log", "wb") as log:
             self.etcd = subprocess.Popen(
@@ -113,9 +114,12 @@ class HACluster:
         self.masters = [HAMaster(tmp_path / f"master{i}.log", self.client) for i in range(2)]  # (an etcd of their own)
 
     def args(self, segment: str) -> list[str]:
+        """The master named by a list of etcd servers whose first is down (no server listens on its port): any
+        one that answers serves."""
         etcd = f"etcd://127.0.0.1:{self.client}"
+        master = f"etcd://127.0.0.1:{self.dead};127.0.0.1:{self.client}"
         backend = ["--storage-backend", "mooncake", "--mooncake-segment", segment]
-        return [*backend, "--mooncake-master", etcd, "--mooncake-metadata", etcd]
+        return [*backend, "--mooncake-master", master, "--mooncake-metadata", etcd]
 
     def stop(self) -> None:
         for master in self.masters:

@@ -16,6 +16,8 @@ import tracemalloc
 import urllib.request
 from typing import Any
 
+import pytest
+
 import runner_client as rc
 from kvcached.protocol.spec import CacheSpec
 from kvcached.status import read_status, render
@@ -133,6 +135,7 @@ def midway(host: Host, objects: int) -> None:
     until(under_way, 30, "a put back under way")
 
 
+AS_NEIGHBOUR = ["setpriv", "--reuid", "64012", "--regid", "64012", "--clear-groups", "--"]
 SLOW = ("--mooncake-republish-rate", "8KiB")  # 128 objects of 640 bytes: four batches, 2.5 s apart
 
 
@@ -141,8 +144,9 @@ def test_a_daemon_restarted_while_its_keeper_puts_back_loses_nothing(
 ) -> None:
     """Acceptance 2: A's daemon restarted (`kvcached restart`) while its keeper is putting its objects back: the
     keeper (the same process) goes on, and B loads A's whole prefix byte for byte; every object was put back
-    exactly once (64 a rank), none skipped or failed, and A's engine stored nothing again. B's lookups and
-    loads all along are misses or ``StoreUnavailable``, never another error or a wrong block."""
+    exactly once (64 a rank), none skipped or failed, and A's engine stored nothing again, at no more than the
+    rate asked for. B's lookups and loads all along are misses or ``StoreUnavailable``, never another error or
+    a wrong block."""
     a, b = start_host(daemons, mooncake, extra=SLOW), start_host(daemons, mooncake)
     keys, expected = store_prefix(a, 64, salt=61)
     looker = Looker(b, keys, expected)  # B's lookups and loads all along: misses, never an error or a wrong block
@@ -159,6 +163,7 @@ def test_a_daemon_restarted_while_its_keeper_puts_back_loses_nothing(
     assert_loads(b, keys, expected)
     assert [(f["skipped"], f["failed"]) for f in republish(a)] == [(0, 0)] * 2
     assert written(a) == 0
+    assert sum(f["rate_bytes_s"] for f in republish(a)) <= 8192 * 1.01, republish(a)  # the limit, kept over the round
 
 
 def test_a_second_master_reset_during_the_put_back_starts_it_over(
@@ -250,6 +255,7 @@ def test_status_metrics_and_logs_show_the_put_back(daemons: DaemonFactory, moonc
     assert log.count("they are being put back") == 2, log
     assert log.count("the objects the store's master forgot are back") == 2, log
     (began,) = keeper_events(a, "the master forgot this segment's objects")
+    until(lambda: keeper_events(a, "the objects the master forgot are back"), 30, "the round's end (its last pause)")
     (done,) = keeper_events(a, "the objects the master forgot are back")
     assert began["objects"] == 64 and (done["done"], done["skipped"], done["failed"]) == (47, 16, 1), done
     assert done["rate"] > 0 and keeper_events(a, "a kept object does not check")
@@ -384,3 +390,49 @@ def test_a_rate_of_0_puts_nothing_back(daemons: DaemonFactory, mooncake: Mooncak
     time.sleep(2)  # (a put back would have begun by now)
     assert load_prefix(a, keys)[:2] == (0, 0)
     assert all(not any(f.values()) for f in republish(a)), republish(a)
+
+
+NEIGHBOUR = """
+import json, socket, sys
+from mooncake.store import MooncakeDistributedStore
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+client = MooncakeDistributedStore()
+assert client.setup(f"127.0.0.1:{port}", sys.argv[1], 16 << 20, 16 << 20, "tcp", "", sys.argv[2]) == 0
+objects = json.loads(sys.stdin.read())
+print(json.dumps([client.put(name, bytes.fromhex(data)) for name, data in objects.items()]), flush=True)
+"""
+
+
+def test_garbage_put_under_names_still_to_go_is_replaced_by_the_kept_copies_not_skipped(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """A plain Mooncake client of another uid puts random bytes under every name of A's prefix while A's keeper
+    puts it back: an object the master has under a name still to go is read back and checked; garbage is
+    removed and the kept copy put in its place, never counted skipped (A's copy let go), and B loads the whole
+    prefix byte for byte."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the neighbour as another uid")
+    a, b = start_host(daemons, mooncake, extra=SLOW), start_host(daemons, mooncake)
+    keys, expected = store_prefix(a, 64, salt=900)
+    mooncake.stop()
+    mooncake.start()
+    midway(a, 64)
+    size = 640  # (the geometry's object: header and payload)
+    garbage = json.dumps({name: os.urandom(size).hex() for name in names_of(keys)})
+    neighbour = subprocess.run(
+        [*AS_NEIGHBOUR, sys.executable, "-c", NEIGHBOUR, mooncake.metadata, mooncake.address],
+        check=False,
+        input=garbage,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/tmp",
+    )
+    assert neighbour.returncode == 0, neighbour.stderr[-2000:]
+    assert json.loads(neighbour.stdout.splitlines()[-1]).count(0) > 0  # some names were free to take
+    until(lambda: all(f["to_go"] == 0 for f in republish(a)), 60, "A's put back done")
+    assert [(f["done"], f["skipped"], f["failed"]) for f in republish(a)] == [(64, 0, 0)] * 2, republish(a)
+    assert keeper_events(a, "an object the master has under a kept name does not check: replaced")
+    assert_loads(b, keys, expected)

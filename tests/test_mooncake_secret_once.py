@@ -70,32 +70,37 @@ def test_a_replaced_secret_file_changes_no_rank_and_removes_no_peers_object(
     assert_loads(v, keys, expected)
 
 
+@pytest.mark.parametrize("gone", ["removed", "a FIFO in its place"])
 def test_a_secret_file_removed_fails_store_tasks_saying_why_and_the_store_comes_back_with_it(
-    daemons: DaemonFactory, mooncake: MooncakeMaster, tmp_path: Path
+    daemons: DaemonFactory, mooncake: MooncakeMaster, tmp_path: Path, gone: str
 ) -> None:
-    """The secret file removed, then V's rank-0 store agent replaced: the new agent cannot open the store; V's log
-    says why once, naming the file; store tasks of rank 0 fail with that reason; agents are started again with
-    a back-off (1 s, 2 s, 4 s..., as the failed tasks say); the file back, the store opens again by
-    itself and stores and loads."""
+    """The secret file removed (or a FIFO put in its place, whose open would wait for a writer), then V's rank-0
+    store agent replaced: the new agent cannot open the store; V's log says why once, naming the file; store
+    tasks of rank 0 fail with that reason; agents are started again with a back-off (1 s, 2 s, 4 s..., as the
+    failed tasks say); the file back, the store opens again by itself and stores and loads."""
     path = secret(tmp_path, "v.secret")
     v = start_host(daemons, mooncake, extra=("--mooncake-secret-file", str(path)))
     keys, expected = store_prefix(v, 4, salt=82)
     path.unlink()
-    replace_agent(v, 0)
-    waits: set[int] = set()  # the back-offs the failed tasks named
-    began = time.monotonic()
     why = f"cannot open: mooncake_secret_file: cannot read {path}"
+    if gone != "removed":
+        os.mkfifo(path, 0o600)
+        why = f"cannot open: mooncake_secret_file: {path} is not a regular file"
+    replace_agent(v, 0)
+    waits: set[float] = set()  # the back-offs the failed tasks named
+    began = time.monotonic()
     with rc.CacheTasks(v.instance, timeout=30) as tasks:
         until(lambda: "attention store cannot open" in v.daemon.log(), 10, "the reason in the log")
         while time.monotonic() - began < 8:
             with pytest.raises(rc.StoreUnavailable, match=why) as failed:
                 tasks.lookup(keys)
-            waits.update(int(w) for w in re.findall(r"trying again in ([0-9]+)s", str(failed.value)))
+            waits.update(float(w) for w in re.findall(r"trying again in ([0-9.]+)s", str(failed.value)))
             time.sleep(0.05)
     print(f"\nrank 0 without the secret file for 8 s: its tasks named back-offs of {sorted(waits)} s")
     assert max(waits) >= 3, "the agent is started again at once, not after a back-off"
     assert v.daemon.log().count("attention store cannot open") == 1, "the reason logged more than once"
     assert str(path) in v.daemon.log()
+    path.unlink(missing_ok=True)
     secret(tmp_path, "v.secret")
     until(lambda: all(availability(v.instance)), 30, "the store open again")
     assert "attention store open again" in v.daemon.log()

@@ -534,7 +534,8 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
     [
         (
             ["--storage-backend", "mooncake"],
-            "--mooncake-master: is required with --storage-backend mooncake, e.g. 127.0.0.1:50051; so is "
+            "--mooncake-master: is required with --storage-backend mooncake, e.g. 127.0.0.1:50051 (or, under "
+            "Mooncake's HA, 'etcd://E1:2379;E2:2379'); so is "
             "--mooncake-metadata, e.g. http://127.0.0.1:8080/metadata (docs/mooncake.md says how to start a master)",
         ),
         (
@@ -561,6 +562,14 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
         (
             ["--storage-backend", "mooncake", "--mooncake-master", "etcd://h:1;h", "--mooncake-metadata", "etcd://h:1"],
             "--mooncake-master: must be HOST:PORT (a port from 1 to 65535), or etcd://HOST:PORT[;HOST:PORT...]",
+        ),
+        *(
+            (
+                ["--storage-backend", "mooncake", "--mooncake-master", bad, "--mooncake-metadata", "etcd://h:1"],
+                f"--mooncake-master: must be HOST:PORT (a port from 1 to 65535), or etcd://HOST:PORT[;HOST:PORT...] "
+                f"(the etcd servers of Mooncake's HA masters); got {bad!r}",
+            )
+            for bad in ("etcd:/h:2379", "etcd://a b:2379", "h\nx:1", "etcd://h:1;", "[::1:80")
         ),
         (
             ["--storage-backend", "mooncake", "--mooncake-master", "redis://h:1", "--mooncake-metadata", "etcd://h:1"],

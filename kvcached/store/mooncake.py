@@ -75,8 +75,6 @@ class MooncakeStore(Store):
         self.identity = identity
         self.keeper = keeper
         self.replicas = replicas
-        metadata = metadata_endpoint(keeper.metadata)
-        self.endpoints = [master_endpoint(keeper.master), *([metadata] if metadata else [])]
         self.object_bytes = HEADER_SIZE + identity.payload
         self.slot = round_up(self.object_bytes)
         self.count = max(1, min(BATCH_OBJECTS, BATCH_BYTES // 2 // self.slot))  # two halves: fetch while landing
@@ -142,7 +140,9 @@ class MooncakeStore(Store):
     def _away(self, *, gone: bool = False) -> bool:
         """Whether the master or the metadata server takes no connection (``gone``: only one that refuses it
         or is unreachable, not one merely slow); ``last_error`` then says which."""
-        answers = [(f"{h}:{p}", probe_port(h, p)) for h, p in self.endpoints]
+        metadata = metadata_endpoint(self.keeper.metadata)  # (of an etcd list, one that answers now)
+        endpoints = [master_endpoint(self.keeper.master), *([metadata] if metadata else [])]
+        answers = [(f"{h}:{p}", probe_port(h, p)) for h, p in endpoints]
         down = [where for where, answer in answers if answer is False or (answer is None and not gone)]
         self.refused = bool(down) and all(answer is False for _, answer in answers if answer is not True)
         if down:
@@ -215,9 +215,10 @@ class MooncakeStore(Store):
 
     def _failed(self, what: str, code: int) -> StoreUnavailable:
         self.last_error = f"Mooncake {what} failed with code {code} (master {self.keeper.master})"
-        error = StoreUnavailable(self.last_error)
         if code <= RPC_FAILED:  # the master did not answer; a code above it is its answer (a full pool: -200)
+            self.last_error += ": the master did not answer (restarting, failing over, or stopped?); tried again"
             self._note_failure()
+        error = StoreUnavailable(self.last_error)
         return error
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:

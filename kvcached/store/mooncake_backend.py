@@ -4,6 +4,7 @@ and the tier's design are in ``kvcached.store.mooncake``."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,7 +44,14 @@ class MooncakeBackend(StoreBackend):
     name = "mooncake"
     direct = True  # the keeper holds the segment: an agent killed at a timeout loses nothing but that call
     options = (
-        knobs.Knob("mooncake_master", knobs.optional_text, None, "mooncake backend: master address.", "HOST:PORT"),
+        knobs.Knob(
+            "mooncake_master",
+            knobs.optional_text,
+            None,
+            "mooncake backend: the master's address; under Mooncake's HA 'etcd://HOST:PORT[;HOST:PORT...]' (quoted), "
+            "the etcd servers through which the hosts find the leader.",
+            "HOST:PORT",
+        ),
         knobs.Knob(
             "mooncake_metadata",
             knobs.optional_text,
@@ -93,7 +101,10 @@ class MooncakeBackend(StoreBackend):
     )
 
     def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
-        examples = {"mooncake_master": "127.0.0.1:50051", "mooncake_metadata": "http://127.0.0.1:8080/metadata"}
+        examples = {
+            "mooncake_master": "127.0.0.1:50051 (or, under Mooncake's HA, 'etcd://E1:2379;E2:2379')",
+            "mooncake_metadata": "http://127.0.0.1:8080/metadata",
+        }
         missing = [key for key in examples if not values.get(key)]
         if missing:
             also = "".join(f"; so is --{k.replace('_', '-')}, e.g. {examples[k]}" for k in missing[1:])
@@ -103,8 +114,8 @@ class MooncakeBackend(StoreBackend):
                 "(docs/mooncake.md says how to start a master)",
             )
         master = str(values["mooncake_master"])
-        servers = master.removeprefix("etcd://").split(";")
-        if "://" in master.removeprefix("etcd://") or not all(_port(server.rpartition(":")[2]) for server in servers):
+        servers = [_SERVER.fullmatch(server) for server in master.removeprefix("etcd://").split(";")]
+        if not all(found and _port(found.group(2)) for found in servers):
             raise InvalidSpec(
                 "mooncake_master",
                 "must be HOST:PORT (a port from 1 to 65535), or etcd://HOST:PORT[;HOST:PORT...] (the etcd servers of "
@@ -184,7 +195,8 @@ class MooncakeBackend(StoreBackend):
     def _master_checks(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
         """Whether the master and its metadata server take connections and, for an HTTP metadata server (in
         the master's process), answer a request: a frozen master takes connections and answers nothing."""
-        endpoints = {"master": master_endpoint(options["mooncake_master"])}
+        ha = str(options["mooncake_master"]).startswith("etcd://")  # (the leader is found through etcd)
+        endpoints = {"etcd" if ha else "master": master_endpoint(options["mooncake_master"])}
         if (metadata := metadata_endpoint(options["mooncake_metadata"])) is not None:
             endpoints["metadata"] = metadata
         up = {name: reachable(*hp) for name, hp in endpoints.items()}
@@ -196,7 +208,11 @@ class MooncakeBackend(StoreBackend):
         )
         keeper = self._keeper_check(options, ranks)
         if not all(up.values()):
-            advice = "start mooncake_master (--enable_http_metadata_server); one that runs may be stopped or overloaded"
+            advice = (
+                "start etcd (the HA masters and the hosts find the leader through it); one that runs may be overloaded"
+                if ha
+                else "start mooncake_master (--enable_http_metadata_server); one that runs may be stopped or overloaded"
+            )
             return [Check("mooncake_master", FAIL, figure, measured, advice), keeper]
         return [Check("mooncake_master", OK, figure, measured), keeper]
 
@@ -257,6 +273,10 @@ def _kept_secret(options: Mapping[str, Any], log: Logger) -> bytes:
 
 def _times(count: int) -> str:
     return "once" if count == 1 else f"{count} times"
+
+
+#: HOST:PORT: a name or IPv4 address (or none: this host), or an IPv6 address in brackets; a port from 1 to 65535.
+_SERVER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]*):([0-9]{1,5})")
 
 
 def _port(text: str) -> bool:

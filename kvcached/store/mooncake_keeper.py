@@ -337,6 +337,10 @@ class Keeper:
     def remove(self, names: list[str]) -> None:
         self.client.batch_remove(names, True)
 
+    def get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        codes: list[int] = self.client.batch_get_into(names, ptrs, sizes)
+        return codes
+
     def staging(self, size: int) -> tuple[memoryview, int]:
         if self.put_buffer is None or len(self.put_buffer[0]) < size:
             if self.put_buffer is not None:

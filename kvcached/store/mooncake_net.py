@@ -28,20 +28,28 @@ def metadata_port(address: str) -> str:
 
 
 def metadata_endpoint(address: str) -> tuple[str, int] | None:
-    """The (host, port) to probe for the metadata server of ``--mooncake-metadata``, or None for
-    ``P2PHANDSHAKE`` (no server: the segments' hosts tell each other)."""
+    """The (host, port) to probe for the metadata server of ``--mooncake-metadata`` (of an etcd list, the first
+    server that takes a connection now, else the first), or None for ``P2PHANDSHAKE`` (no server: the
+    segments' hosts tell each other)."""
     if address == "P2PHANDSHAKE":
         return None
-    host = urllib.parse.urlsplit(address.split(";", 1)[0].split(",", 1)[0]).hostname
-    return host or "127.0.0.1", int(metadata_port(address))
+    scheme, _, rest = address.partition("://")
+    servers = [f"{scheme}://{server}" for server in rest.split("/", 1)[0].replace(",", ";").split(";") if server]
+    found = [(urllib.parse.urlsplit(url).hostname or "127.0.0.1", int(metadata_port(url))) for url in servers]
+    return _answering(found) if len(found) > 1 else (found or [("127.0.0.1", int(metadata_port(address)))])[0]
 
 
 def master_endpoint(address: str) -> tuple[str, int]:
     """The (host, port) to probe for ``--mooncake-master``: the master's (``HOST:PORT``), or under Mooncake's
-    HA (``etcd://HOST:PORT[;HOST:PORT...]``) the first etcd server's, through which clients find the leader."""
+    HA (``etcd://HOST:PORT[;HOST:PORT...]``) an etcd server's, through which clients find the leader: the
+    first that takes a connection now, else the first (any one of them serves: one down is no outage)."""
     if "://" in address:
         return metadata_endpoint(address) or ("127.0.0.1", 2379)
     return host_port(address, 50051)
+
+
+def _answering(servers: list[tuple[str, int]]) -> tuple[str, int]:
+    return next((server for server in servers if probe_port(*server) is True), servers[0])
 
 
 def local_address(host: str, port: int) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import mmap
 import re
 import threading
@@ -47,12 +48,16 @@ BATCH_BYTES = 16 << 20
 SPARE_BYTES = 256 << 20
 #: A put that failed with this code or below did not reach the master (Mooncake's RPC failures).
 RPC_FAILED = -900
+#: A batch holds this many seconds of the rate at most (one object at least): the most a put back runs ahead.
+AHEAD_S = 5
 #: How long the thread waits for the master to take puts again before trying once more.
 RETRY_S = 0.5
 #: Objects with replicas go back this long after the loss at the earliest (the other hosts' clients mount
 #: their segments again meanwhile: Mooncake places fewer copies than asked, and says nothing, when it lacks
-#: segments); one placed with fewer copies all the same is removed and put back again, for up to
-#: ``REPLICAS_WAIT_S`` after the loss (then it stays with the copies the cluster can give).
+#: segments); one placed with fewer copies all the same, or with none in this segment (this host's own segment
+#: not mounted on the master yet: Mooncake places it in another's, where no host would put it back after
+#: the next loss), is removed and put back again, for up to ``REPLICAS_WAIT_S`` after the loss (then it
+#: stays where the cluster can put it).
 REPLICAS_AFTER_S = 2.0
 REPLICAS_WAIT_S = 30.0
 
@@ -77,6 +82,9 @@ class Segment(Protocol):
 
     def remove(self, names: list[str]) -> None:
         """Remove objects at once (their read leases notwithstanding)."""
+
+    def get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """Read objects into registered memory: per name the bytes read, or a negative code."""
 
     def staging(self, size: int) -> tuple[memoryview, int]:
         """A registered buffer of ``size`` bytes at least, and its address."""
@@ -114,6 +122,36 @@ class Gate:
             with self.cond:
                 self.closed = False
                 self.cond.notify_all()
+
+
+def _copy_out(
+    segment: memoryview, available: int, order: list[tuple[str, tuple[int, int, int]]]
+) -> tuple[dict[str, Kept], list[str]]:
+    """The objects of ``order`` (name, (offset, size, replicas)) copied out of ``segment`` into chunks of at
+    most ``available`` bytes in all, in that order; and the names there was no room for."""
+    left = sum(size for _, (_, size, _) in order)
+    kept: dict[str, Kept] = {}
+    lost: list[str] = []
+    room, chunk, used = available, None, 0
+    for name, (offset, size, replicas) in order:
+        needed, left = left, left - size  # (this object and those after it)
+        if chunk is None or used + size > len(chunk.memory):
+            if min(max(CHUNK_BYTES, size), needed) > room:
+                lost.append(name)
+                continue
+            chunk, used = Chunk(min(max(CHUNK_BYTES, size), needed)), 0
+            room -= len(chunk.memory)
+        chunk.memory[used : used + size] = segment[offset : offset + size]
+        chunk.left += 1
+        kept[name] = Kept(chunk, used, size, replicas)
+        used += size
+    return kept, lost
+
+
+def _placed(found: tuple[tuple[int, int] | None, int] | None, kept: Kept) -> bool:
+    """Whether an object put back (``located``'s answer for it) has a copy in this segment and every copy it
+    asked for."""
+    return found is not None and found[0] is not None and found[1] >= kept.replicas
 
 
 def rank_of(name: str) -> int | None:
@@ -250,9 +288,10 @@ class Republisher:
             return list(self.entries)
 
     def master_forgot(self, segment: memoryview, available: int, names: list[str] | None = None) -> None:
-        """Copy every indexed object (or those of ``names``) out of ``segment`` (no put may land meanwhile: the
-        caller holds them), most recently used first, into at most ``available`` bytes of chunks, ahead of
-        what is still pending from an earlier loss; the thread puts them back."""
+        """Copy every indexed object (or those of ``names``) out of ``segment`` (no put of this host may land
+        meanwhile: the caller holds them), most recently used first, into at most ``available`` bytes of chunks,
+        ahead of what is still pending from an earlier loss; the thread puts them back. The copy takes no lock
+        the keeper's other requests need (a gigabyte takes seconds)."""
         with self.cond:
             self.losses += 1
             order = list(reversed(self.entries.items())) if self.rate else []
@@ -264,23 +303,12 @@ class Republisher:
                 for name in wanted:
                     self._drop(name)
             order = [entry for entry in order if entry[0] not in self.pending and entry[0] not in self.busy]
-            left = sum(size for _, (_, size, _) in order)
-            kept: dict[str, Kept] = {}
-            room, chunk, used, lost = available, None, 0, 0
-            for name, (offset, size, replicas) in order:
-                needed, left = left, left - size  # (this object and those after it)
-                if chunk is None or used + size > len(chunk.memory):
-                    if min(max(CHUNK_BYTES, size), needed) > room:
-                        lost += 1
-                        self._count(name, failed=1)
-                        continue
-                    chunk, used = Chunk(min(max(CHUNK_BYTES, size), needed)), 0
-                    room -= len(chunk.memory)
-                chunk.memory[used : used + size] = segment[offset : offset + size]
-                chunk.left += 1
-                kept[name] = Kept(chunk, used, size, replicas)
-                self._count(name, pending=1, pending_bytes=size)
-                used += size
+        kept, lost = _copy_out(segment, available, order)
+        with self.cond:
+            for name in lost:
+                self._count(name, failed=1)
+            for name, one in kept.items():
+                self._count(name, pending=1, pending_bytes=one.size)
             self.pending = {**kept, **self.pending}
             self.round_started, self.round_ended = time.monotonic(), None
             for figures in self.figures.values():
@@ -296,7 +324,7 @@ class Republisher:
                 rate_limit=self.rate,
             )
         if lost:
-            self.log.error("no memory to keep these objects until they are back: they are lost", objects=lost)
+            self.log.error("no memory to keep these objects until they are back: they are lost", objects=len(lost))
 
     def _clear_index(self) -> None:
         self.entries.clear()
@@ -325,8 +353,8 @@ class Republisher:
             if not done:  # the master is away: try again later
                 stopping.wait(RETRY_S)
                 continue
+            self._pace(stopping)  # (before the round ends: the rate it reports is the rate kept)
             self._finish_round()
-            self._pace()
 
     def settle(self, names: list[str]) -> None:
         """Put back now the pending objects among ``names`` (a store of this host asks for them), and wait for
@@ -336,6 +364,8 @@ class Republisher:
                 return
             self.cond.wait_for(lambda: not self.busy.intersection(names), timeout=60)
             mine = [name for name in names if name in self.pending]
+        if not mine:
+            return  # (the round is the thread's to end, after its pause)
         try:
             with self._taken(mine) as batch, self.sending:
                 self._put_back(batch)
@@ -353,9 +383,9 @@ class Republisher:
     def _next_batch(self) -> list[str]:
         with self.cond:
             batch: list[str] = []
-            size = 0
+            size, most = 0, min(BATCH_BYTES, AHEAD_S * self.rate or BATCH_BYTES)
             for name, kept in self.pending.items():
-                if batch and (size + kept.size > BATCH_BYTES or kept.replicas != self.pending[batch[0]].replicas):
+                if batch and (size + kept.size > most or kept.replicas != self.pending[batch[0]].replicas):
                     break
                 batch.append(name)
                 size += kept.size
@@ -391,10 +421,14 @@ class Republisher:
             return False
         put: list[tuple[str, Kept]] = []  # on the master: put by this or an earlier try
         absent: list[tuple[str, Kept]] = []
+        present: list[tuple[str, Kept]] = []
         for (name, kept), flag in zip(list(batch), flags, strict=True):
             if flag == 1 and name in self.sent:
                 put.append((name, kept))
-            elif flag == 1:
+            else:
+                (present if flag == 1 else absent).append((name, kept))
+        for name, kept, whole in self._read_back(present):  # present: skipped if whole, else ours replaces it
+            if whole:
                 self._finish(batch, name, kept, skipped=1)
             else:
                 absent.append((name, kept))
@@ -427,18 +461,40 @@ class Republisher:
         with self.cond:
             if found is None or self.losses != losses:
                 return False
-            short = [name for name, kept in put if found.get(name, (None, 0))[1] < kept.replicas and self._young()]
+            short = [name for name, kept in put if not _placed(found.get(name), kept) and self._young()]
             for name, kept in put:
                 place = found.get(name, (None, 0))[0]
-                if place is not None and name not in short:  # (else in another host's segment: not ours to keep)
+                if place is not None and name not in short:  # (else only in another host's segment, for good)
                     self._index(name, *place, kept.replicas)
                 self.sent.discard(name)
-        if short:  # placed with fewer copies than asked: put back again later
+        if short:  # placed with fewer copies than asked, or elsewhere: put back again later
+            self.log.info(
+                "put back with fewer copies than asked, or not in this segment: putting again", objects=len(short)
+            )
             self.segment.remove(short)
         for name, kept in put:
             if name not in short:
                 self._finish(batch, name, kept, done=1, done_bytes=kept.size, round_bytes=kept.size)
         return not short
+
+    def _read_back(self, present: list[tuple[str, Kept]]) -> list[tuple[str, Kept, bool]]:
+        """Whether each object the master has under a name of ``present`` is a whole object of that name (one a
+        snapshot kept, or another copy: skipped); one that is not (damaged, or put there by anyone under that
+        name) is removed, and the kept copy is put in its place."""
+        if not present:
+            return []
+        staging, address = self.segment.staging(sum(kept.size for _, kept in present))
+        starts = list(itertools.accumulate((kept.size for _, kept in present), initial=0))
+        names = [name for name, _ in present]
+        codes = self.segment.get_into(names, [address + at for at in starts[:-1]], [k.size for _, k in present])
+        found = [
+            (name, kept, code == kept.size and check(name, staging[at : at + kept.size]) is None)
+            for (name, kept), code, at in zip(present, codes, starts, strict=False)
+        ]
+        if bad := [name for name, _, whole in found if not whole]:
+            self.log.warning("an object the master has under a kept name does not check: replaced", objects=len(bad))
+            self.segment.remove(bad)
+        return found
 
     def _young(self) -> bool:
         """Whether the loss is recent enough to wait for every copy an object asked for (``REPLICAS_WAIT_S``)."""
@@ -450,15 +506,17 @@ class Republisher:
             self._count(name, pending=-1, pending_bytes=-kept.size, **counts)
             kept.chunk.release()
 
-    def _pace(self) -> None:
-        """Sleep until the bytes put back since the loss are no more than ``rate`` a second."""
-        with self.cond:
-            moved = sum(f.round_bytes for f in self.figures.values())
-            started = self.round_started
-        if started is not None and self.rate:
-            ahead = moved / self.rate - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)
+    def _pace(self, stopping: threading.Event) -> None:
+        """Wait until the bytes put back since the loss are no more than ``rate`` a second (looked at again each
+        second at least: a new rate, a new loss or a stop counts at once)."""
+        while not stopping.is_set():
+            with self.cond:
+                moved = sum(f.round_bytes for f in self.figures.values())
+                started, rate = self.round_started, self.rate
+            ahead = moved / rate - (time.monotonic() - started) if started is not None and rate else 0.0
+            if ahead <= 0:
+                return
+            stopping.wait(min(ahead, 1.0))
 
     def _finish_round(self) -> None:
         with self.cond:
@@ -485,10 +543,12 @@ class Republisher:
 
     def report(self) -> dict[str, Any]:
         """Per rank (as text: JSON's keys): its ``Figures`` and ``rate``, the bytes a second put back since the
-        last loss (to its end once all are back)."""
+        last loss (to its end once all are back; while a batch's pause is still to come, to the pause's end)."""
         with self.cond:
             started, ended = self.round_started, self.round_ended
             seconds = ((ended or time.monotonic()) - started) if started is not None else 0.0
+            if ended is None and self.rate:
+                seconds = max(seconds, sum(f.round_bytes for f in self.figures.values()) / self.rate)
             return {
                 str(rank): {
                     **dataclasses.asdict(f),

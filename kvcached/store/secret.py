@@ -20,7 +20,7 @@ def read_secret(field: str, path: str | Path) -> bytes:
     missing, not a regular file, not the daemon's user's own, readable or writable by anyone else, or
     holds fewer than ``MIN_SECRET_BYTES`` bytes."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO: no wait)
     except OSError as exc:
         raise InvalidSpec(field, f"cannot read {path}: {exc.strerror}") from None
     st = os.fstat(fd)
