@@ -3,7 +3,7 @@
 Commands build a ``DaemonConfig`` and call into the daemon. The configuration options are generated from
 the knobs (``kvcached.config.knobs_all``): each takes its value as written, and the configuration decides
 whether it is valid and names where a bad one came from. User errors exit with the statuses of
-``kvcached.daemon.errors``.
+``kvcached.daemon.exits``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from click.core import ParameterSource
 
 from kvcached import plugins
 from kvcached.checks import counted
-from kvcached.daemon.errors import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
+from kvcached.daemon.exits import EXIT_CONFIG, EXIT_STATUS_HELP, Fatal
 from kvcached.logs import LEVELS
 from kvcached.options import (
     START_EPILOG,
@@ -231,7 +231,7 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str
     """
     from kvcached import doctor as checks
     from kvcached.config import STORE_OPTIONS, DaemonConfig, unknown_variables
-    from kvcached.fastdeploy.doctor import checks as fastdeploy_checks
+    from kvcached.fastdeploy.checkup import checks as fastdeploy_checks
 
     # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
     # at its default (as many times as there are bad values).

@@ -15,7 +15,7 @@ taking that value's default; a warning for each ``KVCACHED_*`` variable kvcached
 own (``--memory xpu``: ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and the storage backend's
 (``file_store``, ``mooncake_master``); then, given a FastDeploy tree (``--fastdeploy PATH``, or the
 installed package), ``fastdeploy_line``, ``fastdeploy_patch``, ``fastdeploy_queue``, ``fastdeploy_runner``
-and ``fastdeploy_v1_cache_manager`` (``kvcached.fastdeploy.doctor``). ``measured`` holds the raw
+and ``fastdeploy_v1_cache_manager`` (``kvcached.fastdeploy.checkup``). ``measured`` holds the raw
 figures (numbers, paths, flags) of each; new keys may be added, none is removed or renamed.
 
 ``--clean`` reclaims a dead instance's leftovers (the same reclaim a start does, under the instance lock);

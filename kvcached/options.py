@@ -15,7 +15,7 @@ import click
 
 from kvcached import store
 from kvcached.config import CORE, DEPRECATED, SPEC_FIELDS, knobs_all
-from kvcached.daemon.errors import EXIT_STATUS_HELP
+from kvcached.daemon.exits import EXIT_STATUS_HELP
 from kvcached.knobs import Knob
 from kvcached.logs import LEVELS
 from kvcached.variables import OTHER_VARIABLES

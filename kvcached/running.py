@@ -17,7 +17,7 @@ import click
 
 from kvcached.checks import counted
 from kvcached.daemon import faults, lockfile
-from kvcached.daemon.errors import EXIT_FAILURE
+from kvcached.daemon.exits import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, Outcome, read_outcomes, refusal_path
 from kvcached.daemon.lockfile import holder
 from kvcached.protocol.control import State
@@ -282,7 +282,7 @@ def adoption_problem(config: DaemonConfig) -> str:
     why it could not adopt the memory the instance's live daemon holds with ``config`` as it reads now (ranks,
     spec, device backend changed in the configuration file), with what to do; "" when it could. A restart
     refused for it stops nothing."""
-    from kvcached.daemon import declare
+    from kvcached.daemon import declarations
     from kvcached.daemon.adopt import spec_difference
 
     published = guarded(read_instance, config.instance, ranks=None)
@@ -295,7 +295,7 @@ def adoption_problem(config: DaemonConfig) -> str:
     elif backends:
         why = f"the device backend was {', '.join(sorted(backends))}, this configuration has {config.memory}"
     else:
-        why = spec_difference(header.spec, declare.held(config).spec)
+        why = spec_difference(header.spec, declarations.held(config).spec)
     if not why:
         return ""
     return (

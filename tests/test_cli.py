@@ -338,15 +338,15 @@ def test_every_object_is_ours_and_mode_0600(daemons: DaemonFactory) -> None:
 
 
 def test_exit_statuses_are_documented_in_help_and_readme(daemons: DaemonFactory) -> None:
-    from kvcached.daemon import errors
+    from kvcached.daemon import exits
 
     for command in ([], ["start"]):
         text = " ".join(daemons.cli(*command, "--help").stdout.split())
-        assert " ".join(errors.EXIT_STATUS_HELP.split()) in text, command
+        assert " ".join(exits.EXIT_STATUS_HELP.split()) in text, command
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "0 stopped cleanly, 1 a rank failed at run time, 2 usage error, 3 instance already running" in readme
-    assert daemons.cli("start", "--ranks", "two").returncode == errors.EXIT_CONFIG
-    assert daemons.cli("start", "--no-such-flag").returncode == errors.EXIT_USAGE
+    assert daemons.cli("start", "--ranks", "two").returncode == exits.EXIT_CONFIG
+    assert daemons.cli("start", "--no-such-flag").returncode == exits.EXIT_USAGE
 
 
 def test_an_instance_name_is_host_wide(daemons: DaemonFactory, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 import runner_client as rc
 from kvcached.config import DaemonConfig
-from kvcached.daemon.declare import MAX_OPEN, READ_S
+from kvcached.daemon.declarations import MAX_OPEN, READ_S
 from kvcached.protocol import framing
 from kvcached.protocol.declare import declare_socket_path
 from kvcached.protocol.errors import InvalidConfig

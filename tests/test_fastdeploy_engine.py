@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import runner_client as rc
-from kvcached.daemon.declare import MAX_OPEN
+from kvcached.daemon.declarations import MAX_OPEN
 from kvcached.protocol.declare import declare_socket_path
 from tests.conftest import ROOT, DaemonFactory, free_port, unique_devices, zygote
 from tests.helpers.fastdeploy_double import FMQDouble

@@ -800,7 +800,7 @@ def cli_as(uid: int, *args: str) -> str:
     from click.testing import CliRunner
 
     import kvcached.doctor
-    import kvcached.fastdeploy.doctor  # noqa: F401 - the commands' own imports, before the fork too
+    import kvcached.fastdeploy.checkup  # noqa: F401 - the commands' own imports, before the fork too
     from kvcached.cli import main
 
     def action() -> str:

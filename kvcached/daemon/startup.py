@@ -1,5 +1,5 @@
 """The steps of a daemon's start, each raising ``Fatal`` with the exit status its failure deserves
-(``kvcached.daemon.errors``). The supervisor takes them in this order (between them are the fault-injection
+(``kvcached.daemon.exits``). The supervisor takes them in this order (between them are the fault-injection
 points of ``kvcached.daemon.faults``):
 
 1. refuse a spec for which the runner owns the cache (``refuse_runner_owned``: the fixed condition, cited
@@ -11,7 +11,7 @@ points of ``kvcached.daemon.faults``):
    and group; reclaim the rest of what it left (``reclaim``, ``kvcached.daemon.reclaim``; ours only: an
    object under our names owned by someone else is reported and never used or deleted, and at the
    control block's name it is refused); with ``--geometry engine`` and nothing adopted, wait for the
-   engine to declare the geometry (``kvcached.daemon.declare``);
+   engine to declare the geometry (``kvcached.daemon.declarations``);
 4. check /dev/shm has room for every rank and tier it does not adopt, before anything is reserved
    (``check_space``), and what the store's options name (``check_store``);
 5. create the per-rank semaphores, then the control block under a staging name, with its records (an
@@ -34,7 +34,7 @@ from kvcached.checks import counted
 from kvcached.config import DaemonConfig
 from kvcached.daemon import faults, lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_need, start_note
-from kvcached.daemon.errors import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
+from kvcached.daemon.exits import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
 from kvcached.daemon.handover import Handover, refusal_path
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
 from kvcached.memory.shm import shm_free_bytes

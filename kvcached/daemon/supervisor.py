@@ -42,9 +42,9 @@ from kvcached import logs, memory
 from kvcached.access import Access
 from kvcached.checks import counted
 from kvcached.config import DaemonConfig
-from kvcached.daemon import channel, declare, faults, handover, shutdown, startup
+from kvcached.daemon import channel, declarations, faults, handover, shutdown, startup
 from kvcached.daemon.adopt import Adoption, adopted_fields
-from kvcached.daemon.errors import EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES, Fatal
+from kvcached.daemon.exits import EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES, Fatal
 from kvcached.daemon.handover import Handover, Preflight
 from kvcached.daemon.notify import Notifier
 from kvcached.daemon.plan import WorkerPlan
@@ -151,7 +151,7 @@ class Supervisor:
 
     def _start(self) -> bool:
         """Everything before serving; False when told to stop first (while waiting for the geometry)."""
-        self.config = declare.held(self.config)  # --geometry engine: the geometry of memory left to adopt
+        self.config = declarations.held(self.config)  # --geometry engine: the geometry of memory left to adopt
         self.spec = self.config.spec
         startup.refuse_runner_owned(self.spec)
         startup.check_fault_plan()
@@ -162,7 +162,7 @@ class Supervisor:
         )
         faults.fault("after-reclaim")
         if self.config.geometry == "engine" and self.adoption is None:
-            got = declare.await_declaration(
+            got = declarations.await_declaration(
                 self.config, self.run_dir, self.access, wake_fd=self.requests.fileno(), notify=self.notify, log=self.log
             )
             if isinstance(got, int):

@@ -45,7 +45,7 @@ from kvcached.access import PRIVATE_MODE
 from kvcached.copy_engine import DeviceBlocks, SwapEngine
 from kvcached.daemon import channel, faults, server
 from kvcached.daemon.channel import DRAIN_S
-from kvcached.daemon.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES, WorkerFailure
+from kvcached.daemon.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_RESOURCES, WorkerFailure
 from kvcached.daemon.frames import FrameServer
 from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.plan import WorkerPlan

@@ -27,7 +27,7 @@
         └── StoreBusy                   another daemon holds the store's directory (flock)
 
 ``runner_client`` re-exports the ones a runner meets; runners catch these, never bare ``RuntimeError``.
-The daemon maps the others to its exit statuses (``kvcached.daemon.errors``).
+The daemon maps the others to its exit statuses (``kvcached.daemon.exits``).
 """
 
 from __future__ import annotations

@@ -16,10 +16,14 @@ each returned once its objects are back; a thread puts them back in that order a
     pending  name -> Kept(chunk, start, size, replicas)   most recently used first
 
 Each is checked in the buffer it goes from (header and checksum against its name: bytes the master gave
-another object before the copy never go back under this name); one the master has again is skipped; a store
-of this host asking for a pending name (``settle``, before its ``exists``) has it put back at once, and
-writes nothing. A second loss starts over: what went back is indexed again and copied out with the rest,
-what is pending stays kept. Only this host's share: objects another host placed here are that host's.
+another object before the copy never go back under this name); one the master has again is read back and
+skipped if whole (else removed and replaced by the kept copy); a store of this host asking for a pending
+name (``settle``, before its ``exists``) has it put back at once, and writes nothing. A second loss starts
+over: what went back is indexed again and copied out with the rest, what is pending stays kept. Only this
+host's share: objects another host placed here are that host's.
+
+Over 500 lines: the index, the kept copies and the put back are one piece of bookkeeping under one lock, and
+a split would have each half reach into the other's state.
 """
 
 from __future__ import annotations
