@@ -64,6 +64,7 @@ def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
         "owner_uid": None,
         "adopted_from": None,
         "note": "",
+        "spec": None,
         "ranks": [],
     }
     control = shm_path(control_name(instance))
@@ -280,7 +281,7 @@ def _row(r: dict[str, Any], dead: bool = False) -> list[str]:
     age = r.get("heartbeat_age_s")
     swap = r.get("swap") or {}
     pool = f"{_size(r.get('bytes_cpu'))} ({r.get('cpu_blocks', 0)} blocks)" if r.get("bytes_cpu") else "-"
-    return [
+    cells = [
         str(r["rank"]),
         state,
         str(r.get("waiting", 0)),
@@ -290,11 +291,12 @@ def _row(r: dict[str, Any], dead: bool = False) -> list[str]:
         pool,
         _swaps(swap, "swap_out", r.get("latency")),
         _swaps(swap, "swap_in", r.get("latency")),
-        printable(_store_cell(r.get("store"))),
+        _store_cell(r.get("store")),
         str(swap.get("tasks_refused", 0)),
         r.get("since") or "-",
-        printable(r.get("error") or ""),
+        r.get("error") or "",
     ]
+    return [printable(cell) for cell in cells]  # (a block's values may be anyone's writing)
 
 
 def list_instances() -> list[dict[str, Any]]:

@@ -325,7 +325,8 @@ def test_stop_keep_of_a_daemon_waiting_for_the_geometry_says_there_was_nothing_t
 
 def test_a_declaration_of_millions_of_layers_is_refused_by_name_and_costs_nothing(daemons: DaemonFactory) -> None:
     """A spec of ten million layers (small in bytes: one head of one element a block) is refused naming
-    ``num_layers`` at once: the daemon builds nothing per layer, stays up, and takes the next declaration."""
+    ``num_layers`` at once: the daemon builds nothing per layer; a count of thousands of digits is refused by
+    name too; the daemon stays up, and takes the next declaration."""
     daemon = waiting(daemons)
     path = declare_socket_path(daemons.run_dir, daemon.instance)
     for field in ("num_layers", "mtp_layers"):
@@ -333,6 +334,10 @@ def test_a_declaration_of_millions_of_layers_is_refused_by_name_and_costs_nothin
         started = time.monotonic()
         reply = reply_of(exchange(path, framing.frame(json.dumps({"spec": huge}).encode())))
         assert time.monotonic() - started < 5 and reply["field"] == field and "at most" in reply["message"], reply
+    for field in ("num_blocks", "num_cpu_blocks", "head_dim"):  # 4,300 digits: JSON, but a total past printing
+        raw = json.dumps({"spec": {**spec().to_dict(), field: "N"}}).replace('"N"', "9" * 4300)
+        reply = reply_of(exchange(path, framing.frame(raw.encode())))
+        assert reply["field"] == field and "2**63 - 1" in reply["message"], reply
     assert daemon.proc.poll() is None
     with rc.initialize_kv_cache(spec(), 0, instance=daemon.instance, timeout=30) as cache:
         assert cache.key_caches[0].shape == (20, 2, 4, 16)

@@ -6,9 +6,11 @@ a plain Mooncake client of the same master."""
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -103,6 +105,69 @@ def test_a_frame_that_is_not_a_request_closes_only_its_connection(
         sock.sendall(frame)
         assert sock.recv(4096) == b"", "the keeper closed the connection"
     assert alive(pid) and keeper_pid(host) == pid
+    assert_loads(host, keys, expected)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_descriptors_sent_with_frames_the_keeper_refuses_are_closed(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """Fifty connections each passing four descriptors with a frame the keeper refuses (too long, not an
+    object, cut short): the keeper holds none of them after, and serves on."""
+    host = start_host(daemons, mooncake)
+    keys, expected = store_prefix(host, 4, salt=201)
+    pid = keeper_pid(host)
+    before = open_fds(pid)
+    r, w = os.pipe()
+    try:
+        for frame in [b"\xff\xff\xff\xff", b"\x02\x00\x00\x00[]", b"\x10\x00\x00\x00{"] * 17:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(30)
+                sock.connect(str(host.run_dir() / f"{host.instance}.mooncake.sock"))
+                socket.send_fds(sock, [frame], [r, w, r, w])
+                sock.shutdown(socket.SHUT_WR)
+                assert sock.recv(4096) == b""
+    finally:
+        os.close(r)
+        os.close(w)
+    deadline = time.monotonic() + 10
+    while open_fds(pid) > before + 2 and time.monotonic() < deadline:  # (a closing session's thread may lag)
+        time.sleep(0.05)
+    assert open_fds(pid) <= before + 2, (before, open_fds(pid))
+    assert keeper_pid(host) == pid
+    assert_loads(host, keys, expected)
+
+
+def test_a_keeper_out_of_descriptors_keeps_its_segment_and_serves_once_they_are_back(
+    daemons: DaemonFactory, mooncake: MooncakeMaster
+) -> None:
+    """The keeper's open-file limit lowered to a few above what it holds, then connections held past it: the
+    accepts that fail cost those connections only; the keeper (the same process) keeps its segment, and once
+    they are closed the host's objects load byte for byte."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to lower another process's open-file limit")
+    host = start_host(daemons, mooncake)
+    keys, expected = store_prefix(host, 4, salt=202)
+    pid = keeper_pid(host)
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    held: list[socket.socket] = []
+    try:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_fds(pid) + 4, hard))
+        for _ in range(12):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(host.run_dir() / f"{host.instance}.mooncake.sock"))
+            held.append(sock)
+        time.sleep(2)
+        assert alive(pid), "the keeper exited when it ran out of descriptors"
+    finally:
+        for sock in held:
+            sock.close()
+        if alive(pid):
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    assert keeper_pid(host) == pid
     assert_loads(host, keys, expected)
 
 

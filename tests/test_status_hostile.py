@@ -17,7 +17,7 @@ import pytest
 
 from kvcached.daemon.lockfile import held_by
 from kvcached.protocol.names import control_name, instance_lock_path, shm_path
-from kvcached.status import read_status
+from kvcached.status import read_status, render
 from tests.conftest import DaemonFactory, free_port, unique_instance
 from tests.test_faults import needs_root
 
@@ -33,11 +33,11 @@ def remove(path: Path) -> None:
             path.unlink()
 
 
-@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory", "socket"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory", "socket", "sparse"])
 def test_no_object_at_a_control_name_makes_list_or_status_hang_or_trace(daemons: DaemonFactory, kind: str) -> None:
-    """A FIFO (whose open waits for a writer), a link, a directory or a socket at an instance's control
-    block name: `list` shows that row UNREADABLE saying it is no control block, `status` says so and exits
-    1, neither waits nor prints a traceback."""
+    """A FIFO (whose open waits for a writer), a link, a directory, a socket or a sparse file larger than any
+    mapping at an instance's control block name: `list` shows that row UNREADABLE saying it is no control
+    block, `status` says so and exits 1, neither waits nor prints a traceback."""
     instance = unique_instance()
     daemons.instances.add(instance)
     path = shm_path(control_name(instance))
@@ -51,6 +51,9 @@ def test_no_object_at_a_control_name_makes_list_or_status_hang_or_trace(daemons:
             path.symlink_to(target)
         elif kind == "directory":
             path.mkdir(mode=0o700)
+        elif kind == "sparse":  # a file of 2**62 bytes that takes none: no mapping of it fits
+            with open(path, "wb") as sparse:
+                sparse.truncate(1 << 62)
         else:
             held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             held.bind(str(path))
@@ -157,3 +160,23 @@ def test_a_metrics_client_that_says_nothing_is_let_go_and_scrapes_go_on(daemons:
     finally:
         for conn in idle:
             conn.close()
+
+
+def test_every_cell_of_the_status_table_shows_control_characters_never_obeys_them() -> None:
+    """Whatever field of a block carries them (a forged spec's block count, a note, an error, a store's
+    figures), the table prints ``\\x1b``, never the escape itself."""
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    rank = {
+        "rank": 0,
+        "state": "READY",
+        "bytes_cpu": 4096,
+        "cpu_blocks": evil,
+        "pid": evil,
+        "since": evil,
+        "error": evil,
+        "store": {"backend": evil, "objects": 0, "bytes": 0, "hits": 0, "misses": 0, "evictions": 0, "errors": 0},
+    }
+    status = {"instance": "x", "running": True, "alive": True, "generation": "0", "pid": 1, "note": evil}
+    table = render({**status, "ranks": [rank]})
+    assert "\x1b" not in table and "\x07" not in table, repr(table)
+    assert table.count("\\x1b]0;owned\\x07") >= 4, table

@@ -268,6 +268,10 @@ class Declarations:
             self.log.warning("declaration refused", pid=declaring.peer.pid, field=exc.field, reason=exc.message)
             self._close(fd, {"accepted": False, "field": exc.field, "message": str(exc)})
             return None
+        except Exception as exc:  # a message no check foresaw: refused, the daemon waits on
+            self.log.exception("declaration refused: it could not be read", pid=declaring.peer.pid)
+            self._close(fd, {"accepted": False, "field": "spec", "message": f"it could not be read: {exc!r:.200}"})
+            return None
         return self._judge(fd, declaring.peer, spec, config, accepted)
 
     def _judge(

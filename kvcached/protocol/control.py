@@ -362,7 +362,10 @@ class ControlBlock:
             check_owner(f"control block /dev/shm{name}", stat, owner=owner)
             if stat.st_size < HEADER_SIZE:
                 return None  # created but not sized yet: a daemon in its first microseconds
-            mm = mmap.mmap(fd, stat.st_size, prot=mmap.PROT_READ)
+            try:
+                mm = mmap.mmap(fd, stat.st_size, prot=mmap.PROT_READ)
+            except (OSError, OverflowError) as exc:  # (a sparse file of 2**62 bytes at the name: ENOMEM)
+                raise ProtocolError(f"{shm_path(name)}: not a kvcached control block: {exc}") from None
         finally:
             os.close(fd)
         return cls(name, mm, False, stat.st_ino, stat.st_uid)

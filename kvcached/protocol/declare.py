@@ -113,5 +113,7 @@ def parse_declaration(reader: framing.Reader) -> CacheSpec | None:
         raise InvalidSpec("spec", f"must be a JSON object of CacheSpec fields; got {type(spec).__name__}")
     try:
         return CacheSpec.from_dict(spec)
-    except TypeError as exc:  # a field of the wrong type the spec's own checks did not name
-        raise InvalidSpec("spec", str(exc)) from None
+    except InvalidSpec:
+        raise
+    except (TypeError, ValueError) as exc:  # a field the spec's own checks did not name
+        raise InvalidSpec("spec", str(exc)[:200]) from None

@@ -71,10 +71,10 @@ def until(ready: Callable[[], T], seconds: float, every: float = 0.01) -> T:
     return value
 
 
-def _exited(pid: int, child: bool) -> bool:
-    """Whether ``pid`` has exited (a ``child`` reaped by this call)."""
+def _exited(pid: int, child: bool, started: int | None) -> bool:
+    """Whether ``pid`` (which started at ``started``) has exited (a ``child`` reaped by this call)."""
     if not child:
-        return start_time(pid) is None
+        return start_time(pid) != started
     try:
         return os.waitpid(pid, os.WNOHANG)[0] != 0
     except ChildProcessError:
@@ -84,10 +84,11 @@ def _exited(pid: int, child: bool) -> bool:
 def end(pids: list[int], seconds: float, *, child: bool) -> None:
     r"""Give the processes ``pids`` ``seconds`` to exit, then SIGKILL those still there (``child``\ ren are
     reaped, whatever became of them)."""
-    running = list(pids)
+    started = {pid: start_time(pid) for pid in pids}  # (a pid reused meanwhile is another process)
+    running = [pid for pid in pids if child or started[pid] is not None]
 
     def gone() -> bool:
-        running[:] = [pid for pid in running if not _exited(pid, child)]
+        running[:] = [pid for pid in running if not _exited(pid, child, started[pid])]
         return not running
 
     until(gone, seconds)

@@ -240,6 +240,8 @@ class CacheSpec:
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidSpec(name, f"must be an integer >= {minimum}, got {value!r}")
+    if value.bit_length() > 63:  # (no size of a 64-bit host; and past 4,300 digits not even printable)
+        raise InvalidSpec(name, f"must be an integer from {minimum} to 2**63 - 1, got one of {value.bit_length()} bits")
     if value < minimum:
         hint = " (kv_heads is per rank: heads // tensor_parallel_size, at least 1)" if name == "kv_heads" else ""
         raise InvalidSpec(name, f"must be an integer >= {minimum}, got {value}{hint}")

@@ -181,6 +181,10 @@ class Keeper:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 continue
+            except OSError as exc:  # out of descriptors: those connections wait; the keeper and its segment stay
+                self.log.warning("an agent's connection not accepted", reason=os.strerror(exc.errno or 0))
+                self.quitting.wait(TICK_S)
+                continue
             if peer_credentials(sock)[1] != os.geteuid():
                 sock.close()
                 continue
@@ -236,6 +240,8 @@ class Keeper:
             pass  # the agent went away
         finally:
             sock.close()
+            for fd in receiver.take_fds():  # (they came with a frame refused, or never read)
+                os.close(fd)
             self._forget_buffer(buffer)
 
     def _adopt_buffer(self, fds: list[int], old: mmap.mmap | None) -> mmap.mmap:
