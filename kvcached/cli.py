@@ -404,6 +404,7 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
         return
     pid, started = target
     waiting = keep and running.awaits_geometry_now(name)
+    command = running.start_command(pid) if keep else None  # (read while it runs)
     running.send(name, pid, KEEP_SIGNAL if keep else signal.SIGTERM)
     running.wait_exit(name, pid, started, timeout)
     if not keep:
@@ -416,8 +417,9 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     if why:
         raise click.ClickException(f"instance {name}: stopped (pid {pid}), but its memory was NOT kept: {why}")
     click.echo(
-        f"instance {name}: stopped (pid {pid}); its memory is kept in /dev/shm for the next `kvcached start "
-        f"--instance {name}` to adopt (`kvcached doctor --clean --instance {name}` releases it)"
+        f"instance {name}: stopped (pid {pid}); its memory is kept in /dev/shm for the next start with the same "
+        f"options and KVCACHED_* variables to adopt ({command or f'kvcached start --instance {name} ...'}; "
+        f"another geometry or store reclaims it; `kvcached doctor --clean --instance {name}` releases it)"
     )
 
 
@@ -456,8 +458,9 @@ def restart(instance: str | None, timeout: float) -> None:
         raise ConfigError(
             f"instance {name}: nothing was restarted: {', '.join(ignored)} is set here, and a restart keeps the "
             "daemon's own arguments and environment, so it would not apply. To apply it, stop the daemon and "
-            "start it with it (another geometry makes the cache anew), or put it in the daemon's --config file "
-            "and restart; else unset it here"
+            "start it with it (another geometry or store makes the cache anew); a setting that keeps both (a log "
+            "level, a timeout) may go in the daemon's --config file, if it has one, before a restart; else unset "
+            "it here"
         )
     snapshot, took = running.wait_restarted(name, pid, started, RESTART_SIGNAL, timeout)
     note = snapshot.get("note") or ""

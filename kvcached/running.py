@@ -138,6 +138,19 @@ def left_behind(name: str) -> str:
     )
 
 
+def start_command(pid: int) -> str | None:
+    """``kvcached start ...`` as daemon ``pid`` was started (its command line from ``start`` on), or None."""
+    import shlex
+
+    try:
+        argv = os.fsdecode(Path(f"/proc/{pid}/cmdline").read_bytes()).split("\0")[:-1]
+    except OSError:
+        return None
+    if "start" not in argv:
+        return None
+    return printable(shlex.join(["kvcached", *argv[argv.index("start") :]]))
+
+
 def not_applied(pid: int) -> list[str]:
     """The configuration variables set in this environment that a restart of daemon ``pid`` would not apply
     (a restart keeps the daemon's own arguments and environment, ``/proc/<pid>/environ``), each as

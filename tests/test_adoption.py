@@ -365,14 +365,17 @@ def test_adoption_refused_is_logged_shown_and_trusts_nothing(daemons: DaemonFact
 
 
 def test_stop_keep_then_start_adopts_and_a_waiting_runner_attaches(daemons: DaemonFactory) -> None:
-    """`kvcached stop --keep` leaves the ranks KEPT (status says so) and the memory in place; a runner that
+    """`kvcached stop --keep` leaves the ranks KEPT (status says so) and the memory in place, and says the start
+    command that adopts it (the daemon's own options); a runner that
     waits meanwhile attaches to the generation that adopts it, and sees the bytes; `--fresh` reclaims."""
-    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False)
+    daemon = daemons.start(ranks=2, args=geometry(SPEC), small=False, executed=True)  # (its own command line)
     daemon.wait_ready()
     cache = rc.initialize_kv_cache(SPEC, 0, instance=daemon.instance, timeout=10)
     cache.key_caches[1][5] = 3
     result = daemons.cli("stop", "--keep", "--instance", daemon.instance)
     assert result.returncode == 0 and "kept" in result.stdout, result
+    said = f"kvcached start --instance {daemon.instance} --log-format json --ranks 2 {' '.join(geometry(SPEC))}"
+    assert f"same options and KVCACHED_* variables to adopt ({said}" in result.stdout, result.stdout  # the way back
     assert daemon.exit_code() == 0
     kept = read_status(daemon.instance)
     assert not kept["alive"] and {r["state"] for r in kept["ranks"]} == {"KEPT"}

@@ -417,7 +417,7 @@ def check_xpu() -> list[Check]:
     major = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
     measured_rt = {"runtime": version, "major": major}
     if major is None:
-        figure = f"XPU runtime version unknown ({version})"
+        figure = "no XPU runtime" + (f": paddle.version.{getter}() says {version}" if version else "")
         checks.append(Check("xpu_runtime", FAIL, figure, measured_rt, "install the XPU runtime (XRE)"))
     elif major < 5:
         advice = "IPC handles need runtime major version 5"
