@@ -502,3 +502,36 @@ def test_a_worker_answers_5000_pipelined_swaps_of_a_half_closed_connection(daemo
         del received[: REPLY.size + length]
     assert answers[0][:2] == (Op.HELLO, Status.OK)
     assert answers[1:] == [(Op.SWAP_OUT, Status.OK, i + 1) for i in range(count)]
+
+
+def test_clients_sending_large_tasks_one_at_a_time_cost_another_at_most_one_turn() -> None:
+    """Four clients each keep one task that moves 64 MiB in flight (the next sent once the last is answered, as
+    FastDeploy's transfer managers do); a fifth sends a small task after theirs: once each has had a turn (before
+    that nothing tells a large client from a small one), it runs after at most one large task, never behind a
+    round of the four, and the large ones take turns."""
+    harness = MovingHarness()
+    heavy = [harness.connect() for _ in range(4)]
+    light = harness.connect()
+    large, small = (64 << 20).to_bytes(8, "little"), (4096).to_bytes(8, "little")
+    next_id = {sock: 1000 * n for n, sock in enumerate(heavy)}
+    for sock in heavy:
+        sock.sendall(request(Op.SWAP_OUT, next_id[sock], large))
+    waits = []
+    for i in range(20):
+        for sock in heavy:  # each answered one sends its next: all four ready again, before the small task
+            if select.select([sock], [], [], 0)[0]:
+                assert read_reply(sock)[2] == next_id[sock]
+                next_id[sock] += 1
+                sock.sendall(request(Op.SWAP_OUT, next_id[sock], large))
+        before = len(harness.seen)
+        light.sendall(request(Op.SWAP_OUT, 10**6 + i, small))
+        for _ in range(20):
+            harness.pump(rounds=1)
+            if select.select([light], [], [], 0)[0]:
+                break
+        assert read_reply(light)[2] == 10**6 + i
+        waits.append([r.task_id for r in harness.seen[before:]].index(10**6 + i))
+        harness.pump(rounds=2)  # the large tasks go on between the small ones
+    assert max(waits[1:]) <= 1, waits
+    ran = [r.task_id // 1000 for r in harness.seen if r.task_id < 10**6]
+    assert all(ran.count(n) >= 4 for n in range(4)), f"each large client took its turns: {ran}"

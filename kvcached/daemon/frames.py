@@ -22,12 +22,14 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   connection only;
 * connections take turns, fair by the bytes their tasks move as well as by requests: a turn is at most
   ``RUN_BATCH`` requests, and ends after the task that brings its bytes moved to ``TURN_BYTES`` (a single
-  task larger than that is a turn of its own). Whole requests wait in the ``backlog``, read but not run; the
-  worker's loop runs one turn per pass, of the connection that has moved the fewest bytes (``served``; a
-  connection that comes back from idle starts level with the last one served, and goes first among equals),
-  so a client pipelining large tasks costs another client's task at most the turn under way, and a client
-  that pipelines thousands waits behind the others, not they behind it. A connection in the backlog is not
-  read again until its turn;
+  task larger than that is a turn of its own). Every whole request waits in the ``backlog``, read but not
+  run, even when no other does (never run as it is read, in the order the selector reports sockets); the
+  worker's loop runs one turn per pass, of the connection that will have moved the fewest bytes once its turn
+  is over, as far as can be told: the bytes it has moved (``served``; a connection that comes back from idle
+  starts level with the last one served) and those its last turn moved (``last``: a client of small tasks goes
+  before one of large tasks that has moved as much). So clients sending large tasks, pipelined or one at a
+  time, cost another client's small task the turn under way, and a client that pipelines thousands waits
+  behind the others, not they behind it. A connection in the backlog is not read again until its turn;
 * a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every
   request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
   gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
@@ -130,7 +132,7 @@ class Client:
     active: float = dataclasses.field(default_factory=time.monotonic)  # when it last sent a request
     eof: bool = False  # the client closed its sending side: no more requests come
     served: int = 0  # bytes its tasks moved, as turns are ordered by (see the module docstring)
-    fresh: bool = True  # back from idle since its last turn: first among equals
+    last: int = 0  # bytes its last turn moved (at most ``turn_bytes``): what its next turn likely moves
     #: (task id, end of its reply in all the bytes queued so far) of each reply not wholly sent yet.
     unsent: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
     queued: int = 0  # reply bytes queued since the connection opened
@@ -398,28 +400,26 @@ class FrameServer:
             got = 0
         if not got:  # end of input: what it sent still runs, and its replies go out (``_finished``)
             client.eof = True
-            return self._turn(client) if not self.backlog else self._wait_turn(client)
-        client.active = time.monotonic()
-        self.buffered += got
-        if client.frame is not None:
-            client.filled += got
         else:
-            client.inbuf += self.scratch_view[:got]
-        if self.backlog and _whole_request(client):
-            return self._wait_turn(client)  # others wait for their turn: this one takes its place among them
-        return self._turn(client)
+            client.active = time.monotonic()
+            self.buffered += got
+            if client.frame is not None:
+                client.filled += got
+            else:
+                client.inbuf += self.scratch_view[:got]
+        if _whole_request(client):
+            return self._wait_turn(client)  # its place among the others that wait, even when none does
+        return self._turn(client)  # nothing to run: a large frame's reservation, a reply to send
 
     def _wait_turn(self, client: Client) -> bool:
         """Put ``client`` in the backlog if it has a whole request (levelled up when it comes from idle)."""
         if _whole_request(client) and client not in self.backlog:
-            client.fresh = client.served <= self.level
             client.served = max(client.served, self.level)
             self.backlog[client] = None
         return True
 
     def _turn(self, client: Client) -> bool:
         """Run the requests of ``client``'s turn, send what the socket takes; False when it should close."""
-        self.level, client.fresh = client.served, False
         ok = self._run_frames(client)
         pending = client.inbuf or client.frame is not None
         client.partial_since = (client.partial_since or time.monotonic()) if pending else 0.0
@@ -431,11 +431,14 @@ class FrameServer:
         calls this after each round of its selector's events, and does not wait while ``backlog`` holds one:
         requests that arrive meanwhile are read before the next turn)."""
         while self.backlog:
-            client = min(self.backlog, key=lambda c: (c.served, not c.fresh))
+            client = min(self.backlog, key=lambda c: c.served + c.last)
             self.backlog.pop(client, None)
             if self.conns.get(client.sock.fileno()) is not client:
                 continue  # closed meanwhile
-            if not self._turn(client) or self._finished(client):
+            self.level = start = client.served
+            ok = self._turn(client)
+            client.last = min(client.served - start, self.limits.turn_bytes)
+            if not ok or self._finished(client):
                 self.close(client.sock)
             else:
                 self._watch(client)
