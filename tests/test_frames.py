@@ -24,7 +24,7 @@ import structlog.testing
 
 from kvcached import logs
 from kvcached.access import Access
-from kvcached.daemon.frames import Client, FrameServer, Limits, Request
+from kvcached.daemon.frames import RUN_BATCH, Client, FrameServer, Limits, Request
 from kvcached.protocol.messages import (
     MAX_PAYLOAD,
     REPLY,
@@ -535,3 +535,54 @@ def test_clients_sending_large_tasks_one_at_a_time_cost_another_at_most_one_turn
     assert max(waits[1:]) <= 1, waits
     ran = [r.task_id // 1000 for r in harness.seen if r.task_id < 10**6]
     assert all(ran.count(n) >= 4 for n in range(4)), f"each large client took its turns: {ran}"
+
+
+def test_a_client_that_connects_anew_for_each_task_takes_no_more_than_its_share() -> None:
+    """Four clients each send every 64 MiB task on a new connection (a new connection starts level with those
+    that wait, as one back from idle does); a fifth keeps one connection and one such task in flight: it gets
+    its share of the turns, not the crumbs."""
+    harness = MovingHarness()
+    large = (64 << 20).to_bytes(8, "little")
+    steady = harness.connect()
+    steady.sendall(request(Op.SWAP_OUT, 0, large))
+    fresh: list[socket.socket] = []
+    done = {"steady": 0, "fresh": 0}
+    for task in range(1, 401):
+        for sock in list(fresh):
+            if select.select([sock], [], [], 0)[0]:
+                read_reply(sock)
+                sock.close()
+                fresh.remove(sock)
+                done["fresh"] += 1
+        while len(fresh) < 4:
+            sock = harness.connect()
+            sock.sendall(request(Op.SWAP_OUT, 10**6 + task * 10 + len(fresh), large))
+            fresh.append(sock)
+        harness.pump(rounds=1)
+        if select.select([steady], [], [], 0)[0]:
+            assert read_reply(steady)[2] == done["steady"]
+            done["steady"] += 1
+            steady.sendall(request(Op.SWAP_OUT, done["steady"], large))
+    assert done["steady"] >= done["fresh"] // 8, done  # a fair share is a fifth: a quarter of theirs
+
+
+def test_tasks_that_move_nothing_take_turns_too() -> None:
+    """A client pipelines 3,000 lookups (they move no bytes); another sends a small swap now and then: each
+    waits for at most one turn of lookups (``RUN_BATCH``), never for all of them."""
+    harness = MovingHarness()
+    lookups, small = harness.connect(), harness.connect()
+    lookups.sendall(b"".join(request(Op.LOOKUP, 10**6 + i, (0).to_bytes(8, "little")) for i in range(3000)))
+    harness.pump(rounds=2)
+    waits = []
+    for i in range(5):
+        before = len(harness.seen)
+        small.sendall(request(Op.SWAP_OUT, i, (4096).to_bytes(8, "little")))
+        for _ in range(100):
+            harness.pump(rounds=1)
+            if select.select([small], [], [], 0)[0]:
+                break
+            if select.select([lookups], [], [], 0)[0]:
+                lookups.recv(1 << 20)
+        assert read_reply(small)[2] == i
+        waits.append([r.task_id for r in harness.seen[before:]].index(i))
+    assert max(waits) <= RUN_BATCH, waits
