@@ -58,7 +58,9 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=_Tolerant(sys.stderr)),  # type: ignore[arg-type]
+        # One write per record, its newline included: another writer of the same stderr (Mooncake's C++ logging
+        # in the keeper) cannot land inside a JSON line.
+        logger_factory=structlog.WriteLoggerFactory(file=_Tolerant(sys.stderr)),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 
