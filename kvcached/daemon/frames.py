@@ -8,10 +8,12 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   client reads them. A client that stops reading stalls only itself: past ``OUT_CAP`` queued bytes the
   server stops reading its requests until it drains;
 * a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame. A
-  frame larger than a read must first reserve its length from ``INPUT_BUDGET``; while the budget is
-  spent, such connections, and connections with nothing reserved once ``INPUT_BUDGET`` bytes are
-  buffered, are not read (their clients wait): buffered requests stay near ``2 * INPUT_BUDGET`` whatever
-  clients do. A frame left half-sent for ``PARTIAL_IDLE_S`` closes its connection;
+  frame larger than a read must first reserve its length from ``INPUT_BUDGET``, and while that is spent
+  such connections are not read; frames up to a read are buffered in the connections' ``inbuf``, and once
+  those hold ``INPUT_BUDGET`` bytes, connections with nothing reserved are not read (their clients wait).
+  The two are apart, so clients holding large frames half-sent cannot keep small tasks waiting, and
+  buffered requests stay near ``2 * INPUT_BUDGET`` whatever clients do. A frame left half-sent for
+  ``PARTIAL_IDLE_S`` closes its connection;
 * at most ``max_connections`` connections (below the process's open-file limit). At the cap, the
   connection idle the longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room
   (its client reconnects on its next task); with none idle, the newcomer is answered REFUSED
@@ -23,13 +25,16 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
 * connections take turns, fair by the bytes their tasks move as well as by requests: a turn is at most
   ``RUN_BATCH`` requests, and ends after the task that brings its bytes moved to ``TURN_BYTES`` (a single
   task larger than that is a turn of its own); a request counts as at least ``REQUEST_BYTES`` (a lookup moves
-  nothing). Whole requests wait in the ``backlog``, read but not run; the worker's loop runs one turn per
-  pass, of the connection that has moved the fewest bytes (``served``; a connection that comes back from idle
-  starts level with the last one served, and goes first among equals), so a client pipelining large tasks
-  costs another client's task at most the turn under way, and a client that pipelines thousands (of lookups
-  too) waits behind the others, not they behind it. A connection in the backlog is not read again until its
-  turn. (A request read while no connection waits runs at once: clients that send large tasks one at a time
-  can each run one before a small task read in the same round of the selector, ``tests/test_frames.py``);
+  nothing). Every whole request waits in the ``backlog``, read but not run, and the worker's loop runs one
+  turn per pass, round by round: a connection joins the round under way (``round``) if it has not had its
+  turn in it (it comes back from idle, or is new), else the next one; the lowest round goes next, and within
+  a round the connection whose last turn moved less. So a task waits for the turn under way and at most one
+  turn of each other connection, whether it pipelines large tasks, sends them one at a time or pipelines
+  thousands of lookups, and a client that comes back from idle with a small task goes before those that
+  moved more. A connection's first task (its HELLO aside) ends the round under way for those that join
+  after it, so a client that opens a new connection (from a new process or not) for each task takes no more
+  turns than with a connection of its own per task in flight. A connection in the backlog is not read again
+  until its turn;
 * a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every
   request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
   gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
@@ -39,7 +44,7 @@ same connections, and a split would have each half reach into the other's.
 
 The budget's bookkeeping, over all connections::
 
-    buffered   bytes held in every connection's ``inbuf`` and large-frame buffer
+    buffered   bytes held in every connection's ``inbuf`` (large frames are not: they are ``reserved``)
     reserved   the lengths of the large frames being filled in place (each reserved whole, or waited for)
     starved    connections not read until the budget has room for what each waits for (``need``: the
                length of its large frame; 0: any room below ``INPUT_BUDGET``)
@@ -134,8 +139,10 @@ class Client:
     events: int = 0  # what the selector watches now
     active: float = dataclasses.field(default_factory=time.monotonic)  # when it last sent a request
     eof: bool = False  # the client closed its sending side: no more requests come
-    served: int = 0  # bytes its tasks moved, as turns are ordered by (see the module docstring)
-    fresh: bool = True  # back from idle since its last turn: first among equals
+    round: int = 0  # the round it waits for in the backlog (see the module docstring)
+    served: int = -1  # the round of its last turn
+    moved: int = 0  # bytes its last turn moved (as counted): within a round, the smaller goes first
+    newcomer: bool = True  # it has run no task yet (a HELLO aside): its first ends the round for newcomers
     #: (task id, end of its reply in all the bytes queued so far) of each reply not wholly sent yet.
     unsent: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
     queued: int = 0  # reply bytes queued since the connection opened
@@ -188,7 +195,7 @@ class FrameServer:
         self.starved: set[Client] = set()  # connections not read until the budget has room
         #: Connections with whole requests waiting for their turn, in the order they joined (an ordered set).
         self.backlog: dict[Client, None] = {}
-        self.level = 0  # ``served`` of the connection served last: where one back from idle starts
+        self.round = 0  # the round under way
         self.scratch = bytearray(self.limits.recv_chunk)  # one receive buffer, reused: no allocation per message
         self.scratch_view = memoryview(self.scratch)
         self.max_connections = max_connections or connection_limit()
@@ -231,7 +238,7 @@ class FrameServer:
     def serve(self, sock: socket.socket) -> Client:
         """Serve ``sock``, a connected client (accepted here, its peer allowed; or one end of a socket pair)."""
         sock.setblocking(False)
-        client = Client(sock, served=self.level)
+        client = Client(sock)
         self.conns[sock.fileno()] = client
         self._watch(client)
         self.stats.count(connections=1)
@@ -322,7 +329,7 @@ class FrameServer:
                 )
             if client.events:
                 self.selector.unregister(sock)
-            self.buffered -= len(client.inbuf) + client.filled
+            self.buffered -= len(client.inbuf)
             self.reserved -= client.reserved
             self.starved.discard(client)
             self.backlog.pop(client, None)
@@ -403,28 +410,25 @@ class FrameServer:
             got = 0
         if not got:  # end of input: what it sent still runs, and its replies go out (``_finished``)
             client.eof = True
-            return self._turn(client) if not self.backlog else self._wait_turn(client)
+            return self._wait_turn(client)
         client.active = time.monotonic()
-        self.buffered += got
         if client.frame is not None:
             client.filled += got
         else:
             client.inbuf += self.scratch_view[:got]
-        if self.backlog and _whole_request(client):
-            return self._wait_turn(client)  # others wait for their turn: this one takes its place among them
-        return self._turn(client)
+            self.buffered += got
+        # A whole request waits for its turn; otherwise a large frame's header reserves its length.
+        return self._wait_turn(client) if _whole_request(client) else self._turn(client)
 
     def _wait_turn(self, client: Client) -> bool:
-        """Put ``client`` in the backlog if it has a whole request (levelled up when it comes from idle)."""
+        """Put ``client`` in the backlog, in its round, if it has a whole request."""
         if _whole_request(client) and client not in self.backlog:
-            client.fresh = client.served <= self.level
-            client.served = max(client.served, self.level)
+            client.round = self.round + 1 if client.served >= self.round else self.round
             self.backlog[client] = None
         return True
 
     def _turn(self, client: Client) -> bool:
         """Run the requests of ``client``'s turn, send what the socket takes; False when it should close."""
-        self.level, client.fresh = client.served, False
         ok = self._run_frames(client)
         pending = client.inbuf or client.frame is not None
         client.partial_since = (client.partial_since or time.monotonic()) if pending else 0.0
@@ -432,15 +436,18 @@ class FrameServer:
         return ok and self._flush(client)
 
     def run_backlog(self) -> None:
-        """Run one turn of the connection in the backlog that has moved the fewest bytes (the worker's loop
-        calls this after each round of its selector's events, and does not wait while ``backlog`` holds one:
-        requests that arrive meanwhile are read before the next turn)."""
+        """Run the next turn in the backlog (the worker's loop calls this after each round of its selector's
+        events, and does not wait while ``backlog`` holds one: requests that arrive meanwhile are read, and
+        placed, before the next turn)."""
         while self.backlog:
-            client = min(self.backlog, key=lambda c: (c.served, not c.fresh))
+            client = min(self.backlog, key=lambda c: (c.round, c.moved))
             self.backlog.pop(client, None)
             if self.conns.get(client.sock.fileno()) is not client:
                 continue  # closed meanwhile
-            if not self._turn(client) or self._finished(client):
+            self.round = client.served = max(self.round, client.round)
+            client.moved = 0
+            ok = self._turn(client)  # (which puts it back in the backlog if it has more)
+            if not ok or self._finished(client):
                 self.close(client.sock)
             else:
                 self._watch(client)
@@ -450,9 +457,9 @@ class FrameServer:
         """Run the whole frames buffered, a turn at most (``run_batch`` requests, ``turn_bytes`` moved: more
         left, the connection joins the ``backlog``); False when the connection should close (a malformed
         frame)."""
-        start = client.served
+        before = client.moved
         for _ in range(self.limits.run_batch):
-            if client.served - start >= self.limits.turn_bytes:
+            if client.moved - before >= self.limits.turn_bytes:
                 break
             if client.frame is not None:  # a large frame, filled in place
                 if client.filled < len(client.frame):
@@ -476,9 +483,7 @@ class FrameServer:
             if length > self.limits.recv_chunk:  # a large frame: reserve its whole length, or wait for room
                 self._reserve(client, Request(op, flags, task_id, b""), length)
             return True
-        if _whole_request(client):
-            self.backlog[client] = None
-        return True
+        return self._wait_turn(client)
 
     def _malformed(self, client: Client, op: int, task_id: int, magic: bytes, length: int) -> None:
         """Answer a frame that is not one of ours INVALID (its connection closes next)."""
@@ -505,7 +510,7 @@ class FrameServer:
         have = len(client.inbuf) - REQUEST.size
         client.frame[:have] = client.inbuf[REQUEST.size :]
         client.filled = have
-        self.buffered -= REQUEST.size
+        self.buffered -= len(client.inbuf)
         client.inbuf.clear()
 
     def _take_large(self, client: Client) -> Request:
@@ -513,7 +518,6 @@ class FrameServer:
         assert client.frame is not None
         payload = bytes(client.frame)
         client.frame, client.filled = None, 0
-        self.buffered -= len(payload)
         self.reserved -= client.reserved
         client.reserved = 0
         return client.frame_header._replace(payload=payload)
@@ -528,7 +532,9 @@ class FrameServer:
         moved = 0
         if status == Status.OK and op != Op.HELLO and length == TASK_RESULT.size:
             moved = TASK_RESULT.unpack_from(answer, REPLY.size)[1]
-        client.served += max(moved, REQUEST_BYTES)
+        client.moved += max(moved, REQUEST_BYTES)
+        if client.newcomer and op != Op.HELLO:
+            self.round, client.newcomer = max(self.round, client.served + 1), False
         return len(client.outbuf) <= self.limits.out_cap
 
     @staticmethod
