@@ -5,14 +5,16 @@ Every figure stands beside the physical limit measured in the same run by the be
 ``np.copyto`` of the same bytes (swap), plain write+fsync+rename / read (warm and cold) and plain Mooncake
 put / get (store), FastDeploy's ``sleep(1)`` poll (handshake). Writes, into ``--out``:
 
-* ``report.md``: headline figures, then each benchmark's full printout;
+* ``report.md``: FastDeploy's geometries first (swap, the file store at its object size, the start), then the
+  headline figures at the other sizes, then each benchmark's full printout;
 * ``swap_throughput.png``: swap-out / swap-in GB/s against the layer-block size, with the plain-copy line;
 * ``wakeup_latency.png``: the distribution of wake-up latencies, kvcached against the ``sleep(1)`` poll;
 * ``store_throughput.png``: store and load GB/s per backend beside the plain I/O of the same objects.
 
 It also runs ``bench_swap.py --geometry`` for FastDeploy's TP8 and MLA geometries (runs and shuffled ids
-beside the plain copy) and ``bench_start.py`` (cold start beside the raw allocation, start after kill -9,
-restarts under a swap stream).
+beside the plain copy), ``bench_store.py`` on the file store at a TP8 ERNIE-4.5 rank-block (80 layers x K,V
+x 16 KiB = 2.5 MiB in 160 pieces) and ``bench_start.py`` (cold start beside the raw allocation, start after
+kill -9, restarts under a swap stream).
 
 The default sizes take about 2 minutes on a 2-core machine (docs/benchmarks.md says how long its run
 took); ``--smoke`` runs tiny sizes, every benchmark at once (a check that the pipeline works, not a
@@ -41,6 +43,8 @@ GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d")
 SCRIPTS = ROOT / "scripts"
 
 GEOMETRIES = ["--geometry", "tp8-ernie", "--geometry", "tp8-llama70b", "--geometry", "mla-576"]
+#: The file store at a TP8 ERNIE-4.5 rank-block: 80 layers x K,V x 16 KiB = 2.5 MiB in 160 pieces.
+TP8_OBJECT = ["--backends", "file", "--ranks", "1", "--block-kib", "2560", "--layers", "80"]
 #: Per benchmark: its arguments at the default size and at --smoke size.
 PLANS: dict[str, dict[str, list[str]]] = {
     "handshake": {
@@ -59,13 +63,18 @@ PLANS: dict[str, dict[str, list[str]]] = {
         "default": ["--gib", "0.5", "--repeats", "1", "--latency-iterations", "200", *GEOMETRIES],
         "smoke": ["--gib", "0.03", "--repeats", "1", "--latency-iterations", "20", *GEOMETRIES],
     },
+    "fdstore": {
+        "default": [*TP8_OBJECT, "--gib", "0.25", "--batch", "32", "--repeats", "3"],
+        "smoke": [*TP8_OBJECT, "--gib", "0.02", "--batch", "4", "--repeats", "1"],
+    },
     "start": {
         "default": ["--ranks", "2", "--gib", "1", "--restarts", "3"],
         "smoke": ["--ranks", "2", "--gib", "0.05", "--restarts", "1"],
     },
 }
 #: Which script each plan runs (``scripts/bench_<script>.py``).
-SCRIPT = {"handshake": "handshake", "swap": "swap", "store": "store", "geometry": "swap", "start": "start"}
+SCRIPT = {"handshake": "handshake", "swap": "swap", "store": "store", "geometry": "swap", "fdstore": "store"}
+SCRIPT["start"] = "start"
 
 
 @dataclasses.dataclass
@@ -242,21 +251,27 @@ def headline(handshake: dict[str, Any], swap: dict[str, Any], store: dict[str, A
     lines += swap_rows(swap)
     for label, rt in swap["round_trip_us"].items():
         lines.append(f"| one-block swap round trip, {label} | p50 {rt['p50']:.0f} us, p99 {rt['p99']:.0f} us | | |")
+    return lines + store_rows(store, "") + mooncake_hosts_rows(store.get("mooncake_hosts"))
+
+
+def store_rows(store: dict[str, Any], what: str) -> list[str]:
+    """One row per backend and operation (medians over the passes), each beside the plain side's."""
     names = {
         "file": "plain write+fsync+rename / read",
         "mooncake": "plain Mooncake put / get",
         "mooncake-batch": "batched own-segment put / get",
     }
+    lines = []
     for backend, passes in store["backends"].items():
         for op in store_ops(passes):
             o = statistics.median(p[f"{op}_gbps"] for p in passes)
-            label = f"| {backend} {op.replace('_', ' ')} | {o:.2f} GB/s"
+            label = f"| {backend} {op.replace('_', ' ')}{what} | {o:.2f} GB/s"
             b = statistics.median(p[f"plain_{op}_gbps"] for p in passes)
             lines.append(f"{label} | {names.get(backend, backend)} {b:.2f} GB/s | {o / b:.2f} |")
             if f"lmcache_{op}_gbps" in passes[0]:
                 lm = statistics.median(p[f"lmcache_{op}_gbps"] for p in passes)
                 lines.append(f"{label} | LMCache local disk {lm:.2f} GB/s | {o / lm:.2f} |")
-    return lines + mooncake_hosts_rows(store.get("mooncake_hosts"))
+    return lines
 
 
 def mooncake_hosts_rows(hosts: dict[str, Any] | None) -> list[str]:
@@ -305,6 +320,7 @@ def main() -> int:
     (handshake, hs_text, hs_s), (swap, swap_text, swap_s) = ran["handshake"], ran["swap"]
     (store, store_text, store_s), (geometry, geometry_text, geometry_s) = ran["store"], ran["geometry"]
     start, start_text, start_s = ran["start"]
+    fdstore, fdstore_text, fdstore_s = ran["fdstore"]
     plot_swap(swap, args.out / "swap_throughput.png")
     plot_wakeup(handshake, args.out / "wakeup_latency.png")
     plot_store(store, args.out / "store_throughput.png")
@@ -315,21 +331,22 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}, "
         f"{'SMOKE sizes (not a measurement)' if args.smoke else 'default sizes'}; "
         f"took {total:.0f} s (handshake {hs_s:.0f} s, swap {swap_s:.0f} s, store {store_s:.0f} s, "
-        f"geometries {geometry_s:.0f} s, start {start_s:.0f} s).",
+        f"geometries {geometry_s + fdstore_s:.0f} s, start {start_s:.0f} s).",
         "Every ratio compares with the limit measured in the same run: these machines are noisy.",
         "",
-        "## Headline",
-        "",
-        *headline(handshake, swap, store),
-        "",
-        "## FastDeploy geometries and the start",
+        "## FastDeploy's geometries and the start",
         "",
         f"Copy engine: {geometry['copy_engine']}.",
         "",
         "| benchmark | kvcached | physical limit, same run | ratio |",
         "|---|---|---|---|",
         *swap_rows(geometry),
+        *store_rows(fdstore, ", TP8 ERNIE-4.5 rank-block (2.5 MiB, 160 pieces)"),
         *start_rows(start),
+        "",
+        "## Headline, the other sizes",
+        "",
+        *headline(handshake, swap, store),
         "",
         "![swap throughput](swap_throughput.png)",
         "",
@@ -343,6 +360,7 @@ def main() -> int:
         ("Swap", swap_text),
         ("Store", store_text),
         ("Geometries", geometry_text),
+        ("The file store at a TP8 ERNIE-4.5 rank-block", fdstore_text),
         ("Start", start_text),
     )
     for title, text in printouts:

@@ -49,12 +49,21 @@ def test_bench_report_smoke_writes_report_and_images() -> None:
     out, backends, result = headstart.take("bench-smoke")
     assert result.returncode == 0, result.stdout + result.stderr
     report = (out / "report.md").read_text()
-    needles = ["## Headline", "plain copy", "sleep(1) poll", "plain write+fsync+rename / read", "file cold load"]
+    needles = [
+        "## FastDeploy's geometries",
+        "TP8 ERNIE-4.5 rank-block",
+        "## Headline",
+        "plain copy",
+        "sleep(1) poll",
+        "plain write+fsync+rename / read",
+        "file cold load",
+    ]
     needles += ["![swap throughput]"]
     needles += ["tp8-ernie", "tp8-llama70b", "mla-576", "shuffled", "cold start", "raw allocation", "restart"]
     needles += ["plain Mooncake put / get", "cross-host load", "host B: 0 of"] if "mooncake" in backends else []
     for needle in needles:
         assert needle in report, needle
+    assert report.index("tp8-ernie") < report.index("## Headline")  # FastDeploy's geometry first
     for name in ("swap_throughput.png", "wakeup_latency.png", "store_throughput.png"):
         pixels = image.imread(out / name)
         assert pixels.ndim == 3 and pixels.shape[0] > 200 and pixels.shape[1] > 300, name
