@@ -28,13 +28,14 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   nothing). Every whole request waits in the ``backlog``, read but not run, and the worker's loop runs one
   turn per pass, round by round: a connection joins the round under way (``round``) if it has not had its
   turn in it (it comes back from idle, or is new), else the next one; the lowest round goes next, and within
-  a round the connection whose last turn moved less. So a task waits for the turn under way and at most one
-  turn of each other connection, whether it pipelines large tasks, sends them one at a time or pipelines
-  thousands of lookups, and a client that comes back from idle with a small task goes before those that
-  moved more. A connection's first task (its HELLO aside) ends the round under way for those that join
-  after it, so a client that opens a new connection (from a new process or not) for each task takes no more
-  turns than with a connection of its own per task in flight. A connection in the backlog is not read again
-  until its turn;
+  a round the connection whose last turn moved less, a new one last. So a task waits for the turn under way
+  and at most one turn of each other connection, whether it pipelines large tasks, sends them one at a time
+  or pipelines thousands of lookups, and a client that comes back from idle with a small task goes before
+  those that moved more. A connection's first turn ends the round under way for those that join after it,
+  and no connection is accepted while ``ACCEPT_BATCH`` wait for their turns, so a client that opens a new
+  connection (from a new process or not) for each task takes no more turns than with a connection of its own
+  per task in flight, and a storm of connections costs the others at most ``ACCEPT_BATCH`` short turns. A
+  connection in the backlog is not read again until its turn;
 * a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every
   request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
   gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
@@ -142,7 +143,7 @@ class Client:
     round: int = 0  # the round it waits for in the backlog (see the module docstring)
     served: int = -1  # the round of its last turn
     moved: int = 0  # bytes its last turn moved (as counted): within a round, the smaller goes first
-    newcomer: bool = True  # it has run no task yet (a HELLO aside): its first ends the round for newcomers
+    newcomer: bool = True  # it has had no turn yet: last in its round, and its first ends the round
     #: (task id, end of its reply in all the bytes queued so far) of each reply not wholly sent yet.
     unsent: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
     queued: int = 0  # reply bytes queued since the connection opened
@@ -218,8 +219,10 @@ class FrameServer:
         self.listener.close()
 
     def accept(self) -> None:
-        """Accept what is waiting on the listener (at most ``ACCEPT_BATCH`` per call)."""
-        for _ in range(ACCEPT_BATCH):
+        """Accept what is waiting on the listener (at most ``ACCEPT_BATCH`` per call, and none while that many
+        connections wait for their turns: a storm of connections waits in the kernel's queue, not before the
+        turns of those already served)."""
+        for _ in range(ACCEPT_BATCH - len(self.backlog)):
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
@@ -440,13 +443,15 @@ class FrameServer:
         events, and does not wait while ``backlog`` holds one: requests that arrive meanwhile are read, and
         placed, before the next turn)."""
         while self.backlog:
-            client = min(self.backlog, key=lambda c: (c.round, c.moved))
+            client = min(self.backlog, key=lambda c: (c.round, c.newcomer, c.moved))
             self.backlog.pop(client, None)
             if self.conns.get(client.sock.fileno()) is not client:
                 continue  # closed meanwhile
             self.round = client.served = max(self.round, client.round)
             client.moved = 0
             ok = self._turn(client)  # (which puts it back in the backlog if it has more)
+            if client.newcomer:  # those waiting go before the next newcomer
+                self.round, client.newcomer = max(self.round, client.served + 1), False
             if not ok or self._finished(client):
                 self.close(client.sock)
             else:
@@ -533,8 +538,6 @@ class FrameServer:
         if status == Status.OK and op != Op.HELLO and length == TASK_RESULT.size:
             moved = TASK_RESULT.unpack_from(answer, REPLY.size)[1]
         client.moved += max(moved, REQUEST_BYTES)
-        if client.newcomer and op != Op.HELLO:
-            self.round, client.newcomer = max(self.round, client.served + 1), False
         return len(client.outbuf) <= self.limits.out_cap
 
     @staticmethod
