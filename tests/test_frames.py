@@ -274,6 +274,24 @@ def test_large_frames_left_half_sent_keep_no_small_task_waiting(harness: Harness
     assert read_reply(victim)[2:] == (7, b"small") and [r.task_id for r in harness.seen] == [7]
 
 
+def test_small_frames_left_half_sent_keep_no_small_task_waiting(harness: Harness) -> None:
+    """Clients each holding a small frame (under a read) half-sent spend the whole budget of small frames: a
+    connection with nothing buffered is still read (``SPARE_READ``), so another client's small task runs; the
+    holders are not read again until there is room."""
+    holders = [harness.connect() for _ in range(20)]
+    for n, sock in enumerate(holders):
+        sock.sendall(request(Op.SWAP_OUT, n, b"h" * (15 << 10))[:-8])
+        harness.pump()
+    assert harness.server.buffered >= LIMITS.input_budget and harness.server.starved == set()
+    holders[0].sendall(b"more")
+    harness.pump()
+    assert len(harness.server.starved) == 1  # part of a frame buffered: it waits for room
+    victim = harness.connect()
+    victim.sendall(request(Op.SWAP_OUT, 99, b"small"))
+    harness.pump()
+    assert read_reply(victim)[2:] == (99, b"small") and [r.task_id for r in harness.seen] == [99]
+
+
 def test_closing_a_connection_mid_frame_returns_its_share_of_the_budget(harness: Harness) -> None:
     """A client that leaves halfway through a large frame, or a small one, gives back what it reserved and
     buffered."""

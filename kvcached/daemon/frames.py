@@ -10,9 +10,10 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
 * a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame. A
   frame larger than a read must first reserve its length from ``INPUT_BUDGET``, and while that is spent
   such connections are not read; frames up to a read are buffered in the connections' ``inbuf``, and once
-  those hold ``INPUT_BUDGET`` bytes, connections with nothing reserved are not read (their clients wait).
-  The two are apart, so clients holding large frames half-sent cannot keep small tasks waiting, and
-  buffered requests stay near ``2 * INPUT_BUDGET`` whatever clients do. A frame left half-sent for
+  those hold ``INPUT_BUDGET`` bytes, connections with part of a frame buffered are not read (their clients
+  wait), and one with nothing buffered is read ``SPARE_READ`` bytes at a time. So clients holding frames
+  half-sent cannot keep small tasks waiting, and buffered requests stay near ``2 * INPUT_BUDGET`` (plus
+  ``SPARE_READ`` a connection) whatever clients do. A frame left half-sent for
   ``PARTIAL_IDLE_S`` closes its connection;
 * at most ``max_connections`` connections (below the process's open-file limit). At the cap, the
   connection idle the longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room
@@ -77,6 +78,8 @@ PAYLOAD_AT = REQUEST.size
 OUT_CAP = 4 << 20
 #: Bytes of unfinished request frames held over all connections.
 INPUT_BUDGET = 2 * MAX_PAYLOAD
+#: What a connection with nothing buffered is read while the small frames' budget is spent.
+SPARE_READ = 16 << 10
 #: A frame left unfinished this long closes its connection.
 PARTIAL_IDLE_S = 30.0
 #: A connection this long without a request may be closed to make room for a new one at the cap.
@@ -400,11 +403,14 @@ class FrameServer:
 
     def _on_readable(self, client: Client) -> bool:
         """Read what arrived and run every complete request; False when the connection should close."""
-        if not client.reserved and self.buffered >= self.limits.input_budget:
+        spent = self.buffered >= self.limits.input_budget
+        if not client.reserved and spent and client.inbuf:
             self._starve(client)  # others hold the budget: wait for it instead of growing without bound
             return True
         # A large frame is read straight into its own buffer, allocated once at its reserved length.
-        target = memoryview(client.frame)[client.filled :] if client.frame is not None else self.scratch
+        target = memoryview(client.frame)[client.filled :] if client.frame is not None else self.scratch_view
+        if spent and client.frame is None:
+            target = target[:SPARE_READ]  # nothing buffered yet: a small task still gets in
         try:
             got = client.sock.recv_into(target)
         except BlockingIOError:
