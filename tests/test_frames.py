@@ -501,11 +501,12 @@ class MovingHarness(Harness):
         moved = int.from_bytes(req.payload[:8], "little")
         return reply(req.op, Status.OK, req.task_id, TASK_RESULT.pack(1, moved, 0))
 
-    def wait_of(self, sock: socket.socket, task_id: int, moves: bytes) -> int:
-        """Send a task on ``sock`` and serve until its reply comes: how many tasks ran before it."""
+    def wait_of(self, sock: socket.socket, task_id: int, moves: bytes, rounds: int = 50) -> int:
+        """Send a task on ``sock`` and serve until its reply comes (``rounds`` passes at most): how many tasks
+        ran before it."""
         before = len(self.seen)
         sock.sendall(request(Op.SWAP_OUT, task_id, moves))
-        for _ in range(50):
+        for _ in range(rounds):
             self.pump(rounds=1)
             if select.select([sock], [], [], 0)[0]:
                 break
@@ -734,8 +735,9 @@ def test_a_client_with_one_large_task_in_flight_waits_for_one_task_of_each_small
 
 def test_a_storm_of_connections_that_only_say_hello_keeps_no_one_from_their_turns(tmp_path: Path) -> None:
     """New connections arrive faster than turns are served, each saying HELLO and leaving: between two tasks of
-    a client keeping one in flight, at most ``ACCEPT_BATCH`` of them run (connections wait in the kernel's
-    queue while that many wait for their turns; a new one goes last in its round)."""
+    a client keeping one in flight, about ``ACCEPT_BATCH`` of them run, not more and more (connections wait in
+    the kernel's queue while that many new ones wait for their first turns; a new one goes last in its
+    round)."""
     listener, path = _listening(tmp_path)
     harness = MovingHarness(listener)
     harness.server.listen()
@@ -755,6 +757,27 @@ def test_a_storm_of_connections_that_only_say_hello_keeps_no_one_from_their_turn
                 before = len(harness.seen)
                 done += 1
                 victim.sendall(request(Op.SWAP_OUT, done, (4096).to_bytes(8, "little")))
-        assert done >= 4 and max(between) <= ACCEPT_BATCH + 1, between
+        assert done >= 4 and max(between) <= 2 * ACCEPT_BATCH, between
+    finally:
+        harness.server.stop_listening()
+
+
+def test_busy_connections_waiting_for_their_turns_keep_no_new_client_out(tmp_path: Path) -> None:
+    """More than ``ACCEPT_BATCH`` connections pipelining tasks keep the backlog full: a new client is still
+    accepted and served (only new connections waiting for their first turns hold the listener back)."""
+    listener, path = _listening(tmp_path)
+    harness = MovingHarness(listener)
+    harness.server.listen()
+    try:
+        busy = []
+        for _ in range(ACCEPT_BATCH + 8):
+            busy.append(_dial(path))
+            harness.pump(rounds=1)
+        for n, sock in enumerate(busy):
+            sock.sendall(b"".join(request(Op.LOOKUP, 1000 * n + i, bytes(8)) for i in range(200)))
+        harness.pump(rounds=ACCEPT_BATCH + 8)  # each has had its first turn, and waits for more
+        assert len(harness.server.backlog) > ACCEPT_BATCH
+        newcomer = _dial(path)
+        assert harness.wait_of(newcomer, 10**6, bytes(8), rounds=4 * len(busy)) <= len(busy) * RUN_BATCH
     finally:
         harness.server.stop_listening()

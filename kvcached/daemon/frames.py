@@ -33,7 +33,7 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   and at most one turn of each other connection, whether it pipelines large tasks, sends them one at a time
   or pipelines thousands of lookups, and a client that comes back from idle with a small task goes before
   those that moved more. A connection's first turn ends the round under way for those that join after it,
-  and no connection is accepted while ``ACCEPT_BATCH`` wait for their turns, so a client that opens a new
+  and no connection is accepted while ``ACCEPT_BATCH`` new ones wait for their first turns, so a client that opens a new
   connection (from a new process or not) for each task takes no more turns than with a connection of its own
   per task in flight, and a storm of connections costs the others at most ``ACCEPT_BATCH`` short turns. A
   connection in the backlog is not read again until its turn;
@@ -223,9 +223,9 @@ class FrameServer:
 
     def accept(self) -> None:
         """Accept what is waiting on the listener (at most ``ACCEPT_BATCH`` per call, and none while that many
-        connections wait for their turns: a storm of connections waits in the kernel's queue, not before the
-        turns of those already served)."""
-        for _ in range(ACCEPT_BATCH - len(self.backlog)):
+        new connections wait for their first turns: a storm of connections waits in the kernel's queue, not
+        before the turns of those already served)."""
+        for _ in range(ACCEPT_BATCH - sum(client.newcomer for client in self.backlog)):
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
