@@ -13,8 +13,8 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   those hold ``INPUT_BUDGET`` bytes, connections with part of a frame buffered are not read (their clients
   wait), and one with nothing buffered is read ``SPARE_READ`` bytes at a time. So clients holding frames
   half-sent cannot keep small tasks waiting, and buffered requests stay near ``2 * INPUT_BUDGET`` (plus
-  ``SPARE_READ`` a connection) whatever clients do. A frame left half-sent for
-  ``PARTIAL_IDLE_S`` closes its connection;
+  ``SPARE_READ`` a connection) whatever clients do. A frame left half-sent for ``PARTIAL_IDLE_S`` closes its
+  connection;
 * at most ``max_connections`` connections (below the process's open-file limit). At the cap, the
   connection idle the longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room
   (its client reconnects on its next task); with none idle, the newcomer is answered REFUSED
@@ -33,10 +33,10 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   and at most one turn of each other connection, whether it pipelines large tasks, sends them one at a time
   or pipelines thousands of lookups, and a client that comes back from idle with a small task goes before
   those that moved more. A connection's first turn ends the round under way for those that join after it,
-  and no connection is accepted while ``ACCEPT_BATCH`` new ones wait for their first turns, so a client that opens a new
-  connection (from a new process or not) for each task takes no more turns than with a connection of its own
-  per task in flight, and a storm of connections costs the others at most ``ACCEPT_BATCH`` short turns. A
-  connection in the backlog is not read again until its turn;
+  and no connection is accepted while ``ACCEPT_BATCH`` new ones wait for their first turns, so a client
+  that opens a new connection (from a new process or not) for each task takes no more turns than with a
+  connection of its own per task in flight, and a storm of connections costs the others about
+  ``ACCEPT_BATCH`` short turns at most. A connection in the backlog is not read again until its turn;
 * a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every
   request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
   gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
