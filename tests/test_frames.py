@@ -406,6 +406,36 @@ def test_at_the_connection_cap_an_idle_connection_makes_room_else_the_newcomer_i
         h.server.stop_listening()
 
 
+@pytest.mark.parametrize("sent", ["half", "whole"])
+def test_at_the_cap_a_connection_holding_a_large_frame_is_not_evicted(tmp_path: Path, sent: str) -> None:
+    """A connection whose large frame is half-sent, or whole and waiting for its turn (its bytes are in the
+    frame's own buffer, not ``inbuf``), is not idle: past ``idle_evict_s`` at the cap a newcomer is refused, and
+    the frame's task still runs."""
+    listener, path = _listening(tmp_path)
+    h = Harness(listener, max_connections=1)
+    h.server.listen()
+    try:
+        holder = _dial(path)
+        h.pump()
+        frame = request(Op.SWAP_OUT, 7, b"l" * (100 << 10))  # larger than a read: a large frame
+        holder.sendall(frame[: len(frame) // 2] if sent == "half" else frame)
+        for _ in range(20):  # read it, without running the turns
+            for key, mask in h.selector.select(timeout=0.01):
+                key.data(mask)
+        time.sleep(LIMITS.idle_evict_s + 0.05)
+        refused = _dial(path)
+        for _ in range(5):
+            for key, mask in h.selector.select(timeout=0.02):
+                key.data(mask)
+        assert read_reply(refused)[1] == Status.REFUSED
+        if sent == "half":
+            holder.sendall(frame[len(frame) // 2 :])
+        h.pump()
+        assert read_reply(holder)[2] == 7
+    finally:
+        h.server.stop_listening()
+
+
 def test_a_peer_outside_the_daemons_user_and_group_is_refused_before_a_byte_is_read(tmp_path: Path) -> None:
     """A connection from a uid the access policy does not admit is answered REFUSED ("access") and closed;
     nothing it sent is executed."""

@@ -268,8 +268,9 @@ class FrameServer:
         return False
 
     def _evict_idle(self) -> bool:
-        """Close the connection idle the longest, if one has been idle for ``IDLE_EVICT_S``."""
-        idle = [c for c in self.conns.values() if not c.inbuf and not c.outbuf]
+        """Close the connection idle the longest (nothing buffered, a large frame included), if one has been
+        idle for ``IDLE_EVICT_S``."""
+        idle = [c for c in self.conns.values() if not c.inbuf and not c.outbuf and c.frame is None]
         oldest = min(idle, key=lambda c: c.active, default=None)
         if oldest is None or time.monotonic() - oldest.active < self.limits.idle_evict_s:
             return False
