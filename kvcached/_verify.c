@@ -15,6 +15,8 @@
  * makes the stripe that is folded in the loop, and the one kept for the end, known in advance.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
@@ -332,4 +334,43 @@ int64_t kv_read_land(int fd, int64_t offset, int64_t npieces, const uint64_t *pi
 #endif
     *hash = digest(&h);
     return done;
+}
+
+/* Read one object whole, in one call: open `path` (no symbolic link followed, never blocking on a FIFO),
+ * check it is a regular file of `size` bytes, read its first `header_len` bytes into `header`, and land the
+ * rest as kv_read_land does. Returns the payload bytes read, or -errno when it cannot be opened or read,
+ * KV_NOT_REGULAR, or KV_WRONG_SIZE with *found set to the file's size; *found is otherwise the header bytes
+ * read (short only if the file shrank meanwhile). */
+#define KV_NOT_REGULAR (-(1LL << 40))
+#define KV_WRONG_SIZE (-(1LL << 40) - 1)
+int64_t kv_read_object(const char *path, int64_t size, char *header, int64_t header_len, int64_t npieces,
+                       const uint64_t *pieces, const int64_t *width, char *bounce, int64_t chunk, uint64_t *hash,
+                       int64_t *found) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        return -errno;
+    }
+    struct stat st;
+    int64_t result;
+    ssize_t got;
+    if (fstat(fd, &st) != 0) {
+        result = -errno;
+    } else if (!S_ISREG(st.st_mode)) {
+        result = KV_NOT_REGULAR;
+    } else if (st.st_size != size) {
+        *found = st.st_size;
+        result = KV_WRONG_SIZE;
+    } else {
+        do {
+            got = pread(fd, header, (size_t)header_len, 0);
+        } while (got < 0 && errno == EINTR);
+        if (got < 0) {
+            result = -errno;
+        } else {
+            *found = got;
+            result = got < header_len ? 0 : kv_read_land(fd, header_len, npieces, pieces, width, bounce, chunk, hash);
+        }
+    }
+    close(fd);
+    return result;
 }

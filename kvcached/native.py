@@ -64,6 +64,7 @@ class _Library:
         _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
         _declare(self.lib.kv_read_land, i64, i32, i64, i64, ptr, ptr, ptr, i64, ptr)
         _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
+        _declare(self.lib.kv_read_object, i64, ctypes.c_char_p, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr)
         _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
         self.hash_min_bytes = int(self.lib.kv_hash_min_bytes())
@@ -172,3 +173,33 @@ def read_land(
     if got < 0:
         raise OSError(-got, os.strerror(-got))
     return got, digest.value if got == int(widths.sum()) else None
+
+
+#: ``read_object``'s outcomes other than bytes read or -errno.
+NOT_REGULAR, WRONG_SIZE = -(1 << 40), -(1 << 40) - 1
+
+
+def read_object(
+    path: bytes, *, size: int, header: int, header_len: int, addresses: Array, widths: Array, bounce: int, chunk: int
+) -> tuple[int, int, int | None]:
+    """Read the ``size``-byte object at ``path`` in one call (the interpreter's lock let go once): its first
+    ``header_len`` bytes to address ``header``, the rest into the pieces as ``read_land`` does. (outcome,
+    found, XXH3-64 when every payload byte was read): outcome the payload bytes read, -errno, ``NOT_REGULAR``
+    or ``WRONG_SIZE`` (found: the file's size); found is otherwise the header bytes read. Only where
+    ``hashes(widths.sum())``."""
+    assert _LIBRARY is not None
+    digest, found = ctypes.c_uint64(), ctypes.c_int64()
+    got: int = _LIBRARY.lib.kv_read_object(
+        path,
+        size,
+        header,
+        header_len,
+        len(widths),
+        addresses.ctypes.data,
+        widths.ctypes.data,
+        bounce,
+        chunk,
+        ctypes.byref(digest),
+        ctypes.byref(found),
+    )
+    return got, found.value, digest.value if got == size - header_len else None

@@ -167,3 +167,61 @@ def test_a_store_on_a_full_disk_fails_saying_so_once_and_where(daemons: DaemonFa
         assert f"cannot write store object {path / 'r0'}" in message and "nothing left to evict" in message, message
         (small_disk / "ballast").unlink()
         assert tasks.store(0, [0, 1], keys).blocks == 2
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) -> None:
+    """``read_object``'s verdict on each kind of object, the same in one native call (the open, the checks, the
+    header and the payload) as in Python: a whole object lands byte for byte and verifies; a missing file is a
+    miss; a FIFO, a file of another size, a symbolic link, a header of another key and a flipped payload byte
+    each say so; none raises."""
+    from kvcached import native
+    from kvcached.native import Side
+    from kvcached.store.base import ObjectIdentity
+    from kvcached.store.fileio import MISSING, read_object, write_temporary
+    from kvcached.store.landing import Targets
+
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * 4096)
+    arena = np.zeros((4, 3, 4096), dtype=np.uint8)
+    targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), [2])
+    record = np.random.default_rng(7).integers(0, 256, identity.payload, dtype=np.uint8)
+    key = b"k" * 32
+
+    def object_at(name: str, data: np.ndarray = record, key: bytes = key) -> Path:
+        path = tmp_path / name
+        os.close(write_temporary(identity, path, key, [memoryview(data)]))
+        return path
+
+    with open(object_at("flipped"), "r+b") as f:  # one payload byte flipped after it was written
+        f.seek(128 + 5000)
+        byte = f.read(1)[0]
+        f.seek(128 + 5000)
+        f.write(bytes([byte ^ 1]))
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "short").write_bytes(object_at("whole").read_bytes()[:228])
+    (tmp_path / "link").symlink_to(tmp_path / "whole")
+    cases = {
+        "whole": None,
+        "nothing": MISSING,
+        "fifo": "not a regular file",
+        "short": f"228 bytes, an object has {128 + identity.payload}",
+        "link": "unreadable: Too many levels of symbolic links",
+        "flipped": "checksum mismatch",
+    }
+    saved = native._LIBRARY
+    if kind == "python":
+        native._LIBRARY = None
+    try:
+        bounce = memoryview(bytearray(1 << 14))
+        verdicts = {name: read_object(identity, key, tmp_path / name, targets, 0, bounce=bounce) for name in cases}
+        other_key = read_object(identity, b"o" * 32, tmp_path / "whole", targets, 0, bounce=bounce)
+    finally:
+        native._LIBRARY = saved
+    assert verdicts == cases
+    assert other_key is not None and "key" in other_key
+    object_at("again")
+    arena[:] = 0
+    assert read_object(identity, key, tmp_path / "again", targets, 0, bounce=bounce) is None
+    assert np.array_equal(arena[2].reshape(-1), record) and not arena[[0, 1, 3]].any()

@@ -5,9 +5,11 @@ next objects are written.
 Loads (``Reader``)::
 
     thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache):
-      pick the next index i -> open, fstat, read and check the header
+      pick the next index i -> open, fstat, read the header
       -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
-         there in target i's pieces, hashed on the way (``kvcached.store.landing``)
+         there in target i's pieces, hashed on the way (``kvcached.store.landing``) -> check the header
+         (all of it one native call, ``kvcached/_verify.c``; without the native routines, in Python with the
+         header checked before the payload is read)
       -> record i's verdict -> pick again
     the count reported: the leading indices that all verified; a failure at i stops the picking past i
 
@@ -31,6 +33,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import mmap
 import os
 import shutil
@@ -42,8 +45,9 @@ from typing import Any
 
 import xxhash
 
+from kvcached import native
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, header_checksum
-from kvcached.store.landing import Targets, read_into
+from kvcached.store.landing import Targets, address, read_into
 
 #: Bytes per write request, each hashed just before it is written.
 CHUNK = 1 << 20
@@ -67,6 +71,8 @@ def read_object(
 ) -> str | None:
     """Read ``key``'s object at ``path``, its payload into target ``i`` (through ``bounce``), and verify it;
     None if it is whole, else why not (``MISSING`` when there is no file)."""
+    if native.hashes(identity.payload):
+        return _read_in_one_call(identity, key, path, targets, i, bounce=bounce)
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
@@ -92,6 +98,40 @@ def read_object(
         return f"unreadable: {exc.strerror}"
     finally:
         os.close(fd)
+
+
+def _read_in_one_call(
+    identity: ObjectIdentity, key: bytes, path: Path, targets: Targets, i: int, *, bounce: memoryview
+) -> str | None:
+    """``read_object`` by the native routines: the open, the checks of the file, its header and the landing of
+    its payload in one call, the header checked after (with several reader threads, the hand-off of the
+    interpreter's lock around each of five small calls cost more than the calls: docs/benchmarks.md)."""
+    size = HEADER_SIZE + identity.payload
+    head = bytearray(HEADER_SIZE)
+    got, found, digest = native.read_object(
+        os.fsencode(path),
+        size=size,
+        header=address(memoryview(head)),
+        header_len=HEADER_SIZE,
+        addresses=targets.addresses(i),
+        widths=targets.widths,
+        bounce=address(bounce),
+        chunk=len(bounce),
+    )
+    if got == -errno.ENOENT:
+        return MISSING
+    if got == native.NOT_REGULAR:
+        return "not a regular file"
+    if got == native.WRONG_SIZE:
+        return f"{found} bytes, an object has {size}"
+    if got < 0:
+        return f"unreadable: {os.strerror(-got)}"
+    why = identity.verify_header(key, memoryview(head)[:found], size)
+    if why is not None:
+        return why
+    if digest is None:
+        return f"truncated: {got} of {identity.payload} payload bytes"
+    return None if digest == header_checksum(bytes(head)) else "checksum mismatch"
 
 
 @dataclasses.dataclass(slots=True)
