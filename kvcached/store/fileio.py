@@ -7,9 +7,8 @@ Loads (``Reader``)::
     thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache):
       pick the next index i -> open, fstat, read the header
       -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
-         there in target i's pieces, hashed on the way (``kvcached.store.landing``) -> check the header
-         (all of it one native call, ``kvcached/_verify.c``; without the native routines, in Python with the
-         header checked before the payload is read)
+         there in target i's pieces, hashed on the way (``kvcached.store.landing``; all of it one native call,
+         ``kvcached/_verify.c``, where it is built) -> check the header
       -> record i's verdict -> pick again
     the count reported: the leading indices that all verified; a failure at i stops the picking past i
 
@@ -70,54 +69,11 @@ def read_object(
     identity: ObjectIdentity, key: bytes, path: Path, targets: Targets, i: int, *, bounce: memoryview
 ) -> str | None:
     """Read ``key``'s object at ``path``, its payload into target ``i`` (through ``bounce``), and verify it;
-    None if it is whole, else why not (``MISSING`` when there is no file)."""
-    if native.hashes(identity.payload):
-        return _read_in_one_call(identity, key, path, targets, i, bounce=bounce)
-    try:
-        fd = os.open(path, READ_FLAGS)
-    except FileNotFoundError:
-        return MISSING
-    except OSError as exc:
-        return f"unreadable: {exc.strerror}"
-    try:
-        st = os.fstat(fd)
-        size = HEADER_SIZE + identity.payload
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file"
-        if st.st_size != size:
-            return f"{st.st_size} bytes, an object has {size}"
-        head = os.pread(fd, HEADER_SIZE, 0)
-        why = identity.verify_header(key, memoryview(head), st.st_size)
-        if why is not None:
-            return why
-        done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
-        if digest is None:
-            return f"truncated: {done} of {identity.payload} payload bytes"
-        return None if digest == header_checksum(head) else "checksum mismatch"
-    except OSError as exc:
-        return f"unreadable: {exc.strerror}"
-    finally:
-        os.close(fd)
-
-
-def _read_in_one_call(
-    identity: ObjectIdentity, key: bytes, path: Path, targets: Targets, i: int, *, bounce: memoryview
-) -> str | None:
-    """``read_object`` by the native routines: the open, the checks of the file, its header and the landing of
-    its payload in one call, the header checked after (with several reader threads, the hand-off of the
-    interpreter's lock around each of five small calls cost more than the calls: docs/benchmarks.md)."""
+    None if it is whole, else why not (``MISSING`` when there is no file). The header is checked after the
+    payload has landed (a target past the verified prefix may hold anything)."""
     size = HEADER_SIZE + identity.payload
-    head = bytearray(HEADER_SIZE)
-    got, found, digest = native.read_object(
-        os.fsencode(path),
-        size=size,
-        header=address(memoryview(head)),
-        header_len=HEADER_SIZE,
-        addresses=targets.addresses(i),
-        widths=targets.widths,
-        bounce=address(bounce),
-        chunk=len(bounce),
-    )
+    read = _read_natively if native.hashes(identity.payload) else _read_in_python
+    got, found, head, digest = read(path, size, targets, i, bounce)
     if got == -errno.ENOENT:
         return MISSING
     if got == native.NOT_REGULAR:
@@ -132,6 +88,52 @@ def _read_in_one_call(
     if digest is None:
         return f"truncated: {got} of {identity.payload} payload bytes"
     return None if digest == header_checksum(bytes(head)) else "checksum mismatch"
+
+
+#: What reading an object gave: (payload bytes read, or -errno, ``native.NOT_REGULAR`` or ``native.WRONG_SIZE``;
+#: the header bytes read, or the file's size for ``WRONG_SIZE``; the header; the payload's XXH3-64 if whole).
+Read = tuple[int, int, bytes | bytearray, int | None]
+
+
+def _read_natively(path: Path, size: int, targets: Targets, i: int, bounce: memoryview) -> Read:
+    """The open, the checks of the file, its header and the landing of its payload in one native call (with
+    several reader threads, the hand-off of the interpreter's lock around each of five small calls cost more
+    than the calls: docs/benchmarks.md)."""
+    head = bytearray(HEADER_SIZE)
+    got, found, digest = native.read_object(
+        os.fsencode(path),
+        size=size,
+        header=address(memoryview(head)),
+        header_len=HEADER_SIZE,
+        addresses=targets.addresses(i),
+        widths=targets.widths,
+        bounce=address(bounce),
+        chunk=len(bounce),
+    )
+    return got, found, head, digest
+
+
+def _read_in_python(path: Path, size: int, targets: Targets, i: int, bounce: memoryview) -> Read:
+    """``_read_natively`` without the native routines."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as exc:
+        return -(exc.errno or errno.EIO), 0, b"", None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return native.NOT_REGULAR, 0, b"", None
+        if st.st_size != size:
+            return native.WRONG_SIZE, st.st_size, b"", None
+        head = os.pread(fd, HEADER_SIZE, 0)
+        if len(head) < HEADER_SIZE:
+            return 0, len(head), head, None
+        done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
+        return done, len(head), head, digest
+    except OSError as exc:
+        return -(exc.errno or errno.EIO), 0, b"", None
+    finally:
+        os.close(fd)
 
 
 @dataclasses.dataclass(slots=True)
