@@ -144,9 +144,8 @@ class Client:
     active: float = dataclasses.field(default_factory=time.monotonic)  # when it last sent a request
     eof: bool = False  # the client closed its sending side: no more requests come
     round: int = 0  # the round it waits for in the backlog (see the module docstring)
-    served: int = -1  # the round of its last turn
+    served: int = -1  # the round of its last turn (-1: none yet: last in its round, and its first ends it)
     moved: int = 0  # bytes its last turn moved (as counted): within a round, the smaller goes first
-    newcomer: bool = True  # it has had no turn yet: last in its round, and its first ends the round
     #: (task id, end of its reply in all the bytes queued so far) of each reply not wholly sent yet.
     unsent: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
     queued: int = 0  # reply bytes queued since the connection opened
@@ -225,7 +224,7 @@ class FrameServer:
         """Accept what is waiting on the listener (at most ``ACCEPT_BATCH`` per call, and none while that many
         new connections wait for their first turns: a storm of connections waits in the kernel's queue, not
         before the turns of those already served)."""
-        for _ in range(ACCEPT_BATCH - sum(client.newcomer for client in self.backlog)):
+        for _ in range(ACCEPT_BATCH - sum(client.served < 0 for client in self.backlog)):
             try:
                 sock, _ = self.listener.accept()
             except BlockingIOError:
@@ -450,15 +449,16 @@ class FrameServer:
         events, and does not wait while ``backlog`` holds one: requests that arrive meanwhile are read, and
         placed, before the next turn)."""
         while self.backlog:
-            client = min(self.backlog, key=lambda c: (c.round, c.newcomer, c.moved))
+            client = min(self.backlog, key=lambda c: (c.round, c.served < 0, c.moved))
             self.backlog.pop(client, None)
             if self.conns.get(client.sock.fileno()) is not client:
                 continue  # closed meanwhile
+            first = client.served < 0
             self.round = client.served = max(self.round, client.round)
             client.moved = 0
             ok = self._turn(client)  # (which puts it back in the backlog if it has more)
-            if client.newcomer:  # those waiting go before the next newcomer
-                self.round, client.newcomer = max(self.round, client.served + 1), False
+            if first:  # those waiting go before the next new connection
+                self.round = max(self.round, client.served + 1)
             if not ok or self._finished(client):
                 self.close(client.sock)
             else:
