@@ -4,12 +4,11 @@
 A daemon of one rank at FastDeploy's TP8 geometry (ERNIE-4.5: 54 layers, 1 KV head, head_dim 128, block 64,
 bf16: a block is 1.7 MiB; its own instance ``bench-fair-<pid>``, about 0.9 GiB of /dev/shm) serves
 ``--heavy`` clients (processes), each sending ``--blocks``-block swap-outs without end (``--in-flight``
-submitted at a time: 16 pipelines them; 1 sends each once the last is answered, as FastDeploy's transfer
-managers do), and one light client that swaps out one block every ``--every-ms``. The light client's
-latencies (submit to result) are compared with the time of one ``--blocks``-block swap measured alone in
-the same run, before the heavy clients start, and with the light client's own latencies at the same pace
-without them (a swap after an idle gap is slower on a host whose cores idle: what the heavy clients add is
-the difference).
+submitted at a time: 16 pipelines them; 1 sends each once the last is answered), and one light client
+that swaps out one block every ``--every-ms``. The light client's latencies (submit to result) are compared
+with the time of one ``--blocks``-block swap measured alone in the same run, before the heavy clients
+start, and with the light client's own latencies at the same pace without them (a swap after an idle gap is
+slower on a host whose cores idle: what the heavy clients add is the difference).
 
 Target: the light client's p99 at most 2x the time of one large swap (a rank worker runs one connection's
 turn at a time, round by round, a connection back from idle joining the round under way ahead of those that

@@ -600,8 +600,8 @@ def test_a_worker_answers_5000_pipelined_swaps_of_a_half_closed_connection(daemo
 
 
 def test_clients_sending_large_tasks_one_at_a_time_cost_another_at_most_one_turn() -> None:
-    """Four clients each keep one task that moves 64 MiB in flight (the next sent once the last is answered, as
-    FastDeploy's transfer managers do); a fifth sends a small task after theirs now and then (after a round of
+    """Four clients each keep one task that moves 64 MiB in flight (the next sent once the last is answered); a
+    fifth sends a small task after theirs now and then (after a round of
     theirs): once each has had a turn, it runs after at most one large task, never behind a round of the four,
     and the large ones take turns."""
     harness = MovingHarness()
