@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <limits.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -336,16 +337,17 @@ int64_t kv_read_land(int fd, int64_t offset, int64_t npieces, const uint64_t *pi
     return done;
 }
 
-/* Read one object whole, in one call: open `path` (no symbolic link followed, never blocking on a FIFO),
- * check it is a regular file of `size` bytes, read its first `header_len` bytes into `header`, and land the
- * rest as kv_read_land does. Returns the payload bytes read, or -errno when it cannot be opened or read,
- * KV_NOT_REGULAR, or KV_WRONG_SIZE with *found set to the file's size; *found is otherwise the header bytes
- * read (short only if the file shrank meanwhile). */
+/* Read one object whole: open `path` (no symbolic link followed, never blocking on a FIFO), check it is a
+ * regular file of `size` bytes, read its first `header_len` bytes into `header`, and land the rest as
+ * kv_read_land does; an object read whole has its times set to now (the file store's least recently used
+ * order). Returns the payload bytes read, or -errno when it cannot be opened or read, KV_NOT_REGULAR, or
+ * KV_WRONG_SIZE with *found set to the file's size; *found is otherwise the header bytes read (short only if
+ * the file shrank meanwhile). */
 #define KV_NOT_REGULAR (-(1LL << 40))
 #define KV_WRONG_SIZE (-(1LL << 40) - 1)
-int64_t kv_read_object(const char *path, int64_t size, char *header, int64_t header_len, int64_t npieces,
-                       const uint64_t *pieces, const int64_t *width, char *bounce, int64_t chunk, uint64_t *hash,
-                       int64_t *found) {
+static int64_t read_one(const char *path, int64_t size, char *header, int64_t header_len, int64_t npieces,
+                        const uint64_t *pieces, const int64_t *width, char *bounce, int64_t chunk, uint64_t *hash,
+                        int64_t *found) {
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) {
         return -errno;
@@ -369,8 +371,48 @@ int64_t kv_read_object(const char *path, int64_t size, char *header, int64_t hea
         } else {
             *found = got;
             result = got < header_len ? 0 : kv_read_land(fd, header_len, npieces, pieces, width, bounce, chunk, hash);
+            if (result == size - header_len) {
+                futimens(fd, NULL);
+            }
         }
     }
     close(fd);
     return result;
+}
+
+/* Read objects in turn, shared by the threads that call it at once: each call takes the next index i
+ * (`*next`, atomically) until none is left, i is past `*stop`, or it has read `limit` objects; object i
+ * (at paths[i]) is read as read_one reads it, its header to headers + i * header_len, its payload
+ * into block ids[i]'s pieces (piece p: width[p] bytes at base[p] + ids[i] * stride[p]), with got[i],
+ * found[i] and hash[i] set as read_one sets them. An object not read whole lowers `*stop` to its
+ * index, so no call picks an index past it; every index below the final `*stop` is read. Returns the
+ * objects this call read. */
+int64_t kv_read_objects(int64_t count, const char *const *paths, int64_t size, char *headers, int64_t header_len,
+                        int64_t npieces, const uint64_t *base, const int64_t *stride, const int64_t *width,
+                        const int64_t *ids, char *bounce, int64_t chunk, int64_t *next, int64_t *stop, int64_t limit,
+                        int64_t *got, int64_t *found, uint64_t *hash) {
+    uint64_t *pieces = malloc((size_t)npieces * sizeof *pieces);
+    if (pieces == NULL) {
+        return -ENOMEM;
+    }
+    int64_t n = 0;
+    while (n < limit) {
+        int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= count || i > __atomic_load_n(stop, __ATOMIC_RELAXED)) {
+            break;
+        }
+        for (int64_t p = 0; p < npieces; p++) {
+            pieces[p] = base[p] + (uint64_t)(ids[i] * stride[p]);
+        }
+        got[i] = read_one(paths[i], size, headers + i * header_len, header_len, npieces, pieces, width, bounce,
+                                chunk, &hash[i], &found[i]);
+        if (got[i] != size - header_len) {
+            int64_t s = __atomic_load_n(stop, __ATOMIC_RELAXED);
+            while (i < s && !__atomic_compare_exchange_n(stop, &s, i, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            }
+        }
+        n++;
+    }
+    free(pieces);
+    return n;
 }

@@ -64,7 +64,28 @@ class _Library:
         _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
         _declare(self.lib.kv_read_land, i64, i32, i64, i64, ptr, ptr, ptr, i64, ptr)
         _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
-        _declare(self.lib.kv_read_object, i64, ctypes.c_char_p, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr)
+        _declare(
+            self.lib.kv_read_objects,
+            i64,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+        )
         _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
         self.hash_min_bytes = int(self.lib.kv_hash_min_bytes())
@@ -175,31 +196,63 @@ def read_land(
     return got, digest.value if got == int(widths.sum()) else None
 
 
-#: ``read_object``'s outcomes other than bytes read or -errno.
+#: ``ObjectReads.read``'s outcomes other than bytes read or -errno.
 NOT_REGULAR, WRONG_SIZE = -(1 << 40), -(1 << 40) - 1
 
 
-def read_object(
-    path: bytes, *, size: int, header: int, header_len: int, addresses: Array, widths: Array, bounce: int, chunk: int
-) -> tuple[int, int, int | None]:
-    """Read the ``size``-byte object at ``path`` in one call (the interpreter's lock let go once): its first
-    ``header_len`` bytes to address ``header``, the rest into the pieces as ``read_land`` does. (outcome,
-    found, XXH3-64 when every payload byte was read): outcome the payload bytes read, -errno, ``NOT_REGULAR``
-    or ``WRONG_SIZE`` (found: the file's size); found is otherwise the header bytes read. Only where
-    ``hashes(widths.sum())``."""
-    assert _LIBRARY is not None
-    digest, found = ctypes.c_uint64(), ctypes.c_int64()
-    got: int = _LIBRARY.lib.kv_read_object(
-        path,
-        size,
-        header,
-        header_len,
-        len(widths),
-        addresses.ctypes.data,
-        widths.ctypes.data,
-        bounce,
-        chunk,
-        ctypes.byref(digest),
-        ctypes.byref(found),
-    )
-    return got, found.value, digest.value if got == size - header_len else None
+class ObjectReads:
+    """One load's objects, read by ``take`` from several threads at once (``kv_read_objects``): object ``i``
+    at ``paths[i]`` (``size`` bytes: ``header_len`` of header, then the payload) into block ``ids[i]`` of
+    ``side``. Once every ``take`` returned, ``read(i)`` says what reading object ``i`` gave for every ``i`` up
+    to ``stop`` (below the count)."""
+
+    def __init__(self, paths: list[bytes], size: int, header_len: int, side: Side, ids: Array) -> None:
+        count = len(paths)
+        self.count, self.size, self.header_len, self.side = count, size, header_len, side
+        self.paths = (ctypes.c_char_p * count)(*paths)
+        self.ids = np.ascontiguousarray(ids, dtype=np.int64)
+        self.headers = np.zeros((count, header_len), dtype=np.uint8)
+        self.got = np.zeros(count, dtype=np.int64)
+        self.found = np.zeros(count, dtype=np.int64)
+        self.digests = np.zeros(count, dtype=np.uint64)
+        self.shared = np.array([0, count], dtype=np.int64)  # the next index to take; the lowest not read whole
+
+    @property
+    def stop(self) -> int:
+        """The lowest index not read whole (the count when every object was)."""
+        return int(self.shared[1])
+
+    def take(self, bounce: memoryview, limit: int) -> int:
+        """Read up to ``limit`` of the objects not taken yet, through ``bounce``, the interpreter's lock let go
+        throughout; how many this call read. Only where ``hashes(side.widths.sum())``."""
+        assert _LIBRARY is not None
+        side, shared = self.side, self.shared.ctypes.data
+        taken: int = _LIBRARY.lib.kv_read_objects(
+            self.count,
+            ctypes.cast(self.paths, ctypes.c_void_p),
+            self.size,
+            self.headers.ctypes.data,
+            self.header_len,
+            len(side.widths),
+            side.bases.ctypes.data,
+            side.strides.ctypes.data,
+            side.widths.ctypes.data,
+            self.ids.ctypes.data,
+            np.frombuffer(bounce, dtype=np.uint8).ctypes.data,
+            len(bounce),
+            shared,
+            shared + 8,
+            limit,
+            self.got.ctypes.data,
+            self.found.ctypes.data,
+            self.digests.ctypes.data,
+        )
+        if taken < 0:
+            raise MemoryError("no memory for a load's piece addresses")
+        return taken
+
+    def read(self, i: int) -> tuple[int, int, bytes, int | None]:
+        """What reading object ``i`` gave (``kvcached.store.fileio.Read``)."""
+        got = int(self.got[i])
+        digest = int(self.digests[i]) if got == self.size - self.header_len else None
+        return got, int(self.found[i]), self.headers[i].tobytes(), digest

@@ -171,14 +171,15 @@ def test_a_store_on_a_full_disk_fails_saying_so_once_and_where(daemons: DaemonFa
 
 @pytest.mark.parametrize("kind", ["native", "python"])
 def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) -> None:
-    """``read_object``'s verdict on each kind of object, the same in one native call (the open, the checks, the
-    header and the payload) as in Python: a whole object lands byte for byte and verifies; a missing file is a
-    miss; a FIFO, a file of another size, a symbolic link, a header of another key and a flipped payload byte
-    each say so; none raises."""
+    """A load's verdict on each kind of object, the same with the native routines (the open, the checks, the
+    header and the payload in one call) as in Python: a whole object lands byte for byte, verifies and has its
+    mtime refreshed (the least recently used order a restart rebuilds); a missing file is a miss; a FIFO, a
+    file of another size, a symbolic link, a header of another key and a flipped payload byte each say so;
+    none raises."""
     from kvcached import native
     from kvcached.native import Side
     from kvcached.store.base import ObjectIdentity
-    from kvcached.store.fileio import MISSING, read_object, write_temporary
+    from kvcached.store.fileio import MISSING, Reader, write_temporary
     from kvcached.store.landing import Targets
 
     if kind == "native" and not native.available():
@@ -202,6 +203,8 @@ def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "short").write_bytes(object_at("whole").read_bytes()[:228])
     (tmp_path / "link").symlink_to(tmp_path / "whole")
+    for name in ("whole", "short"):
+        os.utime(tmp_path / name, ns=(10**9, 10**9))
     cases = {
         "whole": None,
         "nothing": MISSING,
@@ -213,15 +216,25 @@ def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) 
     saved = native._LIBRARY
     if kind == "python":
         native._LIBRARY = None
+    reader = Reader(identity)
     try:
-        bounce = memoryview(bytearray(1 << 14))
-        verdicts = {name: read_object(identity, key, tmp_path / name, targets, 0, bounce=bounce) for name in cases}
-        other_key = read_object(identity, b"o" * 32, tmp_path / "whole", targets, 0, bounce=bounce)
+
+        def verdict(name: str, key: bytes = key) -> str | None:
+            outcome = reader.load([key], [tmp_path / name], targets, lambda: None)
+            assert (outcome.landed, outcome.failed) == ((1, 1) if outcome.why is None else (0, 0)), outcome
+            return outcome.why
+
+        verdicts = {name: verdict(name) for name in cases}
+        other_key = verdict("whole", b"o" * 32)
+        refreshed = (tmp_path / "whole").stat().st_mtime_ns
+        object_at("again")
+        arena[:] = 0
+        again = verdict("again")
     finally:
         native._LIBRARY = saved
+        reader.close()
     assert verdicts == cases
     assert other_key is not None and "key" in other_key
-    object_at("again")
-    arena[:] = 0
-    assert read_object(identity, key, tmp_path / "again", targets, 0, bounce=bounce) is None
+    assert refreshed > 10**9 and (tmp_path / "short").stat().st_mtime_ns == 10**9
+    assert again is None
     assert np.array_equal(arena[2].reshape(-1), record) and not arena[[0, 1, 3]].any()

@@ -12,9 +12,9 @@ while the next ones are written, and loads read several objects at once, each st
 block and verified in the same pass; a load reports only the leading objects that verified
 (``kvcached.store.fileio``). The index (key -> size, least recently used first) lives
 in memory and is rebuilt at start-up from a directory scan ordered by mtime, reading each object's header
-(not its payload: the checksum is checked on every load); a hit refreshes the file's mtime so the order
-survives restarts. Capacity is per rank (the instance's capacity divided by its ranks); storing past it
-evicts the least recently used objects, never one written by the same task.
+(not its payload: the checksum is checked on every load); a load refreshes the mtime of each object it reads
+whole, so the order survives restarts. Capacity is per rank (the instance's capacity divided by its ranks);
+storing past it evicts the least recently used objects, never one written by the same task.
 
 The disk is not trusted either:
 
@@ -272,10 +272,8 @@ class FileStore(Store):
         indexed = next((i for i, key in enumerate(keys) if key not in self.index), len(keys))
         paths = [self._path(key) for key in keys[:indexed]]
         outcome = self.reader.load(keys[:indexed], paths, targets, self.on_progress)
-        for key, path in zip(keys[: outcome.landed], paths, strict=False):
+        for key in keys[: outcome.landed]:
             self.index.move_to_end(key)
-            with contextlib.suppress(OSError):
-                os.utime(path)
         self.counters.hits += outcome.landed
         if outcome.landed < len(keys):
             self.counters.misses += 1

@@ -4,13 +4,14 @@ next objects are written.
 
 Loads (``Reader``)::
 
-    thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache):
-      pick the next index i -> open, fstat, read the header
+    thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache), in
+    one native call for up to PROGRESS_OBJECTS objects (``kvcached/_verify.c``, ``kv_read_objects``):
+      take the next index i -> open, fstat, read the header
       -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
-         there in target i's pieces, hashed on the way (``kvcached.store.landing``; all of it one native call,
-         ``kvcached/_verify.c``, where it is built) -> check the header
-      -> record i's verdict -> pick again
-    the count reported: the leading indices that all verified; a failure at i stops the picking past i
+         there in target i's pieces, hashed on the way -> the file's times set to now if read whole
+      -> an object not read whole stops the taking past i -> take again
+    then, in order: each object's header and checksum checked; the count reported: the leading indices that
+    all verified
 
 A target at or past the first failure may hold bytes of this load: it is not reported, and the caller uses
 only the blocks reported (``kvcached.store.base``).
@@ -33,6 +34,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import itertools
 import mmap
 import os
 import shutil
@@ -42,11 +44,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from kvcached import native
 from kvcached.store.base import HEADER_SIZE, ObjectIdentity, header_checksum
-from kvcached.store.landing import Targets, address, read_into
+from kvcached.store.landing import Targets, read_into
 
 #: Bytes per write request, each hashed just before it is written.
 CHUNK = 1 << 20
@@ -54,6 +57,8 @@ CHUNK = 1 << 20
 READ_CHUNK = 128 << 10
 #: Objects read at once by one load (several requests in flight to the disk; both cores on a warm load).
 READ_THREADS = 4
+#: Objects a reader thread reads in one native call (their progress told after it).
+PROGRESS_OBJECTS = 4
 #: Why a read found no object at all (a miss, not a corrupt object).
 MISSING = "missing"
 
@@ -65,15 +70,17 @@ if _sync_file_range is not None:
     _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
-def read_object(
-    identity: ObjectIdentity, key: bytes, path: Path, targets: Targets, i: int, *, bounce: memoryview
-) -> str | None:
-    """Read ``key``'s object at ``path``, its payload into target ``i`` (through ``bounce``), and verify it;
-    None if it is whole, else why not (``MISSING`` when there is no file). The header is checked after the
-    payload has landed (a target past the verified prefix may hold anything)."""
+#: What reading an object gave: (payload bytes read, or -errno, ``native.NOT_REGULAR`` or ``native.WRONG_SIZE``;
+#: the header bytes read, or the file's size for ``WRONG_SIZE``; the header; the payload's XXH3-64 if whole).
+Read = tuple[int, int, bytes | bytearray, int | None]
+
+
+def verdict(identity: ObjectIdentity, key: bytes, read: Read) -> str | None:
+    """What reading ``key``'s object gave (``Read``), judged: None if it is whole, else why not (``MISSING``
+    when there is no file). The header is checked after the payload has landed (a target past the verified
+    prefix may hold anything)."""
     size = HEADER_SIZE + identity.payload
-    read = _read_natively if native.hashes(identity.payload) else _read_in_python
-    got, found, head, digest = read(path, size, targets, i, bounce)
+    got, found, head, digest = read
     if got == -errno.ENOENT:
         return MISSING
     if got == native.NOT_REGULAR:
@@ -90,31 +97,9 @@ def read_object(
     return None if digest == header_checksum(bytes(head)) else "checksum mismatch"
 
 
-#: What reading an object gave: (payload bytes read, or -errno, ``native.NOT_REGULAR`` or ``native.WRONG_SIZE``;
-#: the header bytes read, or the file's size for ``WRONG_SIZE``; the header; the payload's XXH3-64 if whole).
-Read = tuple[int, int, bytes | bytearray, int | None]
-
-
-def _read_natively(path: Path, size: int, targets: Targets, i: int, bounce: memoryview) -> Read:
-    """The open, the checks of the file, its header and the landing of its payload in one native call (with
-    several reader threads, the hand-off of the interpreter's lock around each of five small calls cost more
-    than the calls: docs/benchmarks.md)."""
-    head = bytearray(HEADER_SIZE)
-    got, found, digest = native.read_object(
-        os.fsencode(path),
-        size=size,
-        header=address(memoryview(head)),
-        header_len=HEADER_SIZE,
-        addresses=targets.addresses(i),
-        widths=targets.widths,
-        bounce=address(bounce),
-        chunk=len(bounce),
-    )
-    return got, found, head, digest
-
-
-def _read_in_python(path: Path, size: int, targets: Targets, i: int, bounce: memoryview) -> Read:
-    """``_read_natively`` without the native routines."""
+def read_object(path: Path, size: int, targets: Targets, i: int, bounce: memoryview) -> Read:
+    """Read the ``size``-byte object at ``path``, its payload into target ``i`` (through ``bounce``), in Python
+    (``kv_read_objects``'s way without the native routines); an object read whole has its times set to now."""
     try:
         fd = os.open(path, READ_FLAGS)
     except OSError as exc:
@@ -129,6 +114,8 @@ def _read_in_python(path: Path, size: int, targets: Targets, i: int, bounce: mem
         if len(head) < HEADER_SIZE:
             return 0, len(head), head, None
         done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
+        if digest is not None:
+            os.utime(fd)
         return done, len(head), head, digest
     except OSError as exc:
         return -(exc.errno or errno.EIO), 0, b"", None
@@ -146,33 +133,28 @@ class Outcome:
     why: str | None = None
 
 
-class _Verdicts:
-    """Hands out indices in order and keeps the lowest that failed (nothing past it is picked)."""
+class _ReadsInPython:
+    """``native.ObjectReads`` without the native routines: object ``i`` at ``paths[i]`` into target ``i``."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, paths: Sequence[Path], size: int, targets: Targets) -> None:
+        self.paths, self.size, self.targets = paths, size, targets
+        self.reads: list[Read] = [(0, 0, b"", None)] * len(paths)
+        self.next = itertools.count()  # taken under the interpreter's lock: each index once
+        self.stop = len(paths)
         self.lock = threading.Lock()
-        self.picked = 0
-        self.failed = count
-        self.why: str | None = None
-        self.error: BaseException | None = None
 
-    def pick(self) -> int | None:
-        with self.lock:
-            if self.picked >= self.failed:
-                return None
-            self.picked += 1
-            return self.picked - 1
+    def take(self, bounce: memoryview, limit: int) -> int:
+        taken = 0
+        while taken < limit and (i := next(self.next)) < len(self.paths) and i <= self.stop:
+            self.reads[i] = read_object(self.paths[i], self.size, self.targets, i, bounce)
+            if self.reads[i][3] is None:
+                with self.lock:
+                    self.stop = min(self.stop, i)
+            taken += 1
+        return taken
 
-    def record(self, i: int, why: str | None) -> None:
-        if why is not None:
-            with self.lock:
-                if i < self.failed:
-                    self.failed, self.why = i, why
-
-    def abort(self, exc: BaseException) -> None:
-        with self.lock:
-            self.error = self.error or exc
-            self.failed = -1
+    def read(self, i: int) -> Read:
+        return self.reads[i]
 
 
 class Reader:
@@ -204,24 +186,29 @@ class Reader:
         self, keys: Sequence[bytes], paths: Sequence[Path], targets: Targets, on_progress: Callable[[], None]
     ) -> Outcome:
         """Read ``keys``'s objects at ``paths`` into ``targets``; the leading ones that all verified."""
-        count = len(keys)
-        verdicts = _Verdicts(count)
+        size = HEADER_SIZE + self.identity.payload
+        reads: native.ObjectReads | _ReadsInPython
+        if native.hashes(self.identity.payload):
+            ids = np.asarray(targets.ids, dtype=np.int64)
+            reads = native.ObjectReads([os.fsencode(path) for path in paths], size, HEADER_SIZE, targets.side, ids)
+        else:
+            reads = _ReadsInPython(paths, size, targets)
 
         def run() -> None:
-            try:
-                bounce = self._bounce()
-                while (i := verdicts.pick()) is not None:
-                    verdicts.record(i, read_object(self.identity, keys[i], paths[i], targets, i, bounce=bounce))
+            bounce = self._bounce()
+            while taken := reads.take(bounce, PROGRESS_OBJECTS):
+                for _ in range(taken):
                     on_progress()
-            except BaseException as exc:
-                verdicts.abort(exc)
-                raise
 
-        futures = [self._pool.submit(run) for _ in range(min(READ_THREADS, count))]
-        concurrent.futures.wait(futures)
-        if verdicts.error is not None:
-            raise verdicts.error
-        return Outcome(verdicts.failed, verdicts.failed, verdicts.why)
+        futures = [self._pool.submit(run) for _ in range(min(READ_THREADS, len(keys)))]
+        concurrent.futures.wait(futures)  # every thread done with the targets before anything is raised
+        for future in futures:
+            future.result()
+        for i in range(min(reads.stop + 1, len(keys))):
+            why = verdict(self.identity, keys[i], reads.read(i))
+            if why is not None:
+                return Outcome(i, i, why)
+        return Outcome(len(keys), len(keys))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
