@@ -177,22 +177,14 @@ class FileStore(Store):
             self.counters.bytes -= size
             self.counters.objects -= 1
 
-    def _evict(self, need: int = 0) -> bool:
-        """Evict least recently used objects (never protected ones) until ``need`` more bytes fit the
-        capacity; False if nothing was left to evict."""
-        evicted = False
-        while self.counters.bytes + need > self.capacity and self.index:
-            victim = next((k for k in self.index if k not in self._protected), None)
-            if victim is None:
-                break
-            _remove(self._path(victim))
-            self._forget(victim)
-            self.counters.evictions += 1
-            evicted = True
-        return evicted
+    def _evict(self, need: int = 0) -> None:
+        """Evict least recently used objects (never protected ones) until ``need`` more bytes fit the capacity."""
+        while self.counters.bytes + need > self.capacity and self._evict_one():
+            pass
 
-    def _evict_for_disk(self) -> bool:
-        """The disk is full: evict the least recently used object that is not protected; False if none."""
+    def _evict_one(self) -> bool:
+        """Evict the least recently used object that is not protected (a full disk, or past the capacity);
+        False if none."""
         victim = next((k for k in self.index if k not in self._protected), None)
         if victim is None:
             return False
@@ -261,7 +253,7 @@ class FileStore(Store):
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                if not self._evict_for_disk():
+                if not self._evict_one():
                     raise type(exc)(exc.errno, f"{exc.strerror}; {full_disk(self.dir.parent)}") from None
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
