@@ -24,7 +24,7 @@ from kvcached.store.mooncake_net import (
     master_endpoint,
     metadata_endpoint,
     metadata_port,
-    reachable,
+    probe_port,
 )
 from kvcached.store.secret import read_secret, secret_file
 
@@ -199,7 +199,7 @@ class MooncakeBackend(StoreBackend):
         endpoints = {"etcd" if ha else "master": master_endpoint(options["mooncake_master"])}
         if (metadata := metadata_endpoint(options["mooncake_metadata"])) is not None:
             endpoints["metadata"] = metadata
-        up = {name: reachable(*hp) for name, hp in endpoints.items()}
+        up = {name: probe_port(*hp) is True for name, hp in endpoints.items()}
         if up.get("metadata") and str(options["mooncake_metadata"]).startswith("http"):
             up["metadata"] = http_answers(str(options["mooncake_metadata"]))
         measured = {name: {"address": f"{h}:{p}", "answers": up[name]} for name, (h, p) in endpoints.items()}
@@ -224,9 +224,10 @@ class MooncakeBackend(StoreBackend):
         wanted = ranks * options["mooncake_segment"]
         measured = {"running": True, **{k: found.get(k) for k in ("pid", "hostname", "segment_bytes", "config")}}
         measured["master_resets"] = found.get("stats", {}).get("master_resets", 0)
+        resets = int(measured["master_resets"] or 0)
         figure = (
             f"pid {found.get('pid')} holds {size_text(found.get('segment_bytes', 0))} as segment "
-            f"{found.get('hostname')}; the master forgot it {_times(int(measured['master_resets'] or 0))}"
+            f"{found.get('hostname')}; the master forgot it {'once' if resets == 1 else f'{resets} times'}"
         )
         if found.get("stats", {}).get("master_up") is False:
             advice = "the master does not answer the keeper's checks: see the mooncake_master check"
@@ -269,10 +270,6 @@ def _kept_secret(options: Mapping[str, Any], log: Logger) -> bytes:
             path=options[SECRET],
         )
     return key
-
-
-def _times(count: int) -> str:
-    return "once" if count == 1 else f"{count} times"
 
 
 #: HOST:PORT: a name or IPv4 address (or none: this host), or an IPv6 address in brackets; a port from 1 to 65535.

@@ -10,15 +10,6 @@ import urllib.parse
 import urllib.request
 
 
-def host_port(address: str, default_port: int) -> tuple[str, int]:
-    """(host, port) of ``HOST:PORT`` or a URL, with ``default_port`` when the URL has none."""
-    if "://" in address:
-        parsed = urllib.parse.urlsplit(address)
-        return parsed.hostname or "127.0.0.1", parsed.port or default_port
-    host, _, port = address.rpartition(":")
-    return host or "127.0.0.1", int(port)
-
-
 def metadata_port(address: str) -> str:
     """The port a metadata URL names (its first server's, for an etcd list), "8080" when it names none."""
     netloc = address.partition("://")[2].split("/", 1)[0].split(";", 1)[0].split(",", 1)[0].rpartition("@")[2]
@@ -36,7 +27,9 @@ def metadata_endpoint(address: str) -> tuple[str, int] | None:
     scheme, _, rest = address.partition("://")
     servers = [f"{scheme}://{server}" for server in rest.split("/", 1)[0].replace(",", ";").split(";") if server]
     found = [(urllib.parse.urlsplit(url).hostname or "127.0.0.1", int(metadata_port(url))) for url in servers]
-    return _answering(found) if len(found) > 1 else (found or [("127.0.0.1", int(metadata_port(address)))])[0]
+    if len(found) > 1:
+        return next((server for server in found if probe_port(*server) is True), found[0])
+    return (found or [("127.0.0.1", int(metadata_port(address)))])[0]
 
 
 def master_endpoint(address: str) -> tuple[str, int]:
@@ -45,11 +38,8 @@ def master_endpoint(address: str) -> tuple[str, int]:
     first that takes a connection now, else the first (any one of them serves: one down is no outage)."""
     if "://" in address:
         return metadata_endpoint(address) or ("127.0.0.1", 2379)
-    return host_port(address, 50051)
-
-
-def _answering(servers: list[tuple[str, int]]) -> tuple[str, int]:
-    return next((server for server in servers if probe_port(*server) is True), servers[0])
+    host, _, port = address.rpartition(":")
+    return host or "127.0.0.1", int(port)
 
 
 def local_address(host: str, port: int) -> str:
@@ -72,11 +62,6 @@ def probe_port(host: str, port: int) -> bool | None:
         return False
     except OSError as exc:
         return False if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH) else None
-
-
-def reachable(host: str, port: int) -> bool:
-    """Whether ``host:port`` takes a TCP connection within half a second."""
-    return probe_port(host, port) is True
 
 
 def http_answers(url: str, timeout: float = 1.0) -> bool:
