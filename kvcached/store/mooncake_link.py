@@ -119,17 +119,11 @@ class KeeperLink:
     def __init__(self, sock: socket.socket, hello: dict[str, Any], segment_fd: int) -> None:
         self.sock = sock
         self.receiver = Receiver(sock)
-        self.hello = hello
         self.segment_fd = segment_fd
         self.pid = peer_credentials(sock)[0]
         self.stats: dict[str, Any] = dict(hello.get("stats", {}))
         self.pending = 0
         self.dead = False
-
-    @property
-    def hostname(self) -> str:
-        """The keeper's segment name (``host:port``), where this rank's objects go first."""
-        return str(self.hello["hostname"])
 
     def submit(self, op: str, **args: Any) -> None:
         """Send a request without waiting; ``collect`` takes the replies in order."""
@@ -296,27 +290,18 @@ def info(run_dir: Path, instance: str) -> dict[str, Any] | None:
     return dict(reply["result"]) if reply.get("ok") else None
 
 
-def release(run_dir: Path, instance: str) -> int:
+def release(run_dir: Path, instance: str) -> None:
     """The instance stops for good: tell its keeper to let go of its segment (its objects leave the
     store) and wait for it (``QUIT_TIMEOUT_S`` at most, then it is killed), then remove its files (socket,
-    lock, log); how many keepers there were (0, 1)."""
-    pids = []
-    for path in [run_dir / f"{check_instance(instance)}.mooncake.sock"]:
-        with contextlib.suppress(StoreUnavailable, OSError):
-            sock = _connect(path, QUIT_TIMEOUT_S)
-            if sock is not None:
-                sock.settimeout(QUIT_TIMEOUT_S)
-                send(sock, {"op": "quit"})
-                pids.append((peer_credentials(sock)[0], sock))
-        path.unlink(missing_ok=True)
-    for _, sock in pids:
-        with contextlib.suppress(OSError, ConnectionError, ValueError):
-            Receiver(sock).receive()
-        sock.close()
-    end([pid for pid, _ in pids], QUIT_TIMEOUT_S, child=False)
+    lock, log)."""
+    path = run_dir / f"{check_instance(instance)}.mooncake.sock"
+    sock = None
+    with contextlib.suppress(StoreUnavailable, OSError):
+        sock = _connect(path, QUIT_TIMEOUT_S)
+    path.unlink(missing_ok=True)
+    end([] if sock is None else [_quit(sock)], QUIT_TIMEOUT_S, child=False)
     for suffix in ("lock", "log"):
         (run_dir / f"{instance}.mooncake.{suffix}").unlink(missing_ok=True)
-    return len(pids)
 
 
 def meminfo() -> dict[str, int]:
