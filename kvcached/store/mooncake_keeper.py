@@ -474,11 +474,8 @@ class Keeper:
             self.stats["master_resets"] += 1
             what = "every object" if names is None else f"{len(names)} objects"
             self.log.warning(f"the Mooncake master forgot {what} of this segment", master=self.config.master)
-            self.republisher.master_forgot(self.segment, self._spare_memory(), names)
-
-    def _spare_memory(self) -> int:
-        """Memory the copies of what the master forgot may take: what is available, less ``SPARE_BYTES``."""
-        return max(0, meminfo().get("MemAvailable", 0) - SPARE_BYTES)
+            spare = max(0, meminfo().get("MemAvailable", 0) - SPARE_BYTES)  # what the copies may take
+            self.republisher.master_forgot(self.segment, spare, names)
 
     def _stats(self) -> dict[str, Any]:
         """The figures each reply carries. While the master holds the watcher's check longer than

@@ -158,11 +158,6 @@ def _placed(found: tuple[tuple[int, int] | None, int] | None, kept: Kept) -> boo
     return found is not None and found[0] is not None and found[1] >= kept.replicas
 
 
-def rank_of(name: str) -> int | None:
-    found = NAME.match(name)
-    return int(found.group(3)) if found else None
-
-
 def check(name: str, data: memoryview) -> str | None:
     """None if ``data`` is the whole object ``name``: its header names this geometry, key and rank, and its
     payload has the checksum the header records; else why not. (Tags are the readers' to check.)"""
@@ -300,7 +295,9 @@ class Republisher:
             self.losses += 1
             order = list(reversed(self.entries.items())) if self.rate else []
             if names is None:
-                self._clear_index()
+                self.entries.clear()
+                self.at.clear()
+                self.held = 0
             else:
                 wanted = set(names)
                 order = [entry for entry in order if entry[0] in wanted]
@@ -329,11 +326,6 @@ class Republisher:
             )
         if lost:
             self.log.error("no memory to keep these objects until they are back: they are lost", objects=len(lost))
-
-    def _clear_index(self) -> None:
-        self.entries.clear()
-        self.at.clear()
-        self.held = 0
 
     # -- putting back ---------------------------------------------------------------------------------------
 
@@ -538,10 +530,10 @@ class Republisher:
         )
 
     def _count(self, name: str, **counts: int) -> None:
-        rank = rank_of(name)
-        if rank is None:
+        found = NAME.match(name)
+        if found is None:
             return
-        figures = self.figures.setdefault(rank, Figures())
+        figures = self.figures.setdefault(int(found.group(3)), Figures())
         for field, amount in counts.items():
             setattr(figures, field, getattr(figures, field) + amount)
 
