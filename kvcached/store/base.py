@@ -126,8 +126,7 @@ def checksum(pieces: Sequence[memoryview]) -> int:
     h = xxhash.xxh3_64()
     for piece in pieces:
         h.update(piece)
-    digest: int = h.intdigest()
-    return digest
+    return h.intdigest()
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,10 +162,6 @@ class StoreCounters:
 REPUBLISH_COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters) if f.name.startswith("republish_"))
 
 
-def _no_progress() -> None:
-    pass
-
-
 class Store(abc.ABC):
     """One rank's view of a storage backend. Methods may raise ``StoreUnavailable`` (the backend cannot be
     reached) and ``OSError``; a failed call leaves every object either absent or whole.
@@ -175,7 +170,7 @@ class Store(abc.ABC):
     keeps moving all the time it needs, and fails one that stops moving (``kvcached.daemon.store_agent``)."""
 
     counters: StoreCounters
-    on_progress: Callable[[], None] = staticmethod(_no_progress)
+    on_progress: Callable[[], None] = staticmethod(lambda: None)
 
     @abc.abstractmethod
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:

@@ -218,8 +218,7 @@ class MooncakeStore(Store):
         if code <= RPC_FAILED:  # the master did not answer; a code above it is its answer (a full pool: -200)
             self.last_error += ": the master did not answer (restarting, failing over, or stopped?); tried again"
             self._note_failure()
-        error = StoreUnavailable(self.last_error)
-        return error
+        return StoreUnavailable(self.last_error)
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
         """Gather up to a batch of objects into the registered batch buffer and have the keeper write them with
