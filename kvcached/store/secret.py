@@ -27,17 +27,14 @@ def read_secret(field: str, path: str | Path) -> bytes:
     if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a directory with its own error
         os.close(fd)
         raise InvalidSpec(field, f"{path} is not a regular file")
+    uid = os.geteuid()
     with os.fdopen(fd, "rb") as file:
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        if st.st_uid != uid or st.st_mode & 0o077:
+            fix = f"`chmod 600 {path}`" if st.st_uid == uid else f"`chown {uid} {path}`, then check it"
             raise InvalidSpec(
                 field,
                 f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; a secret must be "
-                f"the daemon's user's (uid {os.geteuid()}) and closed to everyone else: "
-                + (
-                    f"`chmod 600 {path}`"
-                    if st.st_uid == os.geteuid()
-                    else f"`chown {os.geteuid()} {path}`, then check it"
-                ),
+                f"the daemon's user's (uid {uid}) and closed to everyone else: {fix}",
             )
         secret = file.read(1 << 16).strip()
     if len(secret) < MIN_SECRET_BYTES:
