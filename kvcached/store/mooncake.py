@@ -15,9 +15,8 @@ time: gathered into a buffer the keeper registered and written with one ``batch_
 with one ``batch_get_replica_desc`` (which also grants Mooncake's read lease), then landed from where
 they lie when they are in this host's segment (mapped read-only here), or fetched with one
 ``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target
-block (``kvcached.store.landing``); a load reports only the leading objects that verified. A missing
-object is a miss, never an error: the load stops there. When the worker has the rank's next load already
-(``Store.expect``), its first window is located while the last window of this one lands.
+block (``kvcached.store.landing``). A missing object is a miss, never an error: the load stops there
+(the pipeline with the keeper: ``MooncakeStore._windows``).
 
 Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
@@ -232,11 +231,12 @@ class MooncakeStore(Store):
             chunk = [item for item, flag in zip(chunk, exists, strict=True) if flag != 1]
             if not chunk:
                 continue
-            offsets, sizes = [], []
-            for j, (key, parts) in enumerate(chunk):
-                sizes.append(self._gather(j * self.slot, key, parts))
-                offsets.append(j * self.slot)
+            offsets = [j * self.slot for j in range(len(chunk))]
+            for base, (key, parts) in zip(offsets, chunk, strict=True):  # each record checksummed as it is gathered
+                digest = landing.gather(parts, self.batch.data[base + HEADER_SIZE : base + self.object_bytes])
+                self.batch[base : base + HEADER_SIZE] = np.frombuffer(self.identity.header(key, digest), dtype=np.uint8)
             names = [self._name(key) for key, _ in chunk]
+            sizes = [self.object_bytes] * len(chunk)
             for code in self._call("put", names=names, offsets=offsets, sizes=sizes, replicas=self.replicas):
                 if code != 0:
                     raise self._failed("batch put", code)
@@ -245,13 +245,6 @@ class MooncakeStore(Store):
             written += len(names)
             self.on_progress()
         return written
-
-    def _gather(self, base: int, key: bytes, parts: Sequence[memoryview]) -> int:
-        """Record (checksummed on the way) and header of ``key`` into the batch buffer at ``base``; the
-        object's size."""
-        digest = landing.gather(parts, self.batch.data[base + HEADER_SIZE : base + self.object_bytes])
-        self.batch[base : base + HEADER_SIZE] = np.frombuffer(self.identity.header(key, digest), dtype=np.uint8)
-        return self.object_bytes
 
     def expect(self, keys: Sequence[bytes]) -> None:
         """The next load's first window is located ahead, while this load lands its last (see ``_windows``)."""
