@@ -21,10 +21,7 @@ An object is served only if every header field matches what this rank expects an
 anything else (truncated, foreign, corrupted, written for another geometry or rank) is a miss, and the
 backend removes it when it can, but for one tagged under another key (``OTHER_KEY``: another secret, a
 host of the same cluster that has not taken a new one yet): a miss, left for the readers that hold it. A
-load reports only a verified prefix: an object is checked in the pass that lands it
-(``kvcached.store.landing``), so the target block of an object that fails, and the targets after it, may
-hold bytes of the load that are not reported; those blocks were handed over as free receivers, and the
-engine uses only the blocks a load reports. Nothing outside a load's targets is written.
+load reports only a verified prefix (``Store.load_prefix``).
 """
 
 from __future__ import annotations

@@ -6,15 +6,13 @@
     <path>/r<rank>/<k[0:2]>/<key hex>.kvb      an object (header + block record)
     <path>/r<rank>/<k[0:2]>/.tmp-...           a write in progress (removed at start-up if left)
 
-Writes are atomic: each object is written to a temporary file, fsynced and renamed over its final name,
-so a crash leaves either no object or a whole one; the objects of a store call are made durable in groups
-while the next ones are written, and loads read several objects at once, each straight into its target
-block and verified in the same pass; a load reports only the leading objects that verified
-(``kvcached.store.fileio``). The index (key -> size, least recently used first) lives
-in memory and is rebuilt at start-up from a directory scan ordered by mtime, reading each object's header
-(not its payload: the checksum is checked on every load); a load refreshes the mtime of each object it reads
-whole, so the order survives restarts. Capacity is per rank (the instance's capacity divided by its ranks);
-storing past it evicts the least recently used objects, never one written by the same task.
+Writes are atomic: each object is written to a temporary file, fsynced and renamed over its final name, so a
+crash leaves either no object or a whole one (how stores and loads do their I/O: ``kvcached.store.fileio``).
+The index (key -> size, least recently used first) lives in memory and is rebuilt at start-up from a directory
+scan ordered by mtime, reading each object's header (not its payload: the checksum is checked on every load);
+a load refreshes the mtime of each object it reads whole, so the order survives restarts. Capacity is per
+rank (the instance's capacity divided by its ranks); storing past it evicts the least recently used objects,
+never one written by the same task.
 
 The disk is not trusted either:
 

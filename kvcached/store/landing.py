@@ -13,9 +13,7 @@ an object's payload there and takes its XXH3-64 in the same pass, never in a pas
 
 Without the native routines (not built, ``KVCACHED_NATIVE_COPY=0``, or a payload of 240 bytes or less)
 the same is done piece by piece with numpy and ``xxhash``: each piece is hashed right after it is moved.
-
-Whatever is written into a target before its checksum fails stays there: a load reports only the verified
-prefix, and a caller uses only the blocks reported (the targets were handed over as free receivers).
+What lands in a target whose checksum then fails stays there (``kvcached.store.base.Store.load_prefix``).
 """
 
 from __future__ import annotations
