@@ -1,21 +1,19 @@
 """The Mooncake keeper: one process per instance that owns the host's segment and outlives the daemon.
 
-Mooncake keeps an object only while the client whose segment holds it stays registered with the master:
-a client that closes unmounts its segment, and one that dies is dropped ``client_ttl`` seconds later
-(10 by default), its objects with it. So the client that owns the host's segment must not be the daemon's:
-the keeper is started by the first store agent that needs it (``mooncake_link.spawn``), in its own
-session, and it stays through ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon; the next
-daemon's agents connect to it again and find every object where it was. No byte is
-written again and no other host sees a gap: the keeper serves the segment to other hosts all along.
+Mooncake keeps an object only while the client whose segment holds it stays registered with the master
+(docs/mooncake.md, "How a host's objects outlive its daemon"), so the client that owns the host's segment
+must not be the daemon's: the keeper is started by the first store agent that needs it
+(``mooncake_link.spawn``), in its own session, and it stays through ``kvcached restart``, ``stop --keep``
+and a kill -9 of the daemon; the next daemon's agents find every object where it was, and other hosts are
+served from the segment all along.
 
 One keeper (one segment) per host, not per rank: Mooncake places an object's replicas in distinct
 segments, so with one segment per host a second replica is always on another host. The segment (every
 rank's ``--mooncake-segment``) is a memfd the keeper reserves up front (``posix_fallocate``; more than
 the memory available is refused before, as the reservation would reach the OOM killer before it failed)
-and mounts with ``mount_segment``; agents map it read-only, so an
-object of this host's segment is read where it lies (after Mooncake has granted a read lease for it, as
-a get does) instead of being copied by Mooncake first. Puts, objects of other segments, existence checks
-and removals go through the keeper's client (requests in ``mooncake_link``).
+and mounts with ``mount_segment``; agents map it read-only and read this host's objects where they lie
+(after Mooncake has granted a read lease, as a get does). Puts, objects of other segments, existence
+checks and removals go through the keeper's client (requests in ``mooncake_link``).
 
 The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop`` without
 ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for good: no
@@ -27,10 +25,9 @@ checks a small pinned marker object in its segment: when the master no longer kn
 forgotten every object (it restarted without ``--enable_snapshot_restore``), which is counted
 (``master_resets``) and logged; so is an absence of the master after which it lacks some of the objects
 this host stored. Mooncake has no call to register bytes already in a segment: the keeper puts those objects
-back itself (``kvcached.store.mooncake_republish``): it indexes what its agents store, keeps copies of it once
-the master forgot, and puts them back at ``--mooncake-republish-rate``; every put into the segment (an
-agent's, a put back) waits while the copies are taken (``Gate``), and first checks the master when it was
-last found away, or not found for ``2 * TICK_S``.
+back itself (``kvcached.store.mooncake_republish``); every put into the segment (an agent's, a put back) waits
+while the copies are taken (``Gate``), and first checks the master when it was last found away, or not found
+for ``2 * TICK_S``.
 
 Over 500 lines: one process's state (its client, its segment, the agents' sessions, its watch of the master,
 what the put back asks of it) and its launcher, which only this module's ``main`` runs.

@@ -1,8 +1,6 @@
 """A store agent's link to its host's Mooncake keeper: find it (or start it), talk to it, stop it for good.
 
-The keeper (``kvcached.store.mooncake_keeper``) is the process that owns the instance's Mooncake segment
-and its registration with the master; it outlives the daemon, so the host's objects stay readable by
-every host across ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon. One per instance
+The keeper (``kvcached.store.mooncake_keeper``: why it outlives the daemon) is one process per instance
 (each rank's store agent connects to it); its files, in the run directory::
 
     <run_dir>/<instance>.mooncake.sock   the keeper's socket (Unix stream, mode 0600)

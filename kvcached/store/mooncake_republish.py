@@ -1,10 +1,8 @@
 """What a Mooncake keeper puts back when its master forgets: ``Republisher``, the index it keeps meanwhile.
+Why and how, with its costs and figures: docs/mooncake.md, "The master restarts, or fails over".
 
-A master restarted without a snapshot, a standby promoted by Mooncake's HA or a master back from an older
-snapshot forgets objects whose bytes still lie in this host's segment; Mooncake cannot register them again,
-and hands their space to new objects (the first put after a restart lands over the oldest bytes). So, while
-the master knows them, the keeper indexes the objects its agents stored in its segment, most recently used
-last (stored, or found here by a load of this host), never more bytes than the segment::
+While the master knows them, the keeper indexes the objects its agents stored in its segment, most recently
+used last (stored, or found here by a load of this host), never more bytes than the segment::
 
     entries  name -> (offset, size, replicas)     insertion order = least to most recently used
     at       offset -> name                       an object at an offset a newer one took is dropped
@@ -15,12 +13,10 @@ each returned once its objects are back; a thread puts them back in that order a
 
     pending  name -> Kept(chunk, start, size, replicas)   most recently used first
 
-Each is checked in the buffer it goes from (header and checksum against its name: bytes the master gave
-another object before the copy never go back under this name); one the master has again is read back and
-skipped if whole (else removed and replaced by the kept copy); a store of this host asking for a pending
-name (``settle``, before its ``exists``) has it put back at once, and writes nothing. A second loss starts
-over: what went back is indexed again and copied out with the rest, what is pending stays kept. Only this
-host's share: objects another host placed here are that host's.
+Each is checked in the buffer it goes from (header and checksum against its name); one the master has again
+is read back and skipped if whole (else removed and replaced by the kept copy); a store of this host asking
+for a pending name (``settle``, before its ``exists``) has it put back at once, and writes nothing. A second
+loss starts over. Only this host's share: objects another host placed here are that host's.
 
 Over 500 lines: the index, the kept copies and the put back are one piece of bookkeeping under one lock, and
 a split would have each half reach into the other's state.
