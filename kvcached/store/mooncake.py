@@ -309,13 +309,9 @@ class MooncakeStore(Store):
         first = self._take_ahead(link, names[: windows[0].stop])
         if first is None:
             link.submit("locate", names=names[: windows[0].stop])
-            first = link.collect()
         else:
             self.log.debug("first window located ahead", objects=len(first))
-        places = self._located(first, windows[0])
-        fetching = self._get(link, names, windows, 0, places)
-        if len(windows) > 1:
-            link.submit("locate", names=names[windows[1].start : windows[1].stop])
+        places, fetching = self._next(link, names, windows, 0, first)
         loaded = 0
         for w, window in enumerate(windows):
             codes = self._fetched(link, fetching)
@@ -337,10 +333,12 @@ class MooncakeStore(Store):
             self.on_progress()
         return loaded
 
-    def _next(self, link: KeeperLink, names: list[str], windows: list[range], w: int) -> tuple[list[list[Any]], Any]:
-        """Take window ``w``'s locate reply, send the get of its remote objects and the locate of window
-        ``w + 1``: (its places, what ``_fetched`` needs)."""
-        places = self._located(link.collect(), windows[w])
+    def _next(
+        self, link: KeeperLink, names: list[str], windows: list[range], w: int, where: list[list[Any]] | None = None
+    ) -> tuple[list[list[Any]], Any]:
+        """Take window ``w``'s locate reply (``where``, when it came ahead), send the get of its remote objects
+        and the locate of window ``w + 1``: (its places, what ``_fetched`` needs)."""
+        places = self._located(link.collect() if where is None else where, windows[w])
         fetching = self._get(link, names, windows, w, places)
         if w + 1 < len(windows):
             link.submit("locate", names=names[windows[w + 1].start : windows[w + 1].stop])
