@@ -205,7 +205,10 @@ class FileStore(Store):
         queued: list[bytes] = []
         try:
             for key, parts in zip(keys, pieces, strict=True):
-                if key in queued or self._stored(key):
+                if key in queued:
+                    continue
+                if self._on_disk(key):
+                    self.index.move_to_end(key)  # stored already: used again
                     continue
                 self._evict(HEADER_SIZE + self.identity.payload)
                 writer.add(self._write_temporary(key, parts))
@@ -225,14 +228,12 @@ class FileStore(Store):
             raise writer.error
         return len(committed)
 
-    def _stored(self, key: bytes) -> bool:
-        """Whether ``key`` is stored (indexed and its file there); refreshes its place in the LRU order."""
-        if key not in self.index:
-            return False
-        if os.path.isfile(self._path(key)):
-            self.index.move_to_end(key)
+    def _on_disk(self, key: bytes) -> bool:
+        """Whether ``key`` is indexed and its file there (one deleted behind our back leaves the index: the next
+        store writes it again)."""
+        if key in self.index and os.path.isfile(self._path(key)):
             return True
-        self._forget(key)  # deleted behind our back: write it again
+        self._forget(key)
         return False
 
     def _enter(self, key: bytes) -> None:
@@ -279,15 +280,7 @@ class FileStore(Store):
         """How many leading keys are indexed and still on disk (one stat each: a file deleted by hand is not
         present, and leaves the index)."""
         self.check()
-        count = 0
-        for key in keys:
-            if key not in self.index:
-                break
-            if not os.path.isfile(self._path(key)):
-                self._forget(key)
-                break
-            count += 1
-        return count
+        return next((i for i, key in enumerate(keys) if not self._on_disk(key)), len(keys))
 
     def close(self) -> None:
         self.reader.close()
