@@ -430,13 +430,9 @@ class MooncakeStore(Store):
         if not keys:
             return 0
         found = self._call("exists", names=[self._name(k) for k in keys])
-        count = 0
-        for flag in found:
-            if flag < 0:
-                raise self._failed("exists", flag)
-            if flag != 1:
-                break
-            count += 1
+        count: int = next((i for i, flag in enumerate(found) if flag != 1), len(found))
+        if count < len(found) and found[count] < 0:
+            raise self._failed("exists", found[count])
         return count
 
     def check(self) -> None:
