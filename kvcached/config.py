@@ -50,31 +50,26 @@ from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_RULE, check_insta
 from kvcached.protocol.spec import DTYPE_SIZES, ROLES, SCALE_DTYPES, CacheSpec
 
 
-def _instance(value: Any) -> str:
+def _checked(check: Callable[[str], object], value: str) -> str:
+    """``value`` once ``check`` takes it; its ``InvalidSpec`` as the ``ValueError`` a parser raises."""
     try:
-        return check_instance(value)
+        check(value)
     except InvalidSpec as exc:
         raise ValueError(exc.message) from None
+    return value
+
+
+def _instance(value: Any) -> str:
+    return _checked(check_instance, value)
 
 
 def _memory(value: Any) -> str:
-    name = knobs.text(value)
-    try:
-        memory.get(name)
-    except InvalidSpec as exc:
-        raise ValueError(exc.message) from None
-    return name
+    return _checked(memory.get, knobs.text(value))
 
 
 def _storage(value: Any) -> str | None:
     name = knobs.optional_text(value)
-    if name is None or name.lower() == "none":
-        return None
-    try:
-        store.get(name)
-    except InvalidSpec as exc:
-        raise ValueError(exc.message) from None
-    return name
+    return None if name is None or name.lower() == "none" else _checked(store.get, name)
 
 
 #: Where the geometry comes from: the configuration, or the engine's declaration (``--geometry engine``).
@@ -237,16 +232,6 @@ SPEC_FIELDS: Mapping[str, str] = {
 _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 
 
-def _geometry_from(where: str, given: list[tuple[str, str]]) -> None:
-    """With ``--geometry engine`` (``where``) the geometry is the engine's to declare: a geometry knob set
-    anyway (``given``: knob, source) is refused by name. The store backend is the daemon's own."""
-    for name, source in given:
-        if where == "engine" and name != "storage_backend":
-            raise InvalidConfig(
-                name, source, "is declared by the engine (--geometry engine): leave it out, or use --geometry config"
-            )
-
-
 def knobs_all() -> tuple[Knob, ...]:
     """Every configuration knob: the core ones (with the registered backends as choices), then each store
     backend's options."""
@@ -325,7 +310,11 @@ class DaemonConfig:
         def source(name: str) -> str:
             return raw[name][1] if name in raw else all_knobs[name].flag
 
-        _geometry_from(values["geometry"], [(name, source(name)) for name in SPEC_FIELDS if name in raw])
+        # With --geometry engine a geometry knob set anyway is refused by name; the store backend is the daemon's.
+        given = [name for name in SPEC_FIELDS if name in raw and name != "storage_backend"]
+        if values["geometry"] == "engine" and given:
+            why = "is declared by the engine (--geometry engine): leave it out, or use --geometry config"
+            raise InvalidConfig(given[0], source(given[0]), why)
         spec = _spec_of(values, raw, source)
         ranks = values["ranks"]
         gid = _resolved(resolve_group, values, "group", source)

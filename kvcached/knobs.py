@@ -202,13 +202,5 @@ def int_list(value: Any) -> tuple[int, ...] | None:
 _TOML_TYPES[int_list] = "array of integers"
 
 
-_PORT = integer(0, 65535, what="a TCP port (0: off)")
-
-
-def port(value: Any) -> int:
-    """A TCP port 1..65535, or 0 for off."""
-    number: int = _PORT(value)
-    return number
-
-
-_TOML_TYPES[port] = "integer"
+#: A TCP port 1..65535, or 0 for off.
+port = integer(0, 65535, what="a TCP port (0: off)")

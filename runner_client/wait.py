@@ -107,10 +107,6 @@ class _Waiter:
             self.view = None
         self.block, self.header = None, None
 
-    def _daemon_alive(self) -> bool:
-        assert self.view is not None
-        return self.view.alive
-
     def _gone(self, why: str) -> DaemonGone:
         assert self.header is not None
         return DaemonGone(
@@ -166,7 +162,7 @@ class _Waiter:
                 why=f"out of range: the daemon serves ranks 0..{last} (--ranks {header.num_ranks}); "
                 f"start it with --ranks {self.rank + 1} or more, or attach a rank of 0..{last}",
             )
-        if not self._daemon_alive():
+        if not view.alive:
             if self.followed == (header.daemon_pid, header.daemon_start, header.generation):
                 raise self._gone("died")
             self._describe(f"stale (daemon pid {header.daemon_pid} is dead)", time.time_ns())
@@ -180,15 +176,10 @@ class _Waiter:
             path = SHM_DIR / f"sem.{name.lstrip('/')}"
             check_owner(f"semaphore {name}", os.stat(path), owner=view.block.owner_uid)
             self.sem = posix_ipc.Semaphore(name)
-        except FileNotFoundError:
-            self._drop_block()  # the daemon already unlinked its semaphores: it is stopping
-            self._sleep(POLL_ABSENT_S)
-            return False
         except posix_ipc.PermissionsError:
             raise AccessDenied(f"{name}: permission denied: {admitted(path)}") from None
-        except posix_ipc.ExistentialError:
-            # The daemon already unlinked its semaphores: it is stopping. Look again shortly.
-            self._drop_block()
+        except (FileNotFoundError, posix_ipc.ExistentialError):
+            self._drop_block()  # the daemon already unlinked its semaphores: it is stopping
             self._sleep(POLL_ABSENT_S)
             return False
         return True
@@ -274,9 +265,7 @@ class _Waiter:
             return False
         try:
             self.sem.acquire(timeout)
-        except posix_ipc.BusyError:
-            return False
-        except posix_ipc.SignalError:
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
             return False
         return True
 
@@ -300,7 +289,7 @@ class _Waiter:
                 if self.block is None and not self._find_block():
                     self._check_deadline()
                     continue
-                assert self.block is not None and self.header is not None
+                assert self.view is not None and self.block is not None and self.header is not None
                 self._declare()
                 record, pending = pending or self._read(), None
                 if record is not None and record.state is State.FAILED:
@@ -309,7 +298,7 @@ class _Waiter:
                     self._judge(record)
                     self._wait_for_successor()
                     continue
-                if not self._daemon_alive():
+                if not self.view.alive:
                     raise self._gone("died")
                 if record is None:  # torn: its writer is mid-write, or died so; look again after a pause
                     self._describe("record being written", time.time_ns())
