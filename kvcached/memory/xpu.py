@@ -149,29 +149,6 @@ def ipc_record(name: str) -> Path:
     return SHM_DIR / name
 
 
-def _import_paddle_xpu() -> tuple[Any, Any]:
-    try:
-        paddle: Any = importlib.import_module("paddle")
-    except ImportError as exc:
-        raise BackendUnavailable(f"--memory xpu needs paddle with XPU support ({exc}): {INSTALL_HINT}") from None
-    if not paddle.is_compiled_with_xpu():
-        raise BackendUnavailable(f"--memory xpu: this paddle ({paddle.__version__}) has no XPU support: {INSTALL_HINT}")
-    try:
-        ops: Any = importlib.import_module(OPS_MODULE)
-    except ImportError as exc:
-        raise BackendUnavailable(f"--memory xpu: the XPU ops are missing ({exc}): {INSTALL_HINT}") from None
-    return paddle, ops
-
-
-def ops_present() -> dict[str, bool] | str:
-    """Which of ``SHARING_OPS`` the XPU ops module has, or why it does not import."""
-    try:
-        ops = importlib.import_module(OPS_MODULE)
-    except ImportError as exc:
-        return str(exc)
-    return {name: hasattr(ops, name) for name in SHARING_OPS}
-
-
 class XpuRuntime(Protocol):
     """The hardware calls of the xpu backend."""
 
@@ -204,7 +181,17 @@ class PaddleXpuRuntime:
     """The real runtime: paddle on ``XPUPlace`` and the XPU ops of ``OPS_MODULE``."""
 
     def __init__(self) -> None:
-        self.paddle, self.ops = _import_paddle_xpu()
+        try:
+            self.paddle: Any = importlib.import_module("paddle")
+        except ImportError as exc:
+            raise BackendUnavailable(f"--memory xpu needs paddle with XPU support ({exc}): {INSTALL_HINT}") from None
+        if not self.paddle.is_compiled_with_xpu():
+            version = self.paddle.__version__
+            raise BackendUnavailable(f"--memory xpu: this paddle ({version}) has no XPU support: {INSTALL_HINT}")
+        try:
+            self.ops: Any = importlib.import_module(OPS_MODULE)
+        except ImportError as exc:
+            raise BackendUnavailable(f"--memory xpu: the XPU ops are missing ({exc}): {INSTALL_HINT}") from None
 
     def allocate(self, device_id: int, shape: tuple[int, ...], dtype: str) -> Any:
         self.paddle.set_device(f"xpu:{device_id}")
@@ -395,10 +382,8 @@ def check_xpu() -> list[Check]:
         paddle: Any = importlib.import_module("paddle")
     except ImportError as exc:
         paddle = None
-        missing = str(exc)
-    if paddle is None:
         advice = "pip install paddlepaddle-xpu from Kunlun's wheel index (not on PyPI)"
-        checks = [Check("xpu_paddle", FAIL, f"paddle not importable ({missing})", {"paddle": None}, advice)]
+        checks = [Check("xpu_paddle", FAIL, f"paddle not importable ({exc})", {"paddle": None}, advice)]
     else:
         compiled = bool(paddle.is_compiled_with_xpu())
         measured = {"paddle": paddle.__version__, "compiled_with_xpu": compiled}
@@ -424,11 +409,14 @@ def check_xpu() -> list[Check]:
         checks.append(Check("xpu_runtime", FAIL, f"XPU runtime {version}", measured_rt, advice))
     else:
         checks.append(Check("xpu_runtime", OK, f"XPU runtime {version}", measured_rt))
-    present = ops_present()
-    if isinstance(present, str):
-        figure = f"FastDeploy XPU ops missing ({present})"
-        checks.append(Check("xpu_ops", FAIL, figure, {"ops": {}}, "pip install fastdeploy-xpu"))
+    try:
+        ops = importlib.import_module(OPS_MODULE)
+    except ImportError as exc:
+        checks.append(
+            Check("xpu_ops", FAIL, f"FastDeploy XPU ops missing ({exc})", {"ops": {}}, "pip install fastdeploy-xpu")
+        )
         return checks
+    present = {name: hasattr(ops, name) for name in SHARING_OPS}
     figure = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in present.items())
     checks.append(Check("xpu_ops", OK if all(present.values()) else FAIL, figure, {"ops": present}))
     return checks
