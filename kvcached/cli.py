@@ -91,17 +91,6 @@ def _config_source(config_file: Path | None) -> str | None:
     return _source("config_file", f"--config {config_file}", "KVCACHED_CONFIG", config_file)
 
 
-def _build_config(values: dict[str, Any], config_file: Path | None) -> Any:
-    from kvcached.config import DaemonConfig
-
-    if PLUGINS_PROBLEM is not None:
-        raise ConfigError(str(PLUGINS_PROBLEM))
-    try:
-        return DaemonConfig.build(values, config_file, config_source=_config_source(config_file))
-    except InvalidSpec as exc:
-        raise ConfigError(str(exc)) from None
-
-
 @main.command(
     cls=SectionedCommand,
     context_settings=_CONTEXT,
@@ -124,7 +113,7 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     flags > KVCACHED_* > --config file > defaults. --help-all shows the options for tests and diagnosis too.
     """
     from kvcached import logs, running
-    from kvcached.config import unknown_variables
+    from kvcached.config import DaemonConfig, unknown_variables
     from kvcached.daemon.supervisor import Supervisor
     from kvcached.fastdeploy.names import TENSOR_NAMES
     from kvcached.memory.xpu import name_tensors
@@ -132,7 +121,12 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     level = _choice(log_level, LEVELS, "log_level", "--log-level", "KVCACHED_LOG_LEVEL")
     formats = ("auto", "json", "console")
     log_format = _choice(log_format, formats, "log_format", "--log-format", "KVCACHED_LOG_FORMAT")
-    config = _build_config(values, config_file)
+    if PLUGINS_PROBLEM is not None:
+        raise ConfigError(str(PLUGINS_PROBLEM))
+    try:
+        config = DaemonConfig.build(values, config_file, config_source=_config_source(config_file))
+    except InvalidSpec as exc:
+        raise ConfigError(str(exc)) from None
     if check_config:
         problem = running.adoption_problem(config) if os.environ.get(running.RESTART_CHECK_ENV) else ""
         if problem:

@@ -279,17 +279,13 @@ def check_remove_ipc(uid: int | None = None, patterns: tuple[str, ...] = LOGIND_
 
 def check_run_dir(config: DaemonConfig) -> Check:
     directory, owner = run_dir_of(config)
+    longest = task_socket_path(directory, config.instance, config.ranks - 1)
     try:
-        return _check_run_dir(config, directory, owner)
+        measured: dict[str, Any] = {"path": str(directory), "exists": directory.exists()}
     except PermissionError as exc:  # a directory above it this user may not search
         measured = {"path": str(directory), "exists": None}
         figure = f"{directory}: this user may not look into {exc.filename}"
         return Check("run_dir", FAIL, figure, measured, "run kvcached as a user who may, or set KVCACHED_RUN_DIR")
-
-
-def _check_run_dir(config: DaemonConfig, directory: Path, owner: int) -> Check:
-    longest = task_socket_path(directory, config.instance, config.ranks - 1)
-    measured: dict[str, Any] = {"path": str(directory), "exists": directory.exists()}
     if len(str(longest).encode()) > MAX_SOCKET_PATH:
         advice = "set KVCACHED_RUN_DIR to a shorter directory"
         return Check("run_dir", FAIL, f"{longest} is longer than {MAX_SOCKET_PATH} bytes", measured, advice)
@@ -363,17 +359,18 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
     live_pid = found.live_pid or (starting.pid if starting is not None else None)
     checks = [_live_check(config.instance, live_pid)]
     names = [str(p) for p in found.left]
+    objects = counted(len(names), "object")
     squatters = [why for _, why in found.squatters]
     measured: dict[str, Any] = {"objects": names, "squatters": squatters, "removed": 0}
     if live_pid is not None and clean:
         figure = f"--clean removed nothing: instance {config.instance!r} is running (pid {live_pid})"
         advice = (
-            f"its {counted(len(names), 'object')} are the live daemon's: `kvcached stop --instance "
+            f"its {objects} are the live daemon's: `kvcached stop --instance "
             f"{config.instance}` stops it and removes them (--keep keeps them for the next start)"
         )
         checks.append(Check("leftovers", FAIL, figure, measured, advice))
     elif live_pid is not None:
-        checks.append(Check("leftovers", OK, f"{counted(len(names), 'object')}, all of the live daemon", measured))
+        checks.append(Check("leftovers", OK, f"{objects}, all of the live daemon", measured))
     elif squatters:  # a start leaves them alone; only one at the control block's name stops it
         control = shm_path(control_name(config.instance))
         blocking = any(path in (control, lock) for path, _ in found.squatters)
@@ -388,7 +385,6 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
         if isinstance(verdict, Adoption):
             measured["adoptable"] = f"{verdict.generation:016x}"
             generation = f"generation {verdict.generation:016x}"
-            objects = counted(len(names), "object")
             figure = f"{objects} of an earlier run; the next start adopts its memory ({generation})"
             advice = "`kvcached start --fresh` or `kvcached doctor --clean` would discard it instead"
             checks.append(Check("leftovers", OK, figure, measured, advice))
@@ -396,7 +392,6 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
             measured["adoptable"] = None
             why = f" ({verdict.note})" if verdict is not None else ""
             advice = "the next start reclaims them, or run `kvcached doctor --clean`"
-            objects = counted(len(names), "object")
             checks.append(Check("leftovers", WARN, f"{objects} of a dead run{why}", measured, advice))
     return checks
 

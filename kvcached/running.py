@@ -164,14 +164,10 @@ def not_applied(pid: int) -> list[str]:
     if not mine:
         return []
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        text = os.fsdecode(Path(f"/proc/{pid}/environ").read_bytes())  # as os.environ decodes: same bytes, equal
     except OSError:
-        theirs: dict[str, str] | None = None
-    else:
-        text = os.fsdecode(raw)  # as os.environ decodes it: the same bytes compare equal
-        theirs = dict(item.split("=", 1) for item in text.split("\0") if "=" in item)
-    if theirs is None:
         return [f"{name}={value} (the daemon's: unreadable)" for name, value in mine.items()]
+    theirs = dict(item.split("=", 1) for item in text.split("\0") if "=" in item)
     return [
         printable(f"{name}={value} (the daemon's: {theirs.get(name, 'unset')})")
         for name, value in mine.items()

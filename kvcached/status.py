@@ -259,9 +259,13 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None, secon
         if rates:
             cells[-2:-2] = [_rate(r, before.get(r["rank"]), key, seconds) for key in _RATE_KEYS]
         rows.append(tuple(cells))
+    return "\n".join(lines + _table(rows))
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` as lines, each column padded to its widest cell."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return "\n".join(lines)
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def printable(text: str) -> str:
@@ -338,8 +342,7 @@ def _daemon_alive(view: Any, instance: str, owner: int) -> bool:
     any live process)."""
     from kvcached.daemon.lockfile import why_not_daemon
 
-    header = view.header
-    return bool(view.alive) and not why_not_daemon(header.daemon_pid, owner, instance_lock_path(instance))
+    return bool(view.alive) and not why_not_daemon(view.header.daemon_pid, owner, instance_lock_path(instance))
 
 
 def _starting(instance: str, owner: int) -> bool:
@@ -424,7 +427,7 @@ def render_list(instances: list[dict[str, Any]]) -> str:
     """``kvcached list`` as a table for people."""
     if not instances:
         return "no kvcached instance on this host that this user may see"
-    rows = [("instance", "state", "ranks", "owner", "memory", "daemon")]
+    rows: list[tuple[str, ...]] = [("instance", "state", "ranks", "owner", "memory", "daemon")]
     for item in instances:
         state = item["state"]
         if state in ("MIXED", "DEAD"):
@@ -434,7 +437,5 @@ def render_list(instances: list[dict[str, Any]]) -> str:
         daemon = f"running (pid {item['pid']})" if item["daemon_running"] else "not running"
         ranks = "-" if item["ranks"] is None else str(item["ranks"])
         rows.append((item["instance"], state, ranks, owner, _size(item["memory_bytes"]), daemon))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     notes = [f"{item['instance']}: {printable(item['note'])}" for item in instances if item["state"] == "UNREADABLE"]
-    return "\n".join(lines + notes)
+    return "\n".join(_table(rows) + notes)
