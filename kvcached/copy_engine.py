@@ -221,21 +221,22 @@ class SwapEngine:
         """Copy device blocks to CPU pool blocks (validated ids). Returns bytes moved."""
         assert self.pool is not None
         if self.tier_swap is not None:
-            for d, c in self._chunks(device_ids, cpu_ids):
-                self.tier_swap("out", d, c)
-                self.on_step()
-            return len(device_ids) * self.spec.block_bytes
+            return self._tier_swap("out", device_ids, cpu_ids)
         return self.copy_out(device_ids, cpu_ids, self.pool)
 
     def swap_in(self, cpu_ids: Array, device_ids: Array) -> int:
         """Copy CPU pool blocks to device blocks (validated ids). Returns bytes moved."""
         assert self.pool is not None
         if self.tier_swap is not None:
-            for c, d in self._chunks(cpu_ids, device_ids):
-                self.tier_swap("in", d, c)
-                self.on_step()
-            return len(device_ids) * self.spec.block_bytes
+            return self._tier_swap("in", device_ids, cpu_ids)
         return self.copy_in(cpu_ids, device_ids, self.pool)
+
+    def _tier_swap(self, direction: str, device_ids: Array, cpu_ids: Array) -> int:
+        assert self.tier_swap is not None
+        for d, c in self._chunks(device_ids, cpu_ids):
+            self.tier_swap(direction, d, c)
+            self.on_step()
+        return len(device_ids) * self.spec.block_bytes
 
     def check_ids(self, ids: Array, *, field: str, role: str, unique: bool) -> None:
         """Raise ``InvalidTask`` unless every device id is in range (and, if ``unique``, none repeats)."""

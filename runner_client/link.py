@@ -279,7 +279,8 @@ class RankLink:
                 f"instance {self.instance!r} rank {self.rank}: no reply within the timeout; the task may still complete"
             ) from None
         except Closed:
-            if self._read(connection.block, State.KEPT):  # it answers every task it ran before it closes
+            record = self._record(connection.block)
+            if record is not None and record.state is State.KEPT:  # it answers every task it ran before it closes
                 return Status.NOT_RUN, {"message": "closed unanswered by a daemon handing over"}
             raise self._lost(sent.op, sent.targets, connection, deadline) from None
 
@@ -347,10 +348,6 @@ class RankLink:
             f"instance {self.instance!r} rank {self.rank}: this CacheTasks was closed while a task was in flight "
             "on another thread, so whether it ran is unknown"
         )
-
-    def _read(self, block: ControlBlock, state: State) -> bool:
-        record = self._record(block)
-        return record is not None and record.state is state
 
     def _lost(
         self, op: Op, targets: tuple[int, ...], connection: Connection | None, deadline: float = 0.0

@@ -319,7 +319,7 @@ class CacheTasks:
         if keys is not None:
             payload += _keys(keys, len(src))
             flags = FLAG_KEYS
-        return _Task(Op.SWAP_OUT, rank, payload, flags, _targets(dst), timeout)
+        return _Task(Op.SWAP_OUT, rank, payload, flags, tuple(dst.tolist()), timeout)
 
     def _swap_in(
         self,
@@ -332,7 +332,7 @@ class CacheTasks:
         src = self._ids(cpu_block_ids, "cpu_block_ids")
         dst = self._ids(device_block_ids, "device_block_ids")
         _same_length(src, dst, "cpu_block_ids", "device_block_ids")
-        return _Task(Op.SWAP_IN, rank, pack_ids(src, dst), 0, _targets(dst), timeout)
+        return _Task(Op.SWAP_IN, rank, pack_ids(src, dst), 0, tuple(dst.tolist()), timeout)
 
     def _store(
         self, rank: int | None, device_block_ids: Sequence[int], keys: Sequence[bytes], *, timeout: float | None = None
@@ -345,7 +345,7 @@ class CacheTasks:
     ) -> _Task:
         ids = self._ids(device_block_ids, "device_block_ids")
         payload = ids.astype("<i4").tobytes() + _keys(keys, len(ids))
-        return _Task(Op.LOAD, rank, payload, 0, _targets(ids), timeout)
+        return _Task(Op.LOAD, rank, payload, 0, tuple(ids.tolist()), timeout)
 
     def _send(self, task: _Task) -> TaskHandle:
         if self._daemons.closed:
@@ -398,10 +398,6 @@ def _ready_memory(view: InstanceView, rank: int) -> Memory | None:
     if record is None or header is None or record.state is not State.READY or record.generation != header.generation:
         return None
     return (record.backend, record.descriptor, record.cpu_name)
-
-
-def _targets(ids: np.ndarray[Any, Any]) -> tuple[int, ...]:
-    return tuple(ids.tolist())
 
 
 def _same_length(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], src_field: str, dst_field: str) -> None:
