@@ -139,13 +139,6 @@ class SwapEngine:
                 stride = cpu_block_stride(spec)
                 rows = np.frombuffer(pool, dtype=np.uint8, count=stride * spec.num_cpu_blocks)
                 self.pool = self.records(rows.reshape(spec.num_cpu_blocks, stride))
-        self.method = (
-            "the device tier's own swap"
-            if tier_swap is not None
-            else native.describe()
-            if self.device_side is not None
-            else "numpy slices"
-        )
 
     def records(self, rows: Array) -> Side:
         """``rows`` (uint8 ``[count, >= block_bytes]``, a staging buffer or a records pool) as a side."""

@@ -131,15 +131,10 @@ class HostBackend(DeviceBackend):
         return device_arena_bytes(spec)
 
     def create(self, request: TierRequest, progress: Progress) -> DeviceTier:
-        name = request.shm_name("dev")
+        name, size = request.shm_name("dev"), device_arena_bytes(request.spec)
         try:
             mapping = shm.create_arena(
-                name,
-                device_arena_bytes(request.spec),
-                progress,
-                mode=request.mode,
-                gid=request.gid,
-                huge=request.huge_pages,
+                name, size, progress, mode=request.mode, gid=request.gid, huge=request.huge_pages
             )
         except posix_ipc.ExistentialError:
             raise ResourceError(f"arena name taken by another process: {name}") from None

@@ -229,7 +229,6 @@ class XpuPiece:
     def __init__(self, tensor: Any, column: int, num_blocks: int) -> None:
         paddle: Any = importlib.import_module("paddle")
         self.paddle = paddle
-        self.tensor = tensor
         self.rows = paddle.view(tensor, "uint8").reshape([num_blocks, -1])
         self.column = column
         self.nbytes = int(self.rows.shape[1])
