@@ -389,6 +389,7 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     exit 0."""
     from kvcached import running
     from kvcached.daemon.requests import KEEP_SIGNAL
+    from kvcached.status import awaits_geometry, read_status
 
     name = _instance(instance)
     target = running.daemon_of(name)
@@ -397,7 +398,8 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
         click.echo(f"instance {name}: not running{left or running.did_you_mean(name)}")
         return
     pid, started = target
-    waiting = keep and running.awaits_geometry_now(name)
+    # waiting for the engine's geometry (--geometry engine), it holds no cache: a stop that keeps it keeps nothing
+    waiting = keep and awaits_geometry(running.guarded(read_status, name))
     command = running.start_command(pid) if keep else None  # (read while it runs)
     running.send(name, pid, KEEP_SIGNAL if keep else signal.SIGTERM)
     running.wait_exit(name, pid, started, timeout)

@@ -18,24 +18,11 @@ from kvcached.protocol.errors import InvalidConfig
 def file_values(
     path: Path, known: Mapping[str, Knob], ignore: frozenset[str], source: str | None
 ) -> dict[str, tuple[Any, str]]:
-    """The values of a config file with where each came from; a number or boolean written as a string
-    (``ranks = "2"``) is refused: TOML has the types, and a quoted number is most likely a mistake."""
-    found = {}
-    for key, value in load_toml(path, known, ignore, source=source).items():
-        where = f"{path}: {key}"
-        kind = knobs.toml_type(known[key].parse)
-        if isinstance(value, str) and kind is not None:
-            raise InvalidConfig(key, where, f"must be a TOML {kind}, written without quotes; got {value!r}")
-        found[key] = (value, where)
-    return found
-
-
-def load_toml(
-    path: Path, known: Mapping[str, Knob], ignore: frozenset[str] = frozenset(), *, source: str | None = None
-) -> dict[str, Any]:
-    """Read a config file; unreadable files and unknown keys (with the closest known key) are
-    ``InvalidConfig`` errors naming the file (as ``source`` says it was given: ``--config FILE`` by
-    default, ``KVCACHED_CONFIG=FILE``). Keys in ``ignore`` are left out."""
+    """The values of a config file with where each came from, keys in ``ignore`` left out. An unreadable
+    file and an unknown key (with the closest known key) are ``InvalidConfig`` errors naming the file (as
+    ``source`` says it was given: ``--config FILE`` by default, ``KVCACHED_CONFIG=FILE``); so is a number
+    or boolean written as a string (``ranks = "2"``): TOML has the types, and a quoted number is most
+    likely a mistake."""
     where = source or f"--config {path}"
     try:
         with open(path, "rb") as f:
@@ -50,7 +37,14 @@ def load_toml(
     for key in data:
         if key not in known:
             raise InvalidConfig(key, f"{path}: {key}", f"unknown key{suggest(key, known)}")
-    return data
+    found = {}
+    for key, value in data.items():
+        where = f"{path}: {key}"
+        kind = knobs.toml_type(known[key].parse)
+        if isinstance(value, str) and kind is not None:
+            raise InvalidConfig(key, where, f"must be a TOML {kind}, written without quotes; got {value!r}")
+        found[key] = (value, where)
+    return found
 
 
 def suggest(word: str, known: Mapping[str, Any] | tuple[str, ...]) -> str:

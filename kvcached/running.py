@@ -107,12 +107,6 @@ def wait_exit(name: str, pid: int, started: int, timeout: float) -> None:
         )
 
 
-def awaits_geometry_now(name: str) -> bool:
-    """Whether the live daemon of ``name`` waits for the engine's geometry (``--geometry engine``): it holds
-    no cache, so a stop that keeps it keeps nothing."""
-    return awaits_geometry(guarded(read_status, name))
-
-
 def not_kept(name: str) -> str:
     """Why the stopped daemon of ``name`` left no memory to adopt ("" when every rank is KEPT)."""
     ranks = guarded(read_status, name)["ranks"]
