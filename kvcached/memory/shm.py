@@ -65,13 +65,10 @@ def create_arena(
             mapping = _populated(shm.fd, size, progress)
             if mapping is not None:
                 return mapping
-        done = 0
-        while done < size:
-            step = min(CHUNK, size - done)
-            os.posix_fallocate(shm.fd, done, step)
-            done += step
+        for done in range(0, size, CHUNK):
+            os.posix_fallocate(shm.fd, done, min(CHUNK, size - done))
             if progress is not None:
-                progress(done)
+                progress(min(done + CHUNK, size))
         mapping = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED)
         if huge:
             _advise(mapping, 0, size, MADV_HUGEPAGE)
@@ -92,18 +89,15 @@ def _populated(fd: int, size: int, progress: Callable[[int], None] | None) -> mm
     mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     try:
         _advise(mapping, 0, size, MADV_HUGEPAGE)
-        done = 0
-        while done < size:
-            step = min(CHUNK, size - done)
-            code = _advise(mapping, done, step, MADV_POPULATE_WRITE)
+        for done in range(0, size, CHUNK):
+            code = _advise(mapping, done, min(CHUNK, size - done), MADV_POPULATE_WRITE)
             if code == errno.EINVAL and done == 0:
                 mapping.close()
                 return None
             if code:
                 raise OSError(code, os.strerror(code))
-            done += step
             if progress is not None:
-                progress(done)
+                progress(min(done + CHUNK, size))
     except BaseException:
         mapping.close()
         raise
