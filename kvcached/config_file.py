@@ -40,7 +40,7 @@ def file_values(
     found = {}
     for key, value in data.items():
         where = f"{path}: {key}"
-        kind = knobs.toml_type(known[key].parse)
+        kind = knobs.TOML_TYPES.get(known[key].parse)
         if isinstance(value, str) and kind is not None:
             raise InvalidConfig(key, where, f"must be a TOML {kind}, written without quotes; got {value!r}")
         found[key] = (value, where)

@@ -17,14 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Parser = Callable[[Any], Any]
-#: The TOML type of the parsers that take numbers or booleans: a file writes those without quotes (the
-#: environment and flags can only give text, which they parse).
-_TOML_TYPES: dict[Parser, str] = {}
-
-
-def toml_type(parser: Parser) -> str | None:
-    """ "integer", "number", "boolean" or "array" for a parser of that TOML type; None for text."""
-    return _TOML_TYPES.get(parser)
+#: The TOML type ("integer", "number", "boolean", "array of integers") of the parsers that take numbers or
+#: booleans: a file writes those without quotes (the environment and flags can only give text, which they
+#: parse). Not here: a parser of text.
+TOML_TYPES: dict[Parser, str] = {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,7 +60,7 @@ def integer(minimum: int | None = None, maximum: int | None = None, *, what: str
             raise ValueError(f"must be {what}{bounds}, got {value!r}")
         return number
 
-    _TOML_TYPES[parse] = "integer"
+    TOML_TYPES[parse] = "integer"
     return parse
 
 
@@ -92,7 +88,7 @@ def seconds(minimum: float, maximum: float) -> Parser:
             raise ValueError(f"must be a number of seconds from {minimum:g} to {maximum:g}, got {value!r}")
         return number
 
-    _TOML_TYPES[parse] = "number"
+    TOML_TYPES[parse] = "number"
     return parse
 
 
@@ -123,7 +119,7 @@ def boolean(value: Any) -> bool:
     raise ValueError(f"must be true or false (1/0, yes/no, on/off), got {value!r}")
 
 
-_TOML_TYPES[boolean] = "boolean"
+TOML_TYPES[boolean] = "boolean"
 
 
 def text(value: Any) -> str:
@@ -199,7 +195,7 @@ def int_list(value: Any) -> tuple[int, ...] | None:
     return numbers
 
 
-_TOML_TYPES[int_list] = "array of integers"
+TOML_TYPES[int_list] = "array of integers"
 
 
 #: A TCP port 1..65535, or 0 for off.

@@ -371,54 +371,50 @@ class XpuBackend(DeviceBackend):
         return XpuAttached(tensors)
 
     def doctor(self, spec: CacheSpec, ranks: int) -> list[Check]:
-        return check_xpu()
-
-
-def check_xpu() -> list[Check]:
-    """Always three checks: ``xpu_paddle`` (paddle with XPU support), ``xpu_runtime`` (the XPU runtime's
-    major version: IPC needs 5) and ``xpu_ops`` (FastDeploy's XPU ops)."""
-    try:
-        paddle: Any = importlib.import_module("paddle")
-    except ImportError as exc:
-        paddle = None
-        advice = "pip install paddlepaddle-xpu from Kunlun's wheel index (not on PyPI)"
-        checks = [Check("xpu_paddle", FAIL, f"paddle not importable ({exc})", {"paddle": None}, advice)]
-    else:
-        compiled = bool(paddle.is_compiled_with_xpu())
-        measured = {"paddle": paddle.__version__, "compiled_with_xpu": compiled}
-        if compiled:
-            checks = [Check("xpu_paddle", OK, f"paddle {paddle.__version__} with XPU support", measured)]
-        else:
-            figure = f"paddle {paddle.__version__} without XPU support"
-            checks = [Check("xpu_paddle", FAIL, figure, measured, "this is the CPU paddle: install paddlepaddle-xpu")]
-    version = None
-    for getter in ("xpu_xre", "xpu"):
+        """Always three checks: ``xpu_paddle`` (paddle with XPU support), ``xpu_runtime`` (the XPU runtime's
+        major version: IPC needs 5) and ``xpu_ops`` (FastDeploy's XPU ops)."""
         try:
-            version = str(getattr(paddle.version, getter)())
-            break
-        except (AttributeError, TypeError):
-            continue
-    major = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
-    measured_rt = {"runtime": version, "major": major}
-    if major is None:
-        figure = "no XPU runtime" + (f": paddle.version.{getter}() says {version}" if version else "")
-        checks.append(Check("xpu_runtime", FAIL, figure, measured_rt, "install the XPU runtime (XRE)"))
-    elif major < 5:
-        advice = "IPC handles need runtime major version 5"
-        checks.append(Check("xpu_runtime", FAIL, f"XPU runtime {version}", measured_rt, advice))
-    else:
-        checks.append(Check("xpu_runtime", OK, f"XPU runtime {version}", measured_rt))
-    try:
-        ops = importlib.import_module(OPS_MODULE)
-    except ImportError as exc:
-        checks.append(
-            Check("xpu_ops", FAIL, f"FastDeploy XPU ops missing ({exc})", {"ops": {}}, "pip install fastdeploy-xpu")
-        )
+            paddle: Any = importlib.import_module("paddle")
+        except ImportError as exc:
+            paddle = None
+            advice = "pip install paddlepaddle-xpu from Kunlun's wheel index (not on PyPI)"
+            checks = [Check("xpu_paddle", FAIL, f"paddle not importable ({exc})", {"paddle": None}, advice)]
+        else:
+            compiled = bool(paddle.is_compiled_with_xpu())
+            measured = {"paddle": paddle.__version__, "compiled_with_xpu": compiled}
+            if compiled:
+                checks = [Check("xpu_paddle", OK, f"paddle {paddle.__version__} with XPU support", measured)]
+            else:
+                figure = f"paddle {paddle.__version__} without XPU support"
+                advice = "this is the CPU paddle: install paddlepaddle-xpu"
+                checks = [Check("xpu_paddle", FAIL, figure, measured, advice)]
+        version = None
+        for getter in ("xpu_xre", "xpu"):
+            try:
+                version = str(getattr(paddle.version, getter)())
+                break
+            except (AttributeError, TypeError):
+                continue
+        major = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
+        measured_rt = {"runtime": version, "major": major}
+        if major is None:
+            figure = "no XPU runtime" + (f": paddle.version.{getter}() says {version}" if version else "")
+            checks.append(Check("xpu_runtime", FAIL, figure, measured_rt, "install the XPU runtime (XRE)"))
+        elif major < 5:
+            advice = "IPC handles need runtime major version 5"
+            checks.append(Check("xpu_runtime", FAIL, f"XPU runtime {version}", measured_rt, advice))
+        else:
+            checks.append(Check("xpu_runtime", OK, f"XPU runtime {version}", measured_rt))
+        try:
+            ops = importlib.import_module(OPS_MODULE)
+        except ImportError as exc:
+            figure = f"FastDeploy XPU ops missing ({exc})"
+            checks.append(Check("xpu_ops", FAIL, figure, {"ops": {}}, "pip install fastdeploy-xpu"))
+            return checks
+        present = {name: hasattr(ops, name) for name in SHARING_OPS}
+        figure = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in present.items())
+        checks.append(Check("xpu_ops", OK if all(present.values()) else FAIL, figure, {"ops": present}))
         return checks
-    present = {name: hasattr(ops, name) for name in SHARING_OPS}
-    figure = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in present.items())
-    checks.append(Check("xpu_ops", OK if all(present.values()) else FAIL, figure, {"ops": present}))
-    return checks
 
 
 register(XpuBackend())
