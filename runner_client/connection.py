@@ -140,7 +140,10 @@ class Connection:
         try:
             try:
                 while self.sent - self.read >= MAX_IN_FLIGHT:
-                    self._acquire_read(deadline)
+                    # Waited for at most until ``deadline``: another thread may be reading, for its own
+                    # reply, longer than this caller may wait.
+                    if not self.read_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+                        raise TimeoutError
                     try:
                         if self.sent - self.read >= MAX_IN_FLIGHT:
                             self._read_reply(deadline)
@@ -214,12 +217,6 @@ class Connection:
         """This connection's timeout from now, or ``by`` when that comes first."""
         limit = time.monotonic() + self.timeout
         return limit if by is None else min(limit, by)
-
-    def _acquire_read(self, deadline: float) -> None:
-        """Take ``read_lock``, waited for at most until ``deadline`` (``TimeoutError``): another thread may
-        be reading, for its own reply, longer than this caller may wait."""
-        if not self.read_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            raise TimeoutError
 
     def close(self) -> None:
         """Close it, from any thread: a thread blocked reading it wakes up and raises ``Closed``."""
