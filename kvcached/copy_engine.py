@@ -159,16 +159,8 @@ class SwapEngine:
         if len(src) != len(dst):
             fields = f"{src_tier}_block_ids", f"{dst_tier}_block_ids"
             raise InvalidTask(fields[1], different_lengths(fields[0], len(src), fields[1], len(dst)))
-        for ids, tier, role in ((src, src_tier, "source"), (dst, dst_tier, "target")):
-            limit = self.spec.num_blocks if tier == "device" else self.spec.num_cpu_blocks
-            bad = _out_of_range(ids, limit)
-            if bad is not None:
-                raise InvalidTask(
-                    f"{tier}_block_ids", f"{role} id {bad} out of range: {tier} block ids are 0..{limit - 1}"
-                )
-        repeated = _repeated(dst)
-        if repeated is not None:
-            raise InvalidTask(f"{dst_tier}_block_ids", f"target id {repeated} appears more than once")
+        self.check_ids(src, field=f"{src_tier}_block_ids", role="source", unique=False, tier=src_tier)
+        self.check_ids(dst, field=f"{dst_tier}_block_ids", role="target", unique=True, tier=dst_tier)
 
     def _steps(self, a: Array, b: Array) -> Iterator[tuple[int, int, int]]:
         step = self.step_blocks
@@ -231,13 +223,13 @@ class SwapEngine:
             self.on_step()
         return len(device_ids) * self.spec.block_bytes
 
-    def check_ids(self, ids: Array, *, field: str, role: str, unique: bool) -> None:
-        """Raise ``InvalidTask`` unless every device id is in range (and, if ``unique``, none repeats)."""
-        bad = _out_of_range(ids, self.spec.num_blocks)
+    def check_ids(self, ids: Array, *, field: str, role: str, unique: bool, tier: str = "device") -> None:
+        """Raise ``InvalidTask`` unless every id is in range for ``tier`` (``device`` or ``cpu``) and, if
+        ``unique``, none repeats."""
+        limit = self.spec.num_blocks if tier == "device" else self.spec.num_cpu_blocks
+        bad = _out_of_range(ids, limit)
         if bad is not None:
-            raise InvalidTask(
-                field, f"{role} id {bad} out of range: device block ids are 0..{self.spec.num_blocks - 1}"
-            )
+            raise InvalidTask(field, f"{role} id {bad} out of range: {tier} block ids are 0..{limit - 1}")
         repeated = _repeated(ids) if unique else None
         if repeated is not None:
             raise InvalidTask(field, f"{role} id {repeated} appears more than once")
