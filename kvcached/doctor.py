@@ -89,12 +89,10 @@ def run_dir_of(config: DaemonConfig) -> tuple[Path, int]:
 
 def has_ipc_lock() -> bool:
     """Whether this process has CAP_IPC_LOCK in its effective set (then the memlock limit does not apply)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:"):
                 return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
-    except (OSError, ValueError, IndexError):
-        pass
     return False
 
 
@@ -250,13 +248,11 @@ def _logind_remove_ipc(patterns: tuple[str, ...] = LOGIND_CONFS) -> tuple[bool, 
 
 
 def _sys_uid_max() -> int:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         for line in Path("/etc/login.defs").read_text().splitlines():
             fields = line.split()
             if len(fields) == 2 and fields[0] == "SYS_UID_MAX":
                 return int(fields[1])
-    except (OSError, ValueError):
-        pass
     return DEFAULT_SYS_UID_MAX
 
 
