@@ -92,16 +92,13 @@ def seconds(minimum: float, maximum: float) -> Parser:
     return parse
 
 
-def choice(values: Sequence[str], *, none: bool = False) -> Parser:
-    """One of ``values``; with ``none``, also ``none`` / empty meaning None."""
+def choice(values: Sequence[str]) -> Parser:
+    """One of ``values``."""
 
-    def parse(value: Any) -> str | None:
-        if none and (value is None or (isinstance(value, str) and value.strip().lower() in ("", "none"))):
-            return None
+    def parse(value: Any) -> str:
         if isinstance(value, str) and value in values:
             return value
-        allowed = ", ".join([*values, *(["none"] if none else [])])
-        raise ValueError(f"must be one of {allowed}; got {value!r}")
+        raise ValueError(f"must be one of {', '.join(values)}; got {value!r}")
 
     return parse
 
