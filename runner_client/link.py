@@ -162,9 +162,7 @@ class RankLink:
                 f"instance {self.instance!r} rank {self.rank}: the worker took no more tasks within {self.timeout:g}s"
             ) from None
 
-    def reply(
-        self, sent: Sent, deadline: float, resent: Callable[[Sent], None] | None = None
-    ) -> tuple[int, dict[str, Any]]:
+    def reply(self, sent: Sent, deadline: float, resent: Callable[[Sent], None]) -> tuple[int, dict[str, Any]]:
         """The worker's (status, body) for ``sent``, sending it again to the next daemon while the one it
         went to did not run it (NOT_RUN, at most ``MAX_RESENDS`` times; ``resent`` is told of each new
         ``Sent``, before its reply is waited for). Raises ``TaskTimeout``, ``TaskLost``, ``RankFailed`` or
@@ -181,8 +179,7 @@ class RankLink:
                 raise TaskTimeout(
                     f"instance {self.instance!r} rank {self.rank}: the next daemon took no task in time"
                 ) from None
-            if resent is not None:
-                resent(sent)
+            resent(sent)
         return self._reply(sent, deadline)
 
     def close(self) -> None:
