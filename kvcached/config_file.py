@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from kvcached import knobs
-from kvcached.knobs import Knob
 from kvcached.protocol.errors import InvalidConfig
 
 
 def file_values(
-    path: Path, known: Mapping[str, Knob], ignore: frozenset[str], source: str | None
+    path: Path, known: Mapping[str, knobs.Knob], ignore: frozenset[str], source: str | None
 ) -> dict[str, tuple[Any, str]]:
     """The values of a config file with where each came from, keys in ``ignore`` left out. An unreadable
     file and an unknown key (with the closest known key) are ``InvalidConfig`` errors naming the file (as

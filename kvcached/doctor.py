@@ -41,7 +41,6 @@ from kvcached.daemon import lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, judge
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
 from kvcached.memory import shm
-from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.errors import AccessDenied, InvalidConfig, KVCacheError, NotTrusted, ResourceError
 from kvcached.protocol.instance import open_instance, read_instance
 from kvcached.protocol.layout import cpu_pool_bytes, size_text
@@ -126,7 +125,7 @@ def check_dev_shm(config: DaemonConfig) -> Check:
     """/dev/shm's free space against what a start of ``config`` needs there anew: the memory a dead run of
     the instance left is not counted twice, whether the start adopts it (a kept cache: its pages are there
     already) or reclaims it first (its pages come free). A live daemon's is its own (``live_instance``)."""
-    free = shm_free_bytes()
+    free = shm.shm_free_bytes()
     if config.geometry == "engine":  # the need is known once the engine declares its geometry
         figure = f"{size_text(free)} free; the engine's declared geometry is checked against it when it arrives"
         return Check("dev_shm", OK, figure, {"free_bytes": free, "geometry": "engine"})

@@ -19,7 +19,6 @@ from kvcached.checks import counted
 from kvcached.daemon import faults, lockfile
 from kvcached.daemon.exits import EXIT_FAILURE
 from kvcached.daemon.handover import HANDOVER_ENV, Outcome, read_outcomes, refusal_path
-from kvcached.daemon.lockfile import holder
 from kvcached.protocol.control import State
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
@@ -54,7 +53,7 @@ def daemon_of(name: str) -> tuple[int, int] | None:
     write) and the process runs as that uid, is ``kvcached start`` and holds the instance's lock
     (``lockfile.why_not_daemon``); otherwise an error saying why: the CLI signals nothing it was steered to."""
     path = lock_path(name)
-    found = holder(path)
+    found = lockfile.holder(path)
     doubt = ""
     if found is not None and found.alive:
         doubt = _doubt_lock_file(path, found.pid, instance_lock_path(name))
