@@ -284,12 +284,10 @@ class RankLink:
     # -- ready, follow, lost ----------------------------------------------------------------------------
 
     def _check_ready(self, deadline: float) -> None:
-        """Before a connection opens: the daemon is alive and the rank READY in its generation, on the
-        memory this client knows. RECOVERING (a worker being replaced, or reopening adopted memory) and
-        EMPTY (a block just published) are waited for until ``deadline``; KEPT, or a dead daemon that left
-        the rank whole, is followed to the next daemon; FAILED raises ``RankFailed``, STOPPING (the daemon
-        releases the cache) ``DaemonGone``, any other state (ALLOCATING) ``InvalidTask``. Later tasks need
-        no check: a worker that answers is alive."""
+        """**ready** (the module docstring), until ``deadline``; RECOVERING is a worker being replaced or
+        reopening adopted memory, EMPTY a block just published. FAILED raises ``RankFailed``, STOPPING (the
+        daemon releases the cache) ``DaemonGone``, any other state (ALLOCATING) ``InvalidTask``. Later tasks
+        need no check: a worker that answers is alive."""
         while True:
             header = self.daemons.header
             alive = is_alive(header.daemon_pid, header.daemon_start)
