@@ -24,34 +24,9 @@ import numpy as np
 log = logging.getLogger("kvcached.fastdeploy")
 
 
-class Barrier(Protocol):
-    """A ``threading.Barrier`` proxy of the queue's server."""
-
-    def wait(self) -> Any: ...
-
-    def reset(self) -> None: ...
-
-
 class CacheQueue(Protocol):
-    """The client side of FastDeploy's ``EngineCacheQueue`` (``inter_communicator/engine_cache_queue.py``)."""
-
-    barrier: Barrier
-    barrier0: Barrier
-    barrier1: Barrier
-    barrier2: Barrier
-    barrier3: Barrier
-    pause_barrier: Barrier
-    resume_barrier: Barrier
-    swap_to_cpu_barrier1: Barrier
-    swap_to_cpu_barrier2: Barrier
-    swap_to_gpu_barrier1: Barrier
-    swap_to_gpu_barrier2: Barrier
-    swap_storage_to_gpu_barrier: Barrier
-    swap_to_storage_barrier: Barrier
-
-    def get_transfer_task(self) -> tuple[Any, bool]: ...
-
-    def put_transfer_done_signal(self, item: Any) -> None: ...
+    """The client side of FastDeploy's ``EngineCacheQueue`` (``inter_communicator/engine_cache_queue.py``), as
+    far as the drop-in calls it; rank 0 reaches the proxies beneath it through ``kvcached.fastdeploy.queue``."""
 
     def empty(self) -> bool: ...
 
