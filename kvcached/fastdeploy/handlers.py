@@ -98,13 +98,9 @@ class Handlers:
 
     # -- swaps ----------------------------------------------------------------------------------------
 
-    def swap(self, event: Any, args: Sequence[Any]) -> None:
-        """``_do_swap_to_cpu_task`` / ``_do_swap_to_gpu_task``, reported as the module docstring says."""
-        self.start_swap(event, args)()
-
     def start_swap(self, event: Any, args: Sequence[Any]) -> Callable[[], None]:
-        """Check a swap task and send it to every rank (``Mover.start_swap``); the call returned waits for
-        it and reports it (``swap``)."""
+        """``_do_swap_to_cpu_task`` / ``_do_swap_to_gpu_task``: check a swap task and send it to every rank
+        (``Mover.start_swap``); the call returned waits for it and reports it as the module docstring says."""
         assert self.mover is not None
         out = event.value == self.status.SWAP2CPU.value  # type: ignore[attr-defined]
         try:

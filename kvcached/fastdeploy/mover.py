@@ -134,13 +134,10 @@ class Mover:
 
     # -- tasks ------------------------------------------------------------------------------------------
 
-    def swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Done:
-        """Device blocks to CPU pool blocks (``out``) or back, on every rank of the group."""
-        return self.start_swap(out, gpu_ids, cpu_ids)()
-
     def start_swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Callable[[], Done]:
-        """Send the swap to every rank of the group now, waiting at most ``SEND_NOW_S`` for a daemon that is
-        away; the call returned waits for it to end, sending it again while it is cut off, as ``swap``."""
+        """Send the swap of device blocks to CPU pool blocks (``out``) or back to every rank of the group now,
+        waiting at most ``SEND_NOW_S`` for a daemon that is away; the call returned waits for it to end,
+        sending it again while it is cut off."""
         end = time.monotonic() + self.deadline_s
         deadlines = _Deadlines(end, end, self.deadline_s, f"swap {'out' if out else 'in'}")
         submit: Submit

@@ -280,13 +280,13 @@ class TransferManager:
         self.inflight_signal[:] = 1
         return False
 
-    def _kinds(self) -> dict[Any, tuple[str, Callable[..., None], int]]:
+    def _kinds(self) -> dict[Any, tuple[str, Callable[..., Any], int]]:
         """Each task type's value: its pool, its handler, the fields after its type."""
         status = self.fd.CacheStatus
         return {
             status.CTRL.value: ("control", self.handlers.control, 1),  # type: ignore[attr-defined]
-            status.SWAP2CPU.value: ("to_cpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
-            status.SWAP2GPU.value: ("to_gpu", self.handlers.swap, 4),  # type: ignore[attr-defined]
+            status.SWAP2CPU.value: ("to_cpu", self.handlers.start_swap, 4),  # type: ignore[attr-defined]
+            status.SWAP2GPU.value: ("to_gpu", self.handlers.start_swap, 4),  # type: ignore[attr-defined]
             status.STORAGE2GPU.value: ("read", self.handlers.read, 1),  # type: ignore[attr-defined]
             status.GPU2STORAGE.value: ("write", self.handlers.write, 1),  # type: ignore[attr-defined]
         }
@@ -300,8 +300,8 @@ class TransferManager:
         if len(rest) != fields:
             raise ValueError(f"a {event!r} task has {fields} fields after its type, this one {len(rest)}")
         args: tuple[Any, ...] = (rest[0],)
-        if handler == self.handlers.swap:  # sent here, at once: the pool's thread only waits for it
-            if (waiter := self._guarded(self.handlers.start_swap, event, rest)) is None:
+        if handler == self.handlers.start_swap:  # sent here, at once: the pool's thread only waits for it
+            if (waiter := self._guarded(handler, event, rest)) is None:
                 return
             handler, args = waiter, ()
         if handler == self.handlers.write:
