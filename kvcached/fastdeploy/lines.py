@@ -49,8 +49,6 @@ class Line:
 
     name: str
     commit: str
-    date: str
-    branch: str
 
     @property
     def patch(self) -> str:
@@ -59,9 +57,9 @@ class Line:
 
 
 KNOWN_LINES = (
-    Line(name="develop 2026-04-15", commit="e53f5184", date="2026-04-15", branch="develop"),
-    Line(name="2.6", commit="41677b9a6", date="2026-06-02", branch="r3_eos_2.6"),
-    Line(name="develop 2026-05-20", commit="564c78d78", date="2026-05-20", branch="r3_mm_dev"),
+    Line(name="develop 2026-04-15", commit="e53f5184"),
+    Line(name="2.6", commit="41677b9a6"),
+    Line(name="develop 2026-05-20", commit="564c78d78"),
 )
 
 
