@@ -32,13 +32,6 @@ class InstanceView:
         """True iff the block is published and its daemon (pid and start time) still runs."""
         return self.header is not None and is_alive(self.header.daemon_pid, self.header.daemon_start)
 
-    @property
-    def daemon(self) -> tuple[int, int] | None:
-        """(pid, start time) of the live daemon, or None."""
-        if self.header is None or not self.alive:
-            return None
-        return self.header.daemon_pid, self.header.daemon_start
-
     def record(self, rank: int, *, attempts: int = 2000) -> Record | None:
         """``rank``'s record, or None when the block is not published, has no such rank, or the record
         cannot be read whole within ``attempts`` tries (its writer is mid-write, or died so)."""
