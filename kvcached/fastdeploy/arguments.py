@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcached.protocol.errors import InvalidSpec
+from kvcached.protocol.names import MAX_SOCKET_PATH
 from kvcached.protocol.spec import CacheSpec
 
 #: The spec field -> the FastDeploy argument that carries it.
@@ -73,8 +74,6 @@ class LineFacts:
     write_wait_s: float | None
 
 
-#: Bytes of a Unix socket path, at most (``sun_path`` holds 108 with its terminating NUL).
-MAX_SOCKET_PATH = 107
 #: Seconds before the engine stops waiting for a write by which every part of it has ended (or the rank
 #: ends): the patched launcher looks at its drop-ins every second.
 ENGINE_MARGIN_S = 5.0

@@ -30,6 +30,7 @@ spec after checking that the geometry matches, so no offset table crosses proces
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 from typing import Any
 
@@ -70,10 +71,7 @@ class Slot:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor."""
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * NUMPY_DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * NUMPY_DTYPES[self.dtype].itemsize
 
 
 def layer_kinds(spec: CacheSpec) -> tuple[str, ...]:
