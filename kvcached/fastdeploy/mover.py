@@ -1,39 +1,37 @@
 """Moving a task's blocks on every rank of the group through kvcached, within a deadline, and knowing what
-moved.
+moved (docs/fastdeploy.md says the same for operators).
 
-FastDeploy's engine reads one result per swap, put by the manager of rank 0 for all ranks
-(``cache_transfer_manager.py`` ``_do_swap_to_cpu_task`` ~995-1015); its own rank 0 cannot know whether
-the other ranks' copies happened. Here rank 0's drop-in moves the blocks of every rank of its group
-(one ``CacheTasks`` task per rank, all in flight at once), so what it reports is what happened.
+FastDeploy's engine reads one result per swap, put by rank 0's manager for all ranks
+(``cache_transfer_manager.py`` ``_do_swap_to_cpu_task`` ~995-1015), which cannot know whether the other
+ranks' copies happened. Rank 0's drop-in moves the blocks of every rank (one ``CacheTasks`` task per rank,
+all in flight at once), so what it reports is what happened.
 
 **Nothing is reported while a rank's part may still write.** A task is reported only once every rank's
-part of it has ended: its worker answered (a worker answers a store call only once the call can no longer
-write: ``kvcached.daemon.store_agent`` kills a timed-out agent before it fails the task), or its worker died
-(``TaskLost``). FastDeploy's own managers meet at a barrier before rank 0 reports (``read_storage_task``
-~820-824, ``write_back_storage_task`` ~1003-1009); the drop-in waits for every part likewise, whatever
-the first to end said. A part that has not ended ``deadline_s`` after the task's own deadline makes the
-rank unservable: the drop-in ends without reporting it, and the patched engine stops, so that no block it
-may still write is used or reused.
+part has ended: its worker answered (a store call only once it can no longer write:
+``kvcached.daemon.store_agent`` kills a timed-out agent before it fails the task) or died (``TaskLost``),
+whatever the first to end said, as FastDeploy's managers meet at a barrier before rank 0 reports
+(``read_storage_task`` ~820-824, ``write_back_storage_task`` ~1003-1009). A part not ended ``deadline_s``
+after the task's own deadline makes the rank unservable: the drop-in ends without reporting it and the
+patched engine stops, so that no block it may still write is used or reused.
 
 **Storage tasks are moved in chunks and cut off at their deadline** (``ReadStorageTask.timeout`` /
-``WriteStorageTask.timeout``, 30 s by default; FastDeploy's own manager does not bound them: "TODO:
-support timeout with actual block count", ~795). The first chunk is ``FIRST_CHUNK`` blocks, each next one at
-most twice the last and small enough to end, at the pace of the last, within half the time left; past
-the deadline no chunk is sent, the one in flight ends, and the blocks every rank moved so far are what the
-task did (a read reports them loaded, the rest not). A slow store costs the task its blocks, never the rank.
+``WriteStorageTask.timeout``, 30 s by default; FastDeploy's manager does not bound them: "TODO: support
+timeout with actual block count", ~795). The first chunk is ``FIRST_CHUNK`` blocks, each next at most twice
+the last and small enough to end, at the last one's pace, within half the time left; past the deadline no
+chunk is sent, and the blocks every rank moved so far are what the task did. A slow store costs the task
+its blocks, never the rank.
 
-A task is tried until it moves or its deadline passes. A swap is idempotent as FastDeploy issues it: the
-engine recycles neither the source nor the target blocks before it has read the result
-(``prefix_cache_manager.py`` ``_handle_swap_result`` ~2090-2138), so a copy cut off by a daemon restart,
-an adoption or a worker's replacement (``TaskLost``), or sent while no daemon ran (``DaemonGone`` with
-the memory still the one the drop-in started on), is simply sent again; so is a chunk of a load or a store
-(the same keys, the same blocks). ``Done.outcome`` says how it ended:
+A task is tried until it moves or its deadline passes. A swap is idempotent as FastDeploy issues it (the
+engine recycles neither source nor target blocks before it has read the result, ``prefix_cache_manager.py``
+``_handle_swap_result`` ~2090-2138), so one cut off by a restart, an adoption or a replaced worker
+(``TaskLost``), or sent while no daemon ran (``DaemonGone``, the memory still the one the drop-in started
+on), is sent again; so is a chunk of a load or a store. ``Done.outcome`` says how it ended:
 
-* ``MOVED``: every rank of the group moved it (a storage task: ``Done.blocks`` leading blocks of it);
-* ``REFUSED``: kvcached refused it (``InvalidTask``), or the store failed it: the task (or the rest of a
-  storage task past ``Done.blocks``) is not done, the rank serves on;
-* ``UNSERVABLE``: the rank cannot be served (its memory was made anew, the rank FAILED, the deadline passed
-  while the daemon was away, or a part did not end): the drop-in ends after reporting what it safely can.
+* ``MOVED``: every rank moved it (a storage task: ``Done.blocks`` leading blocks of it);
+* ``REFUSED``: kvcached refused it (``InvalidTask``) or the store failed it: not done (a storage task: past
+  ``Done.blocks``), the rank serves on;
+* ``UNSERVABLE``: the memory was made anew, the rank FAILED, the deadline passed while the daemon was away,
+  or a part did not end: the drop-in ends after reporting what it safely can.
 """
 
 from __future__ import annotations

@@ -7,30 +7,15 @@
 FastDeploy's engine starts one ``cache_transfer_manager.py`` per tensor-parallel rank when CPU swap or a
 storage backend is on (``cache_manager/prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184
 ~178-345); with ``--create_cache_tensor`` each allocates the rank's whole KV cache, a second copy beside
-kvcached's. This module takes the same arguments, plus what the line's kvcached patch tells it of that
-line (``kvcached.fastdeploy.arguments.line_facts``: a launch without them is refused by name), and serves the
-engine's side of the protocol through kvcached instead (the instance is ``KVCACHED_INSTANCE``, default
-``default``). It reads no FastDeploy source:
-
-1. it checks FastDeploy's arguments against the daemon (``kvcached.fastdeploy.arguments``): the store
-   backend, then the geometry, which it declares to a daemon started with ``--geometry engine`` (the
-   engine's own block count after profiling), then the device of its rank; a mismatch is refused naming
-   FastDeploy's argument (exit status 4) before anything moves. It waits (bounded, ``KVCACHED_WAIT_S``)
-   for its rank to be READY;
-2. it joins the engine's cache queue as client ``--rank`` and sets this rank's ``cache_ready_signal``,
-   ``swap_space_ready_signal`` (with a CPU pool) and ``cache_transfer_inited_signal``;
-3. rank 0's drop-in serves the whole group (``_step``): it takes each task off the queue for every rank,
-   moves its blocks on every rank of the group and reports exactly what moved
-   (``kvcached.fastdeploy.handlers``), answers control requests on every rank's control queue, and keeps
-   the pause handshake (``cache_task_is_paused``, ``cache_task_inflight``) of FastDeploy's transfer loop
-   (``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320); the other ranks' drop-ins stand by,
-   watching for the engine to go away.
-
-The drop-in follows the daemon as ``CacheTasks`` does: a restart, an adoption or a worker's replacement
-costs no task (a task cut off is sent again). Every wait has a deadline and is logged while it lasts
-(``kvcached.fastdeploy.waits``); a rank that cannot be served ends the process with a log line saying why
-(``end``), which FastDeploy's patched launcher notices and stops the engine with. A queue item that is not
-a cache task is logged and skipped. Everything FastDeploy-facing goes through ``kvcached.fastdeploy.adapter``.
+kvcached's. This module takes the same arguments plus the line's facts (``arguments.line_facts``), and for
+its rank (instance ``KVCACHED_INSTANCE``, default ``default``; no FastDeploy source read): checks them
+against the daemon, declaring the geometry to one that waits for it, and waits for the rank (``attach``:
+a mismatch is refused naming FastDeploy's argument, exit status 4); joins the engine's cache queue and sets
+its ready flags (``TransferManager``, ``announce``); then rank 0 serves the whole group (``_step``, in place
+of ``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320) and the others stand by until the
+engine is gone. docs/fastdeploy.md (*The drop-in for the cache transfer manager*) tells each step and
+every way the drop-in ends; ``kvcached.fastdeploy.mover`` how it follows the daemon, ``waits`` its
+deadlines, ``adapter`` everything FastDeploy-facing.
 """
 
 from __future__ import annotations
@@ -227,12 +212,10 @@ class TransferManager:
     def _step(self) -> None:
         """One turn of rank 0's loop: say whether the group runs or is paused, take the next task, hand it on.
 
-        FastDeploy's manager of every rank takes every task (the queue's bitmask pops a task once each rank
-        has read it, ``engine_cache_queue.py`` ~292-315) and meets the others at four barriers each turn, a
-        millisecond apart when idle, so that each rank copies its share. Here rank 0 moves every rank's
-        share and answers every rank's control queue, so it takes each task for the whole group
-        (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU
-        is taken from the copies. The engine sees the same queue, results, flags and control answers."""
+        FastDeploy's manager of every rank takes every task (``engine_cache_queue.py`` ~292-315) and meets the
+        others at four barriers each turn. Rank 0 moves every rank's share, so it takes each task for the whole
+        group (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no
+        CPU is taken from the copies. The engine sees the same queue, results, flags and control answers."""
         paused = self._mark_inflight()
         try:
             data = self._call(lambda: take_for_group(self.queue))
