@@ -1,24 +1,10 @@
 """``kvcached doctor``'s FastDeploy checks: which FastDeploy this host runs and whether it and kvcached agree.
 
-Given a FastDeploy tree (``--fastdeploy PATH``, or the installed ``fastdeploy`` package by default), in
-this order:
-
-- ``fastdeploy_line``: the line (the one whose kvcached patch fits the tree), its version and commit;
-  a warning for a line kvcached has no patch for.
-- ``fastdeploy_patch``: whether that patch is applied; a failure when not (the engine then starts its own
-  ``cache_transfer_manager.py``, which allocates the cache a second time beside kvcached's).
-- ``fastdeploy_queue``: the transport the engine and the drop-in will use for the cache queue, as the line
-  chooses it (``FD_ENGINE_TASK_QUEUE_WITH_SHM`` in this environment, and the line's default).
-- ``fastdeploy_runner``: the XPU runner's condition (file, line, expression), whether it equals the fixed
-  one, and a failure naming the double allocation when, for this daemon's configuration, an unpatched
-  runner would create its own cache.
-- ``fastdeploy_messager`` (only when the launcher is patched and the splitwise cache messager is not): a
-  failure naming the double allocation for a daemon in a prefill or decode role, else a warning.
-- ``fastdeploy_platform`` (only when the installed paddle or FastDeploy distribution names it): ok on
-  XPU; a failure elsewhere, naming what FastDeploy's GPU runner does (kvcached has no GPU device backend,
-  and the drop-in refuses to serve there).
-- ``fastdeploy_v1_cache_manager`` (only with ``ENABLE_V1_KVCACHE_MANAGER`` set, on a line that has it): a
-  warning: FastDeploy then starts no transfer manager, so kvcached's CPU pool and store serve nothing.
+Given a FastDeploy tree (``--fastdeploy PATH``, or the installed ``fastdeploy`` package by default), in this
+order: ``fastdeploy_line``, ``fastdeploy_patch``, ``fastdeploy_queue``, ``fastdeploy_runner``, then where
+they apply ``fastdeploy_messager`` (a patched launcher, an unpatched messager), ``fastdeploy_platform`` (an
+installed paddle or FastDeploy distribution names it) and ``fastdeploy_v1_cache_manager`` (with
+``ENABLE_V1_KVCACHE_MANAGER`` set). docs/fastdeploy.md (*Which FastDeploy is this?*) says what each finds.
 
 Nothing of FastDeploy is imported: its files are read (``kvcached.fastdeploy.lines``). Only here: the
 drop-in, which decides, reads none of them (the patched launcher tells it what it needs).

@@ -1,14 +1,7 @@
-"""What the drop-in refuses before it serves a rank, from what it is told alone.
-
-The drop-in reads no FastDeploy source: the patched launcher tells it its line's ways
-(``kvcached.fastdeploy.arguments.line_facts``), and the engine's own arguments and FastDeploy's platform
-(``current_platform.device_name``, asked of FastDeploy's module) say the rest. Two things it cannot serve:
-
-* a platform kvcached has no device backend for: kvcached keeps a rank's device cache in Kunlun XPU memory
-  (or host memory), while FastDeploy's GPU runner, which kvcached's patches leave as it is, creates its own
-  cache or waits for one exported in a form only a GPU reads (``platform_refusal``);
-* routing replay (2.6's ``--routing_replay_config``): FastDeploy's manager moves each block's routing data
-  with it, the drop-in does not.
+"""What the drop-in refuses before it serves a rank, from what it is told alone (no FastDeploy source is
+read): a platform kvcached has no device backend for (``platform_refusal``), and routing replay (2.6's
+``--routing_replay_config``: FastDeploy's manager moves each block's routing data with it, the drop-in
+does not).
 
 Whether the tree's runner and cache messager carry kvcached's hunks is ``kvcached doctor --fastdeploy``'s
 question (it reads the tree): ``git apply`` applies a patch whole or not at all, so a launcher that passes the

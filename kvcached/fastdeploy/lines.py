@@ -1,21 +1,13 @@
 """Which FastDeploy a host runs, and what that line does where kvcached meets it, for ``kvcached doctor``.
 Read, never imported; the drop-in reads none of it (each line's patch tells it what it needs).
 
-FastDeploy changed at kvcached's seam within weeks, differently per line (the repository
-``gongshaotian/FastDeploy`` holds all three as commits)::
-
-    line                  commit     cache queue (transfer manager)          XPU runner creates its cache
-    develop 2026-04-15    e53f5184   TCP (pod_ip, cache_queue_port)          profile or role == "mixed"
-    2.6                   41677b9a6  Unix socket if FD_ENGINE_TASK_QUEUE_    profile or role == "mixed"
-                                     WITH_SHM (default 1), else TCP
-    develop 2026-05-20    564c78d78  the same as 2.6                         profile or not (storage or
-                                                                             role != "mixed")
-
-``read_tree`` reads a FastDeploy tree (a checkout, or the installed package's directory) and returns a
-``Tree``: the line it is (the one whose kvcached patch fits it, hunk for hunk), whether that patch is
-applied, how its transfer manager reaches the cache queue, its XPU runner's condition, and how its transfer
-manager reports storage writes. Every fact is read from the tree's own files, so a tree of no known line
-is still described truly; only the line's name needs kvcached's patches (``patch_dir``).
+FastDeploy changed at kvcached's seam within weeks, differently per line (``KNOWN_LINES``; how each differs:
+docs/fastdeploy.md, the version matrix). ``read_tree`` reads a FastDeploy tree (a checkout, or the installed
+package's directory) and returns a ``Tree``: the line it is (the one whose kvcached patch fits it, hunk for
+hunk), whether that patch is applied, how its transfer manager reaches the cache queue, its XPU runner's
+condition, and how its transfer manager reports storage writes. Every fact is read from the tree's own
+files, so a tree of no known line is still described truly; only the line's name needs kvcached's patches
+(``patch_dir``).
 """
 
 from __future__ import annotations
