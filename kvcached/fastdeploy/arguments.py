@@ -8,11 +8,10 @@ empty ``--value_cache_shape`` for MLA, ``--num_layers``, ``--speculative_config`
 to a daemon started with ``--geometry engine``; ``check_against`` refuses a daemon that holds another
 cache, naming FastDeploy's argument, before anything moves.
 
-Each line's kvcached patch adds what that line's launcher knows and the drop-in must obey (``FACTS``, hyphenated:
-FastDeploy's own arguments use underscores, so the names cannot collide): which line it is, where the cache
-queue is (the launcher's own address of it), how the engine collects a storage write and how long it waits
-for one. ``line_facts`` reads them; a launch without them is not one of kvcached's patched launchers and is
-refused by name. Nothing of FastDeploy's source is read: a new line's patch states its own facts.
+Each line's kvcached patch adds what that line's launcher knows and the drop-in must obey (``FACTS``,
+hyphenated where FastDeploy's own arguments use underscores, so the names cannot collide; ``LineFacts``
+says what each tells). ``line_facts`` reads them and refuses, by name, a launch without them. Nothing of
+FastDeploy's source is read: a new line's patch states its own facts.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
-"""kvcached inside FastDeploy's own processes: what the patch's runner and cache-messager hunks call.
+"""kvcached inside FastDeploy's own processes: what the patch's runner and cache-messager hunks call, so that
+the decisions live (and are tested) in kvcached (docs/fastdeploy.md, *The patch*):
 
-``patches/fastdeploy-e53f5184-kvcached.patch`` keeps FastDeploy's side to a few lines that call here, so
-the decisions live (and are tested) in kvcached:
-
-* ``xpu_kv_cache``: the XPU runner's ``initialize_kv_cache`` (``worker/xpu_model_runner.py`` ~1222).
-  During the profile run (``profile_run`` ~1736-1742; FastDeploy profiles by default,
-  ``engine/common_engine.py`` ~235) the runner needs a cache of its own for the dummy batch: it is
-  allocated here and exported under no name, since the names FastDeploy's ``set_data_ipc`` would give it
-  are the ones kvcached's XPU tier exports (``set_data_ipc`` overwrites a record of the same name,
-  ``xpu_multiprocess.h`` ~50). After profiling, with FastDeploy's own block count, the fixed condition
-  decides; when kvcached owns the cache the runner declares its spec (a daemon started with
-  ``--geometry engine`` allocates exactly that), waits for the rank (bounded) and attaches it.
+* ``xpu_kv_cache``: the XPU runner's ``initialize_kv_cache`` (``worker/xpu_model_runner.py`` ~1222). The
+  profile run (``profile_run`` ~1736-1742; FastDeploy profiles by default, ``engine/common_engine.py`` ~235)
+  gets a cache of its own, exported under no name: ``set_data_ipc`` would give it the names kvcached's XPU
+  tier exports, overwriting that record (``xpu_multiprocess.h`` ~50). After profiling the fixed condition
+  decides on FastDeploy's own block count; when kvcached owns the cache the runner declares its spec (a
+  daemon started with ``--geometry engine`` allocates exactly that), waits for the rank (bounded) and
+  attaches it.
 * ``messager_cache``: the splitwise cache messager (``cache_manager/cache_messager.py`` ``main``
   ~965-1051), which always allocates: with kvcached it attaches kvcached's tensors instead.
 
-The attached ``KVCache`` objects are kept here (``ATTACHED``, by rank) for as long as FastDeploy uses
-their tensors.
+The attached ``KVCache`` objects are kept in ``ATTACHED`` for as long as FastDeploy uses their tensors.
 """
 
 from __future__ import annotations
@@ -47,14 +43,9 @@ def _wait_s() -> float:
 def kvcached_rank(fd_config: Any, local_rank: int) -> int:
     """The kvcached rank of the runner of tensor-parallel rank ``local_rank`` (``self.local_rank %
     tensor_parallel_size``, as the runner passes it): ``local_data_parallel_id * tensor_parallel_size +
-    local_rank``, the rank its drop-in serves (``kvcached.fastdeploy.arguments.group_ranks``: the launcher
-    gives the drop-ins ``--local_data_parallel_id`` and ``--mp_num``; ``postprocess_devices_and_ports``
-    gives the group the devices ``device_ids[dp * tp : (dp + 1) * tp]``, kvcached ranks' devices likewise).
-
-    FastDeploy names a rank's tensors by its tensor-parallel rank (``key_caches_{i}_rank{local_rank}
-    .device{d}``), kvcached's XPU tier by its own rank: the same names with one data-parallel group. The
-    runner attaches through runner_client, which follows kvcached's names; FastDeploy's MTP proposer
-    attaches its layers by FastDeploy's names (``spec_decode/mtp.py`` ~236-290), so MTP with more than one
+    local_rank``, the rank its drop-in serves (``arguments.group_ranks``; docs/fastdeploy.md, *Data
+    parallelism*). FastDeploy's MTP proposer attaches its layers by FastDeploy's names, which are kvcached's
+    with one data-parallel group only (``spec_decode/mtp.py`` ~236-290), so MTP with more than one
     data-parallel group is refused here (``InvalidSpec`` naming ``data_parallel_size``)."""
     parallel = getattr(fd_config, "parallel_config", None)
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
