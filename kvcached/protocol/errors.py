@@ -40,10 +40,8 @@ class KVCacheError(Exception):
 
 
 class InvalidSpec(KVCacheError, ValueError):
-    """Raised when a cache spec or configuration field is invalid.
-
-    ``field`` is the offending field's name; the message says what is allowed.
-    """
+    """Raised when a cache spec or configuration field is invalid: ``field`` names it, the message says what
+    is allowed."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -97,10 +95,8 @@ class RankFailed(KVCacheError):
 
 
 class CacheLayoutMismatch(KVCacheError):
-    """Raised when the daemon's published layout differs from the runner's spec.
-
-    ``field`` names the first differing field; ``daemon`` and ``runner`` hold both values.
-    """
+    """Raised when the daemon's published layout differs from the runner's spec: ``field`` names the first
+    differing field; ``daemon`` and ``runner`` hold both values."""
 
     def __init__(
         self, field: str, daemon: object, runner: object, *, instance: str, rank: int, why: str | None = None
@@ -126,10 +122,7 @@ class TornRead(ProtocolError):
 
 class InvalidArgument(KVCacheError, ValueError):
     """Raised when an argument of a call is out of range and it is neither the spec's nor a task's (a rank
-    number, a framework, a timeout, token ids to hash).
-
-    ``field`` is the argument's name; the message says what is allowed.
-    """
+    number, a framework, a timeout, token ids to hash): ``field`` names it, the message says what is allowed."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -138,11 +131,8 @@ class InvalidArgument(KVCacheError, ValueError):
 
 
 class InvalidTask(KVCacheError, ValueError):
-    """Raised when a task is refused before anything was copied: no block changed.
-
-    ``field`` names what was wrong, as the call's parameter (``device_block_ids``, ``cpu_block_ids``,
-    ``keys``, ``rank``...).
-    """
+    """Raised when a task is refused before anything was copied: no block changed. ``field`` names what was
+    wrong, as the call's parameter (``device_block_ids``, ``cpu_block_ids``, ``keys``, ``rank``...)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
