@@ -4,29 +4,11 @@
 called by ``kvcached start``), so that FastDeploy's own processes (the MTP proposer, the cache messager) find
 kvcached's tensors by FastDeploy's names; ``spec_from_fastdeploy`` is what the patched runner declares.
 
-Read from FastDeploy's code at develop ``e53f5184`` (2026-04-15); ``tests/test_fastdeploy.py`` keeps a
-table of every case with the file and line each was read from, and checks those lines when a checkout is
-named by ``FASTDEPLOY_SRC``. Per layer ``i`` of a rank (``local_rank = rank % tensor_parallel_size``) on
-device ``d``, a runner creates (``set_data_ipc``) or attaches (``share_external_data``):
-
-=========================================  =============================================  ===============
-name                                       shape                                          dtype
-=========================================  =============================================  ===============
-``key_caches_{i}_rank{r}.device{d}``       ``[blocks, kv_heads, block_size, head_dim]``   cache dtype
-``value_caches_{i}_rank{r}.device{d}``     the same (absent for MLA: key cache only)      cache dtype
-``key_cache_scales_{i}_rank{r}...``        ``[blocks, kv_heads, block_size]``             model dtype
-``value_cache_scales_{i}_rank{r}...``      the same                                       model dtype
-=========================================  =============================================  ===============
-
-* cache dtype: the model's (``bfloat16``, ``float16``); with a quantized KV cache ``int8`` on XPU and
-  ``uint8`` on GPU, whatever the quantization;
-* scales exist only for ``block_wise_fp8`` on GPU, in the model dtype; the XPU runner creates none;
-* ``int4_zp`` on GPU packs two values a byte: ``head_dim // 2``;
-* MLA (GPU, ``FD_ATTENTION_BACKEND=MLA_ATTN``): a key cache only, ``[blocks, 1, block_size,
-  kv_lora_rank + qk_rope_head_dim]``;
-* MTP (speculative decoding): ``num_extra_cache_layer`` more layers named ``key_caches_{num_layers + j}...``
-  with ``int(blocks * num_gpu_block_expand_ratio)`` blocks;
-* ``kv_heads`` is per rank: the model's KV heads divided by the tensor-parallel size, never below 1.
+Read from FastDeploy's code at develop ``e53f5184`` (2026-04-15): docs/fastdeploy.md (*Names, shapes,
+dtypes*) tabulates each tensor a runner creates (``set_data_ipc``) or attaches (``share_external_data``) per
+layer, with its shape and dtype on each platform; ``tests/test_fastdeploy.py`` keeps a table of every case
+with the file and line each was read from, and checks those lines when a checkout is named by
+``FASTDEPLOY_SRC``.
 """
 
 from __future__ import annotations
@@ -64,14 +46,8 @@ def spec_from_fastdeploy(
     platform: str = "xpu",
 ) -> CacheSpec:
     """The ``CacheSpec`` of one rank of a FastDeploy ``FDConfig`` as the runner of ``platform`` ("xpu" or
-    "gpu") lays it out (attributes read, nothing imported).
-
-    Read: ``model_config.num_hidden_layers``, ``.num_key_value_heads``, ``.head_dim``, ``.dtype`` (and for MLA
-    ``.kv_lora_rank``, ``.qk_rope_head_dim``); ``parallel_config.tensor_parallel_size``;
-    ``cache_config.block_size``, ``.total_block_num`` (unless ``num_blocks`` is given: after profiling
-    FastDeploy fixes the count), ``.num_cpu_blocks``, ``.kvcache_storage_backend``;
-    ``scheduler_config.splitwise_role``; ``quant_config.kv_cache_quant_type``;
-    ``speculative_config.num_extra_cache_layer``, ``.num_gpu_block_expand_ratio``. MLA follows
+    "gpu") lays it out (attributes read, nothing imported). ``num_blocks`` stands for
+    ``cache_config.total_block_num`` (after profiling FastDeploy fixes the count); MLA follows
     ``FD_ATTENTION_BACKEND == "MLA_ATTN"`` unless ``mla`` is given. Raises ``InvalidSpec`` naming FastDeploy's
     option when a value is missing or unsupported, ``InvalidArgument`` for a bad ``platform`` or ``local_rank``.
     """
