@@ -227,7 +227,9 @@ class Mover:
         while (left := deadlines.soft - time.monotonic()) > 0:
             if sent is None:
                 sent = self._send(submit, left)
-            turn = self._settle_all(sent, deadlines)
+            turn = _Round(errors=dict(sent.errors))
+            for rank, handle in sent.handles.items():  # every part sent, however the first to end did
+                self._settle(rank, handle, deadlines, turn)
             early, sent = sent.early, None
             if turn.running:
                 why = (
@@ -253,13 +255,6 @@ class Mover:
                 sent.errors[rank] = exc
                 break
         return sent
-
-    def _settle_all(self, sent: _Sent, deadlines: _Deadlines) -> _Round:
-        """Wait until every part sent has ended, however the first to end did."""
-        turn = _Round(errors=dict(sent.errors))
-        for rank, handle in sent.handles.items():
-            self._settle(rank, handle, deadlines, turn)
-        return turn
 
     def _settle(self, rank: int, handle: rc.TaskHandle, deadlines: _Deadlines, turn: _Round) -> None:
         """Wait for ``rank``'s part to end, at most until ``deadlines.hard``, logging while past ``soft``."""
