@@ -10,11 +10,9 @@ creates its KV cache or attaches the one a cache manager made, with one assignme
     )
 
 ``read_condition`` finds that assignment with ``ast`` (nothing of FastDeploy is imported or run) and
-``RunnerCondition.creates`` evaluates it for a configuration: ``profile`` and the attributes named
-``num_cpu_blocks``, ``kvcache_storage_backend`` and ``splitwise_role`` (whatever object holds them) are
-the inputs; anything else makes the condition unknown rather than guessed. ``differences`` lists the
-configurations where it and kvcached's fixed condition (``kvcached.protocol.ownership``) disagree, and
-what each costs: two copies of the cache, or a runner waiting for a cache nobody creates.
+``RunnerCondition.creates`` evaluates it for a configuration of the ``INPUTS`` (whatever object holds
+them); anything else makes the condition unknown rather than guessed. ``differences`` lists where it and
+kvcached's fixed condition (``kvcached.protocol.ownership``) disagree, and what each costs.
 """
 
 from __future__ import annotations
