@@ -54,10 +54,9 @@ class InstanceView:
 
 def open_instance(instance: str, *, owner: int | None = None) -> InstanceView | None:
     """The instance's control block, or None if there is none (or it is not sized yet); with ``owner``,
-    one of that uid only, trusted or not (``kvcached list`` shows whose it is).
-
-    Raises ``AccessDenied`` (no permission to read it) and ``ProtocolError`` (a published block that is
-    not ours or of another format version); nothing stays mapped when it raises."""
+    one of that uid only, trusted or not (``kvcached list`` shows whose it is). Raises ``AccessDenied`` (no
+    permission to read it) and ``ProtocolError`` (a published block that is not ours or of another format
+    version); nothing stays mapped when it raises."""
     block = ControlBlock.open(instance, owner=owner)
     if block is None:
         return None

@@ -135,10 +135,8 @@ def cpu_planes(spec: CacheSpec) -> list[tuple[int, int]]:
 
 
 def device_views(spec: CacheSpec, buffer: Any) -> dict[str, list[np.ndarray[Any, Any]]]:
-    """Zero-copy numpy views of every tensor in a device arena ``buffer``, by kind, indexed by layer.
-
-    Kinds the spec does not have map to empty lists, so ``views["value"]`` is ``[]`` for MLA.
-    """
+    """Zero-copy numpy views of every tensor in a device arena ``buffer``, by kind, indexed by layer. Kinds
+    the spec does not have map to empty lists, so ``views["value"]`` is ``[]`` for MLA."""
     views: dict[str, list[np.ndarray[Any, Any]]] = {kind: [] for kind in KINDS}
     for slot in device_slots(spec):
         dtype = NUMPY_DTYPES[slot.dtype]

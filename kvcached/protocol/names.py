@@ -138,11 +138,8 @@ def posix_name(entry: Path) -> tuple[str, bool]:
 
 
 def run_dir() -> Path:
-    """Where lock files and sockets live.
-
-    ``$KVCACHED_RUN_DIR`` if set; ``$RUNTIME_DIRECTORY`` under systemd (``/run/kvcached``);
-    ``$XDG_RUNTIME_DIR/kvcached``; else ``<tmp>/kvcached-<uid>``.
-    """
+    """Where lock files and sockets live: ``$KVCACHED_RUN_DIR`` if set; ``$RUNTIME_DIRECTORY`` under systemd
+    (``/run/kvcached``); ``$XDG_RUNTIME_DIR/kvcached``; else ``<tmp>/kvcached-<uid>``."""
     explicit = os.environ.get("KVCACHED_RUN_DIR")
     if explicit:
         return Path(explicit).absolute()  # published in the control block: it must mean the same to runners

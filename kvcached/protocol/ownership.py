@@ -23,9 +23,7 @@ def should_create_cache(
     profile: bool, num_cpu_blocks: int, kvcache_storage_backend: object, splitwise_role: str
 ) -> bool:
     """FastDeploy-shaped: True iff the runner creates its own cache (``create_cache_tensor``).
-
-    ``kvcache_storage_backend`` counts by truthiness, as in FastDeploy (None and "" mean no store).
-    """
+    ``kvcache_storage_backend`` counts by truthiness, as in FastDeploy (None and "" mean no store)."""
     return bool(profile) or not (num_cpu_blocks > 0 or bool(kvcache_storage_backend) or splitwise_role != "mixed")
 
 
