@@ -18,8 +18,8 @@ patched engine stops, so that no block it may still write is used or reused.
 ``WriteStorageTask.timeout``, 30 s by default; FastDeploy's manager does not bound them: "TODO: support
 timeout with actual block count", ~795). The first chunk is ``FIRST_CHUNK`` blocks, each next at most twice
 the last and small enough to end, at the last one's pace, within half the time left; past the deadline no
-chunk is sent, and the blocks every rank moved so far are what the task did. A slow store costs the task
-its blocks, never the rank.
+chunk is sent, the one in flight ends, and the blocks every rank moved so far are what the task did (a read
+reports them loaded, the rest not). A slow store costs the task its blocks, never the rank.
 
 A task is tried until it moves or its deadline passes. A swap is idempotent as FastDeploy issues it (the
 engine recycles neither source nor target blocks before it has read the result, ``prefix_cache_manager.py``
