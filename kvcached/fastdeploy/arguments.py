@@ -30,21 +30,18 @@ from kvcached.protocol.errors import InvalidSpec
 from kvcached.protocol.names import MAX_SOCKET_PATH
 from kvcached.protocol.spec import CacheSpec
 
-#: The spec field -> the FastDeploy argument that carries it.
+#: The spec field -> the FastDeploy argument that carries it (a field not here: the argument of its name).
 ARGUMENT_OF = {
     "num_blocks": "key_cache_shape",
     "kv_heads": "key_cache_shape",
     "block_size": "key_cache_shape",
     "head_dim": "key_cache_shape",
     "mla": "value_cache_shape",
-    "num_layers": "num_layers",
     "mtp_layers": "num_layers",
     "mtp_num_blocks": "speculative_config",
     "dtype": "cache_dtype",
     "block_wise_fp8": "cache_dtype",
     "scale_dtype": "default_dtype",
-    "num_cpu_blocks": "num_cpu_blocks",
-    "splitwise_role": "splitwise_role",
 }
 
 
