@@ -132,9 +132,8 @@ class Handlers:
         """``read_storage_task``: the stored prefix of the task's keys into its first GPU blocks, reported
         once no rank's part of it can still write (``kvcached.fastdeploy.mover``)."""
         assert self.mover is not None
-        keys, gpu_ids = self._task(task)
-        gpu_ids = gpu_ids[: len(keys)]  # a key per full block; the last GPU block may hold a partial one
-        store_keys = [store_key(k, self.key_prefix) for k in keys]
+        store_keys, gpu_ids = self._task(task)
+        gpu_ids = gpu_ids[: len(store_keys)]  # a key per full block; the last GPU block may hold a partial one
         done = self.mover.load(store_keys, gpu_ids, self._timeout(task), f"storage read {task.task_id!r}")
         if self._end_if_unservable(done):
             return
@@ -153,10 +152,9 @@ class Handlers:
         counts from when it was taken, and a part still running ``ENGINE_MARGIN_S`` before the engine stops
         waiting ends the rank (the patched launcher then stops the engine before it reuses them)."""
         assert self.mover is not None
-        keys, gpu_ids = self._task(task)
-        if len(keys) != len(gpu_ids):
-            raise Malformed(f"{len(keys)} keys for {len(gpu_ids)} GPU blocks")
-        store_keys = [store_key(k, self.key_prefix) for k in keys]
+        store_keys, gpu_ids = self._task(task)
+        if len(store_keys) != len(gpu_ids):
+            raise Malformed(f"{len(store_keys)} keys for {len(gpu_ids)} GPU blocks")
         started = taken if taken is not None else time.monotonic()
         seconds, by = self._timeout(task), None
         engine_wait = self.facts.write_wait_s
@@ -165,7 +163,7 @@ class Handlers:
             seconds = min(seconds, engine_wait - 2 * ENGINE_MARGIN_S)
         stored = self.mover.stored(store_keys, max(seconds - (time.monotonic() - started), 0.001))
         done = Done(Outcome.MOVED)
-        if stored < len(keys):
+        if stored < len(store_keys):
             left = max(seconds - (time.monotonic() - started), 0.001)
             what = f"storage write {task.task_id!r}"
             done = self.mover.store(store_keys[stored:], gpu_ids[stored:], left, what, by)
@@ -179,12 +177,13 @@ class Handlers:
         else:
             self._put((*result, written))
 
-    @staticmethod
-    def _task(task: Any) -> tuple[list[str], list[int]]:
+    def _task(self, task: Any) -> tuple[list[bytes], list[int]]:
+        """The kvcached store keys of a storage task's keys, and its GPU block ids; else ``Malformed``."""
         keys = getattr(task, "keys", None)
         if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
             raise Malformed(f"storage task keys must be a list of strings, got {keys!r:.120}")
-        return list(keys), block_ids(getattr(task, "gpu_block_ids", None), "gpu_block_ids")
+        gpu_ids = block_ids(getattr(task, "gpu_block_ids", None), "gpu_block_ids")
+        return [store_key(k, self.key_prefix) for k in keys], gpu_ids
 
     def _timeout(self, task: Any) -> float:
         timeout = getattr(task, "timeout", None)
