@@ -1,13 +1,12 @@
 """Everything the drop-in touches of FastDeploy, behind one small interface.
 
-The drop-in (``kvcached.fastdeploy.transfer_manager``) speaks to FastDeploy's engine through its cache
-task queue (``EngineCacheQueue``), its flag arrays (``IPCSignal``), its task and status types, and the
-queue its control responses go back on (``FMQ``). ``FastDeploy`` lists those calls; ``RealFastDeploy``
-makes them with FastDeploy's own modules (on a host where FastDeploy is installed); the tests give the
-drop-in FastDeploy's own ``engine_cache_queue.py`` and ``ipc_signal.py`` from a checkout, or a double
-written from them, through the same interface. So the translation logic is tested without FastDeploy
-installed, and nothing else of kvcached imports FastDeploy. Nothing of FastDeploy is read as source: where
-the cache queue is comes from the patched launcher (``kvcached.fastdeploy.arguments.line_facts``).
+The drop-in speaks to FastDeploy's engine through its cache task queue (``EngineCacheQueue``), its flag
+arrays (``IPCSignal``), its task and status types, and the queue its control responses go back on
+(``FMQ``). ``FastDeploy`` lists those calls; ``RealFastDeploy`` makes them with FastDeploy's own modules;
+the tests give the drop-in FastDeploy's own ``engine_cache_queue.py`` and ``ipc_signal.py`` from a checkout,
+or a double written from them, through the same interface: the translation logic is tested without
+FastDeploy installed, and nothing else of kvcached imports FastDeploy. Nothing of FastDeploy is read as
+source (where the cache queue is comes from the patched launcher: ``arguments.line_facts``).
 """
 
 from __future__ import annotations

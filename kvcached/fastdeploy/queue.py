@@ -1,11 +1,8 @@
-"""Rank 0's two uses of FastDeploy's cache queue beyond its public calls, in one place.
-
-Rank 0's drop-in serves every rank of its group (``kvcached.fastdeploy.transfer_manager``), so it takes
-each task for all of them and puts the results of all of them. FastDeploy's ``EngineCacheQueue``
-(``inter_communicator/engine_cache_queue.py``, e53f5184) offers per-client calls only; these two go one level
-down, to the proxies those calls use, under the same lock where FastDeploy's calls take one, and leave the
-queue as the per-client calls would. A queue of another FastDeploy line with other internals needs only
-this module changed.
+"""Rank 0's two uses of FastDeploy's cache queue beyond its public calls, in one place: rank 0's drop-in
+serves every rank of its group, so it takes each task and puts the results for all of them, one level
+below ``EngineCacheQueue``'s per-client calls (``inter_communicator/engine_cache_queue.py``, e53f5184), on
+the proxies those calls use, leaving the queue as the per-client calls would. A queue of another FastDeploy
+line with other internals needs only this module changed.
 """
 
 from __future__ import annotations
