@@ -5,23 +5,25 @@ The result forms are the ones FastDeploy's result thread reads (``prefix_cache_m
 that did not move (docs/fastdeploy.md tabulates them, *What is reported*):
 
 * ``SWAP2CPU`` (eviction, ``_evict_cache_async`` ~1360-1404): not moved, ``(event, id, [], [], [])``: the
-  engine handles no node (~2178), so each stays SWAP2CPU on its GPU block, which keeps its bytes; a later
-  match uses that block (``mm_match_block`` ~1702-1708). The task's CPU blocks stay allocated (logged).
+  engine handles no node (``for i in range(length)``, ~2178), so each stays SWAP2CPU on its GPU block, which
+  keeps its bytes; a later match uses that block (``mm_match_block`` ~1702-1708). The task's CPU blocks stay
+  allocated (logged).
 * ``SWAP2GPU`` (``request_match_blocks`` -> ``_prepare_cpu_cache`` ~796-813): once the event is set the
   engine takes the receiving GPU blocks as the request's prefix (~884) whatever the result lists, and an
   unanswered one hangs the scheduler (it waits holding ``request_release_lock``, ~582-592, ~759): no form
   of "not done" is safe. So a swap-in is sent again until it moves, or the rank ends (``Engine.end``).
-* ``STORAGE2GPU`` (~2153-2163): the blocks every rank loaded, put once per rank (the engine takes the
-  shortest, recomputes the rest and recycles their blocks, ~880).
-* ``GPU2STORAGE`` (~2164-2168): the ids written; the engine only wakes its waiter. On 2.6
-  (``--kvcached-write-reports every-rank``) every rank answers with the task's blocks the store holds, the
-  engine keeping the shortest (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458,
-  ``cache_transfer_manager.py`` ~1303-1305 there).
+* ``STORAGE2GPU`` (~2153-2163): the blocks every rank loaded (``[]`` when none), put once per rank (the
+  engine takes the shortest, recomputes the rest and recycles their blocks, ~880).
+* ``GPU2STORAGE`` (~2164-2168): the ids written (``[]`` when none); the engine only wakes its waiter. On 2.6
+  (``--kvcached-write-reports every-rank``) every rank answers with the task's blocks the store holds (the
+  prefix found stored and the blocks written), the engine keeping the shortest and counting it against the
+  task's blocks (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458, ``cache_transfer_manager.py``
+  ~1303-1305 there).
 
-Storage is FastDeploy's manager's (``read_storage_task`` ~758-830, ``write_back_storage_task`` ~947-1025):
-one key per full block (none for a partial last one); a read loads the stored prefix into the first GPU
-ids, a write stores the blocks past the prefix already stored. The handlers reach the drop-in that runs
-them through ``Engine`` alone.
+Storage is FastDeploy's manager's (``cache_transfer_manager.py`` ``read_storage_task`` ~758-830,
+``write_back_storage_task`` ~947-1025): one key per full block (none for a partial last one); a read loads
+the stored prefix into the first GPU ids, a write stores the blocks past the prefix already stored. The
+handlers reach the drop-in that runs them through ``Engine`` alone.
 """
 
 from __future__ import annotations
