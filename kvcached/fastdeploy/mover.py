@@ -10,7 +10,7 @@ all in flight at once), so what it reports is what happened.
 part has ended: its worker answered (a store call only once it can no longer write:
 ``kvcached.daemon.store_agent`` kills a timed-out agent before it fails the task) or died (``TaskLost``),
 whatever the first to end said, as FastDeploy's managers meet at a barrier before rank 0 reports
-(``read_storage_task`` ~820-824, ``write_back_storage_task`` ~1003-1009). A part not ended ``deadline_s``
+(``read_storage_task`` ~828-829, ``write_back_storage_task`` ~1017-1019). A part not ended ``deadline_s``
 after the task's own deadline makes the rank unservable: the drop-in ends without reporting it and the
 patched engine stops, so that no block it may still write is used or reused.
 

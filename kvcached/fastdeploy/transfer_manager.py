@@ -240,7 +240,7 @@ class TransferManager:
     @staticmethod
     def _dropped(event: Any, rest: tuple[Any, ...]) -> None:
         """A task taken while paused is dropped, as FastDeploy's own transfer loop drops it (``continue``,
-        ``do_data_transfer`` ~1262-1266), but never silently: the engine waits for its result."""
+        ``do_data_transfer`` ~1240-1242), but never silently: the engine waits for its result."""
         first = rest[0] if rest else None
         task_id = getattr(first, "task_id", first)
         log.error(
