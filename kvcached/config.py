@@ -83,7 +83,7 @@ IGNORED_WHY = (
 #: Knobs kept so that existing command lines and files still start; set, each is named in a warning.
 DEPRECATED = ("ipc_suffix", "engine_user")
 
-#: The knobs of the daemon itself, in --help order. Spec knobs carry the CacheSpec field they set.
+#: The knobs of the daemon itself, in --help order (the CacheSpec field a spec knob sets: ``SPEC_FIELDS``).
 CORE: tuple[Knob, ...] = (
     Knob("ranks", knobs.integer(1, MAX_RANKS), 8, "Ranks (one worker each).", "N"),
     Knob(

@@ -159,7 +159,7 @@ def not_applied(pid: int) -> list[str]:
     try:
         text = os.fsdecode(Path(f"/proc/{pid}/environ").read_bytes())  # as os.environ decodes: same bytes, equal
     except OSError:
-        return [f"{name}={value} (the daemon's: unreadable)" for name, value in mine.items()]
+        return [printable(f"{name}={value} (the daemon's: unreadable)") for name, value in mine.items()]
     theirs = dict(item.split("=", 1) for item in text.split("\0") if "=" in item)
     return [
         printable(f"{name}={value} (the daemon's: {theirs.get(name, 'unset')})")
