@@ -269,7 +269,7 @@ class FileStore(Store):
         if outcome.landed < len(keys):
             self.counters.misses += 1
         if outcome.why is not None:
-            key, path = keys[outcome.failed], paths[outcome.failed]
+            key, path = keys[outcome.landed], paths[outcome.landed]
             self.log.warning("store object unusable, removed", key=key.hex(), path=str(path), reason=outcome.why)
             _remove(path)
             self._forget(key)

@@ -125,11 +125,10 @@ def read_object(path: Path, size: int, targets: Targets, i: int, bounce: memoryv
 
 @dataclasses.dataclass(slots=True)
 class Outcome:
-    """What a load did: ``landed`` leading objects handed to the sink; ``failed`` the index that stopped
-    it (or the count asked for) and ``why``."""
+    """What a load did: ``landed`` leading objects verified; ``why`` the next one did not (None: every one
+    asked for landed)."""
 
     landed: int
-    failed: int
     why: str | None = None
 
 
@@ -207,8 +206,8 @@ class Reader:
         for i in range(min(reads.stop + 1, len(keys))):
             why = verdict(self.identity, keys[i], reads.read(i))
             if why is not None:
-                return Outcome(i, i, why)
-        return Outcome(len(keys), len(keys))
+                return Outcome(i, why)
+        return Outcome(len(keys))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
