@@ -155,7 +155,7 @@ class StoreCalls:
 
     def _could_not_open(self) -> None:
         """The agent said why it could not open its store (logged once: ``_absorb``), and exited: reap it; the
-        next starts ``retry_s`` later (``_drain``), twice as late after each failure in a row."""
+        next starts ``retry_s`` later (``maintain``), twice as late after each failure in a row."""
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
         assert self.sock is not None
@@ -196,7 +196,7 @@ class StoreCalls:
         """``store.<method>(*args)`` in the agent (see ``_dispatch`` for the methods and their arguments),
         within the deadline. Raises ``StoreUnavailable`` when the store is not open yet, still busy with a
         call that timed out, or makes no progress for ``timeout`` seconds; re-raises the store's errors."""
-        self._drain()
+        self.maintain()
         if self.open_error is not None and not self.opened:
             raise StoreUnavailable(self._not_open())
         if self.waiting_for is not None:
@@ -232,10 +232,6 @@ class StoreCalls:
                     raise StoreUnavailable(f"{why}; its agent was stopped and a new one is starting")
                 self.waiting_for = (seq, time.monotonic() - self.timeout_s, method)
                 raise StoreUnavailable(why)
-
-    def maintain(self) -> None:
-        """Take in what the agent sent meanwhile (counters after its idle checks), without waiting."""
-        self._drain()
 
     @property
     def unavailable(self) -> bool:
@@ -282,10 +278,11 @@ class StoreCalls:
             if self.waiting_for is not None and self.waiting_for[0] == message[1]:
                 self.waiting_for = None  # the stuck call finished: the store takes calls again
 
-    def _drain(self) -> None:
-        """Take in every message already received, without waiting; start the next agent when one that could
-        not open its store waited its back-off. An agent found dead here (killed while idle) has already been
-        replaced by ``_receive``: that costs nothing more, and the next call finds it opened or opening."""
+    def maintain(self) -> None:
+        """Take in every message already received (counters after the agent's idle checks), without waiting;
+        start the next agent when one that could not open its store waited its back-off. An agent found dead
+        here (killed while idle) has already been replaced by ``_receive``: that costs nothing more, and the
+        next call finds it opened or opening."""
         try:
             while self.sock is not None and (message := self._receive(0.0)) is not None:
                 with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):
@@ -360,26 +357,11 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
     if calls.device is not None:  # page tables of the inherited mapping, so the first loads take no faults
         shm.prefault_ranges(calls.device.ranges())
     send(("opened", None, dataclasses.asdict(store.counters)))
-    _serve(sock, store, _Places(calls.staging, calls.device), send, calling)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Places:
-    """Where the agent's calls find and put block records: staging rows, or the device blocks (``direct``)."""
-
-    staging: Any
-    device: DeviceBlocks | None
-
-    def staging_rows(self, count: int) -> Targets:
-        return Targets(Side.of([self.staging]), range(count))
-
-    def blocks(self, ids: list[int]) -> Targets:
-        assert self.device is not None
-        return Targets(self.device.side, ids)
+    _serve(sock, store, calls, send, calling)
 
 
 def _serve(
-    sock: socket.socket, store: Store, places: _Places, send: Callable[[Any], None], calling: list[str]
+    sock: socket.socket, store: Store, calls: StoreCalls, send: Callable[[Any], None], calling: list[str]
 ) -> NoReturn:
     """Serve calls until the worker closes its end; between calls, check the store once a second.
     ``calling[0]`` names the method under way (for the ``load-step`` fault)."""
@@ -407,7 +389,7 @@ def _serve(
             seq, method, args = message
             calling[0] = method
             try:
-                reply: Any = ("reply", seq, True, _dispatch(store, places, method, args))
+                reply: Any = ("reply", seq, True, _dispatch(store, calls, method, args))
             except BaseException as exc:
                 reply = ("reply", seq, False, _describe(exc))
             last = dataclasses.asdict(store.counters)
@@ -441,26 +423,27 @@ def _become_agent(sock: socket.socket, parent: int) -> None:
     sock.setblocking(True)
 
 
-def _dispatch(store: Store, places: _Places, method: str, args: tuple[Any, ...]) -> Any:
+def _dispatch(store: Store, calls: StoreCalls, method: str, args: tuple[Any, ...]) -> Any:
     """The calls the worker sends: ``put_many(keys)`` (records in staging rows 0..n-1), ``load_prefix(keys)``
     (records into staging rows 0..), ``put_blocks(keys, ids)`` and ``load_blocks(keys, ids, ahead)`` (records
     in device blocks ``ids``, ``direct``; ``ahead``: the next load's keys, ``Store.expect``),
     ``present(keys)``, ``protect(keys)``."""
     if method == "put_blocks":
         keys, ids = args
-        assert places.device is not None
-        return store.put_many(keys, [places.device.record(block) for block in ids])
+        assert calls.device is not None
+        return store.put_many(keys, [calls.device.record(block) for block in ids])
     if method == "load_blocks":
         keys, ids, ahead = args
         if ahead:
             store.expect(ahead)
-        return store.load_prefix(keys, places.blocks(ids))
+        assert calls.device is not None
+        return store.load_prefix(keys, Targets(calls.device.side, ids))
     if method == "put_many":
         (keys,) = args
-        return store.put_many(keys, [[memoryview(places.staging[i])] for i in range(len(keys))])
+        return store.put_many(keys, [[memoryview(calls.staging[i])] for i in range(len(keys))])
     if method == "load_prefix":
         (keys,) = args
-        return store.load_prefix(keys, places.staging_rows(len(keys)))
+        return store.load_prefix(keys, Targets(Side.of([calls.staging]), range(len(keys))))
     if method == "present":
         return store.present(args[0])
     if method == "protect":
