@@ -100,16 +100,11 @@ class RankTiers:
                 until_done()
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGKILL us when the supervisor dies, then close the race with its death."""
-    if not die_with_parent(parent):
-        os._exit(EXIT_FAILURE)
-
-
 def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: StatsSlot) -> NoReturn:
     """Entry point in the forked child. Never returns: exits with a status for the supervisor's log.
     ``stats`` is the rank's slot in the control block, the only part of it the worker writes."""
-    _die_with_parent(parent)
+    if not die_with_parent(parent):  # the kernel SIGKILLs us when the supervisor dies (it died already: exit)
+        os._exit(EXIT_FAILURE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the supervisor's to handle
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
@@ -394,14 +389,8 @@ class Service:
         stats: StatsSlot,
         log: logs.Logger,
     ) -> None:
-        self.sock, self.selector, self.frames, self.tasks, self.stats, self.log = (
-            sock,
-            selector,
-            frames,
-            tasks,
-            stats,
-            log,
-        )
+        self.sock, self.selector, self.frames = sock, selector, frames
+        self.tasks, self.stats, self.log = tasks, stats, log
         self.draining_until = 0.0  # set by Stop(drain=True): answer what clients send NOT_RUN until they are quiet
         self.status: int | None = None  # set when told to stop
         selector.register(sock, selectors.EVENT_READ, self._on_supervisor)
