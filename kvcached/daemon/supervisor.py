@@ -290,9 +290,6 @@ class Supervisor:
         assert self.block is not None
         slot.update(self.block, **changes)
 
-    def _progress_text(self) -> str:
-        return progress_text(self.records, self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec))
-
     def _show_progress(self) -> None:
         if self.on_progress is not None:
             self.on_progress(self.records)
@@ -344,7 +341,8 @@ class Supervisor:
                 self._set(slot, total_bytes=total)
             case channel.Progress(done=done):
                 self._set(slot, reserved_bytes=done)
-                self.notify.status(self._progress_text(), throttle_s=0.5)
+                per_rank = self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec)
+                self.notify.status(progress_text(self.records, per_rank), throttle_s=0.5)
                 self._show_progress()
             case channel.Ready():
                 worker.ready = True
@@ -411,8 +409,8 @@ class Supervisor:
             for slot in self.slots:
                 if keep or slot.record.state is not State.FAILED:
                     self._set(slot, state=State.KEPT if keep else State.STOPPING)
-        if keep and asked.restart and self.backend.outlives_worker:
-            self._leave_workers_serving()
+        if keep and asked.restart and self.backend.outlives_worker:  # the workers serve on, for the next image
+            self.handover.pass_on(self._let_go())
         else:
             self._stop_workers(drain=keep)
         if not self.locks.held:
@@ -444,10 +442,6 @@ class Supervisor:
             generations=(self.generation, self.arena_id),
             log=self.log,
         )
-
-    def _leave_workers_serving(self) -> None:
-        """A restart: every worker goes on serving, its channel open across the exec for the next image."""
-        self.handover.pass_on(self._let_go())
 
     def _stop_workers(self, *, drain: bool) -> None:
         """Stop every worker, and every worker of the image before still serving (``ranks.stop_children``)."""
