@@ -88,16 +88,10 @@ def claim_from_env(log: logs.Logger) -> Claim | None:
     return Claim(generation, workers)
 
 
-def env_for(generation: int, workers: dict[int, Worker]) -> str:
-    """The value of ``HANDOVER_ENV`` for the next image."""
-    listed = {str(rank): [pid, sock.fileno()] for rank, (pid, sock) in workers.items()}
-    return json.dumps({"generation": f"{generation:016x}", "workers": listed})
-
-
-def from_this_process(claim: Claim, block: ControlBlock | None) -> bool:
+def from_this_process(claim: Claim, block: ControlBlock) -> bool:
     """Whether ``block`` (the instance's control block) was published by an earlier image of this process
     in the generation ``claim`` names."""
-    if block is None or not block.published:
+    if not block.published:
         return False
     try:
         header = block.header()
@@ -105,34 +99,6 @@ def from_this_process(claim: Claim, block: ControlBlock | None) -> bool:
         return False
     same = header.generation == claim.generation
     return (header.daemon_pid, header.daemon_start) == self_identity() and same
-
-
-def take(claim: Claim, instance: str, strays: list[int], log: logs.Logger) -> tuple[bool, dict[int, Worker]]:
-    """(whether ``claim`` is an earlier image's of this process, the workers of it that check out)."""
-    block = None
-    with contextlib.suppress(KVCacheError):
-        block = ControlBlock.open(instance)
-    try:
-        if block is None or not from_this_process(claim, block):
-            log.warning(f"ignoring {HANDOVER_ENV}: not left by an earlier image of this daemon")
-            return False, {}
-        return True, take_workers(claim, block, strays, log)
-    finally:
-        if block is not None:
-            block.close()
-
-
-def why_no_restart(records: list[Record], handing_over: bool, preflight: Preflight | None) -> str:
-    """Why a restart cannot be done now ("" when it can): a rank not READY (the daemon is still starting, or
-    replacing a worker), the last image's workers still handing over, or a next image that could not
-    load its configuration, or could not adopt the memory with it (``preflight``)."""
-    waiting = [f"{r.rank} {r.state.name}" for r in records if r.state is not State.READY]
-    if waiting:
-        return f"not every rank is READY (rank {', '.join(waiting)}): try again once they are"
-    if handing_over:
-        return "the last restart's workers are still handing their ranks over: try again in a moment"
-    why = preflight() if preflight is not None else ""
-    return f"the daemon the restart would execute refuses the configuration: {why}" if why else ""
 
 
 def take_workers(claim: Claim, block: ControlBlock, strays: list[int], log: logs.Logger) -> dict[int, Worker]:
@@ -207,7 +173,17 @@ class Handover:
         is a restart's."""
         if self.claim is None:
             return
-        self.restarted, taken = take(self.claim, instance, self.strays, self.log)
+        block = None
+        with contextlib.suppress(KVCacheError):
+            block = ControlBlock.open(instance)
+        try:
+            if block is None or not from_this_process(self.claim, block):
+                self.log.warning(f"ignoring {HANDOVER_ENV}: not left by an earlier image of this daemon")
+                return
+            self.restarted, taken = True, take_workers(self.claim, block, self.strays, self.log)
+        finally:
+            if block is not None:
+                block.close()
         for rank, (pid, sock) in taken.items():
             self.predecessors[rank] = Child(pid, sock, ready=True)
             self.selector.register(sock, selectors.EVENT_READ, functools.partial(self._on_message, rank))
@@ -291,11 +267,20 @@ class Handover:
 
     def env(self, generation: int) -> str:
         """The value of ``HANDOVER_ENV`` for the next image."""
-        return env_for(generation, {rank: (child.pid, child.channel) for rank, child in self.passing.items()})
+        listed = {str(rank): [child.pid, child.channel.fileno()] for rank, child in self.passing.items()}
+        return json.dumps({"generation": f"{generation:016x}", "workers": listed})
 
     def why_not_now(self, records: list[Record], preflight: Preflight | None) -> str:
-        """Why a restart cannot be done now ("" when it can): see ``why_no_restart``."""
-        return why_no_restart(records, bool(self.predecessors), preflight)
+        """Why a restart cannot be done now ("" when it can): a rank not READY (the daemon is still starting,
+        or replacing a worker), the last image's workers still handing over, or a next image that could not
+        load its configuration, or could not adopt the memory with it (``preflight``)."""
+        waiting = [f"{r.rank} {r.state.name}" for r in records if r.state is not State.READY]
+        if waiting:
+            return f"not every rank is READY (rank {', '.join(waiting)}): try again once they are"
+        if self.predecessors:
+            return "the last restart's workers are still handing their ranks over: try again in a moment"
+        why = preflight() if preflight is not None else ""
+        return f"the daemon the restart would execute refuses the configuration: {why}" if why else ""
 
 
 def block_requests() -> None:
