@@ -185,7 +185,6 @@ class Declarations:
         return self.sock.fileno()
 
     def fds(self) -> list[int]:
-        """What to wait on: the listening socket and every open connection."""
         return [self.sock.fileno(), *self.open]
 
     def timeout(self, longest: float) -> float:

@@ -78,7 +78,6 @@ def check_env() -> None:
 
 
 def fault(step: str) -> None:
-    """Carry out the action planned for ``step``, if any."""
     text = os.environ.get("KVCACHED_FAULT")
     if not text:
         return

@@ -113,8 +113,6 @@ class Limits:
 
 
 class Request(NamedTuple):
-    """One whole request frame."""
-
     op: int
     flags: int
     task_id: int
@@ -208,7 +206,6 @@ class FrameServer:
     # -- the listener ---------------------------------------------------------------------------------
 
     def listen(self) -> None:
-        """Start accepting connections."""
         self.selector.register(self.listener, selectors.EVENT_READ, lambda _events: self.accept())
         self.listening = True
 
@@ -343,7 +340,6 @@ class FrameServer:
         sock.close()
 
     def on_event(self, sock: socket.socket, events: int) -> None:
-        """Handle the selector's news for a client connection."""
         client = self.conns.get(sock.fileno())
         if client is None:
             return
@@ -371,7 +367,6 @@ class FrameServer:
         return True
 
     def sending(self) -> bool:
-        """Whether a reply is still queued for a client."""
         return any(client.outbuf for client in self.conns.values())
 
     def flush_all(self, seconds: float) -> None:
@@ -430,7 +425,6 @@ class FrameServer:
         return self._wait_turn(client) if _whole_request(client) else self._turn(client)
 
     def _wait_turn(self, client: Client) -> bool:
-        """Put ``client`` in the backlog, in its round, if it has a whole request."""
         if _whole_request(client) and client not in self.backlog:
             client.round = self.round + 1 if client.served >= self.round else self.round
             self.backlog[client] = None
@@ -588,7 +582,6 @@ class FrameServer:
 
 
 def _whole_request(client: Client) -> bool:
-    """Whether a whole request of ``client`` is buffered."""
     if client.frame is not None:
         return client.filled == len(client.frame)
     if len(client.inbuf) < REQUEST.size:

@@ -266,7 +266,6 @@ class Handover:
         self.log.info("handing the workers to the next image", workers=len(self.passing))
 
     def env(self, generation: int) -> str:
-        """The value of ``HANDOVER_ENV`` for the next image."""
         listed = {str(rank): [child.pid, child.channel.fileno()] for rank, child in self.passing.items()}
         return json.dumps({"generation": f"{generation:016x}", "workers": listed})
 

@@ -89,11 +89,9 @@ class KeyDirectory:
         return cls(name, mapping, slots)
 
     def __len__(self) -> int:
-        """Valid slots."""
         return len(self._key_of)
 
     def find(self, key: bytes) -> int | None:
-        """A CPU block that holds ``key``'s bytes, or None."""
         blocks = self._where.get(key)
         return min(blocks) if blocks else None
 

@@ -259,7 +259,6 @@ def why_untrusted_file(path: Path, owner: int | None = None) -> str:
 
 
 def process_uid(pid: int) -> int | None:
-    """The effective uid of process ``pid``, or None when it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("Uid:"):

@@ -37,7 +37,6 @@ class Notifier:
         self.last_status = 0.0
 
     def send(self, **fields: object) -> None:
-        """Send one datagram of ``KEY=VALUE`` lines (keys as given, e.g. ``READY=1``)."""
         if self.sock is None:
             return
         text = "\n".join(f"{key}={str(value).replace(chr(10), ' ')}" for key, value in fields.items())
@@ -45,7 +44,6 @@ class Notifier:
             self.sock.sendto(text.encode(), self.address)
 
     def status(self, text: str, *, throttle_s: float = 0.0) -> None:
-        """``STATUS=text``, at most once per ``throttle_s``."""
         now = time.monotonic()
         if throttle_s and now - self.last_status < throttle_s:
             return
@@ -57,7 +55,6 @@ class Notifier:
         return self.watchdog_s / 2 if self.watchdog_s else None
 
     def ping_if_due(self) -> None:
-        """``WATCHDOG=1`` when half the watchdog interval has passed since the last one."""
         if not self.watchdog_s:
             return
         now = time.monotonic()

@@ -106,7 +106,6 @@ class RankSlot:
         return changed
 
     def hired(self, worker: Child, seen: int) -> None:
-        """``worker`` serves the rank from now on; its progress counter reads ``seen``."""
         self.worker, self.seen, self.still_s = worker, seen, 0.0
 
     def heard(self) -> None:
@@ -115,7 +114,6 @@ class RankSlot:
         self.record.heartbeat_ns = time.monotonic_ns()
 
     def progressed(self, seen: int) -> bool:
-        """Whether the progress counter moved since the last look (it reads ``seen`` now)."""
         if seen == self.seen:
             return False
         self.seen, self.still_s = seen, 0.0
@@ -228,7 +226,6 @@ def create_semaphores(instance: str, generation: int, ranks: int, access: Access
 
 
 def remove_semaphores(sems: Iterable[posix_ipc.Semaphore]) -> None:
-    """Unlink and close each of ``sems`` (one already unlinked is closed)."""
     for sem in sems:
         with contextlib.suppress(posix_ipc.ExistentialError):
             sem.unlink()
@@ -236,7 +233,6 @@ def remove_semaphores(sems: Iterable[posix_ipc.Semaphore]) -> None:
 
 
 def progress_text(records: list[Record], per_rank_bytes: int) -> str:
-    """One line of allocation progress: ranks ready and bytes reserved of all."""
     ready = sum(r.state is State.READY for r in records)
     done = sum(r.reserved_bytes for r in records)
     total = per_rank_bytes * len(records)

@@ -114,7 +114,6 @@ def backend_files(instance: str) -> list[Path]:
 
 
 def unlink_entries(entries: list[Path]) -> None:
-    """Unlink /dev/shm entries (shm objects or semaphores); ones already gone are skipped."""
     for entry in entries:
         name, is_sem = posix_name(entry)
         with contextlib.suppress(posix_ipc.ExistentialError):

@@ -80,7 +80,6 @@ class TaskServer:
     # -- tasks ----------------------------------------------------------------------------------------
 
     def execute(self, client: Client, request: Request) -> bytes:
-        """Run one request of ``client``; its reply."""
         op, flags, task_id, payload = request
         try:
             if op == Op.HELLO:

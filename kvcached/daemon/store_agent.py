@@ -77,7 +77,6 @@ def _reader() -> framing.Reader:
 
 
 def _next(frames: framing.Reader) -> Any | None:
-    """The next whole message ``frames`` holds, or None."""
     body = frames.next()
     return None if body is None else pickle.loads(body)
 
@@ -164,7 +163,6 @@ class StoreCalls:
         self.retry_s = min(RETRY_MAX_S, 2 * self.retry_s)
 
     def _not_open(self) -> str:
-        """What a store task is told while the store cannot open."""
         when = "" if self.retry_at is None else f" (trying again in {max(0.0, self.retry_at - time.monotonic()):.1f}s)"
         return f"the {self.name} store cannot open: {self.open_error}{when}"
 
@@ -307,7 +305,6 @@ class StoreCalls:
             self.sock.setblocking(False)
 
     def _receive(self, seconds: float) -> tuple[Any, ...] | None:
-        """One whole message from the agent within ``seconds``, or None."""
         assert self.sock is not None
         deadline = time.monotonic() + seconds
         while True:

@@ -118,7 +118,6 @@ class Supervisor:
     # -- entry ----------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Start, serve until told to stop or a rank fails, clean up; return the exit status."""
         structlog.contextvars.bind_contextvars(instance=self.instance)
         self.requests.install()
         self._watch(self.requests, self._on_signals)

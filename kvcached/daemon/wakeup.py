@@ -41,7 +41,6 @@ class Requests:
         self.restart = False
 
     def install(self) -> None:
-        """Make the pipe and route every signal the daemon takes to it."""
         self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
         handled = (*STOP_SIGNALS, KEEP_SIGNAL, RESTART_SIGNAL, LOG_SIGNAL)

@@ -161,7 +161,6 @@ def _reporter(sock: socket.socket, total: int) -> Callable[[int], memory.base.Pr
 
 
 def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTiers:
-    """Create the rank's device tier and CPU pool, reporting progress to the supervisor."""
     backend = memory.get(plan.memory)
     request = plan.tier_request()
     spec = plan.spec
