@@ -1,21 +1,11 @@
 """Fatal errors of the daemon and the exit status each one carries.
 
-The exit statuses are a public interface: the systemd unit lists the configuration ones in
-``RestartPreventExitStatus=`` so that a bad config is not restarted in a loop.
-
-=====  ============================================================================
- 0     stopped cleanly (SIGTERM / SIGINT / ``kvcached stop``)
- 1     a rank failed while running (worker died or hung): restarting may help
- 2     command-line usage error (click)
- 3     another daemon already runs this instance
- 4     configuration error, including a spec for which the runner owns the cache
- 5     host resources: not enough /dev/shm, or our object names taken by someone else
-=====  ============================================================================
+The exit statuses are a public interface, each said in ``EXIT_STATUS_HELP`` (``start --help``): the systemd
+unit lists the configuration ones in ``RestartPreventExitStatus=`` so that a bad config is not restarted in a loop.
 """
 
 from __future__ import annotations
 
-#: The table above for ``--help``.
 EXIT_STATUS_HELP = (
     "Exit statuses of `start`: 0 stopped cleanly, 1 a rank failed at run time, 2 usage error (unknown option),\n"
     "3 instance already running, 4 configuration error (a value, a flag, a variable or a file key),\n"
@@ -24,12 +14,12 @@ EXIT_STATUS_HELP = (
     "2 usage, 4 configuration (doctor: only an --instance it cannot check)."
 )
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
+EXIT_OK = 0  # stopped cleanly (SIGTERM / SIGINT / ``kvcached stop``)
+EXIT_FAILURE = 1  # a rank failed while running (worker died or hung): restarting may help
+EXIT_USAGE = 2  # command-line usage error (click)
 EXIT_ALREADY_RUNNING = 3
-EXIT_CONFIG = 4
-EXIT_RESOURCES = 5
+EXIT_CONFIG = 4  # including a spec for which the runner owns the cache
+EXIT_RESOURCES = 5  # not enough /dev/shm, or our object names taken by someone else
 
 
 class Fatal(Exception):
