@@ -42,14 +42,8 @@ driven by the worker's selector. Nothing a client does can end the worker or sta
   gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
 
 Over 500 lines: the input budget, the turns and each connection's life are one piece of bookkeeping over the
-same connections, and a split would have each half reach into the other's.
-
-The budget's bookkeeping, over all connections::
-
-    buffered   bytes held in every connection's ``inbuf`` (large frames are not: they are ``reserved``)
-    reserved   the lengths of the large frames being filled in place (each reserved whole, or waited for)
-    starved    connections not read until the budget has room for what each waits for (``need``: the
-               length of its large frame; 0: any room below ``INPUT_BUDGET``)
+same connections, and a split would have each half reach into the other's. The budget's bookkeeping is
+``FrameServer``'s ``buffered``, ``reserved`` and ``starved`` (with each connection's ``need``).
 """
 
 from __future__ import annotations
@@ -136,7 +130,7 @@ class Client:
     frame: bytearray | None = None  # that frame's payload, filled in place
     frame_header: Request = NO_REQUEST  # that frame's header (payload empty)
     filled: int = 0
-    need: int = 0  # the length of a large frame waiting for room in the budget
+    need: int = 0  # the length of a large frame waiting for room in the budget (0: any room below it)
     partial_since: float = 0.0  # when the unfinished frame in inbuf started (0: none)
     events: int = 0  # what the selector watches now
     active: float = dataclasses.field(default_factory=time.monotonic)  # when it last sent a request
@@ -191,9 +185,9 @@ class FrameServer:
         self.who = who  # names this server in refusals: "the worker of rank 3"
         self.access = access or Access.for_daemon(None)
         self.conns: dict[int, Client] = {}
-        self.buffered = 0  # bytes in every connection's inbuf
-        self.reserved = 0  # bytes of INPUT_BUDGET reserved by unfinished large frames
-        self.starved: set[Client] = set()  # connections not read until the budget has room
+        self.buffered = 0  # bytes in every connection's inbuf (large frames are not: they are reserved)
+        self.reserved = 0  # bytes of INPUT_BUDGET reserved by the large frames being filled in place
+        self.starved: set[Client] = set()  # connections not read until the budget has room for their need
         #: Connections with whole requests waiting for their turn, in the order they joined (an ordered set).
         self.backlog: dict[Client, None] = {}
         self.round = 0  # the round under way
