@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import selectors
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from typing import Any
 
 from kvcached import logs
 from kvcached.daemon import channel, faults, requests
-from kvcached.daemon.ranks import Child, stop_children
+from kvcached.daemon.ranks import Child
 from kvcached.protocol.control import ControlBlock, Record, State
 from kvcached.protocol.errors import KVCacheError, ProtocolError, TornRead
 from kvcached.protocol.proc import self_identity
@@ -254,10 +253,6 @@ class Handover:
         self.drain_by.clear()
         return dropped
 
-    def stop_predecessors(self, *, grace_s: float) -> None:
-        """Stop the last image's workers (their memory is not adopted) and wait for them."""
-        stop_children(self.drop_predecessors(), grace_s=grace_s, drain=False)
-
     def pass_on(self, workers: dict[int, Child]) -> None:
         """Leave ``workers`` serving, each channel open across the exec for the next image to take."""
         for rank, worker in workers.items():
@@ -280,15 +275,6 @@ class Handover:
             return "the last restart's workers are still handing their ranks over: try again in a moment"
         why = preflight() if preflight is not None else ""
         return f"the daemon the restart would execute refuses the configuration: {why}" if why else ""
-
-
-def block_requests() -> None:
-    """Hold the request signals pending (they survive ``execv``) until the next image unblocks them."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, REQUEST_SIGNALS)
-
-
-def unblock_requests() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, REQUEST_SIGNALS)
 
 
 # -- what became of a restart signal ----------------------------------------------------------------------

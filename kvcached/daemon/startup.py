@@ -36,6 +36,7 @@ from kvcached.daemon import faults, lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_need, start_note
 from kvcached.daemon.exits import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
 from kvcached.daemon.handover import Handover, refusal_path
+from kvcached.daemon.ranks import stop_children
 from kvcached.daemon.reclaim import Leftovers, inspect_instance, remove_leftovers
 from kvcached.memory.shm import shm_free_bytes
 from kvcached.protocol.control import MAX_RUN_DIR, ControlBlock
@@ -207,7 +208,7 @@ def reclaim(
     note = start_note(verdict, [path for path, _ in found.squatters], handed_over=handed)
     if handover.predecessors and adoption is None:
         log.warning("stopping the last image's workers: their memory is not adopted")
-        handover.stop_predecessors(grace_s=grace_s)
+        stop_children(handover.drop_predecessors(), grace_s=grace_s, drain=False)
     count = remove_leftovers(found, keep=keep)
     if count:
         log.info("reclaimed objects of an earlier run", count=count)

@@ -46,7 +46,8 @@ class Requests:
         handled = (*STOP_SIGNALS, KEEP_SIGNAL, RESTART_SIGNAL, LOG_SIGNAL)
         for signum in (*handled, signal.SIGCHLD):
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the signal number
-        handover.unblock_requests()  # held by the image before, if a restart executed this one
+        # Held pending by the image before, if a restart executed this one (a mask survives ``execv``).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.REQUEST_SIGNALS)
 
     def fileno(self) -> int:
         return self.read_fd
@@ -115,7 +116,8 @@ class Requests:
             self.log.error("restart refused; serving on", reason=why)
             handover.record_outcome(self.refusals, self.generation(), why)
             return False
-        handover.block_requests()  # a stop or restart sent from now on waits for the next image
+        # A stop or restart sent from now on stays pending, across the exec, for the next image.
+        signal.pthread_sigmask(signal.SIG_BLOCK, handover.REQUEST_SIGNALS)
         handover.record_outcome(self.refusals, self.generation())  # one sent from now on is the next image's
         self.keep = self.restart = True
         faults.fault("restart-accepted")
