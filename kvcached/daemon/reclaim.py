@@ -40,14 +40,10 @@ class Leftovers:
     lock: Path | None = None
 
     @property
-    def paths(self) -> list[Path]:
-        return self.entries + self.sockets + self.files
-
-    @property
     def left(self) -> list[Path]:
         """Everything of the instance found, as `kvcached stop`, `doctor` and `doctor --clean` count a dead
-        run's leftovers alike: ``paths`` and the instance lock."""
-        return self.paths + ([self.lock] if self.lock is not None else [])
+        run's leftovers alike: entries, sockets, files and the instance lock."""
+        return self.entries + self.sockets + self.files + ([self.lock] if self.lock is not None else [])
 
 
 def squatter(path: Path, st: os.stat_result) -> str | None:
