@@ -78,21 +78,16 @@ def release_everything(
         return
     for request in tiers:
         backend.release(request)
-    release_store(config, log)
-    # Arenas, pools, key directories, a semaphore or arena a killed worker half-made. Objects refused at
-    # start-up carry neither name: they are not ours.
-    names = {f".{generation:016x}." for generation in generations}
-    unlink_entries([e for e in instance_shm_entries(config.instance) if any(n in e.name for n in names)])
-
-
-def release_store(config: DaemonConfig, log: logs.Logger) -> None:
-    """The store backend lets go of what it keeps across daemon runs (Mooncake keepers)."""
-    chosen = config.store
+    chosen = config.store  # it lets go of what it keeps across daemon runs (Mooncake keepers)
     if chosen.backend is not None:
         try:
             store.get(chosen.backend).release(chosen.options, instance=config.instance)
         except Exception as exc:  # a stop goes on: the keepers quit by themselves once the instance is gone
             log.warning("attention store: could not let go of what it keeps", reason=str(exc))
+    # Arenas, pools, key directories, a semaphore or arena a killed worker half-made. Objects refused at
+    # start-up carry neither name: they are not ours.
+    names = {f".{generation:016x}." for generation in generations}
+    unlink_entries([e for e in instance_shm_entries(config.instance) if any(n in e.name for n in names)])
 
 
 def release_stores(instance: str, run_dir: Path, *, but: str | None = None) -> tuple[list[str], list[str]]:
