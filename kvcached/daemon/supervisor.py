@@ -256,14 +256,10 @@ class Supervisor:
             worker = slot.worker
             status = worker.exit_status() if worker is not None else None
             if worker is not None and status is not None:
-                self._forget(slot)
+                slot.worker = None
+                self._unwatch(worker.channel)
+                worker.channel.close()
                 self._replace(slot, f"worker pid {worker.pid} {describe_exit(status)}")
-
-    def _forget(self, slot: RankSlot) -> None:
-        worker, slot.worker = slot.worker, None
-        if worker is not None:
-            self._unwatch(worker.channel)
-            worker.channel.close()
 
     def _check_progress(self, tick: float) -> None:
         """Kill workers whose progress counter stood still for ``worker_timeout`` seconds of our waking time

@@ -112,7 +112,10 @@ def worker_main(sock: socket.socket, *, parent: int, plan: WorkerPlan, stats: St
     structlog.contextvars.bind_contextvars(rank=plan.rank)
     log = logs.get("kvcached.worker")
     status = EXIT_FAILURE
-    raise_file_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:  # the soft open-file limit up to the hard one: the usual 1024 is low for a busy rank
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if plan.store.backend is not None and not plan.handover:
         stats.set(store_unavailable=1)  # until its store is open (a handover's predecessor serves it meanwhile)
     try:
@@ -426,11 +429,3 @@ class Service:
             self.draining_until = time.monotonic() + DRAIN_S
         elif message is None or isinstance(message, channel.Stop):
             self.status = EXIT_OK
-
-
-def raise_file_limit() -> None:
-    """Raise the soft open-file limit to the hard one (the usual 1024 is low for a busy rank)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
