@@ -14,14 +14,11 @@ first that does not is the reason it reclaims (logged, and shown by ``kvcached s
 
 An object of someone else under the instance's names is no reason to refuse: it is reported and left
 alone, never trusted (/dev/shm is writable by every user: refusing would let any of them make the next
-start throw the cache away).
-
-Nothing of the old run is trusted before that: a runner trusts a rank only when its record is READY in
-the generation of a live daemon (``runner_client.wait``), and the new daemon publishes its own generation
-and marks each rank READY only after its worker reopened it.
-An adopting start writes the adopted memory into its new records (RECOVERING) before its control block
-replaces the old one, so a kill at any step leaves a block that names the memory; and it gives every
-adopted object the mode and group this start was given (``conform``).
+start throw the cache away). Nothing of the old run is trusted before that: a runner trusts a rank only
+when its record is READY in the generation of a live daemon (``runner_client.wait``), and the new daemon
+publishes its own generation and marks each rank READY only after its worker reopened it. How an adopting
+start leaves a block that names the memory at every step, and gives it this start's mode and group
+(``conform``): docs/architecture.md, "The memory outlives the processes".
 """
 
 from __future__ import annotations

@@ -15,17 +15,9 @@ unrelated launcher that sets the variable changes nothing: its descriptors are l
 are not signalled, and ``--fresh`` still applies. A start given by a restart never applies ``--fresh``:
 the operator asked for the cache to be kept.
 
-Before an image stops for a restart it checks that the next one can load its configuration (``start
---check-config`` with the same arguments, run by the code installed now); if it cannot, or a start is
-still in progress, the restart is refused: the daemon serves on and writes why to ``refusal_path``, where
-``kvcached restart`` reads it. Signals that ask something of the daemon are blocked from the moment a
-restart is accepted until the next image has its handlers: a second restart or a stop sent meanwhile
-waits for it instead of killing a process that has none yet.
-
-``Handover`` is a restart as one image lives it, its state in one object: the workers the image before
-handed over (``predecessors``: each serves its rank until this image's worker of the rank is prepared,
-then drains, and is killed if it has not closed its channel ``DRAIN_S`` plus the stop timeout later),
-and the workers this image leaves serving for the next one (``passing``, written into ``env``).
+When a restart is refused, and why the request signals are blocked across the exec: docs/architecture.md
+("A restart is checked before anything stops"); a refusal is written to ``refusal_path`` for ``kvcached
+restart`` to print.
 """
 
 from __future__ import annotations
@@ -150,9 +142,11 @@ def _why_not_channel(sock: socket.socket) -> str:
 
 
 class Handover:
-    """A restart as this image lives it (see the module docstring). Each predecessor's channel is watched by
-    the supervisor's selector, its key's data the callback for it; ``on_gone(rank)`` is called when the
-    last image's worker of ``rank`` is done with it (the rank is the new worker's once that is prepared)."""
+    """A restart as this image lives it, its state in one object: the workers the image before handed over
+    (``predecessors``: each serves its rank until this image's worker of the rank is prepared, then drains:
+    ``relieve``) and those this image leaves serving for the next (``passing``, written into ``env``). Each
+    predecessor's channel is watched by the supervisor's selector, its key's data the callback for it;
+    ``on_gone(rank)`` is called when the last image's worker of ``rank`` is done with it."""
 
     def __init__(self, selector: selectors.BaseSelector, log: logs.Logger, *, on_gone: Callable[[int], None]) -> None:
         self.selector, self.log, self.on_gone = selector, log, on_gone

@@ -11,17 +11,12 @@ store of 30,000 blocks) takes the time it needs, one that stops (a frozen master
 ``StoreUnavailable``. While that call has not returned, store tasks fail at once ("still busy"); an agent
 stuck past ``ABANDON_AFTER`` timeouts is killed and a new one started.
 
-Block records never cross the socket. Where the device tier lives in host memory and the backend allows
-it (``StoreBackend.direct``: the file store, Mooncake), the agent reads and writes the device blocks
-themselves, through the worker's mapping it inherits at the fork (``kvcached.copy_engine.DeviceBlocks``): a
-put writes each block's pieces as they are, a load lands each record in its block and verifies it in the
-same pass (``kvcached.store.landing``), and the worker copies nothing. A direct call that times out has
-its agent killed, and waited for, before its task fails, so that no write it had under way lands in a
-block the task gave up. Otherwise records sit in ``staging``, rows of ``block_bytes`` in memory both
-processes share (created before the fork): a put reads rows the worker filled; a load lands records in
-rows the worker then copies into the device tier (only the rows of the verified prefix), and the agent
-never touches device memory, so a call that finishes after its task was given up on cannot change a
-block another task has since reused.
+Block records never cross the socket: the agent reads and writes the device blocks themselves where the
+backend is ``direct`` (through the worker's mapping it inherits at the fork), else rows of ``staging``,
+memory both processes share, created before the fork (docs/architecture.md, "The store path"). A direct
+call that times out has its agent killed, and waited for, before its task fails, so that no write it had
+under way lands in a block the task gave up; a staging agent never touches device memory, so a call that
+finishes after its task was given up on cannot change a block another task has since reused.
 
 Calls and replies are pickled tuples, one a frame (``kvcached.protocol.framing``).
 
