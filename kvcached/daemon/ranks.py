@@ -3,17 +3,9 @@
 ``RankSlot`` holds everything the supervisor knows of one rank (gunicorn's arbiter keeps one object per
 worker): the rank's record and semaphore, its worker (``Child``), what that worker is judged by, and
 whether the rank's memory is whole. The supervisor walks the list of slots to reap, to judge progress
-and to stop.
-
-* A slot owns its record's writes: ``update`` writes the record under the control block's seqlock and,
-  when the state changed, stamps since when and posts the rank's semaphore (the turnstile runners wait
-  on). The supervisor is the only writer of the records; each worker writes its own stats slot.
-* A worker is judged by progress, not by silence between tasks: its ``progress`` counter (the stats slot)
-  must move within the worker timeout, counted in the supervisor's own waking time (the supervisor
-  passes the time between two looks, capped: a supervisor that was paused does not count the pause
-  against anyone). A message from the worker is progress too.
-* A rank whose workers die more than ``MAX_REPLACEMENTS`` times within ``REPLACEMENT_WINDOW_S`` cannot be
-  brought back.
+and to stop. A slot owns its record's writes (``update``); a worker is judged by progress, not by silence
+between tasks: its stats slot's ``progress`` counter must move within the worker timeout, counted in the
+supervisor's own waking time (``hung``, ``Supervisor._check_progress``).
 """
 
 from __future__ import annotations
@@ -91,8 +83,8 @@ class RankSlot:
     deaths: list[float] = dataclasses.field(default_factory=list)
 
     def update(self, block: ControlBlock, **changes: Any) -> bool:
-        """Write the record with ``changes``; when its state changes, stamp since when and post the
-        semaphore. Whether the state changed."""
+        """Write the record with ``changes`` under the control block's seqlock; when its state changes, stamp
+        since when and post the semaphore (the turnstile runners wait on). Whether the state changed."""
         record = self.record
         changed = bool(changes.get("state", record.state) != record.state)
         for key, value in changes.items():

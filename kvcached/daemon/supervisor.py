@@ -9,18 +9,14 @@ loop waits on a selector whose every key carries the callback for its kind of ev
 (``_on_worker``), a channel of the last image's worker (``kvcached.daemon.handover``). SIGUSR1 logs each
 rank.
 
-How it ends (``_cleanup``) depends on what it was asked: a stop releases everything; the keep signal, and
-any end the operator did not ask for, keep the memory for the next start; a restart keeps it and, where
-the memory outlives its workers, leaves them serving until the next image's have reopened it
-(``kvcached.daemon.shutdown``, ``kvcached.daemon.handover``). A restart is refused, the daemon serving on,
-while a rank is not READY or when the next image could not load its configuration.
+How it ends (``_cleanup``) depends on what it was asked: ``kvcached.daemon.shutdown`` lists the ways.
 
-Faults cost a task, not the cache. A worker is judged by progress (``RankSlot.hung``); one that dies, or
-stops making progress (then it is killed), is replaced: its rank goes RECOVERING and the new worker
-reopens the same memory (``DeviceBackend.reopen``, the CPU pool by name; bytes untouched), then the rank
-is READY again. Runners' tasks in flight fail with ``TaskLost``; new tasks are served. Only a rank that
-cannot be brought back (its worker fails to reopen, or dies ``MAX_REPLACEMENTS`` times within
-``REPLACEMENT_WINDOW_S``) ends the daemon, with the reason.
+Faults cost a task, not the cache. A worker that dies, or stops making progress (``RankSlot.hung``: then
+it is killed), is replaced: its rank goes RECOVERING and the new worker reopens the same memory
+(``DeviceBackend.reopen``, the CPU pool by name; bytes untouched), then the rank is READY again. Runners'
+tasks in flight fail with ``TaskLost``; new tasks are served. Only a rank that cannot be brought back (its
+worker fails to reopen, or dies ``MAX_REPLACEMENTS`` times within ``REPLACEMENT_WINDOW_S``) ends the
+daemon, with the reason.
 """
 
 from __future__ import annotations
