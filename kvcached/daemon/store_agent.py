@@ -330,7 +330,8 @@ class StoreCalls:
 def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn:
     """The store agent's whole life: open the store, then serve calls until the worker goes."""
     _become_agent(sock, parent)
-    moves = calls._moves
+    # ``calling[0]``: the method under way (``load-step`` slows loads only; ``store-step`` every call).
+    slow, slow_load, calling = faults.hook("store-step"), faults.hook("load-step"), [""]
 
     def send(message: Any) -> None:
         try:
@@ -338,7 +339,12 @@ def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn
         except OSError:
             os._exit(0)  # the worker is gone
 
-    moved, calling = _progress(moves)
+    def moved() -> None:  # the store's mark of an object moved
+        calls._moves[0] += 1
+        if slow is not None:
+            slow()
+        if slow_load is not None and calling[0].startswith("load"):
+            slow_load()
 
     try:
         store = calls.opener()
@@ -386,21 +392,6 @@ def _serve(
                 reply = ("reply", seq, False, _describe(exc))
             last = dataclasses.asdict(store.counters)
             send((*reply, last))
-
-
-def _progress(moves: Any) -> tuple[Callable[[], None], list[str]]:
-    """The agent's mark of an object moved (with the ``store-step`` and ``load-step`` faults, when planned),
-    and where the agent notes the method it runs (``load-step`` slows loads only)."""
-    slow, slow_load, calling = faults.hook("store-step"), faults.hook("load-step"), [""]
-
-    def moved() -> None:
-        moves[0] += 1
-        if slow is not None:
-            slow()
-        if slow_load is not None and calling[0].startswith("load"):
-            slow_load()
-
-    return moved, calling
 
 
 def _become_agent(sock: socket.socket, parent: int) -> None:
