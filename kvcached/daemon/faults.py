@@ -24,6 +24,8 @@ import signal
 import time
 from collections.abc import Callable
 
+from kvcached.daemon.exits import EXIT_CONFIG, Fatal
+
 STEPS = (
     "after-lock",
     "after-reclaim",
@@ -73,8 +75,11 @@ def _action(plan: dict[str, str], step: str) -> str | None:
 
 
 def check_env() -> None:
-    """Raise ValueError if ``KVCACHED_FAULT`` is malformed (called once at start)."""
-    _parse(os.environ.get("KVCACHED_FAULT", ""))
+    """Raise ``Fatal`` (a configuration error) if ``KVCACHED_FAULT`` is malformed (called once at start)."""
+    try:
+        _parse(os.environ.get("KVCACHED_FAULT", ""))
+    except ValueError as exc:
+        raise Fatal(str(exc), EXIT_CONFIG) from None
 
 
 def fault(step: str) -> None:

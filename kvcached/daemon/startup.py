@@ -32,7 +32,7 @@ from kvcached import logs, native, store
 from kvcached.access import Access
 from kvcached.checks import counted
 from kvcached.config import DaemonConfig
-from kvcached.daemon import faults, lockfile, shutdown
+from kvcached.daemon import lockfile, shutdown
 from kvcached.daemon.adopt import Adoption, Refusal, conform, judge, new_shm_need, start_note
 from kvcached.daemon.exits import EXIT_ALREADY_RUNNING, EXIT_CONFIG, EXIT_RESOURCES, Fatal
 from kvcached.daemon.handover import Handover, refusal_path
@@ -66,13 +66,6 @@ def refuse_runner_owned(spec: CacheSpec) -> None:
             f"cache on the device. Enable {DAEMON_OWNS_WITH} for the daemon to own it.",
             EXIT_CONFIG,
         )
-
-
-def check_fault_plan() -> None:
-    try:
-        faults.check_env()
-    except ValueError as exc:
-        raise Fatal(str(exc), EXIT_CONFIG) from None
 
 
 #: The lock files' descriptors an image hands the next across a restart's exec ("<fd> <path>" lines).

@@ -149,7 +149,7 @@ class Supervisor:
         self.config = declarations.held(self.config)  # --geometry engine: the geometry of memory left to adopt
         self.spec = self.config.spec
         startup.refuse_runner_owned(self.spec)
-        startup.check_fault_plan()
+        faults.check_env()
         self.locks.take(self.config.ranks, self.access)
         faults.fault("after-lock")
         self.adoption, self.note = startup.reclaim(
