@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from typing import Any
+from typing import Any, get_args
 
 from kvcached.protocol import framing
 from kvcached.protocol.errors import ProtocolError
@@ -73,9 +73,7 @@ class Stop:
 
 
 Message = Allocating | Progress | Ready | Failed | Stop | Prepared | Serve
-_TYPES: dict[str, type[Any]] = {
-    cls.__name__.lower(): cls for cls in (Allocating, Progress, Ready, Failed, Stop, Prepared, Serve)
-}
+_TYPES: dict[str, type[Any]] = {cls.__name__.lower(): cls for cls in get_args(Message)}
 
 
 def send(sock: socket.socket, message: Message) -> None:
