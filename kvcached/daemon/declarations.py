@@ -181,9 +181,6 @@ class Declarations:
         self.sock.setblocking(False)
         self.open: dict[int, _Declaring] = {}
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
     def fds(self) -> list[int]:
         return [self.sock.fileno(), *self.open]
 
