@@ -402,8 +402,9 @@ class Supervisor:
                     self._set(slot, state=State.KEPT if keep else State.STOPPING)
         if keep and asked.restart and self.backend.outlives_worker:  # the workers serve on, for the next image
             self.handover.pass_on(self._let_go())
-        else:
-            self._stop_workers(drain=keep)
+        else:  # every worker stopped, and every worker of the image before still serving
+            workers = [*self._let_go().values(), *self.handover.drop_predecessors()]
+            stop_children(workers, grace_s=self.config.stop_timeout, drain=keep)
         if not self.locks.held:
             return  # we never owned the instance: touch nothing
         self._keep_or_release(keep)
@@ -433,11 +434,6 @@ class Supervisor:
             generations=(self.generation, self.arena_id),
             log=self.log,
         )
-
-    def _stop_workers(self, *, drain: bool) -> None:
-        """Stop every worker, and every worker of the image before still serving (``ranks.stop_children``)."""
-        workers = [*self._let_go().values(), *self.handover.drop_predecessors()]
-        stop_children(workers, grace_s=self.config.stop_timeout, drain=drain)
 
     def _let_go(self) -> dict[int, Child]:
         """Every rank's worker, by rank, no longer the rank's nor watched here."""
