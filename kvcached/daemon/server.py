@@ -92,7 +92,11 @@ class TaskServer:
             if op in (Op.SWAP_OUT, Op.SWAP_IN):
                 return self._swap(Op(op), flags, task_id, payload)
             if op in (Op.STORE, Op.LOAD, Op.LOOKUP):
-                return self._store_op(Op(op), task_id, payload, client)
+                try:
+                    return self._store_task(Op(op), task_id, payload, client)
+                finally:
+                    if self.store is not None:
+                        self._mirror_store_counters()
             raise InvalidTask("op", f"unknown operation {op}; known: {', '.join(o.name for o in Op)}")
         except InvalidTask as exc:
             self.stats.count(tasks_refused=1)
@@ -195,13 +199,6 @@ class TaskServer:
         nbytes = written * self.engine.spec.block_bytes
         self.stats.count_task("store", len(keys), nbytes, time.monotonic_ns() - started)
         return nbytes
-
-    def _store_op(self, op: Op, task_id: int, payload: bytes, client: Client) -> bytes:
-        try:
-            return self._store_task(op, task_id, payload, client)
-        finally:
-            if self.store is not None:
-                self._mirror_store_counters()
 
     def _store_task(self, op: Op, task_id: int, payload: bytes, client: Client) -> bytes:
         started = time.monotonic_ns()
