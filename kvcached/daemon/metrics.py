@@ -1,10 +1,9 @@
 """The opt-in Prometheus endpoint (``--metrics-port``): the same figures as ``kvcached status``.
 
-Served by ``prometheus_client``'s WSGI application on a thread of the supervisor, on ``/metrics`` only (any
-other path is 404, naming the one that is served), started once the first rank
-workers are forked (replacements are forked while it runs: a fork copies only the forking thread). Every
-scrape reads the control block (records under their seqlock, the workers' counters and histograms) and
-/proc/locks (waiting runners) and /dev/shm's size: no state of its own but the time it began, nothing to keep in step.
+Served by ``prometheus_client``'s WSGI application on a thread of the supervisor (started by
+``startup.MetricsEndpoint``), on ``/metrics`` only (any other path is 404, naming the one that is served).
+Every scrape reads the control block (records under their seqlock, the workers' counters and histograms),
+/proc/locks (waiting runners) and /dev/shm's size: no state of its own but the time it began.
 
 Metrics (labels in braces):
 

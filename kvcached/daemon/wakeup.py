@@ -1,13 +1,11 @@
 """The supervisor's wake-up pipe and what the signals it carries ask of the daemon.
 
-Signal handlers only enqueue: Python writes each signal's number to the pipe (``signal.set_wakeup_fd``),
-the supervisor's loop reads them here, in order (``Requests.read``), and each is recorded for the end to
-honour (``kvcached.daemon.requests`` lists them): a stop that releases the memory (``stop``), a stop that
-keeps it (``keep``), a restart (``restart``, which keeps it too). A restart is accepted only when the
-supervisor's ``why_not_restart`` has nothing against it; a refused one is written where ``kvcached
-restart`` reads it (``kvcached.daemon.handover``), and the daemon serves on; an accepted one is written
-there too (a ``kvcached restart`` whose signal comes later waits for the next image's decision on it).
-SIGUSR1 logs each rank; SIGCHLD only wakes the loop (it reaps every turn).
+Python writes each signal's number to the pipe (``signal.set_wakeup_fd``); the supervisor's loop reads
+them here, in order (``Requests.read``), and each is recorded for the end to honour (``stop``, ``keep``,
+``restart``: ``kvcached.daemon.requests`` says what each asks). Each decision on a restart, refused (the
+daemon serves on) or accepted, is written where ``kvcached restart`` reads it (``handover.record_outcome``:
+one whose signal comes later waits for the next image's decision on it). SIGCHLD only wakes the loop (it
+reaps every turn).
 """
 
 from __future__ import annotations

@@ -15,12 +15,9 @@ end with) when it cannot go on:
    it answers the tasks that still arrive NOT_RUN until its clients are quiet, then exits.
 
 Liveness: the worker adds to the ``progress`` counter of its stats slot each time its loop turns (at
-least once a second) and at every step of a long task; the supervisor replaces a worker whose counter
-stands still for ``--worker-timeout`` seconds of the supervisor's own waking time.
-
-The worker talks to the supervisor through ``kvcached.daemon.channel``. It never writes a rank record
-(the supervisor is the records' only writer; the worker writes its own stats slot) and never unlinks:
-the supervisor knows every name and removes them all, also after a worker was killed.
+least once a second) and at every step of a long task (``RankSlot.hung`` judges it). It talks to the
+supervisor through ``kvcached.daemon.channel``, never writes a rank record (only its stats slot) and never
+unlinks: the supervisor knows every name and removes them all, also after a worker was killed.
 """
 
 from __future__ import annotations
