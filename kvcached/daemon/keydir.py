@@ -49,12 +49,10 @@ def directory_bytes(num_cpu_blocks: int) -> int:
 
 
 class KeyDirectory:
-    """One rank's key directory, mapped. ``create`` (a new pool) or ``open`` (a pool that exists)."""
+    """One rank's key directory, mapped (for the worker's life: its views hold the mapping). ``create`` (a
+    new pool) or ``open`` (a pool that exists)."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, slots: int) -> None:
-        self.name = name
-        self.mapping = mapping
-        self.slots = slots
+    def __init__(self, mapping: mmap.mmap, slots: int) -> None:
         table = np.frombuffer(mapping, dtype=np.uint8, count=SLOT_BYTES * slots, offset=HEADER_BYTES)
         self._table = table.reshape(slots, SLOT_BYTES)
         self._state = np.frombuffer(mapping, dtype="<u8", count=slots * SLOT_BYTES // 8, offset=HEADER_BYTES)[
@@ -72,7 +70,7 @@ class KeyDirectory:
         """A new, empty directory. Raises what ``create_arena`` raises."""
         mapping = create_arena(name, directory_bytes(slots), mode=mode, gid=gid)
         _HEADER.pack_into(mapping, 0, MAGIC, VERSION, slots, KEY_BYTES)
-        return cls(name, mapping, slots)
+        return cls(mapping, slots)
 
     @classmethod
     def open(cls, name: str, slots: int) -> KeyDirectory:
@@ -86,7 +84,7 @@ class KeyDirectory:
             raise ProtocolError(
                 f"{name}: not a key directory of {slots} slots (magic {magic!r}, version {version}, {found} slots)"
             )
-        return cls(name, mapping, slots)
+        return cls(mapping, slots)
 
     def __len__(self) -> int:
         return len(self._key_of)
@@ -115,7 +113,3 @@ class KeyDirectory:
             self._state[block] = VALID
             self._key_of[block] = key
             self._where.setdefault(key, set()).add(block)
-
-    def close(self) -> None:
-        del self._table, self._state
-        self.mapping.close()
