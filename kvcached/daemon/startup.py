@@ -1,24 +1,15 @@
 """The steps of a daemon's start, each raising ``Fatal`` with the exit status its failure deserves
-(``kvcached.daemon.exits``). The supervisor takes them in this order (between them are the fault-injection
-points of ``kvcached.daemon.faults``):
+(``kvcached.daemon.exits``). ``Supervisor._start`` takes them in this order, the fault-injection points of
+``kvcached.daemon.faults`` between them:
 
-1. refuse a spec for which the runner owns the cache (``refuse_runner_owned``: the fixed condition, cited
-   in the message);
-2. take ``<run_dir>/<instance>.lock`` (``Locks``, ``kvcached.daemon.lockfile``), or exit 3 and touch
-   nothing;
-3. adopt the memory an earlier run of this instance left (killed, or stopped with ``--keep``) when
-   ``kvcached.daemon.adopt`` finds it ours, of the same spec and consistent, giving it this start's mode
-   and group; reclaim the rest of what it left (``reclaim``, ``kvcached.daemon.reclaim``; ours only: an
-   object under our names owned by someone else is reported and never used or deleted, and at the
-   control block's name it is refused); with ``--geometry engine`` and nothing adopted, wait for the
-   engine to declare the geometry (``kvcached.daemon.declarations``);
+1. refuse a spec for which the runner owns the cache (``refuse_runner_owned``);
+2. take the instance's locks (``Locks``), or exit 3 and touch nothing;
+3. adopt what an earlier run of this instance left, or reclaim it (``reclaim``); with ``--geometry engine``
+   and nothing adopted, wait for the engine to declare the geometry (``kvcached.daemon.declarations``);
 4. check /dev/shm has room for every rank and tier it does not adopt, before anything is reserved
    (``check_space``), and what the store's options name (``check_store``);
-5. create the per-rank semaphores, then the control block under a staging name, with its records (an
-   adopted rank's name its memory), then give it the public name (over the adopted run's block: a kill
-   at any step leaves a block that names the memory);
-6. fork one worker per rank (``kvcached.daemon.worker``); each record goes ALLOCATING, then READY when its
-   worker has reserved (adopted ranks: RECOVERING, then READY when its worker has reopened them).
+5. create the semaphores and the control block (``stage_block``, ``Supervisor._create_objects``), and fork
+   one worker per rank (``Supervisor._spawn``).
 """
 
 from __future__ import annotations
@@ -167,11 +158,12 @@ def _handed_on(fd: int) -> bool:
 def reclaim(
     config: DaemonConfig, run_dir: Path, access: Access, handover: Handover, log: logs.Logger, *, grace_s: float
 ) -> tuple[Adoption | None, str]:
-    """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows; remove the rest
-    of it. A live instance, and an object someone else owns at the control block's name, are refused;
-    objects someone else owns under other names are reported and left untouched. The workers the image
-    before handed over are taken first (``handover``), and stopped when their memory is not adopted.
-    (the adoption, if any; the start's note for ``kvcached status``)."""
+    """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows, giving it this
+    start's mode and group (``conform``); remove the rest of it. A live instance, and an object someone else
+    owns at the control block's name, are refused; objects someone else owns under other names are reported
+    and left untouched. The workers the image before handed over are taken first (``handover``), and
+    stopped when their memory is not adopted. (the adoption, if any; the start's note for ``kvcached
+    status``)."""
     found = inspect_instance(config.instance, run_dir)
     control = _refuse_the_unusable(found, config.instance, log)
     handover.take(config.instance)
