@@ -212,9 +212,8 @@ class FrameServer:
         self.listener.close()
 
     def accept(self) -> None:
-        """Accept what is waiting on the listener (at most ``ACCEPT_BATCH`` per call, and none while that many
-        new connections wait for their first turns: a storm of connections waits in the kernel's queue, not
-        before the turns of those already served)."""
+        """Accept what is waiting on the listener, ``ACCEPT_BATCH`` at most, less the new connections waiting
+        for their first turns (a storm waits in the kernel's queue: see the module docstring)."""
         for _ in range(ACCEPT_BATCH - sum(client.served < 0 for client in self.backlog)):
             try:
                 sock, _ = self.listener.accept()
@@ -258,8 +257,8 @@ class FrameServer:
         return False
 
     def _evict_idle(self) -> bool:
-        """Close the connection idle the longest (nothing buffered, a large frame included), if one has been
-        idle for ``IDLE_EVICT_S``."""
+        """Close the connection idle the longest (nothing buffered, a large frame included), if that is
+        ``IDLE_EVICT_S`` or more; whether one was."""
         idle = [c for c in self.conns.values() if not c.inbuf and not c.outbuf and c.frame is None]
         oldest = min(idle, key=lambda c: c.active, default=None)
         if oldest is None or time.monotonic() - oldest.active < self.limits.idle_evict_s:
