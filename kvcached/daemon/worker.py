@@ -343,7 +343,15 @@ def serve(
         access=plan.access,
     )
     faults.fault("worker-before-ready")
-    channel.send(sock, _ready(plan, tiers))
+    ready = channel.Ready(
+        backend=plan.memory,
+        descriptor=dict(tiers.device.descriptor),
+        dev_bytes=tiers.device.nbytes,
+        cpu_name=tiers.pool_name,
+        cpu_bytes=len(tiers.pool) if tiers.pool is not None else 0,
+        layout_version=LAYOUT_VERSION,
+    )
+    channel.send(sock, ready)
     tiers.map_pages()  # the pages of memory reserved (or reopened) above are mapped from now on
     try:
         return Service(sock, selector=selector, frames=frames, tasks=tasks, stats=stats, log=log).run()
@@ -361,17 +369,6 @@ def _listen(plan: WorkerPlan) -> socket.socket:
     listener.listen(1024)
     listener.setblocking(False)
     return listener
-
-
-def _ready(plan: WorkerPlan, tiers: RankTiers) -> channel.Ready:
-    return channel.Ready(
-        backend=plan.memory,
-        descriptor=dict(tiers.device.descriptor),
-        dev_bytes=tiers.device.nbytes,
-        cpu_name=tiers.pool_name,
-        cpu_bytes=len(tiers.pool) if tiers.pool is not None else 0,
-        layout_version=LAYOUT_VERSION,
-    )
 
 
 class Service:
