@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -339,8 +340,7 @@ int64_t kv_read_land(int fd, int64_t offset, int64_t npieces, const uint64_t *pi
 
 /* Read one object whole: open `path` (no symbolic link followed, never blocking on a FIFO), check it is a
  * regular file of `size` bytes, read its first `header_len` bytes into `header`, and land the rest as
- * kv_read_land does; an object read whole has its times set to now (the file store's least recently used
- * order). Returns the payload bytes read, or -errno when it cannot be opened or read, KV_NOT_REGULAR, or
+ * kv_read_land does. Returns the payload bytes read, or -errno when it cannot be opened or read, KV_NOT_REGULAR, or
  * KV_WRONG_SIZE with *found set to the file's size; *found is otherwise the header bytes read (short only if
  * the file shrank meanwhile). */
 #define KV_NOT_REGULAR (-(1LL << 40))
@@ -371,9 +371,6 @@ static int64_t read_one(const char *path, int64_t size, char *header, int64_t he
         } else {
             *found = got;
             result = got < header_len ? 0 : kv_read_land(fd, header_len, npieces, pieces, width, bounce, chunk, hash);
-            if (result == size - header_len) {
-                futimens(fd, NULL);
-            }
         }
     }
     close(fd);
@@ -381,20 +378,25 @@ static int64_t read_one(const char *path, int64_t size, char *header, int64_t he
 }
 
 /* Read objects in turn, shared by the threads that call it at once: each call takes the next index i
- * (`*next`, atomically) until none is left, i is past `*stop`, or it has read `limit` objects; object i
- * (at paths[i]) is read as read_one reads it, its header to headers + i * header_len, its payload
- * into block ids[i]'s pieces (piece p: width[p] bytes at base[p] + ids[i] * stride[p]), with got[i],
- * found[i] and hash[i] set as read_one sets them. An object not read whole lowers `*stop` to its
- * index, so no call picks an index past it; every index below the final `*stop` is read. Returns the
- * objects this call read. */
+ * (`*next`, atomically) until none is left, i is past `*stop`, or it has read `limit` objects or spent
+ * `budget_ns` (so a caller can tell its progress often); object i (at paths[i]) is read as read_one reads
+ * it, its header to headers + i * header_len, its payload into block ids[i]'s pieces (piece p: width[p]
+ * bytes at base[p] + ids[i] * stride[p]), with got[i], found[i] and hash[i] set as read_one sets them. An
+ * object not read whole, or whose header's first 88 bytes are not `expect`'s with keys[i] (32 bytes at 40)
+ * and the payload's hash (at 80) in them, lowers `*stop` to its index, so no call takes an index past it;
+ * every index below the final `*stop` is read. Returns the objects this call read. */
 int64_t kv_read_objects(int64_t count, const char *const *paths, int64_t size, char *headers, int64_t header_len,
-                        int64_t npieces, const uint64_t *base, const int64_t *stride, const int64_t *width,
-                        const int64_t *ids, char *bounce, int64_t chunk, int64_t *next, int64_t *stop, int64_t limit,
-                        int64_t *got, int64_t *found, uint64_t *hash) {
+                        const char *expect, const char *keys, int64_t npieces, const uint64_t *base,
+                        const int64_t *stride, const int64_t *width, const int64_t *ids, char *bounce, int64_t chunk,
+                        int64_t *next, int64_t *stop, int64_t limit, int64_t budget_ns, int64_t *got, int64_t *found,
+                        uint64_t *hash) {
     uint64_t *pieces = malloc((size_t)npieces * sizeof *pieces);
     if (pieces == NULL) {
         return -ENOMEM;
     }
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    int64_t until = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec + budget_ns;
     int64_t n = 0;
     while (n < limit) {
         int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
@@ -404,14 +406,22 @@ int64_t kv_read_objects(int64_t count, const char *const *paths, int64_t size, c
         for (int64_t p = 0; p < npieces; p++) {
             pieces[p] = base[p] + (uint64_t)(ids[i] * stride[p]);
         }
+        const char *head = headers + i * header_len;
         got[i] = read_one(paths[i], size, headers + i * header_len, header_len, npieces, pieces, width, bounce,
-                                chunk, &hash[i], &found[i]);
-        if (got[i] != size - header_len) {
+                          chunk, &hash[i], &found[i]);
+        int whole = got[i] == size - header_len && memcmp(head, expect, 40) == 0 &&
+                    memcmp(head + 40, keys + 32 * i, 32) == 0 && memcmp(head + 72, expect + 72, 8) == 0 &&
+                    read64((const uint8_t *)head + 80) == hash[i];
+        if (!whole) {
             int64_t s = __atomic_load_n(stop, __ATOMIC_RELAXED);
             while (i < s && !__atomic_compare_exchange_n(stop, &s, i, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
             }
         }
         n++;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((int64_t)now.tv_sec * 1000000000 + now.tv_nsec >= until) {
+            break;
+        }
     }
     free(pieces);
     return n;

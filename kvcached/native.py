@@ -72,15 +72,14 @@ class _Library:
             i64,
             ptr,
             i64,
-            i64,
-            ptr,
-            ptr,
-            ptr,
             ptr,
             ptr,
             i64,
+            *[ptr] * 5,
+            i64,
             ptr,
             ptr,
+            i64,
             i64,
             ptr,
             ptr,
@@ -203,12 +202,16 @@ NOT_REGULAR, WRONG_SIZE = -(1 << 40), -(1 << 40) - 1
 class ObjectReads:
     """One load's objects, read by ``take`` from several threads at once (``kv_read_objects``): object ``i``
     at ``paths[i]`` (``size`` bytes: ``header_len`` of header, then the payload) into block ``ids[i]`` of
-    ``side``. Once every ``take`` returned, ``read(i)`` says what reading object ``i`` gave for every ``i`` up
-    to ``stop`` (below the count)."""
+    ``side``; ``expect``: the first 88 bytes of every header (its key and checksum zero), ``keys`` the objects'
+    32-byte keys one after the other. Once every ``take`` returned, ``read(i)`` says what reading object ``i``
+    gave for every ``i`` up to ``stop`` (below the count)."""
 
-    def __init__(self, paths: list[bytes], size: int, header_len: int, side: Side, ids: Array) -> None:
+    def __init__(
+        self, paths: list[bytes], *, size: int, header_len: int, expect: bytes, keys: bytes, side: Side, ids: Array
+    ) -> None:
         count = len(paths)
         self.count, self.size, self.header_len, self.side = count, size, header_len, side
+        self.expect, self.keys = expect, keys
         self.paths = (ctypes.c_char_p * count)(*paths)
         self.ids = np.ascontiguousarray(ids, dtype=np.int64)
         self.headers = np.zeros((count, header_len), dtype=np.uint8)
@@ -222,9 +225,10 @@ class ObjectReads:
         """The lowest index not read whole (the count when every object was)."""
         return int(self.shared[1])
 
-    def take(self, bounce: memoryview, limit: int) -> int:
-        """Read up to ``limit`` of the objects not taken yet, through ``bounce``, the interpreter's lock let go
-        throughout; how many this call read. Only where ``hashes(side.widths.sum())``."""
+    def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:
+        """Read up to ``limit`` of the objects not taken yet (fewer once ``budget_s`` is spent), through
+        ``bounce``, the interpreter's lock let go throughout; how many this call read. Only where
+        ``hashes(side.widths.sum())``."""
         assert _LIBRARY is not None
         side, shared = self.side, self.shared.ctypes.data
         taken: int = _LIBRARY.lib.kv_read_objects(
@@ -233,6 +237,8 @@ class ObjectReads:
             self.size,
             self.headers.ctypes.data,
             self.header_len,
+            self.expect,
+            self.keys,
             len(side.widths),
             side.bases.ctypes.data,
             side.strides.ctypes.data,
@@ -243,6 +249,7 @@ class ObjectReads:
             shared,
             shared + 8,
             limit,
+            int(budget_s * 1e9),
             self.got.ctypes.data,
             self.found.ctypes.data,
             self.digests.ctypes.data,

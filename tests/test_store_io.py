@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,7 +63,8 @@ def test_a_long_load_lands_only_the_verified_prefix(daemons: DaemonFactory, tmp_
     """Eight objects, the fifth damaged in its payload: a load of all eight, read several at a time, reports
     four, each holding its object's bytes; no block outside the load's targets changes (the targets of the
     fifth and later ones may hold bytes of the load: they are not reported); only the damaged object is
-    removed, the later ones stay stored."""
+    removed, the later ones stay stored, and only the four reported have their mtime refreshed (the least
+    recently used order a restart rebuilds)."""
     path = tmp_path / "store"
     instance = start(daemons, path)
     keys = rc.block_keys(list(range(8 * 64)), 64)
@@ -74,8 +76,12 @@ def test_a_long_load_lands_only_the_verified_prefix(daemons: DaemonFactory, tmp_
         raw = bytearray(victim.read_bytes())
         raw[len(raw) // 2] ^= 0x01
         victim.write_bytes(raw)
+        for key in keys:
+            os.utime(object_path(path, key), ns=(10**9, 10**9))
         fill(cache, list(range(8, 16)), seed=2)
         assert tasks.load(0, keys, list(range(8, 16))).blocks == 4
+        times = [object_path(path, key).stat().st_mtime_ns for key in keys[:4] + keys[5:]]
+        assert min(times[:4]) > 10**9 and times[4:] == [10**9] * 3, "only the reported objects count as used"
         assert blocks(cache, list(range(8, 12))) == expected[:4], "every reported block holds its object's bytes"
         assert blocks(cache, list(range(8))) == expected, "no block outside the load's targets changed"
         assert not victim.exists()
@@ -172,10 +178,9 @@ def test_a_store_on_a_full_disk_fails_saying_so_once_and_where(daemons: DaemonFa
 @pytest.mark.parametrize("kind", ["native", "python"])
 def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) -> None:
     """A load's verdict on each kind of object, the same with the native routines (the open, the checks, the
-    header and the payload in one call) as in Python: a whole object lands byte for byte, verifies and has its
-    mtime refreshed (the least recently used order a restart rebuilds); a missing file is a miss; a FIFO, a
-    file of another size, a symbolic link, a header of another key and a flipped payload byte each say so;
-    none raises."""
+    header and the payload in one call) as in Python: a whole object lands byte for byte and verifies; a
+    missing file is a miss; a FIFO, a file of another size, a symbolic link, a header of another key and a
+    flipped payload byte each say so; none raises."""
     from kvcached import native
     from kvcached.native import Side
     from kvcached.store.base import ObjectIdentity
@@ -203,8 +208,6 @@ def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "short").write_bytes(object_at("whole").read_bytes()[:228])
     (tmp_path / "link").symlink_to(tmp_path / "whole")
-    for name in ("whole", "short"):
-        os.utime(tmp_path / name, ns=(10**9, 10**9))
     cases = {
         "whole": None,
         "nothing": MISSING,
@@ -226,7 +229,6 @@ def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) 
 
         verdicts = {name: verdict(name) for name in cases}
         other_key = verdict("whole", b"o" * 32)
-        refreshed = (tmp_path / "whole").stat().st_mtime_ns
         object_at("again")
         arena[:] = 0
         again = verdict("again")
@@ -235,6 +237,83 @@ def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) 
         reader.close()
     assert verdicts == cases
     assert other_key is not None and "key" in other_key
-    assert refreshed > 10**9 and (tmp_path / "short").stat().st_mtime_ns == 10**9
     assert again is None
     assert np.array_equal(arena[2].reshape(-1), record) and not arena[[0, 1, 3]].any()
+
+
+def reads_of(tmp_path: Path, count: int, bad: int | None = None) -> tuple[Any, Any, Any, list[bytes]]:
+    """``count`` objects (a 12 KiB payload in three pieces) written under ``tmp_path``, object ``bad``'s
+    payload flipped at one byte: (its identity, its targets over a zeroed arena of ``count`` blocks, the
+    arena, the keys)."""
+    from kvcached.native import Side
+    from kvcached.store.base import ObjectIdentity
+    from kvcached.store.fileio import write_temporary
+    from kvcached.store.landing import Targets
+
+    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * 4096)
+    arena = np.zeros((count, 3, 4096), dtype=np.uint8)
+    targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), list(range(count)))
+    keys = [bytes([i]) * 32 for i in range(count)]
+    for i, key in enumerate(keys):
+        os.close(
+            write_temporary(identity, tmp_path / str(i), key, [memoryview(np.full(identity.payload, i + 1, np.uint8))])
+        )
+    if bad is not None:  # after the header: its checksum is of the bytes before
+        with open(tmp_path / str(bad), "r+b") as f:
+            f.seek(128 + 5000)
+            f.write(b"\0")
+    return identity, targets, arena, keys
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_a_load_takes_nothing_past_an_object_that_fails_its_checksum(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One reader thread, six objects, the second's payload changed after its header was written: the load
+    reports one, and reads none past the second (their blocks stay zero), where it used to read them all for
+    nothing: a rotten object costs one object's read, not the load's."""
+    from kvcached import native
+    from kvcached.store import fileio
+
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    if kind == "python":
+        monkeypatch.setattr(native, "_LIBRARY", None)
+    monkeypatch.setattr(fileio, "READ_THREADS", 1)
+    identity, targets, arena, keys = reads_of(tmp_path, 6, bad=1)
+    reader = fileio.Reader(identity)
+    try:
+        outcome = reader.load(keys, [tmp_path / str(i) for i in range(6)], targets, lambda: None)
+    finally:
+        reader.close()
+    assert (outcome.landed, outcome.why) == (1, "checksum mismatch")
+    assert (arena[0] == 1).all() and not arena[2:].any()
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_a_read_call_returns_once_its_time_is_spent(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader thread's call reads up to its limit of objects (four), but returns once its time is spent: a load
+    of slow objects tells its progress object by object (the store's timeout is one without progress), of
+    quick ones four objects a call."""
+    from kvcached import native
+    from kvcached.store import fileio
+
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    if kind == "python":
+        monkeypatch.setattr(native, "_LIBRARY", None)
+    identity, targets, arena, keys = reads_of(tmp_path, 9)
+    monkeypatch.setattr(fileio, "READ_THREADS", 1)
+    seen: dict[float, list[int]] = {}
+    for budget in (0.0, 60.0):
+        monkeypatch.setattr(fileio, "PROGRESS_S", budget)
+        arena[:] = 0
+        landed = seen[budget] = []  # at each progress mark: how many blocks hold their object already
+        reader = fileio.Reader(identity)
+        try:
+            paths = [tmp_path / str(i) for i in range(9)]
+            mark = lambda landed=landed: landed.append(int(arena[:, 0, 0].astype(bool).sum()))  # noqa: E731
+            assert reader.load(keys, paths, targets, mark).landed == 9
+        finally:
+            reader.close()
+    assert seen == {0.0: [1, 2, 3, 4, 5, 6, 7, 8, 9], 60.0: [4, 4, 4, 4, 8, 8, 8, 8, 9]}, seen

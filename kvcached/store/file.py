@@ -10,9 +10,9 @@ Writes are atomic: each object is written to a temporary file, fsynced and renam
 crash leaves either no object or a whole one (how stores and loads do their I/O: ``kvcached.store.fileio``).
 The index (key -> size, least recently used first) lives in memory and is rebuilt at start-up from a directory
 scan ordered by mtime, reading each object's header (not its payload: the checksum is checked on every load);
-a load refreshes the mtime of each object it reads whole, so the order survives restarts. Capacity is per
-rank (the instance's capacity divided by its ranks); storing past it evicts the least recently used objects,
-never one written by the same task.
+a hit refreshes the file's mtime so the order survives restarts. Capacity is per rank (the instance's
+capacity divided by its ranks); storing past it evicts the least recently used objects, never one written by
+the same task.
 
 The disk is not trusted either:
 
@@ -263,8 +263,10 @@ class FileStore(Store):
         indexed = next((i for i, key in enumerate(keys) if key not in self.index), len(keys))
         paths = [self._path(key) for key in keys[:indexed]]
         outcome = self.reader.load(keys[:indexed], paths, targets, self.on_progress)
-        for key in keys[: outcome.landed]:
+        for key, path in zip(keys[: outcome.landed], paths, strict=False):
             self.index.move_to_end(key)
+            with contextlib.suppress(OSError):
+                os.utime(path, follow_symlinks=False)
         self.counters.hits += outcome.landed
         if outcome.landed < len(keys):
             self.counters.misses += 1

@@ -8,10 +8,11 @@ Loads (``Reader``)::
     one native call for up to PROGRESS_OBJECTS objects (``kvcached/_verify.c``, ``kv_read_objects``):
       take the next index i -> open, fstat, read the header
       -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
-         there in target i's pieces, hashed on the way -> the file's times set to now if read whole
-      -> an object not read whole stops the taking past i -> take again
+         there in target i's pieces, hashed on the way
+      -> an object not read whole, or whose header does not name its key and checksum, stops the taking
+         past i -> take again
     then, in order: each object's header and checksum checked; the count reported: the leading indices that
-    all verified
+    all verified, whose files' times are set to now (the least recently used order a restart rebuilds)
 
 A target at or past the first failure may hold bytes of this load: it is not reported, and the caller uses
 only the blocks reported (``kvcached.store.base``).
@@ -40,6 +41,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ import numpy as np
 import xxhash
 
 from kvcached import native
-from kvcached.store.base import HEADER_SIZE, ObjectIdentity, header_checksum
+from kvcached.store.base import HEADER, HEADER_SIZE, ObjectIdentity, header_checksum
 from kvcached.store.landing import Targets, read_into
 
 #: Bytes per write request, each hashed just before it is written.
@@ -57,8 +59,11 @@ CHUNK = 1 << 20
 READ_CHUNK = 128 << 10
 #: Objects read at once by one load (several requests in flight to the disk; both cores on a warm load).
 READ_THREADS = 4
-#: Objects a reader thread reads in one native call (their progress told after it).
+#: Objects a reader thread reads in one native call (their progress told after it), and the time after which
+#: it returns sooner (a slow disk's loads tell their progress object by object: the store's timeout is one
+#: without progress).
 PROGRESS_OBJECTS = 4
+PROGRESS_S = 0.02
 #: Why a read found no object at all (a miss, not a corrupt object).
 MISSING = "missing"
 
@@ -99,7 +104,7 @@ def verdict(identity: ObjectIdentity, key: bytes, read: Read) -> str | None:
 
 def read_object(path: Path, size: int, targets: Targets, i: int, bounce: memoryview) -> Read:
     """Read the ``size``-byte object at ``path``, its payload into target ``i`` (through ``bounce``), in Python
-    (``kv_read_objects``'s way without the native routines); an object read whole has its times set to now."""
+    (``kv_read_objects``'s way without the native routines)."""
     try:
         fd = os.open(path, READ_FLAGS)
     except OSError as exc:
@@ -114,8 +119,6 @@ def read_object(path: Path, size: int, targets: Targets, i: int, bounce: memoryv
         if len(head) < HEADER_SIZE:
             return 0, len(head), head, None
         done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
-        if digest is not None:
-            os.utime(fd)
         return done, len(head), head, digest
     except OSError as exc:
         return -(exc.errno or errno.EIO), 0, b"", None
@@ -133,23 +136,28 @@ class Outcome:
 
 
 class _ReadsInPython:
-    """``native.ObjectReads`` without the native routines: object ``i`` at ``paths[i]`` into target ``i``."""
+    """``native.ObjectReads`` without the native routines: ``keys[i]``'s object at ``paths[i]`` into target ``i``."""
 
-    def __init__(self, paths: Sequence[Path], size: int, targets: Targets) -> None:
-        self.paths, self.size, self.targets = paths, size, targets
+    def __init__(
+        self, identity: ObjectIdentity, keys: Sequence[bytes], paths: Sequence[Path], targets: Targets
+    ) -> None:
+        self.identity, self.keys, self.paths, self.targets = identity, keys, paths, targets
         self.reads: list[Read] = [(0, 0, b"", None)] * len(paths)
         self.next = itertools.count()  # taken under the interpreter's lock: each index once
         self.stop = len(paths)
         self.lock = threading.Lock()
 
-    def take(self, bounce: memoryview, limit: int) -> int:
-        taken = 0
+    def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:
+        taken, until = 0, time.monotonic() + budget_s
         while taken < limit and (i := next(self.next)) < len(self.paths) and i <= self.stop:
-            self.reads[i] = read_object(self.paths[i], self.size, self.targets, i, bounce)
-            if self.reads[i][3] is None:
+            size = HEADER_SIZE + self.identity.payload
+            self.reads[i] = read_object(self.paths[i], size, self.targets, i, bounce)
+            if verdict(self.identity, self.keys[i], self.reads[i]) is not None:
                 with self.lock:
                     self.stop = min(self.stop, i)
             taken += 1
+            if time.monotonic() >= until:
+                break
         return taken
 
     def read(self, i: int) -> Read:
@@ -185,17 +193,23 @@ class Reader:
         self, keys: Sequence[bytes], paths: Sequence[Path], targets: Targets, on_progress: Callable[[], None]
     ) -> Outcome:
         """Read ``keys``'s objects at ``paths`` into ``targets``; the leading ones that all verified."""
+        if not keys:
+            return Outcome(0)
         size = HEADER_SIZE + self.identity.payload
         reads: native.ObjectReads | _ReadsInPython
         if native.hashes(self.identity.payload):
             ids = np.asarray(targets.ids, dtype=np.int64)
-            reads = native.ObjectReads([os.fsencode(path) for path in paths], size, HEADER_SIZE, targets.side, ids)
+            expect = self.identity.header(bytes(len(keys[0])), 0)[: HEADER.size]
+            files = [os.fsencode(path) for path in paths]
+            reads = native.ObjectReads(
+                files, size=size, header_len=HEADER_SIZE, expect=expect, keys=b"".join(keys), side=targets.side, ids=ids
+            )
         else:
-            reads = _ReadsInPython(paths, size, targets)
+            reads = _ReadsInPython(self.identity, keys, paths, targets)
 
         def run() -> None:
             bounce = self._bounce()
-            while taken := reads.take(bounce, PROGRESS_OBJECTS):
+            while taken := reads.take(bounce, PROGRESS_OBJECTS, PROGRESS_S):
                 for _ in range(taken):
                     on_progress()
 
