@@ -340,9 +340,9 @@ int64_t kv_read_land(int fd, int64_t offset, int64_t npieces, const uint64_t *pi
 
 /* Read one object whole: open `path` (no symbolic link followed, never blocking on a FIFO), check it is a
  * regular file of `size` bytes, read its first `header_len` bytes into `header`, and land the rest as
- * kv_read_land does. Returns the payload bytes read, or -errno when it cannot be opened or read, KV_NOT_REGULAR, or
- * KV_WRONG_SIZE with *found set to the file's size; *found is otherwise the header bytes read (short only if
- * the file shrank meanwhile). */
+ * kv_read_land does. Returns the payload bytes read, or -errno when it cannot be opened or read,
+ * KV_NOT_REGULAR, or KV_WRONG_SIZE with *found set to the file's size; *found is otherwise the header bytes
+ * read (short only if the file shrank meanwhile). */
 #define KV_NOT_REGULAR (-(1LL << 40))
 #define KV_WRONG_SIZE (-(1LL << 40) - 1)
 static int64_t read_one(const char *path, int64_t size, char *header, int64_t header_len, int64_t npieces,
@@ -382,9 +382,10 @@ static int64_t read_one(const char *path, int64_t size, char *header, int64_t he
  * `budget_ns` (so a caller can tell its progress often); object i (at paths[i]) is read as read_one reads
  * it, its header to headers + i * header_len, its payload into block ids[i]'s pieces (piece p: width[p]
  * bytes at base[p] + ids[i] * stride[p]), with got[i], found[i] and hash[i] set as read_one sets them. An
- * object not read whole, or whose header's first 88 bytes are not `expect`'s with keys[i] (32 bytes at 40)
- * and the payload's hash (at 80) in them, lowers `*stop` to its index, so no call takes an index past it;
- * every index below the final `*stop` is read. Returns the objects this call read. */
+ * object not read whole, or whose header is not this object's (its first 76 bytes `expect`'s with keys[i], 32
+ * bytes at 40; the payload's hash at 80: fields the caller checks too, its flags not among them) lowers
+ * `*stop` to its index, so no call takes an index past it; every index below the final `*stop` is read.
+ * Returns the objects this call read. */
 int64_t kv_read_objects(int64_t count, const char *const *paths, int64_t size, char *headers, int64_t header_len,
                         const char *expect, const char *keys, int64_t npieces, const uint64_t *base,
                         const int64_t *stride, const int64_t *width, const int64_t *ids, char *bounce, int64_t chunk,
@@ -406,11 +407,10 @@ int64_t kv_read_objects(int64_t count, const char *const *paths, int64_t size, c
         for (int64_t p = 0; p < npieces; p++) {
             pieces[p] = base[p] + (uint64_t)(ids[i] * stride[p]);
         }
-        const char *head = headers + i * header_len;
-        got[i] = read_one(paths[i], size, headers + i * header_len, header_len, npieces, pieces, width, bounce,
-                          chunk, &hash[i], &found[i]);
+        char *head = headers + i * header_len;
+        got[i] = read_one(paths[i], size, head, header_len, npieces, pieces, width, bounce, chunk, &hash[i], &found[i]);
         int whole = got[i] == size - header_len && memcmp(head, expect, 40) == 0 &&
-                    memcmp(head + 40, keys + 32 * i, 32) == 0 && memcmp(head + 72, expect + 72, 8) == 0 &&
+                    memcmp(head + 40, keys + 32 * i, 32) == 0 && memcmp(head + 72, expect + 72, 4) == 0 &&
                     read64((const uint8_t *)head + 80) == hash[i];
         if (!whole) {
             int64_t s = __atomic_load_n(stop, __ATOMIC_RELAXED);

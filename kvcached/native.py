@@ -204,7 +204,7 @@ class ObjectReads:
     at ``paths[i]`` (``size`` bytes: ``header_len`` of header, then the payload) into block ``ids[i]`` of
     ``side``; ``expect``: the first 88 bytes of every header (its key and checksum zero), ``keys`` the objects'
     32-byte keys one after the other. Once every ``take`` returned, ``read(i)`` says what reading object ``i``
-    gave for every ``i`` up to ``stop`` (below the count)."""
+    gave for every ``i`` up to ``stop`` (below the count); none past it was read."""
 
     def __init__(
         self, paths: list[bytes], *, size: int, header_len: int, expect: bytes, keys: bytes, side: Side, ids: Array
@@ -218,11 +218,12 @@ class ObjectReads:
         self.got = np.zeros(count, dtype=np.int64)
         self.found = np.zeros(count, dtype=np.int64)
         self.digests = np.zeros(count, dtype=np.uint64)
-        self.shared = np.array([0, count], dtype=np.int64)  # the next index to take; the lowest not read whole
+        self.shared = np.array([0, count], dtype=np.int64)  # the next index to take; ``stop``
 
     @property
     def stop(self) -> int:
-        """The lowest index not read whole (the count when every object was)."""
+        """The lowest index not read whole, or whose header is not its object's (``kv_read_objects``); the count
+        when there is none."""
         return int(self.shared[1])
 
     def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:

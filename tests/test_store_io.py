@@ -290,6 +290,35 @@ def test_a_load_takes_nothing_past_an_object_that_fails_its_checksum(
     assert (arena[0] == 1).all() and not arena[2:].any()
 
 
+def test_objects_the_verdict_takes_are_read_whole_however_their_flags_differ(tmp_path: Path) -> None:
+    """Objects a writer with a secret tagged, loaded by a reader without one: the verdict takes them (an untagged
+    reader checks no tag), so the native reads must not stop at them either: all three land, byte for byte,
+    and are reported (a stop the verdict did not share once reported objects never read)."""
+    from kvcached import native
+    from kvcached.native import Side
+    from kvcached.store.base import ObjectIdentity
+    from kvcached.store.fileio import Reader, write_temporary
+    from kvcached.store.landing import Targets
+
+    if not native.available():
+        pytest.skip("the native copy was not built here")
+    writer = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * 4096, secret=b"s" * 32)
+    reader_identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * 4096)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for i, key in enumerate(keys):
+        record = np.full(writer.payload, i + 1, np.uint8)
+        os.close(write_temporary(writer, tmp_path / str(i), key, [memoryview(record)]))
+    arena = np.zeros((3, 3, 4096), dtype=np.uint8)
+    reader = Reader(reader_identity)
+    try:
+        targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), [0, 1, 2])
+        outcome = reader.load(keys, [tmp_path / str(i) for i in range(3)], targets, lambda: None)
+    finally:
+        reader.close()
+    assert (outcome.landed, outcome.why) == (3, None)
+    assert all((arena[i] == i + 1).all() for i in range(3))
+
+
 @pytest.mark.parametrize("kind", ["native", "python"])
 def test_a_read_call_returns_once_its_time_is_spent(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader thread's call reads up to its limit of objects (four), but returns once its time is spent: a load

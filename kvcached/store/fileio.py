@@ -217,11 +217,12 @@ class Reader:
         concurrent.futures.wait(futures)  # every thread done with the targets before anything is raised
         for future in futures:
             future.result()
-        for i in range(min(reads.stop + 1, len(keys))):
+        read = min(reads.stop + 1, len(keys))  # (none past ``stop`` was read)
+        for i in range(read):
             why = verdict(self.identity, keys[i], reads.read(i))
             if why is not None:
                 return Outcome(i, why)
-        return Outcome(len(keys))
+        return Outcome(read)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
