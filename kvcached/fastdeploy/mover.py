@@ -25,7 +25,8 @@ A task is tried until it moves or its deadline passes. A swap is idempotent as F
 engine recycles neither source nor target blocks before it has read the result, ``prefix_cache_manager.py``
 ``_handle_swap_result`` ~2090-2138), so one cut off by a restart, an adoption or a replaced worker
 (``TaskLost``), or sent while no daemon ran (``DaemonGone``, the memory still the one the drop-in started
-on), is sent again; so is a chunk of a load or a store. ``Done.outcome`` says how it ended:
+on), is sent again; so is a chunk of a load or a store (the same keys, the same blocks). ``Done.outcome``
+says how it ended:
 
 * ``MOVED``: every rank moved it (a storage task: ``Done.blocks`` leading blocks of it);
 * ``REFUSED``: kvcached refused it (``InvalidTask``) or the store failed it: not done (a storage task: past

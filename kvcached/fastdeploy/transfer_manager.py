@@ -13,9 +13,10 @@ against the daemon, declaring the geometry to one that waits for it, and waits f
 a mismatch is refused naming FastDeploy's argument, exit status 4); joins the engine's cache queue and sets
 its ready flags (``TransferManager``, ``announce``); then rank 0 serves the whole group (``_step``, in place
 of ``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320) and the others stand by until the
-engine is gone. docs/fastdeploy.md (*The drop-in for the cache transfer manager*) tells each step and
-every way the drop-in ends; ``kvcached.fastdeploy.mover`` how it follows the daemon, ``waits`` its
-deadlines, ``adapter`` everything FastDeploy-facing.
+engine is gone; a queue item that is not a cache task is logged and skipped. docs/fastdeploy.md (*The
+drop-in for the cache transfer manager*) tells each step and every way the drop-in ends;
+``kvcached.fastdeploy.mover`` how it follows the daemon, ``waits`` its deadlines, ``adapter`` everything
+FastDeploy-facing.
 """
 
 from __future__ import annotations
