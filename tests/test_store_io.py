@@ -242,9 +242,9 @@ def test_each_object_read_says_what_is_wrong_with_it(kind: str, tmp_path: Path) 
 
 
 def reads_of(tmp_path: Path, count: int, bad: int | None = None) -> tuple[Any, Any, Any, list[bytes]]:
-    """``count`` objects (a 12 KiB payload in three pieces) written under ``tmp_path``, object ``bad``'s
-    payload flipped at one byte: (its identity, its targets over a zeroed arena of ``count`` blocks, the
-    arena, the keys)."""
+    """``count`` objects (a 12 KiB payload in three pieces, object ``i``'s every byte ``i + 1``) written under
+    ``tmp_path``, object ``bad``'s payload changed at one byte after its header: (their identity, their targets
+    over a zeroed arena of ``count`` blocks, the arena, the keys)."""
     from kvcached.native import Side
     from kvcached.store.base import ObjectIdentity
     from kvcached.store.fileio import write_temporary
