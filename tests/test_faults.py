@@ -25,6 +25,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -686,6 +687,31 @@ def test_the_store_directory_removed_while_running(daemons: DaemonFactory, tmp_p
         assert "stop the other one, or give this instance another --storage-path" in second.log()
         assert tasks.store(0, [1], keys(1)).blocks == 1 and tasks.lookup(keys(1)) == 1
     assert "store directory removed while the daemon runs" in daemon.log()
+
+
+def test_a_store_lock_let_go_within_seconds_is_taken(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A rank directory whose lock another process holds and lets go of two seconds later (a replaced worker's
+    store agent, killed with it, still exiting: seen under load after a worker's kill -9) is waited for and
+    taken: the rank starts with its store, where its start used to fail at once with the store busy."""
+    store = tmp_path / "store"
+    (store / "r0").mkdir(parents=True)
+    for path in (store, store / "r0"):
+        path.chmod(0o700)
+    hold = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+    hold += "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2.0)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(store / "r0" / ".lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        args = [*geometry(), "--storage-backend", "file", "--storage-path", str(store)]
+        daemon = daemons.start(ranks=1, args=args)
+        daemon.wait_ready()
+        with rc.CacheTasks(daemon.instance) as tasks:
+            assert tasks.store(0, [1], keys(1)).blocks == 1 and tasks.lookup(keys(1)) == 1
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_the_store_directory_replaced_by_another_users_is_refused_as_unavailable(

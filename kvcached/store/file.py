@@ -35,6 +35,7 @@ import itertools
 import os
 import shutil
 import stat
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ from kvcached.store.landing import Targets
 
 SUFFIX = ".kvb"
 BUSY = "one daemon per store directory: stop the other one, or give this instance another --storage-path"
+#: How long a lock held by someone else is waited for: a replaced worker's store agent, killed with it, lets go
+#: of it only once it has exited, which under load can take a moment after its successor asks.
+LOCK_WAIT_S = 3.0
 
 
 class FileStore(Store):
@@ -76,18 +80,24 @@ class FileStore(Store):
     # -- the directory --------------------------------------------------------------------------------
 
     def _take_directory(self) -> None:
-        """Make the rank directory if needed and hold its lock; ``StoreBusy`` if another daemon does, and
+        """Make the rank directory if needed and hold its lock; ``StoreBusy`` if another holds it (after
+        ``LOCK_WAIT_S``), and
         ``InvalidSpec`` (changing nothing) if another user could plant objects in it (``unsafe_directory``)."""
         for path in (self.dir.parent, self.dir):
             path.mkdir(exist_ok=True, mode=0o700, parents=True)
             if (why := unsafe_directory(path)) is not None:
                 raise InvalidSpec("storage_path", why)
         fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreBusy(f"{self.dir} is used by another kvcached daemon; {BUSY}") from None
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise StoreBusy(f"{self.dir} is used by another kvcached daemon; {BUSY}") from None
+                time.sleep(0.05)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
         self._lock_fd = fd
