@@ -81,8 +81,8 @@ class FileStore(Store):
 
     def _take_directory(self) -> None:
         """Make the rank directory if needed and hold its lock; ``StoreBusy`` if another holds it (after
-        ``LOCK_WAIT_S``), and
-        ``InvalidSpec`` (changing nothing) if another user could plant objects in it (``unsafe_directory``)."""
+        ``LOCK_WAIT_S``), and ``InvalidSpec`` (changing nothing) if another user could plant objects in it
+        (``unsafe_directory``)."""
         for path in (self.dir.parent, self.dir):
             path.mkdir(exist_ok=True, mode=0o700, parents=True)
             if (why := unsafe_directory(path)) is not None:
