@@ -154,6 +154,51 @@ def test_a_store_agent_killed_while_idle_is_replaced(daemons: DaemonFactory, tmp
     assert read_status(instance)["ranks"][0]["pid"] == worker
 
 
+def test_status_says_a_replaced_agent_s_store_is_unavailable_until_it_has_opened(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """The store agent killed, and its rank directory's lock taken by another process the moment it lets go:
+    the agent the worker starts in its place waits for the lock (``LOCK_WAIT_S``), and meanwhile ``kvcached
+    status`` says the rank's store is unavailable (a client that waits for it to say available finds it open);
+    once the lock is let go, available, and stores work."""
+    import fcntl
+
+    from tests.conftest import availability
+
+    path = tmp_path / "store"
+    instance = start(daemons, path)
+    killed = store_agent(instance)
+    fd = os.open(path / "r0" / ".lock", os.O_RDWR)
+    try:
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while True:  # the lock, the moment the killed agent lets go of it
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the killed agent kept the lock"
+        worker = read_status(instance)["ranks"][0]["pid"]
+        children = Path(f"/proc/{worker}/task/{worker}/children")
+        while children.read_text().split() in ([], [str(killed)]):  # until the worker has started another
+            assert time.monotonic() < deadline, "no new store agent within 10 s"
+            time.sleep(0.05)
+        seen = set()
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:  # the new agent waits for the lock meanwhile (LOCK_WAIT_S)
+            seen.add(availability(instance)[0])
+            time.sleep(0.1)
+        assert seen == {False}, "the store is said available before its new agent opened it"
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + 30
+    while not availability(instance)[0]:
+        assert time.monotonic() < deadline, "the new agent never opened the store"
+        time.sleep(0.1)
+    with rc.CacheTasks(instance) as tasks:
+        assert tasks.store(0, [0], rc.block_keys(list(range(64)), 64)).blocks == 1
+
+
 def test_a_store_on_a_full_disk_fails_saying_so_once_and_where(daemons: DaemonFactory, small_disk: Path) -> None:
     """A store whose disk is full with nothing of the store's own to evict fails its task with one
     message that says what happened once (no doubled ``[Errno 28]``) and which file it was writing; the
