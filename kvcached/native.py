@@ -64,27 +64,8 @@ class _Library:
         _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
         _declare(self.lib.kv_read_land, i64, i32, i64, i64, ptr, ptr, ptr, i64, ptr)
         _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
-        _declare(
-            self.lib.kv_read_objects,
-            i64,
-            i64,
-            ptr,
-            i64,
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            *[ptr] * 5,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-        )
+        reads = (i64, ptr, i64, ptr, i64, ptr, ptr, i64, *[ptr] * 5, i64, ptr, ptr, i64, i64, ptr, ptr, ptr)
+        _declare(self.lib.kv_read_objects, i64, *reads)
         _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
         self.hash_min_bytes = int(self.lib.kv_hash_min_bytes())
@@ -210,8 +191,7 @@ class ObjectReads:
         self, paths: list[bytes], *, size: int, header_len: int, expect: bytes, keys: bytes, side: Side, ids: Array
     ) -> None:
         count = len(paths)
-        self.count, self.size, self.header_len, self.side = count, size, header_len, side
-        self.expect, self.keys = expect, keys
+        self.size, self.header_len, self.side = size, header_len, side  # (the side: its arrays stay mapped)
         self.paths = (ctypes.c_char_p * count)(*paths)
         self.ids = np.ascontiguousarray(ids, dtype=np.int64)
         self.headers = np.zeros((count, header_len), dtype=np.uint8)
@@ -219,6 +199,14 @@ class ObjectReads:
         self.found = np.zeros(count, dtype=np.int64)
         self.digests = np.zeros(count, dtype=np.uint64)
         self.shared = np.array([0, count], dtype=np.int64)  # the next index to take; ``stop``
+        # kv_read_objects's arguments but the buffer and the limits: the objects, where they land, the shared
+        # pair, what reading them gave
+        paths_at, shared = ctypes.cast(self.paths, ctypes.c_void_p), self.shared.ctypes.data
+        self._objects = (count, paths_at, size, self.headers.ctypes.data, header_len, expect, keys)
+        widths, bases, strides = side.widths.ctypes.data, side.bases.ctypes.data, side.strides.ctypes.data
+        self._pieces = (len(side.widths), bases, strides, widths, self.ids.ctypes.data)
+        self._shared = (shared, shared + 8)
+        self._results = (self.got.ctypes.data, self.found.ctypes.data, self.digests.ctypes.data)
 
     @property
     def stop(self) -> int:
@@ -231,30 +219,10 @@ class ObjectReads:
         ``bounce``, the interpreter's lock let go throughout; how many this call read. Only where
         ``hashes(side.widths.sum())``."""
         assert _LIBRARY is not None
-        side, shared = self.side, self.shared.ctypes.data
-        taken: int = _LIBRARY.lib.kv_read_objects(
-            self.count,
-            ctypes.cast(self.paths, ctypes.c_void_p),
-            self.size,
-            self.headers.ctypes.data,
-            self.header_len,
-            self.expect,
-            self.keys,
-            len(side.widths),
-            side.bases.ctypes.data,
-            side.strides.ctypes.data,
-            side.widths.ctypes.data,
-            self.ids.ctypes.data,
-            np.frombuffer(bounce, dtype=np.uint8).ctypes.data,
-            len(bounce),
-            shared,
-            shared + 8,
-            limit,
-            int(budget_s * 1e9),
-            self.got.ctypes.data,
-            self.found.ctypes.data,
-            self.digests.ctypes.data,
-        )
+        at = np.frombuffer(bounce, dtype=np.uint8).ctypes.data
+        budget = int(budget_s * 1e9)
+        objects, pieces, shared, results = self._objects, self._pieces, self._shared, self._results
+        taken: int = _LIBRARY.lib.kv_read_objects(*objects, *pieces, at, len(bounce), *shared, limit, budget, *results)
         if taken < 0:
             raise MemoryError("no memory for a load's piece addresses")
         return taken

@@ -142,6 +142,7 @@ class _ReadsInPython:
         self, identity: ObjectIdentity, keys: Sequence[bytes], paths: Sequence[Path], targets: Targets
     ) -> None:
         self.identity, self.keys, self.paths, self.targets = identity, keys, paths, targets
+        self.size = HEADER_SIZE + identity.payload
         self.reads: list[Read] = [(0, 0, b"", None)] * len(paths)
         self.next = itertools.count()  # taken under the interpreter's lock: each index once
         self.stop = len(paths)
@@ -150,8 +151,7 @@ class _ReadsInPython:
     def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:
         taken, until = 0, time.monotonic() + budget_s
         while taken < limit and (i := next(self.next)) < len(self.paths) and i <= self.stop:
-            size = HEADER_SIZE + self.identity.payload
-            self.reads[i] = read_object(self.paths[i], size, self.targets, i, bounce)
+            self.reads[i] = read_object(self.paths[i], self.size, self.targets, i, bounce)
             if verdict(self.identity, self.keys[i], self.reads[i]) is not None:
                 with self.lock:
                     self.stop = min(self.stop, i)

@@ -60,10 +60,9 @@ class Targets:
         return [memoryview(view[block]) for view in self.side.views]
 
 
-def address(data: memoryview) -> int:
-    """Where ``data``'s first byte is in memory."""
-    at: int = np.frombuffer(data, dtype=np.uint8).ctypes.data
-    return at
+def _address(data: memoryview) -> int:
+    address: int = np.frombuffer(data, dtype=np.uint8).ctypes.data
+    return address
 
 
 def land(
@@ -73,7 +72,7 @@ def land(
     ``indices[k]``, for every ``k``; the XXH3-64 of the bytes written into each (one native call for them
     all)."""
     if payloads and native.hashes(len(payloads[0])):
-        found = addresses if addresses is not None else [address(payload) for payload in payloads]
+        found = addresses if addresses is not None else [_address(payload) for payload in payloads]
         sources = np.array(found, dtype=np.uint64)
         ids = np.array([targets.ids[i] for i in indices], dtype=np.int64)
         digests: list[int] = native.land_blocks(sources, targets.side, ids).tolist()
@@ -97,7 +96,7 @@ def gather(pieces: Sequence[memoryview], into: memoryview) -> int:
     if native.hashes(len(into)):
         addresses = np.array([view.ctypes.data for view in views], dtype=np.uint64)
         widths = np.array([view.size for view in views], dtype=np.int64)
-        return native.gather_hash(addresses, widths, address(into))
+        return native.gather_hash(addresses, widths, _address(into))
     digest = xxhash.xxh3_64()
     offset = 0
     for piece, view in zip(pieces, views, strict=True):
@@ -114,7 +113,7 @@ def read_into(fd: int, offset: int, targets: Targets, i: int, bounce: memoryview
     total = int(targets.widths.sum())
     if native.hashes(total):
         return native.read_land(
-            fd, offset, targets.addresses(i), targets.widths, bounce=address(bounce), chunk=len(bounce)
+            fd, offset, targets.addresses(i), targets.widths, bounce=_address(bounce), chunk=len(bounce)
         )
     digest = xxhash.xxh3_64()
     done = 0
