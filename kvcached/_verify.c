@@ -379,15 +379,15 @@ static int64_t read_one(const char *path, int64_t size, char *header, int64_t he
 
 /* Read objects in turn, shared by the threads that call it at once: each call takes the next index i
  * (`*next`, atomically) until none is left, i is past `*stop`, or it has read `limit` objects or spent
- * `budget_ns` (so a caller can tell its progress often); object i (at paths[i]) is read as read_one reads
- * it, its header to headers + i * header_len, its payload into block ids[i]'s pieces (piece p: width[p]
- * bytes at base[p] + ids[i] * stride[p]), with got[i], found[i] and hash[i] set as read_one sets them. An
- * object not read whole, or whose header is not this object's (its first 76 bytes `expect`'s with keys[i], 32
- * bytes at 40; the payload's hash at 80: fields the caller checks too, its flags not among them) lowers
- * `*stop` to its index, so no call takes an index past it; every index below the final `*stop` is read.
- * Returns the objects this call read. */
-int64_t kv_read_objects(int64_t count, const char *const *paths, int64_t size, char *headers, int64_t header_len,
-                        const char *expect, const char *keys, int64_t npieces, const uint64_t *base,
+ * `budget_ns` (so a caller can tell its progress often); object i (its NUL-ended path at paths + i *
+ * path_stride) is read as read_one reads it, its header to headers + i * header_len, its payload into block
+ * ids[i]'s pieces (piece p: width[p] bytes at base[p] + ids[i] * stride[p]), with got[i], found[i] and hash[i]
+ * set as read_one sets them. An object not read whole, or whose header is not this object's (its first 76
+ * bytes `expect`'s with keys[i], 32 bytes at 40; the payload's hash at 80: every field of an untagged
+ * object's verdict, its flags not among them) lowers `*stop` to its index, so no call takes an index past
+ * it; every index below the final `*stop` is read, and verified. Returns the objects this call read. */
+int64_t kv_read_objects(int64_t count, const char *paths, int64_t path_stride, int64_t size, char *headers,
+                        int64_t header_len, const char *expect, const char *keys, int64_t npieces, const uint64_t *base,
                         const int64_t *stride, const int64_t *width, const int64_t *ids, char *bounce, int64_t chunk,
                         int64_t *next, int64_t *stop, int64_t limit, int64_t budget_ns, int64_t *got, int64_t *found,
                         uint64_t *hash) {
@@ -408,7 +408,8 @@ int64_t kv_read_objects(int64_t count, const char *const *paths, int64_t size, c
             pieces[p] = base[p] + (uint64_t)(ids[i] * stride[p]);
         }
         char *head = headers + i * header_len;
-        got[i] = read_one(paths[i], size, head, header_len, npieces, pieces, width, bounce, chunk, &hash[i], &found[i]);
+        got[i] = read_one(paths + i * path_stride, size, head, header_len, npieces, pieces, width, bounce, chunk,
+                          &hash[i], &found[i]);
         int whole = got[i] == size - header_len && memcmp(head, expect, 40) == 0 &&
                     memcmp(head + 40, keys + 32 * i, 32) == 0 && memcmp(head + 72, expect + 72, 4) == 0 &&
                     read64((const uint8_t *)head + 80) == hash[i];

@@ -64,7 +64,7 @@ class _Library:
         _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
         _declare(self.lib.kv_read_land, i64, i32, i64, i64, ptr, ptr, ptr, i64, ptr)
         _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
-        reads = (i64, ptr, i64, ptr, i64, ptr, ptr, i64, *[ptr] * 5, i64, ptr, ptr, i64, i64, ptr, ptr, ptr)
+        reads = (i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, *[ptr] * 5, i64, ptr, ptr, i64, i64, ptr, ptr, ptr)
         _declare(self.lib.kv_read_objects, i64, *reads)
         _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
@@ -192,27 +192,27 @@ class ObjectReads:
     ) -> None:
         count = len(paths)
         self.size, self.header_len, self.side = size, header_len, side  # (the side: its arrays stay mapped)
-        self.paths = (ctypes.c_char_p * count)(*paths)
+        stride = max(map(len, paths)) + 1
+        self.paths = b"".join(path.ljust(stride, b"\0") for path in paths)  # path i at i * stride, NUL-ended
         self.ids = np.ascontiguousarray(ids, dtype=np.int64)
         self.headers = np.zeros((count, header_len), dtype=np.uint8)
-        self.got = np.zeros(count, dtype=np.int64)
-        self.found = np.zeros(count, dtype=np.int64)
-        self.digests = np.zeros(count, dtype=np.uint64)
-        self.shared = np.array([0, count], dtype=np.int64)  # the next index to take; ``stop``
+        # what reading each object gave (got, found, digest: a row each), then the next index to take and ``stop``
+        self.results = np.zeros(3 * count + 2, dtype=np.int64)
+        self.results[-1] = count
+        at = self.results.ctypes.data
         # kv_read_objects's arguments but the buffer and the limits: the objects, where they land, the shared
         # pair, what reading them gave
-        paths_at, shared = ctypes.cast(self.paths, ctypes.c_void_p), self.shared.ctypes.data
-        self._objects = (count, paths_at, size, self.headers.ctypes.data, header_len, expect, keys)
+        self._objects = (count, self.paths, stride, size, self.headers.ctypes.data, header_len, expect, keys)
         widths, bases, strides = side.widths.ctypes.data, side.bases.ctypes.data, side.strides.ctypes.data
         self._pieces = (len(side.widths), bases, strides, widths, self.ids.ctypes.data)
-        self._shared = (shared, shared + 8)
-        self._results = (self.got.ctypes.data, self.found.ctypes.data, self.digests.ctypes.data)
+        self._shared = (at + 24 * count, at + 24 * count + 8)
+        self._results = (at, at + 8 * count, at + 16 * count)
 
     @property
     def stop(self) -> int:
         """The lowest index not read whole, or whose header is not its object's (``kv_read_objects``); the count
         when there is none."""
-        return int(self.shared[1])
+        return int(self.results[-1])
 
     def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:
         """Read up to ``limit`` of the objects not taken yet (fewer once ``budget_s`` is spent), through
@@ -229,6 +229,6 @@ class ObjectReads:
 
     def read(self, i: int) -> tuple[int, int, bytes, int | None]:
         """What reading object ``i`` gave (``kvcached.store.fileio.Read``)."""
-        got = int(self.got[i])
-        digest = int(self.digests[i]) if got == self.size - self.header_len else None
-        return got, int(self.found[i]), self.headers[i].tobytes(), digest
+        got, found, digest = self.results[i : 3 * len(self.headers) : len(self.headers)].tolist()
+        whole = got == self.size - self.header_len
+        return got, found, self.headers[i].tobytes(), digest % (1 << 64) if whole else None

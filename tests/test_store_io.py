@@ -64,7 +64,8 @@ def test_a_long_load_lands_only_the_verified_prefix(daemons: DaemonFactory, tmp_
     four, each holding its object's bytes; no block outside the load's targets changes (the targets of the
     fifth and later ones may hold bytes of the load: they are not reported); only the damaged object is
     removed, the later ones stay stored, and only the four reported have their mtime refreshed (the least
-    recently used order a restart rebuilds)."""
+    recently used order a restart rebuilds; the store agent sets them once the reply is sent, before its next
+    call: the lookups, which go to the store, come first)."""
     path = tmp_path / "store"
     instance = start(daemons, path)
     keys = rc.block_keys(list(range(8 * 64)), 64)
@@ -80,12 +81,12 @@ def test_a_long_load_lands_only_the_verified_prefix(daemons: DaemonFactory, tmp_
             os.utime(object_path(path, key), ns=(10**9, 10**9))
         fill(cache, list(range(8, 16)), seed=2)
         assert tasks.load(0, keys, list(range(8, 16))).blocks == 4
+        assert [tasks.lookup([key]) for key in keys] == [1, 1, 1, 1, 0, 1, 1, 1]
         times = [object_path(path, key).stat().st_mtime_ns for key in keys[:4] + keys[5:]]
         assert min(times[:4]) > 10**9 and times[4:] == [10**9] * 3, "only the reported objects count as used"
         assert blocks(cache, list(range(8, 12))) == expected[:4], "every reported block holds its object's bytes"
         assert blocks(cache, list(range(8))) == expected, "no block outside the load's targets changed"
         assert not victim.exists()
-        assert [tasks.lookup([key]) for key in keys] == [1, 1, 1, 1, 0, 1, 1, 1]
     assert read_status(instance)["ranks"][0]["store"]["corrupt"] == 1
 
 
@@ -333,6 +334,41 @@ def test_a_load_takes_nothing_past_an_object_that_fails_its_checksum(
         reader.close()
     assert (outcome.landed, outcome.why) == (1, "checksum mismatch")
     assert (arena[0] == 1).all() and not arena[2:].any()
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_an_object_with_any_header_byte_changed_is_refused(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load reports only objects whose every checked header byte is as written: with one bit of any of the
+    first 88 bytes flipped (magic, version, sizes, geometry, key, rank, checksum) the object is refused,
+    saying why; only the flags (bytes 76-79, not checked without a secret) may differ. The native reads are
+    the whole verdict on the objects they report, so they must refuse the same bytes Python does."""
+    from kvcached import native
+    from kvcached.store import fileio
+    from kvcached.store.base import HEADER
+
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    if kind == "python":
+        monkeypatch.setattr(native, "_LIBRARY", None)
+    identity, targets, arena, keys = reads_of(tmp_path, 1)
+    path = tmp_path / "0"
+    whole = path.read_bytes()
+    reader = fileio.Reader(identity)
+    try:
+        taken = []
+        for offset in range(HEADER.size):
+            path.write_bytes(whole[:offset] + bytes([whole[offset] ^ 1]) + whole[offset + 1 :])
+            outcome = reader.load(keys, [path], targets, lambda: None)
+            assert (outcome.landed == 0) == (outcome.why is not None), (offset, outcome)
+            if outcome.landed:
+                taken.append(offset)
+        path.write_bytes(whole)
+        assert reader.load(keys, [path], targets, lambda: None).landed == 1
+    finally:
+        reader.close()
+    assert taken == [76, 77, 78, 79]
 
 
 def test_objects_the_verdict_takes_are_read_whole_however_their_flags_differ(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ class FileStore(Store):
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._tmp = itertools.count()
         self._protected: set[bytes] = set()
+        self._touch: list[str] = []  # files the last load reported, their times set to now by ``settle``
         self.reader = Reader(identity)
         self._lock_fd = -1
         self._dir_ino = 0
@@ -126,9 +127,9 @@ class FileStore(Store):
         self.index.clear()
         self.counters.objects = self.counters.bytes = 0
 
-    def _path(self, key: bytes) -> Path:
+    def _path(self, key: bytes) -> str:
         name = key.hex()
-        return self.dir / name[:2] / (name + SUFFIX)
+        return f"{self.dir}/{name[:2]}/{name}{SUFFIX}"
 
     def _rebuild(self) -> None:
         """Index every object by mtime; remove writes a crash left half-done."""
@@ -157,7 +158,7 @@ class FileStore(Store):
                     why = f"written by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}, not by this daemon"
                 if why is not None:
                     self.log.warning("store object unusable, removed", path=entry.path, reason=why)
-                    _remove(Path(entry.path))
+                    _remove(entry.path)
                     self.counters.corrupt += 1
                     continue
                 assert st is not None
@@ -253,7 +254,7 @@ class FileStore(Store):
 
     def _write_temporary(self, key: bytes, pieces: Sequence[memoryview]) -> Pending:
         """Write ``key``'s object to a temporary file beside its name; a full disk evicts and tries again."""
-        path = self._path(key)
+        path = Path(self._path(key))
         path.parent.mkdir(exist_ok=True, mode=0o700)
         while True:
             tmp = path.parent / f".tmp-{os.getpid()}-{next(self._tmp)}"
@@ -273,16 +274,15 @@ class FileStore(Store):
         indexed = next((i for i, key in enumerate(keys) if key not in self.index), len(keys))
         paths = [self._path(key) for key in keys[:indexed]]
         outcome = self.reader.load(keys[:indexed], paths, targets, self.on_progress)
-        for key, path in zip(keys[: outcome.landed], paths, strict=False):
+        for key in keys[: outcome.landed]:
             self.index.move_to_end(key)
-            with contextlib.suppress(OSError):
-                os.utime(path, follow_symlinks=False)
+        self._touch += paths[: outcome.landed]
         self.counters.hits += outcome.landed
         if outcome.landed < len(keys):
             self.counters.misses += 1
         if outcome.why is not None:
             key, path = keys[outcome.landed], paths[outcome.landed]
-            self.log.warning("store object unusable, removed", key=key.hex(), path=str(path), reason=outcome.why)
+            self.log.warning("store object unusable, removed", key=key.hex(), path=path, reason=outcome.why)
             _remove(path)
             self._forget(key)
             self.counters.corrupt += outcome.why != MISSING
@@ -294,20 +294,29 @@ class FileStore(Store):
         self.check()
         return next((i for i, key in enumerate(keys) if not self._on_disk(key)), len(keys))
 
+    def settle(self) -> None:
+        """Set the times of the files the last load reported to now (the least recently used order a restart
+        rebuilds), after its reply."""
+        touch, self._touch = self._touch, []
+        for path in touch:
+            with contextlib.suppress(OSError):
+                os.utime(path, follow_symlinks=False)
+
     def close(self) -> None:
+        self.settle()
         self.reader.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
 
-def _remove(path: Path) -> None:
+def _remove(path: str | Path) -> None:
     """Remove whatever is at ``path`` (a file, a FIFO, a directory), as far as we may."""
     with contextlib.suppress(OSError):
-        if path.is_dir() and not path.is_symlink():
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
-            path.unlink()
+            os.unlink(path)
 
 
 class FileBackend(StoreBackend):
