@@ -199,7 +199,8 @@ class Store(abc.ABC):
 
     def settle(self) -> None:  # noqa: B027 - optional hook: most backends finish their work within the call
         """Finish what the last call left that its reply need not wait for: the store agent runs it once the
-        reply is sent, before the next call (and ``close`` before it releases anything)."""
+        reply is sent, before the next call; an agent killed first loses it, so it holds nothing a reply
+        promised."""
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release
         """Release resources."""

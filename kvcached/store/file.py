@@ -296,7 +296,7 @@ class FileStore(Store):
 
     def settle(self) -> None:
         """Set the times of the files the last load reported to now (the least recently used order a restart
-        rebuilds), after its reply."""
+        rebuilds), after its reply: an agent killed before leaves a restart that order one load older."""
         touch, self._touch = self._touch, []
         for path in touch:
             with contextlib.suppress(OSError):
