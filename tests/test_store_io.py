@@ -365,7 +365,9 @@ def test_an_object_with_any_header_byte_changed_is_refused(
             if outcome.landed:
                 taken.append(offset)
         path.write_bytes(whole)
+        arena[:] = 0
         assert reader.load(keys, [path], targets, lambda: None).landed == 1
+        assert (arena[0] == 1).all()
     finally:
         reader.close()
     assert taken == [76, 77, 78, 79]
