@@ -26,6 +26,7 @@ Every path copies at most ``STEP_BYTES`` between two calls of ``on_step`` (the w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -168,60 +169,51 @@ class SwapEngine:
             for k in range(0, n, step):
                 yield a0 + k, b0 + k, min(step, n - k)
 
-    def _chunks(self, a: Array, b: Array) -> Iterator[tuple[Array, Array]]:
+    def _by_step(self, copy: Callable[[Array, Array], object], a: Array, b: Array) -> int:
+        """``copy(a_part, b_part)`` over the id lists, at most ``step_blocks`` at a time, ``on_step`` after
+        each. Returns bytes moved."""
         step = self.step_blocks
         for k in range(0, len(a), step):
-            yield a[k : k + step], b[k : k + step]
+            copy(a[k : k + step], b[k : k + step])
+            self.on_step()
+        return len(a) * self.spec.block_bytes
 
     def copy_out(self, device_ids: Array, row_ids: Array, rows: Array | Side) -> int:
         """Copy device blocks into host blocks ``row_ids`` of ``rows`` (a records array, or a side) (ids
         validated). Returns bytes moved."""
         host = rows if isinstance(rows, Side) else self.records(rows)
         if self.device_side is not None:
-            for d, r in self._chunks(device_ids, row_ids):
-                native.copy_blocks(self.device_side, host, d, r)
-                self.on_step()
-        else:
-            for d0, r0, n in self._steps(device_ids, row_ids):
-                for piece, view in zip(self.pieces, host.views, strict=True):
-                    view[r0 : r0 + n] = piece.read(d0, n)
-                self.on_step()
+            return self._by_step(functools.partial(native.copy_blocks, self.device_side, host), device_ids, row_ids)
+        for d0, r0, n in self._steps(device_ids, row_ids):
+            for piece, view in zip(self.pieces, host.views, strict=True):
+                view[r0 : r0 + n] = piece.read(d0, n)
+            self.on_step()
         return len(device_ids) * self.spec.block_bytes
 
     def copy_in(self, row_ids: Array, device_ids: Array, rows: Array | Side) -> int:
         """Copy host blocks ``row_ids`` of ``rows`` into device blocks (ids validated). Returns bytes moved."""
         host = rows if isinstance(rows, Side) else self.records(rows)
         if self.device_side is not None:
-            for r, d in self._chunks(row_ids, device_ids):
-                native.copy_blocks(host, self.device_side, r, d)
-                self.on_step()
-        else:
-            for r0, d0, n in self._steps(row_ids, device_ids):
-                for piece, view in zip(self.pieces, host.views, strict=True):
-                    piece.write(d0, view[r0 : r0 + n])
-                self.on_step()
+            return self._by_step(functools.partial(native.copy_blocks, host, self.device_side), row_ids, device_ids)
+        for r0, d0, n in self._steps(row_ids, device_ids):
+            for piece, view in zip(self.pieces, host.views, strict=True):
+                piece.write(d0, view[r0 : r0 + n])
+            self.on_step()
         return len(device_ids) * self.spec.block_bytes
 
     def swap_out(self, device_ids: Array, cpu_ids: Array) -> int:
         """Copy device blocks to CPU pool blocks (validated ids). Returns bytes moved."""
         assert self.pool is not None
         if self.tier_swap is not None:
-            return self._tier_swap("out", device_ids, cpu_ids)
+            return self._by_step(functools.partial(self.tier_swap, "out"), device_ids, cpu_ids)
         return self.copy_out(device_ids, cpu_ids, self.pool)
 
     def swap_in(self, cpu_ids: Array, device_ids: Array) -> int:
         """Copy CPU pool blocks to device blocks (validated ids). Returns bytes moved."""
         assert self.pool is not None
         if self.tier_swap is not None:
-            return self._tier_swap("in", device_ids, cpu_ids)
+            return self._by_step(functools.partial(self.tier_swap, "in"), device_ids, cpu_ids)
         return self.copy_in(cpu_ids, device_ids, self.pool)
-
-    def _tier_swap(self, direction: str, device_ids: Array, cpu_ids: Array) -> int:
-        assert self.tier_swap is not None
-        for d, c in self._chunks(device_ids, cpu_ids):
-            self.tier_swap(direction, d, c)
-            self.on_step()
-        return len(device_ids) * self.spec.block_bytes
 
     def check_ids(self, ids: Array, *, field: str, role: str, unique: bool, tier: str = "device") -> None:
         """Raise ``InvalidTask`` unless every id is in range for ``tier`` (``device`` or ``cpu``) and, if
