@@ -74,6 +74,12 @@ class SectionOption(click.Option):
         return record[0], record[1].replace("[default:", f"[env: {self.variable}; default:", 1)
 
 
+def _option(section: str, *decls: str, **attrs: Any) -> Callable[[Any], Any]:
+    """``click.option`` of a ``SectionOption`` in ``section``; its ``variable`` is its ``envvar`` unless given."""
+    attrs.setdefault("variable", attrs.get("envvar"))
+    return click.option(*decls, cls=SectionOption, section=section, **attrs)
+
+
 #: The widest option column of a sectioned --help; a longer term has its help on the next line.
 _TERMS = 27
 
@@ -110,14 +116,13 @@ def _show_all(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
 
 def help_all_option(fn: Any) -> Any:
     """--help-all: every option (the internal ones too) with its variable, and the other variables."""
-    return click.option(
+    return _option(
+        "Help",
         "--help-all",
         is_flag=True,
         expose_value=False,
         is_eager=True,
         callback=_show_all,
-        cls=SectionOption,
-        section="Help",
         help="Show every option, those for tests and diagnosis too, each with its KVCACHED_* variable, and the "
         "variables that are no option.",
     )(fn)
@@ -134,25 +139,22 @@ def _knob_option(knob: Knob, section: str) -> Callable[[Any], Any]:
     if text.startswith(own := f"{section.split(maxsplit=1)[0].lower()} backend: "):  # its section says whose
         text = text[len(own) :][:1].upper() + text[len(own) + 1 :]
     text = f"{text}{choices}" if "[default:" in text else f"{text}{choices} [default: {default}]"
-    options: dict[str, Any] = {"cls": SectionOption, "section": section, "variable": knob.env, "help": text}
     if knob.switch:
         name = knob.name.replace("_", "-")
-        return click.option(f"--{name}/--no-{name}", knob.name, default=None, **options)
-    return click.option(knob.flag, knob.name, default=None, metavar=knob.metavar, **options)
+        return _option(section, f"--{name}/--no-{name}", knob.name, default=None, variable=knob.env, help=text)
+    return _option(section, knob.flag, knob.name, default=None, metavar=knob.metavar, variable=knob.env, help=text)
 
 
 def config_options(fn: Any) -> Any:
     """The configuration options of ``start``, shared by ``doctor`` (same names, same environment), by
     section (``kvcached.config.sections``), ``--config`` after ``--ranks``."""
-    config = click.option(
+    config = _option(
+        "Instance",
         "--config",
         "config_file",
         type=Path,
         envvar="KVCACHED_CONFIG",
         metavar="FILE",
-        cls=SectionOption,
-        section="Instance",
-        variable="KVCACHED_CONFIG",
         help="TOML file with any of these options (keys: the options' names with underscores). [default: none]",
     )
     shown: list[Callable[[Any], Any]] = []
@@ -177,32 +179,27 @@ START_EPILOG = (
 def start_options(fn: Any) -> Any:
     """``start``'s own options: --check-config, and the log's level and format."""
     options = [
-        click.option(
+        _option(
+            "Instance",
             "--check-config",
             is_flag=True,
-            cls=SectionOption,
-            section="Instance",
             help="Check that this configuration loads, and exit: 0, or 4 with what is wrong (`kvcached restart` runs "
             "it first).",
         ),
-        click.option(
+        _option(
+            "Service",
             "--log-level",
             default="info",
             envvar="KVCACHED_LOG_LEVEL",
             metavar="LEVEL",
-            cls=SectionOption,
-            section="Service",
-            variable="KVCACHED_LOG_LEVEL",
             help=f"One of: {', '.join(LEVELS)}. [default: info]",
         ),
-        click.option(
+        _option(
+            "Service",
             "--log-format",
             default="auto",
             envvar="KVCACHED_LOG_FORMAT",
             metavar="FORMAT",
-            cls=SectionOption,
-            section="Service",
-            variable="KVCACHED_LOG_FORMAT",
             help="auto: console on a TTY, else JSON (journald); json; console. [default: auto]",
         ),
     ]
@@ -212,27 +209,24 @@ def start_options(fn: Any) -> Any:
 def doctor_options(fn: Any) -> Any:
     """``doctor``'s own options, first in its --help."""
     options = [
-        click.option(
+        _option(
+            "Doctor",
             "--json",
             "as_json",
             is_flag=True,
-            cls=SectionOption,
-            section="Doctor",
             help="One JSON object (documented in kvcached.doctor) instead of a table.",
         ),
-        click.option(
+        _option(
+            "Doctor",
             "--clean",
             is_flag=True,
-            cls=SectionOption,
-            section="Doctor",
             help="Reclaim the leftovers of a dead instance (never a live one's).",
         ),
-        click.option(
+        _option(
+            "Doctor",
             "--fastdeploy",
             default="auto",
             metavar="PATH|auto|none",
-            cls=SectionOption,
-            section="Doctor",
             help="The FastDeploy to check against: a checkout or an installed package's directory; auto: the "
             "installed fastdeploy package, if any. Names its line, whether kvcached's patch is applied, the cache "
             "queue's transport, and whether its runner would allocate a second copy. [default: auto]",
