@@ -247,11 +247,11 @@ def test_doctor_reads_the_queue_rule_as_the_line_forms_it() -> None:
     """TCP unless the line's manager has a socket and the variable (or its default) says so; a value int()
     cannot read is an error naming the variable (``kvcached doctor``'s reading; the drop-in is told)."""
     socket = QueueRule(socket="/dev/shm/fd_task_queue_{port}.sock", default=1)
-    assert socket.address("10.0.0.1", 8021, {}) == "/dev/shm/fd_task_queue_8021.sock"
-    assert socket.address("10.0.0.1", 8021, {"FD_ENGINE_TASK_QUEUE_WITH_SHM": "0"}) == ("10.0.0.1", 8021)
-    assert QueueRule(socket=None, default=0).address("h", 1, {"FD_ENGINE_TASK_QUEUE_WITH_SHM": "1"}) == ("h", 1)
+    assert socket.uses_socket({}) and not socket.uses_socket({"FD_ENGINE_TASK_QUEUE_WITH_SHM": "0"})
+    assert socket.describe({}).startswith("Unix socket /dev/shm/fd_task_queue_<cache_queue_port>.sock")
+    assert not QueueRule(socket=None, default=0).uses_socket({"FD_ENGINE_TASK_QUEUE_WITH_SHM": "1"})
     with pytest.raises(ValueError, match="FD_ENGINE_TASK_QUEUE_WITH_SHM='on'"):
-        socket.address("h", 1, {"FD_ENGINE_TASK_QUEUE_WITH_SHM": "on"})
+        socket.uses_socket({"FD_ENGINE_TASK_QUEUE_WITH_SHM": "on"})
 
 
 def test_doctor_names_a_path_that_is_no_fastdeploy(daemons: DaemonFactory, instance: str, tmp_path: Path) -> None:

@@ -83,12 +83,6 @@ class QueueRule:
         except ValueError:
             raise ValueError(f"{SHM_VARIABLE}={raw!r}: {SHM_VALUES}") from None
 
-    def address(self, pod_ip: str, port: int, environ: Mapping[str, str]) -> tuple[str, int] | str:
-        """The address the line's own transfer manager would connect to."""
-        if self.socket is not None and self.uses_socket(environ):
-            return self.socket.format(port=port)
-        return (pod_ip, port)
-
     def describe(self, environ: Mapping[str, str]) -> str:
         if self.socket is None:
             return "TCP (pod_ip, cache_queue_port): this line's transfer manager has no other transport"
