@@ -213,7 +213,7 @@ def test_a_condition_is_evaluated_for_every_configuration(tmp_path: Path) -> Non
             continue
         assert condition.line == 3 and condition.unknown is None
         assert {c.describe() for c, cost in condition.differences() if cost == "two copies"} == two_copies
-        assert condition.equals_fixed() == (not two_copies)
+        assert (not condition.differences()) == (not two_copies)
         assert condition.creates(
             Config(profile=True, num_cpu_blocks=8, kvcache_storage_backend="file", splitwise_role="decode")
         )

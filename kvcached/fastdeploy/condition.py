@@ -119,9 +119,6 @@ class RunnerCondition:
         (the runner creates while kvcached owns) or ``no copy`` (the runner waits while nobody creates)."""
         return [(c, TWO_COPIES if self.creates(c) else NO_COPY) for c in CONFIGS if self.creates(c) != c.fixed()]
 
-    def equals_fixed(self) -> bool:
-        return not self.differences()
-
 
 def read_condition(root: Path, path: str = RUNNER) -> RunnerCondition:
     """The ``create_cache_tensor`` assignment of ``initialize_kv_cache`` in ``root/path``; ``unknown`` says
