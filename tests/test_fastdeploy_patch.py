@@ -14,8 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvcached.fastdeploy.arguments import FACTS, LATER_ARGUMENTS, build_parser
+from kvcached.fastdeploy.arguments import FACTS, build_parser
 from tests.helpers.fastdeploy_src import PATCH, checkout, patched_tree
+
+#: Arguments later lines' ``cache_transfer_manager.py`` added to e53f5184's (the drop-in takes them too).
+LATER_ARGUMENTS = ("--routing_replay_config",)
 
 
 def test_the_patch_applies_and_every_patched_file_compiles(tmp_path: Path) -> None:

@@ -45,8 +45,6 @@ ARGUMENT_OF = {
 }
 
 
-#: Arguments later lines' ``cache_transfer_manager.py`` added to e53f5184's.
-LATER_ARGUMENTS = ("--routing_replay_config",)
 #: What each line's patch tells the drop-in (``line_facts``), in the order the patches pass them.
 FACTS = ("--kvcached-line", "--kvcached-queue", "--kvcached-write-reports", "--kvcached-write-wait")
 #: ``--kvcached-write-reports``: who answers a storage write, and with which blocks.
