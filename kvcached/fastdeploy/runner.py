@@ -104,11 +104,6 @@ def messager_cache(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any],
     ATTACHED[rank] = cache
     kvs: dict[str, Any] = {}
     suffix = f"rank{args.rank}_device{args.device_id}"
-    for kind, tensors in (
-        ("key_caches", cache.key_caches),
-        ("value_caches", cache.value_caches),
-        ("key_cache_scales", cache.key_cache_scales),
-        ("value_cache_scales", cache.value_cache_scales),
-    ):
-        kvs.update({f"{kind}_{i}_{suffix}": tensor for i, tensor in enumerate(tensors)})
+    for kind in ("key_caches", "value_caches", "key_cache_scales", "value_cache_scales"):  # KVCache's names
+        kvs.update({f"{kind}_{i}_{suffix}": tensor for i, tensor in enumerate(getattr(cache, kind))})
     return kvs, list(cache.key_caches), list(cache.value_caches)
