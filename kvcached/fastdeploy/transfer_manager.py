@@ -101,22 +101,12 @@ _BROKEN = (BrokenPipeError, EOFError, ConnectionResetError, ConnectionRefusedErr
 class TransferManager:
     """One rank's drop-in: see the module docstring."""
 
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        fd: FastDeploy,
-        instance: str,
-        facts: LineFacts,
-        *,
-        task_s: float = TASK_S,
-        key_prefix: str = "",
-        slack_s: float = SLACK_S,
-    ) -> None:
-        self.args, self.fd, self.instance = args, fd, instance
+    def __init__(self, args: argparse.Namespace, fd: FastDeploy, known: Told) -> None:
+        self.args, self.fd, self.instance = args, fd, known.instance
         self.rank, self.n_ranks = args.rank, args.mp_num
-        self.task_s, self.queue_s = task_s, task_s + slack_s
+        self.task_s, self.queue_s = known.task_s, known.task_s + known.slack_s
         self.waits = Waits(self.rank, self._expire, Launcher.find())
-        address = facts.queue_socket or (args.pod_ip, args.cache_queue_port)
+        address = known.facts.queue_socket or (args.pod_ip, args.cache_queue_port)
         with self.waits.on("the engine's cache queue (connecting)", self.queue_s, engine=True):
             self.queue = fd.cache_queue(address, self.n_ranks, self.rank)
         suffix, ranks = args.engine_worker_queue_port, args.mp_num
@@ -131,16 +121,16 @@ class TransferManager:
             if self.serving
             else []
         )
-        mover = Mover(instance, group_ranks(args), task_s) if self.serving else None
+        mover = Mover(self.instance, group_ranks(args), self.task_s) if self.serving else None
         self.handlers = Handlers(
             self,
             mover,
             fd.CacheStatus,
-            facts,
+            known.facts,
             n_ranks=self.n_ranks,
-            task_s=task_s,
+            task_s=self.task_s,
             model_path=args.model_path,
-            prefix=key_prefix,
+            prefix=known.prefix,
         )
         self.kinds = self._kinds()
         self.pools = {
@@ -451,9 +441,7 @@ def main(argv: Sequence[str] | None = None, adapter: FastDeploy | None = None) -
         print(f"Error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     try:
-        manager = TransferManager(
-            args, fd, known.instance, known.facts, task_s=known.task_s, key_prefix=known.prefix, slack_s=known.slack_s
-        )
+        manager = TransferManager(args, fd, known)
     except (OSError, EOFError) as exc:  # the engine's queue (or its flags) are not where the launcher said
         where = known.facts.queue_socket or f"{args.pod_ip}:{args.cache_queue_port}"
         why = f"the engine's cache queue at {where} (or its flags) cannot be reached: {exc!r:.200}"
