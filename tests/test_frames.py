@@ -247,7 +247,7 @@ def test_large_frames_reserve_the_input_budget_and_wait_for_room(harness: Harnes
     assert harness.server.reserved == big
     second.sendall(REQUEST.pack(REQUEST_MAGIC, Op.STORE, 0, 2, big) + b"b" * 1024)
     harness.pump()
-    waiting = [c for c in harness.server.conns.values() if c.starved]
+    waiting = list(harness.server.starved)
     assert len(waiting) == 1 and waiting[0].need == big and harness.server.reserved == big
     first.sendall(b"a" * (big - (16 << 10)))
     harness.pump()

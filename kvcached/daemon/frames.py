@@ -125,7 +125,6 @@ class Client:
     inbuf: bytearray = dataclasses.field(default_factory=bytearray)
     outbuf: bytearray = dataclasses.field(default_factory=bytearray)
     greeted: bool = False
-    starved: bool = False  # waiting for the input budget
     reserved: int = 0  # bytes of INPUT_BUDGET its unfinished large frame holds
     frame: bytearray | None = None  # that frame's payload, filled in place
     frame_header: Request = NO_REQUEST  # that frame's header (payload empty)
@@ -294,7 +293,7 @@ class FrameServer:
         events = 0
         if (
             len(client.outbuf) <= self.limits.out_cap
-            and not client.starved
+            and client not in self.starved
             and not client.eof
             and client not in self.backlog
         ):
@@ -393,7 +392,7 @@ class FrameServer:
         """Read what arrived and run every complete request; False when the connection should close."""
         spent = self.buffered >= self.limits.input_budget
         if not client.reserved and spent and client.inbuf:
-            self._starve(client)  # others hold the budget: wait for it instead of growing without bound
+            self.starved.add(client)  # others hold the budget: wait for it instead of growing without bound
             return True
         # A large frame is read straight into its own buffer, allocated once at its reserved length.
         target = memoryview(client.frame)[client.filled :] if client.frame is not None else self.scratch_view
@@ -500,7 +499,7 @@ class FrameServer:
         until the budget has room."""
         if self.reserved + length > self.limits.input_budget:
             client.need = length
-            self._starve(client)
+            self.starved.add(client)
             return
         client.need = 0
         client.reserved = length
@@ -556,10 +555,6 @@ class FrameServer:
                 client.unsent.popleft()
         return True
 
-    def _starve(self, client: Client) -> None:
-        client.starved = True
-        self.starved.add(client)
-
     def _feed_starved(self) -> None:
         """Read again from starved connections once the budget has room for what each waits for."""
         for client in list(self.starved):
@@ -569,7 +564,6 @@ class FrameServer:
             budget = self.limits.input_budget
             room = self.reserved + client.need <= budget if client.need else self.buffered < budget
             if room:
-                client.starved = False
                 self.starved.discard(client)
                 self._watch(client)
 
