@@ -125,8 +125,7 @@ class Client:
     inbuf: bytearray = dataclasses.field(default_factory=bytearray)
     outbuf: bytearray = dataclasses.field(default_factory=bytearray)
     greeted: bool = False
-    reserved: int = 0  # bytes of INPUT_BUDGET its unfinished large frame holds
-    frame: bytearray | None = None  # that frame's payload, filled in place
+    frame: bytearray | None = None  # its unfinished large frame's payload, filled in place (reserved whole)
     frame_header: Request = NO_REQUEST  # that frame's header (payload empty)
     filled: int = 0
     need: int = 0  # the length of a large frame waiting for room in the budget (0: any room below it)
@@ -325,7 +324,7 @@ class FrameServer:
             if client.events:
                 self.selector.unregister(sock)
             self.buffered -= len(client.inbuf)
-            self.reserved -= client.reserved
+            self.reserved -= len(client.frame) if client.frame is not None else 0
             self.starved.discard(client)
             self.backlog.pop(client, None)
             self._feed_starved()
@@ -391,7 +390,7 @@ class FrameServer:
     def _on_readable(self, client: Client) -> bool:
         """Read what arrived and run every complete request; False when the connection should close."""
         spent = self.buffered >= self.limits.input_budget
-        if not client.reserved and spent and client.inbuf:
+        if client.frame is None and spent and client.inbuf:
             self.starved.add(client)  # others hold the budget: wait for it instead of growing without bound
             return True
         # A large frame is read straight into its own buffer, allocated once at its reserved length.
@@ -502,7 +501,6 @@ class FrameServer:
             self.starved.add(client)
             return
         client.need = 0
-        client.reserved = length
         self.reserved += length
         client.frame, client.frame_header = bytearray(length), header
         have = len(client.inbuf) - REQUEST.size
@@ -516,8 +514,7 @@ class FrameServer:
         assert client.frame is not None
         payload = bytes(client.frame)
         client.frame, client.filled = None, 0
-        self.reserved -= client.reserved
-        client.reserved = 0
+        self.reserved -= len(payload)
         return client.frame_header._replace(payload=payload)
 
     def _run(self, client: Client, request: Request) -> bool:
