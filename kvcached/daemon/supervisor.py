@@ -79,7 +79,6 @@ class Supervisor:
         self, config: DaemonConfig, on_progress: ProgressHook | None = None, preflight: Preflight | None = None
     ) -> None:
         self.config = config
-        self.spec = config.spec
         self.instance = config.instance
         self.backend = memory.get(config.memory)
         self.log = logs.get("kvcached.supervisor")
@@ -147,8 +146,7 @@ class Supervisor:
     def _start(self) -> bool:
         """Everything before serving; False when told to stop first (while waiting for the geometry)."""
         self.config = declarations.held(self.config)  # --geometry engine: the geometry of memory left to adopt
-        self.spec = self.config.spec
-        startup.refuse_runner_owned(self.spec)
+        startup.refuse_runner_owned(self.config.spec)
         faults.check_env()
         self.locks.take(self.config.ranks, self.access)
         faults.fault("after-lock")
@@ -163,7 +161,7 @@ class Supervisor:
             if isinstance(got, int):
                 self.requests.restart = got == RESTART_SIGNAL
                 return False
-            self.config, self.spec = got, got.spec
+            self.config = got
         startup.check_space(self.config, self.adoption)
         startup.check_store(self.config, self.log)
         self.generation = secrets.randbits(64) | 1
@@ -332,7 +330,7 @@ class Supervisor:
                 self._set(slot, total_bytes=total)
             case channel.Progress(done=done):
                 self._set(slot, reserved_bytes=done)
-                per_rank = self.backend.arena_bytes(self.spec) + cpu_pool_bytes(self.spec)
+                per_rank = self.backend.arena_bytes(self.config.spec) + cpu_pool_bytes(self.config.spec)
                 self.notify.status(progress_text(self.records, per_rank), throttle_s=0.5)
                 self._show_progress()
             case channel.Ready():
