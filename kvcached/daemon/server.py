@@ -16,8 +16,10 @@ in the CPU pool first, then in the store.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -235,28 +237,27 @@ class TaskServer:
                 "(start it with --num-cpu-blocks > 0 or --storage-backend)",
             )
 
-    def _in_pool(self, key: bytes) -> int | None:
-        return self.keys.find(key) if self.keys is not None else None
-
-    def _store_run(self, keys: list[bytes], start: int) -> int:
-        """The end of the run of keys from ``start`` that the CPU pool does not hold."""
-        end = start + 1
-        while end < len(keys) and self._in_pool(keys[end]) is None:
-            end += 1
-        return end
+    def _runs(self, keys: list[bytes]) -> Iterator[tuple[int, int, list[int]]]:
+        """``keys`` cut, in order, into runs the CPU pool holds every key of or none: ``(start, end, blocks)``,
+        ``blocks`` the pool's blocks of the run (empty: a run for the store). Each key is looked up once, as
+        the runs are taken."""
+        found = (self.keys.find(key) if self.keys is not None else None for key in keys)
+        start = 0
+        for _, run in itertools.groupby(found, key=lambda block: block is None):
+            blocks = list(run)
+            yield start, start + len(blocks), [block for block in blocks if block is not None]
+            start += len(blocks)
 
     def _present(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` a host tier holds: the CPU pool (its key directory) or the store."""
         found = 0
-        while found < len(keys):
-            if self._in_pool(keys[found]) is not None:
-                found += 1
-                continue
-            if self.store is None:
+        for start, end, blocks in self._runs(keys):
+            if blocks:
+                found += len(blocks)
+            elif self.store is None:
                 break
-            end = self._store_run(keys, found)
-            got = self.store.call("present", keys[found:end])
-            found += got
+            else:
+                found += self.store.call("present", keys[start:end])
             if found < end:
                 break
         return found
@@ -266,22 +267,14 @@ class TaskServer:
         from the fastest tier that has it: the CPU pool, else the store. Stops at the first miss.
         ``ahead``: the keys of the load its client sent next (``Store.expect``)."""
         loaded = 0
-        while loaded < len(keys):
-            pooled: list[int] = []
-            while loaded + len(pooled) < len(keys):
-                block = self._in_pool(keys[loaded + len(pooled)])
-                if block is None:
-                    break
-                pooled.append(block)
-            if pooled:
-                self.engine.swap_in(np.array(pooled, dtype=np.int64), targets[loaded : loaded + len(pooled)])
-                loaded += len(pooled)
-                continue
-            if self.store is None:
+        for start, end, blocks in self._runs(keys):
+            if blocks:
+                self.engine.swap_in(np.array(blocks, dtype=np.int64), targets[start:end])
+                loaded += len(blocks)
+            elif self.store is None:
                 break
-            end = self._store_run(keys, loaded)
-            got = self._load_from_store(keys[loaded:end], targets[loaded:end], self.store, ahead)
-            loaded += got
+            else:
+                loaded += self._load_from_store(keys[start:end], targets[start:end], self.store, ahead)
             if loaded < end:
                 break
         return loaded
