@@ -32,7 +32,6 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kvcached import logs
 from kvcached.daemon import channel, faults, requests
@@ -296,17 +295,15 @@ def record_outcome(path: Path, generation: int, refused: str | None = None) -> N
     mode 0600."""
     now = time.time_ns()
     try:
-        data = json.loads(path.read_text())
-        outcomes = list(data.get("outcomes", []))[-(OUTCOMES_KEPT - 1) :]
+        outcomes = list(json.loads(path.read_text()).get("outcomes", []))[-(OUTCOMES_KEPT - 1) :]
     except (OSError, ValueError, TypeError, AttributeError):
-        data, outcomes = {}, []
+        outcomes = []
     outcomes.append({"at_ns": now, "generation": f"{generation:016x}", "reason": refused})
-    record: dict[str, Any] = {"outcomes": outcomes}
     temporary = path.with_name(path.name + ".new")
     with contextlib.suppress(OSError):
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+            json.dump({"outcomes": outcomes}, f)
         os.replace(temporary, path)
 
 
