@@ -189,8 +189,7 @@ class FrameServer:
         #: Connections with whole requests waiting for their turn, in the order they joined (an ordered set).
         self.backlog: dict[Client, None] = {}
         self.round = 0  # the round under way
-        self.scratch = bytearray(self.limits.recv_chunk)  # one receive buffer, reused: no allocation per message
-        self.scratch_view = memoryview(self.scratch)
+        self.scratch = memoryview(bytearray(self.limits.recv_chunk))  # reused by every read: no allocation per message
         self.max_connections = max_connections or connection_limit()
         self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.listening = False
@@ -394,7 +393,7 @@ class FrameServer:
             self.starved.add(client)  # others hold the budget: wait for it instead of growing without bound
             return True
         # A large frame is read straight into its own buffer, allocated once at its reserved length.
-        target = memoryview(client.frame)[client.filled :] if client.frame is not None else self.scratch_view
+        target = memoryview(client.frame)[client.filled :] if client.frame is not None else self.scratch
         if spent and client.frame is None:
             target = target[:SPARE_READ]  # nothing buffered yet: a small task still gets in
         try:
@@ -410,7 +409,7 @@ class FrameServer:
         if client.frame is not None:
             client.filled += got
         else:
-            client.inbuf += self.scratch_view[:got]
+            client.inbuf += self.scratch[:got]
             self.buffered += got
         # A whole request waits for its turn; otherwise a large frame's header reserves its length.
         return self._wait_turn(client) if _whole_request(client) else self._turn(client)
