@@ -192,20 +192,17 @@ class FrameServer:
         self.scratch = memoryview(bytearray(self.limits.recv_chunk))  # reused by every read: no allocation per message
         self.max_connections = max_connections or connection_limit()
         self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-        self.listening = False
 
     # -- the listener ---------------------------------------------------------------------------------
 
     def listen(self) -> None:
         self.selector.register(self.listener, selectors.EVENT_READ, lambda _events: self.accept())
-        self.listening = True
 
     def stop_listening(self) -> None:
         """Close the listener: clients that connect from now on are refused by the kernel (and try the next
         daemon); connections open now are served on."""
-        if self.listening:
+        with contextlib.suppress(KeyError, ValueError):  # not listening, or closed already
             self.selector.unregister(self.listener)
-            self.listening = False
         self.listener.close()
 
     def accept(self) -> None:
