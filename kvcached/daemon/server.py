@@ -71,13 +71,9 @@ class TaskServer:
         self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
         self.store_was_unavailable = False  # what the log last said of it (``_mirror_store_counters``)
         self.republishing = False  # what the log last said of putting back what the store's master forgot
-        self.handing_over = False  # tasks are answered NOT_RUN: the next daemon runs them
+        self.handing_over = False  # set when handing over: tasks are answered NOT_RUN, the next daemon runs them
         if store is not None:
             self._mirror_store_counters()  # a rebuilt index shows in status before the first task
-
-    def hand_over(self) -> None:
-        """From now on, answer every task NOT_RUN (its client sends it to the daemon that adopts the rank)."""
-        self.handing_over = True
 
     # -- tasks ----------------------------------------------------------------------------------------
 

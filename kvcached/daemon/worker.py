@@ -419,7 +419,7 @@ class Service:
         if isinstance(message, channel.Stop) and message.drain and not self.draining_until:
             self.frames.stop_listening()  # clients that connect now are refused, and try the next daemon
             self.selector.unregister(self.sock)
-            self.tasks.hand_over()
+            self.tasks.handing_over = True
             self.draining_until = time.monotonic() + DRAIN_S
         elif message is None or isinstance(message, channel.Stop):
             self.status = EXIT_OK
