@@ -12,9 +12,9 @@ put / get (store), FastDeploy's ``sleep(1)`` poll (handshake). Writes, into ``--
 * ``store_throughput.png``: store and load GB/s per backend beside the plain I/O of the same objects.
 
 It also runs ``bench_swap.py --geometry`` for FastDeploy's TP8 and MLA geometries (runs and shuffled ids
-beside the plain copy), ``bench_store.py`` on the file store at a TP8 ERNIE-4.5 rank-block (80 layers x K,V
-x 16 KiB = 2.5 MiB in 160 pieces) and ``bench_start.py`` (cold start beside the raw allocation, start after
-kill -9, restarts under a swap stream).
+beside the plain copy), ``bench_store.py`` on the file store at a TP8 70B Llama's block (80 layers x K,V
+x 16 KiB = 2.5 MiB in 160 pieces; ERNIE-4.5's, 54 layers, is 1.7 MiB in 108) and ``bench_start.py`` (cold
+start beside the raw allocation, start after kill -9, restarts under a swap stream).
 
 The default sizes take about 2 minutes on a 2-core machine (docs/benchmarks.md says how long its run
 took); ``--smoke`` runs tiny sizes, every benchmark at once (a check that the pipeline works, not a
@@ -43,7 +43,7 @@ GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d")
 SCRIPTS = ROOT / "scripts"
 
 GEOMETRIES = ["--geometry", "tp8-ernie", "--geometry", "tp8-llama70b", "--geometry", "mla-576"]
-#: The file store at a TP8 ERNIE-4.5 rank-block: 80 layers x K,V x 16 KiB = 2.5 MiB in 160 pieces.
+#: The file store at a TP8 70B Llama's block: 80 layers x K,V x 16 KiB = 2.5 MiB in 160 pieces.
 TP8_OBJECT = ["--backends", "file", "--ranks", "1", "--block-kib", "2560", "--layers", "80"]
 #: Per benchmark: its arguments at the default size and at --smoke size.
 PLANS: dict[str, dict[str, list[str]]] = {
@@ -341,7 +341,7 @@ def main() -> int:
         "| benchmark | kvcached | physical limit, same run | ratio |",
         "|---|---|---|---|",
         *swap_rows(geometry),
-        *store_rows(fdstore, ", TP8 ERNIE-4.5 rank-block (2.5 MiB, 160 pieces)"),
+        *store_rows(fdstore, ", TP8 70B Llama block (2.5 MiB, 160 pieces)"),
         *start_rows(start),
         "",
         "## Headline, the other sizes",
@@ -360,7 +360,7 @@ def main() -> int:
         ("Swap", swap_text),
         ("Store", store_text),
         ("Geometries", geometry_text),
-        ("The file store at a TP8 ERNIE-4.5 rank-block", fdstore_text),
+        ("The file store at a TP8 70B Llama block", fdstore_text),
         ("Start", start_text),
     )
     for title, text in printouts:

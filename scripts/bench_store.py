@@ -287,7 +287,13 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2, help="ranks storing and loading at once")
     parser.add_argument("--gib", type=float, default=1.0, help="bytes stored per rank, GiB")
     parser.add_argument("--block-kib", type=int, default=512, help="bytes of one block (all layers), KiB")
-    parser.add_argument("--layers", type=int, default=NUM_LAYERS, help="layers of the file backend's geometry")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=NUM_LAYERS,
+        help="layers of the file backend's geometry: an object is LAYERS x K,V pieces of BLOCK_KIB / (2 x LAYERS) "
+        f"KiB, each a whole number of tokens of {KV_HEADS} heads x {HEAD_DIM} x bf16",
+    )
     parser.add_argument("--batch", type=int, default=64, help="blocks per task")
     parser.add_argument("--repeats", type=int, default=3, help="alternating plain / kvcached passes per backend")
     parser.add_argument(
@@ -305,6 +311,12 @@ def main() -> int:
     args = show_defaults(parser).parse_args()
 
     block_bytes = args.block_kib << 10
+    token = args.layers * 2 * KV_HEADS * HEAD_DIM * 2  # one token of every layer's key and value
+    if "file" in args.backends and (args.layers < 1 or block_bytes % token):
+        parser.error(
+            f"--block-kib {args.block_kib} is not a whole number of tokens of --layers {args.layers} (a token of "
+            f"every layer's key and value: {token} bytes): try --block-kib {max(1, block_bytes // token) * token >> 10}"
+        )
     blocks = int(args.gib * 2**30) // block_bytes
     total = args.ranks * blocks * block_bytes
     work = Path(tempfile.mkdtemp(prefix="kvbs-", dir=args.dir or "/var/tmp"))
@@ -343,7 +355,8 @@ def main() -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
     print(
-        f"attention store, {args.ranks} ranks x {args.gib:g} GiB in blocks of {args.block_kib} KiB, tasks of "
+        f"attention store, {args.ranks} rank(s) x {args.gib:g} GiB: {blocks} blocks of {args.block_kib} KiB (the file "
+        f"store's: {args.layers} layers x K,V pieces of {args.block_kib / (2 * args.layers):g} KiB), tasks of "
         f"{args.batch} blocks to all ranks; {args.repeats} alternating passes of plain I/O and kvcached"
     )
     met = True
