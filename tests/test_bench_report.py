@@ -51,7 +51,7 @@ def test_bench_report_smoke_writes_report_and_images() -> None:
     report = (out / "report.md").read_text()
     needles = [
         "## FastDeploy's geometries",
-        "TP8 ERNIE-4.5 rank-block",
+        "TP8 70B Llama block",
         "## Headline",
         "plain copy",
         "sleep(1) poll",
