@@ -342,12 +342,13 @@ int64_t kv_read_land(int fd, int64_t offset, int64_t npieces, const uint64_t *pi
  * regular file of `size` bytes, read its first `header_len` bytes into `header`, and land the rest as
  * kv_read_land does. Returns the payload bytes read, or -errno when it cannot be opened or read,
  * KV_NOT_REGULAR, or KV_WRONG_SIZE with *found set to the file's size; *found is otherwise the header bytes
- * read (short only if the file shrank meanwhile). */
+ * read (short only if the file shrank meanwhile). An object read whole has its times set to now (used: the
+ * order a restart rebuilds), its times before in times[0] (access) and times[1] (modification), in ns. */
 #define KV_NOT_REGULAR (-(1LL << 40))
 #define KV_WRONG_SIZE (-(1LL << 40) - 1)
 static int64_t read_one(const char *path, int64_t size, char *header, int64_t header_len, int64_t npieces,
                         const uint64_t *pieces, const int64_t *width, char *bounce, int64_t chunk, uint64_t *hash,
-                        int64_t *found) {
+                        int64_t *found, int64_t *times) {
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) {
         return -errno;
@@ -372,6 +373,11 @@ static int64_t read_one(const char *path, int64_t size, char *header, int64_t he
             *found = got;
             result = got < header_len ? 0 : kv_read_land(fd, header_len, npieces, pieces, width, bounce, chunk, hash);
         }
+        if (result == size - header_len) {
+            times[0] = (int64_t)st.st_atim.tv_sec * 1000000000 + st.st_atim.tv_nsec;
+            times[1] = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+            futimens(fd, NULL);
+        }
     }
     close(fd);
     return result;
@@ -381,8 +387,8 @@ static int64_t read_one(const char *path, int64_t size, char *header, int64_t he
  * (`*next`, atomically) until none is left, i is past `*stop`, or it has read `limit` objects or spent
  * `budget_ns` (so a caller can tell its progress often); object i (its NUL-ended path at paths + i *
  * path_stride) is read as read_one reads it, its header to headers + i * header_len, its payload into block
- * ids[i]'s pieces (piece p: width[p] bytes at base[p] + ids[i] * stride[p]), with got[i], found[i] and hash[i]
- * set as read_one sets them. An object not read whole, or whose header is not this object's (its first 76
+ * ids[i]'s pieces (piece p: width[p] bytes at base[p] + ids[i] * stride[p]), with got[i], found[i], hash[i]
+ * and times[2 * i], times[2 * i + 1] set as read_one sets them. An object not read whole, or whose header is not this object's (its first 76
  * bytes `expect`'s with keys[i], 32 bytes at 40; the payload's hash at 80: every field of an untagged
  * object's verdict, its flags not among them) lowers `*stop` to its index, so no call takes an index past
  * it; every index below the final `*stop` is read, and verified. Returns the objects this call read. */
@@ -390,7 +396,7 @@ int64_t kv_read_objects(int64_t count, const char *paths, int64_t path_stride, i
                         int64_t header_len, const char *expect, const char *keys, int64_t npieces, const uint64_t *base,
                         const int64_t *stride, const int64_t *width, const int64_t *ids, char *bounce, int64_t chunk,
                         int64_t *next, int64_t *stop, int64_t limit, int64_t budget_ns, int64_t *got, int64_t *found,
-                        uint64_t *hash) {
+                        uint64_t *hash, int64_t *times) {
     uint64_t *pieces = malloc((size_t)npieces * sizeof *pieces);
     if (pieces == NULL) {
         return -ENOMEM;
@@ -409,7 +415,7 @@ int64_t kv_read_objects(int64_t count, const char *paths, int64_t path_stride, i
         }
         char *head = headers + i * header_len;
         got[i] = read_one(paths + i * path_stride, size, head, header_len, npieces, pieces, width, bounce, chunk,
-                          &hash[i], &found[i]);
+                          &hash[i], &found[i], &times[2 * i]);
         int whole = got[i] == size - header_len && memcmp(head, expect, 40) == 0 &&
                     memcmp(head + 40, keys + 32 * i, 32) == 0 && memcmp(head + 72, expect + 72, 4) == 0 &&
                     read64((const uint8_t *)head + 80) == hash[i];

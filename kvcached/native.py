@@ -64,7 +64,7 @@ class _Library:
         _declare(self.lib.kv_gather_hash, ctypes.c_uint64, i64, ptr, ptr, ptr)
         _declare(self.lib.kv_read_land, i64, i32, i64, i64, ptr, ptr, ptr, i64, ptr)
         _declare(self.lib.kv_land_blocks, None, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr)
-        reads = (i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, *[ptr] * 5, i64, ptr, ptr, i64, i64, ptr, ptr, ptr)
+        reads = (i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, *[ptr] * 5, i64, ptr, ptr, i64, i64, *[ptr] * 4)
         _declare(self.lib.kv_read_objects, i64, *reads)
         _declare(self.lib.kv_hash_min_bytes, i64)
         self.streams = bool(self.lib.kv_streams())
@@ -196,8 +196,9 @@ class ObjectReads:
         self.paths = b"".join(path.ljust(stride, b"\0") for path in paths)  # path i at i * stride, NUL-ended
         self.ids = np.ascontiguousarray(ids, dtype=np.int64)
         self.headers = np.zeros((count, header_len), dtype=np.uint8)
-        # what reading each object gave (got, found, digest: a row each), then the next index to take and ``stop``
-        self.results = np.zeros(3 * count + 2, dtype=np.int64)
+        # what reading each object gave (got, found, digest: a row each; its times before: two rows, interleaved),
+        # then the next index to take and ``stop``
+        self.results = np.zeros(5 * count + 2, dtype=np.int64)
         self.results[-1] = count
         at = self.results.ctypes.data
         # kv_read_objects's arguments but the buffer and the limits: the objects, where they land, the shared
@@ -205,8 +206,8 @@ class ObjectReads:
         self._objects = (count, self.paths, stride, size, self.headers.ctypes.data, header_len, expect, keys)
         widths, bases, strides = side.widths.ctypes.data, side.bases.ctypes.data, side.strides.ctypes.data
         self._pieces = (len(side.widths), bases, strides, widths, self.ids.ctypes.data)
-        self._shared = (at + 24 * count, at + 24 * count + 8)
-        self._results = (at, at + 8 * count, at + 16 * count)
+        self._shared = (at + 40 * count, at + 40 * count + 8)
+        self._results = (at, at + 8 * count, at + 16 * count, at + 24 * count)
 
     @property
     def stop(self) -> int:
@@ -232,3 +233,9 @@ class ObjectReads:
         got, found, digest = self.results[i : 3 * len(self.headers) : len(self.headers)].tolist()
         whole = got == self.size - self.header_len
         return got, found, self.headers[i].tobytes(), digest % (1 << 64) if whole else None
+
+    def before(self, i: int) -> tuple[int, int] | None:
+        """The access and modification times (ns) object ``i`` had before it was read whole and its times set to
+        now; None if it was not read whole (its times untouched)."""
+        at = 3 * len(self.headers) + 2 * i
+        return None if self.results[i] != self.size - self.header_len else (self.results[at], self.results[at + 1])

@@ -64,8 +64,7 @@ def test_a_long_load_lands_only_the_verified_prefix(daemons: DaemonFactory, tmp_
     four, each holding its object's bytes; no block outside the load's targets changes (the targets of the
     fifth and later ones may hold bytes of the load: they are not reported); only the damaged object is
     removed, the later ones stay stored, and only the four reported have their mtime refreshed (the least
-    recently used order a restart rebuilds; the store agent sets them once the reply is sent, before its next
-    call: the lookups, which go to the store, come first)."""
+    recently used order a restart rebuilds: set as each is read, and put back for those read but not reported)."""
     path = tmp_path / "store"
     instance = start(daemons, path)
     keys = rc.block_keys(list(range(8 * 64)), 64)
@@ -81,12 +80,12 @@ def test_a_long_load_lands_only_the_verified_prefix(daemons: DaemonFactory, tmp_
             os.utime(object_path(path, key), ns=(10**9, 10**9))
         fill(cache, list(range(8, 16)), seed=2)
         assert tasks.load(0, keys, list(range(8, 16))).blocks == 4
-        assert [tasks.lookup([key]) for key in keys] == [1, 1, 1, 1, 0, 1, 1, 1]
         times = [object_path(path, key).stat().st_mtime_ns for key in keys[:4] + keys[5:]]
         assert min(times[:4]) > 10**9 and times[4:] == [10**9] * 3, "only the reported objects count as used"
         assert blocks(cache, list(range(8, 12))) == expected[:4], "every reported block holds its object's bytes"
         assert blocks(cache, list(range(8))) == expected, "no block outside the load's targets changed"
         assert not victim.exists()
+        assert [tasks.lookup([key]) for key in keys] == [1, 1, 1, 1, 0, 1, 1, 1]
     assert read_status(instance)["ranks"][0]["store"]["corrupt"] == 1
 
 
@@ -371,6 +370,55 @@ def test_an_object_with_any_header_byte_changed_is_refused(
     finally:
         reader.close()
     assert taken == [76, 77, 78, 79]
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_a_load_counts_as_used_only_the_objects_it_reports(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each object a load reports has its file's times set to now (the least recently used order a restart
+    rebuilds) by the time the load returns; objects the reader threads read past the first that fails (the
+    first object's payload changed) are not reported, and their times are as they were, to the nanosecond.
+    Whether a thread reads past the failure is a race: the load is tried until some did (the blocks they
+    landed say so)."""
+    from kvcached import native
+    from kvcached.native import Side
+    from kvcached.store.base import ObjectIdentity
+    from kvcached.store.fileio import Reader, write_temporary
+    from kvcached.store.landing import Targets
+
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    if kind == "python":
+        monkeypatch.setattr(native, "_LIBRARY", None)
+    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * (256 << 10))
+    arena = np.zeros((12, 3, 256 << 10), dtype=np.uint8)
+    targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), list(range(12)))
+    keys, paths = [bytes([i]) * 32 for i in range(12)], [tmp_path / str(i) for i in range(12)]
+    for i, key in enumerate(keys):
+        os.close(write_temporary(identity, paths[i], key, [memoryview(np.full(identity.payload, i + 1, np.uint8))]))
+    reader = Reader(identity)
+    try:
+        for path in paths:
+            os.utime(path, ns=(10**9, 10**9))
+        assert reader.load(keys, paths, targets, lambda: None).landed == 12
+        assert all(path.stat().st_mtime_ns > 10**9 for path in paths)
+        with open(paths[0], "r+b") as f:
+            f.seek(128 + 5000)
+            f.write(b"\0")
+        read_past = 0
+        for _ in range(40):
+            for path in paths:
+                os.utime(path, ns=(10**9, 10**9))
+            arena[:] = 0
+            assert reader.load(keys, paths, targets, lambda: None).landed == 0
+            read_past += any(arena[i].any() for i in range(1, 12))
+            assert [path.stat().st_mtime_ns for path in paths[1:]] == [10**9] * 11
+            if read_past >= 3:
+                break
+    finally:
+        reader.close()
+    assert read_past, "no load read past the failed object: the times put back were never tried"
 
 
 def test_objects_the_verdict_takes_are_read_whole_however_their_flags_differ(tmp_path: Path) -> None:

@@ -21,8 +21,7 @@ finishes after its task was given up on cannot change a block another task has s
 Calls and replies are pickled tuples, one a frame (``kvcached.protocol.framing``).
 
 The agent also checks its store for trouble outside any call (``Store.check``) once a second when idle,
-sends the store's counters with every reply, and lets the store finish what the reply need not wait for
-(``Store.settle``) once it is sent.
+and sends the store's counters with every reply.
 """
 
 from __future__ import annotations
@@ -401,8 +400,6 @@ def _serve(
                 reply = ("reply", seq, False, _describe(exc))
             last = _counters(store.counters)
             send((*reply, last))
-            with contextlib.suppress(Exception):
-                store.settle()
 
 
 def _become_agent(sock: socket.socket, parent: int) -> None:

@@ -197,11 +197,6 @@ class Store(abc.ABC):
     def check(self) -> None:  # noqa: B027 - backends with nothing local to lose have nothing to check
         """Look for trouble outside any call (a directory removed under it) and mend or report it."""
 
-    def settle(self) -> None:  # noqa: B027 - optional hook: most backends finish their work within the call
-        """Finish what the last call left that its reply need not wait for: the store agent runs it once the
-        reply is sent, before the next call; an agent killed first loses it, so it holds nothing a reply
-        promised."""
-
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release
         """Release resources."""
 

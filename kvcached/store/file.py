@@ -70,7 +70,6 @@ class FileStore(Store):
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._tmp = itertools.count()
         self._protected: set[bytes] = set()
-        self._touch: list[str] = []  # files the last load reported, their times set to now by ``settle``
         self.reader = Reader(identity)
         self._lock_fd = -1
         self._dir_ino = 0
@@ -276,7 +275,6 @@ class FileStore(Store):
         outcome = self.reader.load(keys[:indexed], paths, targets, self.on_progress)
         for key in keys[: outcome.landed]:
             self.index.move_to_end(key)
-        self._touch += paths[: outcome.landed]
         self.counters.hits += outcome.landed
         if outcome.landed < len(keys):
             self.counters.misses += 1
@@ -294,16 +292,7 @@ class FileStore(Store):
         self.check()
         return next((i for i, key in enumerate(keys) if not self._on_disk(key)), len(keys))
 
-    def settle(self) -> None:
-        """Set the times of the files the last load reported to now (the least recently used order a restart
-        rebuilds), after its reply: an agent killed before leaves a restart that order one load older."""
-        touch, self._touch = self._touch, []
-        for path in touch:
-            with contextlib.suppress(OSError):
-                os.utime(path, follow_symlinks=False)
-
     def close(self) -> None:
-        self.settle()
         self.reader.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

@@ -12,7 +12,9 @@ Loads (``Reader``)::
       -> an object not read whole, or whose header does not name its key and checksum, stops the taking
          past i -> take again
     the count reported: the leading indices that all verified (``kv_read_objects``'s checks are the whole
-    verdict on an untagged object); the first that did not is judged again in Python, to say why
+    verdict on an untagged object); the first that did not is judged again in Python, to say why. Each object
+    read whole has its file's times set to now as it is read (the least recently used order a restart
+    rebuilds), and put back as they were for any read past the first that failed (not reported: not used)
 
 A target at or past the first failure may hold bytes of this load: it is not reported, and the caller uses
 only the blocks reported (``kvcached.store.base``).
@@ -102,26 +104,32 @@ def verdict(identity: ObjectIdentity, key: bytes, read: Read) -> str | None:
     return None if digest == header_checksum(bytes(head)) else "checksum mismatch"
 
 
-def read_object(path: str | Path, size: int, targets: Targets, i: int, bounce: memoryview) -> Read:
+def read_object(
+    path: str | Path, size: int, targets: Targets, i: int, bounce: memoryview
+) -> tuple[Read, tuple[int, int] | None]:
     """Read the ``size``-byte object at ``path``, its payload into target ``i`` (through ``bounce``), in Python
-    (``kv_read_objects``'s way without the native routines)."""
+    (``kv_read_objects``'s way without the native routines): what reading it gave, and, if it was read whole,
+    the access and modification times (ns) it had before they were set to now (None: left as they were)."""
     try:
         fd = os.open(path, READ_FLAGS)
     except OSError as exc:
-        return -(exc.errno or errno.EIO), 0, b"", None
+        return (-(exc.errno or errno.EIO), 0, b"", None), None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return native.NOT_REGULAR, 0, b"", None
+            return (native.NOT_REGULAR, 0, b"", None), None
         if st.st_size != size:
-            return native.WRONG_SIZE, st.st_size, b"", None
+            return (native.WRONG_SIZE, st.st_size, b"", None), None
         head = os.pread(fd, HEADER_SIZE, 0)
         if len(head) < HEADER_SIZE:
-            return 0, len(head), head, None
+            return (0, len(head), head, None), None
         done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
-        return done, len(head), head, digest
+        if digest is None:
+            return (done, len(head), head, digest), None
+        os.utime(fd)
+        return (done, len(head), head, digest), (st.st_atime_ns, st.st_mtime_ns)
     except OSError as exc:
-        return -(exc.errno or errno.EIO), 0, b"", None
+        return (-(exc.errno or errno.EIO), 0, b"", None), None
     finally:
         os.close(fd)
 
@@ -144,6 +152,7 @@ class _ReadsInPython:
         self.identity, self.keys, self.paths, self.targets = identity, keys, paths, targets
         self.size = HEADER_SIZE + identity.payload
         self.reads: list[Read] = [(0, 0, b"", None)] * len(paths)
+        self.times: list[tuple[int, int] | None] = [None] * len(paths)
         self.next = itertools.count()  # taken under the interpreter's lock: each index once
         self.stop = len(paths)
         self.lock = threading.Lock()
@@ -151,7 +160,7 @@ class _ReadsInPython:
     def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:
         taken, until = 0, time.monotonic() + budget_s
         while taken < limit and (i := next(self.next)) < len(self.paths) and i <= self.stop:
-            self.reads[i] = read_object(self.paths[i], self.size, self.targets, i, bounce)
+            self.reads[i], self.times[i] = read_object(self.paths[i], self.size, self.targets, i, bounce)
             if verdict(self.identity, self.keys[i], self.reads[i]) is not None:
                 with self.lock:
                     self.stop = min(self.stop, i)
@@ -162,6 +171,9 @@ class _ReadsInPython:
 
     def read(self, i: int) -> Read:
         return self.reads[i]
+
+    def before(self, i: int) -> tuple[int, int] | None:
+        return self.times[i]
 
 
 class Reader:
@@ -237,6 +249,10 @@ class Reader:
         landed = min(reads.stop, len(keys))  # every object below ``stop`` read whole and verified
         if landed == len(keys):
             return Outcome(landed)
+        for i in range(landed + 1, len(keys)):  # read whole but not reported: not used, its times as they were
+            if (before := reads.before(i)) is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(paths[i], ns=before, follow_symlinks=False)
         return Outcome(landed, verdict(self.identity, keys[landed], reads.read(landed)) or "header mismatch")
 
     def close(self) -> None:
