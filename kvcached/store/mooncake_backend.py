@@ -175,7 +175,7 @@ class MooncakeBackend(StoreBackend):
         release(run_dir(), instance)
 
     def doctor(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
-        return [self._segment_check(options, ranks), *self._master_checks(options, ranks)]
+        return [self._segment_check(options, ranks), self._master_check(options), self._keeper_check(options, ranks)]
 
     def _segment_check(self, options: Mapping[str, Any], ranks: int) -> Check:
         """Whether this host's memory can hold the keeper's segment (it reserves all of it at once)."""
@@ -192,7 +192,7 @@ class MooncakeBackend(StoreBackend):
             return Check("mooncake_segment", WARN, figure, measured, advice)
         return Check("mooncake_segment", OK, figure, measured)
 
-    def _master_checks(self, options: Mapping[str, Any], ranks: int) -> list[Check]:
+    def _master_check(self, options: Mapping[str, Any]) -> Check:
         """Whether the master and its metadata server take connections and, for an HTTP metadata server (in
         the master's process), answer a request: a frozen master takes connections and answers nothing."""
         ha = str(options["mooncake_master"]).startswith("etcd://")  # (the leader is found through etcd)
@@ -206,15 +206,14 @@ class MooncakeBackend(StoreBackend):
         figure = ", ".join(
             f"{name} {h}:{p} {'answers' if up[name] else 'does not answer'}" for name, (h, p) in endpoints.items()
         )
-        keeper = self._keeper_check(options, ranks)
         if not all(up.values()):
             advice = (
                 "start etcd (the HA masters and the hosts find the leader through it); one that runs may be overloaded"
                 if ha
                 else "start mooncake_master (--enable_http_metadata_server); one that runs may be stopped or overloaded"
             )
-            return [Check("mooncake_master", FAIL, figure, measured, advice), keeper]
-        return [Check("mooncake_master", OK, figure, measured), keeper]
+            return Check("mooncake_master", FAIL, figure, measured, advice)
+        return Check("mooncake_master", OK, figure, measured)
 
     def _keeper_check(self, options: Mapping[str, Any], ranks: int) -> Check:
         """Whether the instance's keeper runs, what it holds, and whether the next start keeps it."""
