@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import select
@@ -551,7 +552,7 @@ def _started(read_end: int, keeper: int, config: KeeperConfig) -> str:
 def main(argv: list[str]) -> int:
     """``python -m kvcached.store.mooncake_keeper CONFIG_JSON``: start the keeper, print ``ready`` (or
     the reason it could not start) and return; the keeper goes on in a child process."""
-    config = KeeperConfig.from_json(argv[0])
+    config = KeeperConfig(**json.loads(argv[0]))  # (spawn wrote it)
     read_end, write_end = os.pipe()
     child = os.fork()
     if child != 0:  # the launcher: report how the start went

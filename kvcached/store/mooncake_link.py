@@ -75,10 +75,6 @@ class KeeperConfig:
             "host": self.host,
         }
 
-    @classmethod
-    def from_json(cls, text: str) -> KeeperConfig:
-        return cls(**json.loads(text))
-
 
 # -- frames -------------------------------------------------------------------------------------------
 
