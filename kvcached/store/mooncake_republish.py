@@ -135,14 +135,13 @@ def _copy_out(
     room, chunk, used = available, None, 0
     for name, (offset, size, replicas) in order:
         needed, left = left, left - size  # (this object and those after it)
-        if chunk is None or used + size > len(chunk.memory):
+        if chunk is None or used + size > len(chunk):
             if min(max(CHUNK_BYTES, size), needed) > room:
                 lost.append(name)
                 continue
-            chunk, used = Chunk(min(max(CHUNK_BYTES, size), needed)), 0
-            room -= len(chunk.memory)
-        chunk.memory[used : used + size] = segment[offset : offset + size]
-        chunk.left += 1
+            chunk, used = mmap.mmap(-1, min(max(CHUNK_BYTES, size), needed)), 0
+            room -= len(chunk)
+        chunk[used : used + size] = segment[offset : offset + size]
         kept[name] = Kept(chunk, used, size, replicas)
         used += size
     return kept, lost
@@ -170,31 +169,17 @@ def check(name: str, data: memoryview) -> str | None:
     return why
 
 
-class Chunk:
-    """An anonymous mapping holding kept copies; unmapped once every object in it is done."""
-
-    __slots__ = ("left", "memory")
-
-    def __init__(self, size: int) -> None:
-        self.memory = mmap.mmap(-1, size)
-        self.left = 0
-
-    def release(self) -> None:
-        self.left -= 1
-        if self.left == 0:
-            with contextlib.suppress(BufferError):  # a view still held: the memory goes with the last reference
-                self.memory.close()
-
-
 @dataclasses.dataclass(slots=True)
 class Kept:
-    chunk: Chunk
+    #: An anonymous mapping shared by copies taken together: unmapped when the last of them is dropped, once
+    #: done (or forgotten).
+    chunk: mmap.mmap
     start: int
     size: int
     replicas: int
 
     def data(self) -> memoryview:
-        return memoryview(self.chunk.memory)[self.start : self.start + self.size]
+        return memoryview(self.chunk)[self.start : self.start + self.size]
 
 
 @dataclasses.dataclass(slots=True)
@@ -256,7 +241,6 @@ class Republisher:
                 kept = self.pending.pop(name, None)
                 if kept is not None:
                     self._count(name, pending=-1, pending_bytes=-kept.size)
-                    kept.chunk.release()
 
     def _index(self, name: str, offset: int, size: int, replicas: int) -> None:
         self._drop(name)
@@ -496,7 +480,6 @@ class Republisher:
         with self.cond:
             batch.remove((name, kept))
             self._count(name, pending=-1, pending_bytes=-kept.size, **counts)
-            kept.chunk.release()
 
     def _pace(self, stopping: threading.Event) -> None:
         """Wait until the bytes put back since the loss are no more than ``rate`` a second (looked at again each
