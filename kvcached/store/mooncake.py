@@ -336,20 +336,16 @@ class MooncakeStore(Store):
     def _next(
         self, link: KeeperLink, names: list[str], windows: list[range], w: int, where: list[list[Any]] | None = None
     ) -> tuple[list[list[Any]], Any]:
-        """Take window ``w``'s locate reply (``where``, when it came ahead), send the get of its remote objects
+        """Take window ``w``'s locate reply (``where``, when it came ahead: per object ``["local", offset, size]``,
+        ``["remote"]`` or ``["missing"]``), cut after the first missing one; send the get of its remote objects
         and the locate of window ``w + 1``: (its places, what ``_fetched`` needs)."""
-        places = self._located(link.collect() if where is None else where, windows[w])
+        where = link.collect() if where is None else where
+        assert len(where) == len(windows[w])
+        places = where[: next((k + 1 for k, place in enumerate(where) if place[0] == "missing"), len(where))]
         fetching = self._get(link, names, windows, w, places)
         if w + 1 < len(windows):
             link.submit("locate", names=names[windows[w + 1].start : windows[w + 1].stop])
         return places, fetching
-
-    def _located(self, where: list[list[Any]], window: range) -> list[list[Any]]:
-        """A locate reply for ``window``: per object ``["local", offset, size]``, ``["remote"]`` or
-        ``["missing"]``, cut after the first missing one."""
-        cut = next((k for k, place in enumerate(where) if place[0] == "missing"), len(where) - 1)
-        assert len(where) == len(window)
-        return where[: cut + 1]
 
     def _get(self, link: KeeperLink, names: list[str], windows: list[range], w: int, places: list[list[Any]]) -> Any:
         """Send the get of window ``w``'s objects that are on other hosts (into half ``w % 2`` of the batch
