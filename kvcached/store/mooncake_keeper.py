@@ -216,7 +216,7 @@ class Keeper:
                     if op == "hello":
                         buffer = self._adopt_buffer(fds, buffer)
                         rate = request.get("republish_rate")
-                        if isinstance(rate, int) and not isinstance(rate, bool) and rate >= 0:
+                        if is_int(rate) and rate >= 0:
                             self.republisher.rate = rate
                         result: Any = self._hello()
                         fd_out = (self.segment_fd,)

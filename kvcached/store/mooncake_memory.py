@@ -7,10 +7,10 @@ import ctypes
 import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
