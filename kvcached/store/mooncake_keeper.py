@@ -18,16 +18,10 @@ checks and removals go through the keeper's client (requests in ``mooncake_link`
 The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop`` without
 ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for good: no
 control block in /dev/shm for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean`` removed it; a
-killed daemon's stays for the next start to adopt); a keeper still starting, whose Mooncake setup may wait as
-long as the master does not answer, is then killed by its launcher; a running one quits within seconds whether
-the master answers or not (its last unmount waits ``UNMOUNT_S`` at most). Every second a watcher thread also
-checks a small pinned marker object in its segment: when the master no longer knows it, the master has
-forgotten every object (it restarted without ``--enable_snapshot_restore``), which is counted
-(``master_resets``) and logged; so is an absence of the master after which it lacks some of the objects
-this host stored. Mooncake has no call to register bytes already in a segment: the keeper puts those objects
-back itself (``kvcached.store.mooncake_republish``); every put into the segment (an agent's, a put back) waits
-while the copies are taken (``Gate``), and first checks the master when it was last found away, or not found
-for ``2 * TICK_S``.
+killed daemon's stays for the next start to adopt; one still starting is killed by its launcher: ``_started``).
+Each second a watcher thread checks that the master still knows this segment's objects (``_check_master``):
+Mooncake has no call to register bytes already in a segment, so what it forgot the keeper puts back itself
+(``kvcached.store.mooncake_republish``), no put landing while the copies are taken (``Keeper.put``).
 
 Over 500 lines: one process's state (its client, its segment, the agents' sessions, its watch of the master,
 what the put back asks of it) and its launcher, which only this module's ``main`` runs.
