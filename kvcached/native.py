@@ -237,5 +237,8 @@ class ObjectReads:
     def before(self, i: int) -> tuple[int, int] | None:
         """The access and modification times (ns) object ``i`` had before it was read whole and its times set to
         now; None if it was not read whole (its times untouched)."""
+        if self.results[i] != self.size - self.header_len:
+            return None
         at = 3 * len(self.headers) + 2 * i
-        return None if self.results[i] != self.size - self.header_len else (self.results[at], self.results[at + 1])
+        access, modification = self.results[at : at + 2].tolist()
+        return access, modification
