@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -419,6 +421,92 @@ def test_a_load_counts_as_used_only_the_objects_it_reports(
     finally:
         reader.close()
     assert read_past, "no load read past the failed object: the times put back were never tried"
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_a_key_asked_for_twice_keeps_the_times_its_reported_copy_set(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys A, B (damaged), then A again and again: A is reported once (index 0) and read again past the failure;
+    putting back the times of what was read past it must not put back A's, which its reported copy set (a
+    later copy can have read A's times before the first set them)."""
+    from kvcached import native
+    from kvcached.native import Side
+    from kvcached.store.base import ObjectIdentity
+    from kvcached.store.fileio import Reader, write_temporary
+    from kvcached.store.landing import Targets
+
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    if kind == "python":
+        monkeypatch.setattr(native, "_LIBRARY", None)
+    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * (256 << 10))
+    arena = np.zeros((12, 3, 256 << 10), dtype=np.uint8)
+    targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), list(range(12)))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path, byte in ((a, 1), (b, 2)):
+        os.close(
+            write_temporary(identity, path, bytes([byte]) * 32, [memoryview(np.full(identity.payload, byte, np.uint8))])
+        )
+    with open(b, "r+b") as f:
+        f.seek(128 + 5000)
+        f.write(b"\0")
+    keys, paths = [b"\1" * 32, b"\2" * 32] + [b"\1" * 32] * 10, [a, b] + [a] * 10
+    reader = Reader(identity)
+    try:
+        for _ in range(40):
+            os.utime(a, ns=(10**9, 10**9))
+            assert reader.load(keys, paths, targets, lambda: None).landed == 1
+            assert a.stat().st_mtime_ns > 10**9, "the reported object's times were put back"
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_an_object_whose_times_cannot_be_set_is_served(kind: str, tmp_path: Path) -> None:
+    """Objects of another user, readable by all (a store shared read-only, a disk that cannot take the new
+    times): a reader that may read them but not set their times serves them all the same, byte for byte, and
+    leaves their times as they were. Run as root: the reading is done by a child that becomes uid 65534."""
+    from kvcached import native
+    from kvcached.native import Side
+    from kvcached.store.base import ObjectIdentity
+    from kvcached.store.fileio import Reader, write_temporary
+    from kvcached.store.landing import Targets
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to read as another user the files root owns")
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * 4096)
+    shared = Path(tempfile.mkdtemp(prefix="kvcached-times-"))  # (tmp_path's parents are closed to others)
+    try:
+        shared.chmod(0o755)
+        keys, paths = [bytes([i]) * 32 for i in range(4)], [shared / str(i) for i in range(4)]
+        for i, key in enumerate(keys):
+            os.close(write_temporary(identity, paths[i], key, [memoryview(np.full(identity.payload, i + 1, np.uint8))]))
+            paths[i].chmod(0o644)
+            os.utime(paths[i], ns=(10**9, 10**9))
+        arena = np.zeros((4, 3, 4096), dtype=np.uint8)
+        child = os.fork()
+        if child == 0:  # the reader, as another user
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                if kind == "python":
+                    native._LIBRARY = None
+                reader = Reader(identity)
+                targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), list(range(4)))
+                landed = reader.load(keys, paths, targets, lambda: None).landed
+                reader.close()
+                code = 0 if landed == 4 and all((arena[i] == i + 1).all() for i in range(4)) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the other user's reader did not serve every object whole"
+        assert [path.stat().st_mtime_ns for path in paths] == [10**9] * 4
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_objects_the_verdict_takes_are_read_whole_however_their_flags_differ(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ Loads (``Reader``)::
     the count reported: the leading indices that all verified (``kv_read_objects``'s checks are the whole
     verdict on an untagged object); the first that did not is judged again in Python, to say why. Each object
     read whole has its file's times set to now as it is read (the least recently used order a restart
-    rebuilds), and put back as they were for any read past the first that failed (not reported: not used)
+    rebuilds; one whose times cannot be set is served all the same), and put back as they were for any read
+    past the first that failed (not reported: not used). A load cut short (its agent killed at a timeout)
+    leaves the times of what it read set.
 
 A target at or past the first failure may hold bytes of this load: it is not reported, and the caller uses
 only the blocks reported (``kvcached.store.base``).
@@ -126,7 +128,10 @@ def read_object(
         done, digest = read_into(fd, HEADER_SIZE, targets, i, bounce)
         if digest is None:
             return (done, len(head), head, digest), None
-        os.utime(fd)
+        try:
+            os.utime(fd)
+        except OSError:  # a read-only disk, another user's file: served all the same, its times as they were
+            return (done, len(head), head, digest), None
         return (done, len(head), head, digest), (st.st_atime_ns, st.st_mtime_ns)
     except OSError as exc:
         return (-(exc.errno or errno.EIO), 0, b"", None), None
@@ -249,8 +254,9 @@ class Reader:
         landed = min(reads.stop, len(keys))  # every object below ``stop`` read whole and verified
         if landed == len(keys):
             return Outcome(landed)
+        reported = set(paths[:landed])  # (a key asked for twice: its reported copy's times stay)
         for i in range(landed + 1, len(keys)):  # read whole but not reported: not used, its times as they were
-            if (before := reads.before(i)) is not None:
+            if (before := reads.before(i)) is not None and paths[i] not in reported:
                 with contextlib.suppress(OSError):
                     os.utime(paths[i], ns=before, follow_symlinks=False)
         return Outcome(landed, verdict(self.identity, keys[landed], reads.read(landed)) or "header mismatch")
