@@ -374,6 +374,24 @@ def test_an_object_with_any_header_byte_changed_is_refused(
     assert taken == [76, 77, 78, 79]
 
 
+def twelve_large_targets(kind: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, np.ndarray, Any]:
+    """For a test of ``kind`` (native or python reads; skipped where the native ones were not built): an identity
+    of 768 KiB payloads, a zeroed arena of twelve such blocks, and its targets (block i for object i). Objects
+    this large keep four reader threads reading at once."""
+    from kvcached import native
+    from kvcached.native import Side
+    from kvcached.store.base import ObjectIdentity
+    from kvcached.store.landing import Targets
+
+    if kind == "native" and not native.available():
+        pytest.skip("the native copy was not built here")
+    if kind == "python":
+        monkeypatch.setattr(native, "_LIBRARY", None)
+    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * (256 << 10))
+    arena = np.zeros((12, 3, 256 << 10), dtype=np.uint8)
+    return identity, arena, Targets(Side.of([arena[:, p, :] for p in range(3)]), list(range(12)))
+
+
 @pytest.mark.parametrize("kind", ["native", "python"])
 def test_a_load_counts_as_used_only_the_objects_it_reports(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -383,19 +401,9 @@ def test_a_load_counts_as_used_only_the_objects_it_reports(
     first object's payload changed) are not reported, and their times are as they were, to the nanosecond.
     Whether a thread reads past the failure is a race: the load is tried until some did (the blocks they
     landed say so)."""
-    from kvcached import native
-    from kvcached.native import Side
-    from kvcached.store.base import ObjectIdentity
     from kvcached.store.fileio import Reader, write_temporary
-    from kvcached.store.landing import Targets
 
-    if kind == "native" and not native.available():
-        pytest.skip("the native copy was not built here")
-    if kind == "python":
-        monkeypatch.setattr(native, "_LIBRARY", None)
-    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * (256 << 10))
-    arena = np.zeros((12, 3, 256 << 10), dtype=np.uint8)
-    targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), list(range(12)))
+    identity, arena, targets = twelve_large_targets(kind, monkeypatch)
     keys, paths = [bytes([i]) * 32 for i in range(12)], [tmp_path / str(i) for i in range(12)]
     for i, key in enumerate(keys):
         os.close(write_temporary(identity, paths[i], key, [memoryview(np.full(identity.payload, i + 1, np.uint8))]))
@@ -430,19 +438,9 @@ def test_a_key_asked_for_twice_keeps_the_times_its_reported_copy_set(
     """Keys A, B (damaged), then A again and again: A is reported once (index 0) and read again past the failure;
     putting back the times of what was read past it must not put back A's, which its reported copy set (a
     later copy can have read A's times before the first set them)."""
-    from kvcached import native
-    from kvcached.native import Side
-    from kvcached.store.base import ObjectIdentity
     from kvcached.store.fileio import Reader, write_temporary
-    from kvcached.store.landing import Targets
 
-    if kind == "native" and not native.available():
-        pytest.skip("the native copy was not built here")
-    if kind == "python":
-        monkeypatch.setattr(native, "_LIBRARY", None)
-    identity = ObjectIdentity(digest=b"d" * 16, rank=0, payload=3 * (256 << 10))
-    arena = np.zeros((12, 3, 256 << 10), dtype=np.uint8)
-    targets = Targets(Side.of([arena[:, p, :] for p in range(3)]), list(range(12)))
+    identity, arena, targets = twelve_large_targets(kind, monkeypatch)
     a, b = tmp_path / "a", tmp_path / "b"
     for path, byte in ((a, 1), (b, 2)):
         os.close(
@@ -456,7 +454,9 @@ def test_a_key_asked_for_twice_keeps_the_times_its_reported_copy_set(
     try:
         for _ in range(40):
             os.utime(a, ns=(10**9, 10**9))
+            arena[0] = 0
             assert reader.load(keys, paths, targets, lambda: None).landed == 1
+            assert (arena[0] == 1).all()
             assert a.stat().st_mtime_ns > 10**9, "the reported object's times were put back"
     finally:
         reader.close()
