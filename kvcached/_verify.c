@@ -388,10 +388,11 @@ static int64_t read_one(const char *path, int64_t size, char *header, int64_t he
  * `budget_ns` (so a caller can tell its progress often); object i (its NUL-ended path at paths + i *
  * path_stride) is read as read_one reads it, its header to headers + i * header_len, its payload into block
  * ids[i]'s pieces (piece p: width[p] bytes at base[p] + ids[i] * stride[p]), with got[i], found[i], hash[i]
- * and times[2 * i], times[2 * i + 1] set as read_one sets them. An object not read whole, or whose header is not this object's (its first 76
- * bytes `expect`'s with keys[i], 32 bytes at 40; the payload's hash at 80: every field of an untagged
- * object's verdict, its flags not among them) lowers `*stop` to its index, so no call takes an index past
- * it; every index below the final `*stop` is read, and verified. Returns the objects this call read. */
+ * and times[2 * i], times[2 * i + 1] set as read_one sets them. An object not read whole, or whose header is
+ * not this object's (its first 76 bytes `expect`'s with keys[i], 32 bytes at 40; the payload's hash at 80:
+ * every field of an untagged object's verdict, its flags not among them) lowers `*stop` to its index, so no
+ * call takes an index past it; every index below the final `*stop` is read, and verified. Returns the
+ * objects this call read. */
 int64_t kv_read_objects(int64_t count, const char *paths, int64_t path_stride, int64_t size, char *headers,
                         int64_t header_len, const char *expect, const char *keys, int64_t npieces, const uint64_t *base,
                         const int64_t *stride, const int64_t *width, const int64_t *ids, char *bounce, int64_t chunk,
