@@ -399,8 +399,9 @@ def test_a_load_counts_as_used_only_the_objects_it_reports(
     """Each object a load reports has its file's times set to now (the least recently used order a restart
     rebuilds) by the time the load returns; objects the reader threads read past the first that fails (the
     first object's payload changed) are not reported, and their times are as they were, to the nanosecond.
-    Whether a thread reads past the failure is a race: the load is tried until some did (the blocks they
-    landed say so)."""
+    Whether a thread reads past the failure is a race, made likely by dropping the failing object from the
+    page cache before each try (its read waits on the disk while the other threads read on), and the load is
+    tried until some thread did (the blocks they landed say so)."""
     from kvcached.store.fileio import Reader, write_temporary
 
     identity, arena, targets = twelve_large_targets(kind, monkeypatch)
@@ -420,6 +421,10 @@ def test_a_load_counts_as_used_only_the_objects_it_reports(
         for _ in range(40):
             for path in paths:
                 os.utime(path, ns=(10**9, 10**9))
+            fd = os.open(paths[0], os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
             arena[:] = 0
             assert reader.load(keys, paths, targets, lambda: None).landed == 0
             read_past += any(arena[i].any() for i in range(1, 12))
