@@ -592,6 +592,10 @@ def test_bad_store_tasks_are_refused(daemons: DaemonFactory, tmp_path: Path) -> 
         ),
         (["--storage-backend", "file", "--storage-capacity", "lots"], "--storage-capacity: must be a size in bytes"),
         (["--storage-backend", "file", "--storage-capacity", "10"], "cannot hold one block per rank"),
+        (  # a path the kernel takes, whose objects' names it would not
+            ["--storage-backend", "file", "--storage-path", "/tmp/" + "/".join(["d" * 251] * 16)],
+            "is too long: its objects' names would take 4111 bytes, past this system's 4095",
+        ),
     ],
 )
 def test_bad_store_configuration(daemons: DaemonFactory, args: list[str], message: str) -> None:

@@ -346,6 +346,12 @@ class FileBackend(StoreBackend):
             existing = nearest_existing(path)
         except OSError as exc:  # a name the kernel cannot even look at (too long, a loop of links)
             raise InvalidSpec("storage_path", f"{path}: {exc.strerror}") from None
+        longest = len(os.fsencode(f"{path}/r{ranks - 1}/00/{'0' * 64}{SUFFIX}"))  # an object's name: 32-byte key
+        if longest >= (limit := os.pathconf(existing, "PC_PATH_MAX")):
+            raise InvalidSpec(
+                "storage_path",
+                f"{path} is too long: its objects' names would take {longest} bytes, past this system's {limit - 1}",
+            )
         if existing != path and not os.access(existing, os.W_OK | os.X_OK):
             home = Path.home()
             default = (
