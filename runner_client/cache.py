@@ -97,17 +97,11 @@ class KVCache:
         ``initialize_kv_cache``. Always True for the runner's own cache."""
         if self._daemon is None or self._memory is None:
             return True
-        try:
-            found = read_instance(self.instance, [self.rank])
-        except KVCacheError:
+        found = _current_record(self.instance, self.rank)
+        if found is None:
             return False
-        record = found.records.get(self.rank) if found is not None else None
-        if found is None or record is None:
-            return False
-        header = found.header
-        if record.state is not State.READY or record.generation != header.generation:
-            return False
-        if (record.backend, record.descriptor) != self._memory:
+        header, record = found
+        if record.state is not State.READY or (record.backend, record.descriptor) != self._memory:
             return False
         self.generation = header.generation
         self._daemon = (header.daemon_pid, header.daemon_start)
@@ -133,18 +127,17 @@ class KVCache:
         )
 
 
-def _live_holder(instance: str, rank: int) -> tuple[Header, Record] | None:
-    """The header and record of a live daemon that holds (or is allocating) ``rank``, else None."""
+def _current_record(instance: str, rank: int) -> tuple[Header, Record] | None:
+    """The header of the instance's live daemon and ``rank``'s record in its generation, else None (also
+    for a block that cannot be read: there is no daemon to attach to either)."""
     try:
         found = read_instance(instance, [rank])
     except KVCacheError:
-        return None  # no daemon we could attach to either: nothing is held for us
-    record = found.records.get(rank) if found is not None else None
-    if found is None or record is None:
         return None
-    if record.state in (State.ALLOCATING, State.READY) and record.generation == found.header.generation:
-        return found.header, record
-    return None
+    record = found.records.get(rank) if found is not None else None
+    if found is None or record is None or record.generation != found.header.generation:
+        return None
+    return found.header, record
 
 
 def _check_layout(spec: CacheSpec, header: Header, record: Record, instance: str, rank: int) -> None:
@@ -235,8 +228,8 @@ def initialize_kv_cache(
 def _create_here(spec: CacheSpec, local_rank: int, profile: bool, instance: str, framework: str) -> KVCache:
     """The runner owns the cache: allocate it in this process, unless a live daemon already holds the rank
     (``OwnershipConflict``: allocating here would be a second copy)."""
-    holder = _live_holder(instance, local_rank)
-    if holder is not None:
+    holder = _current_record(instance, local_rank)
+    if holder is not None and holder[1].state in (State.ALLOCATING, State.READY):
         header, record = holder
         raise OwnershipConflict(
             f"instance {instance!r} rank {local_rank}: {explain_owner(spec, profile)}, but daemon pid "
