@@ -22,6 +22,7 @@ import socket
 import struct
 from pathlib import Path
 
+from kvcached.protocol.proc import status_values
 from kvcached.protocol.trust import peer_credentials
 
 #: Linux's SO_PEERGROUPS (not exported by Python's socket module).
@@ -70,18 +71,8 @@ def peer_of(sock: socket.socket) -> Peer:
         raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GROUPS_BUFFER)
         gids.update(struct.unpack(f"{len(raw) // 4}I", raw))
     except OSError:  # more groups than the buffer holds, or a kernel before 4.13
-        gids.update(_proc_groups(pid))
+        gids.update(int(gid) for gid in status_values(pid, "Groups"))
     return Peer(pid, uid, frozenset(gids))
-
-
-def _proc_groups(pid: int) -> set[int]:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return {int(g) for g in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

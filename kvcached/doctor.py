@@ -54,6 +54,7 @@ from kvcached.protocol.names import (
     task_socket_path,
 )
 from kvcached.protocol.ownership import DAEMON_OWNS_WITH, cache_owner, explain_owner
+from kvcached.protocol.proc import status_values
 from kvcached.running import did_you_mean
 
 #: linux/capability.h
@@ -88,11 +89,8 @@ def run_dir_of(config: DaemonConfig) -> tuple[Path, int]:
 
 def has_ipc_lock() -> bool:
     """Whether this process has CAP_IPC_LOCK in its effective set (then the memlock limit does not apply)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
-    return False
+    caps = status_values("self", "CapEff")
+    return bool(caps) and bool(int(caps[0], 16) >> CAP_IPC_LOCK & 1)
 
 
 def check_metrics_port(config: DaemonConfig) -> Check | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvcached.protocol.errors import ResourceError
 from kvcached.protocol.names import open_plain
-from kvcached.protocol.proc import is_alive, self_identity, start_time
+from kvcached.protocol.proc import is_alive, self_identity, start_time, status_values
 
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -259,13 +259,8 @@ def why_untrusted_file(path: Path, owner: int | None = None) -> str:
 
 
 def process_uid(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[2])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    uids = status_values(pid, "Uid")  # real, effective, saved, filesystem
+    return int(uids[1]) if len(uids) > 1 else None
 
 
 def is_kvcached_daemon(pid: int) -> bool:

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -33,6 +34,16 @@ def start_time(pid: int) -> int | None:
     if state in (b"Z", b"X", b"x"):
         return None
     return int(fields[19])
+
+
+def status_values(pid: int | str, name: str) -> list[str]:
+    """The values on the ``name:`` line of ``/proc/<pid>/status`` (``pid`` "self": this process); [] when
+    the process is gone or has no such line."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{name}:"):
+                return line.split()[1:]
+    return []
 
 
 def is_alive(pid: int, started: int) -> bool:
