@@ -25,7 +25,6 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 from kvcached.protocol import framing
 from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, InvalidSpec, ProtocolError
@@ -66,15 +65,14 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         if peer_uid != owner_uid:
             raise InvalidSpec("declare", f"{path} is served by uid {peer_uid}, not the daemon's uid {owner_uid}")
         framing.send(sock, framing.encode({"spec": spec.to_dict()}))
-        reply = read_message(sock, timeout)
-    except (TimeoutError, ConnectionResetError, BrokenPipeError):
+        body = framing.Reader(framing.DECLARATION, WHAT).receive(sock, time.monotonic() + timeout)
+        reply = framing.decode(body, WHAT)
+    except (TimeoutError, ConnectionError, ProtocolError):  # closed, no whole answer in time, or not JSON
         return GONE
     finally:
         sock.close()
-    if reply is not None and reply.get("busy") is True:
+    if reply.get("busy") is True:
         return BUSY
-    if reply is None:
-        return GONE
     if reply.get("accepted") is True:
         return ACCEPTED
     raise CacheLayoutMismatch(
@@ -85,15 +83,6 @@ def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_ui
         rank=rank,
         why=f"the daemon refused the declared geometry: {reply.get('message')}",
     )
-
-
-def read_message(sock: socket.socket, seconds: float) -> dict[str, Any] | None:
-    """One message, whole within ``seconds`` (else ``TimeoutError``, however the bytes trickle in), or None
-    for anything else (the end of the stream, a frame that is not a JSON object)."""
-    try:
-        return framing.decode(framing.Reader(framing.DECLARATION, WHAT).receive(sock, time.monotonic() + seconds), WHAT)
-    except (ProtocolError, ConnectionError):
-        return None
 
 
 def parse_declaration(reader: framing.Reader) -> CacheSpec | None:
