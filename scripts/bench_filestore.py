@@ -219,7 +219,8 @@ def report(passes: list[dict[str, dict[str, float]]], nbytes: int) -> tuple[list
     lines = [
         "file store: GB/s aggregate, median over passes; ratio = kvcached / other side, same pass: median [min-max]",
         "  durability: kvcached and plain fsync every object (or file) before it is renamed into place;",
-        "  LMCache writes without fsync ('no fsync'), and 'store' adds an fsync of each of its files",
+        "  LMCache writes without fsync ('no fsync'), and 'store' adds an fsync of each of its files;",
+        "  plain reads one file at a time per rank, kvcached several objects at once per rank (its reader threads)",
         f"{'phase':<10} {'kvcached':>8} | {'plain':>6} {'ratio':>18} | {'LMCache':>7} {'ratio':>18}",
     ]
     met = True
