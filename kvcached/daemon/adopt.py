@@ -1,24 +1,23 @@
 """Adoption: whether a starting daemon may take over the memory an earlier run of its instance left.
 
-An earlier run leaves its control block, and with it the names of its arenas, pools and key directories,
-when it was killed (kill -9, a crash, the OOM killer) or stopped with ``kvcached stop --keep`` / ``kvcached
-restart``. A start adopts that memory, instead of reclaiming it, only when every one of these holds; the
-first that does not is the reason it reclaims (logged, and shown by ``kvcached status``):
+An earlier run leaves its control block, and with it the names of its arenas, pools and key directories, when it was
+killed (kill -9, a crash, the OOM killer) or stopped with ``kvcached stop --keep`` / ``kvcached restart``. A start
+adopts that memory, instead of reclaiming it, only when every one of these holds; the first that does not is the reason
+it reclaims (logged, and shown by ``kvcached status``):
 
 * the control block is published, of this format, and its daemon is not running;
 * the rank count and the spec (every field) equal the new configuration's, and so does the device backend;
-* every rank's record reads whole (seqlock and crc32), is of the block's generation, and says READY,
-  RECOVERING or KEPT: its memory was complete (ALLOCATING, FAILED, STOPPING or EMPTY say otherwise);
-* every rank's objects are ours (owner, mode, a plain object, the size the layout needs), under the names
-  the records give: the device tier (when its backend's memory outlives its process), the CPU pool.
+* every rank's record reads whole (seqlock and crc32), is of the block's generation, and says READY, RECOVERING or KEPT:
+  its memory was complete (ALLOCATING, FAILED, STOPPING or EMPTY say otherwise);
+* every rank's objects are ours (owner, mode, a plain object, the size the layout needs), under the names the records
+  give: the device tier (when its backend's memory outlives its process), the CPU pool.
 
-An object of someone else under the instance's names is no reason to refuse: it is reported and left
-alone, never trusted (/dev/shm is writable by every user: refusing would let any of them make the next
-start throw the cache away). Nothing of the old run is trusted before that: a runner trusts a rank only
-when its record is READY in the generation of a live daemon (``runner_client.wait``), and the new daemon
-publishes its own generation and marks each rank READY only after its worker reopened it. How an adopting
-start leaves a block that names the memory at every step, and gives it this start's mode and group
-(``conform``): docs/architecture.md, "The memory outlives the processes".
+An object of someone else under the instance's names is no reason to refuse: it is reported and left alone, never
+trusted (/dev/shm is writable by every user: refusing would let any of them make the next start throw the cache away).
+Nothing of the old run is trusted before that: a runner trusts a rank only when its record is READY in the generation of
+a live daemon (``runner_client.wait``), and the new daemon publishes its own generation and marks each rank READY only
+after its worker reopened it. How an adopting start leaves a block that names the memory at every step, and gives it
+this start's mode and group (``conform``): docs/architecture.md, "The memory outlives the processes".
 """
 
 from __future__ import annotations
@@ -75,8 +74,8 @@ class Refusal:
 
 
 def judge(config: DaemonConfig) -> Adoption | Refusal | None:
-    """Whether the memory an earlier run of ``config.instance`` left can be adopted; None when it left
-    no control block. Reads only; opens nothing for writing."""
+    """Whether the memory an earlier run of ``config.instance`` left can be adopted; None when it left no control block.
+    Reads only; opens nothing for writing."""
     try:
         block = ControlBlock.open(config.instance)
     except KVCacheError as exc:
@@ -148,9 +147,9 @@ SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(CacheSpec))
 
 
 def spec_difference(published: Mapping[str, Any], spec: CacheSpec) -> str:
-    """The first spec field where ``published`` (an earlier run's) differs from ``spec``, said for an
-    operator; "" when none does (``CacheSpec.first_difference``: a field added later, such as the MTP
-    fields, reads as its value before when the earlier run did not write it)."""
+    """The first spec field where ``published`` (an earlier run's) differs from ``spec``, said for an operator; "" when
+    none does (``CacheSpec.first_difference``: a field added later, such as the MTP fields, reads as its value before
+    when the earlier run did not write it)."""
     found = spec.first_difference(published, SPEC_FIELDS)
     if found is None:
         return ""
@@ -159,9 +158,9 @@ def spec_difference(published: Mapping[str, Any], spec: CacheSpec) -> str:
 
 
 def adopted_fields(old: Record, *, reopen_device: bool) -> dict[str, Any]:
-    """The record fields a rank adopted from ``old`` starts with (RECOVERING): everything that names its
-    memory, as the next start's ``judge`` reads it, should this daemon be killed before the rank is READY.
-    The device tier is named only where it is reopened (else it is made anew)."""
+    """The record fields a rank adopted from ``old`` starts with (RECOVERING): everything that names its memory, as the
+    next start's ``judge`` reads it, should this daemon be killed before the rank is READY. The device tier is named
+    only where it is reopened (else it is made anew)."""
     return {
         "state": State.RECOVERING,
         "backend": old.backend,
@@ -176,8 +175,8 @@ def adopted_fields(old: Record, *, reopen_device: bool) -> dict[str, Any]:
 
 
 def new_shm_need(config: DaemonConfig, adoption: Adoption | None) -> int:
-    """Bytes of /dev/shm a start must still find free: all it needs, less what it adopts (the adopted
-    memory is in /dev/shm already)."""
+    """Bytes of /dev/shm a start must still find free: all it needs, less what it adopts (the adopted memory is in
+    /dev/shm already)."""
     need, _per_rank = config.shm_need()
     if adoption is None:
         return need
@@ -187,9 +186,8 @@ def new_shm_need(config: DaemonConfig, adoption: Adoption | None) -> int:
 
 
 def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
-    """Give every adopted object (device arenas where they are reopened, CPU pools, key directories) the
-    group this start was given, and its kind's mode (``kvcached.access``): access follows the
-    configuration, not the one before."""
+    """Give every adopted object (device arenas where they are reopened, CPU pools, key directories) the group this
+    start was given, and its kind's mode (``kvcached.access``): access follows the configuration, not the one before."""
     backend = memory.get(config.memory)
     for rank in range(config.ranks):
         request = TierRequest(config.instance, adoption.arena_id, rank, config.spec)
@@ -201,8 +199,8 @@ def conform(config: DaemonConfig, adoption: Adoption, access: Access) -> None:
 
 
 def start_note(verdict: Adoption | Refusal | None, squatters: list[Path], *, handed_over: bool) -> str:
-    """What the header tells ``kvcached status`` about a start: adopted or why not, whether the last image's
-    workers served meanwhile, and the objects of someone else it left alone."""
+    """What the header tells ``kvcached status`` about a start: adopted or why not, whether the last image's workers
+    served meanwhile, and the objects of someone else it left alone."""
     notes = [verdict.note] if verdict is not None else []
     if handed_over and notes:
         notes[-1] += "; its workers served until this daemon's had reopened the memory"

@@ -1,7 +1,7 @@
 """Fatal errors of the daemon and the exit status each one carries.
 
-The exit statuses are a public interface, each said in ``EXIT_STATUS_HELP`` (``start --help``): the systemd
-unit lists the configuration ones in ``RestartPreventExitStatus=`` so that a bad config is not restarted in a loop.
+The exit statuses are a public interface, each said in ``EXIT_STATUS_HELP`` (``start --help``): the systemd unit lists
+the configuration ones in ``RestartPreventExitStatus=`` so that a bad config is not restarted in a loop.
 """
 
 from __future__ import annotations
@@ -32,5 +32,5 @@ class Fatal(Exception):
 
 
 class WorkerFailure(Fatal):
-    """A rank worker cannot go on: ``reason`` goes to the supervisor (``Failed``), which ends the daemon
-    with ``exit_status``."""
+    """A rank worker cannot go on: ``reason`` goes to the supervisor (``Failed``), which ends the daemon with
+    ``exit_status``."""

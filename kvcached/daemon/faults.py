@@ -1,19 +1,18 @@
 """Fault injection for tests: crash, stall or starve the daemon at a named step.
 
-``KVCACHED_FAULT`` holds comma-separated ``step:action`` items; ``action`` is ``kill`` (SIGKILL this
-process at once), ``sleep=SECONDS``, or ``enospc`` (fail as a full /dev/shm would: OSError ENOSPC).
-``step@restart`` acts only in an image that ``kvcached restart`` executed (and in its workers).
+``KVCACHED_FAULT`` holds comma-separated ``step:action`` items; ``action`` is ``kill`` (SIGKILL this process at once),
+``sleep=SECONDS``, or ``enospc`` (fail as a full /dev/shm would: OSError ENOSPC). ``step@restart`` acts only in an image
+that ``kvcached restart`` executed (and in its workers).
 
-Steps of a start: ``after-lock``, ``after-reclaim``, ``after-semaphores``, ``before-publish`` (the new
-control block is written, its records too, not yet under its public name), ``after-control-block``;
-in each worker ``worker-allocating`` (allocating or reopening), ``worker-prepared`` (a restart's worker
-has reopened the memory and waits for its turn), ``worker-before-ready``; ``after-relieve`` (a restart's
-supervisor told the last image's worker to drain), ``after-ready``; ``copy-step`` (in a worker, after
-each step of a copy: ``sleep`` makes a legitimately slow task); ``store-step`` (in a store agent, after each
-object it moves: ``sleep`` makes a slow store that keeps moving; ``load-step`` the same, in loads only).
-Of a restart, in the image that restarts: ``restart-accepted`` (before anything stops) and ``before-exec``
-(every rank KEPT, the workers handed over). Unset in production: ``fault()`` then costs one dict lookup;
-``hook()`` returns None once at start.
+Steps of a start: ``after-lock``, ``after-reclaim``, ``after-semaphores``, ``before-publish`` (the new control block is
+written, its records too, not yet under its public name), ``after-control-block``; in each worker ``worker-allocating``
+(allocating or reopening), ``worker-prepared`` (a restart's worker has reopened the memory and waits for its turn),
+``worker-before-ready``; ``after-relieve`` (a restart's supervisor told the last image's worker to drain),
+``after-ready``; ``copy-step`` (in a worker, after each step of a copy: ``sleep`` makes a legitimately slow task);
+``store-step`` (in a store agent, after each object it moves: ``sleep`` makes a slow store that keeps moving;
+``load-step`` the same, in loads only). Of a restart, in the image that restarts: ``restart-accepted`` (before anything
+stops) and ``before-exec`` (every rank KEPT, the workers handed over). Unset in production: ``fault()`` then costs one
+dict lookup; ``hook()`` returns None once at start.
 """
 
 from __future__ import annotations
@@ -43,16 +42,16 @@ STEPS = (
     "restart-accepted",
     "before-exec",
 )
-#: Steps inside work under way (a copy, a store agent's objects), not steps of a start or a restart: their
-#: ``sleep`` paces a task; a kill there is a task's fault, which the task tests cover.
+#: Steps inside work under way (a copy, a store agent's objects), not steps of a start or a restart: their ``sleep``
+#: paces a task; a kill there is a task's fault, which the task tests cover.
 WORK_STEPS = ("copy-step", "store-step", "load-step")
 RESTART_ONLY = "@restart"
 _restarted = False
 
 
 def restarted_image() -> None:
-    """This image was executed by ``kvcached restart``: ``step@restart`` items apply from now on (and in
-    the workers forked after)."""
+    """This image was executed by ``kvcached restart``: ``step@restart`` items apply from now on (and in the workers
+    forked after)."""
     global _restarted
     _restarted = True
 
@@ -96,8 +95,8 @@ def fault(step: str) -> None:
 
 
 def hook(step: str) -> Callable[[], None] | None:
-    """A callable that carries out ``step``'s planned action, or None when none is planned (read once, for
-    steps on hot paths)."""
+    """A callable that carries out ``step``'s planned action, or None when none is planned (read once, for steps on hot
+    paths)."""
     action = _action(_parse(os.environ.get("KVCACHED_FAULT", "")), step)
     if action is None:
         return None

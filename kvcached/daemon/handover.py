@@ -1,23 +1,21 @@
-"""``kvcached restart``: what one image of the daemon hands the next one across ``execv``, and how the next
-one makes sure it is what its own previous image passed.
+"""``kvcached restart``: what one image of the daemon hands the next one across ``execv``, and how the next one makes
+sure it is what its own previous image passed.
 
 The image that restarts (same pid, the code installed now) passes ``HANDOVER_ENV``, JSON::
 
     {"generation": "<16 hex digits>", "workers": {"<rank>": [pid, channel fd], ...}}
 
-``generation`` is the restarting image's; ``workers`` are its rank workers that go on serving until the
-next image's have reopened the memory (empty where the backend's memory dies with its worker). The next
-image honours it only when the instance's control block was published by an earlier image of this very
-process (daemon pid and start time: they survive ``execv``) in that generation; and a worker only when it
-is a child of this process, that block's record of the rank names its pid, and the descriptor is a
-``SOCK_SEQPACKET`` Unix socket made by this process (``SO_PEERCRED`` of a socketpair names its maker). An
-unrelated launcher that sets the variable changes nothing: its descriptors are left alone, its children
-are not signalled, and ``--fresh`` still applies. A start given by a restart never applies ``--fresh``:
-the operator asked for the cache to be kept.
+``generation`` is the restarting image's; ``workers`` are its rank workers that go on serving until the next image's
+have reopened the memory (empty where the backend's memory dies with its worker). The next image honours it only when
+the instance's control block was published by an earlier image of this very process (daemon pid and start time: they
+survive ``execv``) in that generation; and a worker only when it is a child of this process, that block's record of the
+rank names its pid, and the descriptor is a ``SOCK_SEQPACKET`` Unix socket made by this process (``SO_PEERCRED`` of a
+socketpair names its maker). An unrelated launcher that sets the variable changes nothing: its descriptors are left
+alone, its children are not signalled, and ``--fresh`` still applies. A start given by a restart never applies
+``--fresh``: the operator asked for the cache to be kept.
 
-When a restart is refused, and why the request signals are blocked across the exec: docs/architecture.md
-("A restart is checked before anything stops"); a refusal is written to ``refusal_path`` for ``kvcached
-restart`` to print.
+When a restart is refused, and why the request signals are blocked across the exec: docs/architecture.md ("A restart is
+checked before anything stops"); a refusal is written to ``refusal_path`` for ``kvcached restart`` to print.
 """
 
 from __future__ import annotations
@@ -61,8 +59,8 @@ class Claim:
 
 
 def claim_from_env(log: logs.Logger) -> Claim | None:
-    """The handover this image was started with (the variable is removed from the environment, so that
-    nothing started from here inherits it); None without one, or when it is not what an image writes."""
+    """The handover this image was started with (the variable is removed from the environment, so that nothing started
+    from here inherits it); None without one, or when it is not what an image writes."""
     text = os.environ.pop(HANDOVER_ENV, "")
     if not text:
         return None
@@ -79,8 +77,8 @@ def claim_from_env(log: logs.Logger) -> Claim | None:
 
 
 def from_this_process(claim: Claim, block: ControlBlock) -> bool:
-    """Whether ``block`` (the instance's control block) was published by an earlier image of this process
-    in the generation ``claim`` names."""
+    """Whether ``block`` (the instance's control block) was published by an earlier image of this process in the
+    generation ``claim`` names."""
     if not block.published:
         return False
     try:
@@ -92,8 +90,8 @@ def from_this_process(claim: Claim, block: ControlBlock) -> bool:
 
 
 def take_workers(claim: Claim, block: ControlBlock, strays: list[int], log: logs.Logger) -> dict[int, Worker]:
-    """The workers of ``claim`` that check out (see the module docstring), each with its channel; the
-    descriptors of the others are left as they are."""
+    """The workers of ``claim`` that check out (see the module docstring), each with its channel; the descriptors of the
+    others are left as they are."""
     taken: dict[int, Worker] = {}
     for rank, (pid, fd) in claim.workers.items():
         why = _why_not(rank, pid, block, strays)
@@ -142,10 +140,10 @@ def _why_not_channel(sock: socket.socket) -> str:
 
 class Handover:
     """A restart as this image lives it, its state in one object: the workers the image before handed over
-    (``predecessors``: each serves its rank until this image's worker of the rank is prepared, then drains:
-    ``relieve``) and those this image leaves serving for the next (``passing``, written into ``env``). Each
-    predecessor's channel is watched by the supervisor's selector, its key's data the callback for it;
-    ``on_gone(rank)`` is called when the last image's worker of ``rank`` is done with it."""
+    (``predecessors``: each serves its rank until this image's worker of the rank is prepared, then drains: ``relieve``)
+    and those this image leaves serving for the next (``passing``, written into ``env``). Each predecessor's channel is
+    watched by the supervisor's selector, its key's data the callback for it; ``on_gone(rank)`` is called when the last
+    image's worker of ``rank`` is done with it."""
 
     def __init__(self, selector: selectors.BaseSelector, log: logs.Logger, *, on_gone: Callable[[int], None]) -> None:
         self.selector, self.log, self.on_gone = selector, log, on_gone
@@ -161,8 +159,8 @@ class Handover:
         self.passing: dict[int, Child] = {}
 
     def take(self, instance: str) -> None:
-        """Take the workers the image before this one handed over, once its claim checks out: this image then
-        is a restart's."""
+        """Take the workers the image before this one handed over, once its claim checks out: this image then is a
+        restart's."""
         if self.claim is None:
             return
         block = None
@@ -185,9 +183,9 @@ class Handover:
         return rank in self.predecessors
 
     def relieve(self, rank: int, successor: int, *, grace_s: float) -> bool:
-        """``rank``'s new worker (pid ``successor``) has reopened the memory: tell the last image's worker to
-        drain (it answers what clients still send NOT_RUN, then closes its channel; killed if it has not
-        ``DRAIN_S + grace_s`` seconds later). True when there is none: the rank is the new worker's at once."""
+        """``rank``'s new worker (pid ``successor``) has reopened the memory: tell the last image's worker to drain (it
+        answers what clients still send NOT_RUN, then closes its channel; killed if it has not ``DRAIN_S + grace_s``
+        seconds later). True when there is none: the rank is the new worker's at once."""
         old = self.predecessors.get(rank)
         if old is None:
             return True
@@ -258,9 +256,9 @@ class Handover:
         return json.dumps({"generation": f"{generation:016x}", "workers": listed})
 
     def why_not_now(self, records: list[Record], preflight: Preflight | None) -> str:
-        """Why a restart cannot be done now ("" when it can): a rank not READY (the daemon is still starting,
-        or replacing a worker), the last image's workers still handing over, or a next image that could not
-        load its configuration, or could not adopt the memory with it (``preflight``)."""
+        """Why a restart cannot be done now ("" when it can): a rank not READY (the daemon is still starting, or
+        replacing a worker), the last image's workers still handing over, or a next image that could not load its
+        configuration, or could not adopt the memory with it (``preflight``)."""
         waiting = [f"{r.rank} {r.state.name}" for r in records if r.state is not State.READY]
         if waiting:
             return f"not every rank is READY (rank {', '.join(waiting)}): try again once they are"
@@ -291,8 +289,7 @@ def refusal_path(run_dir: str | Path, instance: str) -> Path:
 
 
 def record_outcome(path: Path, generation: int, refused: str | None = None) -> None:
-    """Add a decision of the image of ``generation`` to ``path`` (the last ``OUTCOMES_KEPT``), atomically,
-    mode 0600."""
+    """Add a decision of the image of ``generation`` to ``path`` (the last ``OUTCOMES_KEPT``), atomically, mode 0600."""
     now = time.time_ns()
     try:
         outcomes = list(json.loads(path.read_text()).get("outcomes", []))[-(OUTCOMES_KEPT - 1) :]
@@ -320,8 +317,8 @@ def read_outcomes(path: Path) -> list[Outcome]:
 
 
 def children() -> list[int]:
-    """Pids of this process's children: after ``kvcached restart`` executed the daemon again, the workers
-    of the image before it, still serving or exiting."""
+    """Pids of this process's children: after ``kvcached restart`` executed the daemon again, the workers of the image
+    before it, still serving or exiting."""
     try:
         text = Path(f"/proc/self/task/{os.getpid()}/children").read_text()
     except OSError:

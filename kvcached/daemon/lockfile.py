@@ -1,10 +1,9 @@
-"""The instance lock file, ``<run_dir>/<instance>.lock``: held with flock by the supervisor for its whole
-life, and holding one line, ``"<pid> <start time>\\n"``, the holder's identity (``kvcached.protocol.proc``).
+"""The instance lock file, ``<run_dir>/<instance>.lock``: held with flock by the supervisor for its whole life, and
+holding one line, ``"<pid> <start time>\\n"``, the holder's identity (``kvcached.protocol.proc``).
 
-This module is the only one that knows that format. The run directory is checked before anything is
-opened in it: a real directory (not a symlink), owned by the daemon's user, not writable by others; the
-lock file itself is opened with ``O_NOFOLLOW``, so a symlink planted in its place is refused, never
-followed.
+This module is the only one that knows that format. The run directory is checked before anything is opened in it: a real
+directory (not a symlink), owned by the daemon's user, not writable by others; the lock file itself is opened with
+``O_NOFOLLOW``, so a symlink planted in its place is refused, never followed.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ class Holder:
 
 
 class Locked(Exception):
-    """The lock is held by another process (``holder``, when its line could be read; ``owner``: the uid
-    of a daemon of another user that holds it)."""
+    """The lock is held by another process (``holder``, when its line could be read; ``owner``: the uid of a daemon of
+    another user that holds it)."""
 
     def __init__(self, holder: Holder | None, owner: int | None = None) -> None:
         super().__init__(f"held by pid {holder.pid}" if holder else "held by another process")
@@ -47,11 +46,11 @@ class Locked(Exception):
 
 
 def prepare_run_dir(directory: Path, gid: int | None = None) -> None:
-    """Create ``directory`` (mode 0700) if missing, then check it: a directory, not a symlink, owned by
-    this user, not writable by others. With ``gid`` the group's runners must reach the sockets in it: it
-    gains search permission for its group when that is ``gid``, else for everyone (search, not listing:
-    each socket keeps its own group and mode 0660, and every connection's peer is checked). Its group is
-    never changed: instances with other groups may share it. Raises ``ResourceError`` saying what is wrong."""
+    """Create ``directory`` (mode 0700) if missing, then check it: a directory, not a symlink, owned by this user, not
+    writable by others. With ``gid`` the group's runners must reach the sockets in it: it gains search permission for
+    its group when that is ``gid``, else for everyone (search, not listing: each socket keeps its own group and mode
+    0660, and every connection's peer is checked). Its group is never changed: instances with other groups may share it.
+    Raises ``ResourceError`` saying what is wrong."""
     if not directory.is_absolute():
         raise ResourceError(f"run directory {directory} is relative: set KVCACHED_RUN_DIR to an absolute path")
     try:
@@ -75,9 +74,9 @@ def prepare_run_dir(directory: Path, gid: int | None = None) -> None:
 
 
 def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
-    """Take the lock at ``path`` (mode ``mode``, group ``gid`` when given) and write this process's identity
-    into it; the descriptor (keep it open for as long as the lock must hold). Raises ``Locked`` if another
-    process holds it, ``ResourceError`` if ``path`` is not a plain file of ours (a symlink, a directory)."""
+    """Take the lock at ``path`` (mode ``mode``, group ``gid`` when given) and write this process's identity into it;
+    the descriptor (keep it open for as long as the lock must hold). Raises ``Locked`` if another process holds it,
+    ``ResourceError`` if ``path`` is not a plain file of ours (a symlink, a directory)."""
     while True:
         squatted = why_not_a_lock(path)
         if squatted:
@@ -100,8 +99,8 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
             holder = _parse(os.read(fd, 64))
             os.close(fd)
             raise Locked(holder) from None
-        # The holder before us may have unlinked the file as it stopped: then our lock guards nothing.
-        # Only a lock on the file the path names now counts.
+        # The holder before us may have unlinked the file as it stopped: then our lock guards nothing. Only a lock on
+        # the file the path names now counts.
         try:
             same = os.stat(path, follow_symlinks=False).st_ino == st.st_ino
         except FileNotFoundError:
@@ -116,8 +115,8 @@ def acquire(path: Path, *, mode: int = 0o600, gid: int | None = None) -> int:
 
 
 def _raise_if_another_users_daemon(path: Path) -> None:
-    """Raise ``Locked`` when the file at ``path`` is a plain file whose owner's live daemon holds it (as
-    /proc/locks lists it): the name is taken by a running instance of that user, not squatted."""
+    """Raise ``Locked`` when the file at ``path`` is a plain file whose owner's live daemon holds it (as /proc/locks
+    lists it): the name is taken by a running instance of that user, not squatted."""
     with contextlib.suppress(OSError):
         st = os.lstat(path)
         pid = flock_holder(path) if stat.S_ISREG(st.st_mode) else None
@@ -126,8 +125,8 @@ def _raise_if_another_users_daemon(path: Path) -> None:
 
 
 def why_not_a_lock(path: Path) -> str:
-    """Why what is at ``path`` cannot be taken as this user's lock file, with what to do ("" when nothing is
-    there or it is a plain file of this user): another uid's file, a symlink, a directory, ... planted there."""
+    """Why what is at ``path`` cannot be taken as this user's lock file, with what to do ("" when nothing is there or it
+    is a plain file of this user): another uid's file, a symlink, a directory, ... planted there."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -145,8 +144,8 @@ def why_not_a_lock(path: Path) -> str:
 
 
 def still_ours(path: Path, fd: int) -> bool:
-    """Whether ``fd`` (a descriptor an earlier image of this process left open across its exec) is this
-    user's lock file at ``path`` and this process holds its lock: then it is taken as it is."""
+    """Whether ``fd`` (a descriptor an earlier image of this process left open across its exec) is this user's lock file
+    at ``path`` and this process holds its lock: then it is taken as it is."""
     try:
         st, there = os.fstat(fd), os.lstat(path)
     except OSError:
@@ -165,8 +164,8 @@ def still_ours(path: Path, fd: int) -> bool:
 
 
 def release(path: Path, fd: int) -> None:
-    """Remove the lock file, then drop the lock (in that order: a starter that opened the old file sees
-    it unlinked and retries)."""
+    """Remove the lock file, then drop the lock (in that order: a starter that opened the old file sees it unlinked and
+    retries)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     os.close(fd)
@@ -185,8 +184,8 @@ def holder(path: Path) -> Holder | None:
 
 
 def held_by(path: Path) -> Holder | None:
-    """The process holding the lock at ``path`` right now (a daemon starting up, before its control
-    block exists), or None when nobody holds it. A holder whose line is not written yet reads pid -1."""
+    """The process holding the lock at ``path`` right now (a daemon starting up, before its control block exists), or
+    None when nobody holds it. A holder whose line is not written yet reads pid -1."""
     try:
         fd = open_plain(path)
     except OSError:
@@ -208,8 +207,8 @@ def _parse(raw: bytes) -> Holder | None:
 
 
 def flock_holder(path: Path, locks: str = "/proc/locks") -> int | None:
-    """The pid holding a flock on the file at ``path`` as the kernel lists it (``/proc/locks``), or None.
-    Needs no permission to open the file: how another user sees that a daemon holds its lock."""
+    """The pid holding a flock on the file at ``path`` as the kernel lists it (``/proc/locks``), or None. Needs no
+    permission to open the file: how another user sees that a daemon holds its lock."""
     try:
         st = os.stat(path, follow_symlinks=False)
         lines = Path(locks).read_text().splitlines()
@@ -224,11 +223,11 @@ def flock_holder(path: Path, locks: str = "/proc/locks") -> int | None:
 
 
 def why_not_daemon(pid: int, owner: int, lock: Path) -> str:
-    """Why process ``pid`` is not to be trusted as the daemon whose lock is ``lock`` and whose files ``owner``
-    (a uid) owns ("" when it is): it must run as ``owner``, be ``kvcached start`` (or the image a restart
-    executed), and hold the flock on ``lock`` as the kernel lists it (held across a restart's exec too;
-    when nobody holds it, the first two checks suffice). A file anyone else could write names no pid worth a
-    signal: the callers check the files first (``why_untrusted_file``)."""
+    """Why process ``pid`` is not to be trusted as the daemon whose lock is ``lock`` and whose files ``owner`` (a uid)
+    owns ("" when it is): it must run as ``owner``, be ``kvcached start`` (or the image a restart executed), and hold
+    the flock on ``lock`` as the kernel lists it (held across a restart's exec too; when nobody holds it, the first two
+    checks suffice). A file anyone else could write names no pid worth a signal: the callers check the files first
+    (``why_untrusted_file``)."""
     uid = process_uid(pid)
     if uid is None:
         return f"pid {pid} is gone"
@@ -243,8 +242,8 @@ def why_not_daemon(pid: int, owner: int, lock: Path) -> str:
 
 
 def why_untrusted_file(path: Path, owner: int | None = None) -> str:
-    """Why the file (or directory) at ``path`` cannot be believed ("" when it can): a symlink, writable by
-    its group or by others, or owned by another uid than ``owner`` (when given)."""
+    """Why the file (or directory) at ``path`` cannot be believed ("" when it can): a symlink, writable by its group or
+    by others, or owned by another uid than ``owner`` (when given)."""
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -264,9 +263,9 @@ def process_uid(pid: int) -> int | None:
 
 
 def is_kvcached_daemon(pid: int) -> bool:
-    """Whether process ``pid`` runs ``kvcached start`` (``kvcached`` or ``python -m kvcached.cli``). A
-    command line read empty while the process lives is read again for up to a second: a restart's
-    ``execv`` leaves it so for a moment, the daemon holding its locks all the while."""
+    """Whether process ``pid`` runs ``kvcached start`` (``kvcached`` or ``python -m kvcached.cli``). A command line read
+    empty while the process lives is read again for up to a second: a restart's ``execv`` leaves it so for a moment, the
+    daemon holding its locks all the while."""
     for _ in range(100):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")

@@ -1,9 +1,9 @@
 """The opt-in Prometheus endpoint (``--metrics-port``): the same figures as ``kvcached status``.
 
 Served by ``prometheus_client``'s WSGI application on a thread of the supervisor (started by
-``startup.MetricsEndpoint``), on ``/metrics`` only (any other path is 404, naming the one that is served).
-Every scrape reads the control block (records under their seqlock, the workers' counters and histograms),
-/proc/locks (waiting runners) and /dev/shm's size: no state of its own but the time it began.
+``startup.MetricsEndpoint``), on ``/metrics`` only (any other path is 404, naming the one that is served). Every scrape
+reads the control block (records under their seqlock, the workers' counters and histograms), /proc/locks (waiting
+runners) and /dev/shm's size: no state of its own but the time it began.
 
 Metrics (labels in braces):
 
@@ -17,10 +17,10 @@ Metrics (labels in braces):
   ``kvcached_swap_failures_total{rank}`` (swap tasks that failed while they ran)
 - ``kvcached_start_time_seconds`` (when this daemon image began serving: a start, or a restart's exec),
   ``kvcached_dev_shm_size_bytes``, ``kvcached_dev_shm_free_bytes`` (the host's /dev/shm, at the scrape)
-- ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}`` (objects
-  loaded and verified), ``..._misses_total`` (loads that stopped before their last key: one per such load;
-  a lookup counts nothing), ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``,
-  ``..._master_resets_total``, ``kvcached_store_unavailable{rank}`` (1 while the backend does not answer)
+- ``kvcached_store_objects{rank}``, ``kvcached_store_bytes{rank}``, ``kvcached_store_hits_total{rank}`` (objects loaded
+  and verified), ``..._misses_total`` (loads that stopped before their last key: one per such load; a lookup counts
+  nothing), ``..._evictions_total``, ``..._corrupt_total``, ``..._errors_total``, ``..._master_resets_total``,
+  ``kvcached_store_unavailable{rank}`` (1 while the backend does not answer)
 - putting back what the store's master forgot: ``kvcached_store_republish_pending_objects{rank}``,
   ``..._pending_bytes``, ``kvcached_store_republished_objects_total{rank}``, ``..._bytes_total``,
   ``kvcached_store_republish_skipped_total``, ``..._failed_total``, ``kvcached_store_republish_rate_bytes{rank}``
@@ -229,8 +229,8 @@ def only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr (the daemon's log is structured); a connection that sends nothing for
-    ``timeout`` seconds is closed (each connection holds a thread: idle ones must not pile up)."""
+    """No access log on stderr (the daemon's log is structured); a connection that sends nothing for ``timeout`` seconds
+    is closed (each connection holds a thread: idle ones must not pile up)."""
 
     timeout = 10
 
@@ -239,8 +239,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def serve(instance: str, block: ControlBlock, memory: str, address: str, port: int) -> Any:
-    """Start the endpoint on ``address:port`` (path ``/metrics``) on a daemon thread; the server, for
-    ``shutdown()``."""
+    """Start the endpoint on ``address:port`` (path ``/metrics``) on a daemon thread; the server, for ``shutdown()``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlBlockCollector(instance, block, memory))
     family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]

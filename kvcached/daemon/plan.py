@@ -1,5 +1,5 @@
-"""What a rank worker is told when the supervisor forks it: which rank of which daemon run, how to allocate
-(or reopen) its memory and serve it."""
+"""What a rank worker is told when the supervisor forks it: which rank of which daemon run, how to allocate (or reopen)
+its memory and serve it."""
 
 from __future__ import annotations
 
@@ -29,27 +29,27 @@ class WorkerPlan:
     access: Access
     memory: str = "host"
     device_id: int = 0
-    #: A replacement worker, or one of a daemon that adopted an earlier one's memory, reopens what these
-    #: describe instead of allocating: the device tier (its record's descriptor; None: create it) and the
-    #: CPU pool with its key directory (True: they exist, keep their bytes).
+    #: A replacement worker, or one of a daemon that adopted an earlier one's memory, reopens what these describe
+    #: instead of allocating: the device tier (its record's descriptor; None: create it) and the CPU pool with its key
+    #: directory (True: they exist, keep their bytes).
     device_descriptor: dict[str, Any] | None = None
     reopen_pool: bool = False
     store_timeout: float = 10.0
     #: The generation that allocated the memory (names of arenas, pools, key directories); 0: this one.
     arena_id: int = 0
     huge_pages: bool = True
-    #: The rank is still served by the worker of the daemon image before ``kvcached restart``: after
-    #: reopening the memory, say Prepared and wait for Serve (that worker is done) before taking over the
-    #: key directory, the store and the task socket.
+    #: The rank is still served by the worker of the daemon image before ``kvcached restart``: after reopening the
+    #: memory, say Prepared and wait for Serve (that worker is done) before taking over the key directory, the store and
+    #: the task socket.
     handover: bool = False
 
     @classmethod
     def of(
         cls, config: DaemonConfig, rank: int, *, generation: int, arena_id: int, handover: bool, reopen: Record | None
     ) -> WorkerPlan:
-        """The plan of ``rank``'s worker in the daemon run ``generation``. With ``reopen`` (the record that names
-        the rank's memory) it reopens that memory instead of allocating: the device tier where its backend's
-        memory outlives a worker (else it is made anew), the CPU pool with its key directory when it has one."""
+        """The plan of ``rank``'s worker in the daemon run ``generation``. With ``reopen`` (the record that names the
+        rank's memory) it reopens that memory instead of allocating: the device tier where its backend's memory outlives
+        a worker (else it is made anew), the CPU pool with its key directory when it has one."""
         outlives = memory.get(config.memory).outlives_worker
         return cls(
             instance=config.instance,

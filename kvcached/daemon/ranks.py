@@ -1,11 +1,10 @@
 """The supervisor's ranks: one object per rank, and the worker processes it forks, watches and stops.
 
-``RankSlot`` holds everything the supervisor knows of one rank (gunicorn's arbiter keeps one object per
-worker): the rank's record and semaphore, its worker (``Child``), what that worker is judged by, and
-whether the rank's memory is whole. The supervisor walks the list of slots to reap, to judge progress
-and to stop. A slot owns its record's writes (``update``); a worker is judged by progress, not by silence
-between tasks: its stats slot's ``progress`` counter must move within the worker timeout, counted in the
-supervisor's own waking time (``hung``, ``Supervisor._check_progress``).
+``RankSlot`` holds everything the supervisor knows of one rank (gunicorn's arbiter keeps one object per worker): the
+rank's record and semaphore, its worker (``Child``), what that worker is judged by, and whether the rank's memory is
+whole. The supervisor walks the list of slots to reap, to judge progress and to stop. A slot owns its record's writes
+(``update``); a worker is judged by progress, not by silence between tasks: its stats slot's ``progress`` counter must
+move within the worker timeout, counted in the supervisor's own waking time (``hung``, ``Supervisor._check_progress``).
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ REPLACEMENT_WINDOW_S = 60.0
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Child:
-    """A rank worker process of this supervisor (or of the image before it, after a restart) and the
-    supervisor's end of its channel."""
+    """A rank worker process of this supervisor (or of the image before it, after a restart) and the supervisor's end of
+    its channel."""
 
     pid: int
     channel: socket.socket
@@ -75,16 +74,16 @@ class RankSlot:
     worker: Child | None = None
     #: Its memory is whole (adopted, or published READY once): kept unless the operator says otherwise.
     whole: bool = False
-    #: The worker's progress counter as last seen, and the waking seconds it has stood still since
-    #: (-inf once its worker was killed as hung: the reaper takes it from there).
+    #: The worker's progress counter as last seen, and the waking seconds it has stood still since (-inf once its worker
+    #: was killed as hung: the reaper takes it from there).
     seen: int = 0
     still_s: float = 0.0
     #: When its workers died, within the last ``REPLACEMENT_WINDOW_S``.
     deaths: list[float] = dataclasses.field(default_factory=list)
 
     def update(self, block: ControlBlock, **changes: Any) -> bool:
-        """Write the record with ``changes`` under the control block's seqlock; when its state changes, stamp
-        since when and post the semaphore (the turnstile runners wait on). Whether the state changed."""
+        """Write the record with ``changes`` under the control block's seqlock; when its state changes, stamp since when
+        and post the semaphore (the turnstile runners wait on). Whether the state changed."""
         record = self.record
         changed = bool(changes.get("state", record.state) != record.state)
         for key, value in changes.items():
@@ -113,9 +112,9 @@ class RankSlot:
         return True
 
     def hung(self, awake_s: float, timeout_s: float) -> str:
-        """Count ``awake_s`` more waking seconds without progress; why the worker counts as hung ("" while it
-        does not): standing still past ``timeout_s`` while the rank is READY or RECOVERING (one still
-        allocating sends Progress messages instead). Said once per worker."""
+        """Count ``awake_s`` more waking seconds without progress; why the worker counts as hung ("" while it does not):
+        standing still past ``timeout_s`` while the rank is READY or RECOVERING (one still allocating sends Progress
+        messages instead). Said once per worker."""
         self.still_s += awake_s
         if self.still_s > timeout_s and self.record.state in (State.READY, State.RECOVERING):
             why = f"no progress for {self.still_s:.1f}s (hung)"
@@ -140,8 +139,8 @@ class RankSlot:
 
 
 def fork_worker(plan: WorkerPlan, stats: StatsSlot, *, close: Iterable[int | socket.socket]) -> Child:
-    """Fork the worker of ``plan``; in the child, close ``close`` (the supervisor's descriptors and other
-    workers' channels) and keep nothing of the supervisor's but its end of the new channel."""
+    """Fork the worker of ``plan``; in the child, close ``close`` (the supervisor's descriptors and other workers'
+    channels) and keep nothing of the supervisor's but its end of the new channel."""
     from kvcached.daemon.worker import worker_main  # here: the CLI imports this module (through handover)
 
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -161,12 +160,12 @@ def fork_worker(plan: WorkerPlan, stats: StatsSlot, *, close: Iterable[int | soc
 
 
 def stop_children(children: Iterable[Child], *, grace_s: float, drain: bool) -> None:
-    """Tell every child to stop and wait for it to exit, killing it after ``grace_s`` seconds; with
-    ``drain`` (a handover: the child first answers what clients still send NOT_RUN) wait only until it has
-    closed its channel, and ``channel.DRAIN_S`` longer: it is done with every task, and its exit (unmapping
-    gigabytes) need not hold up the next daemon (an image executed after this one reaps it). A child
-    that never said Ready (allocating, reopening) is killed at once: it has no task to finish, and
-    stopping it changes no byte of memory a start could adopt. Every channel is closed."""
+    """Tell every child to stop and wait for it to exit, killing it after ``grace_s`` seconds; with ``drain`` (a
+    handover: the child first answers what clients still send NOT_RUN) wait only until it has closed its channel, and
+    ``channel.DRAIN_S`` longer: it is done with every task, and its exit (unmapping gigabytes) need not hold up the next
+    daemon (an image executed after this one reaps it). A child that never said Ready (allocating, reopening) is killed
+    at once: it has no task to finish, and stopping it changes no byte of memory a start could adopt. Every channel is
+    closed."""
     stopping = list(children)
     for child in stopping:
         with contextlib.suppress(OSError):
@@ -181,8 +180,8 @@ def stop_children(children: Iterable[Child], *, grace_s: float, drain: bool) -> 
 
 
 def closed_by(sock: socket.socket, deadline: float) -> bool:
-    """Whether the worker at the other end of ``sock`` closes it before ``deadline`` (messages it sends
-    meanwhile are read and dropped)."""
+    """Whether the worker at the other end of ``sock`` closes it before ``deadline`` (messages it sends meanwhile are
+    read and dropped)."""
     while (left := deadline - time.monotonic()) > 0:
         readable, _, _ = select.select([sock], [], [], left)
         if not readable:
@@ -203,8 +202,8 @@ def describe_exit(status: int) -> str:
 
 
 def create_semaphores(instance: str, generation: int, ranks: int, access: Access) -> list[posix_ipc.Semaphore]:
-    """Each rank's semaphore of ``generation``, created exclusively, with ``access``'s mode and group; on a
-    failure the ones already made are removed before it is raised."""
+    """Each rank's semaphore of ``generation``, created exclusively, with ``access``'s mode and group; on a failure the
+    ones already made are removed before it is raised."""
     made: list[posix_ipc.Semaphore] = []
     try:
         for rank in range(ranks):

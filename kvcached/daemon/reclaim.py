@@ -1,9 +1,9 @@
-"""What a dead run of an instance left behind, and removing it: used by ``kvcached start`` (before it
-allocates), ``kvcached doctor [--clean]`` and the tests.
+"""What a dead run of an instance left behind, and removing it: used by ``kvcached start`` (before it allocates),
+``kvcached doctor [--clean]`` and the tests.
 
-An entry under the instance's names is a leftover only when no live daemon owns the instance; one that is
-not ours (another owner, foreign permissions, not a plain file) is a squatter and is never used or
-deleted: a start reports it and goes on (at the control block's name it refuses, with what to do).
+An entry under the instance's names is a leftover only when no live daemon owns the instance; one that is not ours
+(another owner, foreign permissions, not a plain file) is a squatter and is never used or deleted: a start reports it
+and goes on (at the control block's name it refuses, with what to do).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class Leftovers:
 
     @property
     def left(self) -> list[Path]:
-        """Everything of the instance found, as `kvcached stop`, `doctor` and `doctor --clean` count a dead
-        run's leftovers alike: entries, sockets, files and the instance lock."""
+        """Everything of the instance found, as `kvcached stop`, `doctor` and `doctor --clean` count a dead run's
+        leftovers alike: entries, sockets, files and the instance lock."""
         return self.entries + self.sockets + self.files + ([self.lock] if self.lock is not None else [])
 
 
@@ -59,9 +59,9 @@ def squatter(path: Path, st: os.stat_result) -> str | None:
 
 
 def live_daemon(instance: str) -> int | None:
-    """The pid of the live daemon of ``instance``'s published control block, or None (no block, a dead
-    daemon's, one that is not ours, or this very process's before it executed itself again for ``kvcached
-    restart``: none of these is alive)."""
+    """The pid of the live daemon of ``instance``'s published control block, or None (no block, a dead daemon's, one
+    that is not ours, or this very process's before it executed itself again for ``kvcached restart``: none of these is
+    alive)."""
     try:
         found = read_instance(instance)
     except KVCacheError:
@@ -72,8 +72,8 @@ def live_daemon(instance: str) -> int | None:
 
 
 def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
-    """The objects of ``instance`` (any generation) and whether a live daemon owns them. The host-wide
-    instance lock is not among them: it is taken, and removed, by whoever holds it."""
+    """The objects of ``instance`` (any generation) and whether a live daemon owns them. The host-wide instance lock is
+    not among them: it is taken, and removed, by whoever holds it."""
     lock = instance_lock_path(instance)
     every = instance_shm_entries(instance)
     entries = [entry for entry in every if entry != lock]
@@ -89,8 +89,8 @@ def inspect_instance(instance: str, run_dir: Path) -> Leftovers:
 
 
 def backend_files(instance: str) -> list[Path]:
-    """Files the device backend of a dead run made outside the instance's names, as its records tell (the
-    control block of a dead run stays until the next start reclaims it); only those owned by this user."""
+    """Files the device backend of a dead run made outside the instance's names, as its records tell (the control block
+    of a dead run stays until the next start reclaims it); only those owned by this user."""
     try:
         published = read_instance(instance, None, live=False)
         spec = CacheSpec.from_dict(published.header.spec) if published is not None else None
@@ -120,8 +120,8 @@ def unlink_entries(entries: list[Path]) -> None:
 
 
 def remove_leftovers(found: Leftovers, keep: set[Path] | frozenset[Path] = frozenset()) -> int:
-    """Unlink what ``inspect_instance`` found (never with a live daemon), except squatters and ``keep``
-    (the memory a start adopts, the sockets its last image's workers still serve on); how many."""
+    """Unlink what ``inspect_instance`` found (never with a live daemon), except squatters and ``keep`` (the memory a
+    start adopts, the sockets its last image's workers still serve on); how many."""
     assert found.live_pid is None
     spared = keep | {path for path, _ in found.squatters}
     entries = [entry for entry in found.entries if entry not in spared]

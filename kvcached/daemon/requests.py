@@ -1,5 +1,5 @@
-"""The signals a running daemon takes, and what each asks of it (``kvcached stop`` and ``kvcached restart``
-send them; an operator or a unit may send them with ``kill``).
+"""The signals a running daemon takes, and what each asks of it (``kvcached stop`` and ``kvcached restart`` send them;
+an operator or a unit may send them with ``kill``).
 
 =================================  =====================================================================
 SIGTERM, SIGINT, SIGHUP, SIGQUIT   stop: every rank STOPPING, workers stopped, every object removed

@@ -4,12 +4,12 @@
 
 1. refuse a spec for which the runner owns the cache (``refuse_runner_owned``);
 2. take the instance's locks (``Locks``), or exit 3 and touch nothing;
-3. adopt what an earlier run of this instance left, or reclaim it (``reclaim``); with ``--geometry engine``
-   and nothing adopted, wait for the engine to declare the geometry (``kvcached.daemon.declarations``);
-4. check /dev/shm has room for every rank and tier it does not adopt, before anything is reserved
-   (``check_space``), and what the store's options name (``check_store``);
-5. create the semaphores and the control block (``stage_block``, ``Supervisor._create_objects``), and fork
-   one worker per rank (``Supervisor._spawn``).
+3. adopt what an earlier run of this instance left, or reclaim it (``reclaim``); with ``--geometry engine`` and nothing
+   adopted, wait for the engine to declare the geometry (``kvcached.daemon.declarations``);
+4. check /dev/shm has room for every rank and tier it does not adopt, before anything is reserved (``check_space``), and
+   what the store's options name (``check_store``);
+5. create the semaphores and the control block (``stage_block``, ``Supervisor._create_objects``), and fork one worker
+   per rank (``Supervisor._spawn``).
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ LOCKS_ENV = "KVCACHED_HELD_LOCKS"
 
 
 class Locks:
-    """The lock files a supervisor holds for its whole life: ``<run_dir>/<instance>.lock``, then the
-    instance's own (one daemon per instance on the host, whatever run directory each was given: a second
-    one's reclaim must never see the first one's fresh objects as leftovers). ``held`` once the first is.
-    A restart hands them, held, to the next image (``pass_on``): the name is never free in between."""
+    """The lock files a supervisor holds for its whole life: ``<run_dir>/<instance>.lock``, then the instance's own (one
+    daemon per instance on the host, whatever run directory each was given: a second one's reclaim must never see the
+    first one's fresh objects as leftovers). ``held`` once the first is. A restart hands them, held, to the next image
+    (``pass_on``): the name is never free in between."""
 
     def __init__(self, instance: str) -> None:
         self.instance = instance
@@ -97,8 +97,8 @@ class Locks:
 
     def _take(self, where: Path, *, mode: int = 0o600, gid: int | None = None) -> None:
         fd = self.inherited.pop(where, None)
-        # Only a descriptor that is this user's lock file there, locked by this process, is taken; any
-        # other is left as it is (a garbage variable must not close a descriptor of this image's).
+        # Only a descriptor that is this user's lock file there, locked by this process, is taken; any other is left as
+        # it is (a garbage variable must not close a descriptor of this image's).
         if fd is not None and _handed_on(fd) and lockfile.still_ours(where, fd):
             os.set_inheritable(fd, False)
             os.fchmod(fd, mode)  # as a file made now would be: a restart may change or drop --group
@@ -124,8 +124,8 @@ class Locks:
         self.fds.clear()
 
     def pass_on(self) -> None:
-        """Keep them held, and open across the exec of a restart, for the next image (``LOCKS_ENV``); if
-        the exec fails the process ends and the files are free to the next start."""
+        """Keep them held, and open across the exec of a restart, for the next image (``LOCKS_ENV``); if the exec fails
+        the process ends and the files are free to the next start."""
         for fd in self.fds.values():
             os.set_inheritable(fd, True)
         os.environ[LOCKS_ENV] = "".join(f"{fd} {path}\n" for path, fd in self.fds.items())
@@ -133,8 +133,8 @@ class Locks:
 
 
 def _inherited_locks() -> dict[Path, int]:
-    """The lock descriptors the image before left this one (``LOCKS_ENV``, removed from the environment:
-    no child sees it); those not taken by ``Locks._take`` stay open until this process ends."""
+    """The lock descriptors the image before left this one (``LOCKS_ENV``, removed from the environment: no child sees
+    it); those not taken by ``Locks._take`` stay open until this process ends."""
     held: dict[Path, int] = {}
     for line in os.environ.pop(LOCKS_ENV, "").splitlines():
         fd, _, path = line.partition(" ")
@@ -144,9 +144,9 @@ def _inherited_locks() -> dict[Path, int]:
 
 
 def _handed_on(fd: int) -> bool:
-    """Whether ``fd`` can be a lock descriptor ``Locks.pass_on`` left open across the exec: above the standard
-    three, open, and inheritable (every descriptor this image opened itself is not: a garbage or hostile
-    ``LOCKS_ENV`` must not make it close its own epoll, pipes, stdout or stderr)."""
+    """Whether ``fd`` can be a lock descriptor ``Locks.pass_on`` left open across the exec: above the standard three,
+    open, and inheritable (every descriptor this image opened itself is not: a garbage or hostile ``LOCKS_ENV`` must not
+    make it close its own epoll, pipes, stdout or stderr)."""
     if fd <= 2:
         return False
     try:
@@ -158,12 +158,11 @@ def _handed_on(fd: int) -> bool:
 def reclaim(
     config: DaemonConfig, run_dir: Path, access: Access, handover: Handover, log: logs.Logger, *, grace_s: float
 ) -> tuple[Adoption | None, str]:
-    """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows, giving it this
-    start's mode and group (``conform``); remove the rest of it. A live instance, and an object someone else
-    owns at the control block's name, are refused; objects someone else owns under other names are reported
-    and left untouched. The workers the image before handed over are taken first (``handover``), and
-    stopped when their memory is not adopted. (the adoption, if any; the start's note for ``kvcached
-    status``)."""
+    """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows, giving it this start's mode
+    and group (``conform``); remove the rest of it. A live instance, and an object someone else owns at the control
+    block's name, are refused; objects someone else owns under other names are reported and left untouched. The workers
+    the image before handed over are taken first (``handover``), and stopped when their memory is not adopted. (the
+    adoption, if any; the start's note for ``kvcached status``)."""
     found = inspect_instance(config.instance, run_dir)
     control = _refuse_the_unusable(found, config.instance, log)
     handover.take(config.instance)
@@ -214,8 +213,8 @@ def reclaim(
 
 
 def _refuse_the_unusable(found: Leftovers, instance: str, log: logs.Logger) -> Path:
-    """Refuse a live instance under another run directory, and someone else's object at the control block's
-    name; report the others' objects under other names. The control block's path."""
+    """Refuse a live instance under another run directory, and someone else's object at the control block's name; report
+    the others' objects under other names. The control block's path."""
     if found.live_pid is not None:
         raise Fatal(
             f"instance {instance!r} is live (daemon pid {found.live_pid}) under another run directory "
@@ -273,8 +272,8 @@ def log_start(config: DaemonConfig, note: str, log: logs.Logger) -> None:
 def stage_block(
     config: DaemonConfig, generation: int, arena_id: int, adoption: Adoption | None, note: str
 ) -> ControlBlock:
-    """The control block of the run ``generation``, under its staging name: the supervisor writes every
-    record, then ``install``s it under the public name (over the adopted run's block)."""
+    """The control block of the run ``generation``, under its staging name: the supervisor writes every record, then
+    ``install``s it under the public name (over the adopted run's block)."""
     pid, started = self_identity()
     access = Access.for_daemon(config.gid)
     return ControlBlock.create(
@@ -295,10 +294,9 @@ def stage_block(
 
 
 class MetricsEndpoint:
-    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor once ``open``. A port
-    someone else holds is a configuration error at a start; a restart's image never ends the cache over it:
-    it serves on without the endpoint, saying so, and tries the port again every ``METRICS_RETRY_S``
-    (``retry_if_due``, quietly)."""
+    """The metrics endpoint (``--metrics-port``), serving on a thread of the supervisor once ``open``. A port someone
+    else holds is a configuration error at a start; a restart's image never ends the cache over it: it serves on without
+    the endpoint, saying so, and tries the port again every ``METRICS_RETRY_S`` (``retry_if_due``, quietly)."""
 
     def __init__(self, config: DaemonConfig, log: logs.Logger) -> None:
         self.config, self.log = config, log
@@ -308,8 +306,8 @@ class MetricsEndpoint:
         self.why = ""  # why the port could not be listened on
 
     def open(self, block: ControlBlock, *, restarted: bool) -> None:
-        """Listen, after the first workers are forked (which so copy no thread of it; replacements are forked
-        while it runs: a fork copies only the forking thread, and a worker takes none of its locks)."""
+        """Listen, after the first workers are forked (which so copy no thread of it; replacements are forked while it
+        runs: a fork copies only the forking thread, and a worker takes none of its locks)."""
         if not self.config.metrics_port:
             return
         self.block = block

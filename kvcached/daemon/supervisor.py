@@ -1,22 +1,20 @@
 """The supervisor: holds the instance lock, owns the control block's records, spawns and watches rank workers.
 
-A start takes the steps ``kvcached.daemon.startup`` lists, in its order, then serves. The supervisor is
-the only writer of the header and the records (each worker writes its own stats slot); it holds one
-``RankSlot`` per rank (``kvcached.daemon.ranks``: the record, its semaphore, the worker and what it is
-judged by). Signal handlers only enqueue (Python writes the signal number to a wake-up pipe); the main
-loop waits on a selector whose every key carries the callback for its kind of event: the wake-up pipe
-(``_on_signals``; the signals and what each asks are in ``kvcached.daemon.requests``), a worker's channel
-(``_on_worker``), a channel of the last image's worker (``kvcached.daemon.handover``). SIGUSR1 logs each
-rank.
+A start takes the steps ``kvcached.daemon.startup`` lists, in its order, then serves. The supervisor is the only writer
+of the header and the records (each worker writes its own stats slot); it holds one ``RankSlot`` per rank
+(``kvcached.daemon.ranks``: the record, its semaphore, the worker and what it is judged by). Signal handlers only
+enqueue (Python writes the signal number to a wake-up pipe); the main loop waits on a selector whose every key carries
+the callback for its kind of event: the wake-up pipe (``_on_signals``; the signals and what each asks are in
+``kvcached.daemon.requests``), a worker's channel (``_on_worker``), a channel of the last image's worker
+(``kvcached.daemon.handover``). SIGUSR1 logs each rank.
 
 How it ends (``_cleanup``) depends on what it was asked: ``kvcached.daemon.shutdown`` lists the ways.
 
-Faults cost a task, not the cache. A worker that dies, or stops making progress (``RankSlot.hung``: then
-it is killed), is replaced: its rank goes RECOVERING and the new worker reopens the same memory
-(``DeviceBackend.reopen``, the CPU pool by name; bytes untouched), then the rank is READY again. Runners'
-tasks in flight fail with ``TaskLost``; new tasks are served. Only a rank that cannot be brought back (its
-worker fails to reopen, or dies ``MAX_REPLACEMENTS`` times within ``REPLACEMENT_WINDOW_S``) ends the
-daemon, with the reason.
+Faults cost a task, not the cache. A worker that dies, or stops making progress (``RankSlot.hung``: then it is killed),
+is replaced: its rank goes RECOVERING and the new worker reopens the same memory (``DeviceBackend.reopen``, the CPU pool
+by name; bytes untouched), then the rank is READY again. Runners' tasks in flight fail with ``TaskLost``; new tasks are
+served. Only a rank that cannot be brought back (its worker fails to reopen, or dies ``MAX_REPLACEMENTS`` times within
+``REPLACEMENT_WINDOW_S``) ends the daemon, with the reason.
 """
 
 from __future__ import annotations
@@ -183,8 +181,8 @@ class Supervisor:
         return True
 
     def _create_objects(self) -> None:
-        """The per-rank semaphores, then the control block: written whole under its staging name (an adopted
-        rank's record naming its memory), then given the public name, over the adopted run's block."""
+        """The per-rank semaphores, then the control block: written whole under its staging name (an adopted rank's
+        record naming its memory), then given the public name, over the adopted run's block."""
         sems = create_semaphores(self.instance, self.generation, self.config.ranks, self.access)
         adopted = self.adoption is not None
         self.slots = [
@@ -202,8 +200,8 @@ class Supervisor:
     # -- workers --------------------------------------------------------------------------------------
 
     def _spawn(self, slot: RankSlot, state: State = State.ALLOCATING, reopen: Record | None = None) -> None:
-        """Fork ``slot``'s worker: it allocates the rank's memory, or with ``reopen`` (the record that names
-        it) reopens that memory, bytes untouched (``WorkerPlan.of``)."""
+        """Fork ``slot``'s worker: it allocates the rank's memory, or with ``reopen`` (the record that names it) reopens
+        that memory, bytes untouched (``WorkerPlan.of``)."""
         assert self.block is not None
         stats = self.block.stats_slot(slot.rank)
         close: list[int | socket.socket] = [*self.locks.fds.values(), self.requests.read_fd, self.requests.write_fd]
@@ -215,10 +213,10 @@ class Supervisor:
         self._set(slot, state=state, worker_pid=worker.pid)
 
     def _replace(self, slot: RankSlot, why: str) -> None:
-        """Fork a new worker for ``slot`` after its worker died or was killed as hung. A rank that was
-        serving keeps its memory: the new worker reopens it (RECOVERING, then READY); so does an adopted
-        one, whose record names its memory from the start. One that was still allocating starts over.
-        Raises ``Fatal`` when the rank cannot be brought back."""
+        """Fork a new worker for ``slot`` after its worker died or was killed as hung. A rank that was serving keeps its
+        memory: the new worker reopens it (RECOVERING, then READY); so does an adopted one, whose record names its
+        memory from the start. One that was still allocating starts over. Raises ``Fatal`` when the rank cannot be
+        brought back."""
         died = slot.died(time.monotonic())
         if died > MAX_REPLACEMENTS:
             why = f"{why}; {died} workers of this rank died within {REPLACEMENT_WINDOW_S:.0f}s: giving up"
@@ -257,8 +255,8 @@ class Supervisor:
 
     def _check_progress(self, tick: float) -> None:
         """Kill workers whose progress counter stood still for ``worker_timeout`` seconds of our waking time
-        (``RankSlot.hung``). The time counted between two looks is capped at twice the tick, so a supervisor
-        that was paused (SIGSTOP, a debugger, a swapped-out host) never blames its workers for the pause."""
+        (``RankSlot.hung``). The time counted between two looks is capped at twice the tick, so a supervisor that was
+        paused (SIGSTOP, a debugger, a swapped-out host) never blames its workers for the pause."""
         assert self.block is not None
         now = time.monotonic()
         awake, self.last_tick = min(now - self.last_tick, 2 * tick), now
@@ -365,8 +363,8 @@ class Supervisor:
             faults.fault("after-ready")
 
     def _give_turn(self, rank: int) -> None:
-        """A restart: the last image's worker of ``rank`` is done with it (or there was none): the new worker,
-        if it has said Prepared, serves it from now on."""
+        """A restart: the last image's worker of ``rank`` is done with it (or there was none): the new worker, if it has
+        said Prepared, serves it from now on."""
         worker = self.slots[rank].worker
         if worker is None or not worker.prepared:
             return
@@ -375,8 +373,8 @@ class Supervisor:
             channel.send(worker.channel, channel.Serve())
 
     def handover_env(self) -> str | None:
-        """What ``kvcached start`` puts in ``kvcached.daemon.handover.HANDOVER_ENV`` before executing itself
-        again for ``kvcached restart``; None when it is not restarting."""
+        """What ``kvcached start`` puts in ``kvcached.daemon.handover.HANDOVER_ENV`` before executing itself again for
+        ``kvcached restart``; None when it is not restarting."""
         if not self.requests.restart:
             return None
         self.requests.pass_on_pending()
@@ -385,9 +383,9 @@ class Supervisor:
     # -- how it ends ----------------------------------------------------------------------------------
 
     def _cleanup(self) -> None:
-        """Idempotent. Every record STOPPING, or KEPT when the memory is kept (``shutdown.keeps``); the
-        workers stopped, or left serving for the next image; then the instance's objects released or kept
-        (``kvcached.daemon.shutdown``), the lock last."""
+        """Idempotent. Every record STOPPING, or KEPT when the memory is kept (``shutdown.keeps``); the workers stopped,
+        or left serving for the next image; then the instance's objects released or kept (``kvcached.daemon.shutdown``),
+        the lock last."""
         self.metrics.close()
         adopted = self.adoption is not None
         asked = self.requests

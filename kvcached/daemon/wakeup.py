@@ -1,11 +1,10 @@
 """The supervisor's wake-up pipe and what the signals it carries ask of the daemon.
 
-Python writes each signal's number to the pipe (``signal.set_wakeup_fd``); the supervisor's loop reads
-them here, in order (``Requests.read``), and each is recorded for the end to honour (``stop``, ``keep``,
-``restart``: ``kvcached.daemon.requests`` says what each asks). Each decision on a restart, refused (the
-daemon serves on) or accepted, is written where ``kvcached restart`` reads it (``handover.record_outcome``:
-one whose signal comes later waits for the next image's decision on it). SIGCHLD only wakes the loop (it
-reaps every turn).
+Python writes each signal's number to the pipe (``signal.set_wakeup_fd``); the supervisor's loop reads them here, in
+order (``Requests.read``), and each is recorded for the end to honour (``stop``, ``keep``, ``restart``:
+``kvcached.daemon.requests`` says what each asks). Each decision on a restart, refused (the daemon serves on) or
+accepted, is written where ``kvcached restart`` reads it (``handover.record_outcome``: one whose signal comes later
+waits for the next image's decision on it). SIGCHLD only wakes the loop (it reaps every turn).
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ class Requests:
         return self.read_fd
 
     def read(self, log_ranks: Callable[[str], None]) -> bool:
-        """Take what the pipe holds; True when a signal asks the daemon to end now. ``log_ranks`` logs each
-        rank's state (SIGUSR1), given the signal's name."""
+        """Take what the pipe holds; True when a signal asks the daemon to end now. ``log_ranks`` logs each rank's state
+        (SIGUSR1), given the signal's name."""
         try:
             data = os.read(self.read_fd, 512)
         except BlockingIOError:
@@ -78,9 +77,9 @@ class Requests:
             self.log.info("stopping", signal=signal_name(signum))
 
     def _overrule_restart(self, rest: bytes) -> None:
-        """A restart was accepted (the request signals are blocked from now on): a stop that came while the
-        next image was checked, or after the restart signal in the same read, is never dropped: the later
-        word wins, the daemon ends as that stop asks instead of executing itself again."""
+        """A restart was accepted (the request signals are blocked from now on): a stop that came while the next image
+        was checked, or after the restart signal in the same read, is never dropped: the later word wins, the daemon
+        ends as that stop asks instead of executing itself again."""
         while True:
             try:
                 rest += os.read(self.read_fd, 512)
@@ -95,9 +94,9 @@ class Requests:
         self._end(signum)
 
     def pass_on_pending(self) -> None:
-        """Just before the restart's ``execv``: a request that reached the pipe after the restart was accepted
-        (through a thread that did not block it) is raised again on this thread, where it stays pending
-        across the exec for the next image to act on."""
+        """Just before the restart's ``execv``: a request that reached the pipe after the restart was accepted (through
+        a thread that did not block it) is raised again on this thread, where it stays pending across the exec for the
+        next image to act on."""
         while True:
             try:
                 data = os.read(self.read_fd, 512)
