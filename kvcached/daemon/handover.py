@@ -77,8 +77,7 @@ def claim_from_env(log: logs.Logger) -> Claim | None:
 
 
 def from_this_process(claim: Claim, block: ControlBlock) -> bool:
-    """Whether ``block`` (the instance's control block) was published by an earlier image of this process in the
-    generation ``claim`` names."""
+    """Whether ``block`` was published by an earlier image of this process in the generation ``claim`` names."""
     if not block.published:
         return False
     try:
@@ -90,8 +89,7 @@ def from_this_process(claim: Claim, block: ControlBlock) -> bool:
 
 
 def take_workers(claim: Claim, block: ControlBlock, strays: list[int], log: logs.Logger) -> dict[int, Worker]:
-    """The workers of ``claim`` that check out (see the module docstring), each with its channel; the descriptors of the
-    others are left as they are."""
+    """The workers of ``claim`` that check out (module docstring), with channels; other descriptors are left alone."""
     taken: dict[int, Worker] = {}
     for rank, (pid, fd) in claim.workers.items():
         why = _why_not(rank, pid, block, strays)
@@ -159,8 +157,7 @@ class Handover:
         self.passing: dict[int, Child] = {}
 
     def take(self, instance: str) -> None:
-        """Take the workers the image before this one handed over, once its claim checks out: this image then is a
-        restart's."""
+        """Take the workers the image before handed over, once its claim checks out: this image then is a restart's."""
         if self.claim is None:
             return
         block = None
@@ -256,9 +253,9 @@ class Handover:
         return json.dumps({"generation": f"{generation:016x}", "workers": listed})
 
     def why_not_now(self, records: list[Record], preflight: Preflight | None) -> str:
-        """Why a restart cannot be done now ("" when it can): a rank not READY (the daemon is still starting, or
-        replacing a worker), the last image's workers still handing over, or a next image that could not load its
-        configuration, or could not adopt the memory with it (``preflight``)."""
+        """Why a restart cannot be done now ("" when it can): a rank not READY (the daemon is starting, or replacing a
+        worker), the last restart's workers still handing over, or a next image that cannot load its configuration or
+        adopt the memory with it (``preflight``)."""
         waiting = [f"{r.rank} {r.state.name}" for r in records if r.state is not State.READY]
         if waiting:
             return f"not every rank is READY (rank {', '.join(waiting)}): try again once they are"
@@ -317,8 +314,7 @@ def read_outcomes(path: Path) -> list[Outcome]:
 
 
 def children() -> list[int]:
-    """Pids of this process's children: after ``kvcached restart`` executed the daemon again, the workers of the image
-    before it, still serving or exiting."""
+    """Pids of this process's children: after a restart's exec, the last image's workers, still serving or exiting."""
     try:
         text = Path(f"/proc/self/task/{os.getpid()}/children").read_text()
     except OSError:

@@ -36,8 +36,7 @@ class Holder:
 
 
 class Locked(Exception):
-    """The lock is held by another process (``holder``, when its line could be read; ``owner``: the uid of a daemon of
-    another user that holds it)."""
+    """Another process holds the lock: ``holder`` if its line could be read; ``owner``, another user's daemon's uid."""
 
     def __init__(self, holder: Holder | None, owner: int | None = None) -> None:
         super().__init__(f"held by pid {holder.pid}" if holder else "held by another process")
@@ -144,8 +143,8 @@ def why_not_a_lock(path: Path) -> str:
 
 
 def still_ours(path: Path, fd: int) -> bool:
-    """Whether ``fd`` (a descriptor an earlier image of this process left open across its exec) is this user's lock file
-    at ``path`` and this process holds its lock: then it is taken as it is."""
+    """Whether ``fd``, left open across its exec by an earlier image of this process, is this user's lock file at
+    ``path`` with its lock held by this process: then it is taken as it is."""
     try:
         st, there = os.fstat(fd), os.lstat(path)
     except OSError:
@@ -164,8 +163,7 @@ def still_ours(path: Path, fd: int) -> bool:
 
 
 def release(path: Path, fd: int) -> None:
-    """Remove the lock file, then drop the lock (in that order: a starter that opened the old file sees it unlinked and
-    retries)."""
+    """Remove the lock file, then drop the lock: a starter that opened the old file sees it unlinked and retries."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     os.close(fd)
@@ -184,8 +182,8 @@ def holder(path: Path) -> Holder | None:
 
 
 def held_by(path: Path) -> Holder | None:
-    """The process holding the lock at ``path`` right now (a daemon starting up, before its control block exists), or
-    None when nobody holds it. A holder whose line is not written yet reads pid -1."""
+    """The process holding the lock at ``path`` now (a daemon starting up, before its control block exists; pid -1 while
+    its line is not written), or None."""
     try:
         fd = open_plain(path)
     except OSError:
@@ -242,8 +240,8 @@ def why_not_daemon(pid: int, owner: int, lock: Path) -> str:
 
 
 def why_untrusted_file(path: Path, owner: int | None = None) -> str:
-    """Why the file (or directory) at ``path`` cannot be believed ("" when it can): a symlink, writable by its group or
-    by others, or owned by another uid than ``owner`` (when given)."""
+    """Why the file (or directory) at ``path`` cannot be believed ("" when it can): a symlink, writable by group or
+    others, or not owned by ``owner`` (when given)."""
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -264,8 +262,8 @@ def process_uid(pid: int) -> int | None:
 
 def is_kvcached_daemon(pid: int) -> bool:
     """Whether process ``pid`` runs ``kvcached start`` (``kvcached`` or ``python -m kvcached.cli``). A command line read
-    empty while the process lives is read again for up to a second: a restart's ``execv`` leaves it so for a moment, the
-    daemon holding its locks all the while."""
+    empty while it lives is read again for up to a second: a restart's ``execv`` empties it for a moment (the locks stay
+    held)."""
     for _ in range(100):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")

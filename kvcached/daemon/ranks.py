@@ -40,8 +40,7 @@ REPLACEMENT_WINDOW_S = 60.0
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Child:
-    """A rank worker process of this supervisor (or of the image before it, after a restart) and the supervisor's end of
-    its channel."""
+    """A rank worker (this image's, or the last one's after a restart) and the supervisor's end of its channel."""
 
     pid: int
     channel: socket.socket
@@ -112,9 +111,9 @@ class RankSlot:
         return True
 
     def hung(self, awake_s: float, timeout_s: float) -> str:
-        """Count ``awake_s`` more waking seconds without progress; why the worker counts as hung ("" while it does not):
-        standing still past ``timeout_s`` while the rank is READY or RECOVERING (one still allocating sends Progress
-        messages instead). Said once per worker."""
+        """Count ``awake_s`` more waking seconds without progress; why the worker is hung ("" while not): standing
+        still past ``timeout_s`` while READY or RECOVERING (an allocating one sends Progress instead). Said once per
+        worker."""
         self.still_s += awake_s
         if self.still_s > timeout_s and self.record.state in (State.READY, State.RECOVERING):
             why = f"no progress for {self.still_s:.1f}s (hung)"
@@ -180,8 +179,7 @@ def stop_children(children: Iterable[Child], *, grace_s: float, drain: bool) -> 
 
 
 def closed_by(sock: socket.socket, deadline: float) -> bool:
-    """Whether the worker at the other end of ``sock`` closes it before ``deadline`` (messages it sends meanwhile are
-    read and dropped)."""
+    """Whether the worker closes its end of ``sock`` by ``deadline`` (what it sends meanwhile is read and dropped)."""
     while (left := deadline - time.monotonic()) > 0:
         readable, _, _ = select.select([sock], [], [], left)
         if not readable:
@@ -202,8 +200,8 @@ def describe_exit(status: int) -> str:
 
 
 def create_semaphores(instance: str, generation: int, ranks: int, access: Access) -> list[posix_ipc.Semaphore]:
-    """Each rank's semaphore of ``generation``, created exclusively, with ``access``'s mode and group; on a failure the
-    ones already made are removed before it is raised."""
+    """Each rank's semaphore of ``generation``, made exclusively with ``access``'s mode and group; on a failure those
+    made are removed, then it raises."""
     made: list[posix_ipc.Semaphore] = []
     try:
         for rank in range(ranks):

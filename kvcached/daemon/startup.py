@@ -64,10 +64,9 @@ LOCKS_ENV = "KVCACHED_HELD_LOCKS"
 
 
 class Locks:
-    """The lock files a supervisor holds for its whole life: ``<run_dir>/<instance>.lock``, then the instance's own (one
-    daemon per instance on the host, whatever run directory each was given: a second one's reclaim must never see the
-    first one's fresh objects as leftovers). ``held`` once the first is. A restart hands them, held, to the next image
-    (``pass_on``): the name is never free in between."""
+    """The lock files a supervisor holds for its whole life, across a restart's exec too (``pass_on``):
+    ``<run_dir>/<instance>.lock``, then the instance's own (one daemon per instance on the host, whatever run directory
+    each was given: a second one's reclaim must never see the first one's fresh objects as leftovers)."""
 
     def __init__(self, instance: str) -> None:
         self.instance = instance
@@ -124,8 +123,8 @@ class Locks:
         self.fds.clear()
 
     def pass_on(self) -> None:
-        """Keep them held, and open across the exec of a restart, for the next image (``LOCKS_ENV``); if the exec fails
-        the process ends and the files are free to the next start."""
+        """Keep them held, and open across a restart's exec, for the next image (``LOCKS_ENV``): the name is never free
+        in between; if the exec fails the process ends and the files are free to the next start."""
         for fd in self.fds.values():
             os.set_inheritable(fd, True)
         os.environ[LOCKS_ENV] = "".join(f"{fd} {path}\n" for path, fd in self.fds.items())
@@ -144,9 +143,9 @@ def _inherited_locks() -> dict[Path, int]:
 
 
 def _handed_on(fd: int) -> bool:
-    """Whether ``fd`` can be a lock descriptor ``Locks.pass_on`` left open across the exec: above the standard three,
-    open, and inheritable (every descriptor this image opened itself is not: a garbage or hostile ``LOCKS_ENV`` must not
-    make it close its own epoll, pipes, stdout or stderr)."""
+    """Whether ``fd`` can be a lock ``Locks.pass_on`` left open across the exec: above the standard three, open and
+    inheritable (none this image opened itself is: a garbage or hostile ``LOCKS_ENV`` must not make it close its own
+    epoll, pipes, stdout or stderr)."""
     if fd <= 2:
         return False
     try:
@@ -158,11 +157,10 @@ def _handed_on(fd: int) -> bool:
 def reclaim(
     config: DaemonConfig, run_dir: Path, access: Access, handover: Handover, log: logs.Logger, *, grace_s: float
 ) -> tuple[Adoption | None, str]:
-    """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows, giving it this start's mode
-    and group (``conform``); remove the rest of it. A live instance, and an object someone else owns at the control
-    block's name, are refused; objects someone else owns under other names are reported and left untouched. The workers
-    the image before handed over are taken first (``handover``), and stopped when their memory is not adopted. (the
-    adoption, if any; the start's note for ``kvcached status``)."""
+    """Adopt what an earlier run of this instance left, if ``kvcached.daemon.adopt`` allows, with this start's mode and
+    group (``conform``); remove the rest, but what ``_refuse_the_unusable`` refuses or leaves. The workers the image
+    before handed over are taken first (``handover``), stopped when their memory is not adopted. Returns the adoption,
+    if any, and the start's note for ``kvcached status``."""
     found = inspect_instance(config.instance, run_dir)
     control = _refuse_the_unusable(found, config.instance, log)
     handover.take(config.instance)
@@ -214,7 +212,7 @@ def reclaim(
 
 def _refuse_the_unusable(found: Leftovers, instance: str, log: logs.Logger) -> Path:
     """Refuse a live instance under another run directory, and someone else's object at the control block's name; report
-    the others' objects under other names. The control block's path."""
+    someone else's objects under other names (left untouched). The control block's path."""
     if found.live_pid is not None:
         raise Fatal(
             f"instance {instance!r} is live (daemon pid {found.live_pid}) under another run directory "

@@ -1,18 +1,15 @@
 """The supervisor: holds the instance lock, owns the control block's records, spawns and watches rank workers.
 
-A start takes the steps ``kvcached.daemon.startup`` lists, in its order, then serves. The supervisor is the only writer
-of the header and the records (each worker writes its own stats slot); it holds one ``RankSlot`` per rank
-(``kvcached.daemon.ranks``: the record, its semaphore, the worker and what it is judged by). Signal handlers only
-enqueue (Python writes the signal number to a wake-up pipe); the main loop waits on a selector whose every key carries
-the callback for its kind of event: the wake-up pipe (``_on_signals``; the signals and what each asks are in
-``kvcached.daemon.requests``), a worker's channel (``_on_worker``), a channel of the last image's worker
-(``kvcached.daemon.handover``). SIGUSR1 logs each rank.
-
-How it ends (``_cleanup``) depends on what it was asked: ``kvcached.daemon.shutdown`` lists the ways.
+A start takes the steps ``kvcached.daemon.startup`` lists, in its order, then serves; how it ends (``_cleanup``) depends
+on what it was asked (``kvcached.daemon.shutdown``). It is the only writer of the header and the records (each worker
+writes its own stats slot), holding one ``RankSlot`` per rank (``kvcached.daemon.ranks``). Signal handlers only enqueue
+(Python writes the signal number to a wake-up pipe); the main loop waits on a selector whose every key carries the
+callback for its kind of event: the wake-up pipe (``_on_signals``; what each signal asks: ``kvcached.daemon.requests``),
+a worker's channel (``_on_worker``), a channel of the last image's worker (``kvcached.daemon.handover``).
 
 Faults cost a task, not the cache. A worker that dies, or stops making progress (``RankSlot.hung``: then it is killed),
-is replaced: its rank goes RECOVERING and the new worker reopens the same memory (``DeviceBackend.reopen``, the CPU pool
-by name; bytes untouched), then the rank is READY again. Runners' tasks in flight fail with ``TaskLost``; new tasks are
+is replaced: its rank goes RECOVERING, the new worker reopens the same memory (``DeviceBackend.reopen``, the CPU pool by
+name; bytes untouched), then the rank is READY again. Runners' tasks in flight fail with ``TaskLost``; new tasks are
 served. Only a rank that cannot be brought back (its worker fails to reopen, or dies ``MAX_REPLACEMENTS`` times within
 ``REPLACEMENT_WINDOW_S``) ends the daemon, with the reason.
 """
