@@ -74,8 +74,7 @@ class Refusal:
 
 
 def judge(config: DaemonConfig) -> Adoption | Refusal | None:
-    """Whether the memory an earlier run of ``config.instance`` left can be adopted; None when it left no control block.
-    Reads only; opens nothing for writing."""
+    """Whether an earlier run's memory can be adopted (None: it left no control block). Reads only."""
     try:
         block = ControlBlock.open(config.instance)
     except KVCacheError as exc:
@@ -147,9 +146,9 @@ SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(CacheSpec))
 
 
 def spec_difference(published: Mapping[str, Any], spec: CacheSpec) -> str:
-    """The first spec field where ``published`` (an earlier run's) differs from ``spec``, said for an operator; "" when
-    none does (``CacheSpec.first_difference``: a field added later, such as the MTP fields, reads as its value before
-    when the earlier run did not write it)."""
+    """The first spec field where ``published`` (an earlier run's) differs from ``spec``, said for an operator, or ""
+    (``CacheSpec.first_difference``: a field the earlier run did not write, such as MTP's, reads as its value
+    before)."""
     found = spec.first_difference(published, SPEC_FIELDS)
     if found is None:
         return ""
@@ -158,9 +157,8 @@ def spec_difference(published: Mapping[str, Any], spec: CacheSpec) -> str:
 
 
 def adopted_fields(old: Record, *, reopen_device: bool) -> dict[str, Any]:
-    """The record fields a rank adopted from ``old`` starts with (RECOVERING): everything that names its memory, as the
-    next start's ``judge`` reads it, should this daemon be killed before the rank is READY. The device tier is named
-    only where it is reopened (else it is made anew)."""
+    """The fields a rank adopted from ``old`` starts with (RECOVERING): all that names its memory, for the next start's
+    ``judge`` should this daemon die before READY; the device tier only where reopened (else it is made anew)."""
     return {
         "state": State.RECOVERING,
         "backend": old.backend,
@@ -175,8 +173,7 @@ def adopted_fields(old: Record, *, reopen_device: bool) -> dict[str, Any]:
 
 
 def new_shm_need(config: DaemonConfig, adoption: Adoption | None) -> int:
-    """Bytes of /dev/shm a start must still find free: all it needs, less what it adopts (the adopted memory is in
-    /dev/shm already)."""
+    """Bytes of /dev/shm a start must still find free: all it needs, less what it adopts (in /dev/shm already)."""
     need, _per_rank = config.shm_need()
     if adoption is None:
         return need

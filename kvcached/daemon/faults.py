@@ -50,8 +50,7 @@ _restarted = False
 
 
 def restarted_image() -> None:
-    """This image was executed by ``kvcached restart``: ``step@restart`` items apply from now on (and in the workers
-    forked after)."""
+    """This image is a restart's: ``step@restart`` items apply from now on (in its workers too)."""
     global _restarted
     _restarted = True
 
@@ -95,8 +94,7 @@ def fault(step: str) -> None:
 
 
 def hook(step: str) -> Callable[[], None] | None:
-    """A callable that carries out ``step``'s planned action, or None when none is planned (read once, for steps on hot
-    paths)."""
+    """A callable carrying out ``step``'s planned action, or None when none is (read once, for steps on hot paths)."""
     action = _action(_parse(os.environ.get("KVCACHED_FAULT", "")), step)
     if action is None:
         return None

@@ -1,5 +1,4 @@
-"""What a rank worker is told when the supervisor forks it: which rank of which daemon run, how to allocate (or reopen)
-its memory and serve it."""
+"""The plan a rank worker is forked with (``WorkerPlan``)."""
 
 from __future__ import annotations
 
@@ -30,8 +29,8 @@ class WorkerPlan:
     memory: str = "host"
     device_id: int = 0
     #: A replacement worker, or one of a daemon that adopted an earlier one's memory, reopens what these describe
-    #: instead of allocating: the device tier (its record's descriptor; None: create it) and the CPU pool with its key
-    #: directory (True: they exist, keep their bytes).
+    #: instead of allocating: the device tier (its record's descriptor, where its backend's memory outlives a worker;
+    #: None: create it) and the CPU pool with its key directory (True: they exist, keep their bytes).
     device_descriptor: dict[str, Any] | None = None
     reopen_pool: bool = False
     store_timeout: float = 10.0
@@ -47,9 +46,8 @@ class WorkerPlan:
     def of(
         cls, config: DaemonConfig, rank: int, *, generation: int, arena_id: int, handover: bool, reopen: Record | None
     ) -> WorkerPlan:
-        """The plan of ``rank``'s worker in the daemon run ``generation``. With ``reopen`` (the record that names the
-        rank's memory) it reopens that memory instead of allocating: the device tier where its backend's memory outlives
-        a worker (else it is made anew), the CPU pool with its key directory when it has one."""
+        """The plan of ``rank``'s worker in the daemon run ``generation``; with ``reopen``, the record naming the rank's
+        memory, it reopens that memory (``device_descriptor``, ``reopen_pool``) instead of allocating."""
         outlives = memory.get(config.memory).outlives_worker
         return cls(
             instance=config.instance,

@@ -60,8 +60,7 @@ def squatter(path: Path, st: os.stat_result) -> str | None:
 
 def live_daemon(instance: str) -> int | None:
     """The pid of the live daemon of ``instance``'s published control block, or None (no block, a dead daemon's, one
-    that is not ours, or this very process's before it executed itself again for ``kvcached restart``: none of these is
-    alive)."""
+    that is not ours, or this very process's before a restart's exec: none of these is alive)."""
     try:
         found = read_instance(instance)
     except KVCacheError:

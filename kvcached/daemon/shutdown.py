@@ -22,11 +22,10 @@ from kvcached.protocol.names import instance_shm_entries
 
 
 def keeps(slots: list[RankSlot], ranks: int, *, adopted: bool, keep: bool, stop: bool, log: logs.Logger) -> bool:
-    """Whether the daemon ends keeping the memory. It goes only when the operator says so (``stop`` without ``keep``): a
-    daemon that ends for any other reason (``keep``: a stop with --keep or a restart; neither: a rank that cannot be
-    brought back, a failed start after adopting, a crash) keeps it, whenever every rank's memory is whole (``adopted``,
-    or each slot's: published READY once). Memory not yet whole is nothing to keep: released, and said so when it was
-    asked to be kept."""
+    """Whether the daemon ends keeping the memory: unless the operator says to release it (``stop`` without ``keep``),
+    whenever every rank's memory is whole (``adopted``, or each slot's: published READY once), whatever it ends for
+    (``keep``: a stop with --keep or a restart; neither: a rank that cannot be brought back, a failed start after
+    adopting, a crash). Memory not yet whole is nothing to keep: released, and said so when it was asked to be kept."""
     whole = adopted or (len(slots) == ranks and all(slot.whole for slot in slots))
     if not whole:
         if keep:

@@ -197,8 +197,7 @@ class Supervisor:
     # -- workers --------------------------------------------------------------------------------------
 
     def _spawn(self, slot: RankSlot, state: State = State.ALLOCATING, reopen: Record | None = None) -> None:
-        """Fork ``slot``'s worker: it allocates the rank's memory, or with ``reopen`` (the record that names it) reopens
-        that memory, bytes untouched (``WorkerPlan.of``)."""
+        """Fork ``slot``'s worker, to allocate the rank's memory or reopen what ``reopen`` names (``WorkerPlan.of``)."""
         assert self.block is not None
         stats = self.block.stats_slot(slot.rank)
         close: list[int | socket.socket] = [*self.locks.fds.values(), self.requests.read_fd, self.requests.write_fd]
@@ -210,10 +209,9 @@ class Supervisor:
         self._set(slot, state=state, worker_pid=worker.pid)
 
     def _replace(self, slot: RankSlot, why: str) -> None:
-        """Fork a new worker for ``slot`` after its worker died or was killed as hung. A rank that was serving keeps its
-        memory: the new worker reopens it (RECOVERING, then READY); so does an adopted one, whose record names its
-        memory from the start. One that was still allocating starts over. Raises ``Fatal`` when the rank cannot be
-        brought back."""
+        """Fork a new worker for ``slot``, its worker dead or killed as hung: on the memory its record names (a rank
+        that served, or an adopted one: RECOVERING, then READY), else allocating anew. Raises ``Fatal`` when the rank
+        cannot be brought back."""
         died = slot.died(time.monotonic())
         if died > MAX_REPLACEMENTS:
             why = f"{why}; {died} workers of this rank died within {REPLACEMENT_WINDOW_S:.0f}s: giving up"
@@ -251,9 +249,9 @@ class Supervisor:
                 self._replace(slot, f"worker pid {worker.pid} {describe_exit(status)}")
 
     def _check_progress(self, tick: float) -> None:
-        """Kill workers whose progress counter stood still for ``worker_timeout`` seconds of our waking time
-        (``RankSlot.hung``). The time counted between two looks is capped at twice the tick, so a supervisor that was
-        paused (SIGSTOP, a debugger, a swapped-out host) never blames its workers for the pause."""
+        """Kill workers whose progress counter stood still for ``worker_timeout`` waking seconds (``RankSlot.hung``): a
+        look counts at most twice the tick, so a pause of the supervisor (SIGSTOP, a debugger, a swapped-out host) is
+        never blamed on its workers."""
         assert self.block is not None
         now = time.monotonic()
         awake, self.last_tick = min(now - self.last_tick, 2 * tick), now
@@ -360,8 +358,7 @@ class Supervisor:
             faults.fault("after-ready")
 
     def _give_turn(self, rank: int) -> None:
-        """A restart: the last image's worker of ``rank`` is done with it (or there was none): the new worker, if it has
-        said Prepared, serves it from now on."""
+        """The last image's worker of ``rank`` is done (or was none): the new one serves it if it said Prepared."""
         worker = self.slots[rank].worker
         if worker is None or not worker.prepared:
             return
@@ -370,8 +367,7 @@ class Supervisor:
             channel.send(worker.channel, channel.Serve())
 
     def handover_env(self) -> str | None:
-        """What ``kvcached start`` puts in ``kvcached.daemon.handover.HANDOVER_ENV`` before executing itself again for
-        ``kvcached restart``; None when it is not restarting."""
+        """What ``kvcached start`` sets ``handover.HANDOVER_ENV`` to before it executes itself again, or None."""
         if not self.requests.restart:
             return None
         self.requests.pass_on_pending()
@@ -381,8 +377,7 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         """Idempotent. Every record STOPPING, or KEPT when the memory is kept (``shutdown.keeps``); the workers stopped,
-        or left serving for the next image; then the instance's objects released or kept (``kvcached.daemon.shutdown``),
-        the lock last."""
+        or left serving for the next image; then the instance's objects released or kept, the lock last."""
         self.metrics.close()
         adopted = self.adoption is not None
         asked = self.requests

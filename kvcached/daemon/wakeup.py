@@ -77,9 +77,9 @@ class Requests:
             self.log.info("stopping", signal=signal_name(signum))
 
     def _overrule_restart(self, rest: bytes) -> None:
-        """A restart was accepted (the request signals are blocked from now on): a stop that came while the next image
-        was checked, or after the restart signal in the same read, is never dropped: the later word wins, the daemon
-        ends as that stop asks instead of executing itself again."""
+        """A restart was accepted (the request signals blocked from now on): a stop that came while the next image was
+        checked, or after the restart signal in the same read, is never dropped: the later word wins, the daemon ends as
+        that stop asks instead of executing itself again."""
         while True:
             try:
                 rest += os.read(self.read_fd, 512)
@@ -95,8 +95,7 @@ class Requests:
 
     def pass_on_pending(self) -> None:
         """Just before the restart's ``execv``: a request that reached the pipe after the restart was accepted (through
-        a thread that did not block it) is raised again on this thread, where it stays pending across the exec for the
-        next image to act on."""
+        a thread not blocking it) is raised again on this thread, to stay pending across the exec for the next image."""
         while True:
             try:
                 data = os.read(self.read_fd, 512)
