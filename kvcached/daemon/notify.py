@@ -2,12 +2,11 @@
 
 Each message is one datagram of newline-separated ``KEY=VALUE`` lines sent to the Unix datagram socket named by
 ``NOTIFY_SOCKET`` (a path, or ``@name`` for the abstract namespace). Without ``NOTIFY_SOCKET`` every call is a no-op, so
-the daemon behaves the same outside systemd.
-
-What kvcached sends: ``STATUS=`` while allocating (throttled), ``READY=1`` once every rank is READY, ``WATCHDOG=1``
-every half ``WATCHDOG_USEC`` (only if ``WATCHDOG_PID`` is unset or names this process), ``STOPPING=1`` when it begins to
-stop, and ``STATUS=failed: ...`` with ``ERRNO=`` if start-up fails. A lost datagram (systemd gone, socket full) is
-ignored: notification never stops the daemon.
+the daemon behaves the same outside systemd; a lost datagram (systemd gone, socket full) is ignored: notification never
+stops the daemon. What kvcached sends: ``STATUS=`` while allocating (throttled), ``READY=1`` once every rank is READY,
+``WATCHDOG=1`` every half ``WATCHDOG_USEC`` (only if ``WATCHDOG_PID`` is unset or names this process), ``STOPPING=1``
+when it begins to stop (``RELOADING=1`` with ``MONOTONIC_USEC=`` for a restart), and ``STATUS=failed: ...`` when a fatal
+error ends it.
 """
 
 from __future__ import annotations

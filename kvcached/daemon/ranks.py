@@ -2,9 +2,9 @@
 
 ``RankSlot`` holds everything the supervisor knows of one rank (gunicorn's arbiter keeps one object per worker): the
 rank's record and semaphore, its worker (``Child``), what that worker is judged by, and whether the rank's memory is
-whole. The supervisor walks the list of slots to reap, to judge progress and to stop. A slot owns its record's writes
-(``update``); a worker is judged by progress, not by silence between tasks: its stats slot's ``progress`` counter must
-move within the worker timeout, counted in the supervisor's own waking time (``hung``, ``Supervisor._check_progress``).
+whole; the supervisor walks the slots to reap, judge progress and stop. A slot owns its record's writes (``update``); a
+worker is judged by progress, not by silence between tasks: its stats slot's ``progress`` counter must move within the
+worker timeout, counted in the supervisor's own waking time (``hung``, ``Supervisor._check_progress``).
 """
 
 from __future__ import annotations

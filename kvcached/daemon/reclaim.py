@@ -1,10 +1,7 @@
-"""What a dead run of an instance left behind, and removing it: used by ``kvcached start`` (before it allocates),
-``kvcached doctor [--clean]`` and the tests.
-
-An entry under the instance's names is a leftover only when no live daemon owns the instance; one that is not ours
-(another owner, foreign permissions, not a plain file) is a squatter and is never used or deleted: a start reports it
-and goes on (at the control block's name it refuses, with what to do).
-"""
+"""What a dead run of an instance left behind, and removing it (``kvcached start`` before it allocates, ``kvcached
+doctor [--clean]``, the tests). An entry under the instance's names is a leftover only when no live daemon owns the
+instance; one that is not ours (another owner, foreign permissions, not a plain file) is a squatter, never used or
+deleted: a start reports it and goes on (at the control block's name it refuses, with what to do)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """How a daemon ends, by what it was asked (``kvcached.daemon.requests`` says what each signal asks; the supervisor's
-``_cleanup`` picks the path): a stop with every record STOPPING, the workers stopped, then ``release_everything`` (the
-lock file last); the keep signal with every record KEPT, the workers stopped after the requests clients already sent,
-then ``keep_for_next_start``; the restart signal as keep, but on a backend whose memory outlives its workers (``host``)
-the workers go on serving, their channels handed to the image ``kvcached start`` executes next
-(``kvcached.daemon.handover``).
-
-Whether the memory stays: ``keeps``.
-"""
+``_cleanup`` picks the path; whether the memory stays: ``keeps``): a stop with every record STOPPING, the workers
+stopped, then ``release_everything`` (the lock file last); the keep signal with every record KEPT, the workers stopped
+after the requests clients already sent, then ``keep_for_next_start``; the restart signal as keep, but on a backend
+whose memory outlives its workers (``host``) the workers go on serving, their channels handed to the image ``kvcached
+start`` executes next (``kvcached.daemon.handover``)."""
 
 from __future__ import annotations
 

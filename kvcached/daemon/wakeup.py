@@ -1,7 +1,7 @@
 """The supervisor's wake-up pipe and what the signals it carries ask of the daemon.
 
 Python writes each signal's number to the pipe (``signal.set_wakeup_fd``); the supervisor's loop reads them here, in
-order (``Requests.read``), and each is recorded for the end to honour (``stop``, ``keep``, ``restart``:
+order (``Requests.read``), each recorded for the end to honour (``stop``, ``keep``, ``restart``:
 ``kvcached.daemon.requests`` says what each asks). Each decision on a restart, refused (the daemon serves on) or
 accepted, is written where ``kvcached restart`` reads it (``handover.record_outcome``: one whose signal comes later
 waits for the next image's decision on it). SIGCHLD only wakes the loop (it reaps every turn).
