@@ -52,10 +52,7 @@ class Requests:
     def read(self, log_ranks: Callable[[str], None]) -> bool:
         """Take what the pipe holds; True when a signal asks the daemon to end now. ``log_ranks`` logs each rank's state
         (SIGUSR1), given the signal's name."""
-        try:
-            data = os.read(self.read_fd, 512)
-        except BlockingIOError:
-            return False
+        data = self._drain()
         for at, signum in enumerate(data):
             if signum in STOP_SIGNALS or signum == KEEP_SIGNAL:
                 self._end(signum)
@@ -80,11 +77,7 @@ class Requests:
         """A restart was accepted (the request signals blocked from now on): a stop that came while the next image was
         checked, or after the restart signal in the same read, is never dropped: the later word wins, the daemon ends as
         that stop asks instead of executing itself again."""
-        while True:
-            try:
-                rest += os.read(self.read_fd, 512)
-            except BlockingIOError:
-                break
+        rest += self._drain()
         ends = [signum for signum in rest if signum in STOP_SIGNALS or signum == KEEP_SIGNAL]
         if not ends:
             return
@@ -96,14 +89,18 @@ class Requests:
     def pass_on_pending(self) -> None:
         """Just before the restart's ``execv``: a request that reached the pipe after the restart was accepted (through
         a thread not blocking it) is raised again on this thread, to stay pending across the exec for the next image."""
+        for signum in self._drain():
+            if signum in handover.REQUEST_SIGNALS:
+                signal.pthread_kill(threading.get_ident(), signum)
+
+    def _drain(self) -> bytes:
+        """The signal numbers the pipe holds, in order."""
+        data = b""
         while True:
             try:
-                data = os.read(self.read_fd, 512)
+                data += os.read(self.read_fd, 512)
             except BlockingIOError:
-                return
-            for signum in data:
-                if signum in handover.REQUEST_SIGNALS:
-                    signal.pthread_kill(threading.get_ident(), signum)
+                return data
 
     def _accept_restart(self) -> bool:
         """Whether to end now for ``kvcached restart``; when not, say why where the CLI reads it."""
