@@ -99,10 +99,8 @@ def take_workers(claim: Claim, block: ControlBlock, strays: list[int], log: logs
                 sock = socket.socket(fileno=fd)
             except OSError:
                 why = f"descriptor {fd} is not a socket"
-        if sock is not None and not why:
-            why = _why_not_channel(sock)
-            if why:
-                sock.detach()
+        if sock is not None and (why := _why_not_channel(sock)):
+            sock.detach()
         if why:
             log.warning(f"ignoring {HANDOVER_ENV} for rank {rank}", reason=why, pid=pid, fd=fd)
             continue
@@ -287,12 +285,11 @@ def refusal_path(run_dir: str | Path, instance: str) -> Path:
 
 def record_outcome(path: Path, generation: int, refused: str | None = None) -> None:
     """Add a decision of the image of ``generation`` to ``path`` (the last ``OUTCOMES_KEPT``), atomically, mode 0600."""
-    now = time.time_ns()
     try:
         outcomes = list(json.loads(path.read_text()).get("outcomes", []))[-(OUTCOMES_KEPT - 1) :]
     except (OSError, ValueError, TypeError, AttributeError):
         outcomes = []
-    outcomes.append({"at_ns": now, "generation": f"{generation:016x}", "reason": refused})
+    outcomes.append({"at_ns": time.time_ns(), "generation": f"{generation:016x}", "reason": refused})
     temporary = path.with_name(path.name + ".new")
     with contextlib.suppress(OSError):
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -149,11 +149,7 @@ def still_ours(path: Path, fd: int) -> bool:
         st, there = os.fstat(fd), os.lstat(path)
     except OSError:
         return False
-    if (
-        not stat.S_ISREG(st.st_mode)
-        or st.st_uid != os.geteuid()
-        or (st.st_dev, st.st_ino) != (there.st_dev, there.st_ino)
-    ):
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or not os.path.samestat(st, there):
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by this open file already: granted at once

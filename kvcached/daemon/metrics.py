@@ -131,9 +131,7 @@ class ControlBlockCollector(Collector):
     """Reads one instance's control block at each scrape."""
 
     def __init__(self, instance: str, block: ControlBlock, memory: str) -> None:
-        self.instance = instance
-        self.block = block
-        self.memory = memory
+        self.instance, self.block, self.memory = instance, block, memory
         self.started = time.time()
 
     def collect(self) -> Iterator[Any]:

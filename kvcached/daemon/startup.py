@@ -146,10 +146,8 @@ def _handed_on(fd: int) -> bool:
     """Whether ``fd`` can be a lock ``Locks.pass_on`` left open across the exec: above the standard three, open and
     inheritable (none this image opened itself is: a garbage or hostile ``LOCKS_ENV`` must not make it close its own
     epoll, pipes, stdout or stderr)."""
-    if fd <= 2:
-        return False
     try:
-        return os.get_inheritable(fd)
+        return fd > 2 and os.get_inheritable(fd)
     except OSError:
         return False
 
@@ -191,8 +189,7 @@ def reclaim(
     if handover.predecessors and adoption is None:
         log.warning("stopping the last image's workers: their memory is not adopted")
         stop_children(handover.drop_predecessors(), grace_s=grace_s, drain=False)
-    count = remove_leftovers(found, keep=keep)
-    if count:
+    if count := remove_leftovers(found, keep=keep):
         log.info("reclaimed objects of an earlier run", count=count)
     gone, problems = shutdown.release_stores(config.instance, run_dir, but=config.store.backend)
     if gone or problems:
