@@ -163,8 +163,7 @@ def stop_children(children: Iterable[Child], *, grace_s: float, drain: bool) -> 
     handover: the child first answers what clients still send NOT_RUN) wait only until it has closed its channel, and
     ``channel.DRAIN_S`` longer: it is done with every task, and its exit (unmapping gigabytes) need not hold up the next
     daemon (an image executed after this one reaps it). A child that never said Ready (allocating, reopening) is killed
-    at once: it has no task to finish, and stopping it changes no byte of memory a start could adopt. Every channel is
-    closed."""
+    at once: it has no task to finish, and stopping it changes no byte a start could adopt. Every channel is closed."""
     stopping = list(children)
     for child in stopping:
         with contextlib.suppress(OSError):
