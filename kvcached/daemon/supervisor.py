@@ -241,8 +241,7 @@ class Supervisor:
         self.handover.reap_strays()
         for slot in self.slots:
             worker = slot.worker
-            status = worker.exit_status() if worker is not None else None
-            if worker is not None and status is not None:
+            if worker is not None and (status := worker.exit_status()) is not None:
                 slot.worker = None
                 self._unwatch(worker.channel)
                 worker.channel.close()
