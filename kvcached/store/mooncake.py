@@ -8,15 +8,14 @@ with the master and outlives the daemon: a restart, a crash or a rolling upgrade
 object (the choice, measured against the other options, is in ``docs/mooncake.md``). The store agent
 talks to the keeper (``kvcached.store.mooncake_link``) and holds no Mooncake client itself.
 
-A rank places its objects in its own segment first (a write into this host's memory, where Mooncake's
-default placement may pick another host's); ``--mooncake-replicas N`` places N copies, each in a
-different segment, so that an object survives the loss of its host. A task's objects go a batch at a
-time: gathered into a buffer the keeper registered and written with one ``batch_put_from``; read back
-with one ``batch_get_replica_desc`` (which also grants Mooncake's read lease), then landed from where
-they lie when they are in this host's segment (mapped read-only here), or fetched with one
-``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target
-block (``kvcached.store.landing``). A missing object is a miss, never an error: the load stops there
-(the pipeline with the keeper: ``MooncakeStore._windows``).
+A rank places its objects in its own segment first (a write into this host's memory, where Mooncake's default placement
+may pick another host's); ``--mooncake-replicas N`` places N copies, each in a different segment, so that an object
+survives the loss of its host. A task's objects go a batch at a time: gathered into a buffer the keeper registered and
+written with one ``batch_put_from``; read back with one ``batch_get_replica_desc`` (which also grants Mooncake's read
+lease), then landed from where they lie when they are in this host's segment (mapped read-only here), or fetched with
+one ``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target block
+(``kvcached.store.landing``). A missing object is a miss, never an error: the load stops there (the pipeline with the
+keeper: ``MooncakeStore._windows``).
 
 Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
 the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most

@@ -257,10 +257,9 @@ def _secret(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _kept_secret(options: Mapping[str, Any], log: Logger) -> bytes:
-    """The key this daemon run read at its start (every store agent of every rank uses it, whatever the file
-    holds now). The file must still be there and closed to others (a store agent opening checks it as the
-    start did: ``InvalidSpec`` says why not); one that holds another secret now is logged, and waits for the
-    next start (``kvcached restart``)."""
+    """The key this daemon run read at its start (every store agent of every rank uses it, whatever the file holds now).
+    The file must still be there and closed to others (a store agent opening checks it as the start did: ``InvalidSpec``
+    says why not); one that holds another secret now is logged, and waits for the next start (``kvcached restart``)."""
     key: bytes = options[SECRET_KEY]
     if read_secret(SECRET, options[SECRET]) != key:
         log.warning(

@@ -1,19 +1,17 @@
 """The Mooncake keeper: one process per instance that owns the host's segment and outlives the daemon.
 
 Mooncake keeps an object only while the client whose segment holds it stays registered with the master
-(docs/mooncake.md, "How a host's objects outlive its daemon"), so the client that owns the host's segment
-must not be the daemon's: the keeper is started by the first store agent that needs it
-(``mooncake_link.spawn``), in its own session, and it stays through ``kvcached restart``, ``stop --keep``
-and a kill -9 of the daemon; the next daemon's agents find every object where it was, and other hosts are
-served from the segment all along.
+(docs/mooncake.md, "How a host's objects outlive its daemon"), so the client that owns the host's segment must not be
+the daemon's: the keeper is started by the first store agent that needs it (``mooncake_link.spawn``), in its own
+session, and it stays through ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon; the next daemon's
+agents find every object where it was, and other hosts are served from the segment all along.
 
-One keeper (one segment) per host, not per rank: Mooncake places an object's replicas in distinct
-segments, so with one segment per host a second replica is always on another host. The segment (every
-rank's ``--mooncake-segment``) is a memfd the keeper reserves up front (``posix_fallocate``; more than
-the memory available is refused before, as the reservation would reach the OOM killer before it failed)
-and mounts with ``mount_segment``; agents map it read-only and read this host's objects where they lie
-(after Mooncake has granted a read lease, as a get does). Puts, objects of other segments, existence
-checks and removals go through the keeper's client (requests in ``mooncake_link``).
+One keeper (one segment) per host, not per rank: Mooncake places an object's replicas in distinct segments, so with one
+segment per host a second replica is always on another host. The segment (every rank's ``--mooncake-segment``) is a
+memfd the keeper reserves up front (``posix_fallocate``; more than the memory available is refused before, as the
+reservation would reach the OOM killer before it failed) and mounts with ``mount_segment``; agents map it read-only and
+read this host's objects where they lie (after Mooncake has granted a read lease, as a get does). Puts, objects of other
+segments, existence checks and removals go through the keeper's client (requests in ``mooncake_link``).
 
 The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop`` without
 ``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for good: no
@@ -499,11 +497,10 @@ class Keeper:
         self.marked = codes == [0]
 
     def close(self) -> None:
-        """Let go of the segment: unmount it (its objects leave the store at once) when the master answers;
-        else just exit, and the master drops the segment after its client_ttl. The socket goes (and, when
-        the instance is gone for good, the log) unless a newer keeper has taken its path. The client is not
-        closed: the process exits next, and Mooncake's close waits seconds for its own threads; the master
-        forgets the client after its client_ttl."""
+        """Let go of the segment: unmount it (its objects leave the store at once) when the master answers; else just
+        exit, and the master drops the segment after its client_ttl. The socket goes (and, when the instance is gone for
+        good, the log) unless a newer keeper has taken its path. The client is not closed: the process exits next, and
+        Mooncake's close waits seconds for its own threads; the master forgets the client after its client_ttl."""
         if self.listener is not None:
             if self._socket_is_ours():
                 self.config.path("sock").unlink(missing_ok=True)

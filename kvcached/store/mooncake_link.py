@@ -269,8 +269,7 @@ def _quit(sock: socket.socket) -> int:
 
 
 def info(run_dir: Path, instance: str) -> dict[str, Any] | None:
-    """What the instance's keeper says of itself (``hello``'s fields and its stats), or None if none
-    answers."""
+    """What the instance's keeper says of itself (``hello``'s fields and its stats), or None if none answers."""
     path = run_dir / f"{check_instance(instance)}.mooncake.sock"
     try:
         sock = _connect(path, 5.0)
@@ -285,9 +284,8 @@ def info(run_dir: Path, instance: str) -> dict[str, Any] | None:
 
 
 def release(run_dir: Path, instance: str) -> None:
-    """The instance stops for good: tell its keeper to let go of its segment (its objects leave the
-    store) and wait for it (``QUIT_TIMEOUT_S`` at most, then it is killed), then remove its files (socket,
-    lock, log)."""
+    """The instance stops for good: tell its keeper to let go of its segment (its objects leave the store) and wait for
+    it (``QUIT_TIMEOUT_S`` at most, then it is killed), then remove its files (socket, lock, log)."""
     path = run_dir / f"{check_instance(instance)}.mooncake.sock"
     sock = None
     with contextlib.suppress(StoreUnavailable, OSError):
@@ -347,11 +345,10 @@ def cgroup_memory(own: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys
 
 
 def segment_refusal(wanted: int, memory: dict[str, int], *, available: bool) -> str | None:
-    """Why a keeper must not reserve a segment of ``wanted`` bytes on a host with ``memory`` (``meminfo``):
-    more than its memory (its memory cgroup's limit, where that is lower), or (``available``) more than is
-    available now. A memfd's pages are taken as they are reserved, so a reservation larger than that would
-    push the host (or the container) into the OOM killer before it failed. None when it fits (or the figures
-    are unknown)."""
+    """Why a keeper must not reserve a segment of ``wanted`` bytes on a host with ``memory`` (``meminfo``): more than
+    its memory (its memory cgroup's limit, where that is lower), or (``available``) more than is available now. A
+    memfd's pages are taken as they are reserved, so a reservation larger than that would push the host (or the
+    container) into the OOM killer before it failed. None when it fits (or the figures are unknown)."""
     total, free = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
     cgroup = "MemLimit" in memory
     if total and wanted > total:

@@ -52,12 +52,11 @@ RPC_FAILED = -900
 AHEAD_S = 5
 #: How long the thread waits for the master to take puts again before trying once more.
 RETRY_S = 0.5
-#: Objects with replicas go back this long after the loss at the earliest (the other hosts' clients mount
-#: their segments again meanwhile: Mooncake places fewer copies than asked, and says nothing, when it lacks
-#: segments); one placed with fewer copies all the same, or with none in this segment (this host's own segment
-#: not mounted on the master yet: Mooncake places it in another's, where no host would put it back after
-#: the next loss), is removed and put back again, for up to ``REPLICAS_WAIT_S`` after the loss (then it
-#: stays where the cluster can put it).
+#: Objects with replicas go back this long after the loss at the earliest (the other hosts' clients mount their segments
+#: again meanwhile: Mooncake places fewer copies than asked, and says nothing, when it lacks segments); one placed with
+#: fewer copies all the same, or with none in this segment (this host's own segment not mounted on the master yet:
+#: Mooncake places it in another's, where no host would put it back after the next loss), is removed and put back again,
+#: for up to ``REPLICAS_WAIT_S`` after the loss (then it stays where the cluster can put it).
 REPLICAS_AFTER_S = 2.0
 REPLICAS_WAIT_S = 30.0
 
