@@ -6,24 +6,21 @@ the daemon's: the keeper is started by the first store agent that needs it (``mo
 session, and it stays through ``kvcached restart``, ``stop --keep`` and a kill -9 of the daemon; the next daemon's
 agents find every object where it was, and other hosts are served from the segment all along.
 
-One keeper (one segment) per host, not per rank: Mooncake places an object's replicas in distinct segments, so with one
-segment per host a second replica is always on another host. The segment (every rank's ``--mooncake-segment``) is a
-memfd the keeper reserves up front (``posix_fallocate``; more than the memory available is refused before, as the
-reservation would reach the OOM killer before it failed) and mounts with ``mount_segment``; agents map it read-only and
-read this host's objects where they lie (after Mooncake has granted a read lease, as a get does). Puts, objects of other
-segments, existence checks and removals go through the keeper's client (requests in ``mooncake_link``).
+One keeper per host, not per rank: Mooncake places an object's replicas in distinct segments, so with one segment per
+host a second replica is always on another host. The segment (every rank's ``--mooncake-segment``) is a memfd the keeper
+reserves up front (``posix_fallocate``, refused beyond the memory available: ``segment_refusal``) and mounts with
+``mount_segment``; agents map it read-only and read this host's objects where they lie (once Mooncake granted a read
+lease, as a get does). Puts, other segments' objects, existence checks and removals go through its client.
 
-The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop`` without
-``--keep``: ``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for good: no
-control block in /dev/shm for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean`` removed it; a
-killed daemon's stays for the next start to adopt; one still starting is killed by its launcher: ``_started``).
-Each second a watcher thread checks that the master still knows this segment's objects (``_check_master``):
-Mooncake has no call to register bytes already in a segment, so what it forgot the keeper puts back itself
-(``kvcached.store.mooncake_republish``), no put landing while the copies are taken (``Keeper.put``).
+The keeper lets go of its segment (its objects leave the store) when told to quit (``kvcached stop`` without ``--keep``:
+``mooncake_link.release``), on SIGTERM, and by itself when its instance is gone for good: no control block in /dev/shm
+for ``GONE_AFTER_S`` (a final stop or ``kvcached doctor --clean`` removed it; a killed daemon's stays for the next start
+to adopt; one still starting is killed by its launcher: ``_started``). A watcher thread checks each second that the
+master still knows this segment's objects (``_check_master``): Mooncake cannot register bytes already in a segment, so
+the keeper puts back what it forgot (``mooncake_republish``), no put landing while the copies are taken.
 
-Over 500 lines: one process's state (its client, its segment, the agents' sessions, its watch of the master,
-what the put back asks of it) and its launcher, which only this module's ``main`` runs.
-"""
+Over 500 lines: one process's state (its client, its segment, the agents' sessions, its watch of the master, what the
+put back asks of it) and its launcher, which only this module's ``main`` runs."""
 
 from __future__ import annotations
 
@@ -157,10 +154,9 @@ class Keeper:
     # -- the loop -----------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Accept store agents until told to quit: each connection is served by a thread of its own (the
-        Mooncake calls release the interpreter lock, so every rank's calls run at once); a watcher thread
-        checks the master. Whether the instance and the socket are still there is checked here, each
-        ``TICK_S``: a master that does not answer holds the watcher, not this."""
+        """Accept store agents until told to quit, each served by a thread of its own (Mooncake's calls release the
+        interpreter lock: every rank's calls run at once). The instance and the socket are checked here each ``TICK_S``,
+        the master by a watcher thread: one that does not answer holds the watcher, not this."""
         assert self.listener is not None
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
         threading.Thread(target=self.republisher.run, args=(self.quitting,), name="republish", daemon=True).start()
@@ -235,10 +231,10 @@ class Keeper:
             self._forget_buffer(buffer)
 
     def _adopt_buffer(self, fds: list[int], old: mmap.mmap | None) -> mmap.mmap:
-        """Map and register the agent's batch buffer (the first descriptor of its hello). A buffer that
-        Mooncake could not unregister (its master did not answer) leaves its region registered for good
-        (a later unregister of it fails too), and any buffer mapped over it is refused ("overlapped memory
-        region"): the buffer is mapped again elsewhere, all mappings of the one memfd (no memory more)."""
+        """Map and register the agent's batch buffer (its hello's first descriptor). A buffer Mooncake could not
+        unregister (its master did not answer) leaves its region registered for good (a later unregister fails too), and
+        any buffer mapped over it is refused ("overlapped memory region"): the buffer is mapped again elsewhere, all
+        mappings of the one memfd (no memory more)."""
         if not fds:
             raise ValueError("hello without the batch buffer")
         self._forget_buffer(old)
@@ -269,9 +265,8 @@ class Keeper:
         }
 
     def _dispatch(self, buffer: mmap.mmap | None, op: str, request: dict[str, Any]) -> Any:
-        """One request's result. Nothing a request says is trusted: names, offsets and sizes are checked
-        (``_spans``) before a pointer is made of them, so a wrong request is refused, never a write outside
-        the agent's buffer or a read of the keeper's memory."""
+        """One request's result. Nothing in it is trusted: names, offsets and sizes are checked (``spans``) before a
+        pointer is made of them; a wrong one is refused, never a read or write outside the agent's buffer."""
         names = request.get("names")
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
             raise ValueError("names: must be a list of strings")
@@ -308,9 +303,8 @@ class Keeper:
         return self.marked
 
     def put(self, names: list[str], ptrs: list[int], sizes: list[int], replicas: int) -> list[int]:
-        """Put objects into the store (this segment first): after a check of the master when it was last
-        found away, or not found for a while (what it forgot is copied out before a put lands over it), and
-        never while those copies are taken."""
+        """Put objects (this segment first), never while copies of what the master forgot are taken, after checking the
+        master when it was last found away or not for a while (what it forgot is copied out before a put lands)."""
         if self.suspect or time.monotonic() - self.confirmed_at > 2 * TICK_S:
             with contextlib.suppress(Exception):  # (a master that does not answer fails the put itself)
                 self._check_master()
@@ -412,10 +406,10 @@ class Keeper:
             self.stop()
 
     def _check_master(self) -> None:
-        """Whether the master still knows this segment's objects: its marker, and, when the master was away (a
-        restart, a failover), what this host stored: when it forgot them (all, or those after an older
-        snapshot it came back from), they are copied out before any put lands (the republisher puts them back)
-        and the marker put again. One check at a time: a put that asks for one while another runs waits."""
+        """Whether the master still knows this segment's objects: its marker, and, after the master was away (a restart,
+        a failover), what this host stored. What it forgot (all, or what came after the older snapshot it came back
+        from) is copied out before any put lands, for the republisher, and the marker put again. One check at a time: a
+        put asking for one while another runs waits."""
         with self.checking:
             self.checking_since = began = time.monotonic()  # the probe's name lookup may hang too
             try:
@@ -454,9 +448,9 @@ class Keeper:
         return missing
 
     def _forgot(self, *, every: bool) -> None:
-        """The master forgot every object (``every``: its marker is gone), or it was away and may have come back
-        from an older snapshot: what it forgot of the index is copied out, no put landing meanwhile, for the
-        republisher; each such loss counted as a reset and logged."""
+        """The master forgot every object (``every``: its marker is gone), or was away and may be back from an older
+        snapshot: what it forgot of the index is copied out for the republisher, no put landing meanwhile; each such
+        loss is counted as a reset and logged."""
         with self.gate.alone():
             names = None if every else self._missing()
             if names == []:
@@ -468,9 +462,8 @@ class Keeper:
             self.republisher.master_forgot(self.segment, spare, names)
 
     def _stats(self) -> dict[str, Any]:
-        """The figures each reply carries. While the master holds the watcher's check longer than
-        ``HELD_S`` (a frozen master takes connections and answers nothing, for Mooncake's 30 s), it is not
-        up, whatever the last check found."""
+        """The figures each reply carries: ``master_up`` False while the watcher's check is held past ``HELD_S`` (a
+        frozen master takes connections, answers nothing for Mooncake's 30 s), whatever the last check found."""
         stats = {**self.stats, "republish": self.republisher.report()}
         since = self.checking_since
         if since is not None and time.monotonic() - since > HELD_S:
@@ -488,8 +481,7 @@ class Keeper:
         return f"kvcached/keeper/{self.hostname}"
 
     def _put_marker(self) -> None:
-        """Put the marker (pinned: never evicted, so its absence means the master forgot); ``marked`` says
-        whether the master has it."""
+        """Put the marker, pinned: never evicted, its absence means the master forgot (``marked``: it took it)."""
         placement = self._placement(1)
         with contextlib.suppress(AttributeError):
             placement.with_hard_pin = True
@@ -497,10 +489,10 @@ class Keeper:
         self.marked = codes == [0]
 
     def close(self) -> None:
-        """Let go of the segment: unmount it (its objects leave the store at once) when the master answers; else just
-        exit, and the master drops the segment after its client_ttl. The socket goes (and, when the instance is gone for
-        good, the log) unless a newer keeper has taken its path. The client is not closed: the process exits next, and
-        Mooncake's close waits seconds for its own threads; the master forgets the client after its client_ttl."""
+        """Let go of the segment: unmount it (its objects leave the store at once) when the master answers, else just
+        exit (the master drops the segment after its client_ttl). The socket goes (and, when the instance is gone for
+        good, the log) unless a newer keeper took its path. The client is not closed: the process exits next, Mooncake's
+        close waits seconds for its own threads, and the master forgets the client after its client_ttl."""
         if self.listener is not None:
             if self._socket_is_ours():
                 self.config.path("sock").unlink(missing_ok=True)
@@ -518,12 +510,11 @@ class Keeper:
 
 
 def _started(read_end: int, keeper: int, config: KeeperConfig) -> str:
-    """What the starting keeper (pid ``keeper``) reports on ``read_end`` ("" when it exited without a
-    word). Meanwhile, once the instance is gone for good (``kvcached stop`` while the master does not answer
-    the keeper's setup, which holds the keeper's interpreter), the keeper is killed: its starter died with
-    the daemon, and nothing else would end it. What its setup registered with the master, if anything,
-    goes with the client (``client_ttl``). A keeper that said it is ready is left to its own watch (it
-    lets go of the segment of an instance gone); one that said so as it was killed leaves no socket."""
+    """What the starting keeper (pid ``keeper``) reports on ``read_end`` ("" when it exited without a word). Once the
+    instance is gone for good meanwhile (``kvcached stop`` while the master does not answer the keeper's setup, which
+    holds its interpreter), the keeper is killed: its starter died with the daemon, and nothing else would end it; what
+    its setup registered with the master goes with the client (``client_ttl``). A keeper that said it is ready is left
+    to its own watch (it lets go of an instance gone); one that said so as it was killed leaves no socket."""
     watch, said = InstanceWatch(config.instance), b""
     while True:
         if select.select([read_end], [], [], TICK_S)[0]:
@@ -541,8 +532,8 @@ def _started(read_end: int, keeper: int, config: KeeperConfig) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m kvcached.store.mooncake_keeper CONFIG_JSON``: start the keeper, print ``ready`` (or
-    the reason it could not start) and return; the keeper goes on in a child process."""
+    """``python -m kvcached.store.mooncake_keeper CONFIG_JSON``: start the keeper, print ``ready`` (or why it could not
+    start) and return; the keeper goes on in a child process."""
     config = KeeperConfig(**json.loads(argv[0]))  # (spawn wrote it)
     read_end, write_end = os.pipe()
     child = os.fork()

@@ -1,19 +1,17 @@
 """A store agent's link to its host's Mooncake keeper: find it (or start it), talk to it, stop it for good.
 
-The keeper (``kvcached.store.mooncake_keeper``: why it outlives the daemon) is one process per instance
-(each rank's store agent connects to it); its files, in the run directory::
+The keeper (``kvcached.store.mooncake_keeper``: why it outlives the daemon) is one process per instance, which each
+rank's store agent connects to; its files, in the run directory::
 
     <run_dir>/<instance>.mooncake.sock   the keeper's socket (Unix stream, mode 0600)
     <run_dir>/<instance>.mooncake.lock   flock held while a store agent finds or starts it
     <run_dir>/<instance>.mooncake.log    its log (and Mooncake's)
 
 Wire format: a frame (``kvcached.protocol.framing``) holds a JSON object. A request is ``{"op": ..., ...}``, a reply
-``{"ok": true, "result": ..., "stats": {...}}`` or ``{"ok": false, "error": text}``; replies come in
-the order of the requests. ``hello`` carries one file descriptor each way: the agent's batch buffer (a
-memfd the keeper maps and registers with its client, where ``put`` reads and ``get`` writes objects),
-and the keeper's segment (a memfd the agent maps read-only: an object in it is read where it lies).
-Both ends check the other's uid (``SO_PEERCRED``) before a byte is read.
-"""
+``{"ok": true, "result": ..., "stats": {...}}`` or ``{"ok": false, "error": text}``, in the order of the requests.
+``hello`` carries one file descriptor each way: the agent's batch buffer (a memfd the keeper maps and registers with its
+client, where ``put`` reads and ``get`` writes objects), and the keeper's segment (a memfd the agent maps read-only: an
+object in it is read where it lies). Both ends check the other's uid (``SO_PEERCRED``) before a byte is read."""
 
 from __future__ import annotations
 
@@ -80,7 +78,6 @@ class KeeperConfig:
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
-    """Send one message (and ``fds`` with it)."""
     framing.send(sock, framing.encode(message), fds)
 
 
@@ -92,8 +89,8 @@ class Receiver:
         self.reader = framing.Reader(framing.KEEPER, "keeper link")
 
     def receive(self) -> dict[str, Any]:
-        """The next message, waiting for it (per the socket's timeout); ConnectionError at the end of the
-        stream or for a frame that is not the link's."""
+        """The next message (waiting per the socket's timeout); ConnectionError at the end of the stream or for a
+        frame that is not the link's."""
         try:
             return framing.decode(self.reader.receive(self.sock, fds=True), "keeper link")
         except ProtocolError as exc:
