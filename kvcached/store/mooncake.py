@@ -334,37 +334,29 @@ class MooncakeStore(Store):
 
     def _next(
         self, link: KeeperLink, names: list[str], windows: list[range], w: int, where: list[list[Any]] | None = None
-    ) -> tuple[list[list[Any]], Any]:
-        """Take window ``w``'s locate reply (``where``, when it came ahead: per object ``["local", offset, size]``,
-        ``["remote"]`` or ``["missing"]``), cut after the first missing one; send the get of its remote objects
-        and the locate of window ``w + 1``: (its places, what ``_fetched`` needs)."""
+    ) -> tuple[list[list[Any]], list[int]]:
+        """Take window ``w``'s locate reply (``where`` if it came ahead: per object ``["local", offset, size]``,
+        ``["remote"]`` or ``["missing"]``), cut after the first missing one; send the get of its remote objects (into
+        half ``w % 2`` of the batch buffer) and window ``w + 1``'s locate: (its places, the remote ones' indices)."""
         where = link.collect() if where is None else where
         assert len(where) == len(windows[w])
         places = where[: next((k + 1 for k, place in enumerate(where) if place[0] == "missing"), len(where))]
-        fetching = self._get(link, names, windows, w, places)
+        remote = [windows[w].start + k for k, place in enumerate(places) if place[0] == "remote"]
+        if remote:
+            base = (w % 2) * self.count - windows[w].start
+            link.submit(
+                "get",
+                names=[names[i] for i in remote],
+                offsets=[(base + i) * self.slot for i in remote],
+                sizes=[self.object_bytes] * len(remote),
+            )
         if w + 1 < len(windows):
             link.submit("locate", names=names[windows[w + 1].start : windows[w + 1].stop])
-        return places, fetching
+        return places, remote
 
-    def _get(self, link: KeeperLink, names: list[str], windows: list[range], w: int, places: list[list[Any]]) -> Any:
-        """Send the get of window ``w``'s objects that are on other hosts (into half ``w % 2`` of the batch
-        buffer); what ``_fetched`` needs to read the reply, or None when nothing was sent."""
-        window = windows[w]
-        remote = [window.start + k for k, place in enumerate(places) if place[0] == "remote"]
+    def _fetched(self, link: KeeperLink, remote: list[int]) -> dict[int, int]:
+        """The reply to ``_next``'s get of ``remote`` (none sent if empty): index -> bytes read or error code."""
         if not remote:
-            return None
-        base = (w % 2) * self.count - window.start
-        link.submit(
-            "get",
-            names=[names[i] for i in remote],
-            offsets=[(base + i) * self.slot for i in remote],
-            sizes=[self.object_bytes] * len(remote),
-        )
-        return remote
-
-    def _fetched(self, link: KeeperLink, remote: list[int] | None) -> dict[int, int]:
-        """The reply to a get ``_get`` sent: object index -> bytes read or error code."""
-        if remote is None:
             return {}
         codes = link.collect()
         if RPC_FAILED in codes:

@@ -231,16 +231,12 @@ class MooncakeBackend(StoreBackend):
         if found.get("stats", {}).get("master_up") is False:
             advice = "the master does not answer the keeper's checks: see the mooncake_master check"
             return Check("mooncake_keeper", WARN, f"{figure}; the master does not answer it now", measured, advice)
-        per_rank = f"{ranks} ranks x --mooncake-segment"
-        held_bytes = int(found.get("segment_bytes", 0))
-        held = {
-            "segment": f"{size_text(held_bytes)} ({per_rank} {size_text(held_bytes / ranks)})",
-            "master": found.get("config", {}).get("master"),
-        }
-        wants = {
-            "segment": f"{size_text(wanted)} ({per_rank} {size_text(options['mooncake_segment'])})",
-            "master": options["mooncake_master"],
-        }
+
+        def segment(total: int) -> str:
+            return f"{size_text(total)} ({ranks} ranks x --mooncake-segment {size_text(total / ranks)})"
+
+        held = {"segment": segment(int(found.get("segment_bytes", 0))), "master": found.get("config", {}).get("master")}
+        wants = {"segment": segment(wanted), "master": options["mooncake_master"]}
         if differs := [f"{k} {held[k]} (this configuration: {wants[k]})" for k in held if held[k] != wants[k]]:
             advice = "the next start replaces it (its objects leave the store): start with the options it has"
             return Check("mooncake_keeper", WARN, f"{figure}; it differs: {', '.join(differs)}", measured, advice)

@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from kvcached import logs
 from kvcached.protocol.names import control_name, shm_path
@@ -315,8 +315,7 @@ class Keeper:
         return codes
 
     def exists(self, names: list[str]) -> list[int]:
-        flags: list[int] = self.client.batch_is_exist(names)
-        return flags
+        return cast(list[int], self.client.batch_is_exist(names))
 
     def located(self, names: list[str]) -> dict[str, tuple[tuple[int, int] | None, int]] | None:
         found = self.client.batch_get_replica_desc(names)
@@ -328,8 +327,7 @@ class Keeper:
         self.client.batch_remove(names, True)
 
     def get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        codes: list[int] = self.client.batch_get_into(names, ptrs, sizes)
-        return codes
+        return cast(list[int], self.client.batch_get_into(names, ptrs, sizes))
 
     def staging(self, size: int) -> tuple[memoryview, int]:
         if self.put_buffer is None or len(self.put_buffer[0]) < size:

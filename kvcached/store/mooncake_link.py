@@ -66,12 +66,7 @@ class KeeperConfig:
 
     def identity(self) -> dict[str, Any]:
         """The fields a running keeper must share with this configuration to be reused."""
-        return {
-            "master": self.master,
-            "metadata": self.metadata,
-            "segment_bytes": self.segment_bytes,
-            "host": self.host,
-        }
+        return {name: getattr(self, name) for name in ("master", "metadata", "segment_bytes", "host")}
 
 
 # -- frames -------------------------------------------------------------------------------------------

@@ -394,14 +394,10 @@ class Republisher:
         flags = self.segment.exists([name for name, _ in batch]) if batch else []
         if any(flag < 0 for flag in flags):
             return False
-        put: list[tuple[str, Kept]] = []  # on the master: put by this or an earlier try
-        absent: list[tuple[str, Kept]] = []
-        present: list[tuple[str, Kept]] = []
-        for (name, kept), flag in zip(list(batch), flags, strict=True):
-            if flag == 1 and name in self.sent:
-                put.append((name, kept))
-            else:
-                (present if flag == 1 else absent).append((name, kept))
+        flagged = list(zip(list(batch), flags, strict=True))
+        put = [item for item, flag in flagged if flag == 1 and item[0] in self.sent]  # by this or an earlier try
+        present = [item for item, flag in flagged if flag == 1 and item[0] not in self.sent]
+        absent = [item for item, flag in flagged if flag != 1]
         for name, kept, whole in self._read_back(present):  # present: skipped if whole, else ours replaces it
             if whole:
                 self._finish(batch, name, kept, skipped=1)
