@@ -1,29 +1,27 @@
-"""The ``mooncake`` backend's store client: Mooncake Store (``mooncake.store``) over TCP, the tier shared
-between hosts (its options and checks: ``kvcached.store.mooncake_backend``).
+"""The ``mooncake`` backend's store client: Mooncake Store (``mooncake.store``) over TCP, the tier shared between hosts
+(its options and checks: ``kvcached.store.mooncake_backend``).
 
-Object names: ``kvcached/<geometry digest hex>/<key hex>/r<rank>``; values are the same header + record
-as the ``file`` backend. Each rank contributes ``--mooncake-segment`` bytes to the store's pool through
-its *keeper* (``kvcached.store.mooncake_keeper``), a process that owns the segment and its registration
-with the master and outlives the daemon: a restart, a crash or a rolling upgrade of the daemon costs no
-object (the choice, measured against the other options, is in ``docs/mooncake.md``). The store agent
-talks to the keeper (``kvcached.store.mooncake_link``) and holds no Mooncake client itself.
+Object names: ``kvcached/<geometry digest hex>/<key hex>/r<rank>``; values are the ``file`` backend's header + record.
+Each rank contributes ``--mooncake-segment`` bytes to the store's pool through its *keeper*
+(``kvcached.store.mooncake_keeper``), a process that owns the segment and its registration with the master and outlives
+the daemon: a restart, a crash or a rolling upgrade of the daemon costs no object (the choice, measured against the
+others: ``docs/mooncake.md``). The store agent holds no Mooncake client: it talks to the keeper (``mooncake_link``).
 
 A rank places its objects in its own segment first (a write into this host's memory, where Mooncake's default placement
 may pick another host's); ``--mooncake-replicas N`` places N copies, each in a different segment, so that an object
 survives the loss of its host. A task's objects go a batch at a time: gathered into a buffer the keeper registered and
 written with one ``batch_put_from``; read back with one ``batch_get_replica_desc`` (which also grants Mooncake's read
-lease), then landed from where they lie when they are in this host's segment (mapped read-only here), or fetched with
-one ``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target block
-(``kvcached.store.landing``). A missing object is a miss, never an error: the load stops there (the pipeline with the
-keeper: ``MooncakeStore._windows``).
+lease), then landed from where they lie when in this host's segment (mapped read-only here), or fetched with one
+``batch_get_into`` from other hosts' segments, each verified in the pass that lands it in its target block
+(``kvcached.store.landing``). A missing object is a miss, never an error: the load stops there (the pipeline:
+``MooncakeStore._windows``).
 
-Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or
-the keeper cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most
-once per ``RETRY_S``) and the rank keeps serving its device and CPU tiers. A master that restarts comes
-back by itself (the keeper's client mounts its segment again); what the master forgot is counted in
-``master_resets`` and leaves ``objects`` and ``bytes`` (they count again from 0), and the keeper puts this
-host's share of it back (``kvcached.store.mooncake_republish``; each rank's ``republish_*`` counters).
-"""
+Availability: a quick TCP probe of master and metadata server comes first; while they do not answer, or the keeper
+cannot be reached, tasks that need the store fail with ``StoreUnavailable`` (retried at most once per ``RETRY_S``) and
+the rank keeps serving its device and CPU tiers. A master that restarts comes back by itself (the keeper's client mounts
+its segment again); what it forgot is counted in ``master_resets`` and leaves ``objects`` and ``bytes`` (they count
+again from 0), and the keeper puts this host's share back (``mooncake_republish``; each rank's ``republish_*``
+counters)."""
 
 from __future__ import annotations
 
@@ -60,8 +58,7 @@ SECRET = "mooncake_secret_file"
 BATCH_OBJECTS = 32
 BATCH_BYTES = 64 << 20
 NOT_FOUND = -704
-#: A locate sent ahead for the next load is used only within this many seconds (Mooncake's read lease it
-#: took lasts seconds).
+#: A locate sent ahead for the next load is used only within this many seconds (the read lease it took lasts seconds).
 AHEAD_S = 0.5
 RPC_FAILED = -900
 
@@ -89,16 +86,13 @@ class MooncakeStore(Store):
         self.retry_at, self.probe_at = 0.0, 0.0  # the next connect, the idle check's next probe (``check``)
         self.keeper_pid: int | None = None  # of the last link: another one is a new keeper, its segment empty
         self.resets_base = 0  # ``master_resets`` counted with keepers before the current one
-        #: The store was last found unavailable because the master or the metadata server refused
-        #: connections (or could not be reached), or its keeper went away, not because one took them and did
-        #: not answer: a probe that connects then tells that it is back (``check``).
+        #: Last found unavailable as the master or metadata server refused connections (or was unreachable) or its
+        #: keeper went away, not as one took them and did not answer: a connecting probe tells it is back (``check``).
         self.refused = False
         self.away_until = 0.0  # calls fail at once until then: the master was found away (``_call``)
         self.last_error = "not connected yet"
-        #: The first window of the next load (``expect``), and the locate of it sent ahead on ``link``
-        #: (names, when sent) while its reply is not collected.
-        self.expected: list[str] = []
-        self.ahead: tuple[list[str], float] | None = None
+        self.expected: list[str] = []  # the next load's first window (``expect``)
+        self.ahead: tuple[list[str], float] | None = None  # its locate sent ahead, reply uncollected: (names, when)
         self.other_keys: set[str] = set()  # the other secrets' objects met, each logged once
         try:
             self._ensure()
@@ -151,10 +145,9 @@ class MooncakeStore(Store):
         return bool(down)
 
     def _usable(self, *, ping: bool = False) -> KeeperLink:
-        """The link to the keeper. After a call failed with the master gone (its port refuses), this fails
-        at once (no call waits out Mooncake's own retries) until a probe finds it back, at most once per
-        ``RETRY_S``; so it does (but for the idle check's ``ping``) while the keeper last found the master
-        not answering (a frozen master: a call would wait out the store timeout)."""
+        """The link to the keeper, unless calls fail at once (``_note_failure``; a probe looks again each ``RETRY_S``)
+        or, but for the idle check's ``ping``, the keeper last found the master not answering (a frozen master: a call
+        would wait out the store timeout)."""
         link = self._ensure()
         if not ping and link.stats.get("master_up") is False:
             self._call("ping", names=[])  # the keeper's word now: tasks without a pause leave no idle check
@@ -190,9 +183,9 @@ class MooncakeStore(Store):
         return result
 
     def _note_failure(self) -> None:
-        """A call failed: the store counts as unavailable until a call succeeds (or an idle check finds the
-        master up); when the master or the metadata server is gone (not merely slow to answer), the next
-        calls fail at once for ``RETRY_S``."""
+        """A call failed: the store counts as unavailable until a call succeeds (or an idle check finds the master up);
+        when the master or the metadata server is gone (it refuses, not merely slow), the next calls fail at once for
+        ``RETRY_S``, none waiting out Mooncake's own retries."""
         self.counters.unavailable = 1
         if self._away(gone=True):
             self.away_until = time.monotonic() + RETRY_S
@@ -250,9 +243,8 @@ class MooncakeStore(Store):
         self.expected = [self._name(key) for key in keys[: self.count]]
 
     def _take_ahead(self, link: KeeperLink, names: list[str] | None = None) -> list[list[Any]] | None:
-        """Collect the reply of a locate sent ahead, if one is pending: the places, if it located ``names``
-        not longer than ``AHEAD_S`` ago (well within Mooncake's read lease); else (or when the keeper
-        answered it with an error) it is dropped, and the caller asks for itself."""
+        """Collect the reply of a pending locate sent ahead: the places if it located ``names`` less than ``AHEAD_S``
+        ago; else (or when the keeper answered it with an error) it is dropped, and the caller asks for itself."""
         if self.ahead is None:
             return None
         (sent, when), self.ahead = self.ahead, None
@@ -265,9 +257,8 @@ class MooncakeStore(Store):
         return where if sent == names and time.monotonic() - when < AHEAD_S else None
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
-        """Land the objects a window at a time, pipelined with the keeper (see ``_windows``); each is
-        verified in the pass that lands it (one native call per window), and the load stops at the first
-        that is missing or not whole."""
+        """Land the objects a window at a time, pipelined with the keeper (``_windows``), each verified in the pass that
+        lands it (one native call per window); the load stops at the first missing or not whole."""
         expected, self.expected = self.expected, []
         if not keys:
             return 0
@@ -367,9 +358,9 @@ class MooncakeStore(Store):
         self, keys: Sequence[bytes], window: range, places: list[list[Any]], codes: dict[int, int],
         targets: Targets, *, half: int, damaged: list[bytes],
     ) -> int:  # fmt: skip
-        """Land the leading objects of ``window`` whose headers hold, in one native call, and check their
-        checksums; how many leading ones landed whole. The first that fails is a miss; one that is not
-        whole (rather than merely gone) goes into ``damaged``, to be removed."""
+        """Land in one native call the leading objects of ``window`` whose headers hold, checking their checksums: how
+        many landed whole. The first that fails is a miss; one not whole (not just gone) goes to ``damaged``, for
+        removal."""
         payloads, addresses, expected, why = [], [], [], None
         for k, place in enumerate(places):
             i = window.start + k
@@ -423,12 +414,11 @@ class MooncakeStore(Store):
         return count
 
     def check(self) -> None:
-        """While idle, each second: connected, the store counts as unavailable while the keeper finds the
-        master away (a ping reaches the keeper only). Not connected because the master or the metadata
-        server refused connections, or the keeper went away: once both take them (probed once per
-        ``RETRY_S``), it connects, starting a keeper, before a task needs it (a start that takes seconds
-        could overrun a task's ``--store-timeout``). After a hung master or a keeper that could not start,
-        unavailable until a call succeeds: that the master takes a connection says nothing."""
+        """While idle, each second. Connected: unavailable while the keeper finds the master away (a ping reaches only
+        the keeper). Not connected as the master or the metadata server refused connections, or the keeper went away:
+        once both take them (probed at most each ``RETRY_S``), it connects, starting a keeper, before a task needs it (a
+        start taking seconds could overrun a task's ``--store-timeout``). After a hung master or a keeper that could not
+        start: unavailable until a call succeeds (the master taking a connection says nothing)."""
         if self.link is not None and not self.link.dead:
             link = self.link
             self._call("ping", names=[])
