@@ -147,8 +147,7 @@ def _copy_out(
 
 
 def _placed(found: tuple[tuple[int, int] | None, int] | None, kept: Kept) -> bool:
-    """Whether an object put back (``located``'s answer for it) has a copy in this segment and every copy it
-    asked for."""
+    """Whether an object put back (``located``'s answer for it) has a copy here and every copy it asked for."""
     return found is not None and found[0] is not None and found[1] >= kept.replicas
 
 
@@ -170,8 +169,7 @@ def check(name: str, data: memoryview) -> str | None:
 
 @dataclasses.dataclass(slots=True)
 class Kept:
-    #: An anonymous mapping shared by copies taken together: unmapped when the last of them is dropped, once
-    #: done (or forgotten).
+    #: An anonymous mapping shared by copies taken together: unmapped once the last of them is done (or forgotten).
     chunk: mmap.mmap
     start: int
     size: int
@@ -266,10 +264,9 @@ class Republisher:
             return list(self.entries)
 
     def master_forgot(self, segment: memoryview, available: int, names: list[str] | None = None) -> None:
-        """Copy every indexed object (or those of ``names``) out of ``segment`` (no put of this host may land
-        meanwhile: the caller holds them), most recently used first, into at most ``available`` bytes of chunks,
-        ahead of what is still pending from an earlier loss; the thread puts them back. The copy takes no lock
-        the keeper's other requests need (a gigabyte takes seconds)."""
+        """Copy every indexed object (or those of ``names``) out of ``segment``, most recently used first, into chunks
+        of ``available`` bytes at most in all, ahead of what an earlier loss left pending, for the thread to put back.
+        The caller holds off this host's puts; the copy takes no lock other requests need (a gigabyte takes seconds)."""
         with self.cond:
             self.losses += 1
             order = list(reversed(self.entries.items())) if self.rate else []
@@ -370,8 +367,7 @@ class Republisher:
 
     @contextlib.contextmanager
     def _taken(self, names: list[str]) -> Iterator[list[tuple[str, Kept]]]:
-        """``names`` taken from ``pending`` (those still there) while they are put back; whatever is not done
-        meanwhile goes back to the front."""
+        """Take ``names`` (those still pending) off ``pending`` while put back; the ones not done go back in front."""
         with self.cond:
             batch = [(name, self.pending.pop(name)) for name in names if name in self.pending]
             self.busy.update(name for name, _ in batch)
@@ -449,9 +445,8 @@ class Republisher:
         return not short
 
     def _read_back(self, present: list[tuple[str, Kept]]) -> list[tuple[str, Kept, bool]]:
-        """Whether each object the master has under a name of ``present`` is a whole object of that name (one a
-        snapshot kept, or another copy: skipped); one that is not (damaged, or put there by anyone under that
-        name) is removed, and the kept copy is put in its place."""
+        """Whether each object the master has under a name in ``present`` is whole and that name's (a snapshot kept it,
+        or another copy: skipped); one not (damaged, or anyone's under that name) is removed for the kept copy."""
         if not present:
             return []
         staging, address = self.segment.staging(sum(kept.size for _, kept in present))
