@@ -115,8 +115,7 @@ class MooncakeStore(Store):
         except StoreUnavailable as exc:
             self.last_error, self.counters.unavailable, self.refused = str(exc), 1, False
             raise
-        # Page tables filled now, not one fault per page at the first loads (MAP_POPULATE).
-        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE  # page tables filled now, not one fault per page at the first loads
         self.segment_map = mmap.mmap(link.segment_fd, self.keeper.segment_bytes, flags, mmap.PROT_READ)
         self.segment = memoryview(self.segment_map)
         self.segment_address = int(np.frombuffer(self.segment_map, dtype=np.uint8).ctypes.data)

@@ -19,9 +19,8 @@ def metadata_port(address: str) -> str:
 
 
 def metadata_endpoint(address: str) -> tuple[str, int] | None:
-    """The (host, port) to probe for the metadata server of ``--mooncake-metadata`` (of an etcd list, the first
-    server that takes a connection now, else the first), or None for ``P2PHANDSHAKE`` (no server: the
-    segments' hosts tell each other)."""
+    """The (host, port) to probe for ``--mooncake-metadata``'s server (of an etcd list, the first that takes a
+    connection now, else the first), or None for ``P2PHANDSHAKE`` (no server: the segments' hosts tell each other)."""
     if address == "P2PHANDSHAKE":
         return None
     scheme, _, rest = address.partition("://")
@@ -33,9 +32,9 @@ def metadata_endpoint(address: str) -> tuple[str, int] | None:
 
 
 def master_endpoint(address: str) -> tuple[str, int]:
-    """The (host, port) to probe for ``--mooncake-master``: the master's (``HOST:PORT``), or under Mooncake's
-    HA (``etcd://HOST:PORT[;HOST:PORT...]``) an etcd server's, through which clients find the leader: the
-    first that takes a connection now, else the first (any one of them serves: one down is no outage)."""
+    """The (host, port) to probe for ``--mooncake-master``: the master's (``HOST:PORT``), or under Mooncake's HA
+    (``etcd://HOST:PORT[;HOST:PORT...]``) an etcd server's, through which clients find the leader: the first taking a
+    connection now, else the first (any one serves: one down is no outage)."""
     if "://" in address:
         return metadata_endpoint(address) or ("127.0.0.1", 2379)
     host, _, port = address.rpartition(":")
