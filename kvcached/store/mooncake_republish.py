@@ -390,8 +390,8 @@ class Republisher:
         flags = self.segment.exists([name for name, _ in batch]) if batch else []
         if any(flag < 0 for flag in flags):
             return False
-        flagged = list(zip(list(batch), flags, strict=True))
-        put = [item for item, flag in flagged if flag == 1 and item[0] in self.sent]  # by this or an earlier try
+        flagged = list(zip(batch, flags, strict=True))  # (put: on the master, by this or an earlier try)
+        put = [item for item, flag in flagged if flag == 1 and item[0] in self.sent]
         present = [item for item, flag in flagged if flag == 1 and item[0] not in self.sent]
         absent = [item for item, flag in flagged if flag != 1]
         for name, kept, whole in self._read_back(present):  # present: skipped if whole, else ours replaces it
