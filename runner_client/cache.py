@@ -17,13 +17,7 @@ from typing import Any, Literal
 from kvcached import memory
 from kvcached.memory.base import Attached
 from kvcached.protocol.control import Header, Record, State
-from kvcached.protocol.errors import (
-    CacheLayoutMismatch,
-    InvalidArgument,
-    InvalidSpec,
-    KVCacheError,
-    OwnershipConflict,
-)
+from kvcached.protocol.errors import CacheLayoutMismatch, InvalidArgument, InvalidSpec, KVCacheError, OwnershipConflict
 from kvcached.protocol.instance import read_instance
 from kvcached.protocol.layout import LAYOUT_VERSION
 from kvcached.protocol.names import instance_or_default

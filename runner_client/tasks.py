@@ -226,12 +226,7 @@ class CacheTasks:
         return self._send(self._swap_in(rank, cpu_block_ids, device_block_ids, timeout=timeout)).result()
 
     def store(
-        self,
-        rank: int | None,
-        device_block_ids: Sequence[int],
-        keys: Sequence[bytes],
-        *,
-        timeout: float | None = None,
+        self, rank: int | None, device_block_ids: Sequence[int], keys: Sequence[bytes], *, timeout: float | None = None
     ) -> TaskResult:
         """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``).
 
@@ -242,12 +237,7 @@ class CacheTasks:
         return self._send(self._store(rank, device_block_ids, keys, timeout=timeout)).result()
 
     def load(
-        self,
-        rank: int | None,
-        keys: Sequence[bytes],
-        device_block_ids: Sequence[int],
-        *,
-        timeout: float | None = None,
+        self, rank: int | None, keys: Sequence[bytes], device_block_ids: Sequence[int], *, timeout: float | None = None
     ) -> TaskResult:
         """Read the longest stored prefix of ``keys`` into ``device_block_ids`` (all layers).
 

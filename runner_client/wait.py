@@ -28,13 +28,7 @@ import posix_ipc
 
 from kvcached.protocol.control import ControlBlock, Header, Record, State
 from kvcached.protocol.declare import ACCEPTED, BUSY, declare
-from kvcached.protocol.errors import (
-    AccessDenied,
-    CacheLayoutMismatch,
-    CacheNotReady,
-    DaemonGone,
-    RankFailed,
-)
+from kvcached.protocol.errors import AccessDenied, CacheLayoutMismatch, CacheNotReady, DaemonGone, RankFailed
 from kvcached.protocol.instance import InstanceView, open_instance
 from kvcached.protocol.layout import size_text
 from kvcached.protocol.names import SHM_DIR, semaphore_name
@@ -328,10 +322,7 @@ def wait_ready(instance: str, rank: int, timeout: float, *, declare: CacheSpec |
     a daemon that publishes another). Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
     ``CacheLayoutMismatch`` or ``ProtocolError``. The returned block is mapped; the caller closes it."""
     log.info(
-        "Waiting for cache managers to create kv cache.. instance=%s rank=%d timeout=%.1fs",
-        instance,
-        rank,
-        timeout,
+        "Waiting for cache managers to create kv cache.. instance=%s rank=%d timeout=%.1fs", instance, rank, timeout
     )
     return _Waiter(instance, rank, timeout, declare).run()
 
