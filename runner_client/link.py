@@ -354,7 +354,6 @@ class RankLink:
         alive, record = self._settle(connection, deadline)
         if record is not None and record.state is State.FAILED:
             return RankFailed(f"instance {self.instance!r} rank {self.rank}: {record.error}")
-        handed_over = record is not None and record.state is State.KEPT
         where = f"instance {self.instance!r} rank {self.rank}"
         if op is Op.HELLO and alive:  # the worker is being replaced, under a supervisor that does not run
             return TaskTimeout(f"{where}: the daemon's worker could not be reached on its task socket in time")
@@ -367,7 +366,7 @@ class RankLink:
         )
         if record is not None and record.state is State.STOPPING:
             why = "the daemon is stopping and releasing the cache (kvcached stop); later tasks raise DaemonGone"
-        elif handed_over:
+        elif record is not None and record.state is State.KEPT:
             why = "the daemon handed its memory over (kvcached restart, stop --keep); later tasks go to the next one"
         elif not alive:
             why = "the daemon died; later tasks go to the daemon that adopts the memory"

@@ -139,9 +139,7 @@ class _Waiter:
                 self._describe("no daemon", time.time_ns())
             self._sleep(POLL_ABSENT_S)
             return False
-        if self.mark is not None:  # a mark on a stale block: the new one gets its own
-            os.close(self.mark)
-            self.mark = None
+        self._drop_block()  # only a mark is held here, on a stale block: the new one gets its own
         self.view, self.block, self.header = view, view.block, view.header
         header = view.header
         if header.num_ranks <= self.rank:

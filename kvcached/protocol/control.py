@@ -330,17 +330,16 @@ class ControlBlock:
         block._num_ranks = num_ranks
         _HEADER.pack_into(block._buf, 0, header)
         block._buf[_SPEC_OFFSET : _SPEC_OFFSET + len(spec_json)] = spec_json
-        block._write_extension(arena_id or generation, note)
+        note_bytes = _fit(note, MAX_NOTE)
+        _EXTENSION.pack_into(
+            block._buf, _EXTENSION_OFFSET, {"arena_id": arena_id or generation, "note_length": len(note_bytes)}
+        )
+        note_start = _EXTENSION_OFFSET + _EXTENSION.size
+        block._buf[note_start : note_start + len(note_bytes)] = note_bytes
         for rank in range(num_ranks):
             block.write(rank, Record(rank=rank, generation=generation))
         block._buf[0:8] = MAGIC
         return block
-
-    def _write_extension(self, arena_id: int, note: str) -> None:
-        note_bytes = _fit(note, MAX_NOTE)
-        _EXTENSION.pack_into(self._buf, _EXTENSION_OFFSET, {"arena_id": arena_id, "note_length": len(note_bytes)})
-        start = _EXTENSION_OFFSET + _EXTENSION.size
-        self._buf[start : start + len(note_bytes)] = note_bytes
 
     @classmethod
     def open(cls, instance: str, *, owner: int | None = None) -> ControlBlock | None:

@@ -89,12 +89,9 @@ def device_slots(spec: CacheSpec) -> list[Slot]:
     for layer in range(spec.all_layers):
         blocks = spec.num_blocks if layer < spec.num_layers else spec.mtp_blocks
         for kind in layer_kinds(spec):
-            if kind.endswith("_scale"):
-                shape: tuple[int, ...] = (blocks, *spec.scale_shape[1:])
-                dtype = spec.scale_dtype
-            else:
-                shape, dtype = (blocks, *spec.cache_shape[1:]), spec.dtype
-            slot = Slot(kind, layer, offset, shape, dtype)
+            scale = kind.endswith("_scale")
+            shape = (blocks, *(spec.scale_shape if scale else spec.cache_shape)[1:])
+            slot = Slot(kind, layer, offset, shape, spec.scale_dtype if scale else spec.dtype)
             slots.append(slot)
             offset = round_up(offset + slot.nbytes)
     return slots

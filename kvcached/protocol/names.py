@@ -84,18 +84,8 @@ def arena_name(instance: str, generation: int, rank: int, tier: str) -> str:
 
 
 def instance_shm_entries(instance: str) -> list[Path]:
-    """Every entry of /dev/shm that belongs to ``instance`` (any generation), shm and semaphores."""
-    base = f"{PREFIX}.{check_instance(instance)}"
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        bare = name[4:] if name.startswith("sem.") else name
-        if bare == base or bare.startswith(base + "."):
-            found.append(SHM_DIR / name)
-    return sorted(found)
+    """Every entry of /dev/shm that belongs to ``instance`` (any generation), shm and semaphores, sorted."""
+    return instances_in_shm().get(check_instance(instance), [])
 
 
 def instances_in_shm() -> dict[str, list[Path]]:

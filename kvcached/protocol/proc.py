@@ -30,8 +30,7 @@ def start_time(pid: int) -> int | None:
         return None
     # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
-    state = fields[0]
-    if state in (b"Z", b"X", b"x"):
+    if fields[0] in (b"Z", b"X", b"x"):  # the state
         return None
     return int(fields[19])
 
