@@ -6,10 +6,9 @@
     cache = rc.initialize_kv_cache(spec, local_rank, instance="default", timeout=600)
     cache.key_caches[0]   # layer 0's key cache, zero-copy
 
-It decides the owner with the one fixed condition (``cache_owner``), then either allocates locally or
-waits, bounded and liveness-checked, for the kvcached daemon to publish the rank. Importing it costs
-numpy and posix_ipc only: no click, no structlog, no daemon code. It never configures logging; it logs to
-the ``runner_client`` logger.
+It decides the owner with the one fixed condition (``cache_owner``), then either allocates locally or waits, bounded and
+liveness-checked, for the kvcached daemon to publish the rank. Importing it costs numpy and posix_ipc only: no click, no
+structlog, no daemon code. It never configures logging; it logs to the ``runner_client`` logger.
 """
 
 from kvcached.protocol.errors import (

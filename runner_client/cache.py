@@ -35,11 +35,10 @@ FRAMEWORKS: tuple[str, ...] = ("numpy", "paddle")
 class KVCache:
     """One rank's KV cache as a runner sees it: per-layer views, the spec, and who owns the memory.
 
-    ``key_caches[i]`` / ``value_caches[i]`` are layer ``i``'s ``[num_blocks, kv_heads, block_size,
-    head_dim]`` tensors (``value_caches`` is empty for MLA); the scale lists are empty without
-    ``block_wise_fp8``. With ``owner == "daemon"`` they alias the daemon's device tier: writes are seen by
-    every process attached to the rank. ``close()`` drops this object's references; mapped memory itself
-    goes when the last view a caller kept is gone.
+    ``key_caches[i]`` / ``value_caches[i]`` are layer ``i``'s ``[num_blocks, kv_heads, block_size, head_dim]`` tensors
+    (``value_caches`` is empty for MLA); the scale lists are empty without ``block_wise_fp8``. With
+    ``owner == "daemon"`` they alias the daemon's device tier: writes are seen by every process attached to the rank.
+    ``close()`` drops this object's references; mapped memory itself goes when the last view a caller kept is gone.
     """
 
     def __init__(
@@ -176,12 +175,11 @@ def initialize_kv_cache(
 ) -> KVCache:
     """Create or attach rank ``local_rank``'s KV cache, following the fixed condition.
 
-    Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon":
-    wait (at most ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None:
-    ``$KVCACHED_INSTANCE``, else ``default``) to publish the rank, then attach zero-copy. Raises
-    ``CacheNotReady``, ``DaemonGone``, ``RankFailed``, ``CacheLayoutMismatch``, ``OwnershipConflict``,
-    ``InvalidSpec`` (``spec`` is not a ``CacheSpec``), ``InvalidArgument`` (another argument out of
-    range), ``ProtocolError``.
+    Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon": wait (at most
+    ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None: ``$KVCACHED_INSTANCE``, else
+    ``default``) to publish the rank, then attach zero-copy. Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
+    ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (``spec`` is not a ``CacheSpec``),
+    ``InvalidArgument`` (another argument out of range), ``ProtocolError``.
     """
     _check_arguments(spec, local_rank, profile, timeout, framework)
     instance = instance_or_default(instance)

@@ -1,12 +1,11 @@
 """One connection to one rank worker's task socket: frames out, replies in, every step under a deadline.
 
-A ``Connection`` is opened to the worker of one daemon (the control block it was found through stays
-with it), checks who serves the socket, says HELLO with the daemon's generation, and then carries task
-frames (``kvcached.protocol.messages``). Replies arrive in request order; a reply read while waiting for
-another task's is kept for its own waiter, so tasks can be pipelined; a waiter whose reply another thread
-read on its way is woken at once (``arrived``), and the reply of a task nobody waits for any more
-(``forget``) is dropped, not kept. What a closed connection means (a daemon handing over, a worker
-replaced, a daemon gone) is the business of ``runner_client.link``.
+A ``Connection`` is opened to the worker of one daemon (the control block it was found through stays with it), checks
+who serves the socket, says HELLO with the daemon's generation, and then carries task frames
+(``kvcached.protocol.messages``). Replies arrive in request order; a reply read while waiting for another task's is kept
+for its own waiter, so tasks can be pipelined; a waiter whose reply another thread read on its way is woken at once
+(``arrived``), and the reply of a task nobody waits for any more (``forget``) is dropped, not kept. What a closed
+connection means (a daemon handing over, a worker replaced, a daemon gone) is the business of ``runner_client.link``.
 """
 
 from __future__ import annotations

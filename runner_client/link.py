@@ -51,9 +51,8 @@ Memory = tuple[str, dict[str, Any], str]
 
 
 class Daemons:
-    """The daemon of ``instance`` a client talks to (``block``, ``header``), and the ones it followed away
-    from: their blocks and connections stay until ``close``, as a task of another thread may still read
-    a reply there."""
+    """The daemon of ``instance`` a client talks to (``block``, ``header``), and the ones it followed away from: their
+    blocks and connections stay until ``close``, as a task of another thread may still read a reply there."""
 
     def __init__(self, instance: str, view: InstanceView) -> None:
         assert view.header is not None
@@ -163,10 +162,9 @@ class RankLink:
             ) from None
 
     def reply(self, sent: Sent, deadline: float, resent: Callable[[Sent], None]) -> tuple[int, dict[str, Any]]:
-        """The worker's (status, body) for ``sent``, sending it again to the next daemon while the one it
-        went to did not run it (NOT_RUN, at most ``MAX_RESENDS`` times; ``resent`` is told of each new
-        ``Sent``, before its reply is waited for). Raises ``TaskTimeout``, ``TaskLost``, ``RankFailed`` or
-        ``DaemonGone``."""
+        """The worker's (status, body) for ``sent``, sending it again to the next daemon while the one it went to did
+        not run it (NOT_RUN, at most ``MAX_RESENDS`` times; ``resent`` is told of each new ``Sent``, before its reply is
+        waited for). Raises ``TaskTimeout``, ``TaskLost``, ``RankFailed`` or ``DaemonGone``."""
         for _ in range(MAX_RESENDS):
             status, body = self._reply(sent, deadline)
             if status != Status.NOT_RUN:

@@ -10,12 +10,11 @@
         n = tasks.lookup(keys)                                  # leading keys stored for every rank
         tasks.load(None, keys[:n], [9, 10][:n])                 # store -> device
 
-Each call moves whole blocks: every layer's key, value and scale. ``rank=None`` sends the task to every
-rank of the instance and returns when all have finished (a tensor-parallel group swaps together). The
-task methods block until the task is done and return a ``TaskResult``; ``submit`` sends one of them and
-returns a ``TaskHandle`` at once. A task the daemon refuses raises ``InvalidTask`` naming the field, and
-no block has changed on any rank. One connection per rank, opened on first use; replies arrive in order,
-so one ``CacheTasks`` may be shared by threads.
+Each call moves whole blocks: every layer's key, value and scale. ``rank=None`` sends the task to every rank of the
+instance and returns when all have finished (a tensor-parallel group swaps together). The task methods block until the
+task is done and return a ``TaskResult``; ``submit`` sends one of them and returns a ``TaskHandle`` at once. A task the
+daemon refuses raises ``InvalidTask`` naming the field, and no block has changed on any rank. One connection per rank,
+opened on first use; replies arrive in order, so one ``CacheTasks`` may be shared by threads.
 
 A daemon that is restarted (``kvcached restart``), stopped with ``--keep`` or killed, and whose memory the
 next daemon of the instance adopts, is followed (``runner_client.link``): a task in flight at that moment

@@ -6,9 +6,8 @@ A rank is ready for a runner when all of these hold at once (a flag left by a cr
 * the daemon in its header is alive: its pid runs and has the recorded start time (not a zombie);
 * the rank's record says READY in the header's generation.
 
-A rank whose daemon stopped keeping its memory for the next one (KEPT: ``kvcached stop --keep`` or
-``kvcached restart``) is waited through: the runner waits for the next daemon's control block, and
-attaches to the memory that daemon adopted.
+A rank whose daemon stopped keeping its memory for the next one (KEPT: ``kvcached stop --keep`` or ``kvcached restart``)
+is waited through: the runner waits for the next daemon's control block, and attaches to the memory that daemon adopted.
 
 While not ready the runner blocks on the rank's semaphore for at most ``SLICE_S``, then re-checks. The
 semaphore counts posts, it is not a level: a waiter that wakes re-reads the record and posts once more

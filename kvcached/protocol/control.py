@@ -33,14 +33,13 @@ The fields from offset 3584 were added after version 3 was first published, wher
 look: a reader of the first version 3 still reads a newer block (it sees no arena id or note), and a
 newer reader takes a zero arena id for the generation (a daemon before adoption allocated its own).
 
-The seqlock: the writer makes ``seq`` odd, writes the body and its crc32, makes ``seq`` even; a reader
-reads ``seq``, copies the body, reads ``seq`` again and retries while it was odd or changed, or while the
-copy's crc32 does not match. The seq alone relies on stores and loads being seen in program order; the
-copies are memcpy calls, and on CPUs with fast string moves (``rep movsb``, used by glibc for such copies
-on recent AMD and Intel cores) the loads of a copy may complete out of order with the ``seq`` load after
-it: a reader was seen to take a torn body between two equal, even ``seq`` values. The checksum makes a
-torn copy detectable whatever the CPU does (a 1 in 2**32 chance to miss one), so no fence is needed here
-or on a weaker architecture (aarch64) for the body; ``seq`` still tells a reader to retry early.
+The seqlock: the writer makes ``seq`` odd, writes the body and its crc32, makes ``seq`` even; a reader reads ``seq``,
+copies the body, reads ``seq`` again and retries while it was odd or changed, or while the copy's crc32 does not match.
+The seq alone relies on stores and loads being seen in program order; the copies are memcpy calls, and on CPUs with fast
+string moves (``rep movsb``, used by glibc for such copies on recent AMD and Intel cores) the loads of a copy may
+complete out of order with the ``seq`` load after it: a reader was seen to take a torn body between two equal, even
+``seq`` values. The checksum makes a torn copy detectable whatever the CPU does (a 1 in 2**32 chance to miss one), so no
+fence is needed here or on a weaker architecture (aarch64) for the body; ``seq`` still tells a reader to retry early.
 """
 
 from __future__ import annotations
@@ -295,11 +294,10 @@ class ControlBlock:
         staged: bool = False,
     ) -> ControlBlock:
         """Create, fill and publish a new block (O_EXCL, ``mode``, group ``gid`` if given). Raises
-        ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``;
-        ``magic`` is written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE``
-        bytes. ``staged``: under the generation's staging name, until ``install``. ``spec`` None publishes
-        only the fields in ``known`` (the store backend): the daemon waits for the engine to declare the rest
-        (``kvcached.protocol.declare``)."""
+        ``posix_ipc.ExistentialError`` if the name is taken. Every record starts EMPTY in ``generation``; ``magic`` is
+        written last. ``arena_id`` defaults to ``generation``; ``note`` is cut to ``MAX_NOTE`` bytes. ``staged``: under
+        the generation's staging name, until ``install``. ``spec`` None publishes only the fields in ``known`` (the
+        store backend): the daemon waits for the engine to declare the rest (``kvcached.protocol.declare``)."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS}")
         if len(run_dir.encode()) > MAX_RUN_DIR:

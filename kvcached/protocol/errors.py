@@ -84,10 +84,9 @@ class AccessDenied(KVCacheError, PermissionError):
 
 
 class NotTrusted(AccessDenied):
-    """Raised before a byte is mapped when an object under the instance's names (control block,
-    semaphore, arena, socket) belongs to a user the runner does not trust, or is writable by others: an
-    impostor could otherwise hand the runner its memory. Trusted: the runner's own user, root, and the
-    user named by ``KVCACHED_DAEMON_USER``."""
+    """Raised before a byte is mapped when an object under the instance's names (control block, semaphore, arena,
+    socket) belongs to a user the runner does not trust, or is writable by others: an impostor could otherwise hand the
+    runner its memory. Trusted: the runner's own user, root, and the user named by ``KVCACHED_DAEMON_USER``."""
 
 
 class RankFailed(KVCacheError):

@@ -1,12 +1,10 @@
-"""One reader of an instance: map its control block, read the header, judge whether its daemon lives,
-read rank records.
+"""One reader of an instance: map its control block, read the header, judge whether its daemon lives, read rank records.
 
-Every place that looks at an instance from outside the daemon (the runner's wait and attach, task
-clients, the FastDeploy drop-in, ``kvcached status`` / ``stop`` / ``doctor``, the supervisor's reclaim)
-goes through ``read_instance`` (a snapshot, nothing left mapped) or ``open_instance`` (a view kept
-mapped), so "alive" means the same everywhere: the header's daemon pid runs and has the recorded start
-time (a pid alone can be reused; a zombie counts as dead); and a record that cannot be read whole (torn)
-is absent, never half-read.
+Every place that looks at an instance from outside the daemon (the runner's wait and attach, task clients, the
+FastDeploy drop-in, ``kvcached status`` / ``stop`` / ``doctor``, the supervisor's reclaim) goes through
+``read_instance`` (a snapshot, nothing left mapped) or ``open_instance`` (a view kept mapped), so "alive" means the same
+everywhere: the header's daemon pid runs and has the recorded start time (a pid alone can be reused; a zombie counts as
+dead); and a record that cannot be read whole (torn) is absent, never half-read.
 """
 
 from __future__ import annotations
@@ -80,9 +78,8 @@ class Published:
 
 
 def read_instance(instance: str, ranks: Iterable[int] | None = (), *, live: bool = True) -> Published | None:
-    """Open the instance, check that its daemon is alive, read ``ranks``' records (None: every rank), and
-    unmap. None when there is no published block, or (with ``live``) its daemon is not running. Raises as
-    ``open_instance`` does."""
+    """Open the instance, check that its daemon is alive, read ``ranks``' records (None: every rank), and unmap. None
+    when there is no published block, or (with ``live``) its daemon is not running. Raises as ``open_instance`` does."""
     view = open_instance(instance)
     if view is None:
         return None

@@ -15,10 +15,9 @@ parses unambiguously::
     <run_dir>/<instance>.lock                     flock held by the supervisor for its whole life
     <run_dir>/<instance>.r<rank>.sock             a rank worker's task socket (Unix stream)
 
-``<gen>`` is a daemon generation in 16 hex digits: a semaphore carries the generation that made it, an
-arena, pool or key directory the generation that allocated it (its arena id). A daemon that adopted the
-memory of an earlier generation keeps that generation's arena names; nothing of a dead run ever carries
-the name of a new generation.
+``<gen>`` is a daemon generation in 16 hex digits: a semaphore carries the generation that made it, an arena, pool or
+key directory the generation that allocated it (its arena id). A daemon that adopted the memory of an earlier generation
+keeps that generation's arena names; nothing of a dead run ever carries the name of a new generation.
 """
 
 from __future__ import annotations
@@ -56,8 +55,7 @@ def instance_or_default(instance: str | None = None) -> str:
 
 
 def check_instance(instance: str, *, field: str = "instance") -> str:
-    """Return ``instance`` if it is a valid instance name, else raise ``InvalidSpec`` naming ``field`` and
-    the rule."""
+    """Return ``instance`` if it is a valid instance name, else raise ``InvalidSpec`` naming ``field`` and the rule."""
     if not isinstance(instance, str) or not _INSTANCE_RE.fullmatch(instance):
         raise InvalidSpec(field, f"must be {INSTANCE_RULE}, got {instance!r}")
     return instance

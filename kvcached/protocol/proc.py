@@ -1,9 +1,8 @@
 """Process identity: a pid alone can be reused, a (pid, start time) pair cannot.
 
-The start time is field 22 of ``/proc/<pid>/stat`` (clock ticks since boot). A zombie (state Z or X)
-counts as dead: it will never publish again, even though its pid is still taken. Also here: a child's
-request to die with its parent, the one polling wait (``until``), and the end of a process given a grace
-(``end``).
+The start time is field 22 of ``/proc/<pid>/stat`` (clock ticks since boot). A zombie (state Z or X) counts as dead: it
+will never publish again, even though its pid is still taken. Also here: a child's request to die with its parent, the
+one polling wait (``until``), and the end of a process given a grace (``end``).
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent: int) -> bool:
-    """Have the kernel SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``); False when
-    ``parent`` is already gone (this process was re-parented before the request took hold): the caller
-    exits then."""
+    """Have the kernel SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``); False when ``parent`` is
+    already gone (this process was re-parented before the request took hold): the caller exits then."""
     import ctypes  # here: runner_client imports this module and needs none of it
 
     libc = ctypes.CDLL(None, use_errno=True)

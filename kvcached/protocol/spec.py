@@ -1,11 +1,10 @@
 """The cache spec: the geometry of one rank's KV cache and the switches that decide who owns it.
 
-A ``CacheSpec`` is validated when it is built, so every ``CacheSpec`` that exists is allocatable in
-principle: every size is a positive int, ``kv_heads`` is already divided by tensor parallelism and is at
-least 1, the dtype and role are known names, and the bytes of one rank fit a 64-bit host's address space.
-Payload sizes in bytes (of a block, of one rank's device cache and CPU pool) are computed here;
-``kvcached.protocol.layout`` places the tensors and pads them to pages; everything else takes its sizes from
-these two.
+A ``CacheSpec`` is validated when it is built, so every ``CacheSpec`` that exists is allocatable in principle: every
+size is a positive int, ``kv_heads`` is already divided by tensor parallelism and is at least 1, the dtype and role are
+known names, and the bytes of one rank fit a 64-bit host's address space. Payload sizes in bytes (of a block, of one
+rank's device cache and CPU pool) are computed here; ``kvcached.protocol.layout`` places the tensors and pads them to
+pages; everything else takes its sizes from these two.
 """
 
 from __future__ import annotations
@@ -42,18 +41,16 @@ _POSITIVE_FIELDS = ("num_layers", "kv_heads", "head_dim", "block_size", "num_blo
 class CacheSpec:
     """One rank's KV cache: per layer, key and value ``[num_blocks, kv_heads, block_size, head_dim]``.
 
-    ``mla`` keeps the key cache only (value lists are empty). ``block_wise_fp8`` adds per-layer scale
-    tensors ``[num_blocks, kv_heads, block_size]`` of ``scale_dtype`` for each kept cache.
-    ``mtp_layers`` more layers follow the model's (a speculative-decoding draft model's, FastDeploy's MTP),
-    each with ``mtp_num_blocks`` blocks (0: ``num_blocks``); a block id names the same block in every
-    layer, and tasks move blocks ``0 .. num_blocks-1`` of all of them.
-    ``num_cpu_blocks`` sizes the CPU swap pool (0: none); ``storage_backend`` names the attention store
-    (None: none). With ``splitwise_role`` they decide the owner (see ``kvcached.protocol.ownership``).
+    ``mla`` keeps the key cache only (value lists are empty). ``block_wise_fp8`` adds per-layer scale tensors
+    ``[num_blocks, kv_heads, block_size]`` of ``scale_dtype`` for each kept cache. ``mtp_layers`` more layers follow the
+    model's (a speculative-decoding draft model's, FastDeploy's MTP), each with ``mtp_num_blocks`` blocks (0:
+    ``num_blocks``); a block id names the same block in every layer, and tasks move blocks ``0 .. num_blocks-1`` of all
+    of them. ``num_cpu_blocks`` sizes the CPU swap pool (0: none); ``storage_backend`` names the attention store (None:
+    none). With ``splitwise_role`` they decide the owner (see ``kvcached.protocol.ownership``).
 
-    Which fields matter where is said here once: ``GEOMETRY_FIELDS`` shape the memory (a runner and its
-    daemon agree on each, the geometry digest covers them), ``DECLARED_FIELDS`` are what an engine declares
-    (``--geometry engine``), ``ADDED_FIELDS`` came after the first release (a spec written before them reads
-    as their value here).
+    Which fields matter where is said here once: ``GEOMETRY_FIELDS`` shape the memory (a runner and its daemon agree on
+    each, the geometry digest covers them), ``DECLARED_FIELDS`` are what an engine declares (``--geometry engine``),
+    ``ADDED_FIELDS`` came after the first release (a spec written before them reads as their value here).
     """
 
     GEOMETRY_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -223,10 +220,9 @@ class CacheSpec:
     def first_difference(
         self, published: Mapping[str, Any], fields: tuple[str, ...] | None = None
     ) -> tuple[str, Any, Any] | None:
-        """``(field, published value, this spec's value)`` of the first of ``fields`` (default
-        ``GEOMETRY_FIELDS``) where ``published`` (a spec as a control block carries it) differs, else None.
-        The scale dtype counts only with scale tensors; a field added later reads as its ``ADDED_FIELDS``
-        value when ``published`` lacks it."""
+        """``(field, published value, this spec's value)`` of the first of ``fields`` (default ``GEOMETRY_FIELDS``)
+        where ``published`` (a spec as a control block carries it) differs, else None. The scale dtype counts only with
+        scale tensors; a field added later reads as its ``ADDED_FIELDS`` value when ``published`` lacks it."""
         for name in self.GEOMETRY_FIELDS if fields is None else fields:
             if name == "scale_dtype" and not self.block_wise_fp8:
                 continue  # no scale tensors: their dtype shapes nothing
