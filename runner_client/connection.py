@@ -27,9 +27,8 @@ from kvcached.protocol.errors import AccessDenied, DaemonGone, NotTrusted
 from kvcached.protocol.messages import REPLY, REPLY_MAGIC, Op, Status, parse_reply_body, request
 from kvcached.protocol.trust import admitted, check_owner, peer_credentials
 
-#: Tasks a connection may have in flight (sent, reply not read yet). At the bound, ``send`` reads
-#: replies (keeping them for their handles) before it sends more: any number of submitted tasks can be
-#: outstanding without the two sides' socket buffers filling up and deadlocking.
+#: Tasks a connection may have in flight (sent, reply unread): at the bound ``send`` first reads replies (kept for their
+#: handles), so any number of tasks can be outstanding without both sides' socket buffers filling up and deadlocking.
 MAX_IN_FLIGHT = 128
 #: How long the first read of a reply blocks before the wait becomes a poll() until its deadline.
 FAST_WAIT_S = 0.002
@@ -44,19 +43,16 @@ class AtCapacity(Exception):
 
 
 class Full(Exception):
-    """``MAX_IN_FLIGHT`` replies were unread and none came by the sender's deadline: nothing was sent, and
-    the connection is as it was."""
+    """``MAX_IN_FLIGHT`` replies were unread and none came by the sender's deadline: nothing was sent or changed."""
 
 
 class Connection:
-    """One connection to one rank worker; frames are sent under ``send_lock`` and replies read under
-    ``read_lock``, so that a thread sending a task never waits behind a thread waiting for a reply. ``by``
-    (monotonic): the HELLO is given up (``TimeoutError``, the socket closed) if not answered by then.
-
-    Raises, when it opens: ``Closed`` (no socket, or closed at once), ``NotTrusted`` (the socket or the
-    process serving it is not the daemon's user's), ``AccessDenied`` (this user may not connect, or the
-    worker refused it), ``DaemonGone`` (the worker refused the HELLO: another generation), ``AtCapacity``
-    (the worker is at its connection cap)."""
+    """One connection to one rank worker; frames are sent under ``send_lock`` and replies read under ``read_lock``, so
+    a thread sending a task never waits behind a thread waiting for a reply. ``by`` (monotonic): the HELLO is given up
+    (``TimeoutError``, the socket closed) if not answered by then. Raises, when it opens: ``Closed`` (no socket, or
+    closed at once), ``NotTrusted`` (the socket or the process serving it is not the daemon's user's), ``AccessDenied``
+    (this user may not connect, or the worker refused it), ``DaemonGone`` (the worker refused the HELLO: another
+    generation), ``AtCapacity`` (the worker is at its connection cap)."""
 
     def __init__(self, path: str, rank: int, block: ControlBlock, timeout: float, by: float | None = None) -> None:
         self.rank = rank
@@ -118,21 +114,20 @@ class Connection:
         except BaseException:
             sock.close()
             raise
-        # A reply is read by one blocking recv() when it comes within FAST_WAIT_S (one syscall on the
-        # latency path; a poll() first would add two syscalls to every round trip); a longer wait, and a
-        # send the socket has no room for, is a poll() until the deadline. A blocking call's own timeout
-        # (SO_RCVTIMEO, SO_SNDTIMEO) starts again whenever a signal interrupts it, so a runner signalled
-        # more often than that (a sampling profiler's timer) never timed out; poll's is recomputed.
+        # A reply that comes within FAST_WAIT_S is read by one blocking recv() (one syscall on the latency path; a
+        # poll() first adds two to every round trip); a longer wait, and a send with no room, is a poll() until the
+        # deadline. A blocking call's own timeout (SO_RCVTIMEO, SO_SNDTIMEO) restarts whenever a signal interrupts it,
+        # so a runner signalled more often (a sampling profiler's timer) would never time out; poll's is recomputed.
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(FAST_WAIT_S * 1e6)))
         return sock
 
     def send(self, op: Op, payload: bytes, flags: int = 0, *, by: float | None = None) -> int:
-        """Send one task and return its id; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for
-        their waiters), until ``by`` at the latest. Raises ``Closed`` (the worker is gone: it runs none of
-        it), ``TimeoutError`` (the worker reads nothing any more: this connection is closed, part of a frame
-        may be out, also when ``by`` passed while the frame was going out) or ``Full`` (``by`` passed before
-        it could go out: another thread's frame was going out, or no room in flight)."""
+        """Send one task and return its id; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for their
+        waiters), until ``by`` at the latest. Raises ``Closed`` (the worker is gone: it runs none of it),
+        ``TimeoutError`` (the worker reads nothing any more, or ``by`` passed while the frame was going out: this
+        connection is closed, part of a frame may be out) or ``Full`` (``by`` passed before it could go out: another
+        thread's frame was going out, or no room in flight)."""
         deadline = self._deadline(by)
         if not self.send_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise Full()
@@ -161,9 +156,8 @@ class Connection:
             self.send_lock.release()
 
     def _send_frame(self, frame: bytes, deadline: float) -> None:
-        """Send all of ``frame``: ``TimeoutError`` once the worker has taken none of it for the connection's
-        timeout, or at ``deadline`` when that is nearer (part of the frame may be out: the connection is
-        closed). Caller holds ``send_lock``."""
+        """Send all of ``frame``: ``TimeoutError`` once the worker has taken none of it for the connection's timeout,
+        or at ``deadline`` when nearer (part of the frame may be out: the connection is closed). Holds ``send_lock``."""
         short = deadline < time.monotonic() + self.timeout - 0.001
         view = memoryview(frame)
         while view:
@@ -182,9 +176,9 @@ class Connection:
         return remaining > 0 and bool(poller.poll(math.ceil(remaining * 1000)))
 
     def wait(self, task_id: int, deadline: float) -> tuple[int, dict[str, Any]]:
-        """The (status, body) of ``task_id``, reading and keeping replies of other tasks on the way; while
-        another thread reads, its reply is taken as soon as that thread has read it. Raises ``Closed``,
-        ``TimeoutError`` at ``deadline``, ``AccessDenied`` / ``AtCapacity`` for a refusal."""
+        """The (status, body) of ``task_id``, reading and keeping other tasks' replies on the way; while another thread
+        reads, its reply is taken once that thread has read it. Raises ``Closed``, ``TimeoutError`` at ``deadline``,
+        ``AccessDenied`` / ``AtCapacity`` for a refusal."""
         with self.arrived:
             while task_id not in self.early:
                 if self.read_lock.acquire(blocking=False):

@@ -1,17 +1,15 @@
-"""A client's link to one rank: which daemon serves it, the connection to its worker, and what to do
-when that connection ends.
+"""A client's link to one rank: the daemon serving it, the connection to its worker, what to do when that ends.
 
-``Daemons`` is the instance as one client sees it: the control block of the daemon it talks to, and
-``follow``, which moves every rank to the instance's next daemon when that one adopted the memory. A
-``RankLink`` owns one rank's side of it:
+``Daemons`` is the instance as one client sees it: the control block of the daemon it talks to, and ``follow``, which
+moves every rank to the instance's next daemon when that one adopted the memory. A ``RankLink`` owns one rank's side:
 
-* **ready**: before a connection opens, the rank is READY in a live daemon's generation, on the memory
-  this client first saw (else ``DaemonGone``: re-attach); RECOVERING or EMPTY is waited for; KEPT, or a
-  dead daemon that left the rank whole, is followed to the next daemon;
-* **resend**: a task the worker answered NOT_RUN (it was handing its rank over), or whose connection a
-  daemon handing over closed unanswered, is sent again, to the next daemon, up to ``MAX_RESENDS`` times;
-* **lost**: a connection that ended otherwise is turned into the error it means: ``TaskLost`` naming the
-  blocks the task may have half-written, ``RankFailed``, or ``DaemonGone``.
+* **ready**: before a connection opens, the rank is READY in a live daemon's generation, on the memory this client
+  first saw (else ``DaemonGone``: re-attach); RECOVERING or EMPTY is waited for; KEPT, or a dead daemon that left the
+  rank whole, is followed to the next daemon;
+* **resend**: a task the worker answered NOT_RUN (it was handing its rank over), or whose connection a daemon handing
+  over closed unanswered, is sent again, to the next daemon, up to ``MAX_RESENDS`` times;
+* **lost**: a connection that ended otherwise is turned into the error it means: ``TaskLost`` naming the blocks the
+  task may have half-written, ``RankFailed``, or ``DaemonGone``.
 """
 
 from __future__ import annotations
@@ -66,9 +64,9 @@ class Daemons:
         self._old_connections: list[Connection] = []
 
     def follow(self, old: Header, deadline: float) -> None:
-        """The daemon of ``old`` handed over or died: wait (until ``deadline``, at most ``FOLLOW_S`` s) for
-        the instance's next live daemon and switch to it when it adopted the memory; raise ``DaemonGone``
-        otherwise. Returns at once when another thread already switched."""
+        """The daemon of ``old`` handed over or died: wait (until ``deadline``, at most ``FOLLOW_S`` s) for the
+        instance's next live daemon and switch to it if it adopted the memory, else ``DaemonGone``. Returns at once
+        when another thread already switched."""
         began = time.monotonic()
         limit = min(deadline, began + FOLLOW_S)
         with self._follow_lock:
@@ -107,9 +105,9 @@ class Daemons:
         connection.close()
 
     def close(self, close_links: Callable[[], None]) -> None:
-        """Mark the client closed, close the old connections, then the links' (``close_links``: after the
-        mark, so that a connection a thread opens meanwhile is closed by that thread, as ``RankLink`` checks
-        the mark before it keeps one), and unmap every block. Idempotent."""
+        """Mark the client closed, close the old connections, then the links' (``close_links``: after the mark, so
+        that one a thread opens meanwhile is closed by that thread: ``RankLink`` checks the mark before it keeps one),
+        and unmap every block. Idempotent."""
         with self.lock:
             if self.closed:
                 return
@@ -123,8 +121,8 @@ class Daemons:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Sent:
-    """One rank's share of a task as it went out: the connection and task id, the blocks it writes (named
-    by ``TaskLost``), and what was sent (to send it again when it was not run)."""
+    """One rank's share of a task as sent: connection, task id, the blocks it writes (named by ``TaskLost``), and
+    what was sent (to send again when it was not run)."""
 
     connection: Connection
     task_id: int
@@ -141,8 +139,7 @@ class RankLink:
         self.rank = rank
         self.daemons = daemons
         self.timeout = timeout
-        #: The memory the rank's record named when this client first saw it READY: any daemon this client
-        #: follows must publish the same.
+        #: What the rank's record named when this client first saw it READY: any daemon followed must publish it.
         self.memory = memory
         self._lock = threading.Lock()
         self._connection: Connection | None = None
@@ -152,8 +149,8 @@ class RankLink:
         return self.daemons.instance
 
     def send(self, op: Op, payload: bytes, flags: int, targets: tuple[int, ...], deadline: float) -> Sent:
-        """Send the task (``targets``: the blocks it writes). Raises ``TaskTimeout`` when the worker takes no
-        more tasks, and what the READY check and a lost connection raise."""
+        """Send the task (``targets``: the blocks it writes). Raises ``TaskTimeout`` when the worker takes no more
+        tasks, and what the READY check and a lost connection raise."""
         try:
             return self._send(op, payload, flags, targets, deadline)
         except TimeoutError:
@@ -185,8 +182,6 @@ class RankLink:
             if self._connection is not None:
                 self._connection.close()
                 self._connection = None
-
-    # -- the connection ---------------------------------------------------------------------------------
 
     def _connect(self, deadline: float) -> Connection:
         """The rank's open connection to the current daemon, opened (after the READY check) if need be; a
@@ -279,13 +274,10 @@ class RankLink:
                 return Status.NOT_RUN, {"message": "closed unanswered by a daemon handing over"}
             raise self._lost(sent.op, sent.targets, connection, deadline) from None
 
-    # -- ready, follow, lost ----------------------------------------------------------------------------
-
     def _check_ready(self, deadline: float) -> None:
-        """**ready** (the module docstring), until ``deadline``; RECOVERING is a worker being replaced or
-        reopening adopted memory, EMPTY a block just published. FAILED raises ``RankFailed``, STOPPING (the
-        daemon releases the cache) ``DaemonGone``, any other state (ALLOCATING) ``InvalidTask``. Later tasks
-        need no check: a worker that answers is alive."""
+        """**ready** (module docstring) until ``deadline``; RECOVERING is a worker being replaced or reopening adopted
+        memory, EMPTY a block just published; FAILED raises ``RankFailed``, STOPPING (the daemon releases the cache)
+        ``DaemonGone``, another (ALLOCATING) ``InvalidTask``. Later tasks need no check: an answering worker lives."""
         while True:
             header = self.daemons.header
             alive = is_alive(header.daemon_pid, header.daemon_start)
@@ -345,8 +337,8 @@ class RankLink:
     def _lost(
         self, op: Op, targets: tuple[int, ...], connection: Connection | None, deadline: float = 0.0
     ) -> Exception:
-        """The error for a task whose connection ended: the daemon is stopping, handed over or died, the
-        rank failed, or its worker died (and is being replaced) during the task."""
+        """The error for a task whose connection ended: the daemon is stopping, handed over or died, the rank failed,
+        or its worker died (and is being replaced) during the task."""
         if connection is not None:
             self._drop(connection)
         alive, record = self._settle(connection, deadline)
@@ -379,12 +371,11 @@ class RankLink:
         )
 
     def _settle(self, connection: Connection | None, deadline: float) -> tuple[bool, Record | None]:
-        """Whether the daemon lives, and the rank's record, once they tell what ended ``connection``. The
-        supervisor marks a dead worker's rank RECOVERING within milliseconds (its replacement has another
-        pid), but a daemon killed -9 looks alive for as long as the kernel takes to end it, and its workers
-        die with it: while the rank still reads READY under the worker that held the connection, looked at
-        again for up to ``SETTLE_S``, within the task's ``deadline``. Once per connection: the tasks it
-        carried after the first take its verdict."""
+        """Whether the daemon lives, and the rank's record, once they tell what ended ``connection``. The supervisor
+        marks a dead worker's rank RECOVERING within milliseconds (its replacement has another pid), but a daemon
+        killed with SIGKILL looks alive until the kernel has ended it, and its workers die with it: while the rank
+        still reads READY under the worker that held the connection, they are read again for up to ``SETTLE_S``
+        (within ``deadline``). Once per connection: the tasks it carried after the first take its verdict."""
         if connection is not None and connection.verdict is not None:
             return connection.verdict
         until = min(time.monotonic() + SETTLE_S, deadline)

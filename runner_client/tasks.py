@@ -16,12 +16,11 @@ task is done and return a ``TaskResult``; ``submit`` sends one of them and retur
 daemon refuses raises ``InvalidTask`` naming the field, and no block has changed on any rank. One connection per rank,
 opened on first use; replies arrive in order, so one ``CacheTasks`` may be shared by threads.
 
-A daemon that is restarted (``kvcached restart``), stopped with ``--keep`` or killed, and whose memory the
-next daemon of the instance adopts, is followed (``runner_client.link``): a task in flight at that moment
-fails with ``TaskLost`` (naming the blocks it may have half-written); later tasks wait, within their
-timeout and at most ``FOLLOW_S`` seconds, for the next daemon and go to it. When the next daemon made the
-memory anew (it did not adopt it, or the device tier cannot outlive its process), tasks raise
-``DaemonGone``: re-attach with ``initialize_kv_cache`` and open a new ``CacheTasks``.
+A daemon restarted (``kvcached restart``), stopped with ``--keep`` or killed, whose memory the instance's next daemon
+adopts, is followed (``runner_client.link``): a task in flight then fails with ``TaskLost`` (naming the blocks it may
+have half-written); later tasks wait for the next daemon, within their timeout and at most ``FOLLOW_S`` seconds, and go
+to it. When the next daemon made the memory anew (it did not adopt it, or the device tier cannot outlive its process),
+tasks raise ``DaemonGone``: re-attach with ``initialize_kv_cache`` and open a new ``CacheTasks``.
 """
 
 from __future__ import annotations
@@ -85,9 +84,9 @@ class _Task:
 
 
 class TaskHandle:
-    """A submitted task; ``result()`` waits for every rank's reply (from any number of threads at once: one
-    reads the replies, the others wait for it and get the same outcome). A handle dropped before every reply
-    was read tells the connections: they drop those replies instead of keeping them."""
+    """A submitted task; ``result()`` waits for every rank's reply (from any number of threads at once: one reads the
+    replies, the others wait for it and get the same outcome). A handle dropped before every reply was read tells the
+    connections to drop those replies instead of keeping them."""
 
     def __init__(self, daemons: Daemons, op: Op, parts: list[tuple[RankLink, Sent]], timeout: float) -> None:
         self._daemons = daemons
@@ -113,12 +112,10 @@ class TaskHandle:
                 sent.connection.forget(sent.task_id)
 
     def result(self, timeout: float | None = None) -> TaskResult:
-        """Wait (at most ``timeout`` s, default the task's) for the task on every rank.
-
-        Raises ``InvalidTask`` (nothing changed), ``TaskFailed`` (``TaskLost`` when a rank's worker died
-        during it, naming the blocks it may have half-written; ``StoreUnavailable`` when the store did not
-        answer), ``TaskTimeout``, ``DaemonGone`` or ``RankFailed``.
-        """
+        """Wait (at most ``timeout`` s, default the task's) for the task on every rank. Raises ``InvalidTask``
+        (nothing changed), ``TaskFailed`` (``TaskLost`` when a rank's worker died during it, naming the blocks it may
+        have half-written; ``StoreUnavailable`` when the store did not answer), ``TaskTimeout``, ``DaemonGone`` or
+        ``RankFailed``."""
         if self._result is not None:
             return self._result
         instance = self._daemons.instance
@@ -206,11 +203,8 @@ class CacheTasks:
         keys: Sequence[bytes] | None = None,
         timeout: float | None = None,
     ) -> TaskResult:
-        """Copy device blocks to CPU pool blocks (all layers) on ``rank`` (None: every rank).
-
-        With ``keys`` (one per block, from ``block_keys``) the blocks are also written to the attention
-        store (write-through). ``submit`` sends it without waiting.
-        """
+        """Copy device blocks to CPU pool blocks (all layers) on ``rank`` (None: every rank); with ``keys`` (one per
+        block, from ``block_keys``) also to the attention store (write-through)."""
         return self._send(self._swap_out(rank, device_block_ids, cpu_block_ids, keys=keys, timeout=timeout)).result()
 
     def swap_in(
@@ -227,42 +221,34 @@ class CacheTasks:
     def store(
         self, rank: int | None, device_block_ids: Sequence[int], keys: Sequence[bytes], *, timeout: float | None = None
     ) -> TaskResult:
-        """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``).
-
-        A key already stored is left as it is (a key names its content). ``TaskResult.bytes`` counts the
-        bytes newly written. Raises ``StoreUnavailable`` (a ``TaskFailed``) when the store's backend cannot
-        be reached or did not answer within ``--store-timeout``.
-        """
+        """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``). A key already
+        stored is left as it is (a key names its content); ``TaskResult.bytes`` counts the bytes newly written. Raises
+        ``StoreUnavailable`` (a ``TaskFailed``) when the store's backend cannot be reached or did not answer within
+        ``--store-timeout``."""
         return self._send(self._store(rank, device_block_ids, keys, timeout=timeout)).result()
 
     def load(
         self, rank: int | None, keys: Sequence[bytes], device_block_ids: Sequence[int], *, timeout: float | None = None
     ) -> TaskResult:
-        """Read the longest stored prefix of ``keys`` into ``device_block_ids`` (all layers).
-
-        Stops at the first key that is absent or fails verification; ``TaskResult.blocks`` says how many
-        leading blocks were loaded, each verified (with ``rank=None``, the fewest of any rank). Target
-        blocks past that may hold bytes of the load (they were handed over as receivers): use only the
-        first ``blocks``. No block outside ``device_block_ids`` changes. Raises ``StoreUnavailable`` (a
-        ``TaskFailed``) when the store's backend cannot be reached or did not answer in time.
-        """
+        """Read the longest stored prefix of ``keys`` into ``device_block_ids`` (all layers): it stops at the first key
+        absent or failing verification, and ``TaskResult.blocks`` says how many leading blocks were loaded, each
+        verified (with ``rank=None``, the fewest of any rank). Target blocks past that may hold bytes of the load (they
+        were handed over as receivers): use only the first ``blocks``. No block outside ``device_block_ids`` changes.
+        Raises ``StoreUnavailable`` (a ``TaskFailed``): the store's backend is unreachable or did not answer in time."""
         return self._send(self._load(rank, keys, device_block_ids, timeout=timeout)).result()
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
-        """How many leading ``keys`` the store holds for every rank of the instance.
-
-        A prefix that only some ranks have is not a hit: the answer is the minimum over ranks. Raises
-        ``StoreUnavailable`` (a ``TaskFailed``) when a rank's store cannot be reached or did not answer in
-        time, as ``store`` and ``load`` do.
-        """
+        """How many leading ``keys`` the store holds for every rank of the instance (a prefix only some ranks have is
+        not a hit: the minimum over ranks). Raises ``StoreUnavailable`` (a ``TaskFailed``) when a rank's store cannot
+        be reached or did not answer in time."""
         return self._send(_Task(Op.LOOKUP, None, _keys(keys, None), timeout=timeout)).result().blocks
 
     def submit(self, task: Callable[P, TaskResult], /, *args: P.args, **kwargs: P.kwargs) -> TaskHandle:
-        """Send ``task`` (this client's ``swap_out``, ``swap_in``, ``store`` or ``load``, with its arguments)
-        and return its ``TaskHandle`` at once, without waiting for the reply: tasks submitted one after
-        another are pipelined. What the client can check (a rank, lists of different lengths, keys) raises
-        ``InvalidTask`` here; what the daemon checks (ids against its pool sizes, a repeated target) comes
-        from ``result()``, as the blocking call would have raised it, nothing moved::
+        """Send ``task`` (this client's ``swap_out``, ``swap_in``, ``store`` or ``load``, with its arguments) and return
+        its ``TaskHandle`` at once, without waiting for the reply: tasks submitted one after another are pipelined.
+        What the client can check (a rank, lists of different lengths, keys) raises ``InvalidTask`` here; what the
+        daemon checks (ids against its pool sizes, a repeated target) comes from ``result()``, as the blocking call
+        would have raised it, nothing moved::
 
             handles = [tasks.submit(tasks.swap_out, None, [i], [i]) for i in range(4)]
             results = [handle.result() for handle in handles]

@@ -9,11 +9,11 @@ A rank is ready for a runner when all of these hold at once (a flag left by a cr
 A rank whose daemon stopped keeping its memory for the next one (KEPT: ``kvcached stop --keep`` or ``kvcached restart``)
 is waited through: the runner waits for the next daemon's control block, and attaches to the memory that daemon adopted.
 
-While not ready the runner blocks on the rank's semaphore for at most ``SLICE_S``, then re-checks. The
-semaphore counts posts, it is not a level: a waiter that wakes re-reads the record and posts once more
-when the state changed, so the next waiter wakes too (a turnstile); a wake-up with no change consumes a
-post left over from an earlier change and is not passed on, so leftovers drain instead of spinning.
-With no block (no daemon yet, or only the stale block of a dead one) it polls every ``POLL_ABSENT_S``.
+While not ready the runner blocks on the rank's semaphore for at most ``SLICE_S``, then re-checks. The semaphore counts
+posts, it is not a level: a waiter that wakes re-reads the record and posts once more when the state changed, so the
+next waiter wakes too (a turnstile); a wake-up with no change consumes a leftover post and passes nothing on, so
+leftovers drain instead of spinning. With no block (no daemon yet, or a dead one's stale block) it polls every
+``POLL_ABSENT_S``.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class _Waiter:
         self.sem: posix_ipc.Semaphore | None = None
         self.mark: int | None = None  # the waiting mark (see kvcached.protocol.waiters)
         self.stale_inode = -1
-        # The live daemon this wait has seen (pid, start, generation): its death is DaemonGone, whereas a
-        # block that was stale from the start only means "no daemon yet".
+        # The live daemon this wait has seen (pid, start, generation): its death is DaemonGone, whereas a block stale
+        # from the start only means "no daemon yet".
         self.followed: tuple[int, int, int] | None = None
         self.state = "no daemon"
         self.since_wall_ns = time.time_ns()
@@ -176,9 +176,8 @@ class _Waiter:
         return True
 
     def _declare(self) -> None:
-        """With a spec to declare: send it to a daemon that waits for the geometry (again each slice until
-        one accepts it), or compare it with the one the daemon publishes; a difference raises
-        ``CacheLayoutMismatch`` naming the field."""
+        """With a spec to declare: send it to a daemon waiting for the geometry (again each slice until one accepts
+        it), or compare it with the daemon's; a difference raises ``CacheLayoutMismatch`` naming the field."""
         if self.declared is None or self.header is None or self.declared_to == self.header.generation:
             return
         assert self.block is not None
@@ -271,8 +270,8 @@ class _Waiter:
             )
 
     def run(self) -> Ready:
-        """Wait until ready; return the mapped block, or raise one of the documented errors. The rank is
-        looked at before the deadline is: a READY rank is attached even with ``timeout=0``."""
+        """Wait until ready and return the mapped block, or raise. The rank is looked at before the deadline is: a
+        READY rank is attached even with ``timeout=0``."""
         pending: Record | None = None  # a record already read after a wake-up: not read again
         try:
             while True:
@@ -314,10 +313,10 @@ class _Waiter:
 
 
 def wait_ready(instance: str, rank: int, timeout: float, *, declare: CacheSpec | None = None) -> Ready:
-    """Block until ``rank`` of ``instance`` is READY in a live daemon's generation, at most ``timeout``
-    seconds. With ``declare``, declare that spec to a daemon waiting for the engine's geometry (and refuse
-    a daemon that publishes another). Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
-    ``CacheLayoutMismatch`` or ``ProtocolError``. The returned block is mapped; the caller closes it."""
+    """Block until ``rank`` of ``instance`` is READY in a live daemon's generation, at most ``timeout`` seconds. With
+    ``declare``, declare that spec to a daemon waiting for the engine's geometry (and refuse a daemon that publishes
+    another). Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``, ``CacheLayoutMismatch`` or ``ProtocolError``.
+    The returned block is mapped; the caller closes it."""
     log.info(
         "Waiting for cache managers to create kv cache.. instance=%s rank=%d timeout=%.1fs", instance, rank, timeout
     )
@@ -325,10 +324,8 @@ def wait_ready(instance: str, rank: int, timeout: float, *, declare: CacheSpec |
 
 
 def wait_until_ready(instance: str, rank: int, timeout: float = 600.0, *, declare: CacheSpec | None = None) -> None:
-    """Return once ``rank`` of ``instance`` is READY in a live daemon; raise ``CacheNotReady`` after
-    ``timeout`` seconds, ``DaemonGone`` / ``RankFailed`` at once when the daemon or the rank dies.
-
-    The bounded, liveness-checked replacement for FastDeploy's
-    ``while cache_ready_signal.value[local_rank] != 1: time.sleep(1)`` (see docs/fastdeploy.md): the
-    runner then attaches its tensors the way it always has. ``declare``: see ``wait_ready``."""
+    """Return once ``rank`` of ``instance`` is READY in a live daemon; raise ``CacheNotReady`` after ``timeout``
+    seconds, ``DaemonGone`` / ``RankFailed`` at once when the daemon or the rank dies. The bounded, liveness-checked
+    replacement for FastDeploy's ``while cache_ready_signal.value[local_rank] != 1: time.sleep(1)`` (see
+    docs/fastdeploy.md): the runner then attaches its tensors the way it always has. ``declare``: see ``wait_ready``."""
     wait_ready(instance, rank, timeout, declare=declare).block.close()

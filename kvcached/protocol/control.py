@@ -29,17 +29,16 @@ alone, read by all.
     | stats slot of rank 0 ... rank n-1 (``kvcached.protocol.stats``): written by each        |
     | rank's worker, never by the supervisor                                                 |
 
-The fields from offset 3584 were added after version 3 was first published, where its readers never
-look: a reader of the first version 3 still reads a newer block (it sees no arena id or note), and a
-newer reader takes a zero arena id for the generation (a daemon before adoption allocated its own).
+The fields from offset 3584 came after version 3 was first published, where its first readers never look (they see no
+arena id or note); a newer reader takes a zero arena id for the generation (a daemon before adoption made its own).
 
 The seqlock: the writer makes ``seq`` odd, writes the body and its crc32, makes ``seq`` even; a reader reads ``seq``,
 copies the body, reads ``seq`` again and retries while it was odd or changed, or while the copy's crc32 does not match.
-The seq alone relies on stores and loads being seen in program order; the copies are memcpy calls, and on CPUs with fast
-string moves (``rep movsb``, used by glibc for such copies on recent AMD and Intel cores) the loads of a copy may
-complete out of order with the ``seq`` load after it: a reader was seen to take a torn body between two equal, even
-``seq`` values. The checksum makes a torn copy detectable whatever the CPU does (a 1 in 2**32 chance to miss one), so no
-fence is needed here or on a weaker architecture (aarch64) for the body; ``seq`` still tells a reader to retry early.
+``seq`` alone relies on stores and loads being seen in program order, but a copy is a memcpy, and with fast string moves
+(glibc's ``rep movsb`` on recent AMD and Intel cores) its loads may complete out of order with the ``seq`` load after
+it: a reader was seen to take a torn body between two equal, even ``seq`` values. The checksum catches a torn copy
+whatever the CPU does (missing 1 in 2**32), so the body needs no fence, here or on a weaker architecture (aarch64);
+``seq`` still tells a reader to retry early.
 """
 
 from __future__ import annotations
@@ -153,8 +152,7 @@ class Header:
     run_dir: str
     #: The generation whose memory this daemon adopted at start (0: it allocated its own).
     adopted_from: int = 0
-    #: The generation that allocated the memory (arenas and pools are named after it): this generation
-    #: unless it adopted another's.
+    #: The generation that allocated the memory (arenas and pools are named after it): this one unless it adopted.
     arena_id: int = 0
     #: What the daemon says about its start: "adopted from generation G", or why it did not adopt.
     note: str = ""
@@ -168,10 +166,9 @@ class Header:
 
 @dataclasses.dataclass(slots=True)
 class Record:
-    """One rank's record. Plain (not frozen): the supervisor updates it in place and writes it back.
-
-    ``backend`` names the device backend (``kvcached.memory``) and ``descriptor`` is what that backend
-    publishes for a runner to attach the tier (for ``host``: the arena's name and size)."""
+    """One rank's record; plain (not frozen): the supervisor updates it in place and writes it back. ``backend`` names
+    the device backend (``kvcached.memory``), ``descriptor`` is what it publishes for a runner to attach the tier (for
+    ``host``: the arena's name and size)."""
 
     state: State = State.EMPTY
     rank: int = 0
@@ -203,8 +200,7 @@ class Record:
 
     @classmethod
     def unpack(cls, body: bytes) -> Record:
-        """Parse body bytes (whose crc32 the reader checked); an unknown state number or a bad descriptor
-        raises ``ProtocolError``."""
+        """Parse body bytes (crc32 checked by the reader); ``ProtocolError`` for an unknown state or bad descriptor."""
         values = _RECORD.unpack(body)
         rank, length, raw = values["rank"], values.pop("descriptor_length"), values.pop("descriptor")
         del values["spare"]
