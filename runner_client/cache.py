@@ -2,10 +2,10 @@
 
 ``initialize_kv_cache`` is the one entry point. It applies the fixed condition (``cache_owner``):
 
-* ``"runner"``: allocate the cache in this process and publish nothing. If a live daemon of the instance
-  already holds this rank's cache, allocating would make a second copy: ``OwnershipConflict``.
-* ``"daemon"``: wait for the rank (``runner_client.wait``), map the daemon's arena zero-copy, and check
-  the published geometry against the runner's spec field by field (``CacheLayoutMismatch``).
+* ``"runner"``: allocate the cache in this process and publish nothing; if a live daemon of the instance already holds
+  this rank's cache, that would be a second copy: ``OwnershipConflict``.
+* ``"daemon"``: wait for the rank (``runner_client.wait``), map the daemon's arena zero-copy, and check the published
+  geometry against the runner's spec field by field (``CacheLayoutMismatch``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ class KVCache:
     ``key_caches[i]`` / ``value_caches[i]`` are layer ``i``'s ``[num_blocks, kv_heads, block_size, head_dim]`` tensors
     (``value_caches`` is empty for MLA); the scale lists are empty without ``block_wise_fp8``. With
     ``owner == "daemon"`` they alias the daemon's device tier: writes are seen by every process attached to the rank.
-    ``close()`` drops this object's references; mapped memory itself goes when the last view a caller kept is gone.
-    """
+    ``close()`` drops this object's references; mapped memory itself goes when the last view a caller kept is gone."""
 
     def __init__(
         self,
@@ -83,11 +82,10 @@ class KVCache:
         return is_alive(*self._daemon)
 
     def still_valid(self) -> bool:
-        """For a daemon-owned cache: does the instance's live daemon publish, READY, the very memory these
-        views map? True also after the daemon was restarted (``kvcached restart``) or killed and started
-        again, when the new daemon adopted the memory; ``generation`` and ``daemon_alive()`` then follow the
-        new daemon. False when no daemon serves the rank, or the memory was made anew: re-attach with
-        ``initialize_kv_cache``. Always True for the runner's own cache."""
+        """For a daemon-owned cache: does the instance's live daemon publish, READY, the very memory these views map?
+        Also True after the daemon was restarted (``kvcached restart``) or killed and started again, if the new one
+        adopted the memory (``generation`` and ``daemon_alive()`` then follow it); False when no daemon serves the rank,
+        or the memory was made anew: re-attach with ``initialize_kv_cache``. Always True for the runner's own cache."""
         if self._daemon is None or self._memory is None:
             return True
         found = _current_record(self.instance, self.rank)
@@ -173,14 +171,13 @@ def initialize_kv_cache(
     timeout: float = 600.0,
     framework: Framework = "numpy",
 ) -> KVCache:
-    """Create or attach rank ``local_rank``'s KV cache, following the fixed condition.
+    """Create or attach rank ``local_rank``'s KV cache by the fixed condition (``cache_owner(spec, profile)``).
 
-    Owner "runner" (``cache_owner(spec, profile)``): allocate here, publish nothing. Owner "daemon": wait (at most
-    ``timeout`` s, blocking on the rank's semaphore) for the daemon of ``instance`` (None: ``$KVCACHED_INSTANCE``, else
-    ``default``) to publish the rank, then attach zero-copy. Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``,
-    ``CacheLayoutMismatch``, ``OwnershipConflict``, ``InvalidSpec`` (``spec`` is not a ``CacheSpec``),
-    ``InvalidArgument`` (another argument out of range), ``ProtocolError``.
-    """
+    Owner "runner": allocate here, publish nothing. Owner "daemon": wait (at most ``timeout`` s, blocking on the rank's
+    semaphore) for the daemon of ``instance`` (None: ``$KVCACHED_INSTANCE``, else ``default``) to publish the rank, then
+    attach zero-copy. Raises ``CacheNotReady``, ``DaemonGone``, ``RankFailed``, ``CacheLayoutMismatch``,
+    ``OwnershipConflict``, ``InvalidSpec`` (``spec`` is not a ``CacheSpec``), ``InvalidArgument`` (another argument
+    out of range), ``ProtocolError``."""
     _check_arguments(spec, local_rank, profile, timeout, framework)
     instance = instance_or_default(instance)
     if cache_owner(spec, profile) == "runner":
@@ -218,8 +215,7 @@ def initialize_kv_cache(
 
 
 def _create_here(spec: CacheSpec, local_rank: int, profile: bool, instance: str, framework: str) -> KVCache:
-    """The runner owns the cache: allocate it in this process, unless a live daemon already holds the rank
-    (``OwnershipConflict``: allocating here would be a second copy)."""
+    """Owner "runner": allocate in this process, unless a live daemon holds the rank (module docstring)."""
     holder = _current_record(instance, local_rank)
     if holder is not None and holder[1].state in (State.ALLOCATING, State.READY):
         header, record = holder

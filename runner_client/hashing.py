@@ -37,11 +37,9 @@ def _encode(extra: Extra | None) -> bytes:
 def block_keys(
     token_ids: Sequence[int], block_size: int, extra: Extra | Sequence[Extra | None] | None = None
 ) -> list[bytes]:
-    """Keys (32 bytes each) of the full blocks of ``token_ids``; key ``i`` covers tokens ``0..(i+1)*B``.
-
-    ``extra`` is either one value mixed into every key (a model version, an adapter name, one image's
-    hash) or a sequence with one value per full block (e.g. multimodal hashes of the tokens in it).
-    """
+    """Keys (32 bytes each) of the full blocks of ``token_ids``; key ``i`` covers tokens ``0..(i+1)*B``. ``extra`` is
+    either one value mixed into every key (a model version, an adapter name, one image's hash) or a sequence with one
+    value per full block (e.g. multimodal hashes of the tokens in it)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise InvalidArgument("block_size", f"must be an integer >= 1, got {block_size!r}")
     tokens = np.asarray(token_ids)

@@ -1,11 +1,10 @@
 """The engine declares the geometry: the client side, and the rule that says whether two specs agree.
 
-A daemon started with ``--geometry engine`` knows its ranks, memory and store but not the cache's
-geometry (FastDeploy fixes its block count only after profiling). It publishes a control block whose
-header spec names the store backend only (``Header.awaits_geometry``) and listens on
-``<run_dir>/<instance>.declare.sock`` until the engine's first runner or cache-transfer drop-in declares
-the spec; then it allocates exactly that and publishes it in the next control block. One exchange per
-connection, a frame of JSON each way (``kvcached.protocol.framing``), and one of three answers::
+A daemon started with ``--geometry engine`` knows its ranks, memory and store but not the cache's geometry (FastDeploy
+fixes its block count only after profiling). It publishes a control block whose header spec names the store backend only
+(``Header.awaits_geometry``) and listens on ``<run_dir>/<instance>.declare.sock`` until the engine's first runner or
+cache-transfer drop-in declares the spec; then it allocates exactly that and publishes it in the next control block. One
+exchange per connection, a frame of JSON each way (``kvcached.protocol.framing``), and one of three answers::
 
     -> {"spec": {...CacheSpec fields...}}
     <- {"accepted": true}                                      the daemon allocates this spec
@@ -45,10 +44,9 @@ ACCEPTED, BUSY, GONE = "accepted", "busy", "gone"
 
 
 def declare(run_dir: str, instance: str, rank: int, spec: CacheSpec, *, owner_uid: int, timeout: float = 5.0) -> str:
-    """Declare ``spec`` (for rank ``rank``) to the daemon of ``instance`` waiting in ``run_dir``, within
-    ``timeout`` seconds: ``ACCEPTED``, ``BUSY`` or ``GONE``.
-    Raises ``CacheLayoutMismatch`` when it refuses, naming the field, ``AccessDenied`` when this user may not
-    connect, and ``InvalidSpec`` when the listener is not the daemon's user (``owner_uid``)."""
+    """Declare ``spec`` (for rank ``rank``) to the daemon of ``instance`` waiting in ``run_dir``, within ``timeout``
+    seconds: ``ACCEPTED``, ``BUSY`` or ``GONE``. Raises ``CacheLayoutMismatch`` when it refuses, naming the field,
+    ``AccessDenied`` when this user may not connect, ``InvalidSpec`` when the listener is not ``owner_uid``."""
     path = declare_socket_path(run_dir, instance)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)

@@ -115,13 +115,12 @@ class ProtocolError(KVCacheError):
 
 
 class TornRead(ProtocolError):
-    """Raised when no consistent copy of a record was had within the retry budget: the writer is mid-write,
-    or died mid-write."""
+    """Raised when no consistent copy of a record came within the retry budget: its writer is mid-write, or died so."""
 
 
 class InvalidArgument(KVCacheError, ValueError):
-    """Raised when an argument of a call is out of range and it is neither the spec's nor a task's (a rank
-    number, a framework, a timeout, token ids to hash): ``field`` names it, the message says what is allowed."""
+    """Raised when an argument of a call is out of range and it is neither the spec's nor a task's (a rank number, a
+    framework, a timeout, token ids to hash): ``field`` names it, the message says what is allowed."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")

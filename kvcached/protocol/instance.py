@@ -19,8 +19,8 @@ from kvcached.protocol.proc import is_alive
 
 @dataclasses.dataclass(slots=True)
 class InstanceView:
-    """A mapped control block. ``header`` is None while the block is not published yet (a daemon is
-    starting); ``alive`` is whether the header's daemon runs. The caller closes it (or uses ``with``)."""
+    """A mapped control block; ``header`` is None while it is not published (a daemon is starting). Closed by the
+    caller (or ``with``)."""
 
     block: ControlBlock
     header: Header | None
@@ -51,10 +51,9 @@ class InstanceView:
 
 
 def open_instance(instance: str, *, owner: int | None = None) -> InstanceView | None:
-    """The instance's control block, or None if there is none (or it is not sized yet); with ``owner``,
-    one of that uid only, trusted or not (``kvcached list`` shows whose it is). Raises ``AccessDenied`` (no
-    permission to read it) and ``ProtocolError`` (a published block that is not ours or of another format
-    version); nothing stays mapped when it raises."""
+    """The instance's control block, or None if there is none (or it is not sized yet); with ``owner``, one of that
+    uid only, trusted or not (``kvcached list`` shows whose it is). Raises ``AccessDenied`` (no permission to read it)
+    or ``ProtocolError`` (a published block not ours or of another format version), leaving nothing mapped."""
     block = ControlBlock.open(instance, owner=owner)
     if block is None:
         return None

@@ -16,10 +16,9 @@ block is one record for the attention store; each record starts on a page bounda
       <------------------------- spec.block_bytes ------------------------>
       <---------------------------------- block_stride ------------------------>
 
-``planes`` (xpu): one plane per tensor, in record order, each ``[num_cpu_blocks, tensor bytes per block]``,
-so that each layer's CPU blocks lie at the device block's stride from one pointer, as FastDeploy's
-``swap_cache_all_layers`` expects; a block's record for the store is gathered from every plane. Both
-fit in ``cpu_pool_bytes``::
+``planes`` (xpu): one plane per tensor, in record order, each ``[num_cpu_blocks, tensor bytes per block]``, so that each
+layer's CPU blocks lie at the device block's stride from one pointer, as FastDeploy's ``swap_cache_all_layers`` expects;
+a block's record for the store is gathered from every plane. Both fit in ``cpu_pool_bytes``::
 
     | L0.key of block 0, 1, ... n-1 | L0.value of block 0 ... n-1 | L1.key ... | (pad)
 

@@ -43,8 +43,6 @@ MAX_PAYLOAD = 64 << 20
 
 
 class Op(enum.IntEnum):
-    """Task operations."""
-
     HELLO = 1
     SWAP_OUT = 2
     SWAP_IN = 3
@@ -59,8 +57,6 @@ KEY_BYTES = 32
 
 
 class Status(enum.IntEnum):
-    """Reply statuses."""
-
     OK = 0
     INVALID = 1
     FAILED = 2
@@ -71,7 +67,6 @@ class Status(enum.IntEnum):
 
 
 def request(op: Op, task_id: int, payload: bytes = b"", flags: int = 0) -> bytes:
-    """A request frame."""
     return REQUEST.pack(REQUEST_MAGIC, op, flags, task_id, len(payload)) + payload
 
 

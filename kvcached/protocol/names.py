@@ -38,8 +38,6 @@ _INSTANCE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,47}")
 #: What an instance name may be, as error messages and --help say it (not beginning with "-": such a name
 #: reads as an option on every command line that names it).
 INSTANCE_RULE = "1-48 characters of A-Z a-z 0-9 _ -, not beginning with -"
-
-
 #: The instance a runner uses when it names none (``kvcached`` reads it too): else ``DEFAULT_INSTANCE``.
 INSTANCE_ENV = "KVCACHED_INSTANCE"
 
@@ -102,10 +100,10 @@ def instances_in_shm() -> dict[str, list[Path]]:
 
 
 def open_plain(path: Path | str, flags: int = os.O_RDONLY) -> int:
-    """Open ``path`` (an object under /dev/shm, or a lock file) as a plain file, or raise: ``OSError`` as
-    ``os.open`` does (``FileNotFoundError``, ``PermissionError``, ``ELOOP`` for a symbolic link) and
-    ``IsADirectoryError``-like ``OSError`` for anything that is not a regular file (a FIFO, a socket, a
-    directory: anyone may make one at any name, and an open of a FIFO would wait for a writer forever)."""
+    """Open ``path`` (an object under /dev/shm, or a lock file) as a plain file, or raise ``OSError``: as ``os.open``
+    does (``FileNotFoundError``, ``PermissionError``, ``ELOOP`` for a symbolic link), and EINVAL for anything not a
+    regular file (a FIFO, a socket, a directory: anyone may make one at any name, and opening a FIFO waits for a
+    writer forever)."""
     fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -1,9 +1,8 @@
 """The fixed condition: who allocates a rank's device KV cache. Written once, imported by both sides.
 
-FastDeploy's XPU runner once decided with ``profile or splitwise_role == "mixed"`` while the cache
-manager also owned the cache whenever CPU swap or a storage backend was on, and the whole cache was
-allocated twice. The condition below is the one its GPU and Metax runners use; the daemon refuses to
-allocate when it says "runner", and the runner never allocates when it says "daemon".
+FastDeploy's XPU runner once decided with ``profile or splitwise_role == "mixed"`` while its cache manager also owned
+the cache whenever CPU swap or a storage backend was on: the whole cache was allocated twice. The condition below is its
+GPU and Metax runners'; the daemon refuses to allocate when it says "runner", the runner never allocates when "daemon".
 """
 
 from __future__ import annotations

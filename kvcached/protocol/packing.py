@@ -7,8 +7,7 @@ from typing import Any
 
 
 class Table:
-    """A packed struct whose fields are named once, in their order on the wire: packed from and unpacked
-    to mappings by name, never by position."""
+    """A packed struct, packed from and unpacked to mappings by field name, never by position."""
 
     def __init__(self, *fields: tuple[str, str]) -> None:
         self.names = tuple(name for name, _ in fields)
