@@ -69,7 +69,6 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tensor."""
         return math.prod(self.shape) * NUMPY_DTYPES[self.dtype].itemsize
 
 
@@ -112,9 +111,8 @@ def cpu_pool_bytes(spec: CacheSpec) -> int:
     return cpu_block_stride(spec) * spec.num_cpu_blocks
 
 
-#: How a CPU pool is laid out: ``RECORDS``, block-major (one block of every layer is one contiguous record,
-#: ``cpu_block_stride`` apart), or ``PLANES``, tensor-major (per tensor, every block contiguous:
-#: ``cpu_planes``), where a device backend's own swap op wants it so.
+#: How a CPU pool is laid out (module docstring): ``RECORDS``, block-major (``cpu_block_stride`` apart), or ``PLANES``,
+#: tensor-major (``cpu_planes``), where a device backend's own swap op wants it so.
 RECORDS, PLANES = "records", "planes"
 POOL_LAYOUTS = (RECORDS, PLANES)
 
