@@ -77,9 +77,7 @@ class KVCache:
 
     def daemon_alive(self) -> bool:
         """For a daemon-owned cache: is the publishing daemon still running? Always True for the runner's."""
-        if self._daemon is None:
-            return True
-        return is_alive(*self._daemon)
+        return self._daemon is None or is_alive(*self._daemon)
 
     def still_valid(self) -> bool:
         """For a daemon-owned cache: does the instance's live daemon publish, READY, the very memory these views map?

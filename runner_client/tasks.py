@@ -139,7 +139,6 @@ class TaskHandle:
         """``result()`` in the one thread that reads the replies (the first outcome is every caller's)."""
         if self._result is not None:
             return self._result
-        instance = self._daemons.instance
         for i, (link, sent) in enumerate(self._parts):
             if i not in self._replies:  # a part sent again is the handle's from then on (a retry, ``__del__``)
                 self._replies[i] = link.reply(sent, deadline, functools.partial(self._resent, i, link))
@@ -148,7 +147,7 @@ class TaskHandle:
             if status == Status.INVALID:
                 raise InvalidTask(str(body.get("field")), f"rank {rank}: {body.get('message')}")
             if status != Status.OK:
-                message = f"instance {instance!r} rank {rank}: {body.get('message')}"
+                message = f"instance {self._daemons.instance!r} rank {rank}: {body.get('message')}"
                 raise StoreUnavailable(message) if body.get("store_unavailable") else TaskFailed(message)
         self._result = TaskResult(
             ranks=tuple(rank for rank, _, _ in replies),

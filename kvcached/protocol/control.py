@@ -209,21 +209,18 @@ class Record:
         except ValueError:
             raise ProtocolError(f"record of rank {rank} has unknown state number {values['state']}") from None
         values.update({name: _unfit(values[name]) for name in _TEXT})
-        values["descriptor"] = {}
-        if length:
-            try:
-                values["descriptor"] = json.loads(raw[: min(length, MAX_DESCRIPTOR)])
-            except ValueError:
-                values["descriptor"] = None
-            if not isinstance(values["descriptor"], dict):
-                raise ProtocolError(f"record of rank {rank} has a device descriptor that is not a JSON object")
+        try:
+            values["descriptor"] = json.loads(raw[: min(length, MAX_DESCRIPTOR)]) if length else {}
+        except ValueError:
+            values["descriptor"] = None
+        if not isinstance(values["descriptor"], dict):
+            raise ProtocolError(f"record of rank {rank} has a device descriptor that is not a JSON object")
         return cls(**values)
 
 
 def _fit(text: str, size: int) -> bytes:
-    data = text.encode("utf-8", "replace")[:size]
-    # Never leave a split multi-byte character at the cut.
-    return data.decode("utf-8", "ignore").encode()
+    """``text`` in utf-8, cut to ``size`` bytes at a character boundary (never a split multi-byte character)."""
+    return text.encode("utf-8", "replace")[:size].decode("utf-8", "ignore").encode()
 
 
 def _unfit(raw: bytes) -> str:

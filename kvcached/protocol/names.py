@@ -126,14 +126,11 @@ def posix_name(entry: Path) -> tuple[str, bool]:
 def run_dir() -> Path:
     """Where lock files and sockets live: ``$KVCACHED_RUN_DIR`` if set; ``$RUNTIME_DIRECTORY`` under systemd
     (``/run/kvcached``); ``$XDG_RUNTIME_DIR/kvcached``; else ``<tmp>/kvcached-<uid>``."""
-    explicit = os.environ.get("KVCACHED_RUN_DIR")
-    if explicit:
+    if explicit := os.environ.get("KVCACHED_RUN_DIR"):
         return Path(explicit).absolute()  # published in the control block: it must mean the same to runners
-    systemd = os.environ.get("RUNTIME_DIRECTORY")
-    if systemd:
+    if systemd := os.environ.get("RUNTIME_DIRECTORY"):
         return Path(systemd.split(":")[0])
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
+    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
         return Path(xdg) / PREFIX
     return Path(tempfile.gettempdir()) / f"{PREFIX}-{os.geteuid()}"
 

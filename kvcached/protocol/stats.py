@@ -105,8 +105,7 @@ class StatsSlot:
 
     def progress(self) -> int:
         """The progress counter (read by the supervisor)."""
-        value: int = self._slot[_PROGRESS]
-        return value
+        return int(self._slot[_PROGRESS])
 
     def count_task(self, op: str, blocks: int, nbytes: int, ns: int) -> None:
         """Count a finished task of ``op`` (one of ``LATENCY_OPS``) and put its duration in its histogram."""

@@ -54,11 +54,9 @@ def service_uid(path: Path = SERVICE_RUN_DIR) -> int | None:
 def trusted_uids() -> frozenset[int]:
     """The uids whose objects a runner uses."""
     uids = {os.geteuid(), 0}
-    service = service_uid()
-    if service is not None:
+    if (service := service_uid()) is not None:
         uids.add(service)
-    named = os.environ.get(ENV, "").strip()
-    if named:
+    if named := os.environ.get(ENV, "").strip():
         try:
             uids.add(int(named) if named.isdigit() else pwd.getpwnam(named).pw_uid)
         except KeyError:
