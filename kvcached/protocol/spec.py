@@ -54,19 +54,9 @@ class CacheSpec:
     """
 
     GEOMETRY_FIELDS: ClassVar[tuple[str, ...]] = (
-        "num_layers",
-        "kv_heads",
-        "head_dim",
-        "block_size",
-        "dtype",
-        "num_blocks",
-        "block_wise_fp8",
-        "mla",
-        "scale_dtype",
-        "mtp_layers",
-        "mtp_num_blocks",
-        "num_cpu_blocks",
-    )
+        "num_layers", "kv_heads", "head_dim", "block_size", "dtype", "num_blocks", "block_wise_fp8", "mla",
+        "scale_dtype", "mtp_layers", "mtp_num_blocks", "num_cpu_blocks",
+    )  # fmt: skip
     #: The role decides the owner with the store, so a declaration fixes it too.
     DECLARED_FIELDS: ClassVar[tuple[str, ...]] = (*GEOMETRY_FIELDS, "splitwise_role")
     ADDED_FIELDS: ClassVar[Mapping[str, object]] = {"mtp_layers": 0, "mtp_num_blocks": 0}

@@ -18,46 +18,22 @@ STATS_SIZE = 1024
 
 #: Counters in each rank's stats slot, in order. Append only: the position is the format.
 STAT_NAMES: tuple[str, ...] = (
-    "swap_out_tasks",
-    "swap_out_blocks",
-    "swap_out_bytes",
-    "swap_out_ns",
-    "swap_in_tasks",
-    "swap_in_blocks",
-    "swap_in_bytes",
-    "swap_in_ns",
-    "tasks_refused",
-    "connections",
-    "store_tasks",
-    "store_blocks",
-    "store_bytes",
-    "store_ns",
-    "load_tasks",
-    "load_blocks",
-    "load_bytes",
-    "load_ns",
+    "swap_out_tasks", "swap_out_blocks", "swap_out_bytes", "swap_out_ns",
+    "swap_in_tasks", "swap_in_blocks", "swap_in_bytes", "swap_in_ns",
+    "tasks_refused", "connections",
+    "store_tasks", "store_blocks", "store_bytes", "store_ns",
+    "load_tasks", "load_blocks", "load_bytes", "load_ns",
     "lookup_tasks",
-    "store_objects",
-    "store_bytes_used",
-    "store_hits",
-    "store_misses",
-    "store_evictions",
-    "store_corrupt",
+    "store_objects", "store_bytes_used", "store_hits", "store_misses", "store_evictions", "store_corrupt",
     "store_errors",
-    # The worker's main loop and its long tasks add to it as they go: the supervisor's liveness check.
+    # progress: the worker's main loop and its long tasks add to it as they go: the supervisor's liveness check.
     "progress",
-    "store_master_resets",
-    "store_unavailable",
-    # Swap tasks that failed while they ran (a refusal before anything moved is ``tasks_refused``).
+    "store_master_resets", "store_unavailable",
+    # swap_failures: swap tasks that failed while they ran (a refusal before anything moved is ``tasks_refused``).
     "swap_failures",
-    "store_republish_pending",
-    "store_republish_pending_bytes",
-    "store_republish_done",
-    "store_republish_done_bytes",
-    "store_republish_skipped",
-    "store_republish_failed",
-    "store_republish_rate",
-)
+    "store_republish_pending", "store_republish_pending_bytes", "store_republish_done", "store_republish_done_bytes",
+    "store_republish_skipped", "store_republish_failed", "store_republish_rate",
+)  # fmt: skip
 #: u64 index in a stats slot where the latency histograms begin (room for 64 counters before it).
 LATENCY_INDEX = 64
 #: Tasks whose duration is observed, in slot order.
