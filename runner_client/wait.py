@@ -144,14 +144,12 @@ class _Waiter:
         if header.num_ranks <= self.rank:
             self._drop_block()
             last = header.num_ranks - 1
+            why = (
+                f"out of range: the daemon serves ranks 0..{last} (--ranks {header.num_ranks}); "
+                f"start it with --ranks {self.rank + 1} or more, or attach a rank of 0..{last}"
+            )
             raise CacheLayoutMismatch(
-                "num_ranks",
-                header.num_ranks,
-                self.rank + 1,
-                instance=self.instance,
-                rank=self.rank,
-                why=f"out of range: the daemon serves ranks 0..{last} (--ranks {header.num_ranks}); "
-                f"start it with --ranks {self.rank + 1} or more, or attach a rank of 0..{last}",
+                "num_ranks", header.num_ranks, self.rank + 1, instance=self.instance, rank=self.rank, why=why
             )
         if not view.alive:
             if self.followed == (header.daemon_pid, header.daemon_start, header.generation):
@@ -196,18 +194,11 @@ class _Waiter:
         differs = self.declared.first_difference(header.spec, CacheSpec.DECLARED_FIELDS)
         if differs is not None:
             field, theirs, ours = differs
-            raise CacheLayoutMismatch(
-                field,
-                theirs,
-                ours,
-                instance=self.instance,
-                rank=self.rank,
-                why=(
-                    f"the daemon holds another geometry: {field} is {theirs!r} in the daemon's (its "
-                    f"configuration, or the declaration it took first), {ours!r} in the spec this process "
-                    f"(pid {os.getpid()}) declares"
-                ),
+            why = (
+                f"the daemon holds another geometry: {field} is {theirs!r} in the daemon's (its configuration, or the "
+                f"declaration it took first), {ours!r} in the spec this process (pid {os.getpid()}) declares"
             )
+            raise CacheLayoutMismatch(field, theirs, ours, instance=self.instance, rank=self.rank, why=why)
         self.declared_to = header.generation
 
     def _read(self) -> Record | None:
