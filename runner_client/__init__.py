@@ -1,8 +1,7 @@
 """The thin client every model-runner process imports.
 
     import runner_client as rc
-    spec = rc.CacheSpec(num_layers=28, kv_heads=1, head_dim=128, block_size=64, num_blocks=2048,
-                        num_cpu_blocks=512)
+    spec = rc.CacheSpec(num_layers=28, kv_heads=1, head_dim=128, block_size=64, num_blocks=2048, num_cpu_blocks=512)
     cache = rc.initialize_kv_cache(spec, local_rank, instance="default", timeout=600)
     cache.key_caches[0]   # layer 0's key cache, zero-copy
 

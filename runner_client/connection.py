@@ -125,9 +125,9 @@ class Connection:
     def send(self, op: Op, payload: bytes, flags: int = 0, *, by: float | None = None) -> int:
         """Send one task and return its id; at ``MAX_IN_FLIGHT`` unread replies, read some first (kept for their
         waiters), until ``by`` at the latest. Raises ``Closed`` (the worker is gone: it runs none of it),
-        ``TimeoutError`` (the worker reads nothing any more, or ``by`` passed while the frame was going out: this
-        connection is closed, part of a frame may be out) or ``Full`` (``by`` passed before it could go out: another
-        thread's frame was going out, or no room in flight)."""
+        ``TimeoutError`` (the worker reads nothing any more, or ``by`` passed while the frame went out: the connection
+        is closed, part of a frame may be out) or ``Full`` (``by`` passed first: another thread's frame was going out,
+        or no room in flight)."""
         deadline = self._deadline(by)
         if not self.send_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise Full()

@@ -65,8 +65,8 @@ class Daemons:
 
     def follow(self, old: Header, deadline: float) -> None:
         """The daemon of ``old`` handed over or died: wait (until ``deadline``, at most ``FOLLOW_S`` s) for the
-        instance's next live daemon and switch to it if it adopted the memory, else ``DaemonGone``. Returns at once
-        when another thread already switched."""
+        instance's next live daemon and switch to it if it adopted the memory, else ``DaemonGone``; at once if another
+        thread switched."""
         began = time.monotonic()
         limit = min(deadline, began + FOLLOW_S)
         with self._follow_lock:

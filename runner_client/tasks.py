@@ -114,8 +114,7 @@ class TaskHandle:
     def result(self, timeout: float | None = None) -> TaskResult:
         """Wait (at most ``timeout`` s, default the task's) for the task on every rank. Raises ``InvalidTask``
         (nothing changed), ``TaskFailed`` (``TaskLost`` when a rank's worker died during it, naming the blocks it may
-        have half-written; ``StoreUnavailable`` when the store did not answer), ``TaskTimeout``, ``DaemonGone`` or
-        ``RankFailed``."""
+        have half-written; ``StoreUnavailable`` for a silent store), ``TaskTimeout``, ``DaemonGone``, ``RankFailed``."""
         if self._result is not None:
             return self._result
         instance = self._daemons.instance
@@ -222,8 +221,7 @@ class CacheTasks:
     ) -> TaskResult:
         """Write device blocks (all layers) to the attention store under ``keys`` (from ``block_keys``). A key already
         stored is left as it is (a key names its content); ``TaskResult.bytes`` counts the bytes newly written. Raises
-        ``StoreUnavailable`` (a ``TaskFailed``) when the store's backend cannot be reached or did not answer within
-        ``--store-timeout``."""
+        ``StoreUnavailable`` (a ``TaskFailed``): its backend is unreachable or did not answer in ``--store-timeout``."""
         return self._send(self._store(rank, device_block_ids, keys, timeout=timeout)).result()
 
     def load(

@@ -159,8 +159,8 @@ class Header:
 
     @property
     def awaits_geometry(self) -> bool:
-        """True while the daemon waits for the engine to declare the geometry (``--geometry engine``): the
-        spec holds the store backend only."""
+        """True while the daemon waits for the engine to declare the geometry (``--geometry engine``): the spec holds
+        the store backend only."""
         return "num_blocks" not in self.spec
 
 
@@ -334,10 +334,9 @@ class ControlBlock:
 
     @classmethod
     def open(cls, instance: str, *, owner: int | None = None) -> ControlBlock | None:
-        """Map the instance's block read-only; None if there is none (or it is not sized yet). The header
-        may still be unpublished (``published`` is False): a daemon is starting. A block that belongs to an
-        untrusted user (with ``owner``: to anyone but that uid), or is writable by others, is refused before
-        it is mapped (``NotTrusted``)."""
+        """Map the instance's block read-only; None if there is none (or it is not sized yet). Its header may be
+        unpublished (``published`` False: a daemon is starting). A block of an untrusted user (with ``owner``: of anyone
+        but that uid), or writable by others, is refused before it is mapped (``NotTrusted``)."""
         name = control_name(instance)
         try:
             fd = open_plain(shm_path(name))

@@ -40,8 +40,7 @@ class KVCacheError(Exception):
 
 
 class InvalidSpec(KVCacheError, ValueError):
-    """Raised when a cache spec or configuration field is invalid: ``field`` names it, the message says what
-    is allowed."""
+    """Raised when a spec or configuration field is invalid: ``field`` names it, the message says what is allowed."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -85,8 +84,8 @@ class AccessDenied(KVCacheError, PermissionError):
 
 class NotTrusted(AccessDenied):
     """Raised before a byte is mapped when an object under the instance's names (control block, semaphore, arena,
-    socket) belongs to a user the runner does not trust, or is writable by others: an impostor could otherwise hand the
-    runner its memory. Trusted: the runner's own user, root, and the user named by ``KVCACHED_DAEMON_USER``."""
+    socket) belongs to a user the runner does not trust (``kvcached.protocol.trust`` says whom), or is writable by
+    others: an impostor could otherwise hand the runner its memory."""
 
 
 class RankFailed(KVCacheError):

@@ -116,9 +116,9 @@ class Reader:
         return bool(data)
 
     def receive(self, sock: socket.socket, deadline: float | None = None, *, fds: bool = False) -> bytes:
-        """The next frame's body, waiting for it: ``ConnectionError`` when the stream ends first,
-        ``TimeoutError`` at ``deadline`` (a ``time.monotonic`` instant: the whole frame within it, however its
-        bytes trickle in), else per the socket's own timeout."""
+        """The next frame's body, waiting for it: ``ConnectionError`` when the stream ends first, ``TimeoutError`` at
+        ``deadline`` (``time.monotonic``: the whole frame by then, however its bytes trickle in), else per the
+        socket's own timeout."""
         while (body := self.next()) is None:
             if deadline is not None:
                 left = deadline - time.monotonic()

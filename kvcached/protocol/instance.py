@@ -19,8 +19,7 @@ from kvcached.protocol.proc import is_alive
 
 @dataclasses.dataclass(slots=True)
 class InstanceView:
-    """A mapped control block; ``header`` is None while it is not published (a daemon is starting). Closed by the
-    caller (or ``with``)."""
+    """A mapped control block, ``header`` None until published (a daemon is starting); the caller closes it."""
 
     block: ControlBlock
     header: Header | None

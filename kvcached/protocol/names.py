@@ -43,9 +43,8 @@ INSTANCE_ENV = "KVCACHED_INSTANCE"
 
 
 def instance_or_default(instance: str | None = None) -> str:
-    """``instance``, or ``$KVCACHED_INSTANCE``, or ``default``; checked (``InvalidSpec`` naming the source).
-    The one place the default is worked out: ``KVCACHED_INSTANCE`` set empty counts as unset, as the CLI reads
-    it (click ignores an empty variable)."""
+    """``instance``, or ``$KVCACHED_INSTANCE``, or ``default``; checked (``InvalidSpec`` naming the source). The one
+    place the default is worked out: set empty, the variable counts as unset, as the CLI reads it (click ignores it)."""
     if instance is not None:
         return check_instance(instance)
     named = os.environ.get(INSTANCE_ENV)
@@ -102,8 +101,7 @@ def instances_in_shm() -> dict[str, list[Path]]:
 def open_plain(path: Path | str, flags: int = os.O_RDONLY) -> int:
     """Open ``path`` (an object under /dev/shm, or a lock file) as a plain file, or raise ``OSError``: as ``os.open``
     does (``FileNotFoundError``, ``PermissionError``, ``ELOOP`` for a symbolic link), and EINVAL for anything not a
-    regular file (a FIFO, a socket, a directory: anyone may make one at any name, and opening a FIFO waits for a
-    writer forever)."""
+    regular file (a FIFO, a socket, a directory: anyone may make one at any name; a FIFO's open waits forever)."""
     fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

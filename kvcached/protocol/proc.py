@@ -35,8 +35,8 @@ def start_time(pid: int) -> int | None:
 
 
 def status_values(pid: int | str, name: str) -> list[str]:
-    """The values on the ``name:`` line of ``/proc/<pid>/status`` (``pid`` "self": this process); [] when
-    the process is gone or has no such line."""
+    """The values on the ``name:`` line of ``/proc/<pid>/status`` (``pid`` "self": this process); [] when the
+    process is gone or has no such line."""
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(f"{name}:"):
@@ -90,8 +90,7 @@ def _exited(pid: int, child: bool, started: int | None) -> bool:
 
 
 def end(pids: list[int], seconds: float, *, child: bool) -> None:
-    r"""Give the processes ``pids`` ``seconds`` to exit, then SIGKILL those still there (``child``\ ren are
-    reaped, whatever became of them)."""
+    """Give the processes ``pids`` ``seconds`` to exit, then SIGKILL those left (with ``child``, all are reaped)."""
     started = {pid: start_time(pid) for pid in pids}  # (a pid reused meanwhile is another process)
     running = [pid for pid in pids if child or started[pid] is not None]
 
