@@ -134,8 +134,7 @@ class Connection:
         try:
             try:
                 while self.sent - self.read >= MAX_IN_FLIGHT:
-                    # Waited for at most until ``deadline``: another thread may be reading, for its own
-                    # reply, longer than this caller may wait.
+                    # Until ``deadline`` only: another thread may read for its own reply longer than this one may wait.
                     if not self.read_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
                         raise TimeoutError
                     try:

@@ -34,8 +34,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-#: The run directory of ``systemd/kvcached@.service`` (``RuntimeDirectory=kvcached``): its owner is the
-#: unit's ``User=``, the service user.
+#: ``systemd/kvcached@.service``'s run directory (``RuntimeDirectory=``), owned by its ``User=``: the service user.
 SERVICE_RUN_DIR = Path("/run/kvcached")
 
 
