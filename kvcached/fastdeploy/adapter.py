@@ -1,13 +1,10 @@
-"""Everything the drop-in touches of FastDeploy, behind one small interface.
-
-The drop-in speaks to FastDeploy's engine through its cache task queue (``EngineCacheQueue``), its flag
-arrays (``IPCSignal``), its task and status types, and the queue its control responses go back on
-(``FMQ``). ``FastDeploy`` lists those calls; ``RealFastDeploy`` makes them with FastDeploy's own modules;
-the tests give the drop-in FastDeploy's own ``engine_cache_queue.py`` and ``ipc_signal.py`` from a checkout,
-or a double written from them, through the same interface: the translation logic is tested without
-FastDeploy installed, and nothing else of kvcached imports FastDeploy. Nothing of FastDeploy is read as
-source (where the cache queue is comes from the patched launcher: ``arguments.line_facts``).
-"""
+"""Everything the drop-in touches of FastDeploy, behind one small interface: the engine's cache task queue
+(``EngineCacheQueue``), its flag arrays (``IPCSignal``), its task and status types, and the queue control responses
+go back on (``FMQ``). ``FastDeploy`` lists those calls; ``RealFastDeploy`` makes them with FastDeploy's own modules;
+the tests give the drop-in FastDeploy's own ``engine_cache_queue.py`` and ``ipc_signal.py`` from a checkout, or a
+double written from them, through the same interface, so the translation logic is tested without FastDeploy
+installed. Nothing else of kvcached imports FastDeploy; nothing of it is read as source (where the cache queue is
+comes from the patched launcher: ``arguments.line_facts``)."""
 
 from __future__ import annotations
 

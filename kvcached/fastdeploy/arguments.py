@@ -1,18 +1,14 @@
 """The drop-in's command line (``cache_transfer_manager.py``'s, plus what the patch tells it) and what it says.
 
-FastDeploy's launcher (``prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184 ~296-326) passes
-the geometry it computed after profiling: ``--key_cache_shape blocks,kv_heads,block_size,head_dim``, an
-empty ``--value_cache_shape`` for MLA, ``--num_layers``, ``--speculative_config`` (MTP layers),
-``--cache_dtype`` with ``--default_dtype`` (the model's), ``--num_cpu_blocks``, ``--splitwise_role`` and
-``--kvcache_storage_backend``. ``declared_spec`` turns them into the ``CacheSpec`` the drop-in declares
-to a daemon started with ``--geometry engine``; ``check_against`` refuses a daemon that holds another
-cache, naming FastDeploy's argument, before anything moves.
-
-Each line's kvcached patch adds what that line's launcher knows and the drop-in must obey (``FACTS``,
-hyphenated where FastDeploy's own arguments use underscores, so the names cannot collide; ``LineFacts``
-says what each tells). ``line_facts`` reads them and refuses, by name, a launch without them. Nothing of
-FastDeploy's source is read: a new line's patch states its own facts.
-"""
+FastDeploy's launcher (``prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184 ~296-326) passes the geometry it
+computed after profiling: ``--key_cache_shape blocks,kv_heads,block_size,head_dim``, an empty ``--value_cache_shape``
+for MLA, ``--num_layers``, ``--speculative_config`` (MTP layers), ``--cache_dtype`` with ``--default_dtype`` (the
+model's), ``--num_cpu_blocks``, ``--splitwise_role`` and ``--kvcache_storage_backend``. ``declared_spec`` makes them the
+``CacheSpec`` declared to a daemon started with ``--geometry engine``; ``check_against`` refuses a daemon that holds
+another cache, naming FastDeploy's argument, before anything moves. Each line's kvcached patch adds what its launcher
+knows and the drop-in must obey (``FACTS``, hyphenated where FastDeploy's arguments use underscores, so the names cannot
+collide; ``LineFacts`` says what each tells); ``line_facts`` refuses, by name, a launch without them. Nothing of
+FastDeploy's source is read: a new line's patch states its own facts."""
 
 from __future__ import annotations
 
@@ -68,11 +64,10 @@ class LineFacts:
     write_wait_s: float | None
 
 
-#: Seconds before the engine stops waiting for a write by which every part of it has ended (or the rank
-#: ends): the patched launcher looks at its drop-ins every second.
+#: Seconds before the engine stops waiting for a write by which every part of it has ended (or the rank ends): the
+#: patched launcher looks at its drop-ins every second.
 ENGINE_MARGIN_S = 5.0
-#: The shortest wait for a storage write an engine may be said to have: a write is bounded to end
-#: ``2 * ENGINE_MARGIN_S`` before the engine stops waiting.
+#: A storage write is bounded to end this long before the engine stops waiting for it: the engine's wait must be longer.
 MIN_WRITE_WAIT_S = 2 * ENGINE_MARGIN_S
 
 
@@ -115,9 +110,8 @@ class _Once(argparse.Action):
 
 
 def line_facts(args: argparse.Namespace) -> LineFacts:
-    """The facts the patched launcher passed. Raises ``InvalidSpec`` naming the first one missing: then the
-    drop-in was started by another launcher (an unpatched one, someone's own, or an earlier kvcached patch),
-    whose ways it cannot know."""
+    """The facts the patched launcher passed. Raises ``InvalidSpec`` naming the first one missing: then another launcher
+    started the drop-in (an unpatched one, someone's own, or an earlier kvcached patch), whose ways it cannot know."""
     for flag in FACTS:
         if not hasattr(args, flag[2:].replace("-", "_")):
             raise InvalidSpec(
@@ -170,8 +164,8 @@ exit status (docs/fastdeploy.md lists every path):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names,
-    types, defaults and choices, so that the engine can launch this module in its place; and ``FACTS``."""
+    """``cache_transfer_manager.py``'s arguments at e53f5184 (``parse_args``, ~56-130), the same names, types, defaults
+    and choices, so that the engine can launch this module in its place; and ``FACTS``."""
     parser = argparse.ArgumentParser(
         prog="python -m kvcached.fastdeploy.transfer_manager",
         allow_abbrev=False,  # a launcher writes the names whole
@@ -225,9 +219,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def group_ranks(args: argparse.Namespace) -> list[int]:
-    """The kvcached ranks of this tensor-parallel group: data-parallel group ``--local_data_parallel_id``
-    holds ranks ``dp * mp_num .. dp * mp_num + mp_num - 1`` (FastDeploy's control queues are numbered the
-    same way, ``cache_transfer_manager.py`` ~324-331)."""
+    """The group's kvcached ranks: group ``dp`` (``--local_data_parallel_id``) holds ``dp * mp_num`` to
+    ``dp * mp_num + mp_num - 1``, as FastDeploy numbers its control queues (``cache_transfer_manager.py`` ~324-331)."""
     first = args.local_data_parallel_id * args.mp_num
     return list(range(first, first + args.mp_num))
 
@@ -237,8 +230,8 @@ MAX_SECONDS = 7 * 24 * 3600.0
 
 
 def env_seconds(name: str, default: float) -> float:
-    """Seconds from the environment variable ``name`` (``default`` when unset). Raises ``InvalidSpec`` naming
-    the variable for anything but a number > 0 and at most ``MAX_SECONDS``."""
+    """Seconds from the environment variable ``name`` (``default`` when unset). Raises ``InvalidSpec`` naming the
+    variable for anything but a number > 0 and at most ``MAX_SECONDS``."""
     raw = os.environ.get(name)
     try:
         value = float(raw) if raw is not None else default
@@ -261,21 +254,19 @@ def mtp_names_differ(dp_id: int, tp_rank: int, rank: int) -> str:
 
 
 def store_key(fd_key: str, key_prefix: str) -> bytes:
-    """The kvcached store key of a FastDeploy block hash (a ``ReadStorageTask`` / ``WriteStorageTask``
-    key): BLAKE2b-256 of ``b"fastdeploy\\0" + key_prefix + b"\\0" + key``. FastDeploy names the per-rank
-    objects ``prefix{key_prefix}_{key}_{rank}_key``; kvcached keeps one object per (key, rank) already,
-    holding key, value and scales, so the rank is not in the key. ``key_prefix`` is the weights' version
-    (``version.yaml``), as in FastDeploy: new weights never load old KV."""
+    """The kvcached store key of a FastDeploy block hash (a ``ReadStorageTask`` / ``WriteStorageTask`` key): BLAKE2b-256
+    of ``b"fastdeploy\\0" + key_prefix + b"\\0" + key``, without the rank FastDeploy puts in its per-rank objects' names
+    (``prefix{key_prefix}_{key}_{rank}_key``): kvcached keeps one object per (key, rank) already, holding key, value and
+    scales. ``key_prefix``, the weights' version, keeps new weights from loading old KV, as in FastDeploy."""
     return hashlib.blake2b(b"fastdeploy\0" + key_prefix.encode() + b"\0" + fd_key.encode(), digest_size=32).digest()
 
 
 def key_prefix(model_path: str | None) -> str | None:
-    """FastDeploy's key prefix: the first two ``-`` parts of ``version`` in ``<model_path>/version.yaml``, read
-    as FastDeploy reads it (``get_key_prefix_from_version``: ``yaml.safe_load``, e53f5184
-    ``cache_transfer_manager.py`` ~136-143); None without a model path or that file (FastDeploy then keeps
-    the prefix it has, "" at start: ``_update_key_prefix`` ~378-385). Raises ``InvalidSpec`` naming
-    ``model_path`` where FastDeploy's own reading would fail, and when PyYAML is missing (any other reading
-    could name the weights' KV differently from FastDeploy's)."""
+    """FastDeploy's key prefix: the first two ``-`` parts of ``version`` in ``<model_path>/version.yaml``, read as
+    FastDeploy reads it (``get_key_prefix_from_version``: ``yaml.safe_load``, e53f5184 ``cache_transfer_manager.py``
+    ~136-143); None without a model path or that file (FastDeploy then keeps the prefix it has, "" at start:
+    ``_update_key_prefix`` ~378-385). Raises ``InvalidSpec`` naming ``model_path`` where FastDeploy's own reading would
+    fail, and when PyYAML is missing (any other reading could name the weights' KV differently from FastDeploy's)."""
     if not model_path:
         return None
     path = Path(model_path) / "version.yaml"
@@ -321,9 +312,8 @@ def _mtp(args: argparse.Namespace, blocks: int) -> tuple[int, int]:
 
 
 def declared_spec(args: argparse.Namespace, storage_backend: str | None) -> CacheSpec:
-    """The rank's ``CacheSpec`` as FastDeploy's arguments describe it (with the daemon's store backend), laid
-    out as FastDeploy's XPU runner makes it (a quantized cache is ``int8``, ``xpu_model_runner.py`` ~1238).
-    Raises ``InvalidSpec`` naming the argument that does not describe a cache."""
+    """The rank's ``CacheSpec`` from FastDeploy's arguments and the daemon's store backend, laid out as the XPU runner
+    makes it (quantized: ``int8``, ``xpu_model_runner.py`` ~1238); ``InvalidSpec`` names an argument describing none."""
     key = _shape("key_cache_shape", args.key_cache_shape)
     if len(key) != 4:
         raise InvalidSpec("key_cache_shape", f"must be blocks,kv_heads,block_size,head_dim; got {key}")
@@ -355,8 +345,8 @@ def declared_spec(args: argparse.Namespace, storage_backend: str | None) -> Cach
 
 
 def check_store(args: argparse.Namespace, daemon_store: str | None) -> None:
-    """Raise ``InvalidSpec`` when ``--kvcache_storage_backend`` is not the daemon's store backend: the engine
-    would store and load where kvcached does not (or think storage on where it is off)."""
+    """Raise ``InvalidSpec`` when ``--kvcache_storage_backend`` is not the daemon's store backend: the engine would
+    store and load where kvcached does not (or think storage on where it is off)."""
     if args.kvcache_storage_backend != daemon_store:
         held = daemon_store or "none (no --storage-backend)"
         why = {"attention_store": "an external SDK kvcached does not speak; use file or mooncake"}.get(
@@ -366,10 +356,9 @@ def check_store(args: argparse.Namespace, daemon_store: str | None) -> None:
 
 
 def check_against(published: Mapping[str, Any], args: argparse.Namespace, descriptor: Mapping[str, Any]) -> None:
-    """Raise ``InvalidSpec`` naming the first of FastDeploy's arguments that disagrees with the daemon: its
-    store backend, its geometry (``published``: the header's spec), the device of the rank's memory (the
-    record's ``descriptor``, where the backend names one). Then the engine and kvcached would move
-    different bytes, or store and load where the other does not look."""
+    """Raise ``InvalidSpec`` naming the first FastDeploy argument that differs from the daemon: store backend, geometry
+    (``published``: the header's spec), device of the rank's memory (the record's ``descriptor``, where the backend
+    names one). Else the two would move different bytes, or store and load where the other does not look."""
     theirs = published.get("storage_backend")
     check_store(args, theirs)
     ours = declared_spec(args, theirs)
