@@ -1,14 +1,11 @@
 """``kvcached doctor``'s FastDeploy checks: which FastDeploy this host runs and whether it and kvcached agree.
 
-Given a FastDeploy tree (``--fastdeploy PATH``, or the installed ``fastdeploy`` package by default), in this
-order: ``fastdeploy_line``, ``fastdeploy_patch``, ``fastdeploy_queue``, ``fastdeploy_runner``, then where
-they apply ``fastdeploy_messager`` (a patched launcher, an unpatched messager), ``fastdeploy_platform`` (an
-installed paddle or FastDeploy distribution names it) and ``fastdeploy_v1_cache_manager`` (with
-``ENABLE_V1_KVCACHE_MANAGER`` set). docs/fastdeploy.md (*Which FastDeploy is this?*) says what each finds.
-
-Nothing of FastDeploy is imported: its files are read (``kvcached.fastdeploy.lines``). Only here: the
-drop-in, which decides, reads none of them (the patched launcher tells it what it needs).
-"""
+Given a FastDeploy tree (``--fastdeploy PATH``, or the installed ``fastdeploy`` package by default), in this order:
+``fastdeploy_line``, ``fastdeploy_patch``, ``fastdeploy_queue``, ``fastdeploy_runner``, then where they apply
+``fastdeploy_messager`` (a patched launcher, an unpatched messager), ``fastdeploy_platform`` (an installed paddle or
+FastDeploy distribution names it) and ``fastdeploy_v1_cache_manager`` (with ``ENABLE_V1_KVCACHE_MANAGER`` set);
+docs/fastdeploy.md (*Which FastDeploy is this?*) says what each finds. FastDeploy's files are read
+(``kvcached.fastdeploy.lines``), never imported; only here: the drop-in, which decides, reads none of them."""
 
 from __future__ import annotations
 
@@ -50,8 +47,8 @@ def engine_config(spec: CacheSpec) -> Config:
 
 
 def double_allocation(tree: Tree, config: Config) -> str | None:
-    """Why ``tree``'s XPU runner would allocate a second copy of a cache kvcached owns under ``config``, or
-    None when it would not (or kvcached does not own it, or it cannot be told: see ``tree.runner.unknown``)."""
+    """Why ``tree``'s XPU runner would allocate a second copy of a cache kvcached owns under ``config``, or None when it
+    would not (or kvcached does not own it, or it cannot be told: see ``tree.runner.unknown``)."""
     if config.fixed() or tree.runner_patched:
         return None
     try:
@@ -92,8 +89,8 @@ def messager_double(tree: Tree, splitwise_role: str) -> str | None:
 
 
 def checks(spec: CacheSpec, where: str | None = AUTO, environ: Mapping[str, str] = os.environ) -> list[Check]:
-    """The FastDeploy checks for a daemon of ``spec``. ``where``: a path, ``auto`` (the installed package;
-    no checks when there is none) or ``none``."""
+    """The FastDeploy checks for a daemon of ``spec``. ``where``: a path, ``auto`` (the installed package; no checks
+    when there is none) or ``none``."""
     if where is None or where == NONE:
         return []
     if where == AUTO:
@@ -173,8 +170,8 @@ def check_patch(tree: Tree) -> Check:
 
 
 def _foreign_patch(tree: Tree, foreign: Line) -> Check:
-    """Another line's patch applied to this tree: a failure, whatever it changes (each line's patch is made,
-    and its hooks run, against that line's files)."""
+    """Another line's patch applied to this tree: a failure, whatever it changes (each line's patch is made, and its
+    hooks run, against that line's files)."""
     own = tree.line.patch if tree.line is not None else "the patch of its line"
     figure = f"{foreign.patch} (for FastDeploy {foreign.name}) is applied to this {tree.line_name} tree"
     measured = {"patch": foreign.patch, "state": "another line's patch", "line": foreign.name}

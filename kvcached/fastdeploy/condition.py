@@ -1,7 +1,7 @@
 """A FastDeploy runner's own cache condition, read from its source and compared with kvcached's fixed one.
 
-Each FastDeploy line decides in ``initialize_kv_cache`` (``worker/xpu_model_runner.py``) whether the runner
-creates its KV cache or attaches the one a cache manager made, with one assignment::
+Each FastDeploy line decides in ``initialize_kv_cache`` (``worker/xpu_model_runner.py``) whether the runner creates its
+KV cache or attaches the one a cache manager made, with one assignment::
 
     create_cache_tensor = profile or self.scheduler_config.splitwise_role == "mixed"          # e53f5184, 2.6
     create_cache_tensor = profile or not (                                                    # 2026-05-20
@@ -10,10 +10,9 @@ creates its KV cache or attaches the one a cache manager made, with one assignme
     )
 
 ``read_condition`` finds that assignment with ``ast`` (nothing of FastDeploy is imported or run) and
-``RunnerCondition.creates`` evaluates it for a configuration of the ``INPUTS`` (whatever object holds
-them); anything else makes the condition unknown rather than guessed. ``differences`` lists where it and
-kvcached's fixed condition (``kvcached.protocol.ownership``) disagree, and what each costs.
-"""
+``RunnerCondition.creates`` evaluates it for a configuration of the ``INPUTS`` (whatever object holds them); anything
+else makes the condition unknown rather than guessed. ``differences`` lists where it and kvcached's fixed condition
+(``kvcached.protocol.ownership``) disagree, and what each costs."""
 
 from __future__ import annotations
 
@@ -115,14 +114,14 @@ class RunnerCondition:
         return bool(_evaluate(self.expression, config))
 
     def differences(self) -> list[tuple[Config, str]]:
-        """Each configuration where this condition and the fixed one disagree, with its cost: ``two copies``
-        (the runner creates while kvcached owns) or ``no copy`` (the runner waits while nobody creates)."""
+        """Each configuration where this condition and the fixed one disagree, with its cost: ``two copies`` (the runner
+        creates while kvcached owns) or ``no copy`` (the runner waits while nobody creates)."""
         return [(c, TWO_COPIES if self.creates(c) else NO_COPY) for c in CONFIGS if self.creates(c) != c.fixed()]
 
 
 def read_condition(root: Path, path: str = RUNNER) -> RunnerCondition:
-    """The ``create_cache_tensor`` assignment of ``initialize_kv_cache`` in ``root/path``; ``unknown`` says
-    why when there is none or it cannot be evaluated."""
+    """The ``create_cache_tensor`` assignment of ``initialize_kv_cache`` in ``root/path``; ``unknown`` says why when
+    there is none or it cannot be evaluated."""
     try:
         tree = ast.parse((root / path).read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError) as exc:

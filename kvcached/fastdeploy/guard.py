@@ -1,12 +1,10 @@
-"""What the drop-in refuses before it serves a rank, from what it is told alone (no FastDeploy source is
-read): a platform kvcached has no device backend for (``platform_refusal``), and routing replay (2.6's
-``--routing_replay_config``: FastDeploy's manager moves each block's routing data with it, the drop-in
-does not).
+"""What the drop-in refuses before it serves a rank, from what it is told alone (no FastDeploy source is read): a
+platform kvcached has no device backend for (``platform_refusal``), and routing replay (2.6's
+``--routing_replay_config``: FastDeploy's manager moves each block's routing data with it, the drop-in does not).
 
-Whether the tree's runner and cache messager carry kvcached's hunks is ``kvcached doctor --fastdeploy``'s
-question (it reads the tree): ``git apply`` applies a patch whole or not at all, so a launcher that passes the
-line's facts belongs to a tree whose runner and messager were patched with it.
-"""
+Whether the tree's runner and cache messager carry kvcached's hunks is ``kvcached doctor --fastdeploy``'s question (it
+reads the tree): ``git apply`` applies a patch whole or not at all, so a launcher that passes the line's facts belongs
+to a tree whose runner and messager were patched with it."""
 
 from __future__ import annotations
 
