@@ -1,30 +1,27 @@
 """What the drop-in does with each of FastDeploy's cache tasks, and how it reports it.
 
 The result forms are the ones FastDeploy's result thread reads (``prefix_cache_manager.py``
-``recv_data_transfer_result`` ~2140-2199, e53f5184), each chosen so the engine never computes on a block
-that did not move (docs/fastdeploy.md tabulates them, *What is reported*):
+``recv_data_transfer_result`` ~2140-2199, e53f5184), each chosen so the engine never computes on a block that did not
+move (docs/fastdeploy.md tabulates them, *What is reported*):
 
-* ``SWAP2CPU`` (eviction, ``_evict_cache_async`` ~1360-1404): not moved, ``(event, id, [], [], [])``: the
-  engine handles no node (``for i in range(length)``, ~2178), so each stays SWAP2CPU on its GPU block, which
-  keeps its bytes; a later match uses that block (``mm_match_block`` ~1702-1708). The task's CPU blocks stay
-  allocated (logged).
-* ``SWAP2GPU`` (``request_match_blocks`` -> ``_prepare_cpu_cache`` ~796-813): once the event is set the
-  engine takes the receiving GPU blocks as the request's prefix (~884) whatever the result lists, and an
-  unanswered one hangs the scheduler (it waits holding ``request_release_lock``, ~582-592, ~759): no form
-  of "not done" is safe. So a swap-in is sent again until it moves, or the rank ends (``Engine.end``).
-* ``STORAGE2GPU`` (~2153-2163): the blocks every rank loaded (``[]`` when none), put once per rank (the
-  engine takes the shortest, recomputes the rest and recycles their blocks, ~880).
+* ``SWAP2CPU`` (eviction, ``_evict_cache_async`` ~1360-1404): not moved, ``(event, id, [], [], [])``: the engine handles
+  no node (``for i in range(length)``, ~2178), so each stays SWAP2CPU on its GPU block, which keeps its bytes, and a
+  later match uses that block (``mm_match_block`` ~1702-1708); the task's CPU blocks stay allocated (logged).
+* ``SWAP2GPU`` (``request_match_blocks`` -> ``_prepare_cpu_cache`` ~796-813): once the event is set the engine takes the
+  receiving GPU blocks as the request's prefix (~884) whatever the result lists, and an unanswered one hangs the
+  scheduler (it waits holding ``request_release_lock``, ~582-592, ~759): no form of "not done" is safe. So a swap-in is
+  sent again until it moves, or the rank ends (``Engine.end``).
+* ``STORAGE2GPU`` (~2153-2163): the blocks every rank loaded (``[]`` when none), put once per rank (the engine takes the
+  shortest, recomputes the rest and recycles their blocks, ~880).
 * ``GPU2STORAGE`` (~2164-2168): the ids written (``[]`` when none); the engine only wakes its waiter. On 2.6
-  (``--kvcached-write-reports every-rank``) every rank answers with the task's blocks the store holds (the
-  prefix found stored and the blocks written), the engine keeping the shortest and counting it against the
-  task's blocks (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458, ``cache_transfer_manager.py``
-  ~1303-1305 there).
+  (``--kvcached-write-reports every-rank``) every rank answers with the task's blocks the store holds (the prefix found
+  stored and the blocks written), the engine keeping the shortest and counting it against the task's blocks
+  (``prefix_cache_manager.py`` ~1489-1514 and ~2446-2458, ``cache_transfer_manager.py`` ~1303-1305 there).
 
 Storage is FastDeploy's manager's (``cache_transfer_manager.py`` ``read_storage_task`` ~758-830,
-``write_back_storage_task`` ~947-1025): one key per full block (none for a partial last one); a read loads
-the stored prefix into the first GPU ids, a write stores the blocks past the prefix already stored. The
-handlers reach the drop-in that runs them through ``Engine`` alone.
-"""
+``write_back_storage_task`` ~947-1025): one key per full block (none for a partial last one); a read loads the stored
+prefix into the first GPU ids, a write stores the blocks past the prefix already stored. The handlers reach the drop-in
+that runs them through ``Engine`` alone."""
 
 from __future__ import annotations
 
@@ -131,8 +128,8 @@ class Handlers:
     # -- storage --------------------------------------------------------------------------------------
 
     def read(self, task: Any) -> None:
-        """``read_storage_task``: the stored prefix of the task's keys into its first GPU blocks, reported
-        once no rank's part of it can still write (``kvcached.fastdeploy.mover``)."""
+        """``read_storage_task``: the stored prefix of the task's keys into its first GPU blocks, reported once no
+        rank's part of it can still write (``kvcached.fastdeploy.mover``)."""
         assert self.mover is not None
         store_keys, gpu_ids = self._task(task)
         gpu_ids = gpu_ids[: len(store_keys)]  # a key per full block; the last GPU block may hold a partial one
@@ -145,14 +142,12 @@ class Handlers:
         self._put(result, copies=self.n_ranks)  # the engine waits for one per rank and takes the shortest
 
     def write(self, task: Any, taken: float | None = None) -> None:
-        """``write_back_storage_task``: the task's blocks past the prefix already stored go to the store;
-        reported once no rank's part of it still runs (a late put would store whatever the engine has since
-        put in those blocks under the task's keys). ``taken``: when the task came off the queue (monotonic).
-
-        An engine that stops waiting for a write (2.6: ``wait_write_storage_task(timeout=60.0)``,
-        ``prefix_cache_manager.py`` ~1489-1514 there) goes on and reuses the blocks: the task's deadline
-        counts from when it was taken, and a part still running ``ENGINE_MARGIN_S`` before the engine stops
-        waiting ends the rank (the patched launcher then stops the engine before it reuses them)."""
+        """``write_back_storage_task``: the task's blocks past its stored prefix go to the store, reported once no
+        rank's part still runs (a late put would store whatever the engine has since put in those blocks under the
+        task's keys). ``taken`` (monotonic): when the task came off the queue. An engine that stops waiting for a write
+        (2.6: ``wait_write_storage_task(timeout=60.0)``, ``prefix_cache_manager.py`` ~1489-1514 there) goes on and
+        reuses the blocks: its deadline counts from ``taken``, and a part still running ``ENGINE_MARGIN_S`` before the
+        engine stops waiting ends the rank (the patched launcher then stops the engine first)."""
         assert self.mover is not None
         store_keys, gpu_ids = self._task(task)
         if len(store_keys) != len(gpu_ids):

@@ -1,14 +1,12 @@
-"""Which FastDeploy a host runs, and what that line does where kvcached meets it, for ``kvcached doctor``.
-Read, never imported; the drop-in reads none of it (each line's patch tells it what it needs).
+"""Which FastDeploy a host runs, and what that line does where kvcached meets it, for ``kvcached doctor``: read, never
+imported; the drop-in reads none of it (each line's patch tells it what it needs).
 
 FastDeploy changed at kvcached's seam within weeks, differently per line (``KNOWN_LINES``; how each differs:
-docs/fastdeploy.md, the version matrix). ``read_tree`` reads a FastDeploy tree (a checkout, or the installed
-package's directory) and returns a ``Tree``: the line it is (the one whose kvcached patch fits it, hunk for
-hunk), whether that patch is applied, how its transfer manager reaches the cache queue, its XPU runner's
-condition, and how its transfer manager reports storage writes. Every fact is read from the tree's own
-files, so a tree of no known line is still described truly; only the line's name needs kvcached's patches
-(``patch_dir``).
-"""
+docs/fastdeploy.md, the version matrix). ``read_tree`` reads a FastDeploy tree (a checkout, or the installed package's
+directory) into a ``Tree``: the line it is (the one whose kvcached patch fits it, hunk for hunk), whether that patch is
+applied, how its transfer manager reaches the cache queue and reports storage writes, and its XPU runner's condition.
+Every fact is read from the tree's own files, so a tree of no known line is still described truly; only the line's name
+needs kvcached's patches (``patch_dir``)."""
 
 from __future__ import annotations
 
@@ -73,8 +71,8 @@ class QueueRule:
     default: int | None
 
     def uses_socket(self, environ: Mapping[str, str]) -> bool:
-        """Whether the manager connects to the socket: ``int(os.getenv(VARIABLE, default))`` is true, as
-        FastDeploy's ``envs`` reads it. Raises ``ValueError`` naming the variable for a non-integer."""
+        """Whether the manager connects to the socket: ``int(os.getenv(VARIABLE, default))`` is true, as FastDeploy's
+        ``envs`` reads it. Raises ``ValueError`` naming the variable for a non-integer."""
         if self.socket is None:
             return False
         raw = environ.get(SHM_VARIABLE, str(self.default if self.default is not None else 0))
@@ -118,8 +116,7 @@ class Tree:
     told_by: str = "files"
     #: Another line's kvcached patch, applied to this tree (a patch of the wrong line).
     foreign: Line | None = None
-    #: Seconds the engine waits for a storage write before it goes on and reuses the blocks (2.6: 60); None:
-    #: it waits until the write is reported.
+    #: ``arguments.LineFacts.write_wait_s``, as the launcher's ``wait_write_storage_task`` has it (2.6: 60).
     write_wait_s: float | None = None
 
     @property
@@ -215,9 +212,9 @@ def _states(root: Path) -> dict[Line, patchfile.PatchState]:
 
 
 def _by_files(states: dict[Line, patchfile.PatchState]) -> Line | None:
-    """The line whose patch sits nearest where it was made to sit (two lines share hunks; only at its own
-    commit are a patch's offsets all 0), among those whose hunks are mostly found, applied or applicable
-    (a tree carrying another line's patch still has its own line's context around it)."""
+    """The line whose patch sits nearest where it was made to sit (two lines share hunks; only at its own commit are a
+    patch's offsets all 0), among those whose hunks are mostly found, applied or applicable (a tree carrying another
+    line's patch still has its own line's context around it)."""
     candidates = []
     for line, found in states.items():
         hunks = [state for states in found.files.values() for state in states]
@@ -228,8 +225,8 @@ def _by_files(states: dict[Line, patchfile.PatchState]) -> Line | None:
 
 
 def _identify(states: dict[Line, patchfile.PatchState], commit: str | None) -> tuple[Line | None, str, Line | None]:
-    """The tree's line (by its git commit when it is one of the known lines', else by its files), how it was
-    told, and another line whose patch is applied to it."""
+    """The tree's line (by its git commit when it is one of the known lines', else by its files), how it was told, and
+    another line whose patch is applied to it."""
     by_commit = next((line for line in KNOWN_LINES if commit and commit.startswith(line.commit)), None)
     line = by_commit or _by_files(states)
     foreign = next((other for other, found in states.items() if other != line and found.verdict == "applied"), None)
@@ -249,8 +246,8 @@ def _git_commit(root: Path) -> str | None:
 
 
 def find_root(path: Path) -> Path:
-    """The directory holding ``fastdeploy/``: ``path`` itself, or its parent when ``path`` is the package.
-    Raises ``FileNotFoundError`` naming what is missing."""
+    """The directory holding ``fastdeploy/``: ``path`` itself, or its parent when ``path`` is the package. Raises
+    ``FileNotFoundError`` naming what is missing."""
     for candidate in (path, path.parent):
         if (candidate / MANAGER).is_file():
             return candidate
@@ -267,8 +264,8 @@ def installed_root() -> Path | None:
 
 
 def _patched(root: Path, states: list[patchfile.PatchState], relative: str, markers: tuple[str, ...]) -> bool:
-    """Whether kvcached's calls are in ``relative``: a known patch's hunks of it are all applied there, or,
-    with no known patch to read it by, kvcached's markers are in it."""
+    """Whether kvcached's calls are in ``relative``: a known patch's hunks of it are all applied there, or, with no
+    known patch to read it by, kvcached's markers are in it."""
     if states:
         return any(found.file_applied(relative) for found in states)
     text = _read(root, relative)

@@ -1,39 +1,36 @@
-"""Moving a task's blocks on every rank of the group through kvcached, within a deadline, and knowing what
-moved (docs/fastdeploy.md says the same for operators).
+"""Moving a task's blocks on every rank of the group through kvcached, within a deadline, and knowing what moved
+(docs/fastdeploy.md says the same for operators).
 
-FastDeploy's engine reads one result per swap, put by rank 0's manager for all ranks
-(``cache_transfer_manager.py`` ``_do_swap_to_cpu_task`` ~995-1015), which cannot know whether the other
-ranks' copies happened. Rank 0's drop-in moves the blocks of every rank (one ``CacheTasks`` task per rank,
-all in flight at once), so what it reports is what happened.
+FastDeploy's engine reads one result per swap, put by rank 0's manager for all ranks (``cache_transfer_manager.py``
+``_do_swap_to_cpu_task`` ~995-1015), which cannot know whether the other ranks' copies happened. Rank 0's drop-in moves
+the blocks of every rank (one ``CacheTasks`` task per rank, all in flight at once), so what it reports is what happened.
 
-**Nothing is reported while a rank's part may still write.** A task is reported only once every rank's
-part has ended: its worker answered (a store call only once it can no longer write:
-``kvcached.daemon.store_agent`` kills a timed-out agent before it fails the task) or died (``TaskLost``),
-whatever the first to end said, as FastDeploy's managers meet at a barrier before rank 0 reports
-(``read_storage_task`` ~828-829, ``write_back_storage_task`` ~1017-1019). A part not ended ``deadline_s``
-after the task's own deadline makes the rank unservable: the drop-in ends without reporting it and the
-patched engine stops, so that no block it may still write is used or reused.
+**Nothing is reported while a rank's part may still write.** A task is reported only once every rank's part has ended,
+whatever the first to end said: its worker answered (a store call only once it can no longer write:
+``kvcached.daemon.store_agent`` kills a timed-out agent before it fails the task) or died (``TaskLost``), as
+FastDeploy's managers meet at a barrier before rank 0 reports (``read_storage_task`` ~828-829,
+``write_back_storage_task`` ~1017-1019). A part not ended ``deadline_s`` after the task's own deadline makes the rank
+unservable: the drop-in ends without reporting it and the patched engine stops, so that no block it may still write is
+used or reused.
 
 **Storage tasks are moved in chunks and cut off at their deadline** (``ReadStorageTask.timeout`` /
-``WriteStorageTask.timeout``, 30 s by default; FastDeploy's manager does not bound them: "TODO: support
-timeout with actual block count", ~795). The first chunk is ``FIRST_CHUNK`` blocks, each next at most twice
-the last and small enough to end, at the last one's pace, within half the time left; past the deadline no
-chunk is sent, the one in flight ends, and the blocks every rank moved so far are what the task did (a read
-reports them loaded, the rest not). A slow store costs the task its blocks, never the rank.
+``WriteStorageTask.timeout``, 30 s by default; FastDeploy's manager does not bound them: "TODO: support timeout with
+actual block count", ~795). The first chunk is ``FIRST_CHUNK`` blocks, each next at most twice the last and small enough
+to end, at the last one's pace, within half the time left; past the deadline no chunk is sent, the one in flight ends,
+and the blocks every rank moved so far are what the task did (a read reports them loaded, the rest not). A slow store
+costs the task its blocks, never the rank.
 
-A task is tried until it moves or its deadline passes. A swap is idempotent as FastDeploy issues it (the
-engine recycles neither source nor target blocks before it has read the result, ``prefix_cache_manager.py``
-``_handle_swap_result`` ~2090-2138), so one cut off by a restart, an adoption or a replaced worker
-(``TaskLost``), or sent while no daemon ran (``DaemonGone``, the memory still the one the drop-in started
-on), is sent again; so is a chunk of a load or a store (the same keys, the same blocks). ``Done.outcome``
-says how it ended:
+A task is tried until it moves or its deadline passes. A swap is idempotent as FastDeploy issues it (the engine recycles
+neither source nor target blocks before it has read the result, ``prefix_cache_manager.py`` ``_handle_swap_result``
+~2090-2138), so one cut off by a restart, an adoption or a replaced worker (``TaskLost``), or sent while no daemon ran
+(``DaemonGone``, the memory still the one the drop-in started on), is sent again; so is a chunk of a load or a store
+(the same keys, the same blocks). ``Done.outcome`` says how it ended:
 
 * ``MOVED``: every rank moved it (a storage task: ``Done.blocks`` leading blocks of it);
 * ``REFUSED``: kvcached refused it (``InvalidTask``) or the store failed it: not done (a storage task: past
   ``Done.blocks``), the rank serves on;
-* ``UNSERVABLE``: the memory was made anew, the rank FAILED, the deadline passed while the daemon was away,
-  or a part did not end: the drop-in ends after reporting what it safely can.
-"""
+* ``UNSERVABLE``: the memory was made anew, the rank FAILED, the deadline passed while the daemon was away, or a part
+  did not end: the drop-in ends after reporting what it safely can."""
 
 from __future__ import annotations
 
@@ -81,8 +78,8 @@ class Outcome(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Done:
-    """How a task ended: the outcome, the blocks every rank moved (loads: the fewest; storage tasks: the
-    leading blocks moved whatever the outcome), and why not."""
+    """How a task ended: the outcome, the blocks every rank moved (loads: the fewest; storage tasks: the leading blocks
+    moved whatever the outcome), and why not."""
 
     outcome: Outcome
     blocks: int = 0
@@ -91,8 +88,8 @@ class Done:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Deadlines:
-    """``soft``: no try (chunk) starts after it; ``hard``: a part still running then makes the rank
-    unservable. ``seconds``: the task's own deadline, as the log names it."""
+    """``soft``: no try (chunk) starts after it; ``hard``: a part still running then makes the rank unservable.
+    ``seconds``: the task's own deadline, as the log names it."""
 
     soft: float
     hard: float
@@ -102,8 +99,8 @@ class _Deadlines:
 
 @dataclasses.dataclass(slots=True)
 class _Sent:
-    """One try of a task, sent: the parts that went out, and the error of the rank it stopped at. ``early``:
-    sent as the task was taken, waiting at most ``SEND_NOW_S`` for the daemon (an error is no verdict)."""
+    """One try of a task, sent: the parts that went out, and the error of the rank it stopped at. ``early``: sent as the
+    task was taken, waiting at most ``SEND_NOW_S`` for the daemon (an error is no verdict)."""
 
     handles: dict[int, rc.TaskHandle] = dataclasses.field(default_factory=dict)
     errors: dict[int, KVCacheError] = dataclasses.field(default_factory=dict)
@@ -120,8 +117,8 @@ class _Round:
 
 
 class Mover:
-    """The group's kvcached client (rank 0's drop-in). ``ranks``: the kvcached ranks of the group;
-    ``deadline_s``: a swap's deadline, and how long a part may run past a storage task's own."""
+    """The group's kvcached client (rank 0's drop-in). ``ranks``: the kvcached ranks of the group; ``deadline_s``: a
+    swap's deadline, and how long a part may run past a storage task's own."""
 
     def __init__(self, instance: str, ranks: Sequence[int], deadline_s: float) -> None:
         self.instance, self.ranks, self.deadline_s = instance, list(ranks), deadline_s
@@ -134,9 +131,8 @@ class Mover:
     # -- tasks ------------------------------------------------------------------------------------------
 
     def start_swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Callable[[], Done]:
-        """Send the swap of device blocks to CPU pool blocks (``out``) or back to every rank of the group now,
-        waiting at most ``SEND_NOW_S`` for a daemon that is away; the call returned waits for it to end,
-        sending it again while it is cut off."""
+        """Send the swap of device blocks to CPU pool blocks (``out``) or back to the group's ranks now, waiting at most
+        ``SEND_NOW_S`` for an away daemon; the call returned waits for it to end, sending it again while cut off."""
         end = time.monotonic() + self.deadline_s
         deadlines = _Deadlines(end, end, self.deadline_s, f"swap {'out' if out else 'in'}")
         submit: Submit
@@ -148,9 +144,8 @@ class Mover:
         return lambda: self._attempts(submit, deadlines, sent=sent)
 
     def load(self, keys: list[bytes], gpu_ids: list[int], seconds: float, what: str = "storage read") -> Done:
-        """The longest prefix of ``keys`` every rank has stored, into ``gpu_ids``, within ``seconds``;
-        ``blocks``: how many (the fewest of any rank: the blocks past it are not reported, whatever a rank
-        wrote there before every part ended)."""
+        """The longest prefix of ``keys`` every rank has stored, into ``gpu_ids``, within ``seconds``; ``blocks``: how
+        many (the fewest of any rank; what a rank wrote past it goes unreported)."""
 
         def submit(start: int, end: int) -> Submit:
             return lambda r, t: self.tasks.submit(self.tasks.load, r, keys[start:end], gpu_ids[start:end], timeout=t)
@@ -165,9 +160,9 @@ class Mover:
         what: str = "storage write",
         by: float | None = None,
     ) -> Done:
-        """``gpu_ids`` into the store under ``keys`` on every rank (a key stored already is left as it is),
-        within ``seconds``; ``blocks``: the leading blocks every rank stored. ``by`` (monotonic): when the
-        engine stops waiting and reuses the blocks; a part still running then makes the rank unservable."""
+        """``gpu_ids`` into the store under ``keys`` on every rank (a key stored already is left as it is), within
+        ``seconds``; ``blocks``: the leading blocks every rank stored. ``by`` (monotonic): when the engine stops waiting
+        and reuses the blocks; a part still running then makes the rank unservable."""
 
         def submit(start: int, end: int) -> Submit:
             return lambda r, t: self.tasks.submit(self.tasks.store, r, gpu_ids[start:end], keys[start:end], timeout=t)
@@ -175,8 +170,8 @@ class Mover:
         return self._chunked(submit, len(keys), seconds, what, by)
 
     def stored(self, keys: list[bytes], timeout: float) -> int:
-        """How many leading ``keys`` every rank has stored (0 when the store cannot say). A lookup writes
-        nothing, so one that does not answer in time is simply not waited for."""
+        """How many leading ``keys`` every rank has stored (0 when the store cannot say). A lookup writes nothing, so
+        one that does not answer in time is simply not waited for."""
         try:
             return self.tasks.lookup(keys, timeout=timeout)
         except KVCacheError as exc:
@@ -221,9 +216,8 @@ class Mover:
         *,
         sent: _Sent | None = None,
     ) -> Done:
-        """Try the task on every rank until it ends (see ``_verdict``) or ``deadlines.soft`` passes: then
-        ``exhausted`` (a swap's rank is unservable; a storage task is not done). ``sent``: the first try,
-        already sent."""
+        """Try the task on every rank until it ends (see ``_verdict``) or ``deadlines.soft`` passes: then ``exhausted``
+        (a swap: the rank is unservable; a storage task: not done). ``sent``: the first try, if sent already."""
         last = ""
         while (left := deadlines.soft - time.monotonic()) > 0:
             if sent is None:
