@@ -1,15 +1,12 @@
 """FastDeploy's names, shapes and dtypes for a rank's KV cache, and a ``CacheSpec`` read from its config.
 
-``TENSOR_NAMES`` is what the daemon gives the xpu backend to export under (``kvcached.memory.xpu.name_tensors``,
-called by ``kvcached start``), so that FastDeploy's own processes (the MTP proposer, the cache messager) find
-kvcached's tensors by FastDeploy's names; ``spec_from_fastdeploy`` is what the patched runner declares.
-
-Read from FastDeploy's code at develop ``e53f5184`` (2026-04-15): docs/fastdeploy.md (*Names, shapes,
-dtypes*) tabulates each tensor a runner creates (``set_data_ipc``) or attaches (``share_external_data``) per
-layer, with its shape and dtype on each platform; ``tests/test_fastdeploy.py`` keeps a table of every case
-with the file and line each was read from, and checks those lines when a checkout is named by
-``FASTDEPLOY_SRC``.
-"""
+``TENSOR_NAMES`` is what the daemon gives the xpu backend to export under (``kvcached.memory.xpu.name_tensors``, called
+by ``kvcached start``), so that FastDeploy's own processes (the MTP proposer, the cache messager) find kvcached's
+tensors by FastDeploy's names; ``spec_from_fastdeploy`` is what the patched runner declares. Read from FastDeploy's code
+at develop ``e53f5184`` (2026-04-15): docs/fastdeploy.md (*Names, shapes, dtypes*) tabulates each tensor a runner
+creates (``set_data_ipc``) or attaches (``share_external_data``) per layer, with its shape and dtype on each platform;
+``tests/test_fastdeploy.py`` keeps a table of every case with the file and line each was read from, and checks those
+lines when ``FASTDEPLOY_SRC`` names a checkout."""
 
 from __future__ import annotations
 
@@ -45,12 +42,11 @@ def spec_from_fastdeploy(
     mla: bool | None = None,
     platform: str = "xpu",
 ) -> CacheSpec:
-    """The ``CacheSpec`` of one rank of a FastDeploy ``FDConfig`` as the runner of ``platform`` ("xpu" or
-    "gpu") lays it out (attributes read, nothing imported). ``num_blocks`` stands for
-    ``cache_config.total_block_num`` (after profiling FastDeploy fixes the count); MLA follows
-    ``FD_ATTENTION_BACKEND == "MLA_ATTN"`` unless ``mla`` is given. Raises ``InvalidSpec`` naming FastDeploy's
-    option when a value is missing or unsupported, ``InvalidArgument`` for a bad ``platform`` or ``local_rank``.
-    """
+    """The ``CacheSpec`` of one rank of a FastDeploy ``FDConfig`` as the runner of ``platform`` ("xpu" or "gpu") lays it
+    out (attributes read, nothing imported). ``num_blocks`` stands for ``cache_config.total_block_num`` (after profiling
+    FastDeploy fixes the count); MLA follows ``FD_ATTENTION_BACKEND == "MLA_ATTN"`` unless ``mla`` is given. Raises
+    ``InvalidSpec`` naming FastDeploy's option when a value is missing or unsupported, ``InvalidArgument`` for a bad
+    ``platform`` or ``local_rank``."""
     if platform not in PLATFORMS:
         raise InvalidArgument("platform", f"must be one of {', '.join(PLATFORMS)}; got {platform!r}")
     tp = int(_get(fd_config, "parallel_config.tensor_parallel_size", 1))
@@ -113,8 +109,8 @@ def _required(fd_config: Any, num_blocks: int | None) -> tuple[int, int, int, in
 
 
 def _heads_and_width(fd_config: Any, kv_heads: int, head_dim: int, *, mla: bool, platform: str) -> tuple[int, int]:
-    """The KV heads per rank and the width of one head as the runner of ``platform`` lays them out: MLA on
-    GPU keeps one latent head of ``kv_lora_rank + qk_rope_head_dim``."""
+    """The KV heads per rank and the width of one head as the runner of ``platform`` lays them out: MLA on GPU keeps one
+    latent head of ``kv_lora_rank + qk_rope_head_dim``."""
     if not mla:
         return kv_heads, head_dim
     if platform != "gpu":

@@ -1,12 +1,10 @@
-"""Whether a patch is applied to a tree, hunk by hunk, without git and without changing a byte.
+"""Whether a patch is applied to a tree, hunk by hunk, without git and without changing a byte: what ``kvcached doctor``
+needs to say of a FastDeploy tree (a checkout or an installed package) whether kvcached's patch for its line is in it.
 
-A hunk is *applied* when its post-image (context and added lines, in order) appears in the file, *applicable*
-when its pre-image (context and removed lines) does, else it *conflicts*. Like ``git apply``, a hunk may
-sit anywhere in the file (an offset is no conflict, but counted: ``PatchState.distance``, so that of two
-patches that fit, the one made against this very tree is told apart); unlike it, nothing is fuzzed: a line
-that differs by a character is a conflict. That is what ``kvcached doctor`` needs to say of a FastDeploy tree, whether a
-checkout or an installed package, whether kvcached's patch for its line is in it.
-"""
+A hunk is *applied* when its post-image (context and added lines, in order) appears in the file, *applicable* when its
+pre-image (context and removed lines) does, else it *conflicts*. Like ``git apply``, a hunk may sit anywhere in the file
+(an offset is no conflict, but counted: ``PatchState.distance``, so that of two patches that fit, the one made against
+this very tree is told apart); unlike it, nothing is fuzzed: a line that differs by a character is a conflict."""
 
 from __future__ import annotations
 
@@ -32,9 +30,8 @@ class Hunk:
 
 
 def parse(text: str) -> list[Hunk]:
-    """The hunks of a unified diff (``git diff`` output; text before the first ``diff --git`` is ignored).
-    A hunk's length is read from its header, so an empty context line that lost its leading space still
-    counts as one."""
+    """The hunks of a unified diff (``git diff`` output; text before the first ``diff --git`` is ignored). A hunk's
+    length is read from its header, so an empty context line that lost its leading space still counts as one."""
     hunks: list[Hunk] = []
     path = ""
     lines = text.splitlines()
@@ -66,8 +63,7 @@ def parse(text: str) -> list[Hunk]:
 
 
 def _offset(lines: list[str], block: tuple[str, ...], start: int) -> int | None:
-    """The smallest distance, in lines, between where ``block`` appears in ``lines`` and ``start``; None if
-    it does not appear."""
+    """The smallest distance, in lines, from ``start`` to where ``block`` appears in ``lines``; None if it does not."""
     if not block:
         return 0
     first, n = block[0], len(block)
@@ -76,8 +72,8 @@ def _offset(lines: list[str], block: tuple[str, ...], start: int) -> int | None:
 
 
 def hunk_state(root: Path, hunk: Hunk) -> tuple[str, int]:
-    """``applied``, ``applicable``, ``conflict`` or ``missing`` (the file is not in the tree), and the
-    hunk's offset from where the patch puts it (0 for a conflict or a missing file)."""
+    """``applied``, ``applicable``, ``conflict`` or ``missing`` (the file is not in the tree), and the hunk's offset
+    from where the patch puts it (0 for a conflict or a missing file)."""
     try:
         lines = (root / hunk.path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
@@ -109,8 +105,8 @@ class PatchState:
 
     @property
     def verdict(self) -> str:
-        """``applied`` (every hunk), ``not applied`` (none, all applicable), ``partly applied`` (some files or
-        hunks only), or ``does not fit`` (a hunk conflicts or a file is missing)."""
+        """``applied`` (every hunk), ``not applied`` (none, all applicable), ``partly applied`` (some files or hunks
+        only), or ``does not fit`` (a hunk conflicts or a file is missing)."""
         if not self.fits:
             return "does not fit"
         if self.states == {APPLIED}:

@@ -1,18 +1,16 @@
-"""kvcached inside FastDeploy's own processes: what the patch's runner and cache-messager hunks call, so that
-the decisions live (and are tested) in kvcached (docs/fastdeploy.md, *The patch*):
+"""kvcached inside FastDeploy's own processes: what the patch's runner and cache-messager hunks call, so that the
+decisions live (and are tested) in kvcached (docs/fastdeploy.md, *The patch*):
 
-* ``xpu_kv_cache``: the XPU runner's ``initialize_kv_cache`` (``worker/xpu_model_runner.py`` ~1222). The
-  profile run (``profile_run`` ~1736-1742; FastDeploy profiles by default, ``engine/common_engine.py`` ~235)
-  gets a cache of its own, exported under no name: ``set_data_ipc`` would give it the names kvcached's XPU
-  tier exports, overwriting that record (``xpu_multiprocess.h`` ~50). After profiling the fixed condition
-  decides on FastDeploy's own block count; when kvcached owns the cache the runner declares its spec (a
-  daemon started with ``--geometry engine`` allocates exactly that), waits for the rank (bounded) and
-  attaches it.
-* ``messager_cache``: the splitwise cache messager (``cache_manager/cache_messager.py`` ``main``
-  ~965-1051), which always allocates: with kvcached it attaches kvcached's tensors instead.
+* ``xpu_kv_cache``: the XPU runner's ``initialize_kv_cache`` (``worker/xpu_model_runner.py`` ~1222). The profile run
+  (``profile_run`` ~1736-1742; FastDeploy profiles by default, ``engine/common_engine.py`` ~235) gets a cache of its
+  own, exported under no name: ``set_data_ipc`` would give it the names kvcached's XPU tier exports, overwriting that
+  record (``xpu_multiprocess.h`` ~50). After profiling the fixed condition decides on FastDeploy's own block count; when
+  kvcached owns the cache the runner declares its spec (a daemon started with ``--geometry engine`` allocates exactly
+  that), waits for the rank (bounded) and attaches it.
+* ``messager_cache``: the splitwise cache messager (``cache_manager/cache_messager.py`` ``main`` ~965-1051), which
+  always allocates: with kvcached it attaches kvcached's tensors instead.
 
-The attached ``KVCache`` objects are kept in ``ATTACHED`` for as long as FastDeploy uses their tensors.
-"""
+The attached ``KVCache`` objects are kept in ``ATTACHED`` for as long as FastDeploy uses their tensors."""
 
 from __future__ import annotations
 
@@ -42,11 +40,10 @@ def _wait_s() -> float:
 
 def kvcached_rank(fd_config: Any, local_rank: int) -> int:
     """The kvcached rank of the runner of tensor-parallel rank ``local_rank`` (``self.local_rank %
-    tensor_parallel_size``, as the runner passes it): ``local_data_parallel_id * tensor_parallel_size +
-    local_rank``, the rank its drop-in serves (``arguments.group_ranks``; docs/fastdeploy.md, *Data
-    parallelism*). FastDeploy's MTP proposer attaches its layers by FastDeploy's names, which are kvcached's
-    with one data-parallel group only (``spec_decode/mtp.py`` ~236-290), so MTP with more than one
-    data-parallel group is refused here (``InvalidSpec`` naming ``data_parallel_size``)."""
+    tensor_parallel_size``, as the runner passes it): ``local_data_parallel_id * tensor_parallel_size + local_rank``,
+    the rank its drop-in serves (``arguments.group_ranks``; docs/fastdeploy.md, *Data parallelism*). FastDeploy's MTP
+    proposer attaches its layers by FastDeploy's names, which are kvcached's with one data-parallel group only
+    (``spec_decode/mtp.py`` ~236-290), so MTP with more is refused (``InvalidSpec`` naming ``data_parallel_size``)."""
     parallel = getattr(fd_config, "parallel_config", None)
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     dp_id = int(getattr(parallel, "local_data_parallel_id", 0) or 0)
@@ -66,8 +63,8 @@ def xpu_kv_cache(
     *,
     profile: bool,
 ) -> list[Any] | None:
-    """The XPU runner's cache tensors, key and value per layer (``share_inputs["caches"]``), or None when
-    the runner owns its cache by the fixed condition (then FastDeploy's own code creates it)."""
+    """The XPU runner's cache tensors, key and value per layer (``share_inputs["caches"]``), or None when the runner
+    owns its cache by the fixed condition (then FastDeploy's own code creates it)."""
     if profile:  # the profile run's cache: the runner's alone, exported under no name
         import paddle
 
@@ -84,9 +81,9 @@ def xpu_kv_cache(
 
 
 def messager_cache(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], list[Any]]:
-    """The cache messager's ``gpu_cache_kvs`` (FastDeploy's names), key and value tensors, attached from
-    kvcached's rank (the engine's runner or drop-in declares the geometry). Raises ``InvalidSpec`` naming
-    the messager's argument that disagrees with the daemon's cache."""
+    """The cache messager's ``gpu_cache_kvs`` (FastDeploy's names), key and value tensors, from kvcached's rank (the
+    engine's runner or drop-in declares the geometry); ``InvalidSpec`` names a messager argument that disagrees with the
+    daemon."""
     rank = group_ranks(args)[args.rank]
     rc.wait_until_ready(_instance(), rank, timeout=_wait_s())
     found = read_instance(_instance(), live=False)
