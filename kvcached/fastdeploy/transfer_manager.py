@@ -4,20 +4,17 @@
         --kvcached-line COMMIT --kvcached-queue tcp|SOCKET --kvcached-write-reports rank0|every-rank \
         --kvcached-write-wait SECONDS|none
 
-FastDeploy's engine starts one ``cache_transfer_manager.py`` per tensor-parallel rank when CPU swap or a
-storage backend is on (``cache_manager/prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184
-~178-345); with ``--create_cache_tensor`` each allocates the rank's whole KV cache, a second copy beside
-kvcached's. This module takes the same arguments plus the line's facts (``arguments.line_facts``), and for
-its rank (instance ``KVCACHED_INSTANCE``, default ``default``; no FastDeploy source read): checks them
-against the daemon, declaring the geometry to one that waits for it, and waits for the rank (``attach``:
-a mismatch is refused naming FastDeploy's argument, exit status 4); joins the engine's cache queue and sets
-its ready flags (``TransferManager``, ``announce``); then rank 0 serves the whole group (``_step``, in place
-of ``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320) and the others stand by until the
-engine is gone; a queue item that is not a cache task is logged and skipped. docs/fastdeploy.md (*The
-drop-in for the cache transfer manager*) tells each step and every way the drop-in ends;
-``kvcached.fastdeploy.mover`` how it follows the daemon, ``waits`` its deadlines, ``adapter`` everything
-FastDeploy-facing.
-"""
+FastDeploy's engine starts one ``cache_transfer_manager.py`` per tensor-parallel rank when CPU swap or a storage backend
+is on (``cache_manager/prefix_cache_manager.py`` ``launch_cache_manager``, e53f5184 ~178-345); with
+``--create_cache_tensor`` each allocates the rank's whole KV cache, a second copy beside kvcached's. This module takes
+the same arguments plus the line's facts (``arguments.line_facts``), and for its rank (instance ``KVCACHED_INSTANCE``,
+default ``default``; no FastDeploy source read): checks them against the daemon, declaring the geometry to one that
+waits for it, and waits for the rank (``attach``: a mismatch is refused naming FastDeploy's argument, exit status 4);
+joins the engine's cache queue and sets its ready flags (``TransferManager``, ``announce``); then rank 0 serves the
+whole group (``_step``, in place of ``cache_transfer_manager.py`` ``do_data_transfer``, ~1192-1320) and the others stand
+by until the engine is gone; a queue item that is not a cache task is logged and skipped. docs/fastdeploy.md (*The
+drop-in for the cache transfer manager*) tells each step and every way the drop-in ends; ``kvcached.fastdeploy.mover``
+how it follows the daemon, ``waits`` its deadlines, ``adapter`` everything FastDeploy-facing."""
 
 from __future__ import annotations
 
@@ -77,9 +74,8 @@ EXIT_MISMATCH = 4
 EXIT_UNAVAILABLE = 1
 #: Seconds the drop-in waits for kvcached's rank (``KVCACHED_WAIT_S``); FastDeploy's own wait has none.
 WAIT_S = 600.0
-#: Seconds a task may take, through daemon restarts, before the rank counts as unservable
-#: (``KVCACHED_TASK_DEADLINE_S``). Barriers and queue calls get this plus ``SLACK_S``
-#: (``KVCACHED_QUEUE_SLACK_S``).
+#: Seconds a task may take, across daemon restarts, before the rank counts as unservable (``KVCACHED_TASK_DEADLINE_S``);
+#: barriers and queue calls get this plus ``SLACK_S`` (``KVCACHED_QUEUE_SLACK_S``).
 TASK_S = 60.0
 SLACK_S = 30.0
 #: Seconds between two looks at an empty queue (FastDeploy's engine polls its results as often).
@@ -155,9 +151,9 @@ class TransferManager:
         self.end(f"waited {waited:.0f}s for {what}")
 
     def end(self, why: str) -> None:
-        """The rank cannot be served: say why, take back ``cache_transfer_inited_signal`` and exit at once
-        (a thread may be stuck in a call that cannot be interrupted). FastDeploy's patched launcher sees the
-        exit and stops the engine, pointing at this process's log."""
+        """The rank cannot be served: say why, take back ``cache_transfer_inited_signal`` and exit at once (a thread may
+        be stuck in a call that cannot be interrupted). FastDeploy's patched launcher sees the exit and stops the
+        engine, pointing at this process's log."""
         log.error("rank %d cannot be served: %s; ending (exit status %d)", self.rank, why, EXIT_UNAVAILABLE)
         print(f"Error: kvcached drop-in of rank {self.rank}: {why}", file=sys.stderr, flush=True)
         self.inited[self.rank] = 0
@@ -202,11 +198,10 @@ class TransferManager:
 
     def _step(self) -> None:
         """One turn of rank 0's loop: say whether the group runs or is paused, take the next task, hand it on.
-
-        FastDeploy's manager of every rank takes every task (``engine_cache_queue.py`` ~292-315) and meets the
-        others at four barriers each turn. Rank 0 moves every rank's share, so it takes each task for the whole
-        group (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no
-        CPU is taken from the copies. The engine sees the same queue, results, flags and control answers."""
+        FastDeploy's manager of every rank takes every task (``engine_cache_queue.py`` ~292-315) and meets the others at
+        four barriers each turn. Rank 0 moves every rank's share, so it takes each task for the whole group
+        (``take_for_group``): the engine can put the next task at once, no rank polls but rank 0, and no CPU is taken
+        from the copies. The engine sees the same queue, results, flags and control answers."""
         paused = self._mark_inflight()
         try:
             data = self._call(lambda: take_for_group(self.queue))
@@ -344,9 +339,9 @@ def _daemon_store(instance: str, rank: int, timeout: float) -> str | None:
 
 
 def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[CacheSpec, bool]:
-    """Check FastDeploy's arguments against the daemon, declaring the geometry to one that waits for it, and
-    wait for the rank (rank 0: every rank of the group) to be READY. The daemon's spec and whether the rank
-    has a CPU pool. Raises ``InvalidSpec`` naming FastDeploy's argument, or ``KVCacheError``."""
+    """Check FastDeploy's arguments against the daemon, declaring the geometry to one that waits for it, and wait for
+    the rank (rank 0: every rank of the group) to be READY. The daemon's spec and whether the rank has a CPU pool.
+    Raises ``InvalidSpec`` naming FastDeploy's argument, or ``KVCacheError``."""
     ranks = group_ranks(args)
     own = ranks[args.rank]
     store = _daemon_store(instance, own, wait_s)
@@ -371,8 +366,8 @@ def attach(args: argparse.Namespace, instance: str, wait_s: float) -> tuple[Cach
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Told:
-    """What the drop-in knows before it imports FastDeploy: the line's facts, the instance, its deadlines (the
-    task's, the queue's slack beyond it, the wait for kvcached's rank) and the weights' key prefix."""
+    """What the drop-in knows before it imports FastDeploy: the line's facts, the instance, its deadlines (the task's,
+    the queue's slack beyond it, the wait for kvcached's rank) and the weights' key prefix."""
 
     facts: LineFacts
     instance: str
@@ -383,10 +378,10 @@ class Told:
 
 
 def told(args: argparse.Namespace) -> Told:
-    """Everything the drop-in checks from its command line and environment alone, before it imports FastDeploy
-    or asks the daemon anything: the patch's facts first, then routing replay, the rank's place in its group,
-    MTP in a data-parallel group, the deadlines, the weights' key prefix. Raises ``InvalidSpec`` (or another
-    refusal ``main`` turns into exit status 4) naming the argument or variable."""
+    """Everything the drop-in checks from its command line and environment alone, before it imports FastDeploy or asks
+    the daemon anything: the patch's facts first, then routing replay, the rank's place in its group, MTP in a
+    data-parallel group, the deadlines, the weights' key prefix. Raises ``InvalidSpec`` (or another refusal ``main``
+    turns into exit status 4) naming the argument or variable."""
     facts = line_facts(args)  # first: a launcher that tells nothing is not kvcached's
     guard.refuse(args)
     ranks = group_ranks(args)

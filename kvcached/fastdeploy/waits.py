@@ -1,20 +1,17 @@
 """Every wait of the drop-in has a deadline and is logged while it lasts.
 
-The drop-in waits on things it cannot interrupt: a call of FastDeploy's cache queue (a manager proxy that
-blocks while the engine's queue server does not answer), the engine's connection at start, the tasks in
-flight before a pause, the other side of the pause handshake. Each wait is
-entered with ``with waits.on(what, seconds):``; one watchdog thread logs every wait that has lasted
-``LOG_AFTER_S`` (and again every ``LOG_EVERY_S``) naming what it waits for, and when one passes its
-deadline calls ``expire(what, seconds)``, which ends the rank (``TransferManager.end``): a wait that
-cannot finish costs the rank, with a log line saying why, never a silent hang.
+The drop-in waits on things it cannot interrupt: a call of FastDeploy's cache queue (a manager proxy that blocks while
+the engine's queue server does not answer), the engine's connection at start, the tasks in flight before a pause, the
+other side of the pause handshake. Each wait is entered with ``with waits.on(what, seconds):``; one watchdog thread logs
+every wait that has lasted ``LOG_AFTER_S`` (and again every ``LOG_EVERY_S``) naming what it waits for, and when one
+passes its deadline calls ``expire(what, seconds)``, which ends the rank (``TransferManager.end``): a wait that cannot
+finish costs the rank, with a log line saying why, never a silent hang.
 
-**A paused engine is not a dead one.** A wait on the engine (``engine=True``: its queue, its side of the
-pause handshake) that passes its deadline ends the rank only once the engine is gone: while the process
-that launched the drop-in (``Launcher``: FastDeploy's engine, which also holds the queue server, its
-child) lives, stopped (``SIGSTOP``, a debugger), swapping or just slow, the drop-in waits on, logging every
-``LOG_EVERY_S`` what it waits for and the engine's state. A process that is gone, a zombie or another
-process under the same pid is gone.
-"""
+**A paused engine is not a dead one.** A wait on the engine (``engine=True``: its queue, its side of the pause
+handshake) that passes its deadline ends the rank only once the engine is gone: while the process that launched the
+drop-in (``Launcher``: FastDeploy's engine, which also holds the queue server, its child) lives, stopped (``SIGSTOP``, a
+debugger), swapping or just slow, the drop-in waits on, logging every ``LOG_EVERY_S`` what it waits for and the engine's
+state. A process that is gone, a zombie or another process under the same pid is gone."""
 
 from __future__ import annotations
 
