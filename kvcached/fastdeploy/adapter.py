@@ -77,11 +77,7 @@ class RealFastDeploy:
 
     def cache_queue(self, address: tuple[str, int] | str, num_client: int, client_id: int) -> CacheQueue:
         queue: CacheQueue = self._queue_class(
-            address=address,
-            is_server=False,
-            num_client=num_client,
-            client_id=client_id,
-            local_data_parallel_id=0,
+            address=address, is_server=False, num_client=num_client, client_id=client_id, local_data_parallel_id=0
         )
         return queue
 
@@ -100,11 +96,7 @@ class RealFastDeploy:
 
     def control_output(self, name: str) -> Callable[[Any], None]:
         queue = self._fmq.FMQ().queue(name, "producer")
-
-        def put(response: Any) -> None:
-            asyncio.run(queue.put(response))
-
-        return put
+        return lambda response: asyncio.run(queue.put(response))
 
     def control_response(self, request_id: str, error_code: int, error_message: str) -> Any:
         return self._request.ControlResponse(request_id, error_code, error_message)

@@ -28,15 +28,11 @@ from kvcached.protocol.spec import CacheSpec
 
 #: The spec field -> the FastDeploy argument that carries it (a field not here: the argument of its name).
 ARGUMENT_OF = {
-    "num_blocks": "key_cache_shape",
-    "kv_heads": "key_cache_shape",
-    "block_size": "key_cache_shape",
-    "head_dim": "key_cache_shape",
+    **dict.fromkeys(("num_blocks", "kv_heads", "block_size", "head_dim"), "key_cache_shape"),
+    **dict.fromkeys(("dtype", "block_wise_fp8"), "cache_dtype"),
     "mla": "value_cache_shape",
     "mtp_layers": "num_layers",
     "mtp_num_blocks": "speculative_config",
-    "dtype": "cache_dtype",
-    "block_wise_fp8": "cache_dtype",
     "scale_dtype": "default_dtype",
 }
 

@@ -101,9 +101,9 @@ class RunnerCondition:
     """The runner's ``create_cache_tensor = ...`` as its file has it."""
 
     path: str
-    line: int
-    source: str
-    expression: ast.expr | None = dataclasses.field(compare=False, repr=False)
+    line: int = 0
+    source: str = ""
+    expression: ast.expr | None = dataclasses.field(default=None, compare=False, repr=False)
     #: Why it cannot be evaluated (None when it can).
     unknown: str | None = None
 
@@ -125,17 +125,12 @@ def read_condition(root: Path, path: str = RUNNER) -> RunnerCondition:
     try:
         tree = ast.parse((root / path).read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError) as exc:
-        return RunnerCondition(path=path, line=0, source="", expression=None, unknown=f"{path}: {exc}")
+        return RunnerCondition(path=path, unknown=f"{path}: {exc}")
     for function in ast.walk(tree):
         if not (isinstance(function, ast.FunctionDef) and function.name == "initialize_kv_cache"):
             continue
         for node in ast.walk(function):
-            if (
-                isinstance(node, ast.Assign)
-                and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id == "create_cache_tensor"
-            ):
+            if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["create_cache_tensor"]:
                 found = RunnerCondition(
                     path=path, line=node.lineno, source=ast.unparse(node.value), expression=node.value
                 )
@@ -144,6 +139,4 @@ def read_condition(root: Path, path: str = RUNNER) -> RunnerCondition:
                 except Unknown as exc:
                     return dataclasses.replace(found, expression=None, unknown=f"it reads {exc}")
                 return found
-    return RunnerCondition(
-        path=path, line=0, source="", expression=None, unknown="no create_cache_tensor in initialize_kv_cache"
-    )
+    return RunnerCondition(path=path, unknown="no create_cache_tensor in initialize_kv_cache")

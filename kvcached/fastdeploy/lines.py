@@ -204,11 +204,8 @@ def _states(root: Path) -> dict[Line, patchfile.PatchState]:
     directory = patch_dir()
     if directory is None:
         return {}
-    return {
-        line: patchfile.state(root, directory / line.patch)
-        for line in KNOWN_LINES
-        if (directory / line.patch).is_file()
-    }
+    paths = {line: directory / line.patch for line in KNOWN_LINES}
+    return {line: patchfile.state(root, path) for line, path in paths.items() if path.is_file()}
 
 
 def _by_files(states: dict[Line, patchfile.PatchState]) -> Line | None:

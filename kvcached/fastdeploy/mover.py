@@ -135,11 +135,9 @@ class Mover:
         ``SEND_NOW_S`` for an away daemon; the call returned waits for it to end, sending it again while cut off."""
         end = time.monotonic() + self.deadline_s
         deadlines = _Deadlines(end, end, self.deadline_s, f"swap {'out' if out else 'in'}")
-        submit: Submit
-        if out:
-            submit = lambda r, t: self.tasks.submit(self.tasks.swap_out, r, gpu_ids, cpu_ids, timeout=t)  # noqa: E731
-        else:
-            submit = lambda r, t: self.tasks.submit(self.tasks.swap_in, r, cpu_ids, gpu_ids, timeout=t)  # noqa: E731
+        call = self.tasks.swap_out if out else self.tasks.swap_in
+        source, target = (gpu_ids, cpu_ids) if out else (cpu_ids, gpu_ids)
+        submit: Submit = lambda r, t: self.tasks.submit(call, r, source, target, timeout=t)  # noqa: E731
         sent = self._send(submit, SEND_NOW_S, early=True)
         return lambda: self._attempts(submit, deadlines, sent=sent)
 

@@ -35,12 +35,7 @@ def _get(obj: Any, path: str, default: Any = None) -> Any:
 
 
 def spec_from_fastdeploy(
-    fd_config: Any,
-    local_rank: int,
-    *,
-    num_blocks: int | None = None,
-    mla: bool | None = None,
-    platform: str = "xpu",
+    fd_config: Any, local_rank: int, *, num_blocks: int | None = None, mla: bool | None = None, platform: str = "xpu"
 ) -> CacheSpec:
     """The ``CacheSpec`` of one rank of a FastDeploy ``FDConfig`` as the runner of ``platform`` ("xpu" or "gpu") lays it
     out (attributes read, nothing imported). ``num_blocks`` stands for ``cache_config.total_block_num`` (after profiling

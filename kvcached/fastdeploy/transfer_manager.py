@@ -112,12 +112,9 @@ class TransferManager:
         self.inflight_signal = fd.signal("cache_task_inflight", ranks, suffix)
         self.inited = fd.signal("cache_transfer_inited_signal", ranks, suffix)
         self.serving = self.rank == 0  # rank 0 serves the group; the others stand by
-        self.responders = (
-            [fd.control_output(f"ctrl_c2e_rank{rank}_{args.cache_queue_port}") for rank in group_ranks(args)]
-            if self.serving
-            else []
-        )
-        mover = Mover(self.instance, group_ranks(args), self.task_s) if self.serving else None
+        served = group_ranks(args) if self.serving else []
+        self.responders = [fd.control_output(f"ctrl_c2e_rank{rank}_{args.cache_queue_port}") for rank in served]
+        mover = Mover(self.instance, served, self.task_s) if self.serving else None
         self.handlers = Handlers(
             self,
             mover,

@@ -91,9 +91,7 @@ class Waits:
     """The waits in progress, by id. ``engine``: the engine's launcher, whose life extends waits on it."""
 
     def __init__(self, rank: int, expire: Callable[[str, float], None], engine: Launcher | None = None) -> None:
-        self.rank = rank
-        self.expire = expire
-        self.engine = engine
+        self.rank, self.expire, self.engine = rank, expire, engine
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._waits: dict[int, _Wait] = {}
