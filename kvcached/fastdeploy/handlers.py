@@ -87,8 +87,6 @@ class Handlers:
     def _put(self, item: tuple[Any, ...], copies: int = 1) -> None:
         self.engine.put_results([item] * copies)
 
-    # -- swaps ----------------------------------------------------------------------------------------
-
     def start_swap(self, event: Any, args: Sequence[Any]) -> Callable[[], None]:
         """``_do_swap_to_cpu_task`` / ``_do_swap_to_gpu_task``: check a swap task and send it to every rank
         (``Mover.start_swap``); the call returned waits for it and reports it as the module docstring says."""
@@ -124,8 +122,6 @@ class Handlers:
                 self.engine.end(done.why)
             return
         self.engine.end(f"{what} cannot be done ({done.why}); FastDeploy would read those GPU blocks as moved")
-
-    # -- storage --------------------------------------------------------------------------------------
 
     def read(self, task: Any) -> None:
         """``read_storage_task``: the stored prefix of the task's keys into its first GPU blocks, reported once no
@@ -196,8 +192,6 @@ class Handlers:
             self.engine.end(done.why)
             return True
         return False
-
-    # -- control --------------------------------------------------------------------------------------
 
     def control(self, request: Any) -> None:
         """``control_task``: run the handler, answer on every rank's control queue with

@@ -128,8 +128,6 @@ class Mover:
     def close(self) -> None:
         self.tasks.close()
 
-    # -- tasks ------------------------------------------------------------------------------------------
-
     def start_swap(self, out: bool, gpu_ids: list[int], cpu_ids: list[int]) -> Callable[[], Done]:
         """Send the swap of device blocks to CPU pool blocks (``out``) or back to the group's ranks now, waiting at most
         ``SEND_NOW_S`` for an away daemon; the call returned waits for it to end, sending it again while cut off."""
@@ -175,8 +173,6 @@ class Mover:
         except KVCacheError as exc:
             log.warning("storage lookup failed: %s", exc)
             return 0
-
-    # -- chunks and tries -------------------------------------------------------------------------------
 
     def _chunked(
         self, submit: Callable[[int, int], Submit], total: int, seconds: float, what: str, by: float | None = None

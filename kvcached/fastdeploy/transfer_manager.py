@@ -160,13 +160,11 @@ class TransferManager:
     # -- the transfer loop (cache_transfer_manager.py do_data_transfer, ~1192-1320) ----------------------
 
     def respond(self, request_id: str, code: int, message: str) -> None:
-        """A control response, on the control queue of every rank of the group."""
         response = self.fd.control_response(request_id, code, message)
         for put in self.responders:
             put(response)
 
     def put_results(self, items: list[Any]) -> None:
-        """Task results on the engine's queue, in one call."""
         self._call(lambda: put_results(self.queue, items))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
