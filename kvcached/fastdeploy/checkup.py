@@ -93,12 +93,9 @@ def checks(spec: CacheSpec, where: str | None = AUTO, environ: Mapping[str, str]
     when there is none) or ``none``."""
     if where is None or where == NONE:
         return []
-    if where == AUTO:
-        root = installed_root()
-        if root is None:
-            return []
-    else:
-        root = Path(where)
+    root = installed_root() if where == AUTO else Path(where)
+    if root is None:
+        return []
     try:
         tree = read_tree(root)
     except FileNotFoundError as exc:
