@@ -1,26 +1,25 @@
-"""``--geometry engine``: the daemon waits for the engine to declare the cache's geometry, then allocates
-exactly that.
+"""``--geometry engine``: the daemon waits for the engine to declare the cache's geometry, then allocates exactly that.
 
-FastDeploy profiles by default and fixes its block count only afterwards, so the operator cannot know it
-when starting kvcached. With ``--geometry engine`` the supervisor, after taking the lock and reclaiming
-(``held`` first gives it the geometry an earlier run's memory was made for, so that memory is adopted as
-any other), calls ``await_declaration`` when it adopted nothing:
+FastDeploy profiles by default and fixes its block count only afterwards, so the operator cannot know it when starting
+kvcached. With ``--geometry engine`` the supervisor, after taking the lock and reclaiming (``held`` first gives it the
+geometry an earlier run's memory was made for, so that memory is adopted as any other), calls ``await_declaration`` when
+it adopted nothing:
 
-1. it publishes a control block whose spec names the store backend only, every rank EMPTY (``Pending``),
-   so runners, the FastDeploy drop-in and ``kvcached status`` see a live daemon and where it listens;
-2. it serves ``<run_dir>/<instance>.declare.sock`` (``Declarations``): each connection, from the daemon's
-   user or its ``--group`` (peer credentials), sends one spec and gets one of three answers: accepted,
-   refused (naming the field: ``judge`` refuses one when the fixed condition gives the runner the cache,
-   when the store's options or /dev/shm cannot hold it), or busy (more than ``MAX_OPEN`` connections at
-   once: the declarer asks again, within its own deadline). The first that fits is accepted; every other
-   declaration whose message the daemon holds is then judged against it, equal accepted, different refused
-   by name, so that two different declarations arriving together are never both accepted;
-3. on acceptance it marks every rank KEPT (waiters look for the next block), removes that block, and the
-   supervisor starts as if the spec had been configured: the next block publishes it.
+1. it publishes a control block whose spec names the store backend only, every rank EMPTY (``Pending``), so runners, the
+   FastDeploy drop-in and ``kvcached status`` see a live daemon and where it listens;
+2. it serves ``<run_dir>/<instance>.declare.sock`` (``Declarations``): each connection, from the daemon's user or its
+   ``--group`` (peer credentials), sends one spec and gets one of three answers: accepted, refused (naming the field:
+   ``judge`` refuses one when the fixed condition gives the runner the cache, when the store's options or /dev/shm
+   cannot hold it), or busy (more than ``MAX_OPEN`` connections at once: the declarer asks again, within its own
+   deadline). The first that fits is accepted; every other declaration whose message the daemon holds is then judged
+   against it, equal accepted, different refused by name, so that two different declarations arriving together are never
+   both accepted;
+3. on acceptance it marks every rank KEPT (waiters look for the next block), removes that block, and the supervisor
+   starts as if the spec had been configured: the next block publishes it.
 
-Declarations after that are judged by their senders against the published header
-(``kvcached.protocol.declare``): equal adopts, different is refused by name. A stop, keep or restart
-signal while waiting ends the wait (a restart executes the daemon again, which waits again).
+Declarations after that are judged by their senders against the published header (``kvcached.protocol.declare``): equal
+adopts, different is refused by name. A stop, keep or restart signal while waiting ends the wait (a restart executes the
+daemon again, which waits again).
 """
 
 from __future__ import annotations
@@ -190,9 +189,8 @@ class Declarations:
         return max(0.0, min([longest, *(d.deadline - now for d in self.open.values())]))
 
     def serve(self, readable: list[int], config: DaemonConfig) -> DaemonConfig | None:
-        """Accept new connections, read what the others sent, answer each whole message, close connections
-        past their time: the configuration of an accepted declaration, if one was (after it, each message
-        is judged against it)."""
+        """Accept new connections, read what the others sent, answer each whole message, close connections past their
+        time: the configuration of an accepted declaration, if one was (after it, each message is judged against it)."""
         accepted = None
         for fd in [fd for fd in readable if fd in self.open]:  # first: what is sent is never a silent slot
             accepted = self._receive(self.open[fd], config, accepted) or accepted
@@ -293,10 +291,9 @@ class Declarations:
         _answer(self.open.pop(fd).conn, reply)
 
     def close(self, accepted: DaemonConfig | None = None) -> None:
-        """Stop listening. With ``accepted``, every declaration already sent (on an open connection, or one
-        still in the listening backlog) is answered against it first; the rest are closed unanswered: their
-        declarers look for the block that follows (``kvcached.protocol.declare.declare`` returns False) and
-        judge against it."""
+        """Stop listening. With ``accepted``, every declaration already sent (on an open connection, or one still in the
+        listening backlog) is answered against it first; the rest are closed unanswered: their declarers look for the
+        block that follows (``kvcached.protocol.declare.declare`` returns False) and judge against it."""
         if accepted is not None:
             self._accept()
             for fd, declaring in list(self.open.items()):

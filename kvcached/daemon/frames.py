@@ -1,49 +1,43 @@
 """A rank worker's frame server: the connections of the rank's task socket, apart from the tasks they carry.
 
-It reads request frames (``kvcached.protocol.messages``), hands each whole one to an ``execute`` callback
-and queues the reply that callback returns; it knows nothing of what a task does. Single-threaded,
-driven by the worker's selector. Nothing a client does can end the worker or stall the others:
+It reads request frames (``kvcached.protocol.messages``), hands each whole one to an ``execute`` callback and queues the
+reply that callback returns; it knows nothing of what a task does. Single-threaded, driven by the worker's selector.
+Nothing a client does can end the worker or stall the others:
 
-* every connection is non-blocking; replies queue in the connection's output buffer and go out as the
-  client reads them. A client that stops reading stalls only itself: past ``OUT_CAP`` queued bytes the
-  server stops reading its requests until it drains;
-* a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame. A
-  frame larger than a read must first reserve its length from ``INPUT_BUDGET``, and while that is spent
-  such connections are not read; frames up to a read are buffered in the connections' ``inbuf``, and once
-  those hold ``INPUT_BUDGET`` bytes, connections with part of a frame buffered are not read (their clients
-  wait), and one with nothing buffered is read ``SPARE_READ`` bytes at a time. So clients holding frames
-  half-sent cannot keep small tasks waiting, and buffered requests stay near ``2 * INPUT_BUDGET`` (plus
-  ``SPARE_READ`` a connection) whatever clients do. A frame left half-sent for ``PARTIAL_IDLE_S`` closes its
-  connection;
-* at most ``max_connections`` connections (below the process's open-file limit). At the cap, the
-  connection idle the longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room
-  (its client reconnects on its next task); with none idle, the newcomer is answered REFUSED
-  ("capacity") and closed. Running out of descriptors (EMFILE) is met the same way, with a descriptor kept
-  in reserve for it; a peer that is neither the daemon's user nor in its group is answered REFUSED
-  ("access") before a byte of it is read;
-* a malformed frame (bad magic, a payload over ``MAX_PAYLOAD``) is answered INVALID and closes that
-  connection only;
-* connections take turns, fair by the bytes their tasks move as well as by requests: a turn is at most
-  ``RUN_BATCH`` requests, and ends after the task that brings its bytes moved to ``TURN_BYTES`` (a single
-  task larger than that is a turn of its own); a request counts as at least ``REQUEST_BYTES`` (a lookup moves
-  nothing). Every whole request waits in the ``backlog``, read but not run, and the worker's loop runs one
-  turn per pass, round by round: a connection joins the round under way (``round``) if it has not had its
-  turn in it (it comes back from idle, or is new), else the next one; the lowest round goes next, and within
-  a round the connection whose last turn moved less, a new one last. So a task waits for the turn under way
-  and at most one turn of each other connection, whether it pipelines large tasks, sends them one at a time
-  or pipelines thousands of lookups, and a client that comes back from idle with a small task goes before
-  those that moved more. A connection's first turn ends the round under way for those that join after it,
-  and no connection is accepted while ``ACCEPT_BATCH`` new ones wait for their first turns, so a client
-  that opens a new connection (from a new process or not) for each task takes no more turns than with a
-  connection of its own per task in flight, and a storm of connections costs the others about
-  ``ACCEPT_BATCH`` short turns at most. A connection in the backlog is not read again until its turn;
-* a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every
-  request it sent has run and every reply has gone out; a reply that cannot be delivered (the client is
-  gone, or stopped reading for ``PARTIAL_IDLE_S``) is logged with its task.
+* every connection is non-blocking; replies queue in its output buffer, sent as the client reads them; one that stops
+  reading stalls only itself: past ``OUT_CAP`` queued bytes its requests are not read until it drains;
+* a request's bytes are buffered until the whole frame is there, at most ``MAX_PAYLOAD`` per frame. A frame larger than
+  a read must first reserve its length from ``INPUT_BUDGET``, and while that is spent such connections are not read;
+  frames up to a read are buffered in the connections' ``inbuf``, and once those hold ``INPUT_BUDGET`` bytes,
+  connections with part of a frame buffered are not read (their clients wait), and one with nothing buffered is read
+  ``SPARE_READ`` bytes at a time. So clients holding frames half-sent cannot keep small tasks waiting, and buffered
+  requests stay near ``2 * INPUT_BUDGET`` (plus ``SPARE_READ`` a connection) whatever clients do. A frame left half-sent
+  for ``PARTIAL_IDLE_S`` closes its connection;
+* at most ``max_connections`` connections (below the process's open-file limit). At the cap, the connection idle the
+  longest (nothing buffered, no request for ``IDLE_EVICT_S``) is closed to make room (its client reconnects on its next
+  task); with none idle, the newcomer is answered REFUSED ("capacity") and closed. Running out of descriptors (EMFILE)
+  is met the same way, with a descriptor kept in reserve for it; a peer that is neither the daemon's user nor in its
+  group is answered REFUSED ("access") before a byte of it is read;
+* a malformed frame (bad magic, a payload over ``MAX_PAYLOAD``) is answered INVALID and closes that connection only;
+* connections take turns, fair by the bytes their tasks move as well as by requests: a turn is at most ``RUN_BATCH``
+  requests and ends after the task that brings its bytes to ``TURN_BYTES`` (a larger single task is a turn of its own);
+  a request counts as at least ``REQUEST_BYTES`` (a lookup moves nothing). Whole requests wait in the ``backlog`` (their
+  connection not read again until its turn); the worker's loop runs one turn per pass, round by round: a connection
+  joins the round under way (``round``) if it has not had its turn in it (back from idle, or new), else the next one;
+  the lowest round goes next, and within a round the connection whose last turn moved less, a new one last. So a task
+  waits for the turn under way and at most one turn of each other connection, whether it pipelines large tasks, sends
+  them one at a time or pipelines thousands of lookups, and a client back from idle with a small task goes before those
+  that moved more. A connection's first turn ends the round under way for those that join after it, and none is accepted
+  while ``ACCEPT_BATCH`` new ones wait for their first turns: a client opening a new connection (from a new process or
+  not) per task takes no more turns than with one of its own per task in flight, and a storm of connections costs the
+  others about ``ACCEPT_BATCH`` short turns at most;
+* a connection whose client closed its sending side (``shutdown(SHUT_WR)``) keeps its turns until every request it sent
+  has run and every reply has gone out; a reply that cannot be delivered (the client is gone, or stopped reading for
+  ``PARTIAL_IDLE_S``) is logged with its task.
 
-Over 500 lines: the input budget, the turns and each connection's life are one piece of bookkeeping over the
-same connections, and a split would have each half reach into the other's. The budget's bookkeeping is
-``FrameServer``'s ``buffered``, ``reserved`` and ``starved`` (with each connection's ``need``).
+Over 500 lines: the input budget, the turns and each connection's life are one bookkeeping over the same connections;
+split, each half would reach into the other's. The budget's is ``FrameServer``'s ``buffered``, ``reserved`` and
+``starved`` (with each connection's ``need``).
 """
 
 from __future__ import annotations
@@ -447,9 +441,8 @@ class FrameServer:
             return
 
     def _run_frames(self, client: Client) -> bool:
-        """Run the whole frames buffered, a turn at most (``run_batch`` requests, ``turn_bytes`` moved: more
-        left, the connection joins the ``backlog``); False when the connection should close (a malformed
-        frame)."""
+        """Run the whole frames buffered, a turn at most (``run_batch`` requests, ``turn_bytes`` moved: more left, the
+        connection joins the ``backlog``); False when the connection should close (a malformed frame)."""
         before = client.moved
         for _ in range(self.limits.run_batch):
             if client.moved - before >= self.limits.turn_bytes:

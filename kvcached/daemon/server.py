@@ -1,16 +1,14 @@
 """A rank worker's tasks: swap, store, load and lookup, executed for the requests its frame server reads.
 
-``TaskServer.execute`` is the frame server's ``execute`` callback (``kvcached.daemon.frames``): it takes
-one whole request and returns its reply, and never raises for a bad task. A task is checked before
+``TaskServer.execute`` is the frame server's ``execute`` callback (``kvcached.daemon.frames``). A task is checked before
 anything moves: an invalid one is answered INVALID with nothing changed; store calls have a deadline
-(``kvcached.daemon.store_agent``): a slow store fails its task (FAILED, ``store_unavailable``).
+(``kvcached.daemon.store_agent``): a slow store fails its task (FAILED, ``store_unavailable``). Handing over (``kvcached
+restart``, ``stop --keep``), every task that still arrives is answered NOT_RUN, so its client sends it to the next
+daemon.
 
-Handing over (``kvcached restart``, ``stop --keep``): every task that still arrives is answered NOT_RUN,
-so its client sends it to the next daemon.
-
-Keys: a ``swap_out`` with keys enters its CPU blocks in the rank's key directory (``kvcached.daemon.keydir``)
-once copied, and writes them through to the store when there is one; ``lookup`` and ``load`` find each key
-in the CPU pool first, then in the store.
+Keys: a ``swap_out`` with keys enters its CPU blocks in the rank's key directory (``kvcached.daemon.keydir``) once
+copied, and writes them through to the store when there is one; ``lookup`` and ``load`` find each key in the CPU pool
+first, then in the store.
 """
 
 from __future__ import annotations
@@ -234,9 +232,8 @@ class TaskServer:
             )
 
     def _runs(self, keys: list[bytes]) -> Iterator[tuple[int, int, list[int]]]:
-        """``keys`` cut, in order, into runs the CPU pool holds every key of or none: ``(start, end, blocks)``,
-        ``blocks`` the pool's blocks of the run (empty: a run for the store). Each key is looked up once, as
-        the runs are taken."""
+        """``keys`` cut, in order, into runs the CPU pool holds all or none of: ``(start, end, blocks)``, ``blocks`` the
+        pool's blocks of the run (empty: one for the store); each key is looked up once, as runs are taken."""
         found = (self.keys.find(key) if self.keys is not None else None for key in keys)
         start = 0
         for _, run in itertools.groupby(found, key=lambda block: block is None):
@@ -259,9 +256,8 @@ class TaskServer:
         return found
 
     def _load_blocks(self, keys: list[bytes], targets: Array, ahead: list[bytes]) -> int:
-        """Load the longest prefix of ``keys`` a host tier holds into device blocks ``targets``, each block
-        from the fastest tier that has it: the CPU pool, else the store. Stops at the first miss.
-        ``ahead``: the keys of the load its client sent next (``Store.expect``)."""
+        """Load the longest prefix of ``keys`` a host tier holds into device blocks ``targets``, each from the fastest
+        tier with it (CPU pool, else store); ``ahead`` (``Store.expect``): the keys of its client's next load."""
         loaded = 0
         for start, end, blocks in self._runs(keys):
             if blocks:

@@ -1,27 +1,24 @@
-"""A rank's attention store, run in a helper process of its worker, with a deadline on every call: a slow
-or frozen backend fails its own task, never the rank.
+"""A rank's attention store, run in a helper process of its worker, with a deadline on every call: a slow or frozen
+backend fails its own task, never the rank.
 
-Why a process and not a thread: a store's client may block *holding the interpreter lock* (Mooncake's
-``setup()`` does, against a frozen master), which would freeze a thread's whole process. So the worker
-forks a store agent when it opens its store; the agent opens the backend and serves calls sent over a
-socket pair. The worker waits for a reply in short slices, marking its own progress as it waits, until
-the call returns or goes ``timeout`` seconds without moving an object (the backend calls
-``Store.on_progress``; the agent counts in a word both processes map): a long call that keeps moving (a
-store of 30,000 blocks) takes the time it needs, one that stops (a frozen master) fails its task with
-``StoreUnavailable``. While that call has not returned, store tasks fail at once ("still busy"); an agent
-stuck past ``ABANDON_AFTER`` timeouts is killed and a new one started.
+Why a process and not a thread: a store's client may block *holding the interpreter lock* (Mooncake's ``setup()`` does,
+against a frozen master), which would freeze a thread's whole process. So the worker forks a store agent when it opens
+its store; the agent opens the backend and serves calls sent over a socket pair. The worker waits for a reply in short
+slices, marking its own progress as it waits, until the call returns or goes ``timeout`` seconds without moving an
+object (the backend calls ``Store.on_progress``; the agent counts in a word both processes map): a long call that keeps
+moving (a store of 30,000 blocks) takes the time it needs, one that stops (a frozen master) fails its task with
+``StoreUnavailable``. While that call has not returned, store tasks fail at once ("still busy"); an agent stuck past
+``ABANDON_AFTER`` timeouts is killed and a new one started.
 
-Block records never cross the socket: the agent reads and writes the device blocks themselves where the
-backend is ``direct`` (through the worker's mapping it inherits at the fork), else rows of ``staging``,
-memory both processes share, created before the fork (docs/architecture.md, "The store path"). A direct
-call that times out has its agent killed, and waited for, before its task fails, so that no write it had
-under way lands in a block the task gave up; a staging agent never touches device memory, so a call that
-finishes after its task was given up on cannot change a block another task has since reused.
+Block records never cross the socket: the agent reads and writes the device blocks themselves where the backend is
+``direct`` (through the worker's mapping it inherits at the fork), else rows of ``staging``, memory both processes
+share, created before the fork (docs/architecture.md, "The store path"). A direct call that times out has its agent
+killed, and waited for, before its task fails, so that no write it had under way lands in a block the task gave up; a
+staging agent never touches device memory, so a call that finishes after its task was given up on cannot change a block
+another task has since reused.
 
-Calls and replies are pickled tuples, one a frame (``kvcached.protocol.framing``).
-
-The agent also checks its store for trouble outside any call (``Store.check``) once a second when idle,
-and sends the store's counters with every reply.
+Calls and replies are pickled tuples, one a frame (``kvcached.protocol.framing``); every reply carries the store's
+counters. When idle, the agent checks its store for trouble (``Store.check``) once a second.
 """
 
 from __future__ import annotations
@@ -236,9 +233,8 @@ class StoreCalls:
 
     @property
     def unavailable(self) -> bool:
-        """Whether store tasks fail now: the store found its backend unavailable, or a call that timed out
-        (a frozen master) still holds the agent (the agent's own counters, sent between calls, cannot say
-        so while it is held)."""
+        """Whether store tasks fail now: the store found its backend unavailable, or a call that timed out (a frozen
+        master) still holds the agent (the agent's own counters, sent between calls, cannot say so while it is held)."""
         return bool(self.counters.unavailable) or self.waiting_for is not None or self.retry_at is not None
 
     def _result(self, message: tuple[Any, ...]) -> Any:
@@ -415,10 +411,9 @@ def _become_agent(sock: socket.socket, parent: int) -> None:
 
 
 def _dispatch(store: Store, calls: StoreCalls, method: str, args: tuple[Any, ...]) -> Any:
-    """The calls the worker sends: ``put_many(keys)`` (records in staging rows 0..n-1), ``load_prefix(keys)``
-    (records into staging rows 0..), ``put_blocks(keys, ids)`` and ``load_blocks(keys, ids, ahead)`` (records
-    in device blocks ``ids``, ``direct``; ``ahead``: the next load's keys, ``Store.expect``),
-    ``present(keys)``, ``protect(keys)``."""
+    """The calls the worker sends: ``put_many(keys)`` (records in staging rows 0..n-1), ``load_prefix(keys)`` (records
+    into staging rows 0..), ``put_blocks(keys, ids)`` and ``load_blocks(keys, ids, ahead)`` (records in device blocks
+    ``ids``, ``direct``; ``ahead``: the next load's keys, ``Store.expect``), ``present(keys)``, ``protect(keys)``."""
     if method == "put_blocks":
         keys, ids = args
         assert calls.device is not None
@@ -444,9 +439,8 @@ def _dispatch(store: Store, calls: StoreCalls, method: str, args: tuple[Any, ...
 
 
 def _describe(exc: BaseException) -> tuple[str, str, int | None]:
-    """(kind, text, errno) of an exception, for the worker to raise again: an ``OSError``'s text is its
-    reason and file names without the ``[Errno N]`` its ``str`` begins with (the worker's ``OSError`` adds
-    that once)."""
+    """(kind, text, errno) of an exception, for the worker to raise again: an ``OSError``'s text is its reason and file
+    names without the ``[Errno N]`` its ``str`` begins with (the worker's ``OSError`` adds that once)."""
     if isinstance(exc, OSError) and exc.errno:
         names = "".join(f": {name}" for name in (exc.filename, exc.filename2) if name is not None)
         return type(exc).__name__, f"{exc.strerror or os.strerror(exc.errno)}{names}", exc.errno

@@ -1,23 +1,21 @@
 """A rank worker: a child of the supervisor that allocates and holds one rank's tiers and serves its tasks.
 
-Its life, in three steps, each raising ``WorkerFailure`` (a reason and the exit status the daemon should
-end with) when it cannot go on:
+Its life, in three steps, each raising ``WorkerFailure`` (a reason and the daemon's exit status) when it cannot go on:
 
-1. ``allocate``: the device tier (through its backend, ``kvcached.memory``) and the CPU pool, reporting
-   progress; or, for a worker that replaces one that died or one of a daemon that adopted an earlier
-   run's memory, ``reopen`` them with their bytes untouched. After ``kvcached restart`` the last image's
-   worker still serves the rank meanwhile: this one says Prepared and waits for Serve (``await_turn``);
-   then the CPU pool's key directory (``kvcached.daemon.keydir``);
-2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), run in a store
-   agent process forked by the worker, with a deadline per call (``kvcached.daemon.store_agent``);
-3. ``serve``: listen on the rank's task socket (``kvcached.daemon.frames``) and run tasks
-   (``kvcached.daemon.server``) until told to stop; told to stop for a handover (``Stop(drain=True)``),
-   it answers the tasks that still arrive NOT_RUN until its clients are quiet, then exits.
+1. ``allocate``: the device tier (through its backend, ``kvcached.memory``) and the CPU pool, reporting progress; or,
+   for a worker replacing one that died or of a daemon that adopted an earlier run's memory, ``reopen`` them with their
+   bytes untouched. After ``kvcached restart`` the last image's worker serves the rank meanwhile: this one says Prepared
+   and waits for Serve (``await_turn``) before the CPU pool's key directory (``kvcached.daemon.keydir``);
+2. ``open_store``: this rank's client of the attention store, if any (``kvcached.store``), run in a store agent process
+   forked by the worker, with a deadline per call (``kvcached.daemon.store_agent``);
+3. ``serve``: listen on the rank's task socket (``kvcached.daemon.frames``) and run tasks (``kvcached.daemon.server``)
+   until told to stop; for a handover (``Stop(drain=True)``) it first answers arriving tasks NOT_RUN until its clients
+   are quiet.
 
-Liveness: the worker adds to the ``progress`` counter of its stats slot each time its loop turns (at
-least once a second) and at every step of a long task (``RankSlot.hung`` judges it). It talks to the
-supervisor through ``kvcached.daemon.channel``, never writes a rank record (only its stats slot) and never
-unlinks: the supervisor knows every name and removes them all, also after a worker was killed.
+Liveness: the worker adds to the ``progress`` counter of its stats slot each time its loop turns (at least once a
+second) and at every step of a long task (``RankSlot.hung`` judges it). It talks to the supervisor through
+``kvcached.daemon.channel``, never writes a rank record (only its stats slot) and never unlinks: the supervisor knows
+every name and removes them all, also after a worker was killed.
 """
 
 from __future__ import annotations
@@ -82,9 +80,8 @@ class RankTiers:
     warm: bool = False
 
     def map_pages(self, *, until_done: Callable[[], None] | None = None) -> None:
-        """Map every page of the device tier and the pool in the background; with ``until_done``, wait
-        until they are mapped, calling it every ``LOOP_S`` meanwhile (the worker's progress mark: gigabytes
-        take seconds)."""
+        """Map every page of the device tier and the pool in the background; with ``until_done``, wait until they are
+        mapped, calling it every ``LOOP_S`` meanwhile (the worker's progress mark: gigabytes take seconds)."""
         if self.warm:
             return
         self.warm = True
@@ -265,10 +262,9 @@ STAGING_BYTES = 64 << 20
 
 
 def open_store(plan: WorkerPlan, stats: StatsSlot, log: logs.Logger, pieces: list[Piece]) -> StoreCalls | None:
-    """This rank's attention store behind its agent process, or None without a store. A store that refuses
-    to open (its directory held by another daemon, unwritable) fails the worker; one that does not answer
-    yet leaves the rank to serve its other tiers. A ``direct`` backend on a host device tier (``pieces``)
-    gets the device blocks themselves."""
+    """This rank's attention store behind its agent process, or None without a store. A store that refuses to open (its
+    directory held by another daemon, unwritable) fails the worker; one that does not answer yet leaves the rank to
+    serve its other tiers. A ``direct`` backend on a host device tier (``pieces``) gets the device blocks themselves."""
     if plan.store.backend is None:
         return None
     identity = ObjectIdentity(plan.spec.geometry_digest, plan.rank, plan.spec.block_bytes)
