@@ -27,16 +27,7 @@ from kvcached.daemon.keydir import KeyDirectory
 from kvcached.daemon.store_agent import StoreCalls
 from kvcached.logs import Logger
 from kvcached.protocol.errors import InvalidTask, StoreUnavailable
-from kvcached.protocol.messages import (
-    FLAG_KEYS,
-    KEY_BYTES,
-    TASK_RESULT,
-    Op,
-    Status,
-    reply,
-    unpack_ids,
-    unpack_keyed,
-)
+from kvcached.protocol.messages import FLAG_KEYS, KEY_BYTES, TASK_RESULT, Op, Status, reply, unpack_ids, unpack_keyed
 from kvcached.protocol.stats import StatsSlot
 from kvcached.store.base import REPUBLISH_COUNTERS, StoreCounters
 
