@@ -266,11 +266,8 @@ class FrameServer:
         assert self.reserve_fd is not None
         os.close(self.reserve_fd)
         self.reserve_fd = None
-        try:
+        with contextlib.suppress(OSError):
             sock, _ = self.listener.accept()
-        except OSError:
-            pass
-        else:
             self._refuse(sock, "capacity", f"{self.who} is out of file descriptors")
         with contextlib.suppress(OSError):
             self.reserve_fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
@@ -279,14 +276,8 @@ class FrameServer:
 
     def _watch(self, client: Client) -> None:
         """Point the selector at what ``client`` waits for now."""
-        events = 0
-        if (
-            len(client.outbuf) <= self.limits.out_cap
-            and client not in self.starved
-            and not client.eof
-            and client not in self.backlog
-        ):
-            events |= selectors.EVENT_READ
+        readable = len(client.outbuf) <= self.limits.out_cap and not client.eof and client not in self.starved
+        events = selectors.EVENT_READ if readable and client not in self.backlog else 0
         if client.outbuf:
             events |= selectors.EVENT_WRITE
         if events == client.events:
@@ -330,10 +321,7 @@ class FrameServer:
                 return
             if len(client.outbuf) <= self.limits.out_cap and _whole_request(client):
                 self._wait_turn(client)  # its replies drained: the requests it sent meanwhile run
-        if events & selectors.EVENT_READ and not self._on_readable(client):
-            self.close(sock)
-            return
-        if self._finished(client):
+        if (events & selectors.EVENT_READ and not self._on_readable(client)) or self._finished(client):
             self.close(sock)
             return
         self._watch(client)
@@ -355,15 +343,12 @@ class FrameServer:
         ran is answered; one whose connection closes unanswered did not run)."""
         deadline = time.monotonic() + seconds
         for client in list(self.conns.values()):
-            if not client.outbuf:
-                continue
-            try:
-                client.sock.settimeout(max(0.001, deadline - time.monotonic()))
-                client.sock.sendall(client.outbuf)
-                client.outbuf.clear()
-                client.unsent.clear()
-            except OSError:
-                continue
+            if client.outbuf:
+                with contextlib.suppress(OSError):
+                    client.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                    client.sock.sendall(client.outbuf)
+                    client.outbuf.clear()
+                    client.unsent.clear()
 
     def tick(self, now: float) -> None:
         """Close connections whose unfinished frame, or requests left behind replies the client does not
@@ -448,9 +433,7 @@ class FrameServer:
             if client.moved - before >= self.limits.turn_bytes:
                 break
             if client.frame is not None:  # a large frame, filled in place
-                if client.filled < len(client.frame):
-                    return True
-                if not self._run(client, self._take_large(client)):
+                if client.filled < len(client.frame) or not self._run(client, self._take_large(client)):
                     return True
                 continue
             if len(client.inbuf) < REQUEST.size:
