@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -61,8 +60,7 @@ class TaskServer:
         self.store_was_unavailable = False  # what the log last said of it (``_mirror_store_counters``)
         self.republishing = False  # what the log last said of putting back what the store's master forgot
         self.handing_over = False  # set when handing over: tasks are answered NOT_RUN, the next daemon runs them
-        if store is not None:
-            self._mirror_store_counters()  # a rebuilt index shows in status before the first task
+        self._mirror_store_counters()  # a rebuilt index shows in status before the first task
 
     # -- tasks ----------------------------------------------------------------------------------------
 
@@ -82,8 +80,7 @@ class TaskServer:
                 try:
                     return self._store_task(Op(op), task_id, payload, client)
                 finally:
-                    if self.store is not None:
-                        self._mirror_store_counters()
+                    self._mirror_store_counters()
             raise InvalidTask("op", f"unknown operation {op}; known: {', '.join(o.name for o in Op)}")
         except InvalidTask as exc:
             self.stats.count(tasks_refused=1)
@@ -103,8 +100,7 @@ class TaskServer:
     def _store_failed(self) -> None:
         """Count a store task that failed, in status by the time its client has the reply."""
         self.store_failures += 1
-        if self.store is not None:
-            self._mirror_store_counters()
+        self._mirror_store_counters()
 
     def _hello(self, client: Client, task_id: int, payload: bytes) -> bytes:
         try:
@@ -194,7 +190,7 @@ class TaskServer:
                 raise InvalidTask("keys", f"{len(payload)} bytes is not a list of {KEY_BYTES}-byte keys")
             self._require_keyed_tier()
             keys = [payload[i : i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
-            found = self._present(keys)
+            found = self._host_prefix(keys)
             self.stats.count(lookup_tasks=1)
             return reply(op, Status.OK, task_id, TASK_RESULT.pack(found, 0, time.monotonic_ns() - started))
         keyed = unpack_keyed(payload, 1)
@@ -208,7 +204,7 @@ class TaskServer:
             return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(keys), nbytes, time.monotonic_ns() - started))
         self._require_keyed_tier()
         self.engine.check_ids(ids, field="device_block_ids", role="target", unique=True)
-        loaded = self._load_blocks(keys, ids, _next_load(client))
+        loaded = self._host_prefix(keys, ids, _next_load(client))
         nbytes = loaded * self.engine.spec.block_bytes
         took = time.monotonic_ns() - started
         self.stats.count_task("load", loaded, nbytes, took)
@@ -222,45 +218,28 @@ class TaskServer:
                 "(start it with --num-cpu-blocks > 0 or --storage-backend)",
             )
 
-    def _runs(self, keys: list[bytes]) -> Iterator[tuple[int, int, list[int]]]:
-        """``keys`` cut, in order, into runs the CPU pool holds all or none of: ``(start, end, blocks)``, ``blocks`` the
-        pool's blocks of the run (empty: one for the store); each key is looked up once, as runs are taken."""
+    def _host_prefix(self, keys: list[bytes], targets: Array | None = None, ahead: list[bytes] | None = None) -> int:
+        """How many leading ``keys`` a host tier holds, taken in runs the CPU pool (its key directory) holds all or none
+        of, each key looked up once; with device blocks ``targets``, load them there, each from the fastest tier with it
+        (CPU pool, else store); ``ahead`` (``Store.expect``): the keys of its client's next load."""
         found = (self.keys.find(key) if self.keys is not None else None for key in keys)
-        start = 0
-        for _, run in itertools.groupby(found, key=lambda block: block is None):
+        done = end = 0
+        for in_store, run in itertools.groupby(found, key=lambda block: block is None):
             blocks = list(run)
-            yield start, start + len(blocks), [block for block in blocks if block is not None]
-            start += len(blocks)
-
-    def _present(self, keys: list[bytes]) -> int:
-        """How many leading ``keys`` a host tier holds: the CPU pool (its key directory) or the store."""
-        found = 0
-        for start, end, blocks in self._runs(keys):
-            if blocks:
-                found += len(blocks)
+            start, end = end, end + len(blocks)
+            if not in_store:
+                if targets is not None:
+                    self.engine.swap_in(np.array(blocks, dtype=np.int64), targets[start:end])
+                done += len(blocks)
             elif self.store is None:
                 break
+            elif targets is None:
+                done += self.store.call("present", keys[start:end])
             else:
-                found += self.store.call("present", keys[start:end])
-            if found < end:
+                done += self._load_from_store(keys[start:end], targets[start:end], self.store, ahead or [])
+            if done < end:
                 break
-        return found
-
-    def _load_blocks(self, keys: list[bytes], targets: Array, ahead: list[bytes]) -> int:
-        """Load the longest prefix of ``keys`` a host tier holds into device blocks ``targets``, each from the fastest
-        tier with it (CPU pool, else store); ``ahead`` (``Store.expect``): the keys of its client's next load."""
-        loaded = 0
-        for start, end, blocks in self._runs(keys):
-            if blocks:
-                self.engine.swap_in(np.array(blocks, dtype=np.int64), targets[start:end])
-                loaded += len(blocks)
-            elif self.store is None:
-                break
-            else:
-                loaded += self._load_from_store(keys[start:end], targets[start:end], self.store, ahead)
-            if loaded < end:
-                break
-        return loaded
+        return done
 
     def _load_from_store(self, keys: list[bytes], targets: Array, store: StoreCalls, ahead: list[bytes]) -> int:
         """Load the longest present prefix of ``keys`` from the store into device blocks ``targets``: in one
@@ -287,7 +266,8 @@ class TaskServer:
             self._mirror_store_counters()
 
     def _mirror_store_counters(self) -> None:
-        assert self.store is not None
+        if self.store is None:
+            return
         c = self.store.counters
         self.stats.set(
             store_errors=self.store_failures + c.errors,
