@@ -83,8 +83,7 @@ def send(sock: socket.socket, message: Message) -> None:
 
 
 def recv(sock: socket.socket) -> Message | None:
-    """Receive one message; None on EOF (the peer is gone). A packet that is not one of ours raises
-    ``ProtocolError``."""
+    """Receive one message; None on EOF (the peer is gone); a packet not one of ours raises ``ProtocolError``."""
     try:
         data = sock.recv(framing.CHANNEL)
     except ConnectionResetError:

@@ -55,10 +55,9 @@ from kvcached.protocol.spec import CacheSpec
 WAITING_NOTE = "waiting for the engine to declare the geometry (--geometry engine)"
 #: Seconds one declaring connection may take to send its whole spec.
 READ_S = 2.0
-#: Declaring connections served at once. Past it, the one that has sent nothing for the longest (at least
-#: ``SILENT_S``: a declarer sends its spec as it connects) is answered busy and closed to make room, else the
-#: newcomer is: a neighbour holding the slots with connections that never speak, however often it reconnects,
-#: loses them to the declarers that speak.
+#: Declaring connections served at once. Past it, the one silent the longest (at least ``SILENT_S``: a declarer sends
+#: its spec as it connects) is answered busy and closed for room, else the newcomer is: a neighbour holding the slots
+#: with connections that never speak, however often it reconnects, loses them to the declarers that speak.
 MAX_OPEN = 32
 SILENT_S = 0.1
 #: The answer to a connection past ``MAX_OPEN``: not a refusal, the declarer asks again.
@@ -228,8 +227,7 @@ class Declarations:
             self.open[conn.fileno()] = _Declaring(conn, peer, time.monotonic() + READ_S)
 
     def _evict_silent(self) -> bool:
-        """Close the connection that has sent nothing for the longest, answering it busy, if that is at least
-        ``SILENT_S``; whether one was."""
+        """Answer busy and close the connection silent the longest, if for ``SILENT_S`` at least; whether one was."""
         now = time.monotonic()
         fd, quiet = min(((fd, d) for fd, d in self.open.items()), key=lambda item: item[1].heard)
         if now - quiet.heard < SILENT_S:

@@ -80,8 +80,7 @@ ACCEPT_BATCH = 64
 RUN_BATCH = 64
 #: Bytes moved (as the tasks' replies say) after which a connection's turn ends.
 TURN_BYTES = 4 << 20
-#: What a request counts as at least in the bytes a connection has moved, so that tasks that move nothing (a
-#: lookup, a refusal) take turns too.
+#: The least a request counts as in its connection's bytes moved: tasks moving nothing (a lookup, a refusal) take turns.
 REQUEST_BYTES = TURN_BYTES // RUN_BATCH
 #: Undelivered replies named by task in the log line of a connection closed with replies queued.
 NAMED_LOST = 8
@@ -136,9 +135,8 @@ class Client:
     sent: int = 0  # of which sent
 
     def next_request(self) -> tuple[int, int] | None:
-        """``(op, payload length)`` of the whole request buffered after the one being run, whose payload is
-        ``inbuf[PAYLOAD_AT : PAYLOAD_AT + length]``, left where it is (None: none yet, or a large frame,
-        which is not looked at ahead)."""
+        """``(op, payload length)`` of the whole request buffered after the one being run, its payload left at
+        ``inbuf[PAYLOAD_AT : PAYLOAD_AT + length]`` (None: none yet, or a large frame, not looked at ahead)."""
         if self.frame is not None or len(self.inbuf) < REQUEST.size:
             return None
         magic, op, _, _, length = REQUEST.unpack_from(self.inbuf)
@@ -405,9 +403,8 @@ class FrameServer:
         return ok and self._flush(client)
 
     def run_backlog(self) -> None:
-        """Run the next turn in the backlog (the worker's loop calls this after each round of its selector's
-        events, and does not wait while ``backlog`` holds one: requests that arrive meanwhile are read, and
-        placed, before the next turn)."""
+        """Run the backlog's next turn (the worker's loop calls it after each round of selector events, not waiting
+        while ``backlog`` holds one: requests arriving meanwhile are read, and placed, before the next turn)."""
         while self.backlog:
             client = min(self.backlog, key=lambda c: (c.round, c.served < 0, c.moved))
             self.backlog.pop(client, None)

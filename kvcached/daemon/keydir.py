@@ -74,9 +74,8 @@ class KeyDirectory:
 
     @classmethod
     def open(cls, name: str, slots: int) -> KeyDirectory:
-        """The directory a worker of an earlier generation (or of this one) left. Raises ``ProtocolError``
-        when it is not one of ``slots`` slots, ``posix_ipc.ExistentialError`` when it is absent, ``NotTrusted``
-        when it is not this user's."""
+        """The directory a worker of an earlier generation (or this one) left. Raises ``ProtocolError`` when it is not
+        one of ``slots`` slots, ``posix_ipc.ExistentialError`` when absent, ``NotTrusted`` when not this user's."""
         mapping = open_arena(name, directory_bytes(slots), owner=os.geteuid())
         magic, version, found, key_bytes = _HEADER.unpack_from(mapping, 0)
         if (magic, version, found, key_bytes) != (MAGIC, VERSION, slots, KEY_BYTES):

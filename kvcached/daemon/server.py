@@ -54,8 +54,7 @@ class TaskServer:
         self.generation = generation
         self.log = log
         self.store = store
-        #: The CPU pool's key directory (None without a pool): ``swap_out`` with keys enters blocks there.
-        self.keys = keys
+        self.keys = keys  # the CPU pool's key directory (None without a pool)
         self.store_failures = 0  # store tasks that failed (the backend counts its own errors besides)
         self.store_was_unavailable = False  # what the log last said of it (``_mirror_store_counters``)
         self.republishing = False  # what the log last said of putting back what the store's master forgot

@@ -167,9 +167,8 @@ class StoreCalls:
         return f"the {self.name} store cannot open: {self.open_error}{when}"
 
     def wait_open(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for the store to open; raise what opening raised (``StoreBusy``,
-        ``OSError``...). Returns quietly when it is still opening: the rank serves its other tiers and
-        store tasks fail until it answers."""
+        """Wait up to ``seconds`` for the store to open; raise what opening raised (``StoreBusy``, ``OSError``...).
+        Still opening: return quietly (the rank serves its other tiers, store tasks fail until it answers)."""
         deadline = time.monotonic() + seconds
         while not self.opened:
             message = self._receive(max(0.0, deadline - time.monotonic()))
@@ -276,10 +275,9 @@ class StoreCalls:
                 self.waiting_for = None  # the stuck call finished: the store takes calls again
 
     def maintain(self) -> None:
-        """Take in every message already received (counters after the agent's idle checks), without waiting;
-        start the next agent when one that could not open its store waited its back-off. An agent found dead
-        here (killed while idle) has already been replaced by ``_receive``: that costs nothing more, and the
-        next call finds it opened or opening."""
+        """Take in every message received (counters after the agent's idle checks), without waiting; start the next
+        agent when one that could not open its store waited its back-off. An agent found dead here (killed while idle)
+        was already replaced by ``_receive``, at no further cost: the next call finds it opened or opening."""
         try:
             while self.sock is not None and (message := self._receive(0.0)) is not None:
                 with contextlib.suppress(StoreUnavailable, StoreBusy, OSError, RuntimeError):

@@ -76,8 +76,7 @@ class RankTiers:
     pool: mmap.mmap | None
     pool_name: str
     keys: KeyDirectory | None = None
-    #: Every page is mapped already (``warm``).
-    warm: bool = False
+    warm: bool = False  # every page is mapped already (``warm``)
 
     def map_pages(self, *, until_done: Callable[[], None] | None = None) -> None:
         """Map every page of the device tier and the pool in the background; with ``until_done``, wait until they are
@@ -254,8 +253,7 @@ def _key_directory(plan: WorkerPlan, request: TierRequest, log: logs.Logger) -> 
         raise WorkerFailure(f"key directory {name}: {exc}", EXIT_RESOURCES) from None
 
 
-#: How long a worker waits for its store to open before it serves without it (store tasks then fail
-#: until the store answers).
+#: How long a worker waits for its store to open before serving without it (store tasks fail until it answers).
 STORE_OPEN_WAIT_S = 5.0
 #: Bytes of block records moved per store call (a staging buffer shared with the store agent).
 STAGING_BYTES = 64 << 20
