@@ -103,19 +103,14 @@ class StoreCalls:
         self.log = log
         rows = max(1, staging_bytes // record_bytes)
         self._staging_map = mmap.mmap(-1, round_up(rows * record_bytes))  # shared with the agent
-        self.staging = np.frombuffer(self._staging_map, dtype=np.uint8)[: rows * record_bytes].reshape(
-            rows, record_bytes
-        )
+        self.staging = np.frombuffer(self._staging_map, np.uint8, rows * record_bytes).reshape(rows, record_bytes)
         self._moves_map = mmap.mmap(-1, mmap.PAGESIZE)
         self._moves = memoryview(self._moves_map).cast("Q")
         self.device = device
         #: Store and load calls name device blocks (``put_blocks``, ``load_blocks``) instead of staging rows.
         self.direct = device is not None
         self.counters = StoreCounters()
-        self.opened = False
-        self.pid = 0
-        self.sock: socket.socket | None = None
-        self.frames = _reader()
+        self.sock: socket.socket | None = None  # the agent's pid, socket, frames and open state: ``_spawn``
         self.next_seq = 1
         self.waiting_for: tuple[int, float, str] | None = None  # a call that timed out: (seq, since, method)
         #: Why the last agent could not open its store, when the next starts (None: one runs), and the back-off.
