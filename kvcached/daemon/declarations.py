@@ -79,10 +79,8 @@ def held(config: DaemonConfig) -> DaemonConfig:
         return config
     with view:
         published = view.header.spec if view.header is not None else {}
-    if "num_blocks" not in published:
-        return config
     try:
-        return config.declared(CacheSpec.from_dict(published))
+        return config.declared(CacheSpec.from_dict(published)) if "num_blocks" in published else config
     except InvalidSpec:
         return config
 
@@ -294,9 +292,8 @@ class Declarations:
         block that follows (``kvcached.protocol.declare.declare`` returns False) and judge against it."""
         if accepted is not None:
             self._accept()
-            for fd, declaring in list(self.open.items()):
-                if fd in self.open:
-                    self._receive(declaring, accepted, accepted)
+            for declaring in list(self.open.values()):  # each closes its own connection only
+                self._receive(declaring, accepted, accepted)
         for declaring in self.open.values():
             declaring.conn.close()
         self.open.clear()

@@ -55,9 +55,7 @@ class KeyDirectory:
     def __init__(self, mapping: mmap.mmap, slots: int) -> None:
         table = np.frombuffer(mapping, dtype=np.uint8, count=SLOT_BYTES * slots, offset=HEADER_BYTES)
         self._table = table.reshape(slots, SLOT_BYTES)
-        self._state = np.frombuffer(mapping, dtype="<u8", count=slots * SLOT_BYTES // 8, offset=HEADER_BYTES)[
-            :: SLOT_BYTES // 8
-        ]
+        self._state = self._table[:, :8].view("<u8")[:, 0]  # each slot's first 8 bytes, one aligned word
         self._where: dict[bytes, set[int]] = {}
         self._key_of: dict[int, bytes] = {}
         for block in np.flatnonzero(self._state == VALID).tolist():

@@ -159,8 +159,7 @@ def _reporter(sock: socket.socket, total: int) -> Callable[[int], memory.base.Pr
 def allocate(sock: socket.socket, plan: WorkerPlan, log: logs.Logger) -> RankTiers:
     backend = memory.get(plan.memory)
     request = plan.tier_request()
-    spec = plan.spec
-    dev_bytes, cpu_bytes = backend.arena_bytes(spec), cpu_pool_bytes(spec)
+    dev_bytes, cpu_bytes = backend.arena_bytes(plan.spec), cpu_pool_bytes(plan.spec)
     total = dev_bytes + cpu_bytes
     channel.send(sock, channel.Allocating(total))
     faults.fault("worker-allocating")
