@@ -8,12 +8,11 @@ it adopted nothing:
 1. it publishes a control block whose spec names the store backend only, every rank EMPTY (``Pending``), so runners, the
    FastDeploy drop-in and ``kvcached status`` see a live daemon and where it listens;
 2. it serves ``<run_dir>/<instance>.declare.sock`` (``Declarations``): each connection, from the daemon's user or its
-   ``--group`` (peer credentials), sends one spec and gets one of three answers: accepted, refused (naming the field:
-   ``judge`` refuses one when the fixed condition gives the runner the cache, when the store's options or /dev/shm
-   cannot hold it), or busy (more than ``MAX_OPEN`` connections at once: the declarer asks again, within its own
-   deadline). The first that fits is accepted; every other declaration whose message the daemon holds is then judged
-   against it, equal accepted, different refused by name, so that two different declarations arriving together are never
-   both accepted;
+   ``--group`` (peer credentials), sends one spec and is answered accepted, refused (naming the field: ``judge`` refuses
+   one when the fixed condition gives the runner the cache, when the store's options or /dev/shm cannot hold it), or
+   busy (past ``MAX_OPEN`` connections: the declarer asks again, within its own deadline). The first that fits is
+   accepted; every other declaration whose message the daemon holds is then judged against it, equal accepted, different
+   refused by name: two different declarations arriving together are never both accepted;
 3. on acceptance it marks every rank KEPT (waiters look for the next block), removes that block, and the supervisor
    starts as if the spec had been configured: the next block publishes it.
 
@@ -237,8 +236,7 @@ class Declarations:
     def _receive(
         self, declaring: _Declaring, config: DaemonConfig, accepted: DaemonConfig | None
     ) -> DaemonConfig | None:
-        """Read what is there; once the message is whole (or cannot be), judge and answer it (against
-        ``accepted`` once a declaration was)."""
+        """Read what came; judge and answer the message once whole (or it cannot be), against ``accepted`` if set."""
         fd = declaring.conn.fileno()
         try:
             chunk = declaring.conn.recv(4096)
@@ -283,7 +281,6 @@ class Declarations:
         return None
 
     def _close(self, fd: int, reply: dict[str, object]) -> None:
-        """Answer (as far as the socket takes it at once: a reply is small) and close."""
         _answer(self.open.pop(fd).conn, reply)
 
     def close(self, accepted: DaemonConfig | None = None) -> None:

@@ -191,8 +191,7 @@ class FrameServer:
         self.selector.register(self.listener, selectors.EVENT_READ, lambda _events: self.accept())
 
     def stop_listening(self) -> None:
-        """Close the listener: clients that connect from now on are refused by the kernel (and try the next
-        daemon); connections open now are served on."""
+        """Close the listener: the kernel refuses new clients (they try the next daemon); open ones are served on."""
         with contextlib.suppress(KeyError, ValueError):  # not listening, or closed already
             self.selector.unregister(self.listener)
         self.listener.close()
@@ -349,8 +348,7 @@ class FrameServer:
                     client.unsent.clear()
 
     def tick(self, now: float) -> None:
-        """Close connections whose unfinished frame, or requests left behind replies the client does not
-        read, stalled for ``PARTIAL_IDLE_S``."""
+        """Close connections stalled ``PARTIAL_IDLE_S`` on an unfinished frame or on replies left unread."""
         limit = self.limits.partial_idle_s
         stalled = [c for c in self.conns.values() if c.partial_since and now - c.partial_since > limit]
         for client in stalled:

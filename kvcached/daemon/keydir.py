@@ -10,15 +10,13 @@ that it outlives the worker and the daemon with the pool it describes.
     | slot of CPU block 1 ... slot of CPU block num_cpu_blocks-1                    |
     +-------------------------------------------------------------------------------+
 
-The worker of the rank is its only writer. Invariant: a valid slot's key names the bytes its CPU block
-holds. The worker keeps it by the order of its writes: before a copy into CPU block ``c`` it empties slot
-``c`` (one aligned 8-byte store); after the copy completed it writes the key, then makes the slot valid.
-A worker killed mid-copy leaves the slot empty, so a slot is never valid for half-written bytes, whatever
-point the process died at (its stores to a shared mapping are in the page cache once made). A CPU block
-overwritten without a key (a plain ``swap_out``) leaves the directory first.
-
-The worker holds an index (key -> CPU blocks) built from the slots when it starts: a replaced worker and
-an adopting daemon read what the last one wrote.
+The worker of the rank is its only writer. Invariant: a valid slot's key names the bytes its CPU block holds. The worker
+keeps it by the order of its writes: before a copy into CPU block ``c`` it empties slot ``c`` (one aligned 8-byte
+store); after the copy completed it writes the key, then makes the slot valid. A worker killed mid-copy leaves the slot
+empty, so a slot is never valid for half-written bytes, whatever point the process died at (its stores to a shared
+mapping are in the page cache once made). A CPU block overwritten without a key (a plain ``swap_out``) leaves the
+directory first. The worker's index (key -> CPU blocks) is built from the slots when it starts: a replaced worker and an
+adopting daemon read what the last one wrote.
 """
 
 from __future__ import annotations
