@@ -427,8 +427,13 @@ class FrameServer:
         for _ in range(self.limits.run_batch):
             if client.moved - before >= self.limits.turn_bytes:
                 break
-            if client.frame is not None:  # a large frame, filled in place
-                if client.filled < len(client.frame) or not self._run(client, self._take_large(client)):
+            if client.frame is not None:  # a large frame, filled in place: run, its reservation returned to the budget
+                if client.filled < len(client.frame):
+                    return True
+                payload = bytes(client.frame)
+                client.frame, client.filled = None, 0
+                self.reserved -= len(payload)
+                if not self._run(client, client.frame_header._replace(payload=payload)):
                     return True
                 continue
             if len(client.inbuf) < REQUEST.size:
@@ -475,14 +480,6 @@ class FrameServer:
         client.filled = have
         self.buffered -= len(client.inbuf)
         client.inbuf.clear()
-
-    def _take_large(self, client: Client) -> Request:
-        """The filled large frame of ``client``, its reservation returned to the budget."""
-        assert client.frame is not None
-        payload = bytes(client.frame)
-        client.frame, client.filled = None, 0
-        self.reserved -= len(payload)
-        return client.frame_header._replace(payload=payload)
 
     def _run(self, client: Client, request: Request) -> bool:
         """Execute one request and queue its reply; False when the client stopped reading its replies (then

@@ -147,16 +147,6 @@ class StoreCalls:
             self.sock.close()
         self._spawn()
 
-    def _could_not_open(self) -> None:
-        """The agent said why it could not open its store (logged once: ``_absorb``), and exited: reap it; the
-        next starts ``retry_s`` later (``maintain``), twice as late after each failure in a row."""
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
-        assert self.sock is not None
-        self.sock.close()
-        self.sock, self.retry_at = None, time.monotonic() + self.retry_s
-        self.retry_s = min(RETRY_MAX_S, 2 * self.retry_s)
-
     def _not_open(self) -> str:
         when = "" if self.retry_at is None else f" (trying again in {max(0.0, self.retry_at - time.monotonic()):.1f}s)"
         return f"the {self.name} store cannot open: {self.open_error}{when}"
@@ -312,8 +302,14 @@ class StoreCalls:
                 continue
             except OSError:  # a reset: the agent died with our call unread
                 chunk = b""
-            if not chunk and self.open_error is not None and not self.opened:  # it said why, and exited
-                self._could_not_open()
+            if not chunk and self.open_error is not None and not self.opened:
+                # It said why it could not open its store (logged once: ``_absorb``), and exited: reap it; the next
+                # starts ``retry_s`` later (``maintain``), twice as late after each failure in a row.
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
+                self.sock.close()
+                self.sock, self.retry_at = None, time.monotonic() + self.retry_s
+                self.retry_s = min(RETRY_MAX_S, 2 * self.retry_s)
                 raise StoreUnavailable(self._not_open())
             if not chunk:  # the agent died: start another; this call fails
                 self._kill_agent("it exited")
@@ -326,7 +322,14 @@ class StoreCalls:
 
 def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn:
     """The store agent's whole life: open the store, then serve calls until the worker goes."""
-    _become_agent(sock, parent)
+    if not die_with_parent(parent):  # it dies with the worker, holds none of its descriptors but ``sock``
+        os._exit(1)
+    keep = sock.fileno()
+    os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
+    with contextlib.suppress(OSError):
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's
+    sock.setblocking(True)
     # ``calling[0]``: the method under way (``load-step`` slows loads only; ``store-step`` every call).
     slow, slow_load, calling = faults.hook("store-step"), faults.hook("load-step"), [""]
 
@@ -389,18 +392,6 @@ def _serve(
                 reply = ("reply", seq, False, _describe(exc))
             last = _counters(store.counters)
             send((*reply, last))
-
-
-def _become_agent(sock: socket.socket, parent: int) -> None:
-    """Die with the worker, hold none of its descriptors but ``sock``, leave Ctrl-C to the supervisor."""
-    if not die_with_parent(parent):
-        os._exit(1)
-    keep = sock.fileno()
-    os.closerange(3, keep)  # the worker's sockets and clients are not the agent's to hold open
-    with contextlib.suppress(OSError):
-        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock.setblocking(True)
 
 
 def _dispatch(store: Store, calls: StoreCalls, method: str, args: tuple[Any, ...]) -> Any:
