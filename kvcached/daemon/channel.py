@@ -4,13 +4,12 @@
 
     worker -> supervisor   Allocating(total)               before reserving
                            Progress(done)                  while reserving (at most every 100 ms)
-                           Prepared()                      memory reopened; waits for Serve (a restart:
-                                                           the last image's worker still serves the rank)
+                           Prepared()                      memory reopened; waits for Serve (a restart: the last
+                                                           image's worker still serves the rank)
                            Ready(backend, descriptor, ...) the rank's tiers exist and the task socket listens
                            Failed(error, exit_status)      the worker cannot go on; it exits next
-    supervisor -> worker   Stop(drain)                     (EOF means the same); with drain, the
-                                                           worker first answers what clients send NOT_RUN,
-                                                           for at most ``DRAIN_S``
+    supervisor -> worker   Stop(drain)                     (EOF means the same); with drain, the worker first answers
+                                                           what clients send NOT_RUN, for at most ``DRAIN_S``
                            Serve()                         after Prepared: the rank is yours, serve it
 
 On the wire a message is a packet holding a JSON object (``kvcached.protocol.framing``) whose ``"t"`` names
