@@ -313,7 +313,10 @@ def await_declaration(
             while accepted is None:
                 notify.ping_if_due()
                 wait = point.timeout(notify.ping_interval() or 1.0)
-                readable = _readable([*point.fds(), wake_fd], wait)
+                poller = select.poll()  # poll: no limit on descriptor numbers
+                for fd in [*point.fds(), wake_fd]:
+                    poller.register(fd, select.POLLIN)
+                readable = [fd for fd, _ in poller.poll(wait * 1000)]
                 accepted = point.serve(readable, config)
                 if wake_fd in readable and accepted is None:
                     accepted = _stop_signal(wake_fd, log)
@@ -329,14 +332,6 @@ def _answer(conn: socket.socket, reply: dict[str, object]) -> None:
     with contextlib.suppress(OSError):
         conn.send(framing.frame(framing.encode(reply)), socket.MSG_DONTWAIT)
     conn.close()
-
-
-def _readable(fds: list[int], timeout: float) -> list[int]:
-    """Which of ``fds`` can be read within ``timeout`` seconds (poll: no limit on descriptor numbers)."""
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    return [fd for fd, _ in poller.poll(timeout * 1000)]
 
 
 def _stop_signal(wake_fd: int, log: logs.Logger) -> int | None:
