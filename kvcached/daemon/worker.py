@@ -364,26 +364,23 @@ def _listen(plan: WorkerPlan) -> socket.socket:
     return listener
 
 
+@dataclasses.dataclass(slots=True)
 class Service:
     """A serving worker's loop: its selector's every key carries the callback for its events (the frame
     server's listener and connections, the supervisor's channel), and chores run once a second."""
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        *,
-        selector: selectors.BaseSelector,
-        frames: FrameServer,
-        tasks: server.TaskServer,
-        stats: StatsSlot,
-        log: logs.Logger,
-    ) -> None:
-        self.sock, self.selector, self.frames = sock, selector, frames
-        self.tasks, self.stats, self.log = tasks, stats, log
-        self.draining_until = 0.0  # set by Stop(drain=True): answer what clients send NOT_RUN until they are quiet
-        self.status: int | None = None  # set when told to stop
-        selector.register(sock, selectors.EVENT_READ, self._on_supervisor)
-        frames.listen()
+    sock: socket.socket
+    selector: selectors.BaseSelector
+    frames: FrameServer
+    tasks: server.TaskServer
+    stats: StatsSlot
+    log: logs.Logger
+    draining_until: float = 0.0  # set by Stop(drain=True): answer what clients send NOT_RUN until they are quiet
+    status: int | None = None  # set when told to stop
+
+    def __post_init__(self) -> None:
+        self.selector.register(self.sock, selectors.EVENT_READ, self._on_supervisor)
+        self.frames.listen()
 
     def run(self) -> int:
         next_chores = 0.0
