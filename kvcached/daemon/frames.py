@@ -439,8 +439,15 @@ class FrameServer:
             if len(client.inbuf) < REQUEST.size:
                 return True
             magic, op, flags, task_id, length = REQUEST.unpack_from(client.inbuf)
-            if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:
-                self._malformed(client, op, task_id, magic, length)
+            if magic != REQUEST_MAGIC or length > MAX_PAYLOAD:  # not one of ours: answered INVALID, then closed
+                why = (
+                    "bad frame magic"
+                    if magic != REQUEST_MAGIC
+                    else f"payload of {length} bytes exceeds the limit of {MAX_PAYLOAD} bytes per task: split it"
+                )
+                self._queue(client, reply(op, Status.INVALID, task_id, {"field": "frame", "message": why}))
+                self.stats.count(tasks_refused=1)
+                self._flush(client)
                 return False
             if len(client.inbuf) >= REQUEST.size + length:
                 payload = bytes(client.inbuf[REQUEST.size : REQUEST.size + length])
@@ -453,17 +460,6 @@ class FrameServer:
                 self._reserve(client, Request(op, flags, task_id, b""), length)
             return True
         return self._wait_turn(client)
-
-    def _malformed(self, client: Client, op: int, task_id: int, magic: bytes, length: int) -> None:
-        """Answer a frame that is not one of ours INVALID (its connection closes next)."""
-        why = (
-            "bad frame magic"
-            if magic != REQUEST_MAGIC
-            else f"payload of {length} bytes exceeds the limit of {MAX_PAYLOAD} bytes per task: split it"
-        )
-        self._queue(client, reply(op, Status.INVALID, task_id, {"field": "frame", "message": why}))
-        self.stats.count(tasks_refused=1)
-        self._flush(client)
 
     def _reserve(self, client: Client, header: Request, length: int) -> None:
         """Give a large frame its own buffer of ``length`` bytes from the budget, or starve its connection

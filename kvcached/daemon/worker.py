@@ -326,8 +326,15 @@ def serve(
         keys=tiers.keys,
     )
     selector = selectors.DefaultSelector()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socket_path = task_socket_path(plan.run_dir, plan.instance, plan.rank)
+    socket_path.unlink(missing_ok=True)  # a dead predecessor's (the supervisor made sure it is ours)
+    listener.bind(str(socket_path))
+    plan.access.apply_socket(socket_path)
+    listener.listen(1024)
+    listener.setblocking(False)
     frames = FrameServer(
-        listener=_listen(plan),
+        listener=listener,
         selector=selector,
         execute=tasks.execute,
         stats=stats,
@@ -351,17 +358,6 @@ def serve(
     finally:
         if rank_store is not None:
             rank_store.close()
-
-
-def _listen(plan: WorkerPlan) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socket_path = task_socket_path(plan.run_dir, plan.instance, plan.rank)
-    socket_path.unlink(missing_ok=True)  # a dead predecessor's (the supervisor made sure it is ours)
-    listener.bind(str(socket_path))
-    plan.access.apply_socket(socket_path)
-    listener.listen(1024)
-    listener.setblocking(False)
-    return listener
 
 
 @dataclasses.dataclass(slots=True)
