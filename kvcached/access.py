@@ -1,15 +1,14 @@
 """Who may use an instance: the daemon's own user always; the members of one configured group too.
 
-Without ``--group`` every object the daemon creates (shared memory, semaphores) is mode 0600 and only
-the daemon's user may use the instance. With ``--group G`` (e.g. ``kvcached`` under systemd) those
-objects carry group G, each with the least a runner of another user in G needs to attach: the device
-arenas (its KV cache, which it writes) and the semaphores (``sem_open`` needs both) 0660; the control
-block and the instance lock 0640 (runners read them: a member can neither forge a record nor block a
-start); CPU pools and key directories 0600 (only the daemon's workers map them). Task sockets are mode
-0660 either way (group G, or the daemon's group); the file mode is the first gate, and each connection
-is then checked by the kernel's peer credentials (``SO_PEERCRED`` / ``SO_PEERGROUPS``): a peer that is
-neither the daemon's user nor in G is refused and logged before any byte of a task is read. Root gets
-no exemption: it may open the socket file, so it must pass the same check.
+Without ``--group`` every object the daemon creates (shared memory, semaphores) is mode 0600 and only the daemon's user
+may use the instance. With ``--group G`` (e.g. ``kvcached`` under systemd) those objects carry group G, each with the
+least a runner of another user in G needs to attach: the device arenas (its KV cache, which it writes) and the
+semaphores (``sem_open`` needs both) 0660; the control block and the instance lock 0640 (runners read them: a member can
+neither forge a record nor block a start); CPU pools and key directories 0600 (only the daemon's workers map them). Task
+sockets are mode 0660 either way (group G, or the daemon's group); the file mode is the first gate, and each connection
+is then checked by the kernel's peer credentials (``SO_PEERCRED`` / ``SO_PEERGROUPS``): a peer that is neither the
+daemon's user nor in G is refused and logged before any byte of a task is read. Root gets no exemption: it may open the
+socket file, so it must pass the same check.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``kvcached``: start, inspect and stop the per-host KV-cache daemon.
 
-Commands build a ``DaemonConfig`` and call into the daemon. The configuration options are generated from
-the knobs (``kvcached.config.knobs_all``): each takes its value as written, and the configuration decides
-whether it is valid and names where a bad one came from. User errors exit with the statuses of
-``kvcached.daemon.exits``.
+Commands build a ``DaemonConfig`` and call into the daemon. The configuration options are generated from the knobs
+(``kvcached.config.knobs_all``): each takes its value as written, and the configuration decides whether it is valid
+and names where a bad one came from. User errors exit with the statuses of ``kvcached.daemon.exits``.
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ def _at_least(value: float, least: float, flag: str) -> float:
 
 
 def _source(param: str, flag: str, variable: str, value: object) -> str:
-    """Where the current command's ``param`` came from, as an operator wrote it: the variable with its
-    value, or the flag."""
+    """Where this command's ``param`` came from, as an operator wrote it: the variable with its value, or the flag."""
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.get_parameter_source(param) is ParameterSource.ENVIRONMENT:
         return f"{variable}={value}"
@@ -160,10 +158,9 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
 
 
 def _exit_now(status: int) -> NoReturn:
-    """End the daemon once the supervisor has cleaned up: its output flushed, without the interpreter's
-    teardown of every imported module, which would hold the stop (and whoever waits for it) for longer than
-    the stop itself. Nothing of the daemon's is left for that teardown: the supervisor has already removed
-    its objects, closed its sockets and reaped its workers."""
+    """End the daemon once the supervisor has cleaned up, its output flushed, skipping the interpreter's teardown
+    of every imported module: that would hold the stop (and whoever waits for it) longer than the stop itself, and
+    finds nothing of the daemon's (the supervisor removed its objects, closed its sockets and reaped its workers)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -178,8 +175,8 @@ def _choice(value: str, allowed: tuple[str, ...], param: str, flag: str, variabl
 
 
 def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
-    """On a terminal: one line with the total and each rank's reserved share, at most 4 per second, and
-    always when a rank becomes READY. None when stderr is not a terminal (systemd gets STATUS= instead)."""
+    """On a terminal: one line with the total and each rank's reserved share, at most 4 per second, and always when
+    a rank becomes READY. None when stderr is not a terminal (systemd gets STATUS= instead)."""
     if not sys.stderr.isatty():
         return None
     from kvcached import memory
@@ -216,19 +213,17 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
 def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str, **values: Any) -> None:
     """Check this host for the configuration `start` would use, before it fails.
 
-    Checks the configuration (a bad value is a failed check; the rest is checked with it at its default),
-    /dev/shm space for all ranks and tiers, the memlock limit, huge pages, the copy engine, logind's
-    RemoveIPC, the run directory, a live instance of the same name, leftovers of a dead one, the metrics
-    port, the device backend's stack (--memory xpu), the storage backend (free disk, a directory
-    another daemon holds, a master that does not answer) and the FastDeploy in use (--fastdeploy). Takes
-    the same options as `start`. Exit status 1 if any check fails.
+    Checks the configuration (a bad value is a failed check; the rest is checked with it at its default), /dev/shm space
+    for all ranks and tiers, the memlock limit, huge pages, the copy engine, logind's RemoveIPC, the run directory, a
+    live instance of the same name, leftovers of a dead one, the metrics port, the device backend's stack (--memory
+    xpu), the storage backend (free disk, a directory another daemon holds, a master that does not answer) and the
+    FastDeploy in use (--fastdeploy). Takes the same options as `start`. Exit status 1 if any check fails.
     """
     from kvcached import doctor as checks
     from kvcached.config import STORE_OPTIONS, DaemonConfig, unknown_variables
     from kvcached.fastdeploy.checkup import checks as fastdeploy_checks
 
-    # A bad value is a failed check, not the end: it is reported, and the rest is checked with that value
-    # at its default (as many times as there are bad values).
+    # Each bad value is reported, and the configuration built again with it at its default, until none is left.
     problems: list[InvalidConfig] = [PLUGINS_PROBLEM] if PLUGINS_PROBLEM is not None else []
     ignored: set[str] = set()
     config = None
@@ -273,13 +268,12 @@ STREAMING_TUNABLES = {
 def _use_streaming_stores() -> None:
     """Re-exec once (same pid) with the copy tunables above, unless they are all set already.
 
-    A swap copies one block piece (16 KiB to a few MiB) per memcpy, because the CPU pool is block-major.
-    By default glibc streams (skips reading the destination it overwrites) only above about 3/4 of the
-    L3 size, and on AMD takes `rep movsb` below the L2 size, so such copies run well below the memory's
-    speed without these (``scripts/bench_copy_choices.py``, docs/benchmarks.md). GLIBC_TUNABLES is read
-    when a process starts, hence the exec. Harmless where they do not apply. Only for the numpy copy
-    path: the native routine (``kvcached.native``) streams by itself, and with it the exec, a second
-    interpreter start-up of every start, is skipped.
+    A swap copies one block piece (16 KiB to a few MiB) per memcpy, the CPU pool being block-major. By default
+    glibc streams (skips reading the destination it overwrites) only above about 3/4 of the L3 size, and on AMD
+    takes `rep movsb` below the L2 size, so such copies run well below the memory's speed without these
+    (``scripts/bench_copy_choices.py``, docs/benchmarks.md). GLIBC_TUNABLES is read when a process starts, hence the
+    exec; harmless where they do not apply. Only for the numpy copy path: the native routine (``kvcached.native``)
+    streams by itself, and with it the exec, a second interpreter start-up of every start, is skipped.
     """
     from kvcached import native
 
@@ -362,9 +356,9 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
 @main.command(name="list", context_settings=_CONTEXT, short_help="List this host's instances.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list (see kvcached.status.list_instances), not a table.")
 def list_command(as_json: bool) -> None:
-    """List the instances of this host: state, ranks, owner, memory held in /dev/shm, and whether the
-    daemon runs. Root sees every user's; another user its own, and those of the users it trusts whose
-    control block it may read (a --group member sees the service's)."""
+    """List the instances of this host: state, ranks, owner, memory held in /dev/shm, and whether the daemon runs. Root
+    sees every user's; another user its own, and those of the users it trusts whose control block it may read (a --group
+    member sees the service's)."""
     from kvcached.protocol.errors import KVCacheError
     from kvcached.status import list_instances, render_list
 
@@ -385,8 +379,7 @@ def list_command(as_json: bool) -> None:
     "instead of releasing it. Runners keep their views and wait for that start.",
 )
 def stop(instance: str | None, timeout: float, keep: bool) -> None:
-    """Stop a running daemon (SIGTERM; --keep: SIGRTMIN+1) and wait until it has cleaned up. Not running:
-    exit 0."""
+    """Stop a running daemon (SIGTERM; --keep: SIGRTMIN+1) and wait until it has cleaned up. Not running: exit 0."""
     from kvcached import running
     from kvcached.daemon.requests import KEEP_SIGNAL
     from kvcached.status import awaits_geometry, read_status
@@ -425,18 +418,17 @@ def stop(instance: str | None, timeout: float, keep: bool) -> None:
     "--timeout", type=float, default=60.0, help="Seconds to wait for every rank to be READY again. [default: 60]"
 )
 def restart(instance: str | None, timeout: float) -> None:
-    """Restart a running daemon without losing its cache (SIGUSR2): it stops keeping its memory, executes
-    itself again (same pid, same arguments, the kvcached now installed: an upgrade) and adopts the memory.
-    Runners keep their views. On the host backend the old workers go on serving until the new ones have
-    reopened the memory, then drain and hand each rank over: the gap is tens of milliseconds. Tasks cut
-    off are answered NOT_RUN and CacheTasks sends them again. Waits until every rank is READY again; exit
-    0 when the memory was adopted, 1 otherwise (the reason is printed). Refused, the daemon serving on
-    (exit 1, the reason printed), while a rank is not READY or when the configuration, as the next image
-    would read it (`start --check-config`), does not load or gives other ranks, device backend or geometry
-    than the memory has (the next image could not adopt it). A daemon still waiting for the engine's
-    geometry (--geometry engine) holds no memory: it waits again, exit 0. A configuration variable set here
-    that the daemon's environment has not (KVCACHED_NUM_BLOCKS=64 kvcached restart) is refused, nothing
-    restarted (exit 4): a restart keeps the daemon's own arguments and environment.
+    """Restart a running daemon without losing its cache (SIGUSR2): it stops keeping its memory, executes itself again
+    (same pid, same arguments, the kvcached now installed: an upgrade) and adopts the memory. Runners keep their views.
+    On the host backend the old workers go on serving until the new ones have reopened the memory, then drain and hand
+    each rank over: the gap is tens of milliseconds. Tasks cut off are answered NOT_RUN and CacheTasks sends them again.
+    Waits until every rank is READY again; exit 0 when the memory was adopted, 1 otherwise (the reason is printed).
+    Refused, the daemon serving on (exit 1, the reason printed), while a rank is not READY or when the configuration, as
+    the next image would read it (`start --check-config`), does not load or gives other ranks, device backend or
+    geometry than the memory has (the next image could not adopt it). A daemon still waiting for the engine's geometry
+    (--geometry engine) holds no memory: it waits again, exit 0. A configuration variable set here that the daemon's
+    environment has not (KVCACHED_NUM_BLOCKS=64 kvcached restart) is refused, nothing restarted (exit 4): a restart
+    keeps the daemon's own arguments and environment.
     """
     from kvcached import running
     from kvcached.daemon.requests import RESTART_SIGNAL
@@ -465,8 +457,8 @@ def restart(instance: str | None, timeout: float) -> None:
 
 
 def _instance(instance: str | None) -> str:
-    """The instance to act on; a bad name is a usage error naming --instance, or a configuration error
-    naming KVCACHED_INSTANCE when it came from there."""
+    """The instance to act on; a bad name is a usage error naming --instance, or a configuration error naming
+    KVCACHED_INSTANCE when it came from there."""
     try:
         return check_instance(DEFAULT_INSTANCE if instance is None else instance)
     except InvalidSpec as exc:

@@ -22,10 +22,9 @@ A TOML file uses the knob names (the flag names with underscores), all at top le
     metrics_port = 9464   # Prometheus metrics on http://metrics_address:metrics_port/metrics; 0: off
     metrics_address = "127.0.0.1"
 
-``knobs()`` lists every knob (core ones here, each store backend's from its module); the CLI's options are
-generated from it. An invalid value is an ``InvalidConfig`` that names where it came from (the flag, the
-environment variable with its value, or the file and key) and what is allowed; an unknown key in a file
-names the closest known one.
+``knobs_all()`` lists every knob (core ones here, each store backend's from its module); the CLI's options are generated
+from it. An invalid value is an ``InvalidConfig`` that names where it came from (the flag, the environment variable with
+its value, or the file and key) and what is allowed; an unknown key in a file names the closest known one.
 
 The defaults make the daemon the owner (a modest CPU swap pool) and fit a small host: ``kvcached start
 --ranks 8`` reserves 48 MiB of /dev/shm per rank.

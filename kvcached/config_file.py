@@ -17,11 +17,10 @@ from kvcached.protocol.errors import InvalidConfig
 def file_values(
     path: Path, known: Mapping[str, knobs.Knob], ignore: frozenset[str], source: str | None
 ) -> dict[str, tuple[Any, str]]:
-    """The values of a config file with where each came from, keys in ``ignore`` left out. An unreadable
-    file and an unknown key (with the closest known key) are ``InvalidConfig`` errors naming the file (as
-    ``source`` says it was given: ``--config FILE`` by default, ``KVCACHED_CONFIG=FILE``); so is a number
-    or boolean written as a string (``ranks = "2"``): TOML has the types, and a quoted number is most
-    likely a mistake."""
+    """The values of a config file with where each came from, keys in ``ignore`` left out. An unreadable file and an
+    unknown key (with the closest known key) are ``InvalidConfig`` errors naming the file (as ``source`` says it was
+    given: ``--config FILE`` by default, ``KVCACHED_CONFIG=FILE``); so is a number or boolean written as a string
+    (``ranks = "2"``): TOML has the types, and a quoted number is most likely a mistake."""
     where = source or f"--config {path}"
     try:
         with open(path, "rb") as f:

@@ -102,11 +102,10 @@ class SwapEngine:
     """Moves whole blocks (every layer, key, value and scale) between the device tier and host memory: the
     CPU pool, or a staging buffer of the attention store (rows laid out as pool records).
 
-    ``pieces`` are the device tier's tensors in record order; ``pool`` is the CPU pool's buffer (or None),
-    laid out as ``pool_layout`` (``kvcached.protocol.layout``). ``tier_swap``, when the device tier has
-    one, moves a whole task between the tier and the pool (``DeviceTier.pool_swap``). ``on_step`` is called
-    after each step of at most ``STEP_BYTES``: the worker marks its progress there, so a long task is
-    never taken for a hung one."""
+    ``pieces`` are the device tier's tensors in record order; ``pool`` is the CPU pool's buffer (or None), laid out as
+    ``pool_layout`` (``kvcached.protocol.layout``). ``tier_swap``, when the device tier has one, moves a whole task
+    between the tier and the pool (``DeviceTier.pool_swap``). ``on_step`` is called after each step of at most
+    ``STEP_BYTES``: the worker marks its progress there, so a long task is never taken for a hung one."""
 
     def __init__(
         self,
@@ -228,10 +227,9 @@ class SwapEngine:
 
 
 class DeviceBlocks:
-    """A host device tier's blocks seen from the store agent, which inherits the worker's mapping of them
-    at its fork: a block's record as pieces (what a store writes, no gather) and the blocks as a side (where
-    a load lands records, ``kvcached.store.landing.Targets``). ``hosts`` are the tier's ``Piece.host()``
-    views in record order."""
+    """A host device tier's blocks seen from the store agent, which inherits the worker's mapping of them at its fork: a
+    block's record as pieces (what a store writes, no gather) and the blocks as a side (where a load lands records,
+    ``kvcached.store.landing.Targets``). ``hosts`` are the tier's ``Piece.host()`` views in record order."""
 
     def __init__(self, hosts: list[Array]) -> None:
         self.hosts = hosts

@@ -1,12 +1,11 @@
 """The native block copy (``kvcached/_copy.c``) and copy-and-checksum (``kvcached/_verify.c``), loaded
 with ctypes when the install built them.
 
-``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes
-releases it around a foreign call). ``land_blocks``, ``gather_hash`` and ``read_land`` move store objects'
-payloads (from memory into blocks, from a block's pieces into a buffer, from a file into a block) and take
-each one's XXH3-64 in the same pass. ``available()`` says whether it was built;
-without it the copy engine (``kvcached.copy_engine``) copies with numpy, one slice per piece and run of ids,
-and the store lands and hashes in steps of its own (``kvcached.store.landing``).
+``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes releases it around
+a foreign call). ``land_blocks``, ``gather_hash`` and ``read_land`` move store objects' payloads (from memory into
+blocks, from a block's pieces into a buffer, from a file into a block) and take each one's XXH3-64 in the same pass.
+``available()`` says whether it was built; without it the copy engine (``kvcached.copy_engine``) copies with numpy, one
+slice per piece and run of ids, and the store lands and hashes in steps of its own (``kvcached.store.landing``).
 ``KVCACHED_NATIVE_COPY=0`` turns it off (to compare, or to rule it out).
 """
 
@@ -163,9 +162,8 @@ def read_land(
     fd: int, offset: int, addresses: Array, widths: Array, *, bounce: int, chunk: int
 ) -> tuple[int, int | None]:
     """Read the pieces' bytes (piece ``p``: ``widths[p]`` bytes at ``addresses[p]``) from ``fd`` at ``offset``,
-    ``chunk`` bytes at a time into the buffer at address ``bounce``, each landed from there in the pieces
-    and hashed as soon as it arrives: (bytes read, XXH3-64 when every byte was read). Raises ``OSError``
-    for a failed read."""
+    ``chunk`` bytes at a time into the buffer at address ``bounce``, each landed from there in the pieces and hashed as
+    soon as it arrives: (bytes read, XXH3-64 when every byte was read). Raises ``OSError`` for a failed read."""
     assert _LIBRARY is not None
     digest = ctypes.c_uint64()
     got: int = _LIBRARY.lib.kv_read_land(
@@ -216,9 +214,8 @@ class ObjectReads:
         return int(self.results[-1])
 
     def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:
-        """Read up to ``limit`` of the objects not taken yet (fewer once ``budget_s`` is spent), through
-        ``bounce``, the interpreter's lock let go throughout; how many this call read. Only where
-        ``hashes(side.widths.sum())``."""
+        """Read up to ``limit`` of the objects not taken yet (fewer once ``budget_s`` is spent), through ``bounce``, the
+        interpreter's lock let go throughout; how many this call read. Only where ``hashes(side.widths.sum())``."""
         assert _LIBRARY is not None
         at = np.frombuffer(bounce, dtype=np.uint8).ctypes.data
         budget = int(budget_s * 1e9)

@@ -129,8 +129,7 @@ def help_all_option(fn: Any) -> Any:
 
 
 def _knob_option(knob: Knob, section: str) -> Callable[[Any], Any]:
-    """A click option for ``knob`` in ``section`` that passes the value through as written (the config
-    parses it)."""
+    """A click option for ``knob`` in ``section`` that passes the value through as written (the config parses it)."""
     default = str(knob.default).lower() if knob.switch else knob.default
     if knob.default is None:
         default = "none" if "none" in (knob.choices or ()) else "off"

@@ -1,9 +1,8 @@
 """Backends that live outside this package: ``KVCACHED_PLUGINS`` names modules to import.
 
-A plugin module registers what it provides when imported (``kvcached.memory.register``,
-``kvcached.store.register``). The registries call ``load_plugins`` before they answer "unknown name",
-so a daemon and its runners find a plugin's backend by name as they find a built-in one; both need the
-same ``KVCACHED_PLUGINS`` in their environment.
+A plugin module registers what it provides when imported (``kvcached.memory.register``, ``kvcached.store.register``).
+The registries call ``load_plugins`` before they answer "unknown name", so a daemon and its runners find a plugin's
+backend by name as they find a built-in one; both need the same ``KVCACHED_PLUGINS`` in their environment.
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ T = TypeVar("T")
 
 
 def guarded(read: Callable[..., T], instance: str, **options: Any) -> T:
-    """``read(instance, **options)``, with kvcached's own errors (a foreign block, no permission) as a clean
-    message."""
+    """``read(instance, **options)``, with kvcached's own errors (a foreign block, no permission) as a clean message."""
     try:
         return read(instance, **options)
     except KVCacheError as exc:
@@ -169,9 +168,8 @@ def not_applied(pid: int) -> list[str]:
 
 
 def did_you_mean(name: str) -> str:
-    """``"; did you mean NAME?"`` for the instance on this host whose name is closest to ``name`` (a typo of
-    a name that has nothing on this host), else "". Numbered siblings (``fd-1`` for ``fd-3``) are no typo of
-    each other."""
+    """``"; did you mean NAME?"`` for the instance on this host whose name is closest to ``name`` (a typo of a name that
+    has nothing on this host), else "". Numbered siblings (``fd-1`` for ``fd-3``) are no typo of each other."""
     import difflib
     import re
 
@@ -240,9 +238,8 @@ def _exited(name: str, pid: int) -> str:
 
 
 def _decision(outcomes: list[Outcome], sent_ns: int, before: str | None) -> tuple[Outcome | None, bool]:
-    """The daemon's decision on a restart signal sent at ``sent_ns`` to generation ``before`` (None while
-    not made), and whether that generation had accepted another restart already (``queued``: the next
-    image decides)."""
+    """The daemon's decision on a restart signal sent at ``sent_ns`` to generation ``before`` (None while not made), and
+    whether that generation had accepted another restart already (``queued``: the next image decides)."""
     queued = any(o.refused is None and o.generation == before and o.at_ns < sent_ns for o in outcomes)
     for outcome in outcomes:
         by_before = outcome.generation == before
@@ -280,10 +277,9 @@ def next_image_problem() -> str:
 
 
 def adoption_problem(config: DaemonConfig) -> str:
-    """Run by the image a restart would execute next (``start --check-config`` with ``RESTART_CHECK_ENV``):
-    why it could not adopt the memory the instance's live daemon holds with ``config`` as it reads now (ranks,
-    spec, device backend changed in the configuration file), with what to do; "" when it could. A restart
-    refused for it stops nothing."""
+    """Run by the image a restart would execute next (``start --check-config`` with ``RESTART_CHECK_ENV``): why it could
+    not adopt the memory the instance's live daemon holds with ``config`` as it reads now (ranks, spec, device backend
+    changed in the configuration file), with what to do; "" when it could. A restart refused for it stops nothing."""
     from kvcached.daemon import declarations
     from kvcached.daemon.adopt import spec_difference
 

@@ -19,17 +19,15 @@ The JSON shape is a public interface (scripts parse it)::
                ...],
      "spec": {...}}
 
-``owner_uid`` is the uid whose control block it is. ``adopted_from`` is the generation whose memory this
-daemon adopted when it started (null: it allocated its own); ``note`` says so, or why it did not adopt an
-earlier run's memory ("" when there was none).
-``waiting`` is the number of runner processes waiting for that rank to become READY right now.
-``reserved`` and ``total`` are the bytes the rank's worker has reserved so far and will hold in all (the
-allocation's progress); ``latency`` the task durations per operation, from the rank's histograms.
-``running`` says a control block exists; ``alive`` that its daemon still runs (a block whose daemon is
-dead is a leftover: every state in it is history). ``generation`` is 16 hex digits (JSON numbers lose
-64-bit precision). Ready means: alive and every rank READY. ``store.available`` is false while the store's
-backend does not answer (a Mooncake master that is down or unreachable), as its last call or idle check
-found it; store tasks fail meanwhile, swaps go on.
+``owner_uid`` is the uid whose control block it is. ``adopted_from`` is the generation whose memory this daemon adopted
+when it started (null: it allocated its own); ``note`` says so, or why it did not adopt an earlier run's memory ("" when
+there was none). ``waiting`` is the number of runner processes waiting for that rank to become READY right now.
+``reserved`` and ``total`` are the bytes the rank's worker has reserved so far and will hold in all (the allocation's
+progress); ``latency`` the task durations per operation, from the rank's histograms. ``running`` says a control block
+exists; ``alive`` that its daemon still runs (a block whose daemon is dead is a leftover: every state in it is history).
+``generation`` is 16 hex digits (JSON numbers lose 64-bit precision). Ready means: alive and every rank READY.
+``store.available`` is false while the store's backend does not answer (a Mooncake master that is down or unreachable),
+as its last call or idle check found it; store tasks fail meanwhile, swaps go on.
 """
 
 from __future__ import annotations
@@ -337,9 +335,8 @@ def visible_instances() -> list[tuple[str, list[Path], Path, int]]:
 
 
 def _daemon_alive(view: Any, instance: str, owner: int) -> bool:
-    """Whether the block's daemon runs: its pid and start time match a live process (``view.alive``) that is
-    ``kvcached start`` of the block's owner holding the instance's lock (a block anyone wrote could name
-    any live process)."""
+    """Whether the block's daemon runs: its pid and start time match a live process (``view.alive``) that is ``kvcached
+    start`` of the block's owner holding the instance's lock (a block anyone wrote could name any live process)."""
     from kvcached.daemon.lockfile import why_not_daemon
 
     return bool(view.alive) and not why_not_daemon(view.header.daemon_pid, owner, instance_lock_path(instance))
