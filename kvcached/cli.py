@@ -90,10 +90,7 @@ def _config_source(config_file: Path | None) -> str | None:
 
 
 @main.command(
-    cls=SectionedCommand,
-    context_settings=_CONTEXT,
-    short_help="Run the daemon in the foreground.",
-    epilog=START_EPILOG,
+    cls=SectionedCommand, context_settings=_CONTEXT, short_help="Run the daemon in the foreground.", epilog=START_EPILOG
 )
 @config_options
 @start_options
@@ -203,9 +200,7 @@ def _terminal_progress(config: Any) -> Callable[[list[Any]], None] | None:
 
 
 @main.command(
-    cls=SectionedCommand,
-    context_settings=_CONTEXT,
-    short_help="Check this host and a configuration before a start.",
+    cls=SectionedCommand, context_settings=_CONTEXT, short_help="Check this host and a configuration before a start."
 )
 @doctor_options
 @config_options
@@ -287,14 +282,13 @@ def _use_streaming_stores() -> None:
     os.execv(sys.executable, [sys.executable, "-m", "kvcached.cli", *sys.argv[1:]])
 
 
-def _instance_option(fn: Any) -> Any:
-    return click.option(
-        "--instance",
-        envvar="KVCACHED_INSTANCE",
-        default=None,
-        metavar="NAME",
-        help=f"Instance name ({INSTANCE_RULE}). [env: KVCACHED_INSTANCE; default: {DEFAULT_INSTANCE}]",
-    )(fn)
+_instance_option = click.option(
+    "--instance",
+    envvar="KVCACHED_INSTANCE",
+    default=None,
+    metavar="NAME",
+    help=f"Instance name ({INSTANCE_RULE}). [env: KVCACHED_INSTANCE; default: {DEFAULT_INSTANCE}]",
+)
 
 
 @main.command(context_settings=_CONTEXT, short_help="Show each rank's state and figures.")

@@ -211,22 +211,10 @@ CORE: tuple[Knob, ...] = (
 #: In ``DaemonConfig.build``'s ``ignore``: leave the store backend's options unchecked.
 STORE_OPTIONS = "store options"
 
-#: Knob -> CacheSpec field, for the knobs that describe the cache.
+#: Knob -> CacheSpec field, for the knobs that describe the cache: one per field, in its order, named as the field
+#: but ``role`` (``splitwise_role``).
 SPEC_FIELDS: Mapping[str, str] = {
-    "num_layers": "num_layers",
-    "kv_heads": "kv_heads",
-    "head_dim": "head_dim",
-    "block_size": "block_size",
-    "dtype": "dtype",
-    "num_blocks": "num_blocks",
-    "num_cpu_blocks": "num_cpu_blocks",
-    "storage_backend": "storage_backend",
-    "role": "splitwise_role",
-    "block_wise_fp8": "block_wise_fp8",
-    "mla": "mla",
-    "scale_dtype": "scale_dtype",
-    "mtp_layers": "mtp_layers",
-    "mtp_num_blocks": "mtp_num_blocks",
+    "role" if field.name == "splitwise_role" else field.name: field.name for field in dataclasses.fields(CacheSpec)
 }
 _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 

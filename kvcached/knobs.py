@@ -144,22 +144,9 @@ def name_or_id(value: Any) -> str | None:
     raise ValueError(f"must be a name or a number, got {value!r}")
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
+_UNITS = {"": 1, "b": 1}
+for _exponent, _prefix in enumerate("kmgt", start=1):  # k and kib binary, kb decimal; likewise m, g, t
+    _UNITS.update({_prefix: 1024**_exponent, f"{_prefix}ib": 1024**_exponent, f"{_prefix}b": 1000**_exponent})
 
 
 def size(value: Any) -> int:

@@ -216,10 +216,7 @@ def doctor_options(fn: Any) -> Any:
             help="One JSON object (documented in kvcached.doctor) instead of a table.",
         ),
         _option(
-            "Doctor",
-            "--clean",
-            is_flag=True,
-            help="Reclaim the leftovers of a dead instance (never a live one's).",
+            "Doctor", "--clean", is_flag=True, help="Reclaim the leftovers of a dead instance (never a live one's)."
         ),
         _option(
             "Doctor",

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcached.daemon.lockfile import flock_holder, process_uid, why_not_daemon
 from kvcached.protocol.control import Header, Record, State
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import open_instance
@@ -212,21 +213,8 @@ def _rate(rank: dict[str, Any], before: dict[str, Any] | None, key: str, seconds
 
 
 #: The table's columns; with rates, the rate columns come before the last two.
-_COLUMNS = (
-    "rank",
-    "state",
-    "waiting",
-    "pid",
-    "heartbeat",
-    "device",
-    "cpu pool",
-    "swap out",
-    "swap in",
-    "store",
-    "refused",
-    "since",
-    "error",
-)
+_COLUMNS: tuple[str, ...] = ("rank", "state", "waiting", "pid", "heartbeat", "device", "cpu pool", "swap out")
+_COLUMNS += ("swap in", "store", "refused", "since", "error")
 _RATES = ("out/s", "in/s", "store/s", "load/s")
 _RATE_KEYS = ("swap_out_bytes", "swap_in_bytes", "store_bytes", "load_bytes")
 
@@ -337,15 +325,11 @@ def visible_instances() -> list[tuple[str, list[Path], Path, int]]:
 def _daemon_alive(view: Any, instance: str, owner: int) -> bool:
     """Whether the block's daemon runs: its pid and start time match a live process (``view.alive``) that is ``kvcached
     start`` of the block's owner holding the instance's lock (a block anyone wrote could name any live process)."""
-    from kvcached.daemon.lockfile import why_not_daemon
-
     return bool(view.alive) and not why_not_daemon(view.header.daemon_pid, owner, instance_lock_path(instance))
 
 
 def _starting(instance: str, owner: int) -> bool:
     """Whether a process of uid ``owner`` holds the instance's lock (a daemon that has not published yet)."""
-    from kvcached.daemon.lockfile import flock_holder, process_uid
-
     pid = flock_holder(instance_lock_path(instance))
     return pid is not None and process_uid(pid) == owner
 
@@ -362,8 +346,6 @@ def _owner(control: Path, entries: list[Path]) -> int:
 
 def _listed(instance: str, entries: list[Path], control: Path, owner: int) -> dict[str, Any]:
     """One instance as ``list_instances`` shows it."""
-    from kvcached.daemon.lockfile import flock_holder
-
     held = 0
     for path in entries:
         with contextlib.suppress(OSError):
