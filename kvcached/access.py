@@ -104,9 +104,8 @@ class Access:
         return peer.uid == self.uid or (self.gid is not None and self.gid in peer.gids)
 
     def apply(self, target: int | Path, mode: int | None = None) -> None:
-        """Give a file descriptor or path our group and ``mode`` (the shared ``mode`` by default): what this
-        start was given, whatever an earlier start gave it (an object adopted across a change of ``--group``
-        follows the change)."""
+        """Give a file descriptor or path our group and ``mode`` (the shared ``mode`` by default), whatever an earlier
+        start gave it: an object adopted across a change of ``--group`` follows the change."""
         mode = self.mode if mode is None else mode
         if isinstance(target, int):
             os.fchown(target, -1, self.group)

@@ -1,8 +1,7 @@
 """``kvcached``: start, inspect and stop the per-host KV-cache daemon.
 
-Commands build a ``DaemonConfig`` and call into the daemon. The configuration options are generated from the knobs
-(``kvcached.config.knobs_all``): each takes its value as written, and the configuration decides whether it is valid
-and names where a bad one came from. User errors exit with the statuses of ``kvcached.daemon.exits``.
+Commands build a ``DaemonConfig`` (options: ``kvcached.options``) and call into the daemon. User errors exit with the
+statuses of ``kvcached.daemon.exits``.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ from kvcached.protocol.errors import InvalidConfig, InvalidSpec
 from kvcached.protocol.names import DEFAULT_INSTANCE, INSTANCE_ENV, INSTANCE_RULE, check_instance, instance_or_default
 
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
-#: A KVCACHED_PLUGINS that does not load: `start` and `doctor` report it; every other command (and
-#: --help) works with the built-in backends alone.
+#: Why KVCACHED_PLUGINS does not load: `start` and `doctor` report it; other commands (and --help) go on without it.
 PLUGINS_PROBLEM = plugins.problem()
 if PLUGINS_PROBLEM is not None:
     plugins.ignore_plugins()
@@ -250,14 +248,10 @@ def doctor(config_file: Path | None, as_json: bool, clean: bool, fastdeploy: str
     sys.exit(0 if document["ok"] else 1)
 
 
-#: glibc tunables for the rank workers' copies, each applied unless the operator set it already.
-STREAMING_TUNABLES = {
-    # memcpy calls larger than this use non-temporal (streaming) stores ...
-    "glibc.cpu.x86_non_temporal_threshold": 32 << 10,
-    # ... and `rep movsb`, which glibc prefers on AMD below the L2 size and which never streams, is left
-    # to copies too large to occur here.
-    "glibc.cpu.x86_rep_movsb_threshold": 256 << 20,
-}
+#: glibc tunables for the rank workers' copies, each applied unless the operator set it already: memcpy calls above
+#: 32 KiB use non-temporal (streaming) stores, and `rep movsb`, which glibc prefers on AMD below the L2 size and which
+#: never streams, is left to copies too large to occur here.
+STREAMING_TUNABLES = {"glibc.cpu.x86_non_temporal_threshold": 32 << 10, "glibc.cpu.x86_rep_movsb_threshold": 256 << 20}
 
 
 def _use_streaming_stores() -> None:

@@ -1,5 +1,4 @@
-"""The daemon's configuration: every knob declared once, read from flags > ``KVCACHED_*`` environment >
-``--config FILE.toml`` > defaults.
+"""The daemon's configuration, each knob declared once: flags > ``KVCACHED_*`` > ``--config FILE.toml`` > defaults.
 
 A TOML file uses the knob names (the flag names with underscores), all at top level::
 
@@ -26,8 +25,7 @@ A TOML file uses the knob names (the flag names with underscores), all at top le
 from it. An invalid value is an ``InvalidConfig`` that names where it came from (the flag, the environment variable with
 its value, or the file and key) and what is allowed; an unknown key in a file names the closest known one.
 
-The defaults make the daemon the owner (a modest CPU swap pool) and fit a small host: ``kvcached start
---ranks 8`` reserves 48 MiB of /dev/shm per rank.
+The defaults (the daemon the owner, a modest CPU swap pool) fit a small host: 48 MiB of /dev/shm per rank.
 """
 
 from __future__ import annotations
@@ -220,8 +218,7 @@ _KNOB_OF_FIELD = {field: knob for knob, field in SPEC_FIELDS.items()}
 
 
 def knobs_all() -> tuple[Knob, ...]:
-    """Every configuration knob: the core ones (with the registered backends as choices), then each store
-    backend's options."""
+    """Every knob: the core ones (with the registered backends as choices), then each store backend's options."""
     registered = {"memory": memory.names(), "storage_backend": (*store.names(), "none")}
     found = [dataclasses.replace(k, choices=registered[k.name]) if k.name in registered else k for k in CORE]
     for backend in store.all_backends():
@@ -266,8 +263,8 @@ class DaemonConfig:
     geometry: str = "config"
 
     def shm_need(self) -> tuple[int, int]:
-        """(bytes of /dev/shm the instance needs in all, of which per rank): each rank's device tier where
-        its backend keeps it in /dev/shm, its CPU pool, and the control block."""
+        """(bytes of /dev/shm the instance needs, of which per rank): each rank's device tier where its backend keeps
+        it in /dev/shm, its CPU pool, and the control block."""
         per_rank = memory.get(self.memory).shm_bytes(self.spec) + cpu_pool_bytes(self.spec)
         return per_rank * self.ranks + control_block_bytes(self.ranks), per_rank
 
@@ -281,13 +278,12 @@ class DaemonConfig:
         ignore: frozenset[str] = frozenset(),
         config_source: str | None = None,
     ) -> DaemonConfig:
-        """Merge ``flags`` (None means unset) over ``environ``'s ``KVCACHED_*`` over ``config_file`` over the
-        defaults. Raises ``InvalidConfig`` naming the source of the first bad value (``config_source`` says
-        where the file's name came from, ``--config FILE`` by default). Knobs (and file keys) in ``ignore``
-        are taken at their defaults, wherever they were set (``kvcached doctor`` reports a bad value and
-        checks the rest); so are the other variables ``variables.check`` checks. With ``STORE_OPTIONS`` in
-        ``ignore`` the spec keeps its store backend and ``store`` is left empty (the backend's options are
-        not checked: doctor's view of a store whose required option is missing)."""
+        """Merge ``flags`` (None: unset) over ``environ``'s ``KVCACHED_*`` over ``config_file`` over the defaults.
+        ``InvalidConfig`` names the source of the first bad value (``config_source``: where the file's name came
+        from, ``--config FILE`` by default). Knobs (and file keys) in ``ignore``, and the other variables
+        ``variables.check`` checks, are taken at their defaults wherever set (doctor reports a bad value, checks the
+        rest). With ``STORE_OPTIONS`` in ``ignore`` the spec keeps its store backend and ``store`` is left empty, the
+        backend's options unchecked (doctor's view of a store whose required option is missing)."""
         environ = os.environ if environ is None else environ
         variables.check(environ, ignore)
         all_knobs = {knob.name: knob for knob in knobs_all()}
@@ -337,8 +333,8 @@ class DaemonConfig:
         )
 
     def declared(self, spec: CacheSpec) -> DaemonConfig:
-        """This configuration with the engine's ``spec`` (the store backend stays this configuration's).
-        Raises ``InvalidSpec`` naming the field when the store's options do not fit it."""
+        """This configuration with the engine's ``spec`` (the store backend stays this one's); ``InvalidSpec`` naming
+        the field when the store's options do not fit it."""
         spec = dataclasses.replace(spec, storage_backend=self.spec.storage_backend)
         store_config = self.store
         if self.store.backend is not None:
@@ -389,8 +385,8 @@ def _parsed(raw: Mapping[str, tuple[Any, str]], all_knobs: Mapping[str, Knob]) -
 
 
 def _spec_of(values: Mapping[str, Any], raw: Mapping[str, tuple[Any, str]], source: Callable[[str], str]) -> CacheSpec:
-    """The spec the values give; a bad field is an ``InvalidConfig`` naming where it was set (or, for a
-    limit of the whole geometry, the values that were set and the default that completed them)."""
+    """The spec the values give; a bad field is an ``InvalidConfig`` naming where it was set (for a limit of the
+    whole geometry: the values that were set and the default that completed them)."""
     try:
         return CacheSpec(**{field: values[knob] for knob, field in SPEC_FIELDS.items()})
     except InvalidSpec as exc:
@@ -403,10 +399,10 @@ def _spec_of(values: Mapping[str, Any], raw: Mapping[str, tuple[Any, str]], sour
 
 
 def _no_stray_store_options(backend: str | None, raw: Mapping[str, tuple[Any, str]], knobs: Mapping[str, Knob]) -> None:
-    """Raise ``InvalidConfig`` for an option of a store backend other than ``backend`` (None: no store) set
-    where the backend was chosen or higher up (``_level``): without this, ``--storage-path`` with no
-    ``--storage-backend`` would start a daemon with no store and say nothing. One set lower down is left
-    unused: ``--storage-backend none`` overrides a config file's store with its options."""
+    """Raise ``InvalidConfig`` for an option of a store backend other than ``backend`` (None: no store) set where the
+    backend was chosen or higher up (``_level``), or ``--storage-path`` without ``--storage-backend`` would start a
+    daemon with no store, silently. One set lower down is left unused: ``--storage-backend none`` overrides a config
+    file's store with its options."""
     chosen = _level(knobs["storage_backend"], raw)
     own = {knob.name for knob in store.get(backend).options} if backend is not None else set()
     for other in store.all_backends():
@@ -458,6 +454,6 @@ def _resolved(
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One sentence per ``KVCACHED_*`` variable in ``environ`` (default: this process's) that kvcached does
-    not read (a typo is otherwise silently ignored), with the closest known name."""
+    """One sentence per ``KVCACHED_*`` variable in ``environ`` (default: this process's) that kvcached does not read
+    (a typo, else silently ignored), with the closest known name."""
     return variables.unknown(os.environ if environ is None else environ, {knob.env for knob in knobs_all()})

@@ -1,6 +1,5 @@
-"""The ``--config FILE.toml`` source of the daemon's configuration: knob names at top level, values of
-TOML's own types, an unknown key refused naming the closest known one (``kvcached.config`` merges it under
-the environment and the flags)."""
+"""The ``--config FILE.toml`` source of the daemon's configuration (``kvcached.config`` merges it under the environment
+and the flags): knob names at top level, values of TOML's own types, an unknown key refused naming the closest one."""
 
 from __future__ import annotations
 

@@ -108,8 +108,7 @@ def check_metrics_port(config: DaemonConfig) -> Check | None:
 
 
 def check_owner(config: DaemonConfig) -> Check:
-    """Whether the daemon owns the cache by the fixed condition (a start refuses a configuration for which
-    the runner does: that copy would be a second cache)."""
+    """Whether the daemon owns the cache by the fixed condition (a start refuses the runner's: a second copy)."""
     owner = cache_owner(config.spec)
     measured = {"owner": owner}
     if owner == "runner":
@@ -435,8 +434,7 @@ def _clean(instance: str, found: Leftovers, run_dir: Path, measured: dict[str, A
 
 
 def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
-    """Every check for ``config``, in the documented order (the FastDeploy checks, which the CLI adds after
-    these, excepted)."""
+    """Every check for ``config`` in the documented order, but the FastDeploy checks (the CLI adds them after)."""
     checks = [check_owner(config), check_dev_shm(config), check_memlock(config), check_huge_pages(config)]
     checks.append(check_copy_engine(config))
     checks += [check_remove_ipc(), check_run_dir(config)]
@@ -450,8 +448,7 @@ def run(config: DaemonConfig, *, clean: bool = False) -> list[Check]:
 
 
 def _store_checks(config: DaemonConfig) -> list[Check]:
-    """The storage backend's own checks; a path its options name that cannot even be looked at is a
-    failed check naming it."""
+    """The store backend's checks; a path its options name that cannot even be looked at is a failed check naming it."""
     backend = config.store.backend
     assert backend is not None
     try:

@@ -1,12 +1,11 @@
 """Configuration knobs: each declared once, with its parser, default and help.
 
-A knob is set by a flag (``--num-blocks``), an environment variable (``KVCACHED_NUM_BLOCKS``) or a key of
-the ``--config`` TOML file (``num_blocks``); all three names derive from ``Knob.name``. The core knobs live
-in ``kvcached.config``, a store backend's beside it (``StoreBackend.options``; device backends declare
-none); ``kvcached.config`` gathers them and the CLI is generated from that list.
+A knob is set by a flag (``--num-blocks``), an environment variable (``KVCACHED_NUM_BLOCKS``) or a key of the
+``--config`` TOML file (``num_blocks``), all named from ``Knob.name``. Store backends declare theirs
+(``StoreBackend.options``; device backends none); ``kvcached.config.knobs_all`` gathers them with the core ones.
 
-A parser takes what an operator wrote (a string from a flag or the environment, or a TOML value) and
-returns the value, or raises ``ValueError`` whose message says what is allowed.
+A parser takes what an operator wrote (a string from a flag or the environment, or a TOML value) and returns the
+value, or raises ``ValueError`` whose message says what is allowed.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Parser = Callable[[Any], Any]
-#: The TOML type ("integer", "number", "boolean", "array of integers") of the parsers that take numbers or
-#: booleans: a file writes those without quotes (the environment and flags can only give text, which they
-#: parse). Not here: a parser of text.
+#: The TOML type ("integer", "number", "boolean", "array of integers") of the parsers of numbers or booleans, which a
+#: file writes without quotes (the environment and flags give text, which they parse). A parser of text is not here.
 TOML_TYPES: dict[Parser, str] = {}
 
 

@@ -1,12 +1,10 @@
 """Logging, configured once at the daemon's entry point (never by the runner client).
 
-Shared processors with ``merge_contextvars`` first; a console renderer on a TTY, one JSON object per
-line otherwise (journald, files). Workers bind ``rank`` with ``bind_contextvars``; the supervisor binds
-``instance`` (and ``generation``). Everything goes to stderr. Modules take their logger with
-``logs.get(name)`` where they use it; only ``configure`` (called by ``kvcached start``) decides where it goes.
-
-A log line that cannot be written (stderr closed, a pipe whose reader left) is dropped: losing a line
-must never stop the daemon that serves the cache.
+Shared processors with ``merge_contextvars`` first; a console renderer on a TTY, one JSON object per line otherwise
+(journald, files), all to stderr. Workers bind ``rank`` with ``bind_contextvars``; the supervisor binds ``instance``
+(and ``generation``). Modules take their logger with ``logs.get(name)`` where they use it; only ``configure`` (called
+by ``kvcached start``) decides where it goes. A line that cannot be written (stderr closed, a pipe whose reader left) is
+dropped: losing a line must never stop the daemon that serves the cache.
 """
 
 from __future__ import annotations

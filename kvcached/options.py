@@ -1,8 +1,8 @@
 """The options of ``kvcached start`` and ``doctor``, generated from the knobs (``kvcached.config``), and their
-``--help`` in sections: what an operator sets first at the top; the knobs for tests and diagnosis, and the
-deprecated ones, only under ``--help-all``, which also names each option's ``KVCACHED_*`` variable and lists
-the variables that are no option (``kvcached.variables``). Each option passes its value through as written:
-the configuration parses it and names where a bad one came from.
+``--help`` in sections: what an operator sets first at the top; the knobs for tests and diagnosis, and the deprecated
+ones, only under ``--help-all``, which also names each option's ``KVCACHED_*`` variable and lists the variables that are
+no option (``kvcached.variables``). Each option passes its value through as written: the configuration parses it and
+names where a bad one came from.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from kvcached.variables import OTHER_VARIABLES
 
 #: The section of the knobs that exist for tests and diagnosis.
 INTERNAL = "For tests and diagnosis"
-#: ``kvcached start --help`` in sections, in this order, the knobs of each in theirs; each store backend's
-#: options make a section of their own after ``Tiers``. The knobs of the ``HIDDEN`` sections (for tests and
-#: diagnosis; deprecated) work as every other (flag, variable, file key), and only ``--help-all`` shows them.
+#: ``kvcached start --help``'s sections and their knobs, in order (``sections`` adds each store backend's). The
+#: ``HIDDEN`` sections' knobs work as every other (flag, variable, file key); only ``--help-all`` shows them.
 SECTIONS: Mapping[str, tuple[str, ...]] = {
     "Instance": ("instance", "ranks", "memory", "devices"),
     "Geometry": ("geometry", *(name for name in SPEC_FIELDS if name not in ("num_cpu_blocks", "storage_backend"))),
@@ -59,8 +58,7 @@ HELP_ALL = "help_all"
 
 
 class SectionOption(click.Option):
-    """An option that says which section of ``--help`` it belongs to; ``variable`` is the environment
-    variable that also sets it, shown by ``--help-all``."""
+    """An option of a ``--help`` section; ``variable``: the environment variable that also sets it (--help-all)."""
 
     def __init__(self, *args: Any, section: str, variable: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -85,8 +83,7 @@ _TERMS = 27
 
 
 class SectionedCommand(click.Command):
-    """A command whose --help shows its options in sections, in the order they were declared; the hidden
-    sections (``kvcached.config.HIDDEN``) and the environment's other variables only with --help-all."""
+    """A command whose --help shows its options in sections, in the order declared (``HIDDEN`` ones: --help-all)."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         every = bool(ctx.meta.get(HELP_ALL))
@@ -129,7 +126,7 @@ def help_all_option(fn: Any) -> Any:
 
 
 def _knob_option(knob: Knob, section: str) -> Callable[[Any], Any]:
-    """A click option for ``knob`` in ``section`` that passes the value through as written (the config parses it)."""
+    """A click option for ``knob`` in ``section``."""
     default = str(knob.default).lower() if knob.switch else knob.default
     if knob.default is None:
         default = "none" if "none" in (knob.choices or ()) else "off"
@@ -145,8 +142,7 @@ def _knob_option(knob: Knob, section: str) -> Callable[[Any], Any]:
 
 
 def config_options(fn: Any) -> Any:
-    """The configuration options of ``start``, shared by ``doctor`` (same names, same environment), by
-    section (``kvcached.config.sections``), ``--config`` after ``--ranks``."""
+    """``start``'s configuration options, shared by ``doctor``, by ``sections``, ``--config`` after ``--ranks``."""
     config = _option(
         "Instance",
         "--config",

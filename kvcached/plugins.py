@@ -59,9 +59,8 @@ B = TypeVar("B", bound=_Named)
 
 
 class Registry(Generic[B]):
-    """Backends of one kind by name. Built-in ones are modules imported on first use (each registers its
-    backend when imported); others come from ``KVCACHED_PLUGINS``. ``field`` names the configuration knob
-    an unknown name is reported against."""
+    """Backends of one kind by name: built-in ones from modules imported on first use (each registers its backend),
+    others from ``KVCACHED_PLUGINS``. ``field``: the configuration knob an unknown name is reported against."""
 
     def __init__(self, field: str, kind: str, builtin: Mapping[str, str]) -> None:
         self.field, self.kind, self.builtin = field, kind, dict(builtin)

@@ -47,10 +47,10 @@ def guarded(read: Callable[..., T], instance: str, **options: Any) -> T:
 
 
 def daemon_of(name: str) -> tuple[int, int] | None:
-    """(pid, start time) of the live daemon of instance ``name``, or None. A pid is believed only when the
-    files that name it can be (a run directory and lock file, or a control block, that only one uid may
-    write) and the process runs as that uid, is ``kvcached start`` and holds the instance's lock
-    (``lockfile.why_not_daemon``); otherwise an error saying why: the CLI signals nothing it was steered to."""
+    """(pid, start time) of the live daemon of instance ``name``, or None. A pid is believed only when the files that
+    name it can be (a run directory and lock file, or a control block, only one uid may write) and the process runs as
+    that uid, is ``kvcached start`` and holds the instance's lock (``lockfile.why_not_daemon``); else an error saying
+    why: the CLI signals nothing it was steered to."""
     path = lock_path(name)
     found = lockfile.holder(path)
     doubt = ""
@@ -144,9 +144,9 @@ def start_command(pid: int) -> str | None:
 
 
 def not_applied(pid: int) -> list[str]:
-    """The configuration variables set in this environment that a restart of daemon ``pid`` would not apply
-    (a restart keeps the daemon's own arguments and environment, ``/proc/<pid>/environ``), each as
-    ``NAME=VALUE (the daemon's: ...)``; ``KVCACHED_INSTANCE`` picks the instance and is not among them."""
+    """This environment's configuration variables that a restart of daemon ``pid`` would not apply (it keeps the
+    daemon's arguments and environment, ``/proc/<pid>/environ``), each as ``NAME=VALUE (the daemon's: ...)``;
+    ``KVCACHED_INSTANCE`` picks the instance and is not among them."""
     from kvcached.config import knobs_all
     from kvcached.protocol.names import INSTANCE_ENV
 
@@ -192,13 +192,12 @@ def run_dir_of(name: str) -> Path:
 
 
 def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: float) -> tuple[dict[str, Any], float]:
-    """Send ``signum`` (the restart signal) to daemon ``pid`` and wait until a new generation has every rank
-    READY, or waits for the engine's geometry again (``--geometry engine``): (its status, seconds taken).
-    The daemon's decision on this signal (the first it records after the signal was sent: see
-    ``handover.record_outcome``) says which: a signal that came after the daemon had accepted another
-    restart is decided by the image that restart starts, and only a generation after that image's counts.
-    A refusal, the daemon's exit, or ``timeout`` is an error saying so; so is a daemon that has not published
-    its own generation yet (it is starting: it would refuse, and its decision could not be told apart)."""
+    """Send ``signum`` (the restart signal) to daemon ``pid``; wait until a new generation has every rank READY, or
+    waits for the engine's geometry again (``--geometry engine``): (its status, seconds taken). The daemon's decision
+    on this signal (the first it records after the signal was sent: ``handover.record_outcome``) says which: a signal
+    that came after the daemon had accepted another restart is decided by the image that restart starts, and only a
+    generation after that image's counts. A refusal, the daemon's exit, or ``timeout`` is an error saying so; so is a
+    daemon that has not published its generation yet (starting, it would refuse, its decision not told apart)."""
     current = guarded(read_status, name)
     if not current["alive"] or current["pid"] != pid:
         raise click.ClickException(
@@ -227,8 +226,8 @@ def wait_restarted(name: str, pid: int, started: int, signum: int, timeout: floa
 
 
 def _exited(name: str, pid: int) -> str:
-    """The error of a ``kvcached restart`` whose daemon exited instead: a stop that came first released its
-    memory, or it is kept for the next start (a stop --keep came first, or the log says why)."""
+    """The error of a ``kvcached restart`` whose daemon exited instead: a stop that came first released its memory,
+    or it is kept for the next start (a stop --keep came first, or the log says why)."""
     left = guarded(read_instance, name, ranks=None, live=False)
     if left is None:
         return f"instance {name}: daemon pid {pid} stopped instead of restarting (a stop came first): the cache is gone"
@@ -260,8 +259,8 @@ def _refused(name: str, refusal: Outcome, before: str | None) -> str:
 
 
 def next_image_problem() -> str:
-    """Why the image `kvcached restart` would execute next cannot start with this one's arguments (the
-    code installed now loads the configuration as it reads now); "" when it can."""
+    """Why the image `kvcached restart` would execute next (the code installed now, the configuration as it reads
+    now) cannot start with this one's arguments; "" when it can."""
     command = [sys.executable, "-m", "kvcached.cli", *sys.argv[1:], "--check-config"]
     env = {**os.environ, RESTART_CHECK_ENV: "1"}
     try:
@@ -303,8 +302,8 @@ def adoption_problem(config: DaemonConfig) -> str:
 
 
 def execute_again(handover: str) -> None:
-    """Execute the daemon again in place (same pid, same arguments), handing it ``handover``. The memory
-    is kept already: if the exec fails, the next `kvcached start` adopts it."""
+    """Execute the daemon again in place (same pid, same arguments), handing it ``handover``. The memory is kept
+    already: if the exec fails, the next `kvcached start` adopts it."""
     sys.stdout.flush()
     sys.stderr.flush()
     os.environ[HANDOVER_ENV] = handover

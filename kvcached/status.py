@@ -100,8 +100,7 @@ def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
 
 
 def _rank_view(rank: int, record: Record, slot: StatsSlot, header: Header, *, now: int, waiting: int) -> dict[str, Any]:
-    """One rank as ``read_status`` shows it, from its record and stats slot (``now``: monotonic ns;
-    ``waiting``: runners waiting for it)."""
+    """One rank as ``read_status`` shows it (``now``: monotonic ns; ``waiting``: runners waiting for it)."""
     stats = slot.counters()
     age = max(0, now - record.heartbeat_ns) / 1e9  # never -0.0: a beat may land after `now` was read
     since = time.localtime(record.since_wall_ns / 1e9)
@@ -220,8 +219,7 @@ _RATE_KEYS = ("swap_out_bytes", "swap_in_bytes", "store_bytes", "load_bytes")
 
 
 def render(status: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0) -> str:
-    """A table for people; with ``previous`` (a snapshot ``seconds`` earlier, as ``--watch`` keeps), also
-    the swap and store rates between the two."""
+    """A table for people; with ``previous``, a snapshot ``seconds`` earlier (``--watch``), swap and store rates too."""
     name = status["instance"]
     if not status["running"]:
         return f"instance {name}: not running"
@@ -255,14 +253,12 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character (an escape sequence's ESC, a bell, a newline) shown as
-    ``\\xNN``: a terminal shows it, never obeys it."""
+    """``text`` with each control character (ESC, bell, newline) as ``\\xNN``: a terminal shows it, never obeys it."""
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
 def _row(r: dict[str, Any], dead: bool = False) -> list[str]:
-    """One rank's cells, as ``_COLUMNS`` names them; of a ``dead`` daemon, a state it left (but KEPT) reads
-    as what it was, not what it is."""
+    """One rank's ``_COLUMNS``; of a ``dead`` daemon, a state it left (but KEPT) reads as what it was, not is."""
     state = r["state"]
     if state == "ALLOCATING" and r.get("total"):
         state += f" {100 * r['reserved'] // r['total']}%"
@@ -301,15 +297,14 @@ def list_instances() -> list[dict[str, Any]]:
     ``state`` sums the ranks up: their common state (``READY``, ``KEPT``, ...), ``MIXED`` (``states`` counts
     them), ``AWAITING GEOMETRY`` (``--geometry engine``), ``DEAD`` (its daemon died: ``states`` are what its
     ranks were), ``STARTING`` (no block published yet), ``LEFTOVERS`` (objects without a control block) or
-    ``UNREADABLE`` (``note`` says why). ``memory_bytes``
-    is what its objects in /dev/shm occupy; ``daemon_running`` whether its daemon (pid and start time) runs.
+    ``UNREADABLE`` (``note`` says why). ``memory_bytes`` is what its objects in /dev/shm occupy; ``daemon_running``
+    whether its daemon (pid and start time) runs.
     """
     return [_listed(instance, entries, control, owner) for instance, entries, control, owner in visible_instances()]
 
 
 def visible_instances() -> list[tuple[str, list[Path], Path, int]]:
-    """(name, its entries in /dev/shm, its control block's path, its owner) of each instance this user may
-    see (``list_instances``'s rule)."""
+    """(name, /dev/shm entries, control block path, owner) of each instance this user may see (``list_instances``)."""
     me = os.geteuid()
     trusted = trusted_uids() if me else frozenset()
     found = []

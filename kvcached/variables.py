@@ -1,6 +1,5 @@
-"""The ``KVCACHED_*`` environment variables that are not configuration knobs (the knobs' own variables are
-declared with the knobs, ``kvcached.config``): which exist, which take a value from a fixed list, and the
-sentence that names one kvcached does not read."""
+"""The ``KVCACHED_*`` environment variables that are not knobs (``kvcached.config`` declares those): which exist, which
+take a value from a fixed list, and the sentence that names one kvcached does not read."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ from collections.abc import Mapping, Set
 
 from kvcached.protocol.errors import InvalidConfig
 
-#: ``KVCACHED_*`` variables that are not knobs, each with what it does (``kvcached start --help-all`` lists
-#: them): read by the CLI, the runners, the FastDeploy drop-in, and a daemon of itself across a restart.
-#: ``tests/test_cli.py`` checks that every such variable the code reads is here.
+#: Each with what it does (``kvcached start --help-all`` lists them): read by the CLI, the runners, the FastDeploy
+#: drop-in, and a daemon of itself across a restart. ``tests/test_cli.py`` checks that every one the code reads is here.
 OTHER_VARIABLES: Mapping[str, str] = {
     "KVCACHED_CONFIG": "--config FILE.",
     "KVCACHED_LOG_LEVEL": "--log-level.",
