@@ -112,8 +112,7 @@ def start(config_file: Path | None, log_level: str, log_format: str, check_confi
     from kvcached.memory.xpu import name_tensors
 
     level = _choice(log_level, LEVELS, "log_level", "--log-level", "KVCACHED_LOG_LEVEL")
-    formats = ("auto", "json", "console")
-    log_format = _choice(log_format, formats, "log_format", "--log-format", "KVCACHED_LOG_FORMAT")
+    log_format = _choice(log_format, ("auto", "json", "console"), "log_format", "--log-format", "KVCACHED_LOG_FORMAT")
     if PLUGINS_PROBLEM is not None:
         raise ConfigError(str(PLUGINS_PROBLEM))
     try:

@@ -135,10 +135,8 @@ def name_or_id(value: Any) -> str | None:
     """A user or group: a name, or a number (a TOML integer too); None for empty."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return str(value)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    if isinstance(value, str):
-        return value.strip()
+    if value is None or isinstance(value, str):
+        return optional_text(value)
     raise ValueError(f"must be a name or a number, got {value!r}")
 
 

@@ -54,18 +54,8 @@ def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
     ``any_owner`` (root's ``kvcached status``) an instance of any user is read, its owner named, instead of
     one of an untrusted user being refused (a view, never a use: nothing of it is mapped but its block);
     an untrusted user's block that no daemon published or is starting is still refused (``NotTrusted``)."""
-    status: dict[str, Any] = {
-        "instance": instance,
-        "running": False,
-        "alive": False,
-        "generation": None,
-        "pid": None,
-        "owner_uid": None,
-        "adopted_from": None,
-        "note": "",
-        "spec": None,
-        "ranks": [],
-    }
+    status: dict[str, Any] = {"instance": instance, "running": False, "alive": False, "generation": None, "pid": None}
+    status |= {"owner_uid": None, "adopted_from": None, "note": "", "spec": None, "ranks": []}
     control = shm_path(control_name(instance))
     owner = _owner(control, []) if any_owner else -1
     view = open_instance(instance, owner=owner if owner >= 0 else None)
@@ -347,19 +337,9 @@ def _listed(instance: str, entries: list[Path], control: Path, owner: int) -> di
             st = path.lstat()
             held += st.st_blocks * 512 if st.st_uid == owner else 0  # another user's object is not its memory
     pid = flock_holder(instance_lock_path(instance))
-    item: dict[str, Any] = {
-        "instance": instance,
-        "owner_uid": owner,
-        "owner": user_name(owner),
-        "state": "STARTING" if pid is not None else "LEFTOVERS",
-        "states": {},
-        "ranks": None,
-        "memory_bytes": held,
-        "daemon_running": pid is not None,
-        "pid": pid,
-        "generation": None,
-        "note": "",
-    }
+    item: dict[str, Any] = {"instance": instance, "owner_uid": owner, "owner": user_name(owner)}
+    item |= {"state": "STARTING" if pid is not None else "LEFTOVERS", "states": {}, "ranks": None, "memory_bytes": held}
+    item |= {"daemon_running": pid is not None, "pid": pid, "generation": None, "note": ""}
     try:
         view = open_instance(instance, owner=owner) if control.exists() or control.is_symlink() else None
         if view is None:
