@@ -321,23 +321,18 @@ def _watch(instance: str, interval: float, as_json: bool) -> None:
     from kvcached.status import read_status, render
 
     tty = sys.stdout.isatty() and not as_json
-    previous: tuple[float, dict[str, Any]] | None = None
-    try:
+    then, previous = 0.0, None  # the last frame's time and snapshot (render's seconds count only with a snapshot)
+    with contextlib.suppress(KeyboardInterrupt):
         while True:
             now = time.monotonic()
             snapshot = guarded(read_status, instance, any_owner=os.geteuid() == 0)
             if as_json:
                 frame = json.dumps(snapshot)
             else:
-                frame = render(
-                    snapshot, previous=previous[1] if previous else None, seconds=now - previous[0] if previous else 0
-                )
-                frame += f"\n(every {interval:g} s; Ctrl-C to stop)"
+                frame = render(snapshot, previous, seconds=now - then) + f"\n(every {interval:g} s; Ctrl-C to stop)"
             click.echo(("\x1b[H\x1b[2J" if tty else "") + frame + ("" if tty or as_json else "\n"), nl=True)
-            previous = (now, snapshot)
+            then, previous = now, snapshot
             time.sleep(max(0.0, interval - (time.monotonic() - now)))
-    except KeyboardInterrupt:
-        return
 
 
 @main.command(name="list", context_settings=_CONTEXT, short_help="List this host's instances.")

@@ -22,9 +22,9 @@ from kvcached.daemon.handover import HANDOVER_ENV, Outcome, read_outcomes, refus
 from kvcached.protocol.control import State
 from kvcached.protocol.errors import KVCacheError
 from kvcached.protocol.instance import read_instance
-from kvcached.protocol.names import instance_lock_path, lock_path
+from kvcached.protocol.names import INSTANCE_ENV, instance_lock_path, instance_shm_entries, lock_path
 from kvcached.protocol.proc import is_alive, until
-from kvcached.status import awaits_geometry, is_ready, printable, read_status
+from kvcached.status import awaits_geometry, is_ready, printable, read_status, visible_instances
 
 if TYPE_CHECKING:
     from kvcached.config import DaemonConfig
@@ -148,7 +148,6 @@ def not_applied(pid: int) -> list[str]:
     daemon's arguments and environment, ``/proc/<pid>/environ``), each as ``NAME=VALUE (the daemon's: ...)``;
     ``KVCACHED_INSTANCE`` picks the instance and is not among them."""
     from kvcached.config import knobs_all
-    from kvcached.protocol.names import INSTANCE_ENV
 
     names = {knob.env for knob in knobs_all()} | {"KVCACHED_CONFIG", "KVCACHED_LOG_LEVEL", "KVCACHED_LOG_FORMAT"}
     names |= {"KVCACHED_PLUGINS"}
@@ -172,9 +171,6 @@ def did_you_mean(name: str) -> str:
     has nothing on this host), else "". Numbered siblings (``fd-1`` for ``fd-3``) are no typo of each other."""
     import difflib
     import re
-
-    from kvcached.protocol.names import instance_shm_entries
-    from kvcached.status import visible_instances
 
     if instance_shm_entries(name):  # no typo: an instance of that name left something here
         return ""

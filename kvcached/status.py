@@ -322,10 +322,8 @@ def _starting(instance: str, owner: int) -> bool:
 def _owner(control: Path, entries: list[Path]) -> int:
     """Whose an instance is: its control block's owner, else its first entry's."""
     for path in (control, *entries):
-        try:
+        with contextlib.suppress(OSError):
             return path.lstat().st_uid
-        except OSError:
-            continue
     return -1
 
 
