@@ -312,13 +312,12 @@ class DaemonConfig:
             )
         if "storage_backend" not in ignore:  # else its value is not the one written: nothing to judge by
             _no_stray_store_options(spec.storage_backend, raw, all_knobs)
-        store_config = StoreConfig() if STORE_OPTIONS in ignore else _store_of(spec, values, source)
         return cls(
             instance=values["instance"],
             ranks=ranks,
             memory=values["memory"],
             spec=spec,
-            store=store_config,
+            store=StoreConfig() if STORE_OPTIONS in ignore else _store_of(spec, values, source),
             gid=gid,
             metrics_port=values["metrics_port"],
             metrics_address=values["metrics_address"],

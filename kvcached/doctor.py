@@ -383,9 +383,8 @@ def check_instance(config: DaemonConfig, clean: bool) -> list[Check]:
 def _live_check(instance: str, pid: int | None) -> Check:
     """``live_instance``: the daemon of ``instance`` that runs (``pid``), or none (a name none has: a typo?)."""
     if pid is None:
-        return Check(
-            "live_instance", OK, f"no daemon runs instance {instance!r}{did_you_mean(instance)}", {"pid": None}
-        )
+        figure = f"no daemon runs instance {instance!r}{did_you_mean(instance)}"
+        return Check("live_instance", OK, figure, {"pid": None})
     advice = (
         f"`kvcached status --instance {instance}` shows how it runs; for a new daemon pick another --instance, "
         f"or `kvcached stop --instance {instance}` first"

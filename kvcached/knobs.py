@@ -53,9 +53,8 @@ def integer(minimum: int | None = None, maximum: int | None = None, *, what: str
             number = value
         elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
             number = int(value.strip())
-        bounds = _bounds(minimum, maximum)
         if number is None or (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-            raise ValueError(f"must be {what}{bounds}, got {value!r}")
+            raise ValueError(f"must be {what}{_bounds(minimum, maximum)}, got {value!r}")
         return number
 
     TOML_TYPES[parse] = "integer"

@@ -111,18 +111,16 @@ def _show_all(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
         ctx.exit()
 
 
-def help_all_option(fn: Any) -> Any:
-    """--help-all: every option (the internal ones too) with its variable, and the other variables."""
-    return _option(
-        "Help",
-        "--help-all",
-        is_flag=True,
-        expose_value=False,
-        is_eager=True,
-        callback=_show_all,
-        help="Show every option, those for tests and diagnosis too, each with its KVCACHED_* variable, and the "
-        "variables that are no option.",
-    )(fn)
+help_all_option = _option(
+    "Help",
+    "--help-all",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_show_all,
+    help="Show every option, those for tests and diagnosis too, each with its KVCACHED_* variable, and the variables "
+    "that are no option.",
+)
 
 
 def _knob_option(knob: Knob, section: str) -> Callable[[Any], Any]:
