@@ -254,15 +254,13 @@ STREAMING_TUNABLES = {"glibc.cpu.x86_non_temporal_threshold": 32 << 10, "glibc.c
 
 
 def _use_streaming_stores() -> None:
-    """Re-exec once (same pid) with the copy tunables above, unless they are all set already.
-
-    A swap copies one block piece (16 KiB to a few MiB) per memcpy, the CPU pool being block-major. By default
-    glibc streams (skips reading the destination it overwrites) only above about 3/4 of the L3 size, and on AMD
-    takes `rep movsb` below the L2 size, so such copies run well below the memory's speed without these
-    (``scripts/bench_copy_choices.py``, docs/benchmarks.md). GLIBC_TUNABLES is read when a process starts, hence the
-    exec; harmless where they do not apply. Only for the numpy copy path: the native routine (``kvcached.native``)
-    streams by itself, and with it the exec, a second interpreter start-up of every start, is skipped.
-    """
+    """Re-exec once (same pid) with the copy tunables above, unless they are all set already. A swap copies one block
+    piece (16 KiB to a few MiB) per memcpy, the CPU pool being block-major. By default glibc streams (skips reading the
+    destination it overwrites) only above about 3/4 of the L3 size, and on AMD takes `rep movsb` below the L2 size, so
+    such copies run well below the memory's speed without these (``scripts/bench_copy_choices.py``, docs/benchmarks.md).
+    GLIBC_TUNABLES is read when a process starts, hence the exec; harmless where they do not apply. Only for the numpy
+    copy path: the native routine (``kvcached.native``) streams by itself, and with it the exec, a second interpreter
+    start-up of every start, is skipped."""
     from kvcached import native
 
     if native.available():
@@ -439,8 +437,7 @@ def restart(instance: str | None, timeout: float) -> None:
 
 
 def _instance(instance: str | None) -> str:
-    """The instance to act on; a bad name is a usage error naming --instance, or a configuration error naming
-    KVCACHED_INSTANCE when it came from there."""
+    """The instance to act on; a bad name: a usage error (--instance), or from KVCACHED_INSTANCE a configuration one."""
     try:
         return check_instance(DEFAULT_INSTANCE if instance is None else instance)
     except InvalidSpec as exc:

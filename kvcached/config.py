@@ -278,12 +278,11 @@ class DaemonConfig:
         ignore: frozenset[str] = frozenset(),
         config_source: str | None = None,
     ) -> DaemonConfig:
-        """Merge ``flags`` (None: unset) over ``environ``'s ``KVCACHED_*`` over ``config_file`` over the defaults.
-        ``InvalidConfig`` names the source of the first bad value (``config_source``: where the file's name came
-        from, ``--config FILE`` by default). Knobs (and file keys) in ``ignore``, and the other variables
-        ``variables.check`` checks, are taken at their defaults wherever set (doctor reports a bad value, checks the
-        rest). With ``STORE_OPTIONS`` in ``ignore`` the spec keeps its store backend and ``store`` is left empty, the
-        backend's options unchecked (doctor's view of a store whose required option is missing)."""
+        """Merge ``flags`` (None: unset) over ``environ``'s ``KVCACHED_*`` over ``config_file`` over the defaults;
+        ``InvalidConfig`` names the first bad value's source (``config_source``: where the file's name came from,
+        ``--config FILE`` by default). Knobs (and file keys) in ``ignore``, and variables ``variables.check`` checks,
+        take their defaults wherever set (doctor reports a bad value, checks the rest); with ``STORE_OPTIONS`` the spec
+        keeps its store backend, ``store`` left empty and unchecked (doctor's view of a store lacking an option)."""
         environ = os.environ if environ is None else environ
         variables.check(environ, ignore)
         all_knobs = {knob.name: knob for knob in knobs_all()}
@@ -398,10 +397,9 @@ def _spec_of(values: Mapping[str, Any], raw: Mapping[str, tuple[Any, str]], sour
 
 
 def _no_stray_store_options(backend: str | None, raw: Mapping[str, tuple[Any, str]], knobs: Mapping[str, Knob]) -> None:
-    """Raise ``InvalidConfig`` for an option of a store backend other than ``backend`` (None: no store) set where the
-    backend was chosen or higher up (``_level``), or ``--storage-path`` without ``--storage-backend`` would start a
-    daemon with no store, silently. One set lower down is left unused: ``--storage-backend none`` overrides a config
-    file's store with its options."""
+    """``InvalidConfig`` for an option of a store backend but ``backend`` (None: no store) set where the backend was
+    chosen or higher (``_level``): else ``--storage-path`` without ``--storage-backend`` would silently start with no
+    store. One set lower is unused: ``--storage-backend none`` overrides a config file's store and its options."""
     chosen = _level(knobs["storage_backend"], raw)
     own = {knob.name for knob in store.get(backend).options} if backend is not None else set()
     for other in store.all_backends():

@@ -99,13 +99,12 @@ STEP_BYTES = 256 << 20
 
 
 class SwapEngine:
-    """Moves whole blocks (every layer, key, value and scale) between the device tier and host memory: the
-    CPU pool, or a staging buffer of the attention store (rows laid out as pool records).
-
-    ``pieces`` are the device tier's tensors in record order; ``pool`` is the CPU pool's buffer (or None), laid out as
-    ``pool_layout`` (``kvcached.protocol.layout``). ``tier_swap``, when the device tier has one, moves a whole task
-    between the tier and the pool (``DeviceTier.pool_swap``). ``on_step`` is called after each step of at most
-    ``STEP_BYTES``: the worker marks its progress there, so a long task is never taken for a hung one."""
+    """Moves whole blocks (every layer, key, value and scale) between the device tier and host memory: the CPU pool, or
+    a staging buffer of the attention store (rows laid out as pool records). ``pieces`` are the device tier's tensors in
+    record order; ``pool`` is the CPU pool's buffer (or None), laid out as ``pool_layout``
+    (``kvcached.protocol.layout``). ``tier_swap``, when the device tier has one, moves a whole task between the tier and
+    the pool (``DeviceTier.pool_swap``). ``on_step`` is called after each step of at most ``STEP_BYTES``: the worker
+    marks its progress there, so a long task is never taken for a hung one."""
 
     def __init__(
         self,
@@ -169,8 +168,7 @@ class SwapEngine:
                 yield a0 + k, b0 + k, min(step, n - k)
 
     def _by_step(self, copy: Callable[[Array, Array], object], a: Array, b: Array) -> int:
-        """``copy(a_part, b_part)`` over the id lists, at most ``step_blocks`` at a time, ``on_step`` after
-        each. Returns bytes moved."""
+        """``copy(a_part, b_part)`` by at most ``step_blocks`` ids, ``on_step`` after each; bytes moved."""
         step = self.step_blocks
         for k in range(0, len(a), step):
             copy(a[k : k + step], b[k : k + step])
@@ -178,8 +176,7 @@ class SwapEngine:
         return len(a) * self.spec.block_bytes
 
     def copy_out(self, device_ids: Array, row_ids: Array, rows: Array | Side) -> int:
-        """Copy device blocks into host blocks ``row_ids`` of ``rows`` (a records array, or a side) (ids
-        validated). Returns bytes moved."""
+        """Copy device blocks into host blocks ``row_ids`` of ``rows`` (records or side; ids validated); bytes moved."""
         host = rows if isinstance(rows, Side) else self.records(rows)
         if self.device_side is not None:
             return self._by_step(functools.partial(native.copy_blocks, self.device_side, host), device_ids, row_ids)
@@ -215,8 +212,7 @@ class SwapEngine:
         return self.copy_in(cpu_ids, device_ids, self.pool)
 
     def check_ids(self, ids: Array, *, field: str, role: str, unique: bool, tier: str = "device") -> None:
-        """Raise ``InvalidTask`` unless every id is in range for ``tier`` (``device`` or ``cpu``) and, if
-        ``unique``, none repeats."""
+        """Raise ``InvalidTask`` unless each id is in range for ``tier`` (device/cpu) and if ``unique`` none repeats."""
         limit = self.spec.num_blocks if tier == "device" else self.spec.num_cpu_blocks
         bad = _out_of_range(ids, limit)
         if bad is not None:

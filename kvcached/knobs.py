@@ -145,8 +145,7 @@ for _exponent, _prefix in enumerate("kmgt", start=1):  # k and kib binary, kb de
 
 
 def size(value: Any) -> int:
-    """Bytes from an int or a string like ``512MiB``, ``8G``, ``10GB`` (K/M/G/T and KiB.. are binary,
-    KB/MB/GB/TB decimal)."""
+    """Bytes from an int or a string like ``512MiB``, ``8G``, ``10GB`` (K/M/G/T, KiB.. binary; KB/MB/GB/TB decimal)."""
     number, unit = -1, ""
     if isinstance(value, int) and not isinstance(value, bool):
         number = value

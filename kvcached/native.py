@@ -35,8 +35,7 @@ class Side:
 
     @classmethod
     def of(cls, views: list[Array]) -> Side:
-        """The side of ``views``: one uint8 ``[blocks, width]`` array per piece, rows of any stride, each
-        row contiguous."""
+        """The side of ``views``: a uint8 ``[blocks, width]`` array per piece, rows of any stride, each contiguous."""
         for view in views:
             if view.ndim != 2 or view.dtype != np.uint8 or (view.shape[1] > 1 and view.strides[1] != 1):
                 raise ValueError("a piece must be a uint8 [blocks, width] view with contiguous rows")
@@ -124,8 +123,7 @@ def copy_blocks(src: Side, dst: Side, src_ids: Array, dst_ids: Array) -> int:
 
 
 def hashes(nbytes: int) -> bool:
-    """Whether ``land_blocks``, ``gather_hash`` and ``read_land`` take payloads of ``nbytes`` (built, and
-    long enough)."""
+    """Whether ``land_blocks``, ``gather_hash`` and ``read_land`` take payloads of ``nbytes`` (built, long enough)."""
     return _LIBRARY is not None and nbytes >= _LIBRARY.hash_min_bytes
 
 
@@ -138,9 +136,8 @@ def gather_hash(addresses: Array, widths: Array, flat: int) -> int:
 
 
 def land_blocks(sources: Array, side: Side, ids: Array) -> Array:
-    """Copy payload ``i`` (contiguous at address ``sources[i]``) into block ``ids[i]`` of ``side`` with
-    non-temporal stores, in one call; the XXH3-64 of each payload written (uint64). Only where
-    ``hashes(side.widths.sum())``; ids checked by the caller."""
+    """Copy payload ``i`` (contiguous at address ``sources[i]``) into block ``ids[i]`` of ``side``, non-temporal stores,
+    one call; each payload's XXH3-64 (uint64). Only where ``hashes(side.widths.sum())``; ids checked by the caller."""
     assert _LIBRARY is not None
     sources = np.ascontiguousarray(sources, dtype=np.uint64)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -209,8 +206,7 @@ class ObjectReads:
 
     @property
     def stop(self) -> int:
-        """The lowest index not read whole, or whose header is not its object's (``kv_read_objects``); the count
-        when there is none."""
+        """The lowest index not read whole or whose header is not its object's (``kv_read_objects``), else the count."""
         return int(self.results[-1])
 
     def take(self, bounce: memoryview, limit: int, budget_s: float) -> int:

@@ -20,8 +20,7 @@ _ignored = False
 
 
 def load_plugins() -> None:
-    """Import every module named in ``KVCACHED_PLUGINS`` (comma-separated) once. A module that cannot be
-    imported is an ``InvalidConfig`` naming it."""
+    """Import each module in ``KVCACHED_PLUGINS`` (comma-separated) once; ``InvalidConfig`` naming one that can't be."""
     if _ignored:
         return
     for name in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):

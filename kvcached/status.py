@@ -50,10 +50,9 @@ from kvcached.protocol.waiters import count_waiters
 
 
 def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
-    """Snapshot of ``instance``; ``running`` False (and no ranks) when there is no published block. With
-    ``any_owner`` (root's ``kvcached status``) an instance of any user is read, its owner named, instead of
-    one of an untrusted user being refused (a view, never a use: nothing of it is mapped but its block);
-    an untrusted user's block that no daemon published or is starting is still refused (``NotTrusted``)."""
+    """Snapshot of ``instance``; ``running`` False (and no ranks) when there is no published block. With ``any_owner``
+    (root's ``kvcached status``) an untrusted user's instance is read, its owner named, not refused (a view, never a
+    use: only its block is mapped), unless no daemon published or is starting it (``NotTrusted``)."""
     status: dict[str, Any] = {"instance": instance, "running": False, "alive": False, "generation": None, "pid": None}
     status |= {"owner_uid": None, "adopted_from": None, "note": "", "spec": None, "ranks": []}
     control = shm_path(control_name(instance))
