@@ -24,8 +24,6 @@ A TOML file uses the knob names (the flag names with underscores), all at top le
 ``knobs_all()`` lists every knob (core ones here, each store backend's from its module); the CLI's options are generated
 from it. An invalid value is an ``InvalidConfig`` that names where it came from (the flag, the environment variable with
 its value, or the file and key) and what is allowed; an unknown key in a file names the closest known one.
-
-The defaults (the daemon the owner, a modest CPU swap pool) fit a small host: 48 MiB of /dev/shm per rank.
 """
 
 from __future__ import annotations
@@ -451,6 +449,5 @@ def _resolved(
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One sentence per ``KVCACHED_*`` variable in ``environ`` (default: this process's) that kvcached does not read
-    (a typo, else silently ignored), with the closest known name."""
+    """``variables.unknown`` of ``environ`` (default: this process's) and the knobs' variables: typos, else unseen."""
     return variables.unknown(os.environ if environ is None else environ, {knob.env for knob in knobs_all()})

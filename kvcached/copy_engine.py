@@ -1,11 +1,10 @@
 """Copies between a rank's device tier and host memory (its CPU swap pool, a store staging buffer),
 validated first, in as few calls as the memory allows.
 
-A task is two equally long lists of block ids. Validation happens before the first byte moves, so a
-refused task changes nothing. Both sides of a copy are seen as pieces (``kvcached.native.Side``): piece
-``p`` of block ``b`` is one tensor's bytes of that block (a layer's key, value or scales), wherever that
-side keeps them: a row of the device arena's tensor, a column range of a CPU pool record, a row of a CPU
-pool plane, a column range of a staging row. How a task moves, fastest first:
+A task is two equally long lists of block ids, validated before the first byte moves: a refused task changes nothing.
+Both sides of a copy are seen as pieces (``kvcached.native.Side``): piece ``p`` of block ``b`` is one tensor's bytes of
+that block (a layer's key, value or scales), wherever that side keeps them: a row of the device arena's tensor, a column
+range of a CPU pool record, a row of a CPU pool plane, a column range of a staging row. How a task moves, fastest first:
 
 1. the device tier's own whole-task copy with the pool (``DeviceTier.pool_swap``: on XPU, FastDeploy's
    ``swap_cache_all_layers``, one call per tensor kind, device memory straight to the pinned pool);

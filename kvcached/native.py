@@ -1,5 +1,4 @@
-"""The native block copy (``kvcached/_copy.c``) and copy-and-checksum (``kvcached/_verify.c``), loaded
-with ctypes when the install built them.
+"""The native block copy (``kvcached/_copy.c``) and copy-and-checksum (``_verify.c``), loaded with ctypes if built.
 
 ``copy_blocks`` moves every piece of every block of a task in one call, with the GIL released (ctypes releases it around
 a foreign call). ``land_blocks``, ``gather_hash`` and ``read_land`` move store objects' payloads (from memory into
