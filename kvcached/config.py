@@ -97,13 +97,12 @@ CORE: tuple[Knob, ...] = (
         "(FastDeploy's own block count, after its profile run) and the ranks wait until then; a later "
         "declaration that differs is refused by name. With engine, set none of the options below.",
         "FROM",
-        choices=GEOMETRY_SOURCES,
     ),
     Knob("num_layers", knobs.integer(1), 4, "Layers.", "N"),
     Knob("kv_heads", knobs.integer(1), 2, "KV heads per rank (heads // tensor parallel size).", "N"),
     Knob("head_dim", knobs.integer(1), 128, "Head dimension.", "N"),
     Knob("block_size", knobs.integer(1), 64, "Tokens per block.", "N"),
-    Knob("dtype", knobs.choice(tuple(DTYPE_SIZES)), "bfloat16", "Cache dtype.", "DTYPE", choices=tuple(DTYPE_SIZES)),
+    Knob("dtype", knobs.choice(tuple(DTYPE_SIZES)), "bfloat16", "Cache dtype.", "DTYPE"),
     Knob("num_blocks", knobs.integer(1), 128, "Device blocks per rank.", "N"),
     Knob("num_cpu_blocks", knobs.integer(0), 64, "CPU swap pool blocks per rank; > 0 makes the daemon the owner.", "N"),
     Knob(
@@ -115,24 +114,10 @@ CORE: tuple[Knob, ...] = (
         "KVCACHED_* over the config file).",
         "BACKEND",
     ),
-    Knob(
-        "role",
-        knobs.choice(ROLES),
-        "mixed",
-        "splitwise_role; prefill/decode make the daemon the owner.",
-        "ROLE",
-        choices=ROLES,
-    ),
+    Knob("role", knobs.choice(ROLES), "mixed", "splitwise_role; prefill/decode make the daemon the owner.", "ROLE"),
     Knob("block_wise_fp8", knobs.boolean, False, "Add per-block scale tensors.", switch=True),
     Knob("mla", knobs.boolean, False, "MLA: key cache only.", switch=True),
-    Knob(
-        "scale_dtype",
-        knobs.choice(SCALE_DTYPES),
-        "float32",
-        "dtype of the scale tensors.",
-        "DTYPE",
-        choices=SCALE_DTYPES,
-    ),
+    Knob("scale_dtype", knobs.choice(SCALE_DTYPES), "float32", "dtype of the scale tensors.", "DTYPE"),
     Knob("mtp_layers", knobs.integer(0), 0, "Layers of a speculative (MTP) draft model after the model's.", "N"),
     Knob("mtp_num_blocks", knobs.integer(0), 0, "Blocks of each MTP layer; 0: --num-blocks.", "N"),
     Knob(
@@ -183,7 +168,6 @@ CORE: tuple[Knob, ...] = (
         "auto: ask for 2 MiB pages for the arenas and pools (/dev/shm gives them when mounted huge=advise, "
         "within_size or always; `kvcached doctor` says what this host gives); never: do not ask.",
         "MODE",
-        choices=("auto", "never"),
     ),
     Knob(
         "fresh",

@@ -453,11 +453,8 @@ def _store_checks(config: DaemonConfig) -> list[Check]:
 
 def report(instance: str, checks: list[Check]) -> dict[str, Any]:
     """The JSON document."""
-    return {
-        "instance": instance,
-        "ok": all(c.verdict != FAIL for c in checks),
-        "checks": [dataclasses.asdict(c) for c in checks],
-    }
+    ok = all(c.verdict != FAIL for c in checks)
+    return {"instance": instance, "ok": ok, "checks": [dataclasses.asdict(c) for c in checks]}
 
 
 def render(instance: str, checks: list[Check]) -> str:

@@ -19,6 +19,8 @@ Parser = Callable[[Any], Any]
 #: The TOML type ("integer", "number", "boolean", "array of integers") of the parsers of numbers or booleans, which a
 #: file writes without quotes (the environment and flags give text, which they parse). A parser of text is not here.
 TOML_TYPES: dict[Parser, str] = {}
+#: The values of each ``choice`` parser: a ``Knob`` parsed by one offers them as its ``choices`` unless given others.
+CHOICES: dict[Parser, tuple[str, ...]] = {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +37,10 @@ class Knob:
     #: The values allowed, when there is a fixed list (shown in --help, used for suggestions).
     choices: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.choices:
+            object.__setattr__(self, "choices", CHOICES.get(self.parse, ()))
+
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
@@ -44,8 +50,8 @@ class Knob:
         return "KVCACHED_" + self.name.upper()
 
 
-def integer(minimum: int | None = None, maximum: int | None = None, *, what: str = "an integer") -> Parser:
-    """Whole numbers in ``[minimum, maximum]``; strings like ``"12"`` too."""
+def integer(minimum: int, maximum: int | None = None, *, what: str = "an integer") -> Parser:
+    """Whole numbers in ``[minimum, maximum]`` (None: no maximum); strings like ``"12"`` too."""
 
     def parse(value: Any) -> int:
         number: int | None = None
@@ -53,22 +59,13 @@ def integer(minimum: int | None = None, maximum: int | None = None, *, what: str
             number = value
         elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
             number = int(value.strip())
-        if number is None or (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-            raise ValueError(f"must be {what}{_bounds(minimum, maximum)}, got {value!r}")
+        if number is None or number < minimum or (maximum is not None and number > maximum):
+            bounds = f" >= {minimum}" if maximum is None else f" from {minimum} to {maximum}"
+            raise ValueError(f"must be {what}{bounds}, got {value!r}")
         return number
 
     TOML_TYPES[parse] = "integer"
     return parse
-
-
-def _bounds(minimum: int | None, maximum: int | None) -> str:
-    if minimum is not None and maximum is not None:
-        return f" from {minimum} to {maximum}"
-    if minimum is not None:
-        return f" >= {minimum}"
-    if maximum is not None:
-        return f" <= {maximum}"
-    return ""
 
 
 def seconds(minimum: float, maximum: float) -> Parser:
@@ -97,6 +94,7 @@ def choice(values: Sequence[str]) -> Parser:
             return value
         raise ValueError(f"must be one of {', '.join(values)}; got {value!r}")
 
+    CHOICES[parse] = tuple(values)
     return parse
 
 
