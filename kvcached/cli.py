@@ -302,8 +302,20 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
     from kvcached.status import is_ready, read_status, render
 
     name = _instance(instance)
-    if watch:
-        _watch(name, interval, as_json)
+    if watch:  # a frame every `interval` s: on a terminal redrawn in place, else one after the other
+        tty = sys.stdout.isatty() and not as_json
+        then, previous = 0.0, None  # the last frame's time and snapshot (render's seconds count only with a snapshot)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                now = time.monotonic()
+                snapshot = guarded(read_status, name, any_owner=os.geteuid() == 0)
+                if as_json:
+                    frame = json.dumps(snapshot)
+                else:
+                    frame = render(snapshot, previous, seconds=now - then) + f"\n(every {interval:g} s; Ctrl-C to stop)"
+                click.echo(("\x1b[H\x1b[2J" if tty else "") + frame + ("" if tty or as_json else "\n"), nl=True)
+                then, previous = now, snapshot
+                time.sleep(max(0.0, interval - (time.monotonic() - now)))
         return
     if click.get_current_context().get_parameter_source("interval") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--interval is the period of --watch: add --watch, or leave --interval out")
@@ -311,26 +323,6 @@ def status(instance: str | None, as_json: bool, watch: bool, interval: float) ->
     hint = "" if as_json or snapshot["running"] else did_you_mean(name)
     click.echo(json.dumps(snapshot) if as_json else render(snapshot) + hint)
     sys.exit(0 if is_ready(snapshot) else 1)
-
-
-def _watch(instance: str, interval: float, as_json: bool) -> None:
-    """Print a frame every ``interval`` s: on a terminal redrawn in place, else one after the other."""
-    from kvcached.running import guarded
-    from kvcached.status import read_status, render
-
-    tty = sys.stdout.isatty() and not as_json
-    then, previous = 0.0, None  # the last frame's time and snapshot (render's seconds count only with a snapshot)
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            now = time.monotonic()
-            snapshot = guarded(read_status, instance, any_owner=os.geteuid() == 0)
-            if as_json:
-                frame = json.dumps(snapshot)
-            else:
-                frame = render(snapshot, previous, seconds=now - then) + f"\n(every {interval:g} s; Ctrl-C to stop)"
-            click.echo(("\x1b[H\x1b[2J" if tty else "") + frame + ("" if tty or as_json else "\n"), nl=True)
-            then, previous = now, snapshot
-            time.sleep(max(0.0, interval - (time.monotonic() - now)))
 
 
 @main.command(name="list", context_settings=_CONTEXT, short_help="List this host's instances.")

@@ -225,14 +225,11 @@ def _logind_remove_ipc(patterns: tuple[str, ...] = LOGIND_CONFS) -> tuple[bool, 
     value, source = True, "default (yes)"
     for pattern in patterns:
         for path in sorted(glob.glob(pattern)):
-            try:
-                lines = Path(path).read_text().splitlines()
-            except OSError:
-                continue
-            for line in lines:
-                key, sep, raw = line.strip().partition("=")
-                if sep and key.strip() == "RemoveIPC":
-                    value, source = raw.strip().lower() in ("yes", "true", "1", "on"), path
+            with contextlib.suppress(OSError):  # an unreadable file: as if absent
+                for line in Path(path).read_text().splitlines():
+                    key, sep, raw = line.strip().partition("=")
+                    if sep and key.strip() == "RemoveIPC":
+                        value, source = raw.strip().lower() in ("yes", "true", "1", "on"), path
     return value, source
 
 
