@@ -9,16 +9,14 @@ form (``kvcached doctor --json``) is a stable interface::
                  "advice": ""}, ...]}
 
 Check names, in order: ``config`` (a failure for each bad configuration value, the checks after it taking that value's
-default; a warning for each ``KVCACHED_*`` variable kvcached does not read), ``dev_shm``, ``memlock``, ``huge_pages``,
-``copy_engine``, ``remove_ipc``, ``run_dir``, ``live_instance``, ``leftovers``, ``metrics_port`` (with
+default; a warning for each ``KVCACHED_*`` variable kvcached does not read), ``owner``, ``dev_shm``, ``memlock``,
+``huge_pages``, ``copy_engine``, ``remove_ipc``, ``run_dir``, ``live_instance``, ``leftovers``, ``metrics_port`` (with
 ``--metrics-port``); then the device backend's own (``--memory xpu``: ``xpu_paddle``, ``xpu_runtime``, ``xpu_ops``) and
 the storage backend's (``file_store``, ``mooncake_master``); then, given a FastDeploy tree (``--fastdeploy PATH``, or
 the installed package), ``fastdeploy_line``, ``fastdeploy_patch``, ``fastdeploy_queue``, ``fastdeploy_runner`` and
 ``fastdeploy_v1_cache_manager`` (``kvcached.fastdeploy.checkup``). ``measured`` holds the raw figures (numbers, paths,
-flags) of each; new keys may be added, none is removed or renamed.
-
-``--clean`` reclaims a dead instance's leftovers (the same reclaim a start does, under the instance lock);
-a live instance's objects are never touched.
+flags) of each; new keys may be added, none is removed or renamed. ``--clean`` reclaims a dead instance's leftovers (the
+same reclaim a start does, under the instance lock); a live instance's objects are never touched.
 """
 
 from __future__ import annotations
