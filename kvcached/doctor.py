@@ -126,8 +126,14 @@ def check_dev_shm(config: DaemonConfig) -> Check:
     need, per_rank = config.shm_need()
     held, held_by = _held_by_a_dead_run(config)
     anew = max(0, need - held)
-    measured: dict[str, Any] = {"free_bytes": free, "need_bytes": need, "per_rank_bytes": per_rank, "held_bytes": held}
-    measured |= {"held_by": held_by, "need_anew_bytes": anew}
+    measured = {
+        "free_bytes": free,
+        "need_bytes": need,
+        "per_rank_bytes": per_rank,
+        "held_bytes": held,
+        "held_by": held_by,
+        "need_anew_bytes": anew,
+    }
     ranks = counted(config.ranks, "rank")
     figure = f"{size_text(free)} free, {size_text(need)} needed ({ranks} x {size_text(per_rank)})"
     if held_by == "kept":

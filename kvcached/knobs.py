@@ -50,8 +50,8 @@ class Knob:
         return "KVCACHED_" + self.name.upper()
 
 
-def integer(minimum: int, maximum: int | None = None, *, what: str = "an integer") -> Parser:
-    """Whole numbers in ``[minimum, maximum]`` (None: no maximum); strings like ``"12"`` too."""
+def integer(minimum: int | None = None, maximum: int | None = None, *, what: str = "an integer") -> Parser:
+    """Whole numbers in ``[minimum, maximum]`` (None: unbounded on that side); strings like ``"12"`` too."""
 
     def parse(value: Any) -> int:
         number: int | None = None
@@ -59,13 +59,20 @@ def integer(minimum: int, maximum: int | None = None, *, what: str = "an integer
             number = value
         elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
             number = int(value.strip())
-        if number is None or number < minimum or (maximum is not None and number > maximum):
-            bounds = f" >= {minimum}" if maximum is None else f" from {minimum} to {maximum}"
-            raise ValueError(f"must be {what}{bounds}, got {value!r}")
+        if number is None or (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+            raise ValueError(f"must be {what}{_bounds(minimum, maximum)}, got {value!r}")
         return number
 
     TOML_TYPES[parse] = "integer"
     return parse
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" from {minimum} to {maximum}"
+    if minimum is not None:
+        return f" >= {minimum}"
+    return "" if maximum is None else f" <= {maximum}"
 
 
 def seconds(minimum: float, maximum: float) -> Parser:

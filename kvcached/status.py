@@ -53,8 +53,18 @@ def read_status(instance: str, *, any_owner: bool = False) -> dict[str, Any]:
     """Snapshot of ``instance``; ``running`` False (and no ranks) when there is no published block. With ``any_owner``
     (root's ``kvcached status``) an untrusted user's instance is read, its owner named, not refused (a view, never a
     use: only its block is mapped), unless no daemon published or is starting it (``NotTrusted``)."""
-    status: dict[str, Any] = {"instance": instance, "running": False, "alive": False, "generation": None, "pid": None}
-    status |= {"owner_uid": None, "adopted_from": None, "note": "", "spec": None, "ranks": []}
+    status: dict[str, Any] = {
+        "instance": instance,
+        "running": False,
+        "alive": False,
+        "generation": None,
+        "pid": None,
+        "owner_uid": None,
+        "adopted_from": None,
+        "note": "",
+        "spec": None,
+        "ranks": [],
+    }
     control = shm_path(control_name(instance))
     owner = _owner(control, []) if any_owner else -1
     view = open_instance(instance, owner=owner if owner >= 0 else None)
@@ -201,8 +211,21 @@ def _rate(rank: dict[str, Any], before: dict[str, Any] | None, key: str, seconds
 
 
 #: The table's columns; with rates, the rate columns come before the last two.
-_COLUMNS: tuple[str, ...] = ("rank", "state", "waiting", "pid", "heartbeat", "device", "cpu pool", "swap out")
-_COLUMNS += ("swap in", "store", "refused", "since", "error")
+_COLUMNS = (
+    "rank",
+    "state",
+    "waiting",
+    "pid",
+    "heartbeat",
+    "device",
+    "cpu pool",
+    "swap out",
+    "swap in",
+    "store",
+    "refused",
+    "since",
+    "error",
+)
 _RATES = ("out/s", "in/s", "store/s", "load/s")
 _RATE_KEYS = ("swap_out_bytes", "swap_in_bytes", "store_bytes", "load_bytes")
 
@@ -334,9 +357,19 @@ def _listed(instance: str, entries: list[Path], control: Path, owner: int) -> di
             st = path.lstat()
             held += st.st_blocks * 512 if st.st_uid == owner else 0  # another user's object is not its memory
     pid = flock_holder(instance_lock_path(instance))
-    item: dict[str, Any] = {"instance": instance, "owner_uid": owner, "owner": user_name(owner)}
-    item |= {"state": "STARTING" if pid is not None else "LEFTOVERS", "states": {}, "ranks": None, "memory_bytes": held}
-    item |= {"daemon_running": pid is not None, "pid": pid, "generation": None, "note": ""}
+    item: dict[str, Any] = {
+        "instance": instance,
+        "owner_uid": owner,
+        "owner": user_name(owner),
+        "state": "STARTING" if pid is not None else "LEFTOVERS",
+        "states": {},
+        "ranks": None,
+        "memory_bytes": held,
+        "daemon_running": pid is not None,
+        "pid": pid,
+        "generation": None,
+        "note": "",
+    }
     try:
         view = open_instance(instance, owner=owner) if control.exists() or control.is_symlink() else None
         if view is None:
