@@ -1,10 +1,7 @@
-"""Device-tier backends, found by name through one registry (``kvcached.plugins.Registry``).
-
-Built in: ``host`` (POSIX shared memory, the embedded default) and ``xpu`` (Kunlun XPU memory, exported
-under FastDeploy's names). A backend module registers its ``DeviceBackend`` when imported; built-in
-modules are imported on first use (a runner pays only for the backend it attaches), others through
-``KVCACHED_PLUGINS``.
-"""
+"""Device-tier backends, found by name through one registry (``kvcached.plugins.Registry``). Built in: ``host`` (POSIX
+shared memory, the embedded default) and ``xpu`` (Kunlun XPU memory, exported under FastDeploy's names). A backend
+module registers its ``DeviceBackend`` on import; built-in ones are imported on first use (a runner pays only for the
+backend it attaches), others through ``KVCACHED_PLUGINS``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Attention-store backends, found by name through one registry (``kvcached.plugins.Registry``).
-
-Built in: ``file`` (one file per object under a directory, the embedded default) and ``mooncake``
-(Mooncake Store). A backend module registers its ``StoreBackend`` when imported; built-in modules are
-imported on first use, others through ``KVCACHED_PLUGINS``.
-"""
+"""Attention-store backends, found by name through one registry (``kvcached.plugins.Registry``). Built in: ``file`` (one
+file per object under a directory, the embedded default) and ``mooncake`` (Mooncake Store). A backend module registers
+its ``StoreBackend`` on import; built-in ones are imported on first use, others through ``KVCACHED_PLUGINS``."""
 
 from __future__ import annotations
 

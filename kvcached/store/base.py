@@ -1,8 +1,7 @@
 """The attention store's contract, the object format every backend stores, and the backend seam.
 
-A backend is one module under ``kvcached/store/`` holding a ``StoreBackend`` (its options, how to open a
-rank's ``Store``, its doctor checks), registered by name (``kvcached.store.register``). Nothing outside
-its module names it.
+A backend is one module under ``kvcached/store/`` holding a ``StoreBackend`` (its options, how to open a rank's
+``Store``, its doctor checks), registered by name (``kvcached.store.register``); nothing outside its module names it.
 
 One object per (block key, rank): a 128-byte header, then the block record (every layer's key, value and
 scales of that block, as in the CPU pool; ``spec.block_bytes`` long)::
@@ -11,17 +10,14 @@ scales of that block, as in the CPU pool; ``spec.block_bytes`` long)::
     24 geometry digest 16B | 40 block key 32B | 72 rank u32 | 76 flags u32 | 80 xxh3-64 of payload u64
     88 tag 16B (``FLAG_TAGGED`` only) | 104 key id 8B (``FLAG_TAGGED`` only) | .. 128 zero
 
-With a secret (``ObjectIdentity.secret``, the Mooncake backend's ``--mooncake-secret-file``) every header
-carries a keyed BLAKE2b tag of its first 88 bytes (so of the key, rank, geometry and payload checksum),
-and the id of the key that made it (a hash of the key: it tells keys apart, it reveals nothing of one).
-A header without a tag this reader's key makes is refused: a writer without the secret cannot make an
-object a reader serves. Without one, headers carry no tag and tags are not checked.
-
-An object is served only if every header field matches what this rank expects and the checksum holds;
-anything else (truncated, foreign, corrupted, written for another geometry or rank) is a miss, and the
-backend removes it when it can, but for one tagged under another key (``OTHER_KEY``: another secret, a
-host of the same cluster that has not taken a new one yet): a miss, left for the readers that hold it. A
-load reports only a verified prefix (``Store.load_prefix``).
+With a secret (``ObjectIdentity.secret``, the Mooncake backend's ``--mooncake-secret-file``) every header carries a
+keyed BLAKE2b tag of its first 88 bytes (so of the key, rank, geometry and payload checksum), and the id of its key (a
+hash that tells keys apart and reveals nothing of one). A header without a tag this reader's key makes is refused: a
+writer without the secret cannot make an object a reader serves. Without a secret, no tag is written or checked.
+An object is served only if every header field matches what this rank expects and the checksum holds; anything else
+(truncated, foreign, corrupted, written for another geometry or rank) is a miss, removed by the backend when it can be,
+but for one tagged under another key (``OTHER_KEY``: another secret, a host of the same cluster that has not taken a new
+one yet): a miss left for the readers that hold it. A load reports only a verified prefix (``Store.load_prefix``).
 """
 
 from __future__ import annotations
@@ -140,12 +136,11 @@ class StoreCounters:
     errors: int = 0
     #: Times the store's index forgot this rank's objects (a Mooncake master restarted without restoring).
     master_resets: int = 0
-    #: 1 while the backend does not answer, as the last call or idle check found it (a Mooncake master or
-    #: metadata server that refuses connections, a keeper that cannot be reached); else 0.
+    #: 1 while the backend does not answer, as the last call or idle check found it (a Mooncake master or metadata
+    #: server refusing connections, a keeper out of reach); else 0.
     unavailable: int = 0
-    #: Putting back what the store's index forgot (a Mooncake master's restart or failover: the keeper's
-    #: ``Republisher``), this rank's share: objects and bytes to go, done, skipped (the index had them
-    #: again), failed, and the bytes a second since the loss.
+    #: This rank's share of putting back what the index forgot (a Mooncake master restarted or failed over: the keeper's
+    #: ``Republisher``): objects and bytes to go, done, skipped (the index had them again), failed; bytes/s since then.
     republish_pending: int = 0
     republish_pending_bytes: int = 0
     republish_done: int = 0
@@ -160,32 +155,30 @@ REPUBLISH_COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters) if 
 
 
 class Store(abc.ABC):
-    """One rank's view of a storage backend. Methods may raise ``StoreUnavailable`` (the backend cannot be
-    reached) and ``OSError``; a failed call leaves every object either absent or whole.
-
-    A backend calls ``on_progress()`` after each object (or batch) it moves: the worker gives a call that
-    keeps moving all the time it needs, and fails one that stops moving (``kvcached.daemon.store_agent``)."""
+    """One rank's view of a storage backend. Methods may raise ``StoreUnavailable`` (the backend cannot be reached) and
+    ``OSError``; a failed call leaves every object either absent or whole. A backend calls ``on_progress()`` after each
+    object (or batch) it moves: the worker gives a call that keeps moving all the time it needs, and fails one that
+    stops (``kvcached.daemon.store_agent``)."""
 
     counters: StoreCounters
     on_progress: Callable[[], None] = staticmethod(lambda: None)
 
     @abc.abstractmethod
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
-        """Store block records (each the concatenation of its ``pieces``) under ``keys``; how many were newly
-        written. A key already stored is left as it is: a key names its content."""
+        """Store block records (each the concatenation of its ``pieces``) under ``keys``; how many were newly written. A
+        key already stored is left as it is: a key names its content."""
 
     @abc.abstractmethod
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
-        """Land the payload of each leading present key in its target (record ``i`` in ``targets``' block
-        ``i``), verifying it in the same pass; how many leading keys were landed and verified. Stops at the
-        first key that is missing or fails its checks (a failed object is removed when it can be). A
-        backend may land several objects at once, from several threads; the count it returns is a prefix
-        of keys that all verified. Bytes may have been written into the targets at and past that count
-        (not reported: the caller uses only the first ``count`` blocks); nothing outside them is written."""
+        """Land the payload of each leading present key in its target (record ``i`` in ``targets``' block ``i``),
+        verified in the same pass; how many leading keys landed and verified. Stops at the first key missing or failing
+        its checks (a failed object is removed when it can be). A backend may land several objects at once, from several
+        threads; the count is a prefix of keys that all verified. Bytes may have been written into targets at and past
+        it (the caller uses only the first ``count`` blocks); nothing outside them is written."""
 
     def expect(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - a hint: backends may ignore it
-        """The next ``load_prefix`` will likely ask for ``keys`` (its client has sent that load already): a
-        backend may start finding them while the current load lands. Changes no object and no result."""
+        """The next ``load_prefix`` will likely ask for ``keys`` (its client has sent that load already): a backend may
+        start finding them while the current load lands. Changes no object and no result."""
 
     @abc.abstractmethod
     def present(self, keys: Sequence[bytes]) -> int:
@@ -205,19 +198,17 @@ class StoreBackend(abc.ABC):
     """A storage backend: its options, how to open one rank's ``Store``, and its host checks."""
 
     name: ClassVar[str]
-    #: Whether its stores may be handed the device tier's memory itself (host tiers only): ``put_many``
-    #: reads block records straight from the device blocks and ``load_prefix`` lands them there, with no
-    #: staging copy between the worker and its store agent. A call that times out then has its agent
-    #: killed before the task fails (so nothing it does later touches a block the task gave up), which
-    #: must cost nothing but that call: true of a store whose objects outlive its agent (files, a Mooncake
-    #: segment held by the host's keeper), not of one that keeps them in the agent's own memory.
+    #: Whether its stores may be handed the device tier's memory itself (host tiers only): ``put_many`` reads records
+    #: straight from the device blocks and ``load_prefix`` lands them there, no staging copy between worker and store
+    #: agent. A call that times out then has its agent killed before the task fails (so nothing it does later touches a
+    #: block the task gave up), which must cost nothing but that call: true of a store whose objects outlive its agent
+    #: (files, a Mooncake segment held by the host's keeper), not of one keeping them in the agent's memory.
     direct: ClassVar[bool] = False
     #: This backend's configuration knobs (flags, environment, TOML keys).
     options: ClassVar[tuple[Knob, ...]] = ()
 
     def configure(self, values: Mapping[str, Any], *, spec: CacheSpec, instance: str, ranks: int) -> dict[str, Any]:
-        """Check and complete this backend's options (``values``: each option's parsed value, or its
-        default). Raises ``InvalidSpec`` naming the option."""
+        """Check and complete the options (``values``: each parsed, or its default); ``InvalidSpec`` names a bad one."""
         return {knob.name: values.get(knob.name, knob.default) for knob in self.options}
 
     @abc.abstractmethod
@@ -231,8 +222,8 @@ class StoreBackend(abc.ABC):
         return []
 
     def release(self, options: Mapping[str, Any], *, instance: str) -> None:  # noqa: B027 - optional hook
-        """The daemon stops for good (``kvcached stop`` without ``--keep``): let go of whatever this backend
-        keeps across daemon runs of ``instance`` (by default nothing: the file store's files stay)."""
+        """The daemon stops for good (``kvcached stop`` without ``--keep``): let go of whatever this backend keeps
+        across daemon runs of ``instance`` (by default nothing: the file store's files stay)."""
 
     def start_warnings(self, options: Mapping[str, Any], ranks: int) -> list[str]:
         """What the daemon should warn about as it starts (quick, local: no network); none by default."""

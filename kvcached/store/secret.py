@@ -1,6 +1,5 @@
-"""The secret a store's writers and readers share (``--mooncake-secret-file``): read from a file that only
-the daemon's user may read, so that nobody else can tag an object the store serves
-(``kvcached.store.base.ObjectIdentity.secret``)."""
+"""The secret a store's writers and readers share (``--mooncake-secret-file``), read from a file only the daemon's user
+may read, so that nobody else can tag an object the store serves (``kvcached.store.base.ObjectIdentity.secret``)."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ MIN_SECRET_BYTES = 16
 
 
 def read_secret(field: str, path: str | Path) -> bytes:
-    """The tag key made of the secret in ``path``. Raises ``InvalidSpec`` naming ``field`` when the file is
-    missing, not a regular file, not the daemon's user's own, readable or writable by anyone else, or
-    holds fewer than ``MIN_SECRET_BYTES`` bytes."""
+    """The tag key made of the secret in ``path``. Raises ``InvalidSpec`` naming ``field`` when the file is missing, not
+    a regular file, not the daemon's user's, readable or writable by anyone else, or under ``MIN_SECRET_BYTES`` long."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO: no wait)
     except OSError as exc:
@@ -47,8 +45,7 @@ def read_secret(field: str, path: str | Path) -> bytes:
 
 
 def secret_file(field: str, value: object) -> tuple[str, bytes] | None:
-    """The configured secret file as an absolute path, and the key read from it (``read_secret``); None when
-    not set."""
+    """The configured secret file as an absolute path and the key read from it (``read_secret``); None if unset."""
     if not value:
         return None
     path = Path(str(value)).expanduser().absolute()
