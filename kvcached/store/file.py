@@ -1,28 +1,24 @@
-"""The ``file`` backend: one file per (block key, rank) under a directory, with LRU eviction.
-
-::
+"""The ``file`` backend: one file per (block key, rank) under a directory, with LRU eviction::
 
     <path>/r<rank>/.lock                       flock: one daemon per rank directory, held for its whole life
     <path>/r<rank>/<k[0:2]>/<key hex>.kvb      an object (header + block record)
     <path>/r<rank>/<k[0:2]>/.tmp-...           a write in progress (removed at start-up if left)
 
-Writes are atomic: each object is written to a temporary file, fsynced and renamed over its final name, so a
-crash leaves either no object or a whole one (how stores and loads do their I/O: ``kvcached.store.fileio``).
-The index (key -> size, least recently used first) lives in memory and is rebuilt at start-up from a directory
-scan ordered by mtime, reading each object's header (not its payload: the checksum is checked on every load);
-a hit refreshes the file's mtime so the order survives restarts. Capacity is per rank (the instance's
-capacity divided by its ranks); storing past it evicts the least recently used objects, never one written by
-the same task.
+Writes are atomic: each object is written to a temporary file, fsynced and renamed over its final name, so a crash
+leaves either no object or a whole one (how stores and loads do their I/O: ``kvcached.store.fileio``). The index (key ->
+size, least recently used first) lives in memory and is rebuilt at start-up from a directory scan ordered by mtime,
+reading each object's header (not its payload: the checksum is checked on every load); a hit refreshes the file's mtime
+so the order survives restarts. Capacity is per rank (the instance's capacity divided by its ranks); storing past it
+evicts the least recently used objects, never one written by the same task.
 
 The disk is not trusted either:
 
 * a full disk (ENOSPC) evicts as a full capacity does, and the write is tried again;
-* anything at an object's name that is not a readable regular file of the right size (a directory, a
-  FIFO, a file made unreadable, one deleted by hand) is a miss, is removed where it can be, and leaves the
-  index; a key whose file went missing is written again by the next store of it;
-* the rank directory removed while the daemon runs is noticed (``check``, called from the worker's loop,
-  and every call), reported, and made again, and the lock taken again at once, so a second daemon cannot
-  start on the same path meanwhile.
+* anything at an object's name that is not a readable regular file of the right size (a directory, a FIFO, a file made
+  unreadable, one deleted by hand) is a miss, is removed where it can be, and leaves the index; a key whose file went
+  missing is written again by its next store;
+* the rank directory removed while the daemon runs is noticed (``check``, from the worker's loop and every call),
+  reported and made again, its lock retaken at once so that no second daemon can start on the same path meanwhile.
 """
 
 from __future__ import annotations
@@ -80,9 +76,8 @@ class FileStore(Store):
     # -- the directory --------------------------------------------------------------------------------
 
     def _take_directory(self) -> None:
-        """Make the rank directory if needed and hold its lock; ``StoreBusy`` if another holds it (after
-        ``LOCK_WAIT_S``), and ``InvalidSpec`` (changing nothing) if another user could plant objects in it
-        (``unsafe_directory``)."""
+        """Make the rank directory if needed and take its lock: ``StoreBusy`` if another holds it past ``LOCK_WAIT_S``,
+        ``InvalidSpec`` (changing nothing) if another user could plant objects in it (``unsafe_directory``)."""
         for path in (self.dir.parent, self.dir):
             path.mkdir(exist_ok=True, mode=0o700, parents=True)
             if (why := unsafe_directory(path)) is not None:
@@ -104,9 +99,9 @@ class FileStore(Store):
         self._dir_ino = os.stat(self.dir).st_ino
 
     def check(self) -> None:
-        """Notice the rank directory gone or replaced; make it again, take its lock again, start empty. One
-        put in its place that this daemon may not use (``unsafe_directory``) is refused: ``StoreUnavailable``
-        naming it and the fix, said once in the log, every call failing until it is fixed."""
+        """Notice the rank directory gone or replaced: make it again, retake its lock, start empty. A replacement this
+        daemon may not use (``unsafe_directory``) is refused: ``StoreUnavailable`` naming it and the fix, logged once;
+        every call fails until it is fixed."""
         try:
             same = os.stat(self.dir).st_ino == self._dir_ino and os.path.exists(self.dir / ".lock")
         except FileNotFoundError:
@@ -191,8 +186,7 @@ class FileStore(Store):
             pass
 
     def _evict_one(self) -> bool:
-        """Evict the least recently used object that is not protected (a full disk, or past the capacity);
-        False if none."""
+        """Evict the least recently used unprotected object (a full disk, or past the capacity); False if none."""
         victim = next((k for k in self.index if k not in self._protected), None)
         if victim is None:
             return False
@@ -207,9 +201,8 @@ class FileStore(Store):
     # -- objects --------------------------------------------------------------------------------------
 
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
-        """Write each new object to a temporary file; a committer thread makes them durable (fsync) and
-        renames them in groups meanwhile (``kvcached.store.fileio``). Objects committed before a failure
-        stay stored; the others are removed."""
+        """Write each new object to a temporary file while a committer thread fsyncs and renames them in groups
+        (``kvcached.store.fileio``). Objects committed before a failure stay stored; the others are removed."""
         self.check()
         writer = Writer(self.on_progress)
         queued: list[bytes] = []
@@ -239,8 +232,8 @@ class FileStore(Store):
         return len(committed)
 
     def _on_disk(self, key: bytes) -> bool:
-        """Whether ``key`` is indexed and its file there (one deleted behind our back leaves the index: the next
-        store writes it again)."""
+        """Whether ``key`` is indexed and its file there (one deleted behind our back leaves the index: the next store
+        writes it again)."""
         if key in self.index and os.path.isfile(self._path(key)):
             return True
         self._forget(key)
@@ -266,9 +259,8 @@ class FileStore(Store):
                     raise type(exc)(exc.errno, f"{exc.strerror}; {full_disk(self.dir.parent)}") from None
 
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
-        """Read the leading indexed keys' objects, several at once, each straight into its target and
-        verified as it is read (``kvcached.store.fileio.Reader``); the first that fails is a miss and is
-        removed."""
+        """Read the leading indexed keys' objects, several at once, each straight into its target and verified as it is
+        read (``kvcached.store.fileio.Reader``); the first that fails is a miss and is removed."""
         self.check()
         indexed = next((i for i, key in enumerate(keys) if key not in self.index), len(keys))
         paths = [self._path(key) for key in keys[:indexed]]
@@ -287,8 +279,8 @@ class FileStore(Store):
         return outcome.landed
 
     def present(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are indexed and still on disk (one stat each: a file deleted by hand is not
-        present, and leaves the index)."""
+        """How many leading keys are indexed and still on disk (one stat each: a file deleted by hand is not present,
+        and leaves the index)."""
         self.check()
         return next((i for i, key in enumerate(keys) if not self._on_disk(key)), len(keys))
 
