@@ -1,5 +1,5 @@
-"""The file store's directories: where they are by default, whose they may be (every load serves what they
-hold), and whose files fill their disk when it is full."""
+"""The file store's directories: where they are by default, whose they may be (every load serves what they hold), and
+whose files fill their disk when it is full."""
 
 from __future__ import annotations
 
@@ -23,11 +23,10 @@ def default_storage_path(instance: str) -> Path:
 
 
 def unsafe_directory(path: Path) -> str | None:
-    """Why ``path`` (a store or rank directory) may not hold this daemon's objects, or None. Every load
-    serves what the directory holds, so nobody but the daemon's user may write it: it must be this user's
-    own and closed to group and others (the store never shares it: runners read blocks from the cache,
-    not from the store), and each directory above it must be root's or this user's, writable by others
-    only with the sticky bit (else another user could move it away and put their own in its place)."""
+    """Why ``path`` (a store or rank directory) may not hold this daemon's objects, or None. Loads serve what it holds,
+    so only the daemon's user may write it: it must be that user's and closed to group and others (the store never
+    shares it: runners read blocks from the cache, not the store), and each directory above it root's or that user's,
+    writable by others only with the sticky bit (else another user could move it away and put theirs in its place)."""
     uid = os.geteuid()
     if (why := _unsafe_link(path, uid)) is not None:
         return why
@@ -55,9 +54,9 @@ def unsafe_directory(path: Path) -> str | None:
 
 
 def _unsafe_link(path: Path, uid: int) -> str | None:
-    """Why a symbolic link on the way to ``path`` (followed as the kernel does, link by link) could be turned
-    elsewhere by another user, or None: each link must be root's or this user's, in a directory another user
-    cannot change (root's or this user's, writable by others only with the sticky bit)."""
+    """Why a symbolic link on the way to ``path`` (followed as the kernel does, link by link) could be turned elsewhere
+    by another user, or None: each link must be root's or this user's, in a directory that is too (and writable by
+    others only with the sticky bit)."""
     parts, here, hops = list(Path(os.path.abspath(path)).parts), Path("/"), 0
     while parts:
         name = parts.pop(0)
@@ -99,8 +98,8 @@ def nearest_existing(path: Path) -> Path:
 
 
 def full_disk(root: Path) -> str:
-    """Why a full disk left a rank of the store at ``root`` nothing to evict, and what to do: whose files fill
-    it, the store's own (every rank's) or others'."""
+    """Why a full disk left a rank of the store at ``root`` nothing to evict, and what to do: whose files fill it, the
+    store's own (every rank's) or others'."""
     ours = 0
     for directory, _, files in os.walk(root):
         for name in files:

@@ -1,33 +1,29 @@
-"""The file store's object I/O: loads with several objects in flight, each read straight into its target
-block and verified in the same pass, and stores written in one pass and made durable in groups while the
-next objects are written.
+"""The file store's object I/O: loads with several objects in flight, each read straight into its target block and
+verified in the same pass, and stores written in one pass and made durable in groups while the next are written.
 
 Loads (``Reader``)::
 
-    thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache), in
-    one native call for up to PROGRESS_OBJECTS objects (``kvcached/_verify.c``, ``kv_read_objects``):
+    thread t (of up to READ_THREADS, each with a READ_CHUNK-byte buffer that stays in its core's cache), in one native
+    call for up to PROGRESS_OBJECTS objects (``kvcached/_verify.c``, ``kv_read_objects``):
       take the next index i -> open, fstat, read the header
-      -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from
-         there in target i's pieces, hashed on the way
-      -> an object not read whole, or whose header does not name its key and checksum, stops the taking
-         past i -> take again
-    the count reported: the leading indices that all verified (``kv_read_objects``'s checks are the whole
-    verdict on an untagged object); the first that did not is judged again in Python, to say why. Each object
-    read whole has its file's times set to now as it is read (the least recently used order a restart
-    rebuilds; one whose times cannot be set is served all the same), and put back as they were for any read
-    past the first that failed (not reported: not used). A load cut short (its agent killed at a timeout)
-    leaves the times of what it read set.
-
-A target at or past the first failure may hold bytes of this load: it is not reported, and the caller uses
-only the blocks reported (``kvcached.store.base``).
+      -> read the payload a READ_CHUNK-byte request at a time into the buffer, and land each request from there in
+         target i's pieces, hashed on the way
+      -> an object not read whole, or whose header does not name its key and checksum, stops the taking past i
+      -> take again
+    the count reported: the leading indices that all verified (``kv_read_objects``'s checks are the whole verdict on
+    an untagged object); the first that did not is judged again in Python, to say why. Each object read whole has its
+    file's times set to now as it is read (the least recently used order a restart rebuilds; one whose times cannot be
+    set is served all the same), and put back as they were for any read past the first that failed (not reported:
+    not used). A load cut short (its agent killed at a timeout) leaves the times of what it read set. Targets at or
+    past the first failure may hold bytes of this load (``kvcached.store.base.Store.load_prefix``).
 
 Stores (``Writer``)::
 
-    caller:    per object: a temporary file <- the payload in CHUNK-byte writes, each chunk hashed just
-               before it is written (from the caller's pieces: no gather), the header last; writeback
-               started (``sync_file_range``); queued
-    committer: takes everything queued -> fsync each -> rename each: the group's durability point
-               (a group is what was written while the last one was made durable)
+    caller:    per object: a temporary file <- the payload in CHUNK-byte writes, each chunk hashed just before it is
+               written (from the caller's pieces: no gather), the header last; writeback started
+               (``sync_file_range``); queued
+    committer: takes everything queued -> fsync each -> rename each: the group's durability point (a group is what
+               was written while the last one was made durable)
 
 A crash at any point leaves whole objects under their names and temporaries, which the next start removes.
 """
@@ -63,9 +59,8 @@ CHUNK = 1 << 20
 READ_CHUNK = 128 << 10
 #: Objects read at once by one load (several requests in flight to the disk; both cores on a warm load).
 READ_THREADS = 4
-#: Objects a reader thread reads in one native call (their progress told after it), and the time after which
-#: it returns sooner (a slow disk's loads tell their progress object by object: the store's timeout is one
-#: without progress).
+#: Objects a reader thread reads in one native call (their progress told after it), and the time after which it returns
+#: sooner (a slow disk's loads tell their progress object by object: the store's timeout is one without progress).
 PROGRESS_OBJECTS = 4
 PROGRESS_S = 0.02
 #: Why a read found no object at all (a miss, not a corrupt object).
@@ -85,9 +80,8 @@ Read = tuple[int, int, bytes | bytearray, int | None]
 
 
 def verdict(identity: ObjectIdentity, key: bytes, read: Read) -> str | None:
-    """What reading ``key``'s object gave (``Read``), judged: None if it is whole, else why not (``MISSING``
-    when there is no file). The header is checked after the payload has landed (a target past the verified
-    prefix may hold anything)."""
+    """What reading ``key``'s object gave (``Read``), judged: None if whole, else why not (``MISSING``: no file). The
+    header is checked after the payload has landed (a target past the verified prefix may hold anything)."""
     size = HEADER_SIZE + identity.payload
     got, found, head, digest = read
     if got == -errno.ENOENT:
@@ -110,8 +104,8 @@ def read_object(
     path: str | Path, size: int, targets: Targets, i: int, bounce: memoryview
 ) -> tuple[Read, tuple[int, int] | None]:
     """Read the ``size``-byte object at ``path``, its payload into target ``i`` (through ``bounce``), in Python
-    (``kv_read_objects``'s way without the native routines): what reading it gave, and, if it was read whole,
-    the access and modification times (ns) it had before they were set to now (None: left as they were)."""
+    (``kv_read_objects``'s way without the native routines): what reading it gave and, if it was read whole, the access
+    and modification times (ns) it had before they were set to now (None: left as they were)."""
     try:
         fd = os.open(path, READ_FLAGS)
     except OSError as exc:
@@ -141,8 +135,7 @@ def read_object(
 
 @dataclasses.dataclass(slots=True)
 class Outcome:
-    """What a load did: ``landed`` leading objects verified; ``why`` the next one did not (None: every one
-    asked for landed)."""
+    """What a load did: ``landed`` leading objects verified; ``why`` the next one did not (None: every one landed)."""
 
     landed: int
     why: str | None = None
@@ -182,9 +175,8 @@ class _ReadsInPython:
 
 
 class Reader:
-    """Loads objects with up to ``READ_THREADS`` in flight, each straight into its target (see the module).
-    Its objects carry no tag (``identity`` has no secret: the file store's), so that the native checks of
-    every field are the whole verdict."""
+    """Loads objects with up to ``READ_THREADS`` in flight, each straight into its target (see the module). Its objects
+    carry no tag (``identity`` has no secret, as the file store's), so the native checks are the whole verdict."""
 
     def __init__(self, identity: ObjectIdentity) -> None:
         assert identity.secret is None, "a tagged object's verdict is more than kv_read_objects checks"
@@ -206,8 +198,8 @@ class Reader:
             raise error
 
     def _serve(self, n: int) -> None:
-        """Reader thread ``n``: map its request buffer (page-aligned, mapped at once), then run each job it is
-        given until None, saying on ``_done`` when each is over (and what it raised)."""
+        """Reader thread ``n``: map its request buffer (page-aligned, mapped at once), then run each job it is given
+        until None, saying on ``_done`` when each is over (and what it raised)."""
         try:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             bounce = memoryview(mmap.mmap(-1, READ_CHUNK, flags=flags))
@@ -299,8 +291,8 @@ def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def write_temporary(identity: ObjectIdentity, tmp: Path, key: bytes, pieces: Sequence[memoryview]) -> int:
-    """Write ``key``'s object (the record is the concatenation of ``pieces``) to the new file ``tmp`` and
-    start its writeback; its open descriptor. The checksum is taken chunk by chunk just before each write."""
+    """Write ``key``'s object (the record is the concatenation of ``pieces``) to the new file ``tmp`` and start its
+    writeback; its open descriptor. The checksum is taken chunk by chunk just before each write."""
     if sum(len(piece) for piece in pieces) != identity.payload:
         raise ValueError(f"a block record has {identity.payload} bytes, not {sum(len(p) for p in pieces)}")
     try:
@@ -343,9 +335,9 @@ class Pending:
 
 
 class Writer:
-    """One store call's objects: written by the caller (``add`` each), made durable and renamed in groups
-    by a committer thread; ``finish`` waits for the last group. A failed group ends the call: its
-    temporaries and those queued after it are removed, and ``add`` raises what failed."""
+    """One store call's objects: written by the caller (``add`` each), made durable and renamed in groups by a committer
+    thread; ``finish`` waits for the last group. A failed group ends the call: its temporaries and those queued after it
+    are removed, and ``add`` raises what failed."""
 
     def __init__(self, on_progress: Callable[[], None]) -> None:
         self.on_progress = on_progress

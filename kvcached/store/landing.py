@@ -1,19 +1,18 @@
 """Where a load puts block records, and the one pass that lands each record and takes its checksum.
 
-A load is handed ``Targets``: record ``i`` goes to block ``ids[i]`` of a side (``kvcached.native.Side``:
-the device tier's pieces, or rows of a staging buffer), piece by piece in record order. A backend lands
-an object's payload there and takes its XXH3-64 in the same pass, never in a pass of its own:
+A load is handed ``Targets``: record ``i`` goes to block ``ids[i]`` of a side (``kvcached.native.Side``: the device
+tier's pieces, or rows of a staging buffer), piece by piece in record order. A backend lands an object's payload there
+and takes its XXH3-64 in the same pass, never in a pass of its own:
 
-* ``land`` copies payloads that are in memory (a Mooncake segment, a fetched batch) into their targets'
-  pieces, hashing each stripe from the registers it was stored from (``kvcached/_verify.c``), so the
-  checksum is that of the bytes written even if the source changes meanwhile;
-* ``read_into`` reads a payload from a file a request at a time into a small reused buffer (which stays in
-  the CPU's cache) and lands each request from there in the target's pieces, hashed on the way;
+* ``land`` copies payloads that are in memory (a Mooncake segment, a fetched batch) into their targets' pieces, hashing
+  each stripe from the registers it was stored from (``kvcached/_verify.c``), so the checksum is that of the bytes
+  written even if the source changes meanwhile;
+* ``read_into`` reads a payload from a file a request at a time into a small reused buffer (which stays in the CPU's
+  cache) and lands each request from there in the target's pieces, hashed on the way;
 * ``gather`` is the other way, for a store: a block's pieces into one buffer, checksum on the way.
 
-Without the native routines (not built, ``KVCACHED_NATIVE_COPY=0``, or a payload of 240 bytes or less)
-the same is done piece by piece with numpy and ``xxhash``: each piece is hashed right after it is moved.
-What lands in a target whose checksum then fails stays there (``kvcached.store.base.Store.load_prefix``).
+Without the native routines (not built, ``KVCACHED_NATIVE_COPY=0``, or a payload of 240 bytes or less) the same is done
+piece by piece with numpy and ``xxhash``, each piece hashed right after it is moved.
 """
 
 from __future__ import annotations
@@ -68,9 +67,8 @@ def _address(data: memoryview) -> int:
 def land(
     targets: Targets, indices: Sequence[int], payloads: Sequence[memoryview], addresses: Sequence[int] | None = None
 ) -> list[int]:
-    """Copy payload ``k`` (a whole record; at ``addresses[k]`` when the caller knows it) into target
-    ``indices[k]``, for every ``k``; the XXH3-64 of the bytes written into each (one native call for them
-    all)."""
+    """Copy payload ``k`` (a whole record; at ``addresses[k]`` when the caller knows it) into target ``indices[k]``, for
+    every ``k``; the XXH3-64 of the bytes written into each (one native call for them all)."""
     if payloads and native.hashes(len(payloads[0])):
         found = addresses if addresses is not None else [_address(payload) for payload in payloads]
         sources = np.array(found, dtype=np.uint64)
@@ -107,9 +105,8 @@ def gather(pieces: Sequence[memoryview], into: memoryview) -> int:
 
 
 def read_into(fd: int, offset: int, targets: Targets, i: int, bounce: memoryview) -> tuple[int, int | None]:
-    """Read a payload from ``fd`` at ``offset`` into target ``i``, ``len(bounce)`` bytes at a time through
-    ``bounce``: (bytes read, XXH3-64 of the payload when all of it was read). Raises ``OSError`` when a read
-    fails."""
+    """Read a payload from ``fd`` at ``offset`` into target ``i``, ``len(bounce)`` bytes at a time through ``bounce``:
+    (bytes read, XXH3-64 of the payload when all of it was read). Raises ``OSError`` when a read fails."""
     total = int(targets.widths.sum())
     if native.hashes(total):
         return native.read_land(
