@@ -1,18 +1,11 @@
 """The device-tier seam: what every device backend provides, to the daemon and to the runner.
 
-A backend is one module under ``kvcached/memory/`` holding one ``DeviceBackend`` and registered by name
-(``kvcached.memory.register``). Nothing outside its module names it. It has two halves:
-
-* the daemon's: ``create`` (allocate one rank's tier, zeroed), ``reopen`` (map a tier that already
-  exists, for a replaced worker or an adopting daemon, bytes untouched), ``release`` (remove what the
-  backend made beyond the instance's own shm names), ``doctor`` (host checks);
-* the runner's: ``attach`` (map the tier a rank record describes, zero-copy).
-
-Between them travels a ``descriptor``: a small JSON object the worker returns with the tier and the
-supervisor publishes in the rank's record (``kvcached.protocol.control``); ``attach`` reads nothing else.
-
-A tier presents its tensors to the copy engine (``kvcached.copy_engine``) as ``Piece`` objects: one per
-tensor, in the layout's record order, each a sequence of block rows.
+A backend is one module under ``kvcached/memory/`` holding one ``DeviceBackend``, registered by name
+(``kvcached.memory.register``); nothing outside its module names it. Its two halves, the daemon's (``create``,
+``reopen``, ``release``, ``doctor``) and the runner's (``attach``, zero-copy), share nothing but a ``descriptor``: a
+small JSON object the worker returns with the tier and the supervisor publishes in the rank's record
+(``kvcached.protocol.control``). A tier presents its tensors to the copy engine (``kvcached.copy_engine``) as ``Piece``
+objects, one per tensor in the layout's record order, each a sequence of block rows.
 """
 
 from __future__ import annotations
@@ -40,8 +33,8 @@ Progress = Callable[[int], None]
 
 
 class Piece(Protocol):
-    """One device tensor as rows of bytes, one row per block; ``column`` is where its bytes sit in a block
-    record (CPU pool row, store object), ``nbytes`` how many there are per block."""
+    """One device tensor as rows of bytes, one row per block; ``column`` is where its bytes sit in a block record (CPU
+    pool row, store object), ``nbytes`` how many there are per block."""
 
     @property
     def column(self) -> int: ...
@@ -56,19 +49,19 @@ class Piece(Protocol):
         """Overwrite blocks from ``start`` with the uint8 ``[count, nbytes]`` array ``rows``."""
 
     def host(self) -> Array | None:
-        """Every block as a uint8 ``[blocks, nbytes]`` view when the tensor lives in host memory (the copy
-        engine then copies natively, without ``read``/``write``), else None."""
+        """Every block as a uint8 ``[blocks, nbytes]`` view when the tensor lives in host memory (the copy engine then
+        copies natively, without ``read``/``write``), else None."""
 
 
-#: A device tier's whole-task copy with the CPU pool: ``(direction, device_ids, cpu_ids)``, direction
-#: "out" (device to pool) or "in"; ids checked.
+#: A device tier's whole-task copy with the CPU pool: ``(direction, device_ids, cpu_ids)``, direction "out" (device to
+#: pool) or "in"; ids checked.
 TierSwap = Callable[[str, Array, Array], None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierRequest:
-    """Which rank's tier to make or reopen: the instance, the memory's identity (``arena_id``: the
-    generation that first allocated it), the rank, its device, its spec, and the objects' mode and group."""
+    """Which rank's tier to make or reopen: the instance, the memory's identity (``arena_id``: the generation that first
+    allocated it), the rank, its device, its spec, and the objects' mode and group."""
 
     instance: str
     arena_id: int
@@ -105,15 +98,14 @@ class DeviceTier(abc.ABC):
         return None
 
     def warm(self) -> threading.Thread | None:
-        """Make a reopened tier's first copies fast: map its pages on a background thread, returned (the
-        worker waits for it while the last image's worker still serves the rank); None: nothing to do,
-        the default."""
+        """Make a reopened tier's first copies fast: map its pages on a background thread, returned (the worker waits
+        for it while the last image's worker still serves the rank); None (the default): nothing to do."""
         return None
 
 
 class Attached(abc.ABC):
-    """One rank's device tier as a runner sees it: tensors by kind (``key``, ``value``, ``key_scale``,
-    ``value_scale``), each a list indexed by layer (empty for kinds the spec lacks)."""
+    """One rank's device tier as a runner sees it: tensors by kind (``key``, ``value``, ``key_scale``, ``value_scale``),
+    each a list indexed by layer (empty for kinds the spec lacks)."""
 
     tensors: dict[str, list[Any]]
     #: Bytes this process has mapped for it (0 when the tensors live on a device).
@@ -134,8 +126,7 @@ class DeviceBackend(abc.ABC):
     outlives_worker: ClassVar[bool] = False
     #: How the CPU pool is laid out for this backend (one of ``kvcached.protocol.layout.POOL_LAYOUTS``).
     pool_layout: ClassVar[str] = RECORDS
-    #: The tier copies to and from the CPU pool with its own op (``DeviceTier.pool_swap``), not with the
-    #: copy engine's native routine.
+    #: Copies to and from the CPU pool with the tier's own op (``DeviceTier.pool_swap``), not the copy engine's routine.
     swaps_itself: ClassVar[bool] = False
 
     def shm_bytes(self, spec: CacheSpec) -> int:
@@ -144,20 +135,19 @@ class DeviceBackend(abc.ABC):
 
     @abc.abstractmethod
     def create(self, request: TierRequest, progress: Progress) -> DeviceTier:
-        """Allocate one rank's tier, zero-filled, reporting reserved bytes through ``progress``.
-
-        Raises ``BackendUnavailable`` (this host cannot run it), ``ShmFull``, ``ResourceError``."""
+        """Allocate one rank's tier, zero-filled, reporting reserved bytes through ``progress``. Raises
+        ``BackendUnavailable`` (this host cannot run it), ``ShmFull``, ``ResourceError``."""
 
     def reopen(self, request: TierRequest, descriptor: Mapping[str, Any]) -> DeviceTier:
-        """Map the tier ``descriptor`` describes, bytes untouched. Raises ``ResourceError`` saying why when
-        it cannot (the default: this backend's tiers do not outlive their process)."""
+        """Map the tier ``descriptor`` describes (for a replaced worker or an adopting daemon), bytes untouched. Raises
+        ``ResourceError`` saying why when it cannot (the default: this backend's tiers do not outlive their process)."""
         from kvcached.protocol.errors import ResourceError
 
         raise ResourceError(f"the {self.name} backend's device memory does not outlive the worker that owned it")
 
     def why_not_adoptable(self, request: TierRequest, descriptor: Mapping[str, Any]) -> str | None:
-        """Why a new daemon cannot ``reopen`` the tier ``descriptor`` describes (None: it can). Looks, never
-        opens or changes. The default: a backend whose tiers do not outlive their process makes them anew."""
+        """Why a new daemon cannot ``reopen`` the tier ``descriptor`` describes (None: it can). Looks, never opens or
+        changes. The default: a backend whose tiers do not outlive their process makes them anew."""
         if not self.outlives_worker:
             return f"the {self.name} backend's device memory died with the daemon that held it"
         return None
@@ -170,17 +160,17 @@ class DeviceBackend(abc.ABC):
                     path.unlink()
 
     def leftovers(self, spec: CacheSpec, descriptor: Mapping[str, Any]) -> list[Path]:
-        """Files outside the instance's shm names that a tier of ``spec`` described by ``descriptor`` makes
-        (a killed run leaves them; the next start or ``doctor --clean`` removes those that are ours)."""
+        """Files outside the instance's shm names that a tier of ``spec`` described by ``descriptor`` makes (a killed
+        run leaves them; the next start or ``doctor --clean`` removes those that are ours)."""
         return []
 
     @abc.abstractmethod
     def attach(
         self, spec: CacheSpec, descriptor: Mapping[str, Any], local_rank: int, framework: str, *, owner: int
     ) -> Attached:
-        """Runner side: attach the tier ``descriptor`` describes as ``framework`` tensors ("numpy" or
-        "paddle"). ``owner`` is the daemon's uid: memory under another owner is refused (``NotTrusted``)
-        before it is mapped. Raises ``InvalidSpec`` (framework), ``ProtocolError`` / ``AccessDenied``."""
+        """Runner side: attach the tier ``descriptor`` describes as ``framework`` tensors ("numpy" or "paddle").
+        ``owner`` is the daemon's uid: memory under another owner is refused (``NotTrusted``) before it is mapped.
+        Raises ``InvalidSpec`` (framework), ``ProtocolError`` / ``AccessDenied``."""
 
     def doctor(self, spec: CacheSpec, ranks: int) -> list[Check]:
         """Host checks this backend needs (empty when it needs none)."""

@@ -1,10 +1,7 @@
 """The ``host`` device backend: a rank's device tier is one POSIX shm arena (``memory.shm``), laid out by
-``kvcached.protocol.layout``; runners map the same object and view its tensors zero-copy.
-
-The descriptor a runner attaches with: ``{"arena": "/kvcached.<instance>.<id>.r<rank>.dev", "bytes": n}``.
-The arena outlives the worker that created it (it is a named object), so a replaced worker or an
-adopting daemon ``reopen``s it with its bytes untouched.
-"""
+``kvcached.protocol.layout``; runners map the same object and view its tensors zero-copy, attaching with the descriptor
+``{"arena": "/kvcached.<instance>.<id>.r<rank>.dev", "bytes": n}``. The arena outlives the worker that created it (a
+named object): a replaced worker or an adopting daemon ``reopen``s it, bytes untouched."""
 
 from __future__ import annotations
 

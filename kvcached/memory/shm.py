@@ -1,21 +1,19 @@
 """Named POSIX shared-memory arenas, reserved up front: the host backend's device tier and every CPU pool.
 
-Every arena is created exclusively (O_EXCL) with its mode and group set before a byte is reserved, and
-reserved before it is used, so a /dev/shm that is too small is an error here, at start-up, and never a
-SIGBUS when a page is first touched later: with ``posix_fallocate``, or, where huge pages are asked for
-and /dev/shm gives them only on request (mounted ``huge=advise``), by ``MADV_HUGEPAGE`` and then
-``MADV_POPULATE_WRITE``, which returns an error instead of raising SIGBUS.
+Every arena is created exclusively (O_EXCL), its mode and group set before a byte is reserved, and is reserved before it
+is used, so a /dev/shm too small is an error here, at start-up, never a SIGBUS at a page's first touch later: with
+``posix_fallocate``, or, where huge pages are asked for and /dev/shm gives them only on request (mounted
+``huge=advise``), by ``MADV_HUGEPAGE`` then ``MADV_POPULATE_WRITE`` (which fails with an error, not a SIGBUS).
 
-Page tables are not filled here: a rank is READY as soon as its memory is reserved, and ``prefault`` maps
-every page on a background thread right after (a fresh shm mapping otherwise takes one page fault per
-page on first touch, which makes a first swap several times slower: ``scripts/bench_copy_choices.py``,
-docs/benchmarks.md). The file descriptor is closed as soon as the mapping exists.
+Page tables are not filled here: a rank is READY as soon as its memory is reserved, and ``prefault`` maps every page on
+a background thread right after (a fresh shm mapping otherwise takes one page fault per page on first touch, which makes
+a first swap several times slower: ``scripts/bench_copy_choices.py``, docs/benchmarks.md). The file descriptor is closed
+as soon as the mapping exists.
 
-Huge pages (``huge_pages``): /dev/shm is a tmpfs whose ``huge=`` mount option decides whether its pages
-are 2 MiB (``always``, ``within_size``), 2 MiB when a mapping asks (``advise``: the arenas ask) or 4 KiB
-(``never``, the default); ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` can force or deny it
-host-wide. Fewer, larger pages make the cold start and random-order swaps faster (fewer page faults and
-TLB misses). ``kvcached doctor`` says what the host gives.
+Huge pages (``huge_pages``): /dev/shm is a tmpfs whose ``huge=`` mount option decides whether its pages are 2 MiB
+(``always``, ``within_size``), 2 MiB when a mapping asks (``advise``: the arenas ask) or 4 KiB (``never``, the default);
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` can force or deny it host-wide. Fewer, larger pages make the cold
+start and random-order swaps faster (fewer page faults and TLB misses). ``kvcached doctor`` says what the host gives.
 """
 
 from __future__ import annotations
@@ -49,13 +47,9 @@ def create_arena(
     gid: int | None = None,
     huge: bool = False,
 ) -> mmap.mmap:
-    """Create, reserve and map shm object ``name`` of ``size`` bytes, with ``mode`` (and group ``gid`` if
-    given; both set before a byte is reserved); with ``huge``, ask for huge pages. On any error nothing
-    is left. The mapping's page tables are not filled (``prefault``).
-
-    Raises ``posix_ipc.ExistentialError`` if the name exists, ``ShmFull`` if /dev/shm is too small.
-    ``progress(done)`` is called after each reserved chunk.
-    """
+    """Create, reserve (``progress(done)`` after each chunk) and map shm object ``name`` of ``size`` bytes, with
+    ``mode`` and group ``gid`` if given (see the module); with ``huge``, ask for huge pages. On any error nothing is
+    left: raises ``posix_ipc.ExistentialError`` if the name exists, ``ShmFull`` if /dev/shm is too small."""
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
     try:
         os.fchmod(shm.fd, mode)
@@ -83,8 +77,8 @@ def create_arena(
 
 
 def _populated(fd: int, size: int, progress: Callable[[int], None] | None) -> mmap.mmap | None:
-    """Reserve by mapping huge pages (``MADV_HUGEPAGE``, then ``MADV_POPULATE_WRITE`` chunk by chunk); None
-    where the kernel lacks ``MADV_POPULATE_WRITE`` (Linux < 5.14: then ``posix_fallocate`` reserves)."""
+    """Reserve by mapping huge pages (``MADV_HUGEPAGE``, then ``MADV_POPULATE_WRITE`` chunk by chunk); None where the
+    kernel lacks ``MADV_POPULATE_WRITE`` (Linux < 5.14: then ``posix_fallocate`` reserves)."""
     os.ftruncate(fd, size)
     mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     try:
@@ -105,10 +99,9 @@ def _populated(fd: int, size: int, progress: Callable[[int], None] | None) -> mm
 
 
 def open_arena(name: str, size: int, *, populate: bool = True, owner: int | None = None) -> mmap.mmap:
-    """Map the existing shm object ``name`` (read-write), checking it holds at least ``size`` bytes (and,
-    with ``owner``, that it belongs to that uid and is not writable by others); its bytes are untouched.
-    Raises ``posix_ipc.ExistentialError`` (absent), ``posix_ipc.PermissionsError``, ``ProtocolError`` (too
-    small), ``NotTrusted``."""
+    """Map the existing shm object ``name`` (read-write), bytes untouched, checking it holds at least ``size`` bytes
+    (and, with ``owner``, is that uid's and not writable by others). Raises ``posix_ipc.ExistentialError`` (absent),
+    ``posix_ipc.PermissionsError``, ``ProtocolError`` (too small), ``NotTrusted``."""
     shm = posix_ipc.SharedMemory(name)
     try:
         st = os.fstat(shm.fd)
@@ -148,7 +141,6 @@ def why_not_ours(name: str, size: int) -> str | None:
 #: madvise advice that maps every page of a range writable without changing a byte (Linux 5.14).
 MADV_POPULATE_WRITE = 23
 MADV_HUGEPAGE = 14
-
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -197,9 +189,8 @@ def gives_huge_pages(mode: str) -> bool:
 
 
 def prefault(mapping: mmap.mmap) -> threading.Thread:
-    """Map every page of ``mapping`` on a background thread (``MADV_POPULATE_WRITE``; the GIL is released),
-    so that a reopened arena serves at once and its first copies take no page faults. Bytes are untouched.
-    Where the kernel lacks the advice, pages are mapped as they are first touched instead."""
+    """Map every page of ``mapping`` on a background thread (``MADV_POPULATE_WRITE``, GIL released), so a reopened arena
+    serves at once and its first copies take no page faults (a kernel without the advice maps them at first touch)."""
     return prefault_ranges([(_address(mapping), len(mapping))])
 
 
@@ -226,8 +217,8 @@ def shm_free_bytes() -> int:
 
 
 def pin(mapping: mmap.mmap) -> None:
-    """Lock ``mapping`` in RAM (``mlock``), as device DMA from host memory needs. Raises ``OSError`` (e.g.
-    EAGAIN/ENOMEM when RLIMIT_MEMLOCK is lower than the mapping) with nothing locked."""
+    """Lock ``mapping`` in RAM (``mlock``), as device DMA from host memory needs. Raises ``OSError`` (e.g. EAGAIN/ENOMEM
+    when RLIMIT_MEMLOCK is lower than the mapping) with nothing locked."""
     if _LIBC.mlock(_address(mapping), len(mapping)) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mlock of {len(mapping)} bytes failed: {os.strerror(code)}; raise the memlock limit")

@@ -1,31 +1,24 @@
-"""The ``xpu`` device backend: a rank's device tier in Kunlun XPU memory, exported under names a runner
-attaches by.
+"""The ``xpu`` device backend: a rank's device tier in Kunlun XPU memory, exported under names a runner attaches by.
 
-Per rank the worker allocates, on its XPU device, one paddle tensor per layer and kind (key, value,
-scales), zero-filled, and exports each under a name (``set_data_ipc``). The names are data this backend is
-given (``name_tensors``: one template per tensor kind, with ``{layer}``, ``{rank}`` and ``{device}``; the CLI
-gives FastDeploy's, so that FastDeploy's own processes find the tensors) and publishes in each rank's
-descriptor, so a runner attaches (``share_external_data``) by the names the daemon used. Swaps and store tasks
-move block rows between those tensors and the CPU pool.
+Per rank the worker allocates, on its XPU device, one zero-filled paddle tensor per layer and kind (key, value,
+scales) and exports each under a name (``set_data_ipc``). The names are data this backend is given (``name_tensors``;
+the CLI gives FastDeploy's, so that FastDeploy's own processes find the tensors) and publishes in each rank's
+descriptor, so a runner attaches (``share_external_data``) by the names the daemon used: ``{"device": d,
+"local_rank": r, "pid": p, "names": {kind: template}}`` (``pid`` is the worker that allocated the tensors, so a tier
+made anew never publishes the descriptor of the one before it).
 
-Swaps between the tensors and the CPU pool are one call of the XPU ops' ``swap_cache_all_layers`` per
-tensor kind (key, value, scales), straight between device memory and the pool. For that the pool is laid
-out in planes (``kvcached.protocol.layout``), one per tensor, each layer's CPU blocks at the device block's
-stride. What it costs: a block's record for the attention store is gathered from every plane (one copy per
-tensor instead of one per block), and the store path still goes through host arrays
-(``XpuPiece.read``/``write``).
+Swaps between the tensors and the CPU pool are one call of the XPU ops' ``swap_cache_all_layers`` per tensor kind
+(key, value, scales), straight between device memory and the pool, which for that is laid out in planes
+(``kvcached.protocol.layout``), one per tensor, each layer's CPU blocks at the device block's stride. What it costs: a
+block's record for the attention store is gathered from every plane (one copy per tensor instead of one per block),
+and store tasks still go through host arrays (``XpuPiece.read``/``write``).
 
-The descriptor a runner attaches with: ``{"device": d, "local_rank": r, "pid": p, "names": {kind:
-template}}`` (``pid`` is the worker that allocated the tensors, so a tier made anew never publishes the
-descriptor of the one before it).
-
-Everything that needs the hardware goes through ``XpuRuntime``. The real one (``PaddleXpuRuntime``) is
-paddle on ``XPUPlace`` and the XPU ops of ``OPS_MODULE`` (``set_data_ipc``, ``share_external_data``,
-``swap_cache_all_layers``: FastDeploy's XPU build is what provides them); it checks that both import and
-otherwise fails with what to install. There is no fallback to host memory: ``--memory xpu`` without an XPU
-is an error. Device memory belongs to the worker process that allocated it: it does not outlive that
-process. A replaced worker, or a daemon that adopts an earlier one's memory, makes the device tier anew
-(zeroed); the CPU pool and the store, in host memory and on disk, are kept.
+Everything that needs the hardware goes through ``XpuRuntime``. The real one (``PaddleXpuRuntime``) is paddle on
+``XPUPlace`` and the XPU ops of ``OPS_MODULE`` (``set_data_ipc``, ``share_external_data``, ``swap_cache_all_layers``:
+FastDeploy's XPU build provides them); it checks that both import and otherwise fails with what to install. There is
+no fallback to host memory: ``--memory xpu`` without an XPU is an error. Device memory does not outlive the worker
+process that allocated it: a replaced worker, or a daemon that adopts an earlier one's memory, makes the device tier
+anew (zeroed); the CPU pool and the store, in host memory and on disk, are kept.
 """
 
 from __future__ import annotations
@@ -65,10 +58,9 @@ _templates: dict[str, str] | None = None
 
 
 def name_tensors(templates: Mapping[str, str]) -> None:
-    """Name the tensors the xpu tiers of this process export: one template per kind of ``KINDS``, with
-    ``{layer}``, ``{rank}`` (the rank's local rank) and ``{device}``. The daemon's entry point gives them
-    before any tier is made; a runner never needs to (it reads them from the rank's descriptor). Raises
-    ``InvalidArgument`` naming a kind without a template or a template with another field."""
+    """Name the tensors the xpu tiers of this process export: one template per kind of ``KINDS``, with ``{layer}``,
+    ``{rank}`` (the rank's local rank) and ``{device}``, checked by ``_checked``. The daemon's entry point gives them
+    before any tier is made; a runner never needs to (it reads them from the rank's descriptor)."""
     checked = _checked(templates)
     global _templates
     _templates = checked
@@ -81,9 +73,9 @@ MAX_NAME = 200
 
 
 def _checked(templates: object) -> dict[str, str]:
-    """``templates`` as one name template per kind, each with ``{layer}`` and ``{rank}`` (so that no two tensors
-    share a name) and no field but ``FIELDS``, giving a file name that is not one of kvcached's own. Raises
-    ``InvalidArgument`` naming ``names`` for anything else (whatever it is: a descriptor may be garbage)."""
+    """``templates`` as one name template per kind, each with ``{layer}`` and ``{rank}`` (so that no two tensors share a
+    name) and no field but ``FIELDS``, giving a file name that is not one of kvcached's own. Raises ``InvalidArgument``
+    naming ``names`` for anything else (whatever it is: a descriptor may be garbage)."""
     if not isinstance(templates, Mapping) or set(templates) != set(KINDS):
         got = sorted(map(str, templates)) if isinstance(templates, Mapping) else type(templates).__name__
         raise InvalidArgument("names", f"one template per tensor kind {list(KINDS)}; got {got}")
@@ -128,8 +120,8 @@ class Export:
 
 
 def exports(spec: CacheSpec, templates: Mapping[str, str], local_rank: int, device_id: int) -> list[Export]:
-    """Every tensor of one rank, in layer order (the model's layers, then the MTP layers): key, value, key
-    scale, value scale per layer, each named by its kind's template."""
+    """Every tensor of one rank, in layer order (the model's layers, then the MTP layers): key, value, key scale, value
+    scale per layer, each named by its kind's template."""
     return [
         Export(
             templates[slot.kind].format(layer=slot.layer, rank=local_rank, device=device_id),
@@ -144,8 +136,8 @@ def exports(spec: CacheSpec, templates: Mapping[str, str], local_rank: int, devi
 
 def ipc_record(name: str) -> Path:
     """The file ``set_data_ipc`` leaves in /dev/shm for the tensor it exported under ``name``
-    (``custom_ops/xpu_ops/src/ops/xpu_multiprocess.h:50`` opens it with O_CREAT): it outlives the process
-    that exported, so whoever exported removes it."""
+    (``custom_ops/xpu_ops/src/ops/xpu_multiprocess.h:50`` opens it with O_CREAT): it outlives the process that exported,
+    so whoever exported removes it."""
     return SHM_DIR / name
 
 
@@ -171,10 +163,10 @@ class XpuRuntime(Protocol):
         device_id: int,
         mode: int,
     ) -> None:
-        """FastDeploy's ``swap_cache_all_layers`` (``custom_ops/xpu_ops/src/ops/swap_cache_batch.cc``): for
-        each tensor ``i``, block ``device_ids[k]`` and the host block at ``cpu_ptrs[i] + cpu_ids[k] * (the
-        tensor's bytes per block)`` are copied, one ``xpu_memcpy`` per run of ids; mode 0 device to host,
-        1 host to device. All tensors of one call have one dtype."""
+        """FastDeploy's ``swap_cache_all_layers`` (``custom_ops/xpu_ops/src/ops/swap_cache_batch.cc``): for each tensor
+        ``i``, block ``device_ids[k]`` and the host block at ``cpu_ptrs[i] + cpu_ids[k] * (the tensor's bytes per
+        block)`` are copied, one ``xpu_memcpy`` per run of ids; mode 0 device to host, 1 host to device. All tensors of
+        one call have one dtype."""
 
 
 class PaddleXpuRuntime:
@@ -203,9 +195,9 @@ class PaddleXpuRuntime:
     def attach(self, device_id: int, name: str, shape: tuple[int, ...], dtype: str) -> Any:
         self.paddle.set_device(f"xpu:{device_id}")
         empty = self.paddle.empty(shape=[], dtype=dtype)
-        # use_ipc=False, as FastDeploy's XPU runner attaches (worker/xpu_model_runner.py:1280 at e53f5184):
-        # the op then wraps the exporter's raw device pointer from the shm record instead of opening an
-        # XPU IPC handle (custom_ops/xpu_ops/src/ops/share_external_data.cc:31-42).
+        # use_ipc=False, as FastDeploy's XPU runner attaches (worker/xpu_model_runner.py:1280 at e53f5184): the op then
+        # wraps the exporter's raw device pointer from the shm record instead of opening an XPU IPC handle
+        # (custom_ops/xpu_ops/src/ops/share_external_data.cc:31-42).
         return self.ops.share_external_data(empty, name, list(shape), False)
 
     def swap_all_layers(  # noqa: PLR0917 - the op's arguments, in order
@@ -218,8 +210,8 @@ class PaddleXpuRuntime:
         device_id: int,
         mode: int,
     ) -> None:
-        # The op FastDeploy's transfer manager calls (cache_manager/cache_transfer_manager.py:1349 at
-        # e53f5184), with the same arguments: its PD_BUILD_OP(swap_cache_all_layers) in swap_cache_batch.cc.
+        # The op FastDeploy's transfer manager calls (cache_manager/cache_transfer_manager.py:1349 at e53f5184), with
+        # the same arguments: its PD_BUILD_OP(swap_cache_all_layers) in swap_cache_batch.cc.
         self.ops.swap_cache_all_layers(tensors, cpu_ptrs, max_cpu_blocks, device_ids, cpu_ids, device_id, mode)
 
 
@@ -270,9 +262,8 @@ class XpuTier(DeviceTier):
             raise BackendUnavailable(f"xpu tensors hold {column} bytes per block, the layout needs {spec.block_bytes}")
 
     def pool_swap(self, pool: Any) -> TierSwap:
-        """FastDeploy's ``swap_cache_all_layers`` between the tensors and the pool's planes: one call per
-        tensor kind (key, value, and the scales where there are some), as its transfer manager makes them,
-        the pool's plane of each tensor standing where its per-layer CPU buffer would."""
+        """``swap_cache_all_layers`` between the tensors and the pool's planes: one call per tensor kind present (key,
+        value, scales), as FastDeploy's transfer manager makes them, each plane standing for a per-layer CPU buffer."""
         anchor = ctypes.c_char.from_buffer(pool)
         base = ctypes.addressof(anchor)
         del anchor  # a live export would keep the pool from being unmapped
@@ -333,9 +324,9 @@ class XpuBackend(DeviceBackend):
         return tier
 
     def leftovers(self, spec: CacheSpec, descriptor: Mapping[str, Any]) -> list[Path]:
-        """The records ``set_data_ipc`` writes, one /dev/shm file per exported tensor (``ipc_record``); they
-        outlive the process that exported, so the daemon removes them at stop, and a start reclaims a
-        killed run's. The names are the descriptor's, else those this process exports under."""
+        """The /dev/shm records ``set_data_ipc`` writes, one per exported tensor (``ipc_record``: they outlive the
+        exporter, so the daemon removes them at stop and a start reclaims a killed run's), under the descriptor's names,
+        else those this process exports under."""
         device, local_rank = descriptor.get("device"), descriptor.get("local_rank")
         if not isinstance(device, int) or not isinstance(local_rank, int):
             return []
@@ -371,8 +362,8 @@ class XpuBackend(DeviceBackend):
         return XpuAttached(tensors)
 
     def doctor(self, spec: CacheSpec, ranks: int) -> list[Check]:
-        """Always three checks: ``xpu_paddle`` (paddle with XPU support), ``xpu_runtime`` (the XPU runtime's
-        major version: IPC needs 5) and ``xpu_ops`` (FastDeploy's XPU ops)."""
+        """Always three checks: ``xpu_paddle`` (paddle with XPU support), ``xpu_runtime`` (the XPU runtime's major
+        version: IPC needs 5) and ``xpu_ops`` (FastDeploy's XPU ops)."""
         try:
             paddle: Any = importlib.import_module("paddle")
         except ImportError as exc:
