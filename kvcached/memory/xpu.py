@@ -61,9 +61,8 @@ def name_tensors(templates: Mapping[str, str]) -> None:
     """Name the tensors the xpu tiers of this process export: one template per kind of ``KINDS``, with ``{layer}``,
     ``{rank}`` (the rank's local rank) and ``{device}``, checked by ``_checked``. The daemon's entry point gives them
     before any tier is made; a runner never needs to (it reads them from the rank's descriptor)."""
-    checked = _checked(templates)
     global _templates
-    _templates = checked
+    _templates = _checked(templates)
 
 
 #: The fields a name template may use, each plainly (``{layer}``: no index, attribute, conversion or format).
@@ -122,16 +121,11 @@ class Export:
 def exports(spec: CacheSpec, templates: Mapping[str, str], local_rank: int, device_id: int) -> list[Export]:
     """Every tensor of one rank, in layer order (the model's layers, then the MTP layers): key, value, key scale, value
     scale per layer, each named by its kind's template."""
-    return [
-        Export(
-            templates[slot.kind].format(layer=slot.layer, rank=local_rank, device=device_id),
-            slot.kind,
-            slot.layer,
-            slot.shape,
-            slot.dtype,
-        )
-        for slot in device_slots(spec)
-    ]
+    made: list[Export] = []
+    for slot in device_slots(spec):
+        name = templates[slot.kind].format(layer=slot.layer, rank=local_rank, device=device_id)
+        made.append(Export(name, slot.kind, slot.layer, slot.shape, slot.dtype))
+    return made
 
 
 def ipc_record(name: str) -> Path:
@@ -219,9 +213,8 @@ class XpuPiece:
     """One exported tensor as rows of bytes, one row per block (``paddle.view`` as uint8, no copy)."""
 
     def __init__(self, tensor: Any, column: int, num_blocks: int) -> None:
-        paddle: Any = importlib.import_module("paddle")
-        self.paddle = paddle
-        self.rows = paddle.view(tensor, "uint8").reshape([num_blocks, -1])
+        self.paddle: Any = importlib.import_module("paddle")
+        self.rows = self.paddle.view(tensor, "uint8").reshape([num_blocks, -1])
         self.column = column
         self.nbytes = int(self.rows.shape[1])
 
@@ -264,9 +257,7 @@ class XpuTier(DeviceTier):
     def pool_swap(self, pool: Any) -> TierSwap:
         """``swap_cache_all_layers`` between the tensors and the pool's planes: one call per tensor kind present (key,
         value, scales), as FastDeploy's transfer manager makes them, each plane standing for a per-layer CPU buffer."""
-        anchor = ctypes.c_char.from_buffer(pool)
-        base = ctypes.addressof(anchor)
-        del anchor  # a live export would keep the pool from being unmapped
+        base = ctypes.addressof(ctypes.c_char.from_buffer(pool))  # dropped at once (a live export blocks unmapping)
         planes = cpu_planes(self.spec)
         kinds: dict[str, tuple[list[Any], list[int]]] = {}
         for export, (offset, _) in zip(self.exports, planes, strict=True):
@@ -373,12 +364,9 @@ class XpuBackend(DeviceBackend):
         else:
             compiled = bool(paddle.is_compiled_with_xpu())
             measured = {"paddle": paddle.__version__, "compiled_with_xpu": compiled}
-            if compiled:
-                checks = [Check("xpu_paddle", OK, f"paddle {paddle.__version__} with XPU support", measured)]
-            else:
-                figure = f"paddle {paddle.__version__} without XPU support"
-                advice = "this is the CPU paddle: install paddlepaddle-xpu"
-                checks = [Check("xpu_paddle", FAIL, figure, measured, advice)]
+            figure = f"paddle {paddle.__version__} {'with' if compiled else 'without'} XPU support"
+            advice = "" if compiled else "this is the CPU paddle: install paddlepaddle-xpu"
+            checks = [Check("xpu_paddle", OK if compiled else FAIL, figure, measured, advice)]
         version = None
         for getter in ("xpu_xre", "xpu"):
             try:
@@ -391,11 +379,10 @@ class XpuBackend(DeviceBackend):
         if major is None:
             figure = "no XPU runtime" + (f": paddle.version.{getter}() says {version}" if version else "")
             checks.append(Check("xpu_runtime", FAIL, figure, measured_rt, "install the XPU runtime (XRE)"))
-        elif major < 5:
-            advice = "IPC handles need runtime major version 5"
-            checks.append(Check("xpu_runtime", FAIL, f"XPU runtime {version}", measured_rt, advice))
         else:
-            checks.append(Check("xpu_runtime", OK, f"XPU runtime {version}", measured_rt))
+            advice = "IPC handles need runtime major version 5" if major < 5 else ""
+            verdict = FAIL if major < 5 else OK
+            checks.append(Check("xpu_runtime", verdict, f"XPU runtime {version}", measured_rt, advice))
         try:
             ops = importlib.import_module(OPS_MODULE)
         except ImportError as exc:
