@@ -148,10 +148,7 @@ _LIBC.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
 
 def _address(mapping: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(mapping)
-    address = ctypes.addressof(anchor)
-    del anchor  # a live export would keep the mapping from being closed
-    return address
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the export is dropped at once: alive, it blocks close
 
 
 def _advise(mapping: mmap.mmap, start: int, length: int, advice: int) -> int:

@@ -345,12 +345,10 @@ class FileBackend(StoreBackend):
                 f"{path} is too long: its objects' names would take {longest} bytes, past this system's {limit - 1}",
             )
         if existing != path and not os.access(existing, os.W_OK | os.X_OK):
-            home = Path.home()
-            default = (
-                ""
-                if given
-                else f" (the default, under HOME={home}" + ("" if home.exists() else ", which does not exist") + ")"
-            )
+            default = ""
+            if not given:
+                home = Path.home()
+                default = f" (the default, under HOME={home}{'' if home.exists() else ', which does not exist'})"
             raise InvalidSpec(
                 "storage_path",
                 f"cannot make {path}{default}: {existing} is not writable by this user; set --storage-path to a "

@@ -17,8 +17,7 @@ def default_storage_path(instance: str) -> Path:
     """``$CACHE_DIRECTORY/<instance>/store`` under systemd (CacheDirectory=), else the user's cache directory."""
     base = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
     if not base:
-        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        base = str(Path(base) / "kvcached")
+        base = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcached")
     return Path(base) / instance / "store"
 
 
