@@ -88,23 +88,15 @@ def _checked(templates: object) -> dict[str, str]:
         used = {field for field, _, _ in fields if field is not None}
         plain = all(not spec and conversion is None for field, spec, conversion in fields if field is not None)
         name = template.format(layer=0, rank=0, device=0) if used <= FIELDS and plain else ""
-        if not (plain and {"layer", "rank"} <= used <= FIELDS) or not _plain_name(name):
+        # A name for a file of its own in /dev/shm: printable, no '/', not a dot name, not in kvcached's names.
+        own_file = 0 < len(name) <= MAX_NAME and name.isprintable() and not name.startswith((".", PREFIX, "sem."))
+        if not (plain and {"layer", "rank"} <= used <= FIELDS and own_file and "/" not in name):
             raise InvalidArgument(
                 "names",
                 f"{kind}: {template[:80]!r} must use {{layer}} and {{rank}} (and may use {{device}}), nothing else, "
                 f"and give a file name of at most {MAX_NAME} characters that is not kvcached's",
             )
     return {kind: str(templates[kind]) for kind in KINDS}
-
-
-def _plain_name(name: str) -> bool:
-    """A name for a file of its own in /dev/shm: printable, no '/', not a dot name, not in kvcached's names."""
-    return (
-        0 < len(name) <= MAX_NAME
-        and name.isprintable()
-        and "/" not in name
-        and not name.startswith((".", PREFIX, "sem."))
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

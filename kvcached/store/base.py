@@ -110,8 +110,7 @@ class ObjectIdentity:
 
 def header_checksum(head: memoryview | bytes) -> int:
     """The payload checksum an object's header records."""
-    value: int = HEADER.unpack_from(head)[8]
-    return value
+    return int(HEADER.unpack_from(head)[8])
 
 
 def checksum(pieces: Sequence[memoryview]) -> int:

@@ -213,9 +213,12 @@ class FileStore(Store):
                 if self._on_disk(key):
                     self.index.move_to_end(key)  # stored already: used again
                     continue
-                self._evict(HEADER_SIZE + self.identity.payload)
+                size = HEADER_SIZE + self.identity.payload
+                self._evict(size)
                 writer.add(self._write_temporary(key, parts))
-                self._enter(key)
+                self.index[key] = size
+                self.counters.bytes += size
+                self.counters.objects += 1
                 queued.append(key)
                 self.on_progress()
         except BaseException:
@@ -238,11 +241,6 @@ class FileStore(Store):
             return True
         self._forget(key)
         return False
-
-    def _enter(self, key: bytes) -> None:
-        self.index[key] = HEADER_SIZE + self.identity.payload
-        self.counters.bytes += HEADER_SIZE + self.identity.payload
-        self.counters.objects += 1
 
     def _write_temporary(self, key: bytes, pieces: Sequence[memoryview]) -> Pending:
         """Write ``key``'s object to a temporary file beside its name; a full disk evicts and tries again."""
