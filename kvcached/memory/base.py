@@ -5,8 +5,7 @@ A backend is one module under ``kvcached/memory/`` holding one ``DeviceBackend``
 ``reopen``, ``release``, ``doctor``) and the runner's (``attach``, zero-copy), share nothing but a ``descriptor``: a
 small JSON object the worker returns with the tier and the supervisor publishes in the rank's record
 (``kvcached.protocol.control``). A tier presents its tensors to the copy engine (``kvcached.copy_engine``) as ``Piece``
-objects, one per tensor in the layout's record order, each a sequence of block rows.
-"""
+objects, one per tensor in the layout's record order, each a sequence of block rows."""
 
 from __future__ import annotations
 

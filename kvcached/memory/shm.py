@@ -13,8 +13,7 @@ as soon as the mapping exists.
 Huge pages (``huge_pages``): /dev/shm is a tmpfs whose ``huge=`` mount option decides whether its pages are 2 MiB
 (``always``, ``within_size``), 2 MiB when a mapping asks (``advise``: the arenas ask) or 4 KiB (``never``, the default);
 ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` can force or deny it host-wide. Fewer, larger pages make the cold
-start and random-order swaps faster (fewer page faults and TLB misses). ``kvcached doctor`` says what the host gives.
-"""
+start and random-order swaps faster (fewer page faults and TLB misses). ``kvcached doctor`` says what the host gives."""
 
 from __future__ import annotations
 
@@ -159,8 +158,8 @@ def _advise(mapping: mmap.mmap, start: int, length: int, advice: int) -> int:
 def huge_pages(
     mounts: str = "/proc/self/mounts", policy: str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 ) -> str:
-    """What /dev/shm gives: its tmpfs ``huge=`` mount option (``always``, ``within_size``, ``advise``,
-    ``never``), unless the host-wide shmem policy forces or denies huge pages (``force``, ``deny``)."""
+    """What /dev/shm gives: its tmpfs ``huge=`` mount option (``always``, ``within_size``, ``advise``, ``never``),
+    unless the host-wide shmem policy forces or denies huge pages (``force``, ``deny``)."""
     try:
         chosen = Path(policy).read_text().split("[")[1].split("]")[0]
     except (OSError, IndexError):

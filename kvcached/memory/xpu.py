@@ -13,13 +13,12 @@ Swaps between the tensors and the CPU pool are one call of the XPU ops' ``swap_c
 block's record for the attention store is gathered from every plane (one copy per tensor instead of one per block),
 and store tasks still go through host arrays (``XpuPiece.read``/``write``).
 
-Everything that needs the hardware goes through ``XpuRuntime``. The real one (``PaddleXpuRuntime``) is paddle on
-``XPUPlace`` and the XPU ops of ``OPS_MODULE`` (``set_data_ipc``, ``share_external_data``, ``swap_cache_all_layers``:
-FastDeploy's XPU build provides them); it checks that both import and otherwise fails with what to install. There is
-no fallback to host memory: ``--memory xpu`` without an XPU is an error. Device memory does not outlive the worker
-process that allocated it: a replaced worker, or a daemon that adopts an earlier one's memory, makes the device tier
-anew (zeroed); the CPU pool and the store, in host memory and on disk, are kept.
-"""
+Everything that needs the hardware goes through ``XpuRuntime``; the real one (``PaddleXpuRuntime``, paddle on
+``XPUPlace``) takes ``set_data_ipc``, ``share_external_data`` and ``swap_cache_all_layers`` from FastDeploy's XPU build
+and fails with what to install when paddle or those ops do not import. No fallback to host memory: ``--memory xpu``
+without an XPU is an error. Device memory does not outlive the worker process that allocated it: a replaced worker, or a
+daemon adopting an earlier one's memory, makes the device tier anew (zeroed); the CPU pool and the store (host memory,
+disk) are kept."""
 
 from __future__ import annotations
 

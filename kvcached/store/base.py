@@ -17,8 +17,7 @@ writer without the secret cannot make an object a reader serves. Without a secre
 An object is served only if every header field matches what this rank expects and the checksum holds; anything else
 (truncated, foreign, corrupted, written for another geometry or rank) is a miss, removed by the backend when it can be,
 but for one tagged under another key (``OTHER_KEY``: another secret, a host of the same cluster that has not taken a new
-one yet): a miss left for the readers that hold it. A load reports only a verified prefix (``Store.load_prefix``).
-"""
+one yet): a miss left for the readers that hold it. A load reports only a verified prefix (``Store.load_prefix``)."""
 
 from __future__ import annotations
 

@@ -11,15 +11,12 @@ reading each object's header (not its payload: the checksum is checked on every 
 so the order survives restarts. Capacity is per rank (the instance's capacity divided by its ranks); storing past it
 evicts the least recently used objects, never one written by the same task.
 
-The disk is not trusted either:
-
-* a full disk (ENOSPC) evicts as a full capacity does, and the write is tried again;
-* anything at an object's name that is not a readable regular file of the right size (a directory, a FIFO, a file made
-  unreadable, one deleted by hand) is a miss, is removed where it can be, and leaves the index; a key whose file went
-  missing is written again by its next store;
-* the rank directory removed while the daemon runs is noticed (``check``, from the worker's loop and every call),
-  reported and made again, its lock retaken at once so that no second daemon can start on the same path meanwhile.
-"""
+The disk is not trusted either. A full disk (ENOSPC) evicts as a full capacity does, and the write is tried again.
+Anything at an object's name that is not a readable regular file of the right size (a directory, a FIFO, a file made
+unreadable, one deleted by hand) is a miss, is removed where it can be, and leaves the index; a key whose file went
+missing is written again by its next store. The rank directory removed while the daemon runs is noticed (``check``, from
+the worker's loop and every call), reported and made again, its lock retaken at once so that no second daemon can start
+on the same path meanwhile."""
 
 from __future__ import annotations
 
@@ -72,8 +69,6 @@ class FileStore(Store):
         self._refused = ""  # why the directory in the rank's place is refused, once said
         self._take_directory()
         self._rebuild()
-
-    # -- the directory --------------------------------------------------------------------------------
 
     def _take_directory(self) -> None:
         """Make the rank directory if needed and take its lock: ``StoreBusy`` if another holds it past ``LOCK_WAIT_S``,
@@ -198,8 +193,6 @@ class FileStore(Store):
     def protect(self, keys: Sequence[bytes]) -> None:
         self._protected = set(keys)
 
-    # -- objects --------------------------------------------------------------------------------------
-
     def put_many(self, keys: Sequence[bytes], pieces: Sequence[Sequence[memoryview]]) -> int:
         """Write each new object to a temporary file while a committer thread fsyncs and renames them in groups
         (``kvcached.store.fileio``). Objects committed before a failure stay stored; the others are removed."""
@@ -235,8 +228,7 @@ class FileStore(Store):
         return len(committed)
 
     def _on_disk(self, key: bytes) -> bool:
-        """Whether ``key`` is indexed and its file there (one deleted behind our back leaves the index: the next store
-        writes it again)."""
+        """Whether ``key`` is indexed and on disk (one deleted by hand leaves the index; the next store rewrites it)."""
         if key in self.index and os.path.isfile(self._path(key)):
             return True
         self._forget(key)
@@ -277,8 +269,7 @@ class FileStore(Store):
         return outcome.landed
 
     def present(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are indexed and still on disk (one stat each: a file deleted by hand is not present,
-        and leaves the index)."""
+        """How many leading keys are indexed and still on disk (``_on_disk``: one stat each)."""
         self.check()
         return next((i for i, key in enumerate(keys) if not self._on_disk(key)), len(keys))
 

@@ -25,8 +25,7 @@ Stores (``Writer``)::
     committer: takes everything queued -> fsync each -> rename each: the group's durability point (a group is what
                was written while the last one was made durable)
 
-A crash at any point leaves whole objects under their names and temporaries, which the next start removes.
-"""
+A crash at any point leaves whole objects under their names and temporaries, which the next start removes."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ and takes its XXH3-64 in the same pass, never in a pass of its own:
 * ``gather`` is the other way, for a store: a block's pieces into one buffer, checksum on the way.
 
 Without the native routines (not built, ``KVCACHED_NATIVE_COPY=0``, or a payload of 240 bytes or less) the same is done
-piece by piece with numpy and ``xxhash``, each piece hashed right after it is moved.
-"""
+piece by piece with numpy and ``xxhash``, each piece hashed right after it is moved."""
 
 from __future__ import annotations
 
