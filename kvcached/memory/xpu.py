@@ -249,19 +249,17 @@ class XpuTier(DeviceTier):
         """``swap_cache_all_layers`` between the tensors and the pool's planes: one call per tensor kind present (key,
         value, scales), as FastDeploy's transfer manager makes them, each plane standing for a per-layer CPU buffer."""
         base = ctypes.addressof(ctypes.c_char.from_buffer(pool))  # dropped at once (a live export blocks unmapping)
-        planes = cpu_planes(self.spec)
         kinds: dict[str, tuple[list[Any], list[int]]] = {}
-        for export, (offset, _) in zip(self.exports, planes, strict=True):
+        for export, (offset, _) in zip(self.exports, cpu_planes(self.spec), strict=True):
             tensors, pointers = kinds.setdefault(export.kind, ([], []))
             tensors.append(self.tensors[export.name])
             pointers.append(base + offset)
-        calls = list(kinds.values())
         count = self.spec.num_cpu_blocks
 
         def swap(direction: str, device_ids: np.ndarray[Any, Any], cpu_ids: np.ndarray[Any, Any]) -> None:
             mode = 0 if direction == "out" else 1
             dev, cpu = device_ids.tolist(), cpu_ids.tolist()
-            for tensors, pointers in calls:
+            for tensors, pointers in kinds.values():
                 self.runtime.swap_all_layers(tensors, pointers, count, dev, cpu, self.device_id, mode)
 
         return swap

@@ -152,8 +152,7 @@ class FileStore(Store):
                     continue
                 assert st is not None
                 found.append((st.st_mtime_ns, key, st.st_size))
-        found.sort()
-        for _, key, size in found:
+        for _, key, size in sorted(found):
             self.index[key] = size
             self.counters.bytes += size
         self.counters.objects = len(self.index)
