@@ -119,8 +119,6 @@ def to_paddle(array: Array, dtype: str) -> Any:
 
 
 class HostBackend(DeviceBackend):
-    """See the module docstring."""
-
     name = "host"
     outlives_worker = True
 

@@ -11,12 +11,11 @@ reading each object's header (not its payload: the checksum is checked on every 
 so the order survives restarts. Capacity is per rank (the instance's capacity divided by its ranks); storing past it
 evicts the least recently used objects, never one written by the same task.
 
-The disk is not trusted either. A full disk (ENOSPC) evicts as a full capacity does, and the write is tried again.
-Anything at an object's name that is not a readable regular file of the right size (a directory, a FIFO, a file made
-unreadable, one deleted by hand) is a miss, is removed where it can be, and leaves the index; a key whose file went
-missing is written again by its next store. The rank directory removed while the daemon runs is noticed (``check``, from
-the worker's loop and every call), reported and made again, its lock retaken at once so that no second daemon can start
-on the same path meanwhile."""
+Nor is the disk trusted. A full disk (ENOSPC) evicts as a full capacity does, then the write is retried. Anything at an
+object's name that is not a readable regular file of the right size (a directory, a FIFO, a file made unreadable, one
+deleted by hand) is a miss, removed where it can be, and leaves the index; a key whose file went missing is rewritten by
+its next store. A rank directory removed while the daemon runs is noticed (``check``, from the worker's loop and every
+call), reported and made again, its lock retaken at once so no second daemon can start on the same path meanwhile."""
 
 from __future__ import annotations
 
@@ -289,8 +288,6 @@ def _remove(path: str | Path) -> None:
 
 
 class FileBackend(StoreBackend):
-    """The ``file`` backend (see the module docstring)."""
-
     name = "file"
     direct = True  # its objects are files: an agent killed at a timeout loses nothing but that call
     options = (

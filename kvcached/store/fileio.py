@@ -10,12 +10,11 @@ Loads (``Reader``)::
          target i's pieces, hashed on the way
       -> an object not read whole, or whose header does not name its key and checksum, stops the taking past i
       -> take again
-    the count reported: the leading indices that all verified (``kv_read_objects``'s checks are the whole verdict on
-    an untagged object); the first that did not is judged again in Python, to say why. Each object read whole has its
-    file's times set to now as it is read (the least recently used order a restart rebuilds; one whose times cannot be
-    set is served all the same), and put back as they were for any read past the first that failed (not reported:
-    not used). A load cut short (its agent killed at a timeout) leaves the times of what it read set. Targets at or
-    past the first failure may hold bytes of this load (``kvcached.store.base.Store.load_prefix``).
+    the count reported: the leading indices that all verified (``Reader``); the first that did not is judged again in
+    Python, to say why. Each object read whole has its file's times set to now as it is read (the least recently used
+    order a restart rebuilds; one whose times cannot be set is served all the same), and put back as they were for any
+    read past the first that failed (not reported: not used). A load cut short (its agent killed at a timeout) leaves
+    the times of what it read set.
 
 Stores (``Writer``)::
 
