@@ -93,9 +93,8 @@ class FileStore(Store):
         self._dir_ino = os.stat(self.dir).st_ino
 
     def check(self) -> None:
-        """Notice the rank directory gone or replaced: make it again, retake its lock, start empty. A replacement this
-        daemon may not use (``unsafe_directory``) is refused: ``StoreUnavailable`` naming it and the fix, logged once;
-        every call fails until it is fixed."""
+        """Notice the rank directory gone or replaced and make it anew, empty (see the module); one this daemon may not
+        use (``unsafe_directory``) is refused: ``StoreUnavailable`` naming it and the fix, logged once, until fixed."""
         try:
             same = os.stat(self.dir).st_ino == self._dir_ino and os.path.exists(self.dir / ".lock")
         except FileNotFoundError:

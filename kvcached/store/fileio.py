@@ -196,8 +196,7 @@ class Reader:
             raise error
 
     def _serve(self, n: int) -> None:
-        """Reader thread ``n``: map its request buffer (page-aligned, mapped at once), then run each job it is given
-        until None, saying on ``_done`` when each is over (and what it raised)."""
+        """Reader thread ``n``: map its request buffer (page-aligned, populated), then run its jobs until None."""
         try:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             bounce = memoryview(mmap.mmap(-1, READ_CHUNK, flags=flags))
