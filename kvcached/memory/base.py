@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
+from kvcached.protocol.errors import ResourceError
 from kvcached.protocol.layout import RECORDS, device_arena_bytes
 from kvcached.protocol.names import arena_name
 from kvcached.protocol.spec import CacheSpec
@@ -140,8 +141,6 @@ class DeviceBackend(abc.ABC):
     def reopen(self, request: TierRequest, descriptor: Mapping[str, Any]) -> DeviceTier:
         """Map the tier ``descriptor`` describes (for a replaced worker or an adopting daemon), bytes untouched. Raises
         ``ResourceError`` saying why when it cannot (the default: this backend's tiers do not outlive their process)."""
-        from kvcached.protocol.errors import ResourceError
-
         raise ResourceError(f"the {self.name} backend's device memory does not outlive the worker that owned it")
 
     def why_not_adoptable(self, request: TierRequest, descriptor: Mapping[str, Any]) -> str | None:

@@ -106,9 +106,8 @@ def open_arena(name: str, size: int, *, populate: bool = True, owner: int | None
         st = os.fstat(shm.fd)
         if owner is not None:
             check_owner(f"arena /dev/shm{name}", st, owner=owner)
-        actual = st.st_size
-        if actual < size:
-            raise ProtocolError(f"{name} has {actual} bytes, the layout needs {size}")
+        if st.st_size < size:
+            raise ProtocolError(f"{name} has {st.st_size} bytes, the layout needs {size}")
         return mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED | (MAP_POPULATE if populate else 0))
     finally:
         shm.close_fd()
