@@ -157,8 +157,7 @@ def _advise(mapping: mmap.mmap, start: int, length: int, advice: int) -> int:
 def huge_pages(
     mounts: str = "/proc/self/mounts", policy: str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 ) -> str:
-    """What /dev/shm gives: its tmpfs ``huge=`` mount option (``always``, ``within_size``, ``advise``, ``never``),
-    unless the host-wide shmem policy forces or denies huge pages (``force``, ``deny``)."""
+    """What /dev/shm gives (see the module): its ``huge=`` option, or ``force``/``deny`` from the host-wide policy."""
     try:
         chosen = Path(policy).read_text().split("[")[1].split("]")[0]
     except (OSError, IndexError):

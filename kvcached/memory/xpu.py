@@ -120,9 +120,8 @@ def exports(spec: CacheSpec, templates: Mapping[str, str], local_rank: int, devi
 
 
 def ipc_record(name: str) -> Path:
-    """The file ``set_data_ipc`` leaves in /dev/shm for the tensor it exported under ``name``
-    (``custom_ops/xpu_ops/src/ops/xpu_multiprocess.h:50`` opens it with O_CREAT): it outlives the process that exported,
-    so whoever exported removes it."""
+    """The file ``set_data_ipc`` leaves in /dev/shm for the tensor it exported under ``name``: it outlives the exporter,
+    which removes it (``custom_ops/xpu_ops/src/ops/xpu_multiprocess.h:50`` opens it with O_CREAT)."""
     return SHM_DIR / name
 
 
@@ -148,10 +147,9 @@ class XpuRuntime(Protocol):
         device_id: int,
         mode: int,
     ) -> None:
-        """FastDeploy's ``swap_cache_all_layers`` (``custom_ops/xpu_ops/src/ops/swap_cache_batch.cc``): for each tensor
-        ``i``, block ``device_ids[k]`` and the host block at ``cpu_ptrs[i] + cpu_ids[k] * (the tensor's bytes per
-        block)`` are copied, one ``xpu_memcpy`` per run of ids; mode 0 device to host, 1 host to device. All tensors of
-        one call have one dtype."""
+        """FastDeploy's ``swap_cache_all_layers`` (``custom_ops/xpu_ops/src/ops/swap_cache_batch.cc``): per tensor
+        ``i``, copies between block ``device_ids[k]`` and the host block at ``cpu_ptrs[i] + cpu_ids[k] * (i's bytes per
+        block)``, one ``xpu_memcpy`` per run of ids; mode 0 device to host, 1 host to device; one dtype per call."""
 
 
 class PaddleXpuRuntime:
