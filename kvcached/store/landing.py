@@ -42,11 +42,6 @@ class Targets:
     def __len__(self) -> int:
         return len(self.ids)
 
-    @property
-    def widths(self) -> Array:
-        """Bytes of each piece (int64), in record order."""
-        return self.side.widths
-
     def addresses(self, i: int) -> Array:
         """Where each piece of record ``i`` goes (uint64 addresses, in record order)."""
         addresses: Array = self.side.bases + np.uint64(self.ids[i]) * self._strides
@@ -106,10 +101,10 @@ def gather(pieces: Sequence[memoryview], into: memoryview) -> int:
 def read_into(fd: int, offset: int, targets: Targets, i: int, bounce: memoryview) -> tuple[int, int | None]:
     """Read a payload from ``fd`` at ``offset`` into target ``i``, ``len(bounce)`` bytes at a time through ``bounce``:
     (bytes read, XXH3-64 of the payload when all of it was read). Raises ``OSError`` when a read fails."""
-    total = int(targets.widths.sum())
+    total = int(targets.side.widths.sum())
     if native.hashes(total):
         return native.read_land(
-            fd, offset, targets.addresses(i), targets.widths, bounce=_address(bounce), chunk=len(bounce)
+            fd, offset, targets.addresses(i), targets.side.widths, bounce=_address(bounce), chunk=len(bounce)
         )
     digest = xxhash.xxh3_64()
     done = 0
