@@ -153,10 +153,9 @@ REPUBLISH_COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters) if 
 
 
 class Store(abc.ABC):
-    """One rank's view of a storage backend. Methods may raise ``StoreUnavailable`` (the backend cannot be reached) and
-    ``OSError``; a failed call leaves every object either absent or whole. A backend calls ``on_progress()`` after each
-    object (or batch) it moves: the worker gives a call that keeps moving all the time it needs, and fails one that
-    stops (``kvcached.daemon.store_agent``)."""
+    """One rank's view of a storage backend. Methods may raise ``StoreUnavailable`` (unreachable) and ``OSError``; a
+    failed call leaves every object absent or whole. A backend calls ``on_progress()`` after each object (or batch) it
+    moves: the worker lets a call run while it moves and fails one that stops (``kvcached.daemon.store_agent``)."""
 
     counters: StoreCounters
     on_progress: Callable[[], None] = staticmethod(lambda: None)
@@ -169,10 +168,9 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def load_prefix(self, keys: Sequence[bytes], targets: Targets) -> int:
         """Land the payload of each leading present key in its target (record ``i`` in ``targets``' block ``i``),
-        verified in the same pass; how many leading keys landed and verified. Stops at the first key missing or failing
-        its checks (a failed object is removed when it can be). A backend may land several objects at once, from several
-        threads; the count is a prefix of keys that all verified. Bytes may have been written into targets at and past
-        it (the caller uses only the first ``count`` blocks); nothing outside them is written."""
+        verified in the same pass, stopping at the first key missing or failing its checks (removed if it can be); how
+        many landed. Several may land at once, from several threads: the count is a prefix of keys all verified. Targets
+        from it on may hold bytes (the caller uses only the first ``count``); nothing outside them is written."""
 
     def expect(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - a hint: backends may ignore it
         """The next ``load_prefix`` will likely ask for ``keys`` (its client has sent that load already): a backend may

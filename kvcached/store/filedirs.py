@@ -53,9 +53,8 @@ def unsafe_directory(path: Path) -> str | None:
 
 
 def _unsafe_link(path: Path, uid: int) -> str | None:
-    """Why a symbolic link on the way to ``path`` (followed as the kernel does, link by link) could be turned elsewhere
-    by another user, or None: each link must be root's or this user's, in a directory that is too (and writable by
-    others only with the sticky bit)."""
+    """Why another user could repoint a symbolic link on the way to ``path`` (followed as the kernel does), or None:
+    each link and its directory must be root's or this user's, the directory writable by others only if sticky."""
     parts, here, hops = list(Path(os.path.abspath(path)).parts), Path("/"), 0
     while parts:
         name = parts.pop(0)
