@@ -18,9 +18,8 @@ Loads (``Reader``)::
 
 Stores (``Writer``)::
 
-    caller:    per object: a temporary file <- the payload in CHUNK-byte writes, each chunk hashed just before it is
-               written (from the caller's pieces: no gather), the header last; writeback started
-               (``sync_file_range``); queued
+    caller:    per object: a temporary file <- the payload in CHUNK-byte writes, each hashed just before it is written
+               (from the caller's pieces: no gather), the header last; writeback started (``sync_file_range``); queued
     committer: takes everything queued -> fsync each -> rename each: the group's durability point (a group is what
                was written while the last one was made durable)
 
