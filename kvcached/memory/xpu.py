@@ -356,11 +356,9 @@ class XpuBackend(DeviceBackend):
             checks = [Check("xpu_paddle", OK if compiled else FAIL, figure, measured, advice)]
         version = None
         for getter in ("xpu_xre", "xpu"):
-            try:
+            with contextlib.suppress(AttributeError, TypeError):
                 version = str(getattr(paddle.version, getter)())
                 break
-            except (AttributeError, TypeError):
-                continue
         major = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
         measured_rt = {"runtime": version, "major": major}
         if major is None:
