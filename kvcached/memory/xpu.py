@@ -57,9 +57,8 @@ _templates: dict[str, str] | None = None
 
 
 def name_tensors(templates: Mapping[str, str]) -> None:
-    """Name the tensors the xpu tiers of this process export: one template per kind of ``KINDS``, with ``{layer}``,
-    ``{rank}`` (the rank's local rank) and ``{device}``, checked by ``_checked``. The daemon's entry point gives them
-    before any tier is made; a runner never needs to (it reads them from the rank's descriptor)."""
+    """Name the tensors this process's xpu tiers export: one template per kind (``_checked``; ``{rank}`` is the local
+    rank). The daemon's entry point gives them before any tier is made; runners read them from the rank's descriptor."""
     global _templates
     _templates = _checked(templates)
 
@@ -302,9 +301,8 @@ class XpuBackend(DeviceBackend):
         return tier
 
     def leftovers(self, spec: CacheSpec, descriptor: Mapping[str, Any]) -> list[Path]:
-        """The /dev/shm records ``set_data_ipc`` writes, one per exported tensor (``ipc_record``: they outlive the
-        exporter, so the daemon removes them at stop and a start reclaims a killed run's), under the descriptor's names,
-        else those this process exports under."""
+        """The /dev/shm records ``set_data_ipc`` writes, one per exported tensor (``ipc_record``), removed by the daemon
+        at stop and by a start after a killed run; named by the descriptor, else by this process's templates."""
         device, local_rank = descriptor.get("device"), descriptor.get("local_rank")
         if not isinstance(device, int) or not isinstance(local_rank, int):
             return []
