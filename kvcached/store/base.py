@@ -14,6 +14,7 @@ With a secret (``ObjectIdentity.secret``, the Mooncake backend's ``--mooncake-se
 keyed BLAKE2b tag of its first 88 bytes (so of the key, rank, geometry and payload checksum), and the id of its key (a
 hash that tells keys apart and reveals nothing of one). A header without a tag this reader's key makes is refused: a
 writer without the secret cannot make an object a reader serves. Without a secret, no tag is written or checked.
+
 An object is served only if every header field matches what this rank expects and the checksum holds; anything else
 (truncated, foreign, corrupted, written for another geometry or rank) is a miss, removed by the backend when it can be,
 but for one tagged under another key (``OTHER_KEY``: another secret, a host of the same cluster that has not taken a new
