@@ -146,7 +146,7 @@ _LIBC.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
 
 def _address(mapping: mmap.mmap) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the export is dropped at once: alive, it blocks close
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # dropped at once: a live export keeps it from closing
 
 
 def _advise(mapping: mmap.mmap, start: int, length: int, advice: int) -> int:
