@@ -118,8 +118,7 @@ OUR_MODES = (0o600, 0o640, 0o660)
 
 
 def why_not_ours(name: str, size: int) -> str | None:
-    """Why shm object ``name`` cannot be taken over as one of ours of at least ``size`` bytes (absent, not a
-    plain object, another owner, foreign permissions, too small), or None when it can. Nothing is opened."""
+    """Why shm object ``name`` cannot be taken over as ours with at least ``size`` bytes, or None; opens nothing."""
     path = f"/dev/shm{name}"
     try:
         st = os.lstat(path)

@@ -287,8 +287,7 @@ def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def write_temporary(identity: ObjectIdentity, tmp: Path, key: bytes, pieces: Sequence[memoryview]) -> int:
-    """Write ``key``'s object (the record is the concatenation of ``pieces``) to the new file ``tmp`` and start its
-    writeback; its open descriptor. The checksum is taken chunk by chunk just before each write."""
+    """Write ``key``'s object (record: ``pieces`` joined) to the new file ``tmp``, start its writeback; its open fd."""
     if sum(len(piece) for piece in pieces) != identity.payload:
         raise ValueError(f"a block record has {identity.payload} bytes, not {sum(len(p) for p in pieces)}")
     try:
