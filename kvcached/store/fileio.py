@@ -52,8 +52,9 @@ from kvcached.store.landing import Targets, read_into
 
 #: Bytes per write request, each hashed just before it is written.
 CHUNK = 1 << 20
-#: Bytes per read request, landed and hashed as soon as it arrives: well inside a core's L2 cache.
-READ_CHUNK = 128 << 10
+#: Bytes per read request, landed and hashed as soon as it arrives, while in the core's cache (a 1 MiB L2 holds it;
+#: a 512 KiB object is one request: 6-10 % less CPU than 128 KiB requests, docs/benchmarks.md).
+READ_CHUNK = 512 << 10
 #: Objects read at once by one load (several requests in flight to the disk; both cores on a warm load).
 READ_THREADS = 4
 #: Objects a reader thread reads in one native call (their progress told after it), and the time after which it returns
