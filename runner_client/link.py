@@ -183,8 +183,6 @@ class RankLink:
                 self._connection.close()
                 self._connection = None
 
-    # -- the connection ---------------------------------------------------------------------------------
-
     def _connect(self, deadline: float) -> Connection:
         """The rank's open connection to the current daemon, opened (after the READY check) if need be; a
         worker at its connection cap is asked again until ``deadline``."""
@@ -275,8 +273,6 @@ class RankLink:
             if record is not None and record.state is State.KEPT:  # it answers every task it ran before it closes
                 return Status.NOT_RUN, {"message": "closed unanswered by a daemon handing over"}
             raise self._lost(sent.op, sent.targets, connection, deadline) from None
-
-    # -- ready, follow, lost ----------------------------------------------------------------------------
 
     def _check_ready(self, deadline: float) -> None:
         """**ready** (module docstring) until ``deadline``; RECOVERING is a worker being replaced or reopening adopted

@@ -190,8 +190,6 @@ class CacheTasks:
         """Ranks of the instance."""
         return self._daemons.header.num_ranks
 
-    # -- the tasks --------------------------------------------------------------------------------------
-
     def swap_out(
         self,
         rank: int | None,
@@ -272,8 +270,6 @@ class CacheTasks:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- internals --------------------------------------------------------------------------------------
 
     def _swap_out(
         self,

@@ -82,8 +82,6 @@ class _Waiter:
         self.since_wall_ns = time.time_ns()
         self.last_log = self.started
 
-    # -- helpers ---------------------------------------------------------------------------------------
-
     def _describe(self, state: str, since_wall_ns: int) -> None:
         if state != self.state:
             self.state, self.since_wall_ns = state, since_wall_ns
@@ -123,8 +121,6 @@ class _Waiter:
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(max(0.0, min(seconds, self.deadline - time.monotonic())))
-
-    # -- steps -----------------------------------------------------------------------------------------
 
     def _find_block(self) -> bool:
         """Map a published block of a live daemon; False (after a short sleep) while there is none."""

@@ -185,8 +185,6 @@ class FrameServer:
         self.max_connections = max_connections or connection_limit()
         self.reserve_fd: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
 
-    # -- the listener ---------------------------------------------------------------------------------
-
     def listen(self) -> None:
         self.selector.register(self.listener, selectors.EVENT_READ, lambda _events: self.accept())
 
@@ -268,8 +266,6 @@ class FrameServer:
             self._refuse(sock, "capacity", f"{self.who} is out of file descriptors")
         with contextlib.suppress(OSError):
             self.reserve_fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-
-    # -- connections ----------------------------------------------------------------------------------
 
     def _watch(self, client: Client) -> None:
         """Point the selector at what ``client`` waits for now."""
@@ -356,10 +352,9 @@ class FrameServer:
             self.log.warning(f"closing a connection that {why}", seconds=round(now - client.partial_since))
             self.close(client.sock)
 
-    # -- reading, under the input budget --------------------------------------------------------------
-
     def _on_readable(self, client: Client) -> bool:
-        """Read what arrived and run every complete request; False when the connection should close."""
+        """Read what arrived, under the input budget, and run every complete request; False when the connection should
+        close."""
         spent = self.buffered >= self.limits.input_budget
         if client.frame is None and spent and client.inbuf:
             self.starved.add(client)  # others hold the budget: wait for it instead of growing without bound

@@ -263,8 +263,6 @@ class Handover:
         return f"the daemon the restart would execute refuses the configuration: {why}" if why else ""
 
 
-# -- what became of a restart signal ----------------------------------------------------------------------
-
 #: How many decisions on restart signals the file at ``refusal_path`` remembers (the newest last).
 OUTCOMES_KEPT = 16
 

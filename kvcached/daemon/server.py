@@ -61,8 +61,6 @@ class TaskServer:
         self.handing_over = False  # set when handing over: tasks are answered NOT_RUN, the next daemon runs them
         self._mirror_store_counters()  # a rebuilt index shows in status before the first task
 
-    # -- tasks ----------------------------------------------------------------------------------------
-
     def execute(self, client: Client, request: Request) -> bytes:
         op, flags, task_id, payload = request
         try:
@@ -147,8 +145,6 @@ class TaskServer:
         took = time.monotonic_ns() - started
         self.stats.count_task("swap_out" if out else "swap_in", len(src), moved, took)
         return reply(op, Status.OK, task_id, TASK_RESULT.pack(len(src), moved, took))
-
-    # -- attention store ------------------------------------------------------------------------------
 
     def _require_store(self) -> StoreCalls:
         store = self.store

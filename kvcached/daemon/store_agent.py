@@ -119,8 +119,6 @@ class StoreCalls:
         self.retry_s = RETRY_FIRST_S
         self._spawn()
 
-    # -- the agent's life -----------------------------------------------------------------------------
-
     def _spawn(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         parent = os.getpid()
@@ -171,8 +169,6 @@ class StoreCalls:
             self.sock.close()
             self.sock = None
         end([self.pid], 5 if self.opened else 0, child=True)
-
-    # -- calls ----------------------------------------------------------------------------------------
 
     def call(self, method: str, *args: Any) -> Any:
         """``store.<method>(*args)`` in the agent (see ``_dispatch`` for the methods and their arguments),
@@ -272,8 +268,6 @@ class StoreCalls:
         if self.retry_at is not None and time.monotonic() >= self.retry_at:  # after one that could not open
             self._spawn()
 
-    # -- framing --------------------------------------------------------------------------------------
-
     def _send(self, message: Any) -> None:
         assert self.sock is not None
         self.sock.setblocking(True)
@@ -315,9 +309,6 @@ class StoreCalls:
                 self._kill_agent("it exited")
                 raise StoreUnavailable(f"the {self.name} store agent died; a new one is starting")
             self.frames.feed(chunk)
-
-
-# -- the agent -----------------------------------------------------------------------------------------
 
 
 def _agent_main(sock: socket.socket, parent: int, calls: StoreCalls) -> NoReturn:

@@ -105,8 +105,6 @@ class Supervisor:
     def records(self) -> list[Record]:
         return [slot.record for slot in self.slots]
 
-    # -- entry ----------------------------------------------------------------------------------------
-
     def run(self) -> int:
         structlog.contextvars.bind_contextvars(instance=self.instance)
         self.requests.install()
@@ -135,8 +133,6 @@ class Supervisor:
     def _unwatch(self, fileobj: Any) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(fileobj)
-
-    # -- start-up -------------------------------------------------------------------------------------
 
     def _start(self) -> bool:
         """Everything before serving; False when told to stop first (while waiting for the geometry)."""
@@ -193,8 +189,6 @@ class Supervisor:
                 self._set(slot, **adopted_fields(old, reopen_device=self.backend.outlives_worker))
         faults.fault("before-publish")
         self.block.install(replace=self.adoption is not None)
-
-    # -- workers --------------------------------------------------------------------------------------
 
     def _spawn(self, slot: RankSlot, state: State = State.ALLOCATING, reopen: Record | None = None) -> None:
         """Fork ``slot``'s worker, to allocate the rank's memory or reopen what ``reopen`` names (``WorkerPlan.of``)."""
@@ -264,8 +258,6 @@ class Supervisor:
             if why:
                 slot.kill(why, self.log)
 
-    # -- records --------------------------------------------------------------------------------------
-
     def _set(self, slot: RankSlot, **changes: Any) -> None:
         """Update ``slot``'s record (posting its semaphore when the state changed)."""
         assert self.block is not None
@@ -279,9 +271,8 @@ class Supervisor:
         self._set(slot, state=State.FAILED, error=why)
         return Fatal(f"rank {slot.rank} failed: {why}", status)
 
-    # -- main loop: one callback per kind of event ----------------------------------------------------
-
     def _loop(self) -> int:
+        """The main loop: one callback per kind of event."""
         tick = min(TICK_S, self.notify.ping_interval() or TICK_S)
         while True:
             self.notify.ping_if_due()
@@ -371,8 +362,6 @@ class Supervisor:
             return None
         self.requests.pass_on_pending()
         return self.handover.env(self.generation)
-
-    # -- how it ends ----------------------------------------------------------------------------------
 
     def _cleanup(self) -> None:
         """Idempotent. Every record STOPPING, or KEPT when the memory is kept (``shutdown.keeps``); the workers stopped,

@@ -265,8 +265,6 @@ class ControlBlock:
         #: The name readers find the block by (``name`` until ``install`` for a staged block).
         self.public_name = name
 
-    # -- lifecycle ------------------------------------------------------------------------------------
-
     @classmethod
     def create(
         cls,
@@ -387,8 +385,6 @@ class ControlBlock:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(self.name)
 
-    # -- header ---------------------------------------------------------------------------------------
-
     @property
     def published(self) -> bool:
         """True once the writer has written ``magic`` (and so every header field before it)."""
@@ -428,8 +424,6 @@ class ControlBlock:
         self._header = Header(**fields, note=note.decode("utf-8", "replace"))
         self._num_ranks = num_ranks
         return self._header
-
-    # -- records --------------------------------------------------------------------------------------
 
     def _record_offset(self, rank: int) -> int:
         num_ranks = self._num_ranks or self.header().num_ranks

@@ -110,8 +110,6 @@ class CacheSpec:
                 f"({MAX_RANK_BYTES} bytes); lower num_blocks, num_cpu_blocks or the geometry",
             )
 
-    # -- payload sizes ----------------------------------------------------------------------------------
-
     @property
     def itemsize(self) -> int:
         """Bytes of one cache element."""
@@ -176,8 +174,6 @@ class CacheSpec:
     def cpu_bytes(self) -> int:
         """Payload bytes of one rank's CPU swap pool."""
         return self.block_bytes * self.num_cpu_blocks
-
-    # -- identity -------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         """All fields, JSON-ready."""

@@ -61,8 +61,6 @@ class StatsSlot:
     def __init__(self, slot: memoryview) -> None:
         self._slot = slot
 
-    # -- the worker's side ----------------------------------------------------------------------------
-
     def count(self, **amounts: int) -> None:
         """Add to counters by name."""
         slot = self._slot
@@ -93,8 +91,6 @@ class StatsSlot:
         bucket = bisect.bisect_left(_BOUNDS_NS, ns)
         if bucket < len(_BOUNDS_NS):
             slot[_HISTOGRAM[op] + bucket] += 1
-
-    # -- readers --------------------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
         """A copy of the counters by name."""

@@ -77,7 +77,8 @@ class InstanceWatch:
 
 
 class Keeper:
-    """The keeper's state: its client, its segment, the agents connected to it."""
+    """The keeper's state: its client, its segment, the agents connected to it; the republisher's
+    ``mooncake_republish.Segment`` (``takes_puts`` to ``staging``)."""
 
     def __init__(self, config: KeeperConfig, log: logs.Logger) -> None:
         self.config = config
@@ -110,8 +111,6 @@ class Keeper:
         self.confirmed_at = 0.0  # when a check last found the marker
         self.republisher = Republisher(self, config.segment_bytes, config.republish_rate)
         self.put_buffer: tuple[mmap.mmap, int] | None = None  # registered: where objects go back from
-
-    # -- start --------------------------------------------------------------------------------------
 
     def connect(self) -> None:
         """Register with the master and mount the segment; raises RuntimeError saying what failed."""
@@ -150,8 +149,6 @@ class Keeper:
         listener.setblocking(False)
         self.listener = listener
         self.socket_inode = path.stat().st_ino
-
-    # -- the loop -----------------------------------------------------------------------------------
 
     def serve(self) -> None:
         """Accept store agents until told to quit, each served by a thread of its own (Mooncake's calls release the
@@ -297,8 +294,6 @@ class Keeper:
             self.republisher.stored({name: place for name, (place, _) in found.items() if place}, replicas)
         return codes
 
-    # -- what the republisher needs (``mooncake_republish.Segment``) ------------------------------------------
-
     def takes_puts(self) -> bool:
         return self.marked
 
@@ -390,8 +385,6 @@ class Keeper:
                     self.log.warning("could not unregister an agent's buffer", bytes=len(buffer))
             with contextlib.suppress(BufferError):
                 buffer.close()
-
-    # -- housekeeping -------------------------------------------------------------------------------
 
     def _check_instance(self) -> None:
         """Quit when the instance is gone for good, or the keeper's socket was taken away."""

@@ -69,9 +69,6 @@ class KeeperConfig:
         return {name: getattr(self, name) for name in ("master", "metadata", "segment_bytes", "host")}
 
 
-# -- frames -------------------------------------------------------------------------------------------
-
-
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
     framing.send(sock, framing.encode(message), fds)
 
@@ -93,9 +90,6 @@ class Receiver:
 
     def take_fds(self) -> list[int]:
         return self.reader.take_fds()
-
-
-# -- the agent's side ---------------------------------------------------------------------------------
 
 
 class KeeperLink:

@@ -214,8 +214,6 @@ class Republisher:
         self.cond = threading.Condition()
         self.sending = threading.Lock()
 
-    # -- the index --------------------------------------------------------------------------------------
-
     def stored(self, places: dict[str, tuple[int, int]], replicas: int) -> None:
         """Objects this host's agents stored, found in this segment at ``places``: most recently used now."""
         with self.cond:
@@ -256,8 +254,6 @@ class Republisher:
             self.held -= entry[1]
             if self.at.get(entry[0]) == name:
                 del self.at[entry[0]]
-
-    # -- the master forgot ----------------------------------------------------------------------------------
 
     def indexed(self) -> list[str]:
         with self.cond:
@@ -302,8 +298,6 @@ class Republisher:
             )
         if lost:
             self.log.error("no memory to keep these objects until they are back: they are lost", objects=len(lost))
-
-    # -- putting back ---------------------------------------------------------------------------------------
 
     def run(self, stopping: threading.Event) -> None:
         """The thread: put back what is pending, a batch at a time, at ``rate`` at most."""
