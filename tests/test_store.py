@@ -148,8 +148,12 @@ def round_trip(instance: str) -> None:
 
 
 def test_round_trip_file_backend(daemons: DaemonFactory, tmp_path: Path) -> None:
-    """file backend: store then load, all layers, keys, values and scales, N=2."""
+    """file backend: store then load, all layers, keys, values and scales, N=2. A new store's rank directories hold
+    every object subdirectory from the start (its first stores make none)."""
     round_trip(start_file_daemon(daemons, tmp_path / "store").instance)
+    for rank in (0, 1):
+        subdirectories = sorted(p.name for p in (tmp_path / "store" / f"r{rank}").iterdir() if p.is_dir())
+        assert subdirectories == [f"{i:02x}" for i in range(256)]
 
 
 def test_test_only_store_backend_plugs_in_with_its_own_option(daemons: DaemonFactory, tmp_path: Path) -> None:

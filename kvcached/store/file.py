@@ -125,6 +125,9 @@ class FileStore(Store):
         subs = [sub.path for sub in os.scandir(self.dir) if sub.is_dir(follow_symlinks=False)]
         for refusal in filter(None, map(unsafe_directory, map(Path, subs))):  # before anything is removed
             raise InvalidSpec("storage_path", refusal)
+        for prefix in range(256):  # each object's subdirectory (``_path``): a new store's first writes make none
+            with contextlib.suppress(OSError):
+                os.mkdir(f"{self.dir}/{prefix:02x}", 0o700)
         for sub in subs:
             for entry in os.scandir(sub):
                 if entry.name.startswith(".tmp-"):
