@@ -881,6 +881,38 @@ def test_sigusr1_is_logged_not_fatal(daemons: DaemonFactory) -> None:
     assert read_status(daemon.instance)["alive"]
 
 
+@contextlib.contextmanager
+def sigusr1_flood(pid: int) -> Iterator[None]:
+    """Another process sending ``pid`` SIGUSR1 without pause while the block runs."""
+    code = f"import os, signal\ntry:\n    while True: os.kill({pid}, signal.SIGUSR1)\nexcept ProcessLookupError: pass"
+    flood = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield
+    finally:
+        flood.kill()
+        flood.wait()
+
+
+def test_a_flood_of_sigusr1_neither_stalls_the_supervisor_nor_loses_a_stop(daemons: DaemonFactory) -> None:
+    """A hostile pass: while another process sends SIGUSR1 without pause, a killed worker is replaced (the supervisor
+    had taken the pipe until it was empty, which a flood never lets it be, and stayed out of its loop), and a SIGTERM
+    stops the daemon (its number had been dropped by the full pipe: the daemon served on)."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    with sigusr1_flood(daemon.pid):
+        time.sleep(1)
+        worker = pids(daemon.instance)[0]
+        os.kill(worker, signal.SIGKILL)
+        until(
+            lambda: states(daemon.instance) == ["READY"] and pids(daemon.instance)[0] != worker,
+            timeout=8,
+            what="the killed worker replaced during the flood",
+        )
+        time.sleep(1)  # the pipe full again
+        os.kill(daemon.pid, signal.SIGTERM)
+        assert daemon.proc.wait(30) == 0, "the stop sent during the flood was honoured"
+
+
 def test_a_closed_log_pipe_does_not_kill_the_daemon(daemons: DaemonFactory) -> None:
     """Why 7: `kvcached start | tee` with tee gone: the next log line used to kill the daemon; now lines are
     dropped and it serves on (a worker killed and replaced logs warnings meanwhile)."""

@@ -20,6 +20,9 @@ from kvcached.daemon import faults, handover
 from kvcached.daemon.requests import KEEP_SIGNAL, LOG_SIGNAL, RESTART_SIGNAL, STOP_SIGNALS
 from kvcached.daemon.requests import name as signal_name
 
+#: Signal numbers the loop takes from the pipe a turn.
+READ_BYTES = 512
+
 
 class Requests:
     """The wake-up pipe (``fileno`` is its read end) and what the operator asked so far."""
@@ -36,6 +39,8 @@ class Requests:
         self.keep = False  # ending keeps the memory for the next start
         #: The daemon ends to execute itself again (``kvcached restart``): its caller does that.
         self.restart = False
+        #: A stop's (or a stop keeping's) number, noted by its own handler: the pipe drops what comes when it is full.
+        self.noted = 0
 
     def install(self) -> None:
         self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -43,6 +48,8 @@ class Requests:
         handled = (*STOP_SIGNALS, KEEP_SIGNAL, RESTART_SIGNAL, LOG_SIGNAL)
         for signum in (*handled, signal.SIGCHLD):
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the signal number
+        for signum in (*STOP_SIGNALS, KEEP_SIGNAL):
+            signal.signal(signum, self._note)
         # Held pending by the image before, if a restart executed this one (a mask survives ``execv``).
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.REQUEST_SIGNALS)
 
@@ -50,9 +57,14 @@ class Requests:
         return self.read_fd
 
     def read(self, log_ranks: Callable[[str], None]) -> bool:
-        """Take what the pipe holds; True when a signal asks the daemon to end now. ``log_ranks`` logs each rank's state
-        (SIGUSR1), given the signal's name."""
-        data = self._drain()
+        """Take up to ``READ_BYTES`` of what the pipe holds (a flood of signals leaves the loop its other work); True
+        when a signal asks the daemon to end now. ``log_ranks`` logs each rank's state (SIGUSR1, once a read however
+        many came: a flood is drained quickly, so the pipe does not fill and drop a stop), given the signal's name."""
+        try:
+            data = os.read(self.read_fd, READ_BYTES)
+        except BlockingIOError:
+            return False
+        logged = False
         for at, signum in enumerate(data):
             if signum in STOP_SIGNALS or signum == KEEP_SIGNAL:
                 self._end(signum)
@@ -60,9 +72,17 @@ class Requests:
             if signum == RESTART_SIGNAL and self._accept_restart():
                 self._overrule_restart(data[at + 1 :])
                 return True
-            if signum == LOG_SIGNAL:
+            if signum == LOG_SIGNAL and not logged:
                 log_ranks(signal_name(signum))
+                logged = True
+        if self.noted:  # its number was dropped by a full pipe, or is still behind a flood's
+            self._end(self.noted)
+            return True
         return False
+
+    def _note(self, signum: int, _frame: object) -> None:
+        if signum in STOP_SIGNALS or not self.noted:  # a stop outranks a stop keeping
+            self.noted = signum
 
     def _end(self, signum: int) -> None:
         """A stop (``STOP_SIGNALS``: the memory released) or a stop keeping it (``KEEP_SIGNAL``)."""
@@ -79,6 +99,8 @@ class Requests:
         that stop asks instead of executing itself again."""
         rest += self._drain()
         ends = [signum for signum in rest if signum in STOP_SIGNALS or signum == KEEP_SIGNAL]
+        if self.noted:  # one whose number the pipe dropped
+            ends.append(self.noted)
         if not ends:
             return
         signum = next((s for s in ends if s in STOP_SIGNALS), ends[0])  # a stop outranks a stop keeping
@@ -94,13 +116,12 @@ class Requests:
                 signal.pthread_kill(threading.get_ident(), signum)
 
     def _drain(self) -> bytes:
-        """The signal numbers the pipe holds, in order."""
-        data = b""
-        while True:
-            try:
-                data += os.read(self.read_fd, 512)
-            except BlockingIOError:
-                return data
+        """The signal numbers the pipe holds now, in order (one read of more than a pipe holds: a flood cannot prolong
+        it)."""
+        try:
+            return os.read(self.read_fd, 1 << 20)
+        except BlockingIOError:
+            return b""
 
     def _accept_restart(self) -> bool:
         """Whether to end now for ``kvcached restart``; when not, say why where the CLI reads it."""
