@@ -109,11 +109,11 @@ class Requests:
         self._end(signum)
 
     def pass_on_pending(self) -> None:
-        """Just before the restart's ``execv``: a request that reached the pipe after the restart was accepted (through
-        a thread not blocking it) is raised again on this thread, to stay pending across the exec for the next image."""
-        for signum in self._drain():
-            if signum in handover.REQUEST_SIGNALS:
-                signal.pthread_kill(threading.get_ident(), signum)
+        """Just before the restart's ``execv``: a request that reached the pipe (or a stop's handler) after the restart
+        was accepted, through a thread not blocking it, is raised again on this thread, to stay pending across the exec
+        for the next image."""
+        for signum in {*self._drain(), self.noted} & handover.REQUEST_SIGNALS:
+            signal.pthread_kill(threading.get_ident(), signum)
 
     def _drain(self) -> bytes:
         """The signal numbers the pipe holds now, in order (one read of more than a pipe holds: a flood cannot prolong
