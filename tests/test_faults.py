@@ -913,6 +913,24 @@ def test_a_flood_of_sigusr1_neither_stalls_the_supervisor_nor_loses_a_stop(daemo
         assert daemon.proc.wait(30) == 0, "the stop sent during the flood was honoured"
 
 
+def test_a_restart_during_a_flood_of_sigusr1_restarts(daemons: DaemonFactory) -> None:
+    """A hostile pass: a SIGUSR1 reaching a restarting daemon between its exec and the next image's handlers ended it
+    (the signal's default action); it is held pending until then, as the stop and restart signals are. A flood logs
+    the ranks about once a second, not once a turn of the loop."""
+    daemon = daemons.start(ranks=1)
+    daemon.wait_ready()
+    before = read_status(daemon.instance)["generation"]
+    with sigusr1_flood(daemon.pid):
+        started = time.monotonic()
+        done = daemons.cli("restart", "--instance", daemon.instance)
+        time.sleep(1)
+        flooded = time.monotonic() - started
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = read_status(daemon.instance)
+    assert status["alive"] and status["pid"] == daemon.pid and status["generation"] != before
+    assert daemon.log().count('"signal": "SIGUSR1"') <= flooded + 3
+
+
 def test_a_closed_log_pipe_does_not_kill_the_daemon(daemons: DaemonFactory) -> None:
     """Why 7: `kvcached start | tee` with tee gone: the next log line used to kill the daemon; now lines are
     dropped and it serves on (a worker killed and replaced logs warnings meanwhile)."""

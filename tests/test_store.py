@@ -657,6 +657,25 @@ def test_a_store_path_through_a_link_another_user_can_turn_is_refused(
     start_file_daemon(daemons, real)
 
 
+def test_an_object_subdirectory_linked_to_another_users_directory_is_refused(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """A hostile pass: a symbolic link at an object subdirectory's name (``r0/ab``) to a directory another user can
+    write fails the start (exit 4) naming it, as such a subdirectory itself does; it passed unchecked, and stores of
+    keys beginning ``ab`` went there, outside the store, for loads to serve whatever that user put beside them."""
+    path = tmp_path / "store"
+    (path / "r0").mkdir(parents=True)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    (path / "r0" / "ab").symlink_to(theirs)
+    daemon = daemons.start(ranks=1, args=[*FLAGS, "--storage-backend", "file", "--storage-path", str(path)])
+    assert daemon.exit_code() == 4
+    assert f"{path / 'r0' / 'ab'} is owned by uid {OTHER_UID}" in daemon.log(), daemon.log()[-1500:]
+    assert list(theirs.iterdir()) == []
+
+
 @pytest.mark.parametrize("made", ["by another user", "group-writable"])
 def test_a_store_directory_others_can_write_is_refused(daemons: DaemonFactory, tmp_path: Path, made: str) -> None:
     """A store directory made beforehand by another user (in a shared, sticky directory), or the daemon's

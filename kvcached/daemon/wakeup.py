@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,10 @@ from kvcached.daemon.requests import name as signal_name
 
 #: Signal numbers the loop takes from the pipe a turn.
 READ_BYTES = 512
+#: Held pending from an accepted restart until the next image has its handlers (SIGUSR1's default would end it).
+HELD = handover.REQUEST_SIGNALS | {LOG_SIGNAL}
+#: The ranks are logged at most this often, however many SIGUSR1 come.
+LOG_EVERY_S = 1.0
 
 
 class Requests:
@@ -41,6 +46,7 @@ class Requests:
         self.restart = False
         #: A stop's (or a stop keeping's) number, noted by its own handler: the pipe drops what comes when it is full.
         self.noted = 0
+        self.logged_at = -LOG_EVERY_S  # when SIGUSR1 last logged the ranks (monotonic)
 
     def install(self) -> None:
         self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -51,20 +57,19 @@ class Requests:
         for signum in (*STOP_SIGNALS, KEEP_SIGNAL):
             signal.signal(signum, self._note)
         # Held pending by the image before, if a restart executed this one (a mask survives ``execv``).
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.REQUEST_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
 
     def fileno(self) -> int:
         return self.read_fd
 
     def read(self, log_ranks: Callable[[str], None]) -> bool:
         """Take up to ``READ_BYTES`` of what the pipe holds (a flood of signals leaves the loop its other work); True
-        when a signal asks the daemon to end now. ``log_ranks`` logs each rank's state (SIGUSR1, once a read however
-        many came: a flood is drained quickly, so the pipe does not fill and drop a stop), given the signal's name."""
+        when a signal asks the daemon to end now. ``log_ranks`` logs each rank's state (SIGUSR1, at most every
+        ``LOG_EVERY_S``: a flood is drained quickly, and its log stays small), given the signal's name."""
         try:
             data = os.read(self.read_fd, READ_BYTES)
         except BlockingIOError:
             return False
-        logged = False
         for at, signum in enumerate(data):
             if signum in STOP_SIGNALS or signum == KEEP_SIGNAL:
                 self._end(signum)
@@ -72,9 +77,9 @@ class Requests:
             if signum == RESTART_SIGNAL and self._accept_restart():
                 self._overrule_restart(data[at + 1 :])
                 return True
-            if signum == LOG_SIGNAL and not logged:
+            if signum == LOG_SIGNAL and time.monotonic() >= self.logged_at + LOG_EVERY_S:
                 log_ranks(signal_name(signum))
-                logged = True
+                self.logged_at = time.monotonic()
         if self.noted:  # its number was dropped by a full pipe, or is still behind a flood's
             self._end(self.noted)
             return True
@@ -130,8 +135,8 @@ class Requests:
             self.log.error("restart refused; serving on", reason=why)
             handover.record_outcome(self.refusals, self.generation(), why)
             return False
-        # A stop or restart sent from now on stays pending, across the exec, for the next image.
-        signal.pthread_sigmask(signal.SIG_BLOCK, handover.REQUEST_SIGNALS)
+        # A stop, restart or SIGUSR1 sent from now on stays pending, across the exec, for the next image.
+        signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
         handover.record_outcome(self.refusals, self.generation())  # one sent from now on is the next image's
         self.keep = self.restart = True
         faults.fault("restart-accepted")

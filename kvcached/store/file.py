@@ -122,7 +122,7 @@ class FileStore(Store):
         """Index every object by mtime; remove writes a crash left half-done."""
         found = []
         uid = os.geteuid()
-        subs = [sub.path for sub in os.scandir(self.dir) if sub.is_dir(follow_symlinks=False)]
+        subs = [sub.path for sub in os.scandir(self.dir) if sub.is_dir()]  # a link to one too: writes would follow it
         for refusal in filter(None, map(unsafe_directory, map(Path, subs))):  # before anything is removed
             raise InvalidSpec("storage_path", refusal)
         for prefix in range(256):  # each object's subdirectory (``_path``): a new store's first writes make none
