@@ -231,8 +231,6 @@ def test_status_metrics_and_logs_show_the_put_back(daemons: DaemonFactory, moonc
     mooncake.stop()
     mooncake.start()
     midway(a, 32)
-    # Each rank's later half is back (a rank's batch is counted as it goes: one slower under load was read mid-batch).
-    until(lambda: all(f["done"] + f["failed"] == 16 for f in republish(a)), 30, "each rank's later half put back")
     during = republish(a)
     assert [(f["done"] + f["failed"], f["to_go"], f["to_go_bytes"]) for f in during] == [(16, 16, 16 * 640)] * 2
     assert all(f["rate_bytes_s"] > 0 for f in during), during
